@@ -1,0 +1,24 @@
+# Two commands from a fresh clone: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	bash scripts/setup.sh $(VENV)
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/mirror-mlx generate --prompt "Once upon a time" --max-tokens 128
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	bash scripts/bench.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info
