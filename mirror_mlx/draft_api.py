@@ -1,0 +1,29 @@
+"""What the engine asks of a draft, whatever runs it (MLX thread, SS model, Core ML process)."""
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass
+class Rollout:
+    """Greedy draft continuations, one per stem, and what they cost."""
+
+    windows: list[list[int]]  # windows[i]: `gamma` tokens that follow context + stems[i]
+    forwards: int  # draft forward passes spent on the windows (J); cache syncing not counted
+    tokens: int  # draft tokens emitted per branch summed over forwards / forwards gives eta-bar
+
+
+class Draft(Protocol):
+    """A draft keeps a KV cache of committed tokens only; branch rows are scratch.
+
+    `rollout(context, stems, gamma)`: `context` is every committed token so far (the draft syncs its
+    cache to it: extends with new tokens, trims what no longer matches); each stem is a non-empty
+    list of tokens after the context (e.g. accepted draft tokens plus one early-exit candidate).
+    All stems are rolled out together, batched, never one at a time.
+    """
+
+    vocab_size: int
+
+    def reset(self) -> None: ...
+
+    def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout: ...
