@@ -1,0 +1,41 @@
+"""Tiny random mlx-lm models of several families, and the demo pair, for tests."""
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes, load
+
+DEMO = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo"
+TARGET_PATH = DEMO / "stories260K"
+DRAFT_PATH = DEMO / "llama2xs"
+
+BASE = dict(
+    hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97, head_dim=16,
+)
+CONFIGS = {
+    "llama_tied": dict(BASE, model_type="llama", tie_word_embeddings=True),
+    "llama_untied": dict(BASE, model_type="llama", tie_word_embeddings=False),
+    "mistral": dict(BASE, model_type="mistral", tie_word_embeddings=False),
+    "qwen2": dict(BASE, model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(BASE, model_type="qwen3", tie_word_embeddings=False, max_position_embeddings=512,
+                  rope_theta=10000.0),
+    "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=6, sliding_window=4,
+                        sliding_window_pattern=3, query_pre_attn_scalar=16),
+}
+
+
+def tiny_model(name: str, seed: int = 0):
+    """A randomly initialised float32 model of family `name` (see CONFIGS)."""
+    config = dict(CONFIGS[name])
+    if config["model_type"] == "mistral":
+        config["model_type"] = "llama"
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def demo_target():
+    return load(str(TARGET_PATH))
