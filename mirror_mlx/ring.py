@@ -1,0 +1,113 @@
+"""TokenRing: fixed preallocated message slots in shared memory, one writer and one reader.
+
+Each slot is [seq, kind, step, n_ints, n_floats | ints | floats]. The writer marks a slot busy
+(seq = -1), writes the payload, then publishes its sequence number; the reader copies a slot
+only when its seq equals the one it expects and re-checks it after the copy, so a slot that is
+stale (not yet written) is never consumed and one that was overwritten is detected. Messages are
+a few hundred bytes: early-exit top-κ sets, verdicts, windows. In process the ring carries data
+between threads; on a Mac the same layout is shared with the Core ML draft process.
+"""
+
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Optional
+
+import numpy as np
+
+HEADER_INTS = 5
+BUSY = -1
+
+EARLY_EXIT, VERDICT, WINDOW = 1, 2, 3
+
+
+class RingOverwritten(RuntimeError):
+    """The expected message was overwritten before it was read (the reader fell too far behind)."""
+
+
+class RingFull(RuntimeError):
+    """Writing would overwrite a message the reader has not consumed yet."""
+
+
+@dataclass
+class Message:
+    seq: int
+    kind: int
+    step: int
+    ints: np.ndarray
+    floats: np.ndarray
+
+
+class TokenRing:
+    """One direction of the token channel: `put` on the writer side, `get` on the reader side."""
+
+    def __init__(self, capacity: int = 8, max_ints: int = 1024, max_floats: int = 512,
+                 name: Optional[str] = None, create: bool = True):
+        self.capacity, self.max_ints, self.max_floats = capacity, max_ints, max_floats
+        self.slot_words = HEADER_INTS + max_ints + max_floats
+        nbytes = 8 * (2 + capacity * self.slot_words)  # [next_seq, read_seq] + slots
+        self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
+        self._words = np.ndarray((2 + capacity * self.slot_words,), dtype=np.int64, buffer=self.shm.buf)
+        if create:
+            self._words[:] = 0
+            self._words[2:].reshape(capacity, self.slot_words)[:, 0] = BUSY
+        self._slots = self._words[2:].reshape(capacity, self.slot_words)
+        # floats live in the same int64 words, reinterpreted: one float64 per word
+        self._fslots = self._slots.view(np.float64)
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @property
+    def written(self) -> int:
+        return int(self._words[0])
+
+    @property
+    def consumed(self) -> int:
+        return int(self._words[1])
+
+    def put(self, kind: int, step: int, ints=(), floats=()) -> int:
+        """Write one message; returns its sequence number (1, 2, ...)."""
+        ints = np.asarray(ints, dtype=np.int64).ravel()
+        floats = np.asarray(floats, dtype=np.float64).ravel()
+        if ints.size > self.max_ints or floats.size > self.max_floats:
+            raise ValueError(f"message of {ints.size} ints / {floats.size} floats exceeds the ring's slot size")
+        seq = self.written + 1
+        if seq - self.consumed > self.capacity:
+            raise RingFull(f"ring of {self.capacity} slots is full: message {self.consumed + 1} not read yet")
+        slot = self._slots[seq % self.capacity]
+        slot[0] = BUSY
+        slot[1:HEADER_INTS] = (kind, step, ints.size, floats.size)
+        slot[HEADER_INTS : HEADER_INTS + ints.size] = ints
+        f0 = HEADER_INTS + self.max_ints
+        self._fslots[seq % self.capacity, f0 : f0 + floats.size] = floats
+        slot[0] = seq  # publish last
+        self._words[0] = seq
+        return seq
+
+    def get(self, seq: int) -> Optional[Message]:
+        """Read message `seq`, or None if it is not written yet (a stale slot is never consumed)."""
+        row = seq % self.capacity
+        slot = self._slots[row]
+        found = int(slot[0])
+        if found > seq:
+            raise RingOverwritten(f"message {seq} was overwritten by message {found}")
+        if found != seq:
+            return None
+        kind, step, n_i, n_f = (int(x) for x in slot[1:HEADER_INTS])
+        f0 = HEADER_INTS + self.max_ints
+        ints = slot[HEADER_INTS : HEADER_INTS + n_i].copy()
+        floats = self._fslots[row, f0 : f0 + n_f].copy()
+        if int(slot[0]) != seq:  # overwritten while copying
+            raise RingOverwritten(f"message {seq} was overwritten while being read")
+        self._words[1] = max(self.consumed, seq)
+        return Message(seq, kind, step, ints, floats)
+
+    def close(self, unlink: bool = True) -> None:
+        self._slots = self._fslots = self._words = None
+        self.shm.close()
+        if unlink:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
