@@ -31,5 +31,27 @@ def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
     click.echo(f"wrote {out}")
 
 
+@main.command("widen")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The mlx-lm model folder to widen (llama, mistral, qwen2, qwen3).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output MLX model folder.")
+@click.option("--hidden", required=True, type=int, help="New hidden size.")
+@click.option("--heads", required=True, type=int, help="New number of attention heads (head_dim is kept).")
+@click.option("--intermediate", required=True, type=int, help="New MLP width.")
+@click.option("--layers", required=True, type=int, help="New number of layers (identity layers are added).")
+@click.option("--kv-heads", type=int, default=None, help="New number of kv heads [default: keep the ratio].")
+def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
+              kv_heads: int | None) -> None:
+    """Write a wider, deeper copy of a model that computes the same logits (for cost-realistic benchmarks)."""
+    from convert.widen import WidenError, widen
+
+    try:
+        widen(model_dir, out, hidden, heads, intermediate, layers, kv_heads)
+    except WidenError as e:
+        raise click.UsageError(str(e))
+    click.echo(f"wrote {out}")
+
+
 if __name__ == "__main__":
     sys.exit(main())

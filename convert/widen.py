@@ -1,0 +1,252 @@
+"""Widen a llama-family mlx-lm model without changing its function, so it costs what a bigger model costs.
+
+Our real models are tiny (width 64), so their per-token time is dispatch overhead, not the
+memory-bound regime that speculative decoding is about (DESIGN.md §7). A widened copy computes the
+very same logits while every forward does the work of the widened shape:
+
+- widths are zero-padded: the residual stream lives in the first d of D dims, the rest stay 0;
+- RMSNorm weights × √(d/D) and ε × d/D: the mean square over D padded dims is (d/D) × the one
+  over d, so the normalised values on the padded vector equal the original ones exactly;
+- attention keeps head_dim (so RoPE is unchanged); original query heads keep their own kv head
+  (kv heads are duplicated when the new GQA group is smaller), every new head is zero;
+- qwen3's per-head q/k norms share the config ε, so q/k projections are scaled by √(d/D) too
+  (x·s / √(s²·ms + s²·ε) is the original);
+- new layers copy the previous original block with zero o_proj and down_proj: identities,
+  spread evenly (original block i sits at layer ⌊i·L/n⌋).
+
+Headline shapes (vocab stays 512, so the parameters are in the layers; counts from `param_count`):
+
+    target  stories260K → hidden 768, heads 96, kv 48, intermediate 2064, layers 15: 98.3M params
+            (12× the width and MLP, 3× the depth; 260K originally)
+    draft   llama2xs    → hidden 256, heads 32, kv 16, intermediate 768, layers 10: 8.0M params
+            (4× the width and MLP, 2× the depth)
+
+a ≈12× target/draft cost ratio, in the range real draft pairs have.
+"""
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
+
+
+class WidenError(ValueError):
+    """A shape or model that cannot be widened (the message is one sentence saying why)."""
+
+
+@dataclass
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    layers: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: dict) -> "Shape":
+        heads = config["num_attention_heads"]
+        hd = config.get("head_dim") or config["hidden_size"] // heads
+        return cls(config["hidden_size"], heads, config.get("num_key_value_heads") or heads,
+                   config["intermediate_size"], config["num_hidden_layers"], hd)
+
+
+def param_count(config: dict) -> int:
+    """Parameters of a llama/mistral/qwen2/qwen3 model with this config (no quantization)."""
+    s = Shape.of(config)
+    D, F, hd, q, kv = s.hidden, s.intermediate, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    mt = config["model_type"]
+    layer = 2 * D + 2 * D * q + 2 * D * kv + 3 * D * F
+    if mt == "qwen2" or (mt in ("llama", "mistral") and config.get("attention_bias")):
+        layer += q + 2 * kv
+    if mt in ("llama", "mistral") and config.get("attention_bias"):
+        layer += D
+    if mt in ("llama", "mistral") and config.get("mlp_bias"):
+        layer += 2 * F + D
+    if mt == "qwen3":
+        layer += 2 * hd
+    V = config["vocab_size"]
+    head = 0 if config.get("tie_word_embeddings", True) else V * D
+    return V * D + D + head + s.layers * layer
+
+
+def head_layout(h: int, k: int, H: int, K: int) -> tuple[list[int], list[Optional[int]]]:
+    """New position of each original query head, and the original kv head each new kv head copies.
+
+    mlx attention gives query head p the kv head p // (H/K); original group j (g = h/k query heads)
+    takes ⌈g/G⌉ consecutive new kv heads, all copies of kv head j, and fills their first slots.
+    """
+    g, G = h // k, H // K
+    per = -(-g // G)
+    q_pos = [((i // g) * per + (i % g) // G) * G + (i % g) % G for i in range(h)]
+    kv_src: list[Optional[int]] = [None] * K
+    for j in range(k):
+        for t in range(per):
+            kv_src[j * per + t] = j
+    return q_pos, kv_src
+
+
+def check_shape(config: dict, new: Shape) -> None:
+    """Raise WidenError unless `new` can hold the model of `config` exactly."""
+    mt = config.get("model_type")
+    if mt not in SUPPORTED:
+        raise WidenError(f"model type {mt!r} is not supported: widen handles {', '.join(SUPPORTED)}")
+    if "quantization" in config or "quantization_config" in config:
+        raise WidenError("the model is quantized: widen a float model (mlx_lm.convert --dequantize) instead")
+    if any(t != "full_attention" for t in config.get("layer_types") or ()) or config.get("use_sliding_window"):
+        raise WidenError("sliding-window layers are not supported: widen a model with full attention only")
+    old = Shape.of(config)
+    for name in ("hidden", "heads", "kv_heads", "intermediate", "layers"):
+        if getattr(new, name) < getattr(old, name):
+            raise WidenError(f"{name} {getattr(new, name)} is smaller than the model's {getattr(old, name)}: "
+                             "widen only grows a model")
+    if new.heads % new.kv_heads:
+        raise WidenError(f"heads {new.heads} is not a multiple of kv heads {new.kv_heads}")
+    g, G = old.heads // old.kv_heads, new.heads // new.kv_heads
+    if old.kv_heads * -(-g // G) > new.kv_heads:
+        raise WidenError(f"{new.kv_heads} kv heads cannot serve {new.heads} heads with the model's grouping "
+                         f"({old.heads} heads on {old.kv_heads} kv heads): use more kv heads")
+    if mt == "qwen2" and new.heads * old.head_dim != new.hidden:
+        raise WidenError(f"qwen2 needs heads × head_dim = hidden: use {new.hidden // old.head_dim} heads "
+                         f"for hidden {new.hidden} (head_dim {old.head_dim})")
+
+
+def _blocks(w: mx.array, src: list[Optional[int]], size: int) -> mx.array:
+    """Rebuild axis 0 from blocks of `size` rows: block i of the result is source block src[i] or zeros."""
+    zero = mx.zeros((size,) + w.shape[1:], dtype=w.dtype)
+    return mx.concatenate([zero if j is None else w[j * size : (j + 1) * size] for j in src])
+
+
+def _pad(w: mx.array, shape: tuple[int, ...]) -> mx.array:
+    return mx.pad(w, [(0, n - m) for m, n in zip(w.shape, shape)])
+
+
+def _pad_in(w: mx.array, D: int) -> mx.array:
+    """Zero-pad a projection's input dim to D (a bias has none)."""
+    return _pad(w, (w.shape[0], D)) if w.ndim == 2 else w
+
+
+def widen_layer(w: dict[str, mx.array], old: Shape, new: Shape, s: float, qk: float) -> dict[str, mx.array]:
+    """One block's weights (keys relative to the block) in the new shape."""
+    D, F, hd = new.hidden, new.intermediate, old.head_dim
+    q_pos, kv_src = head_layout(old.heads, old.kv_heads, new.heads, new.kv_heads)
+    q_src: list[Optional[int]] = [None] * new.heads
+    for i, p in enumerate(q_pos):
+        q_src[p] = i
+    out = {}
+    for key, x in w.items():
+        if key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            y = _pad(x * s, (D,))
+        elif key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            y = x
+        elif key.startswith("self_attn.q_proj."):
+            y = _blocks(_pad_in(x, D), q_src, hd) * qk
+        elif key.startswith("self_attn.k_proj."):
+            y = _blocks(_pad_in(x, D), kv_src, hd) * qk
+        elif key.startswith("self_attn.v_proj."):
+            y = _blocks(_pad_in(x, D), kv_src, hd)
+        elif key == "self_attn.o_proj.weight":
+            y = _pad(_blocks(x.T, q_src, hd).T, (D, new.heads * hd))
+        elif key in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
+            y = _pad(x, (D,))
+        elif key in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            y = _pad(x, (F, D))
+        elif key in ("mlp.gate_proj.bias", "mlp.up_proj.bias"):
+            y = _pad(x, (F,))
+        elif key == "mlp.down_proj.weight":
+            y = _pad(x, (D, F))
+        else:
+            raise WidenError(f"unexpected weight {key!r} in a transformer block: this model is not plain llama-family")
+        out[key] = y
+    return out
+
+
+def identity_layer(w: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A copy of a (widened) block whose output projections are zero, so it adds nothing to the residual."""
+    out_proj = ("self_attn.o_proj.", "mlp.down_proj.")
+    return {k: mx.zeros_like(x) if k.startswith(out_proj) else x for k, x in w.items()}
+
+
+def widen_weights(weights: dict[str, mx.array], config: dict, new: Shape) -> dict[str, mx.array]:
+    """All weights (mlx-lm names, after sanitize) of `config`'s model in the shape `new`."""
+    check_shape(config, new)
+    old = Shape.of(config)
+    s = math.sqrt(old.hidden / new.hidden)
+    qk = s if config["model_type"] == "qwen3" else 1.0
+    V, D = config["vocab_size"], new.hidden
+    layers: list[dict[str, mx.array]] = [{} for _ in range(old.layers)]
+    out = {}
+    for key, x in weights.items():
+        if key.startswith("model.layers."):
+            i, rest = key[len("model.layers."):].split(".", 1)
+            layers[int(i)][rest] = x
+        elif key in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[key] = _pad(x, (V, D))
+        elif key == "model.norm.weight":
+            out[key] = _pad(x * s, (D,))
+        else:
+            raise WidenError(f"unexpected weight {key!r}: this model is not plain llama-family")
+    slots = {i * new.layers // old.layers: i for i in range(old.layers)}
+    prev: dict[str, mx.array] = {}
+    for slot in range(new.layers):
+        if slot in slots:
+            prev = widen_layer(layers[slots[slot]], old, new, s, qk)
+            block = prev
+        else:
+            block = identity_layer(prev)
+        out.update({f"model.layers.{slot}.{k}": x for k, x in block.items()})
+    return out
+
+
+def widened_config(config: dict, new: Shape) -> dict:
+    old = Shape.of(config)
+    c = dict(config)
+    c.update(hidden_size=new.hidden, num_attention_heads=new.heads, num_key_value_heads=new.kv_heads,
+             intermediate_size=new.intermediate, num_hidden_layers=new.layers, head_dim=old.head_dim,
+             rms_norm_eps=config["rms_norm_eps"] * old.hidden / new.hidden)
+    if "layer_types" in c and c["layer_types"] is not None:
+        c["layer_types"] = ["full_attention"] * new.layers
+    if "max_window_layers" in c:
+        c["max_window_layers"] = new.layers
+    return c
+
+
+def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
+          kv_heads: Optional[int] = None) -> Path:
+    """Write a function-preserving widened copy of the mlx-lm model folder `model_dir` to `out`.
+
+    kv_heads defaults to keeping the model's heads/kv-heads ratio.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model_dir, out = Path(model_dir), Path(out)
+    if not (model_dir / "config.json").is_file():
+        raise WidenError(f"{model_dir} is not an mlx-lm model folder (it has no config.json)")
+    if out.resolve() == model_dir.resolve():
+        raise WidenError("--out must differ from --model: widen writes a new folder")
+    config = json.loads((model_dir / "config.json").read_text())
+    old = Shape.of(config)
+    if kv_heads is None:
+        if (heads * old.kv_heads) % old.heads:
+            raise WidenError(f"heads {heads} does not keep the model's ratio of {old.heads} heads to "
+                             f"{old.kv_heads} kv heads: give --kv-heads")
+        kv_heads = heads * old.kv_heads // old.heads
+    new = Shape(hidden, heads, kv_heads, intermediate, layers, old.head_dim)
+    check_shape(config, new)  # before reading any weights
+    model, _ = load_model(model_dir, lazy=True)
+    weights = widen_weights(dict(tree_flatten(model.parameters())), config, new)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
+            shutil.copyfile(f, out / f.name)  # tokenizer files, generation config, licence, ...
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(widened_config(config, new), indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,179 @@
+"""Widening keeps the function: same logits, same greedy text, the new shape's parameter count."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from mlx.utils import tree_flatten
+from mlx_lm import generate, load
+from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import _get_classes
+
+from cli import main
+from convert.widen import Shape, WidenError, check_shape, head_layout, param_count, widen_weights, widened_config
+from models import CONFIGS, TARGET_PATH, tiny_model
+
+PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
+SHAPE = ["--hidden", "256", "--heads", "32", "--kv-heads", "16", "--intermediate", "688", "--layers", "8"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wide") / "stories-wide"
+    r = CliRunner().invoke(main, ["widen", "--model", str(TARGET_PATH), "--out", str(out), *SHAPE])
+    assert r.exit_code == 0, r.output
+    model, tok = load(str(TARGET_PATH))
+    wide, wide_tok = load(str(out))
+    return model, tok, wide, wide_tok, out
+
+
+def n_params(model) -> int:
+    return sum(x.size for _, x in tree_flatten(model.parameters()))
+
+
+def test_config_and_files(pair):
+    _, _, wide, _, out = pair
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (256, 32, 16)
+    assert (cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["head_dim"]) == (688, 8, 8)
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5 * 64 / 256)
+    assert {"tokenizer.json", "tokenizer.model", "tokenizer_config.json"} <= {f.name for f in out.iterdir()}
+    assert len(wide.layers) == 8
+
+
+def test_decode_logits_equal_float32(pair):
+    """Token by token through KV caches (the decode regime) the float32 logits agree to 1e-5."""
+    model, tok, wide, _, _ = pair
+    ids = tok.encode(PROMPT)
+    ca, cb = [KVCache() for _ in model.layers], [KVCache() for _ in wide.layers]
+    worst, y = 0.0, ids[0]
+    for t in range(len(ids) + 24):  # the prompt, then the model's own greedy continuation
+        a, b = model(mx.array([[y]]), cache=ca), wide(mx.array([[y]]), cache=cb)
+        assert a.dtype == b.dtype == mx.float32
+        worst = max(worst, mx.abs(a - b).max().item())
+        y = ids[t + 1] if t + 1 < len(ids) else mx.argmax(a[0, -1]).item()
+    assert worst <= 1e-5
+
+
+def test_prefill_logits_equal(pair):
+    """The whole prompt in one forward: exact in float64; float32 differs only by BLAS summation order.
+
+    OpenBLAS picks a different small-matrix kernel when a projection's output width changes (for
+    8..16 rows), which reorders sums by an ulp; measured 1.8e-5 on logits of magnitude ~20.
+    """
+    model, tok, wide, _, _ = pair
+    ids = mx.array([tok.encode(PROMPT)])
+    a, b = model(ids), wide(ids)
+    assert mx.abs(a).max().item() > 5  # real logits, not a degenerate model
+    assert mx.abs(a - b).max().item() <= 1e-4
+    with mx.stream(mx.cpu):
+        model.set_dtype(mx.float64)
+        wide.set_dtype(mx.float64)
+        try:
+            assert mx.abs(model(ids) - wide(ids)).max().item() <= 1e-10
+        finally:
+            model.set_dtype(mx.float32)
+            wide.set_dtype(mx.float32)
+
+
+def test_greedy_text_identical(pair):
+    model, tok, wide, wide_tok, _ = pair
+    a = generate(model, tok, PROMPT, max_tokens=40)
+    b = generate(wide, wide_tok, PROMPT, max_tokens=40)
+    assert len(a.split()) >= 10
+    assert a == b
+
+
+def test_inexact_ratio_decode_float32(tmp_path):
+    """Width × 3 (√(1/3) rounds in float32): decode logits still agree closely, greedy text is the same."""
+    out = tmp_path / "w3"
+    r = CliRunner().invoke(main, ["widen", "--model", str(TARGET_PATH), "--out", str(out), "--hidden", "192",
+                                  "--heads", "24", "--intermediate", "516", "--layers", "7"])
+    assert r.exit_code == 0, r.output
+    (model, tok), (wide, _) = load(str(TARGET_PATH)), load(str(out))
+    ids = tok.encode(PROMPT)
+    ca, cb = [KVCache() for _ in model.layers], [KVCache() for _ in wide.layers]
+    worst = 0.0
+    for y in ids:
+        a, b = model(mx.array([[y]]), cache=ca), wide(mx.array([[y]]), cache=cb)
+        worst = max(worst, mx.abs(a - b).max().item())
+    assert worst <= 2e-5
+    assert generate(model, tok, PROMPT, max_tokens=40) == generate(wide, tok, PROMPT, max_tokens=40)
+
+
+def test_parameter_count_is_the_new_shape(pair):
+    model, _, wide, _, out = pair
+    old_cfg = json.loads((TARGET_PATH / "config.json").read_text())
+    new_cfg = json.loads((out / "config.json").read_text())
+    assert n_params(model) == param_count(old_cfg)
+    assert n_params(wide) == param_count(new_cfg) == 5_935_360
+
+
+@pytest.mark.parametrize("name,hidden,heads,kv", [
+    ("llama_untied", 256, 8, 4),   # heads × head_dim ≠ hidden is fine for llama
+    ("llama_tied", 256, 8, 8),     # smaller GQA group: kv heads are duplicated
+    ("mistral", 256, 12, 3),       # larger GQA group
+    ("qwen2", 256, 16, 8),         # q/k/v biases
+    ("qwen3", 256, 8, 8),          # per-head q/k norms
+])
+def test_families_exact(name, hidden, heads, kv):
+    """In float64 the logits are the same to rounding.
+
+    d/D = 1/4 keeps √(d/D) exact: mx.fast.rms_norm computes in float32 even for float64 inputs,
+    so an inexact scale would show up as 1e-7 noise (that case is covered in float32 below).
+    """
+    cfg = dict(CONFIGS[name])
+    new = Shape(hidden, heads, kv, 160, 7, Shape.of(cfg).head_dim)
+    wcfg = widened_config(cfg, new)
+    if wcfg["model_type"] == "mistral":
+        wcfg["model_type"] = "llama"
+    model_cls, args_cls = _get_classes(wcfg)
+    ids = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]])
+    with mx.stream(mx.cpu):
+        model = tiny_model(name)
+        model.set_dtype(mx.float64)
+        wide = model_cls(args_cls.from_dict(wcfg))
+        wide.load_weights(list(widen_weights(dict(tree_flatten(model.parameters())), cfg, new).items()))
+        assert n_params(model) == param_count(cfg)
+        assert n_params(wide) == param_count(widened_config(cfg, new))
+        a, b = model(ids), wide(ids)
+        assert a.dtype == b.dtype == mx.float64 and mx.abs(a).max().item() > 1e-3
+        assert mx.abs(a - b).max().item() <= 1e-10
+
+
+def test_head_layout_keeps_groups():
+    for h, k, H, K in [(8, 4, 32, 16), (8, 4, 16, 16), (8, 2, 24, 4), (4, 4, 8, 8)]:
+        q_pos, kv_src = head_layout(h, k, H, K)
+        assert len(set(q_pos)) == h and max(q_pos) < H
+        for i, p in enumerate(q_pos):
+            assert kv_src[p // (H // K)] == i // (h // k)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--hidden", "32", "--heads", "8", "--intermediate", "172", "--layers", "5"], "smaller"),
+    (["--hidden", "64", "--heads", "8", "--intermediate", "172", "--layers", "4"], "smaller"),
+    (["--hidden", "128", "--heads", "12", "--kv-heads", "5", "--intermediate", "200", "--layers", "5"],
+     "not a multiple"),
+    (["--hidden", "128", "--heads", "9", "--intermediate", "200", "--layers", "5"], "--kv-heads"),
+])
+def test_bad_shapes_are_usage_errors(tmp_path, args, words):
+    r = CliRunner().invoke(main, ["widen", "--model", str(TARGET_PATH), "--out", str(tmp_path / "o"), *args])
+    assert r.exit_code == 2 and words in r.output, r.output
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_grouping_that_cannot_be_kept():
+    cfg = dict(CONFIGS["llama_tied"], num_attention_heads=12, num_key_value_heads=4, head_dim=8, hidden_size=96)
+    check_shape(cfg, Shape(96, 16, 8, 96, 4, 8))  # groups of 3 → 2 kv heads each: fits
+    with pytest.raises(WidenError, match="cannot serve"):
+        check_shape(cfg, Shape(112, 14, 7, 96, 4, 8))  # groups of 3 → 2 kv heads each: 8 > 7
+
+
+def test_unsupported_model_type(tmp_path):
+    src = tmp_path / "g"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(dict(CONFIGS["gemma3_text"])))
+    r = CliRunner().invoke(main, ["widen", "--model", str(src), "--out", str(tmp_path / "o"), "--hidden", "128",
+                                  "--heads", "8", "--intermediate", "200", "--layers", "8"])
+    assert r.exit_code == 2 and "not supported" in r.output, r.output
