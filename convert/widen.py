@@ -21,7 +21,9 @@ Headline shapes (vocab stays 512, so the parameters are in the layers; counts fr
     draft   llama2xs    → hidden 256, heads 32, kv 16, intermediate 768, layers 10: 8.0M params
             (4× the width and MLP, 2× the depth)
 
-a ≈12× target/draft cost ratio, in the range real draft pairs have.
+a ≈12× target/draft cost ratio, in the range real draft pairs have. Measured with `run_ar` (64
+tokens, best of 3, a contended 2-core x86 VM): target 132 ms/token (stories260K: 4 ms), draft 10 ms
+(llama2xs: 4 ms) with OpenBLAS on one thread; 323 and 41 ms with MLX's reference BLAS.
 """
 
 import json
