@@ -1,0 +1,518 @@
+"""An MLX draft as a Core ML package for the Neural Engine, built with the MIL builder (no torch).
+
+One `.mlpackage`, two functions sharing weights and one state, all shapes static (ANE needs them):
+
+    L layers, n_kv KV heads of size d, vocab V, context S, chunk E, rows B = kappa*(gamma+1),
+    scratch W = B*(gamma+1), slots K = S + W
+
+    state   kv_cache   (2L, n_kv, d, K) fp16   K then V of every layer, channel-major (slots last)
+                       so a block of new rows is one slice_update; slots [0, S) hold committed
+                       tokens, slots [S, K) are rollout scratch.
+    extend  (T = E)    input_ids (1, E) int32, positions (E,) int32, write_pos (1,) int32,
+                       mask (1, S + E, E) fp16  ->  logits (1, E, V) fp16
+                       appends a chunk of committed tokens: attends to slots [0, S) and to its
+                       own rows, then writes its rows' K/V at [write_pos, write_pos + E).
+    rollout (T = B)    input_ids (1, B), positions (B,), write_pos (1,),
+                       mask (1, K + B, B)  ->  logits (1, B, V)
+                       one batched forward over branch rows: attends to all K slots and its own
+                       rows, writes its rows to scratch [write_pos, write_pos + B) (write_pos >= S).
+
+The mask is additive (0 attend, -1e4 blocked) and key-major: mask[0, key, query]; keys are the
+state's slots followed by the call's own rows. The host builds masks and positions, so the same
+two functions serve prefill, tree (branch) attention, Speculative-Streaming stream rows and
+rollback (stale slots are simply masked out; nothing is ever erased). With V > 16384 the LM head
+is split (ANE's per-axis limit) and the outputs are logits_0..logits_{n-1}, concatenated by the
+host.
+
+ANE layout (ml-ane-transformers, Anemll): activations are (1, C, 1, T); every linear is a 1x1
+conv; RMSNorm is layer_norm over [x, -x] (mean 0, so LayerNorm gives RMS statistics without
+squaring in fp16); SiLU is written x*sigmoid(x); the attention scale is folded into q weights.
+"""
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import math
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+FORMAT = "1"
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+NEG = -1.0e4  # additive mask value: exp(-1e4) == 0 in fp16 and fp32, never -inf (no NaN rows)
+HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
+QUANTIZE = ("none", "int8", "lut4", "lut6")
+META = "mirror_mlx."
+
+
+class ConvertError(ValueError):
+    """A draft or package that cannot be converted or used (the message says why and what to do)."""
+
+
+@dataclass
+class Shapes:
+    """The static shapes of a package (recorded in its metadata)."""
+
+    context: int  # S: committed slots
+    chunk: int  # E: rows per extend call
+    rows: int  # B: rows per rollout call
+    scratch: int  # W: scratch slots for rollout rows
+    kappa: int
+    gamma: int
+
+    @property
+    def slots(self) -> int:
+        return self.context + self.scratch
+
+    @classmethod
+    def make(cls, context: int, kappa: int, gamma: int, chunk: int = 16) -> "Shapes":
+        if kappa < 1 or gamma < 1:
+            raise ConvertError(f"kappa and gamma must be >= 1 (got kappa={kappa}, gamma={gamma})")
+        if chunk < 1 or context < chunk:
+            raise ConvertError(
+                f"--context {context} must be at least the extend chunk ({chunk}); use --context >= {chunk}"
+            )
+        rows = kappa * (gamma + 1)
+        return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma)
+
+
+@dataclass
+class DraftSpec:
+    """What the builder needs from an mlx-lm draft: its shape and its weights as float32 numpy."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    weights: dict[str, np.ndarray]  # names below; see read_draft
+    cos: np.ndarray  # (P, head_dim/2) RoPE table from the model's own rope module
+    sin: np.ndarray
+    config: dict[str, Any]
+    tokenizer_sha256: str
+    draft_sha256: str
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+if sys.platform != "darwin":  # coremltools warns "Failed to load _MLModelProxy" at import on Linux
+    logging.getLogger("coremltools").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def quiet_coremltools():
+    """Silence coremltools' own per-pass progress bars (we show one bar for the whole build)."""
+    from coremltools.converters.mil.mil.passes import pass_pipeline
+    from coremltools.optimize.coreml import _quantization_passes
+
+    modules = (pass_pipeline, _quantization_passes)
+    saved = [m.tqdm for m in modules]
+    for m, bar in zip(modules, saved):
+        m.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        for m, bar in zip(modules, saved):
+            m.tqdm = bar
+
+
+# --------------------------------------------------------------------------- reading the draft
+
+
+def _dense(layer: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Weight (out, in) and bias of a Linear/Embedding, dequantizing quantized MLX layers."""
+    import mlx.core as mx
+
+    w = layer.weight
+    if hasattr(layer, "scales"):
+        kw = {"mode": layer.mode} if hasattr(layer, "mode") else {}
+        w = mx.dequantize(w, layer.scales, getattr(layer, "biases", None), layer.group_size, layer.bits, **kw)
+    b = layer.bias if "bias" in layer else None
+    to_np = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    return to_np(w), (to_np(b) if b is not None else None)
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _weights_sha256(weights: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(weights):
+        h.update(k.encode())
+        h.update(np.ascontiguousarray(weights[k], dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def _rope_table(rope: Any, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of every position, read off the model's own rope module (any scaling it uses)."""
+    import mlx.core as mx
+
+    if getattr(rope, "traditional", False):
+        raise ConvertError("interleaved ('traditional') RoPE is not supported; use a half-split RoPE draft")
+    dims = getattr(rope, "dims", getattr(rope, "dim", head_dim))
+    if dims != head_dim:
+        raise ConvertError(f"partial RoPE ({dims} of {head_dim} dims) is not supported")
+    h = head_dim // 2
+    probe = np.zeros((1, 1, positions, head_dim), np.float32)
+    probe[..., :h] = 1.0
+    out = np.array(rope(mx.array(probe)).astype(mx.float32))[0, 0]
+    cos, sin = out[:, :h], out[:, h:]
+    # check the half-split formula reproduces the module on random input
+    x = np.random.default_rng(0).standard_normal((1, 1, 8, head_dim)).astype(np.float32)
+    ref = np.array(rope(mx.array(x)).astype(mx.float32))
+    c, s = cos[:8], sin[:8]
+    mine = np.concatenate([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
+    if not np.allclose(mine, ref, atol=1e-4):
+        raise ConvertError(f"the draft's RoPE ({type(rope).__name__}) is not a half-split rotation")
+    return cos, sin
+
+
+def read_draft(path: Path, positions: int) -> DraftSpec:
+    """Load an mlx-lm draft folder and pull out what the builder needs (float32 numpy)."""
+    from mlx_lm.utils import load
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConvertError(f"{path} is not an MLX model folder (no config.json); give --draft-model a folder")
+    config = json.loads((path / "config.json").read_text())
+    mt = config.get("model_type")
+    if mt not in SUPPORTED:
+        raise ConvertError(
+            f"draft architecture '{mt}' is not supported by the Core ML converter "
+            f"(supported: {', '.join(SUPPORTED)}); use the MLX draft folder directly instead"
+        )
+    model, tokenizer = load(str(path))
+    return spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
+
+
+def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> DraftSpec:
+    """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model."""
+    inner = getattr(model, "language_model", model).model
+    args = model.args
+    if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in getattr(args, "layer_types", []) or []):
+        raise ConvertError("sliding-window attention layers are not supported in the Core ML draft")
+    attn0 = inner.layers[0].self_attn
+    heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
+    q_w, _ = _dense(attn0.q_proj)
+    head_dim = q_w.shape[0] // heads
+    w: dict[str, np.ndarray] = {}
+    w["embed"], _ = _dense(inner.embed_tokens)
+    for i, layer in enumerate(inner.layers):
+        a, m = layer.self_attn, layer.mlp
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            w[f"{i}.{n}"], b = _dense(getattr(a, n))
+            if b is not None:
+                w[f"{i}.{n}.bias"] = b
+        for n in ("q_norm", "k_norm"):
+            if hasattr(a, n):
+                w[f"{i}.{n}"] = np.array(getattr(a, n).weight, np.float32)
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            w[f"{i}.{n}"], b = _dense(getattr(m, n))
+            if b is not None:
+                w[f"{i}.{n}.bias"] = b
+        w[f"{i}.input_norm"] = np.array(layer.input_layernorm.weight, np.float32)
+        w[f"{i}.post_norm"] = np.array(layer.post_attention_layernorm.weight, np.float32)
+    w["norm"] = np.array(inner.norm.weight, np.float32)
+    lm_head = getattr(model, "lm_head", None)
+    w["head"] = _dense(lm_head)[0] if lm_head is not None else w["embed"]
+    cos, sin = _rope_table(attn0.rope, head_dim, positions)
+    return DraftSpec(
+        model_type=config.get("model_type", args.model_type), hidden=w["embed"].shape[1],
+        layers=len(inner.layers), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        vocab=w["head"].shape[0], eps=float(inner.norm.eps), weights=w, cos=cos, sin=sin,
+        config=config, tokenizer_sha256=tok_sha, draft_sha256=_weights_sha256(w),
+    )
+
+
+# --------------------------------------------------------------------------- the MIL program
+
+
+def _f16(a: Any) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(np.float16)
+
+
+def _conv_w(w: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    return _f16(w * scale)[:, :, None, None]
+
+
+def build_program(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
+    """The MIL program of one function ('extend' or 'rollout') of the package."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    import coremltools as ct
+
+    T = shapes.chunk if fn == "extend" else shapes.rows
+    Sk = shapes.context if fn == "extend" else shapes.slots  # state slots this function reads
+    K = shapes.slots
+    L, H, KV, D, G, C = spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.groups, spec.hidden
+    w = spec.weights
+    scale = D ** -0.5
+    h2 = D // 2
+    f16 = np.float16
+
+    input_specs = [
+        mb.TensorSpec((1, T), dtype=types.int32),
+        mb.TensorSpec((T,), dtype=types.int32),
+        mb.TensorSpec((1,), dtype=types.int32),
+        mb.TensorSpec((1, Sk + T, T), dtype=types.fp16),
+        mb.StateTensorSpec((2 * L, KV, D, K), dtype=types.fp16),
+    ]
+
+    def rms(x, weight, axis, shape):
+        both = mb.concat(values=[x, mb.mul(x=x, y=f16(-1.0))], axis=axis)
+        n = mb.layer_norm(x=both, axes=[axis], epsilon=f16(spec.eps))
+        half = mb.split(x=n, num_splits=2, axis=axis)[0]
+        return mb.mul(x=half, y=_f16(weight).reshape(shape))
+
+    def conv(x, name, scale_=1.0):
+        b = w.get(f"{name}.bias")
+        return mb.conv(x=x, weight=_conv_w(w[name], scale_), bias=None if b is None else _f16(b * scale_))
+
+    cos_t = _f16(spec.cos.T)  # (D/2, P)
+    sin_t = _f16(spec.sin.T)
+
+    @mb.program(input_specs=input_specs, opset_version=ct.target.iOS18)
+    def prog(input_ids, positions, write_pos, mask, kv_cache):
+        cache = mb.read_state(input=kv_cache)
+        ids = mb.reshape(x=input_ids, shape=[T])
+        x = mb.gather(x=_f16(w["embed"]), indices=ids, axis=0)  # (T, C)
+        x = mb.reshape(x=mb.transpose(x=x, perm=[1, 0]), shape=[1, C, 1, T])
+        cos = mb.gather(x=cos_t, indices=positions, axis=1)  # (D/2, T)
+        sin = mb.gather(x=sin_t, indices=positions, axis=1)
+        cos = mb.concat(values=[cos, cos], axis=0)  # (D, T)
+        sin = mb.concat(values=[mb.mul(x=sin, y=f16(-1.0)), sin], axis=0)  # signed: rotate_half
+        m = mask if G == 1 else mb.tile(x=mask, reps=[1, 1, G])  # (1, Sk+T, G*T)
+
+        def rope(t):  # t: (n, D, T)
+            a, b = mb.split(x=t, num_splits=2, axis=1)
+            return mb.add(x=mb.mul(x=t, y=cos), y=mb.mul(x=mb.concat(values=[b, a], axis=1), y=sin))
+
+        new_kv = []
+        for i in range(L):
+            h = rms(x, w[f"{i}.input_norm"], 1, (1, C, 1, 1))
+            qn = f"{i}.q_norm" in w
+            q = mb.reshape(x=conv(h, f"{i}.q_proj", 1.0 if qn else scale), shape=[H, D, T])
+            k = mb.reshape(x=conv(h, f"{i}.k_proj"), shape=[KV, D, T])
+            v = mb.reshape(x=conv(h, f"{i}.v_proj"), shape=[KV, D, T])
+            if qn:
+                q = rms(q, w[f"{i}.q_norm"] * scale, 1, (1, D, 1))
+                k = rms(k, w[f"{i}.k_norm"], 1, (1, D, 1))
+            q, k = rope(q), rope(k)
+            new_kv += [k, v]
+            if G > 1:  # (KV*G, D, T) -> (KV, D, G*T)
+                q = mb.reshape(x=q, shape=[KV, G, D, T])
+                q = mb.reshape(x=mb.transpose(x=q, perm=[0, 2, 1, 3]), shape=[KV, D, G * T])
+            kc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
+            vc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i + 1, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
+            s = mb.concat(values=[mb.matmul(x=kc, y=q, transpose_x=True),
+                                  mb.matmul(x=k, y=q, transpose_x=True)], axis=1)  # (KV, Sk+T, G*T)
+            p = mb.softmax(x=mb.add(x=s, y=m), axis=1)
+            pc, pn = mb.split(x=p, split_sizes=[Sk, T], axis=1)
+            o = mb.add(x=mb.matmul(x=vc, y=pc), y=mb.matmul(x=v, y=pn))  # (KV, D, G*T)
+            if G > 1:
+                o = mb.transpose(x=mb.reshape(x=o, shape=[KV, D, G, T]), perm=[0, 2, 1, 3])
+            o = mb.reshape(x=o, shape=[1, H * D, 1, T])
+            x = mb.add(x=x, y=conv(o, f"{i}.o_proj"))
+            h = rms(x, w[f"{i}.post_norm"], 1, (1, C, 1, 1))
+            g = conv(h, f"{i}.gate_proj")
+            act = mb.mul(x=mb.mul(x=g, y=mb.sigmoid(x=g)), y=conv(h, f"{i}.up_proj"))
+            x = mb.add(x=x, y=conv(act, f"{i}.down_proj"))
+            if progress:
+                progress()
+        x = rms(x, w["norm"], 1, (1, C, 1, 1))
+        begin = mb.concat(values=[np.zeros(3, np.int32), write_pos], axis=0)
+        end = mb.add(x=begin, y=np.array([2 * L, KV, D, T], np.int32))
+        upd = mb.concat(values=[mb.reshape(x=t, shape=[1, KV, D, T]) for t in new_kv], axis=0)
+        mb.coreml_update_state(state=kv_cache, value=mb.slice_update(x=cache, update=upd, begin=begin, end=end))
+        outs = []
+        head = w["head"]
+        n = math.ceil(spec.vocab / HEAD_SPLIT)
+        for j in range(n):
+            part = head[j * HEAD_SPLIT : (j + 1) * HEAD_SPLIT]
+            y = mb.conv(x=x, weight=_conv_w(part))  # (1, Vj, 1, T)
+            y = mb.transpose(x=mb.reshape(x=y, shape=[part.shape[0], T]), perm=[1, 0])
+            outs.append(mb.reshape(x=y, shape=[1, T, part.shape[0]], name="logits" if n == 1 else f"logits_{j}"))
+        return tuple(outs)
+
+    # the builder names function inputs after the Python parameters
+    return prog
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """1-D k-means (Lloyd, quantile init): a LUT per weight group without scikit-learn."""
+
+    def fn(val: np.ndarray):
+        x = np.asarray(val, np.float32).ravel()
+        k = 1 << nbits
+        c = np.quantile(x, (np.arange(k) + 0.5) / k)
+        for _ in range(12):
+            idx = np.abs(x[:, None] - c[None, :]).argmin(1)
+            sums = np.bincount(idx, weights=x, minlength=k)
+            cnt = np.bincount(idx, minlength=k)
+            c = np.where(cnt > 0, sums / np.maximum(cnt, 1), c)
+        idx = np.abs(x[:, None] - c[None, :]).argmin(1)
+        return c.astype(val.dtype), idx.astype(np.uint8)
+
+    return fn
+
+
+def _compression_pass(mode: str) -> Any:
+    """The coremltools compression pass for `mode`: convs only (the embedding stays fp16, as in
+    Anemll), int8 per channel or a k-means LUT per group of 16 output channels."""
+    import coremltools.optimize.coreml as cto
+    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights, palettize_weights
+
+    if mode == "int8":
+        cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
+        return linear_quantize_weights(cto.OptimizationConfig(op_type_configs={"conv": cfg}))
+    nbits = {"lut4": 4, "lut6": 6}[mode]
+    cfg = cto.OpPalettizerConfig(mode="custom", lut_function=_kmeans_lut(nbits),
+                                 granularity="per_grouped_channel", group_size=16)
+    return palettize_weights(cto.OptimizationConfig(op_type_configs={"conv": cfg}))
+
+
+def _register_finish_pass() -> str:
+    """A last graph pass: compress weights, then let both functions share every weight blob."""
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY, register_pass
+
+    name = "mirror_mlx::finish"
+    if name not in PASS_REGISTRY:
+
+        @register_pass(namespace="mirror_mlx")
+        class finish(AbstractGraphPass):  # noqa: N801  (coremltools names passes in lower case)
+            quantize = "none"
+
+            def apply(self, prog):
+                if self.quantize != "none":
+                    _compression_pass(self.quantize).apply(prog)
+                PASS_REGISTRY["common::const_deduplication"]._deduplicate_const_across_functions(prog)
+
+    return name
+
+
+# --------------------------------------------------------------------------- package
+
+
+def metadata(spec: DraftSpec, shapes: Shapes, quantize: str, kind: str = "plain") -> dict[str, str]:
+    """What the runtime checks before trusting a package (all strings, as Core ML wants)."""
+    n_heads = math.ceil(spec.vocab / HEAD_SPLIT)
+    meta = {
+        "format": FORMAT, "kind": kind, "model_type": spec.model_type,
+        "config": json.dumps(spec.config, sort_keys=True),
+        "draft_sha256": spec.draft_sha256, "tokenizer_sha256": spec.tokenizer_sha256,
+        "vocab": str(spec.vocab), "layers": str(spec.layers), "kv_heads": str(spec.kv_heads),
+        "head_dim": str(spec.head_dim), "logit_outputs": str(n_heads), "quantize": quantize,
+        "compute_units": "CPU_AND_NE",
+    }
+    meta.update({k: str(v) for k, v in asdict(shapes).items()})
+    return {META + k: v for k, v in meta.items()}
+
+
+def convert(draft: Path, out: Path, context: int = 512, kappa: int = 8, gamma: int = 7,
+            chunk: int = 16, quantize: str = "none", progress: bool = True) -> Path:
+    """Build `out` (.mlpackage) from the mlx-lm draft folder `draft`."""
+    if quantize not in QUANTIZE:
+        raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
+    shapes = Shapes.make(context, kappa, gamma, chunk)
+    spec = read_draft(Path(draft), positions=shapes.slots)
+    return convert_spec(spec, Path(out), shapes, quantize, progress)
+
+
+def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "none",
+                 progress: bool = True, kind: str = "plain",
+                 build: Callable[..., Any] = build_program) -> Path:
+    """Build both functions into one program, convert it once (passes, compression, weight
+    sharing) and save it at `out` with the metadata."""
+    import coremltools as ct
+    from coremltools.converters.mil.mil import Program
+    from tqdm import tqdm
+
+    out = Path(out)
+    if out.suffix != ".mlpackage":
+        raise ConvertError(f"--out must end in .mlpackage (got {out.name})")
+    bar = tqdm(total=2 * spec.layers + 3, desc=f"convert {out.name}", unit="step", disable=not progress)
+    prog = Program()
+    for fn in ("extend", "rollout"):
+        bar.set_postfix_str(f"build {fn}")
+        prog.add_function(fn, build(spec, shapes, fn, progress=lambda: bar.update(1)).functions["main"])
+    prog.default_function_name = "rollout"
+    prog.export_as_multifunction = True
+    pipeline = ct.PassPipeline.DEFAULT
+    finish = _register_finish_pass()
+    pipeline.append_pass(finish)
+    pipeline.set_options(finish, {"quantize": quantize})
+    bar.set_postfix_str("convert" + ("" if quantize == "none" else f" + {quantize}"))
+    with quiet_coremltools():
+        model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                           compute_units=ct.ComputeUnit.CPU_AND_NE, compute_precision=ct.precision.FLOAT16,
+                           pass_pipeline=pipeline, skip_model_load=True)
+    bar.update(2)
+    bar.set_postfix_str("save")
+    model.short_description = f"mirror-mlx {kind} draft ({spec.model_type}) for the Neural Engine"
+    model.user_defined_metadata.update(metadata(spec, shapes, quantize, kind))
+    if out.exists():
+        shutil.rmtree(out)
+    model.save(str(out))
+    bar.update(1)
+    bar.close()
+    return out
+
+
+def read_metadata(package: Path) -> dict[str, str]:
+    """The package's mirror-mlx metadata (prefix stripped); a clear error if it is not ours or broken."""
+    import coremltools as ct
+
+    package = Path(package)
+    if not package.exists():
+        raise ConvertError(f"{package} does not exist (build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
+    try:
+        spec = ct.utils.load_spec(str(package))
+    except Exception as e:  # noqa: BLE001  (protobuf/IO errors of many kinds)
+        raise ConvertError(
+            f"{package} is not a readable Core ML package ({type(e).__name__}: {e}); "
+            "it is corrupt or truncated: rebuild it with `mirror-mlx convert`"
+        ) from None
+    meta = dict(spec.description.metadata.userDefined)
+    if meta.get(META + "format") != FORMAT:
+        raise ConvertError(f"{package} was not built by `mirror-mlx convert` (format {FORMAT}); rebuild it")
+    return {k[len(META):]: v for k, v in meta.items() if k.startswith(META)}
+
+
+def package_shapes(meta: dict[str, str]) -> Shapes:
+    return Shapes(*(int(meta[k]) for k in ("context", "chunk", "rows", "scratch", "kappa", "gamma")))
+
+
+def check_match(meta: dict[str, str], spec: DraftSpec, package: Path) -> None:
+    """Refuse a package built from another draft or tokenizer."""
+    if meta["tokenizer_sha256"] != spec.tokenizer_sha256:
+        raise ConvertError(
+            f"{package} was built for another tokenizer than this draft's; "
+            "rebuild it from this draft with `mirror-mlx convert`"
+        )
+    if meta["draft_sha256"] != spec.draft_sha256:
+        raise ConvertError(
+            f"{package} was built from different draft weights than this folder's; "
+            "rebuild it from this draft with `mirror-mlx convert`"
+        )

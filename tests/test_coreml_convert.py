@@ -1,0 +1,164 @@
+"""`mirror-mlx convert`: the Core ML package's spec, ops, and parity with the MLX draft (on Linux).
+
+Packages are converted once per module with small shapes (context 64, kappa 2, gamma 3) to keep
+the file fast on two cores; the parity checks evaluate the *saved* packages' MIL programs.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import mirror_mlx  # noqa: F401  (OpenBLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, load, save_config, save_model
+
+from ane_draft.package_host import PackageDraft
+from convert import coreml
+from convert.ane_ops import not_on_ane
+from convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
+from convert.mil_eval import MilRunner, load_program, op_types
+from convert.parity import verify
+
+DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
+SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
+TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=16,
+            max_position_embeddings=512, rope_theta=10000.0)
+FAMILIES = {
+    "llama": dict(TINY, model_type="llama", tie_word_embeddings=True),
+    "qwen2": dict(TINY, model_type="qwen2", tie_word_embeddings=True),  # q/k/v biases
+    "qwen3": dict(TINY, model_type="qwen3", tie_word_embeddings=False),  # q/k norms, own head
+}
+
+
+def make_draft(root: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random mlx-lm model of `family` saved as a folder, with the demo tokenizer."""
+    config = dict(FAMILIES[family])
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    # random biases and norm weights, so those code paths are really exercised
+    params = [(n, 1.0 + 0.2 * mx.random.normal(p.shape)) for n, p in tree_flatten(model.parameters())
+              if n.endswith("norm.weight")]
+    params += [(n, 0.1 * mx.random.normal(p.shape)) for n, p in tree_flatten(model.parameters()) if n.endswith("bias")]
+    model.load_weights(params, strict=False)
+    mx.eval(model.parameters())
+    out = root / f"{family}-{seed}"
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(DEMO_DRAFT / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("coreml")
+
+
+@pytest.fixture(scope="module")
+def demo_pkg(work):
+    return convert(DEMO_DRAFT, work / "llama2xs.mlpackage", progress=False, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    return load(str(DEMO_DRAFT))
+
+
+def greedy(model, seq, n):
+    seq, out = list(seq), []
+    for _ in range(n):
+        out.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
+        seq.append(out[-1])
+    return out
+
+
+# ------------------------------------------------------------------ the package
+
+
+def test_spec_has_two_functions_state_fp16_io_and_metadata(demo_pkg, demo_model):
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(str(demo_pkg))
+    funcs = {f.name: f for f in spec.description.functions}
+    assert set(funcs) == {"extend", "rollout"}
+    FP16, INT32 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16, ct.proto.FeatureTypes_pb2.ArrayFeatureType.INT32
+    S, E, B, W = 64, 8, 2 * 4, 2 * 4 * 4
+    for name, T, keys in (("extend", E, S + E), ("rollout", B, S + W + B)):
+        f = funcs[name]
+        (state,) = f.state
+        assert state.name == "kv_cache"
+        assert list(state.type.stateType.arrayType.shape) == [2 * 5, 4, 8, S + W]  # (2L, kv, d, K)
+        assert state.type.stateType.arrayType.dataType == FP16
+        ins = {i.name: i.type.multiArrayType for i in f.input}
+        assert list(ins["mask"].shape) == [1, keys, T] and ins["mask"].dataType == FP16
+        assert list(ins["input_ids"].shape) == [1, T] and ins["input_ids"].dataType == INT32
+        assert ins["positions"].dataType == ins["write_pos"].dataType == INT32
+        (out,) = f.output
+        assert out.name == "logits" and list(out.type.multiArrayType.shape) == [1, T, 512]
+        assert out.type.multiArrayType.dataType == FP16
+    meta = read_metadata(demo_pkg)
+    assert (meta["kappa"], meta["gamma"], meta["context"], meta["rows"]) == ("2", "3", "64", "8")
+    assert meta["tokenizer_sha256"] == tokenizer_sha256(demo_model[1])
+    assert json.loads(meta["config"])["model_type"] == "llama"
+    assert meta["compute_units"] == "CPU_AND_NE" and meta["quantize"] == "none"
+
+
+def test_functions_share_one_copy_of_the_weights(demo_pkg, demo_model):
+    n_params = sum(v.size for _, v in tree_flatten(demo_model[0].parameters()))
+    fp16_bytes = 2 * n_params + 2 * 512 * 64  # tied head stored beside the embedding
+    blob = demo_pkg / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+    assert blob.stat().st_size < 1.2 * fp16_bytes  # two unshared functions would be ~2x
+
+
+def test_every_op_is_on_the_ane_list(demo_pkg):
+    ops = op_types(load_program(demo_pkg))
+    assert {"conv", "layer_norm", "matmul", "softmax", "read_state", "coreml_update_state"} <= ops
+    assert not_on_ane(ops) == []
+    assert not_on_ane({"conv", "band_part"}) == ["band_part"]  # the check can fail
+
+
+# ------------------------------------------------------------------ parity on Linux
+
+
+def test_verify_demo_draft_parity(demo_pkg, demo_model):
+    report = verify(demo_pkg, DEMO_DRAFT, model=demo_model[0], tokenizer=demo_model[1])
+    assert report.ok, report.line()
+    assert report.extend_rows > 20 and report.rollout_rows > 100
+    assert report.max_abs < 0.02 * report.scale + 0.02
+    assert report.mismatches == 0
+
+
+def test_rollout_equals_mlx_greedy_with_rollback_and_split(demo_pkg, demo_model):
+    model, tok = demo_model
+    draft = PackageDraft(MilRunner(demo_pkg), read_metadata(demo_pkg))
+    ctx = tok.encode("Once upon a time, there was a little girl")
+    stems = [[5], [6, 7], [6, 8], [6, 8], [9, 10, 11]]
+    r = draft.rollout(ctx, stems, 3)
+    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
+    assert r.forwards == 3  # trie (8 nodes) fits one call, then one call per token
+    # the committed prefix diverges: rows past the common prefix are masked, not erased
+    ctx2 = ctx[:-2] + [100, 200]
+    r2 = draft.rollout(ctx2, [[7]], 3)
+    assert r2.windows == [greedy(model, ctx2 + [7], 3)]
+    # more long stems than the scratch slots hold: rolled out in groups, still exact
+    many = [[t, t + 1, t + 2, t + 3] for t in range(20, 32)]
+    r3 = draft.rollout(ctx2, many, 3)
+    assert r3.windows == [greedy(model, ctx2 + s, 3) for s in many]
+    assert r3.forwards > 4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_convert_and_pass_parity(work, family, monkeypatch):
+    draft = make_draft(work, family)
+    if family == "qwen3":  # also exercise the split LM head (logits_0..n) with a small split
+        monkeypatch.setattr(coreml, "HEAD_SPLIT", 200)
+    pkg = convert(draft, work / f"{family}.mlpackage", progress=False, context=64, kappa=1, gamma=2, chunk=8)
+    meta = read_metadata(pkg)
+    assert meta["logit_outputs"] == ("3" if family == "qwen3" else "1")
+    report = verify(pkg, draft, steps=2)
+    assert report.ok, report.line()
