@@ -1,9 +1,10 @@
 """A plain mlx-lm model as draft (η̄ = 1): batched greedy rollouts over a shared committed prefix.
 
-Every branch is one row of a left-padded `BatchKVCache`. Row b's cache holds the committed
-prefix minus its last p_b tokens, shifted right by p_b padding slots; its block re-feeds those
-p_b tokens and then its stem, so all rows have the same physical length and positions stay
-exact (padding slots are masked). All branches then advance together, one token per forward.
+The engine's stems are spine-shaped: stem = ŷ_1..ŷ_r + [v], every stem minus its last token a
+prefix of one spine ŷ. The spine is fed once on the committed cache; every branch is then one
+row of a left-padded `BatchKVCache` holding context + ŷ_1..ŷ_r (shifted right by γ − r masked
+padding slots, so positions stay exact), and all rows advance together, one token per forward.
+Afterwards the spine is trimmed again: the draft's own cache keeps committed tokens only.
 """
 
 from typing import Any, Sequence
@@ -25,6 +26,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def spine_of(stems: Sequence[Sequence[int]]) -> list[int]:
+    """The shared spine of spine-shaped stems (ValueError for anything else)."""
+    if not stems or any(len(s) == 0 for s in stems):
+        raise ValueError("rollout needs at least one stem and every stem must be non-empty")
+    spine = list(max(stems, key=len)[:-1])
+    for s in stems:
+        if list(s[:-1]) != spine[: len(s) - 1]:
+            raise ValueError("stems must share one spine: each stem minus its last token a prefix of it")
+    return spine
+
+
 class MLXDraft:
     """Greedy draft over an mlx-lm model; its cache holds committed tokens only."""
 
@@ -44,50 +56,49 @@ class MLXDraft:
         if keep < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - keep)
             del self.cached[keep:]
-        new = list(context[keep:])
-        for i in range(0, len(new), self.prefill_step_size):
-            self.model(mx.array([new[i : i + self.prefill_step_size]]), cache=self.cache)
+        self._feed(list(context[keep:]))
+
+    def _feed(self, tokens: list[int]) -> None:
+        for i in range(0, len(tokens), self.prefill_step_size):
+            self.model(mx.array([tokens[i : i + self.prefill_step_size]]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        self.cached.extend(new)
+        self.cached.extend(tokens)
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
-        if not stems or any(len(s) == 0 for s in stems):
-            raise ValueError("rollout needs at least one stem and every stem must be non-empty")
+        spine = spine_of(stems)
         self.sync(context)
-        tokens, cache = self._branch_rows(stems)
-        windows = []
-        y = tokens
+        self._feed(spine)  # one forward over the shared spine (counted below)
+        cache = self._branch_cache([len(spine) - (len(s) - 1) for s in stems])
+        trim_prompt_cache(self.cache, len(spine))
+        del self.cached[len(self.cached) - len(spine) :]
+        y = mx.array([[s[-1]] for s in stems], dtype=mx.int32)
+        out = []
         for _ in range(gamma):
-            logits = self.model(y, cache=cache)
-            y = mx.argmax(logits[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
+            y = mx.argmax(self.model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
             mx.eval(y)
-            windows.append(y)
-        out = mx.concatenate(windows, axis=1).tolist() if windows else [[] for _ in stems]
-        return Rollout(windows=out, forwards=gamma, tokens=gamma)
+            out.append(y)
+        windows = mx.concatenate(out, axis=1).tolist() if out else [[] for _ in stems]
+        return Rollout(windows=windows, forwards=gamma + (1 if spine else 0), tokens=gamma)
 
-    def _branch_rows(self, stems: Sequence[Sequence[int]]) -> tuple[mx.array, list[BatchKVCache]]:
-        """The (B, L) input block and the left-padded batch cache for the branch rows."""
+    def _branch_cache(self, pads: list[int]) -> list[BatchKVCache]:
+        """Rows of the cache, row b shifted right by pads[b] masked slots (one gather per layer)."""
         S = len(self.cached)
-        L = max(len(s) for s in stems)
-        pads = [L - len(s) for s in stems]
-        rows = []
-        for p, stem in zip(pads, stems):
-            refeed = self.cached[max(0, S - p) :]
-            rows.append([0] * max(0, p - S) + refeed + list(stem))
+        j = mx.arange(S)[None, :]
+        p = mx.array(pads)[:, None]
+        index = mx.where(j < p, 0, j - p + 1)  # slot 0 of the padded prefix is the zero pad
         caches = []
         for c in self.cache:
             bc = BatchKVCache(pads)
             if S > 0:
-                k, v = c.state[0][..., :S, :], c.state[1][..., :S, :]
-                ks, vs = [], []
-                for p in pads:
-                    q = min(p, S)
-                    shape_k = (1, k.shape[1], q, k.shape[3])
-                    shape_v = (1, v.shape[1], q, v.shape[3])
-                    ks.append(mx.concatenate([mx.zeros(shape_k, k.dtype), k[..., : S - q, :]], axis=2))
-                    vs.append(mx.concatenate([mx.zeros(shape_v, v.dtype), v[..., : S - q, :]], axis=2))
-                bc.keys, bc.values = mx.concatenate(ks), mx.concatenate(vs)
+                bc.keys, bc.values = (_pad_rows(x[..., :S, :], index) for x in c.state[:2])
                 bc.offset = bc.offset + S
                 bc._idx = S
             caches.append(bc)
-        return mx.array(rows, dtype=mx.int32), caches
+        mx.eval([(bc.keys, bc.values) for bc in caches if bc.keys is not None])
+        return caches
+
+
+def _pad_rows(x: mx.array, index: mx.array) -> mx.array:
+    """(1, H, S, D) prefix → (B, H, S, D) rows, row b shifted right by its padding (zeros in front)."""
+    padded = mx.concatenate([mx.zeros_like(x[..., :1, :]), x], axis=2)[0]  # (H, S+1, D)
+    return mx.take(padded, index, axis=1).transpose(1, 0, 2, 3)  # (H, B, S, D) → (B, H, S, D)

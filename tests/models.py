@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes, load
 
 DEMO = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo"
+DATA = Path(__file__).resolve().parents[1] / "mirror_mlx" / "data"
 TARGET_PATH = DEMO / "stories260K"
 DRAFT_PATH = DEMO / "llama2xs"
 
@@ -25,9 +26,9 @@ CONFIGS = {
 }
 
 
-def tiny_model(name: str, seed: int = 0):
-    """A randomly initialised float32 model of family `name` (see CONFIGS)."""
-    config = dict(CONFIGS[name])
+def tiny_model(name: str, seed: int = 0, **overrides):
+    """A randomly initialised float32 model of family `name` (see CONFIGS), with config overrides."""
+    config = dict(CONFIGS[name], **overrides)
     if config["model_type"] == "mistral":
         config["model_type"] = "llama"
     model_cls, args_cls = _get_classes(config)

@@ -1,0 +1,211 @@
+"""The engine: every mode returns exactly what the target alone returns, whatever the draft does."""
+
+import copy
+import re
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from mirror_mlx.draft import MLXDraft
+from mirror_mlx.draft_api import Rollout
+from mirror_mlx.engine import accept, reuse_window
+from mirror_mlx.pipeline import Pipeline
+from tests.models import DATA, DRAFT_PATH, TARGET_PATH, tiny_model
+
+
+def openings(n: int) -> list[str]:
+    """The first six words of the first n TinyStories paragraphs."""
+    paragraphs = [p for p in (DATA / "tinystories_train.txt").read_text().split("\n\n") if p.strip()]
+    return [" ".join(p.split()[:6]) for p in paragraphs[:n]]
+
+
+def mlx_greedy(model, prompt, n):
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    target, tokenizer = load(str(TARGET_PATH))
+    draft, _ = load(str(DRAFT_PATH))
+    pipe = Pipeline(target, tokenizer, MLXDraft(draft))
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(demo):
+    prompts = [demo.tokenizer.encode(o) for o in openings(20)]
+    return [(p, mlx_greedy(demo.model, p, 128)) for p in prompts]
+
+
+@pytest.mark.parametrize("kappa,gamma,exit_layer", [(8, 7, None), (1, 1, 1), (3, 4, 4), (16, 2, 2)])
+def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demo, greedy_refs, kappa, gamma, exit_layer):
+    for mode in ("mirror", "sd"):
+        for prompt, ref in greedy_refs:
+            out = demo.generate(prompt, max_tokens=128, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
+                                mode=mode, stop=False)
+            assert out.tokens == ref, f"{mode} κ={kappa} γ={gamma} ℓe={exit_layer} diverged on {prompt}"
+
+
+def test_ar_mode_equals_mlx_lm_greedy(demo, greedy_refs):
+    for prompt, ref in greedy_refs[:5]:
+        assert demo.generate(prompt, max_tokens=128, mode="ar", stop=False).tokens == ref
+
+
+def test_random_draft_falls_back_almost_always_and_stays_lossless(greedy_refs):
+    target, tokenizer = load(str(TARGET_PATH))
+    random_draft = tiny_model("llama_tied", seed=3, vocab_size=512)
+    pipe = Pipeline(target, tokenizer, MLXDraft(random_draft))
+    for prompt, ref in greedy_refs[:3]:
+        out = pipe.generate(prompt, max_tokens=128, kappa=1, gamma=4, exit_layer=1, stop=False)
+        assert out.tokens == ref
+        assert out.stats.fallback_rate > 0.5 and out.stats.mean_accepted < 1.5
+    pipe.close()
+
+
+def test_target_as_its_own_draft_accepts_every_window_and_mostly_reuses(greedy_refs):
+    target, tokenizer = load(str(TARGET_PATH))
+    twin, _ = load(str(TARGET_PATH))
+    pipe = Pipeline(target, tokenizer, MLXDraft(twin))
+    for prompt, ref in greedy_refs[:5]:
+        out = pipe.generate(prompt, max_tokens=128, kappa=16, gamma=7, exit_layer=4, stop=False)
+        assert out.tokens == ref
+        assert out.stats.mean_accepted == 8.0  # γ accepted + the bonus token, every forward
+        assert out.stats.reuse_rate > 0.8  # a fallback only when the bonus token is outside C_γ
+    pipe.close()
+
+
+def test_reuse_everywhere_when_kappa_covers_the_vocabulary():
+    target, draft = tiny_model("llama_tied", seed=1, vocab_size=8), tiny_model("llama_tied", seed=2, vocab_size=8)
+    pipe = Pipeline(target, _FakeTokenizer(8), MLXDraft(draft))
+    prompt = [1, 5, 2]
+    out = pipe.generate(prompt, max_tokens=40, kappa=8, gamma=3, exit_layer=2, stop=False)
+    assert out.tokens == mlx_greedy(target, prompt, 40)
+    assert out.stats.fallbacks == 0 and out.stats.reuses == out.stats.steps
+    pipe.close()
+
+
+# --- the pieces ---------------------------------------------------------------------------------
+
+def test_accept_is_the_longest_agreeing_prefix():
+    assert accept([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accept([5, 6, 7], [4, 6, 7, 1]) == 0
+    assert accept([5, 6, 7], [5, 6, 7, 1]) == 3
+
+
+def test_reuse_picks_the_branch_of_the_correction_or_signals_fallback():
+    cand = [[10, 11], [20, 21], [30, 31]]  # C_0, C_1, C_2 (γ = 2)
+    windows = [[[1, 1], [2, 2]], [[3, 3], [4, 4]], [[5, 5], [6, 6]]]
+    assert reuse_window(cand, windows, 1, 21) == [4, 4]  # A = 1, c = 21 ∈ C_1: w(1, 21)
+    assert reuse_window(cand, windows, 2, 30) == [5, 5]  # full acceptance, bonus 30 ∈ C_2
+    assert reuse_window(cand, windows, 0, 20) is None  # 20 ∉ C_0: fallback
+
+
+def test_cache_rollback_leaves_exactly_the_committed_prefix(demo):
+    prompt = demo.tokenizer.encode("Tom and Lily went to the park")
+    out = demo.generate(prompt, max_tokens=37, stop=False)
+    side = demo.engine.target
+    # the cache may hold accepted tokens past max_tokens (trimmed at the next start), never others
+    committed = prompt + mlx_greedy(demo.model, prompt, 37 + 8)
+    assert len(side.cached) >= len(prompt) + 36 and side.cached == committed[: len(side.cached)]
+    assert all(c.offset == len(side.cached) for c in side.cache)
+    # the cached keys equal a fresh prefill of the same tokens
+    fresh = copy.deepcopy(side.cache)
+    for c in fresh:
+        c.keys = c.values = None
+        c.offset = 0
+    demo.model(mx.array([side.cached]), cache=fresh)
+    for a, b in zip(side.cache, fresh):
+        assert mx.allclose(a.state[0][..., : a.offset, :], b.state[0][..., : b.offset, :], atol=1e-4)
+
+
+def test_rollout_overlaps_the_target_suffix_in_threads():
+    big_target = tiny_model("llama_tied", seed=4, vocab_size=512, hidden_size=512, intermediate_size=1536,
+                            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
+    draft, tokenizer = load(str(DRAFT_PATH))
+    pipe = Pipeline(big_target, tokenizer, MLXDraft(draft))
+    out = pipe.generate([1, 403, 407, 261, 378], max_tokens=24, kappa=4, gamma=3, exit_layer=2, stop=False)
+    overlaps = [min(s["suffix"][1], s["rollout"][1]) - max(s["suffix"][0], s["rollout"][0]) for s in out.stats.timeline]
+    assert max(overlaps) > 0, "the draft's rollout never ran while the target's suffix ran"
+    assert out.stats.hidden_draft_fraction > 0
+    pipe.close()
+
+
+# --- failure and bad input --------------------------------------------------------------------------
+
+class _BrokenDraft(MLXDraft):
+    def __init__(self, model, fail_after: int, stall: float = 0.0):
+        super().__init__(model)
+        self.calls, self.fail_after, self.stall = 0, fail_after, stall
+
+    def rollout(self, context, stems, gamma) -> Rollout:
+        self.calls += 1
+        if self.calls > self.fail_after:
+            if self.stall:
+                time.sleep(self.stall)
+            else:
+                raise RuntimeError("draft exploded")
+        return super().rollout(context, stems, gamma)
+
+
+@pytest.mark.parametrize("stall", [0.0, 3.0])
+def test_failing_or_stalling_draft_switches_visibly_to_ar(greedy_refs, capsys, stall):
+    target, tokenizer = load(str(TARGET_PATH))
+    draft, _ = load(str(DRAFT_PATH))
+    pipe = Pipeline(target, tokenizer, _BrokenDraft(draft, fail_after=3, stall=stall))
+    prompt, ref = greedy_refs[0]
+    out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5)
+    assert out.tokens == ref
+    assert out.stats.draft_failure and ("timed out" if stall else "exploded") in out.stats.draft_failure
+    assert "continuing with the target alone" in capsys.readouterr().err
+    pipe.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(kappa=0), "kappa must be at least 1"),
+    (dict(gamma=0), "gamma must be at least 1"),
+    (dict(exit_layer=5), r"exit layer 5 is outside 1\.\.4"),
+    (dict(exit_layer=0), r"exit layer 0 is outside 1\.\.4"),
+    (dict(max_tokens=600), "exceeds the target's context of 512"),
+    (dict(mode="fast"), "unknown mode"),
+])
+def test_bad_options_are_refused_with_one_sentence(demo, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        demo.generate("Once upon a time", **kwargs)
+
+
+def test_mirror_without_draft_is_refused():
+    target, tokenizer = load(str(TARGET_PATH))
+    pipe = Pipeline(target, tokenizer, None)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        pipe.generate("Once upon a time", mode="mirror")
+    assert len(pipe.generate("Once upon a time", mode="ar", max_tokens=5).tokens) == 5
+    pipe.close()
+
+
+class _FakeTokenizer:
+    """Just enough tokenizer for models with a toy vocabulary."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size, self.eos_token_ids = vocab_size, []
+
+    @property
+    def detokenizer(self):
+        return _FakeDetok()
+
+
+class _FakeDetok:
+    last_segment = ""
+
+    def reset(self): ...
+
+    def add_token(self, t):
+        self.last_segment = f"<{t}>"
+
+    def finalize(self):
+        self.last_segment = ""
