@@ -1,0 +1,135 @@
+"""The Speculative-Streaming draft behind the engine's Draft protocol: several tokens per forward.
+
+Each branch is one batch row over the shared committed prefix (batch-1 KV cache, broadcast). A
+forward feeds every branch its pending main token plus its S stream guesses from the previous
+forward. The main rows verify the guesses (SS self-verification, papers.md §3.4): branch i keeps
+the agreeing prefix a_i of its guesses plus the main token after them, so it gains a_i + 1 tokens,
+and that row's streams become its next guesses. Rejected rows stay in the branch's scratch K/V but
+are masked out. Because main rows never see stream rows, the window is exactly the draft's own
+greedy main-stream continuation (the same text a plain llama forward would give), reached in
+J ≈ ⌈γ/η̄⌉ forwards instead of γ.
+
+With `trust_streams`, the last forward's unchecked stream guesses complete a window when they
+reach γ, which saves one forward; the window then ends with guesses the draft did not verify
+(still a valid proposal: the target verifies everything).
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, Union
+
+import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+from mirror_mlx.draft import MLXDraft
+from mirror_mlx.draft_api import Rollout
+
+from .ss_model import Model, is_ss_draft, load_ss_draft, ss_forward  # noqa: F401  (re-exported for load)
+
+
+@dataclass
+class RolloutStats:
+    """Per-rollout detail beyond Rollout: when each branch completed its window."""
+
+    branch_forwards: list[int] = field(default_factory=list)  # forwards until branch i had gamma tokens
+    emitted: list[list[int]] = field(default_factory=list)  # tokens gained per forward, per branch
+
+
+class SSDraft(MLXDraft):
+    """An SS model as draft; its prefix cache holds committed main rows only (sync as MLXDraft)."""
+
+    def __init__(self, model: Model, trust_streams: bool = False, prefill_step_size: int = 512):
+        super().__init__(model, prefill_step_size)
+        self.num_streams = model.args.num_streams
+        self.trust_streams = trust_streams
+        self.stats = RolloutStats()
+
+    @classmethod
+    def from_path(cls, path: Union[str, Path], **kwargs) -> "SSDraft":
+        model, _ = load_ss_draft(path, with_tokenizer=False)
+        return cls(model, **kwargs)
+
+    def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
+        if not stems or any(len(s) == 0 for s in stems):
+            raise ValueError("rollout needs at least one stem and every stem must be non-empty")
+        self.sync(context)
+        B, S, P = len(stems), self.num_streams, len(self.cached)
+        self.stats = RolloutStats([0] * B, [[] for _ in stems])
+        if gamma <= 0:
+            return Rollout(windows=[[] for _ in stems], forwards=0, tokens=0)
+
+        # First forward: the stems, left-padded so every branch's last stem token is the last row.
+        W = max(len(s) for s in stems)
+        pads = np.array([W - len(s) for s in stems])
+        rows = np.array([[0] * p + list(s) for p, s in zip(pads, stems)], dtype=np.int32)
+        row_valid = np.arange(W)[None, :] >= pads[:, None]
+        offset = P - pads  # position of each branch's row 0
+        n_guess = 0
+        prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.cache] if P else None
+        scratch: list[tuple[mx.array, mx.array]] = []
+        scratch_valid = np.zeros((B, 0), dtype=bool)
+        windows: list[list[int]] = [[] for _ in stems]
+        forwards = 0
+        while True:
+            past, past_valid = self._past(prefix, scratch, scratch_valid, B)
+            out = ss_forward(self.model, mx.array(rows), mx.array(offset.astype(np.int32)), past,
+                             past_valid, mx.array(row_valid))
+            main = mx.argmax(out.main, axis=-1)
+            streams = mx.argmax(out.streams, axis=-1)
+            mx.eval(main, streams, out.kv)
+            forwards += 1
+            main, streams = np.array(main), np.array(streams)  # (B, L), (B, S, L)
+            L = rows.shape[1]
+            g = L - 1 - n_guess  # the last given row; rows after it are guesses to verify
+            agree = rows[:, g + 1:] == main[:, g:L - 1]
+            a = np.cumprod(agree, axis=1).sum(axis=1) if n_guess else np.zeros(B, dtype=int)
+            r = g + a  # the row whose main prediction and streams carry on
+            for i in range(B):
+                before = len(windows[i])
+                windows[i] += rows[i, g + 1:r[i] + 1].tolist() + [int(main[i, r[i]])]
+                self._note(i, before, len(windows[i]), gamma, forwards)
+            if min(len(w) for w in windows) >= gamma:
+                break
+            if self.trust_streams and min(len(w) for w in windows) + S >= gamma:
+                for i in range(B):
+                    before = len(windows[i])
+                    windows[i] += streams[i, :, r[i]].tolist()[: max(0, gamma - before)]
+                    self._note(i, before, len(windows[i]), gamma, forwards)
+                break
+            kept = row_valid & (np.arange(L)[None, :] <= r[:, None])
+            scratch = [(k, v) for k, v in out.kv] if not scratch else [
+                (mx.concatenate([sk, k], axis=2), mx.concatenate([sv, v], axis=2))
+                for (sk, sv), (k, v) in zip(scratch, out.kv)]
+            scratch_valid = np.concatenate([scratch_valid, kept], axis=1)
+            rows = np.concatenate([main[np.arange(B), r][:, None], streams[np.arange(B), :, r]], axis=1)
+            rows = rows.astype(np.int32)
+            row_valid = np.ones_like(rows, dtype=bool)
+            offset = offset + r + 1
+            n_guess = S
+        return Rollout(windows=[w[:gamma] for w in windows], forwards=forwards, tokens=gamma)
+
+    def _note(self, i: int, before: int, after: int, gamma: int, forward: int) -> None:
+        if before < gamma:
+            self.stats.emitted[i].append(min(after, gamma) - before)
+            if after >= gamma:
+                self.stats.branch_forwards[i] = forward
+
+    @staticmethod
+    def _past(prefix, scratch, scratch_valid: np.ndarray, B: int):
+        """Per layer, the keys/values a branch row may see: shared prefix, then its own scratch."""
+        if prefix is None and not scratch:
+            return None, None
+        layers = []
+        for i in range(len(prefix if prefix is not None else scratch)):
+            parts_k, parts_v = [], []
+            if prefix is not None:
+                k, v = prefix[i]
+                parts_k.append(mx.broadcast_to(k, (B,) + k.shape[1:]))
+                parts_v.append(mx.broadcast_to(v, (B,) + v.shape[1:]))
+            if scratch:
+                parts_k.append(scratch[i][0])
+                parts_v.append(scratch[i][1])
+            layers.append((mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)))
+        P = prefix[0][0].shape[2] if prefix is not None else 0
+        valid = np.concatenate([np.ones((B, P), dtype=bool), scratch_valid], axis=1)
+        return layers, mx.array(valid)

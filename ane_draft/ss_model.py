@@ -1,0 +1,258 @@
+"""The Speculative-Streaming draft model: a llama decoder whose top layers also carry stream rows.
+
+One forward over main rows x_0..x_{L-1} emits, per main row t, the main prediction (token t+1) and
+`num_streams` stream predictions (stream j predicts token t+1+j), all from one shared LM head.
+
+- Layers 0 .. N-N_s-1 are plain llama blocks over main rows only.
+- At layer N-N_s every main row t spawns stream rows h_t + P_j (j = 1..S, P_j learned).
+- In the top N_s layers (lossless-mode mask, papers.md §3.3): main row t attends to main rows <= t
+  only, so streams never change the main rows (the main stream *is* a plain llama); stream (t, j)
+  attends to main rows <= t and to streams 1..j of row t.
+- Only main rows produce K/V worth keeping: stream rows are never cached.
+- Positions: main row t sits at position t; stream (t, j) sits at position t + j, the position of
+  the (unseen) main row whose next token it predicts, so RoPE tells it how far ahead it looks.
+
+The weights are llama's (same parameter names) plus `stream_embeddings` (S, D), so any mlx-lm llama
+with the target's tokenizer initialises it, and `Model.__call__` is the plain llama forward (main
+rows only), so the folder also works anywhere a plain draft does.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.utils import load_config, load_model, load_tokenizer
+
+MODEL_TYPE = "ss_llama"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    num_streams: int = 3
+    stream_layers: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_streams < 1:
+            raise ValueError(f"num_streams must be at least 1, got {self.num_streams}")
+        if not 1 <= self.stream_layers <= self.num_hidden_layers:
+            raise ValueError(f"stream_layers must be in 1..{self.num_hidden_layers} (the number of "
+                             f"layers), got {self.stream_layers}")
+
+
+class Model(llama.Model):
+    """llama.Model plus the stream embeddings P_j; calling it runs the main stream only."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.stream_embeddings = 0.02 * mx.random.normal((args.num_streams, args.hidden_size))
+
+    @property
+    def layers(self) -> list:
+        return self.model.layers
+
+
+@dataclass
+class SSOutput:
+    main: mx.array  # (B, L, V) logits: row t predicts token t+1 (identical to a plain llama forward)
+    streams: mx.array  # (B, S, L, V) logits: [b, j-1, t] predicts token t+1+j
+    kv: list[tuple[mx.array, mx.array]]  # per layer, the new main rows' (keys, values) (B, Hkv, L, hd)
+
+
+def _head(model: Model, h: mx.array) -> mx.array:
+    h = model.model.norm(h)
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
+
+
+def _main_mask(L: int, new_valid: Optional[mx.array], past_valid: Optional[mx.array]) -> mx.array:
+    """Boolean (B or 1, L, P + L): main row t sees the visible past and main rows <= t.
+
+    A row marked invalid in `new_valid` (left padding) is hidden from every other row but still sees
+    itself, so its own output stays finite.
+    """
+    idx = mx.arange(L)
+    causal = (idx[None, :] <= idx[:, None])[None]
+    if new_valid is not None:
+        causal = causal & (new_valid[:, None, :] | mx.eye(L, dtype=mx.bool_)[None])
+    if past_valid is None:
+        return causal
+    B = max(causal.shape[0], past_valid.shape[0])
+    past = mx.broadcast_to(past_valid[:, None, :], (B, L, past_valid.shape[-1]))
+    return mx.concatenate([past, mx.broadcast_to(causal, (B, L, L))], axis=-1)
+
+
+def _stream_attention(q, k, v, ks, vs, mask, scale):
+    """Stream rows' attention: to the main keys under `mask`, and to streams 1..j of their own row.
+
+    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys; ks, vs (B, Hkv, S, L, hd) stream keys;
+    mask (B or 1, L, N). One softmax over both key sets, computed without the (S·L)² score matrix
+    a single masked attention over all rows would need.
+    """
+    B, H, S, L, hd = q.shape
+    Hkv = k.shape[1]
+    q = (q * scale).reshape(B, Hkv, H // Hkv, S, L, hd)
+    s_main = q @ k[:, :, None, None].swapaxes(-1, -2)  # (B, Hkv, rep, S, L, N)
+    qt = q.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, L, S, hd)
+    s_own = qt @ ks.transpose(0, 1, 3, 4, 2)[:, :, None]  # (B, Hkv, rep, L, S, S)
+    s_own = s_own.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, S, L, S)
+    m_main = mask[:, None, None, None]  # (B, 1, 1, 1, L, N)
+    m_own = mx.tril(mx.ones((S, S), dtype=mx.bool_))[:, None, :]  # (S, 1, S): stream j sees j' <= j
+    scores = mx.concatenate([mx.where(m_main, s_main, -mx.inf), mx.where(m_own, s_own, -mx.inf)], -1)
+    p = mx.softmax(scores, axis=-1, precise=True)
+    N = k.shape[2]
+    out = p[..., :N] @ v[:, :, None, None]  # (B, Hkv, rep, S, L, hd)
+    p_own = p[..., N:].transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, L, S, S)
+    out = out + (p_own @ vs.transpose(0, 1, 3, 2, 4)[:, :, None]).transpose(0, 1, 2, 4, 3, 5)
+    return out.reshape(B, H, S * L, hd)
+
+
+def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
+           past: Optional[tuple[mx.array, mx.array]], mask: mx.array):
+    """A llama TransformerBlock over row groups of L rows: main rows, then S stream groups.
+
+    Group g (g = 0 main, g = j stream j) sits at positions offset + g + t.
+    """
+    attn = block.self_attn
+    B, R, _ = x.shape
+    G = R // L
+    h = block.input_layernorm(x)
+    q = attn.q_proj(h).reshape(B, R, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(h).reshape(B, R, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(h).reshape(B, R, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q = mx.concatenate([attn.rope(q[:, :, g * L:(g + 1) * L], offset=offset + g) for g in range(G)], 2)
+    k = mx.concatenate([attn.rope(k[:, :, g * L:(g + 1) * L], offset=offset + g) for g in range(G)], 2)
+    new_kv = (k[:, :, :L], v[:, :, :L])
+    km, vm = new_kv
+    if past is not None:
+        pk, pv = past
+        if pk.shape[0] != B:
+            pk = mx.broadcast_to(pk, (B,) + pk.shape[1:])
+            pv = mx.broadcast_to(pv, (B,) + pv.shape[1:])
+        km, vm = mx.concatenate([pk, km], axis=2), mx.concatenate([pv, vm], axis=2)
+    o = mx.fast.scaled_dot_product_attention(q[:, :, :L], km, vm, scale=attn.scale, mask=mask[:, None])
+    if G > 1:
+        def streams(a):
+            return a[:, :, L:].reshape(B, a.shape[1], G - 1, L, -1)
+        o_s = _stream_attention(streams(q), km, vm, streams(k), streams(v), mask, attn.scale)
+        o = mx.concatenate([o, o_s], axis=2)
+    x = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, R, -1))
+    return x + block.mlp(block.post_attention_layernorm(x)), new_kv
+
+
+def ss_forward(
+    model: Model,
+    tokens: mx.array,
+    offset: Union[int, mx.array] = 0,
+    past: Optional[list[tuple[mx.array, mx.array]]] = None,
+    past_valid: Optional[mx.array] = None,
+    new_valid: Optional[mx.array] = None,
+) -> SSOutput:
+    """Main and stream logits for main rows `tokens` (B, L) at positions offset + t.
+
+    `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix
+    and the branch's own earlier rows); `past_valid` (B, P) says which of them each row sees (None:
+    all). `new_valid` (B, L) marks left-padding rows (None: all real). Training calls it with the
+    tokens only.
+    """
+    B, L = tokens.shape
+    S = model.args.num_streams
+    first_stream = len(model.layers) - model.args.stream_layers
+    if past is not None and past_valid is None:
+        past_valid = mx.ones((B, past[0][0].shape[2]), dtype=mx.bool_)
+    mask = _main_mask(L, new_valid, past_valid)
+    x = model.model.embed_tokens(tokens)
+    kv = []
+    for i, block in enumerate(model.layers):
+        if i == first_stream:
+            P = model.stream_embeddings.astype(x.dtype)
+            x = mx.concatenate([x] + [x + P[j] for j in range(S)], axis=1)
+        x, layer_kv = _block(block, x, L, offset, None if past is None else past[i], mask)
+        kv.append(layer_kv)
+    logits = _head(model, x)
+    return SSOutput(main=logits[:, :L], streams=logits[:, L:].reshape(B, S, L, -1), kv=kv)
+
+
+def is_ss_draft(path: Union[str, Path]) -> bool:
+    """True for a local folder holding an SS draft (what `mirror_mlx.load(draft_model=...)` asks)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError):
+        return False
+
+
+def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
+    """(model, tokenizer) from an SS draft folder; the tokenizer is None when not asked for."""
+    path = Path(path)
+    if not is_ss_draft(path):
+        raise ValueError(f"{path} is not a Speculative-Streaming draft folder (config.json with "
+                         f'"model_type": "{MODEL_TYPE}")')
+    model, _ = load_model(path, get_model_classes=lambda config: (Model, ModelArgs))
+    return model, (load_tokenizer(path) if with_tokenizer else None)
+
+
+def save_ss_draft(model: Model, path: Union[str, Path], tokenizer_from: Union[str, Path, None] = None,
+                  extra_config: Optional[dict] = None) -> None:
+    """Write config.json + model.safetensors, and copy the tokenizer files of `tokenizer_from`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    a = model.args
+    config = {
+        "model_type": MODEL_TYPE, "architectures": ["SSLlamaForCausalLM"],
+        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
+        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
+        "rms_norm_eps": a.rms_norm_eps, "vocab_size": a.vocab_size, "rope_theta": a.rope_theta,
+        "rope_traditional": a.rope_traditional, "max_position_embeddings": a.max_position_embeddings,
+        "tie_word_embeddings": a.tie_word_embeddings, "num_streams": a.num_streams,
+        "stream_layers": a.stream_layers, "torch_dtype": "float32",
+    }
+    config.update(extra_config or {})
+    (path / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_from) / name
+            if src.is_file() and src.resolve() != (path / name).resolve():
+                shutil.copyfile(src, path / name)
+
+
+def new_model(args: ModelArgs, init_from: Union[str, Path, None] = None) -> Model:
+    """A fresh SS model, with every llama weight taken from `init_from` when given.
+
+    Stream embeddings come from `init_from` only if it is an SS draft with the same stream count.
+    """
+    model = Model(args)
+    if init_from is not None:
+        weights = {}
+        for wf in sorted(Path(init_from).glob("model*.safetensors")):
+            weights.update(mx.load(str(wf)))
+        weights = model.sanitize(weights)
+        se = weights.get("stream_embeddings")
+        if se is None or se.shape != model.stream_embeddings.shape:
+            weights["stream_embeddings"] = model.stream_embeddings
+        model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def config_args(path: Union[str, Path], **ss_fields) -> ModelArgs:
+    """ModelArgs from a model folder's config.json, with the SS fields set or overridden."""
+    config = load_config(Path(path))
+    config.update({k: v for k, v in ss_fields.items() if v is not None})
+    config["model_type"] = MODEL_TYPE
+    return ModelArgs.from_dict(config)

@@ -1,0 +1,341 @@
+"""Train a Speculative-Streaming draft by distillation from the target.
+
+1. The target writes the data: greedy continuations of corpus openings (the target's own text, so
+   the draft learns what the target will say, not what the corpus says).
+2. The draft learns α₀·CE(main) + Σ_j α_j·CE(stream j), α₀ = 1, α_j = 0.1 (papers.md §3.7), on
+   hard labels: verification at temperature 0 accepts a draft token iff it is the target's argmax,
+   and the target's greedy text *is* that argmax at every position, for the main row and for every
+   stream offset alike. Soft targets would need the target's logits stored per position (or the
+   target run in the training loop) and mostly help sampled decoding; hard labels cost nothing.
+3. Checkpoints (weights, optimizer state, step, the generated data) go to OUT/checkpoint, so an
+   interrupted run resumes exactly where it stopped: the batch of step s depends on (seed, s) only.
+"""
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
+
+import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _download, load, load_config, load_tokenizer
+from tqdm import tqdm
+
+from .ss_model import Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
+
+STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (papers.md §3.7)
+
+
+class TrainError(ValueError):
+    """Bad input to train-draft; the CLI shows it as a usage error."""
+
+
+@dataclass
+class TrainConfig:
+    model: str  # the target: a local folder or a Hugging Face repo
+    out: str
+    corpus: str
+    layers: Optional[int] = None  # draft shape; taken from --init-from when given
+    hidden: Optional[int] = None
+    streams: int = 3
+    stream_layers: int = 2
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 2e-3
+    seed: int = 0
+    init_from: Optional[str] = None
+    samples: int = 2048  # target continuations to generate
+    seq_len: int = 128  # opening + continuation, in tokens
+    prompt_min: int = 4  # opening length range, in tokens (BOS included)
+    prompt_max: int = 24
+    checkpoint_every: int = 200
+
+
+@dataclass
+class Data:
+    tokens: np.ndarray  # (N, seq_len) int32: opening, then the target's greedy continuation
+    start: np.ndarray  # (N,) index of the first target-written token (labels start there)
+    length: np.ndarray  # (N,) tokens up to and including the first EOS (labels stop there)
+
+
+def read_corpus(path: str) -> list[str]:
+    """The corpus paragraphs (blank-line separated); errors say what is wrong with the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise TrainError(f"corpus {path} does not exist or is not a file")
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TrainError(f"corpus {path} is not UTF-8 text (bad byte at offset {e.start}); "
+                         "convert it, e.g. with iconv -t utf-8") from None
+    paragraphs = [" ".join(q.split()) for q in text.replace("\r\n", "\n").split("\n\n")]
+    paragraphs = [q for q in paragraphs if q]
+    if not paragraphs:
+        raise TrainError(f"corpus {path} is empty: it needs paragraphs of text separated by blank lines")
+    return paragraphs
+
+
+def same_tokenizer(a, b) -> bool:
+    """Two tokenizers agree when their vocabularies and special ids are identical."""
+    return (a.get_vocab() == b.get_vocab() and a.bos_token_id == b.bos_token_id
+            and set(a.eos_token_ids) == set(b.eos_token_ids))
+
+
+def check_config(cfg: TrainConfig) -> None:
+    if cfg.streams < 1:
+        raise TrainError(f"--streams must be at least 1, got {cfg.streams}")
+    if cfg.stream_layers < 1:
+        raise TrainError(f"--stream-layers must be at least 1, got {cfg.stream_layers}")
+    if cfg.layers is not None and cfg.stream_layers > cfg.layers:
+        raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed --layers ({cfg.layers})")
+    for name in ("steps", "batch_size", "samples"):
+        if getattr(cfg, name) < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 2 <= cfg.prompt_min <= cfg.prompt_max < cfg.seq_len:
+        raise TrainError("need 2 <= prompt_min <= prompt_max < seq_len")
+
+
+def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
+    """The draft's shape: that of --init-from, or a narrower/shallower copy of the target's."""
+    if cfg.init_from is not None:
+        init_dir = Path(cfg.init_from)
+        if not (init_dir / "config.json").is_file():
+            raise TrainError(f"--init-from {cfg.init_from} is not a model folder (no config.json)")
+        if not same_tokenizer(load_tokenizer(init_dir), target_tok):
+            raise TrainError(f"--init-from {cfg.init_from} does not share the target's tokenizer "
+                             f"({cfg.model}); a draft must tokenize exactly like its target")
+        n_layers = load_config(init_dir)["num_hidden_layers"]
+        if cfg.stream_layers > n_layers:
+            raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed the draft's layers "
+                             f"({n_layers}, from --init-from)")
+        args = config_args(init_dir, num_streams=cfg.streams, stream_layers=cfg.stream_layers)
+        for flag, want, have in (("--layers", cfg.layers, args.num_hidden_layers),
+                                 ("--hidden", cfg.hidden, args.hidden_size)):
+            if want is not None and want != have:
+                raise TrainError(f"{flag} {want} disagrees with --init-from ({have}); drop {flag}")
+    else:
+        t = load_config(target_dir)
+        hidden = cfg.hidden or t["hidden_size"]
+        head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+        heads = max(1, hidden // head_dim)
+        group = max(1, t["num_attention_heads"] // t.get("num_key_value_heads", t["num_attention_heads"]))
+        ratio = t["intermediate_size"] / t["hidden_size"]
+        layers = cfg.layers or max(1, t["num_hidden_layers"] // 2)
+        if cfg.stream_layers > layers:
+            raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed the draft's layers ({layers})")
+        config = dict(t, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // group), head_dim=head_dim,
+                      intermediate_size=int(round(ratio * hidden / 4)) * 4, tie_word_embeddings=True,
+                      num_streams=cfg.streams, stream_layers=cfg.stream_layers, model_type="ss_llama")
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        args = ModelArgs.from_dict(config)
+    if args.vocab_size < len(target_tok.get_vocab()):
+        raise TrainError(f"draft vocabulary ({args.vocab_size}) is smaller than the target tokenizer's")
+    return args
+
+
+def target_continuations(target: nn.Module, tokenizer, paragraphs: list[str], cfg: TrainConfig,
+                         progress: bool = True) -> Data:
+    """The target's greedy continuations of corpus openings, generated in batches of equal-length openings."""
+    rng = np.random.default_rng([cfg.seed, 1])
+    encoded = [tokenizer.encode(p) for p in paragraphs]
+    lengths = np.array([len(e) for e in encoded])
+    eos = np.array(sorted(tokenizer.eos_token_ids or []), dtype=np.int64)
+    B = min(cfg.batch_size * 2, 64)
+    n_batches = math.ceil(cfg.samples / B)
+    rows, starts = [], []
+    for _ in tqdm(range(n_batches), desc="target continuations", disable=not progress):
+        p = int(rng.integers(cfg.prompt_min, cfg.prompt_max + 1))
+        pool = np.flatnonzero(lengths >= p)
+        if len(pool) == 0:
+            p = int(lengths.max())
+            pool = np.flatnonzero(lengths >= p)
+        pick = rng.choice(pool, size=B, replace=len(pool) < B)
+        prompt = mx.array(np.array([encoded[i][:p] for i in pick], dtype=np.int32))
+        cache = make_prompt_cache(target)
+        y = mx.argmax(target(prompt, cache=cache)[:, -1], axis=-1)
+        out = [y]
+        for _ in range(cfg.seq_len - p - 1):
+            y = mx.argmax(target(y[:, None], cache=cache)[:, -1], axis=-1)
+            out.append(y)
+            mx.async_eval(y)
+        cont = np.array(mx.stack(out, axis=1))
+        rows.append(np.concatenate([np.array(prompt), cont], axis=1))
+        starts += [p] * B
+    tokens = np.concatenate(rows)[: cfg.samples].astype(np.int32)
+    start = np.array(starts[: cfg.samples], dtype=np.int32)
+    is_eos = np.isin(tokens, eos) & (np.arange(tokens.shape[1])[None, :] >= start[:, None])
+    length = np.where(is_eos.any(1), is_eos.argmax(1) + 1, tokens.shape[1]).astype(np.int32)
+    return Data(tokens, start, length)
+
+
+def ss_loss(model: Model, tokens: mx.array, start: mx.array, length: mx.array):
+    """(loss, main CE, per-stream CE, per-head top-1 accuracy) over the target-written positions."""
+    x = tokens[:, :-1]
+    out = ss_forward(model, x)
+    T = x.shape[1]
+    pos = mx.arange(T)
+
+    def head(logits, ahead):  # logits at row t predict tokens[t + 1 + ahead]
+        idx = pos + 1 + ahead
+        valid = (idx[None] >= start[:, None]) & (idx[None] < length[:, None])
+        target = mx.take(tokens, mx.minimum(idx, T), axis=1)
+        n = mx.maximum(valid.sum(), 1)
+        ce = (nn.losses.cross_entropy(logits, target) * valid).sum() / n
+        acc = ((mx.argmax(logits, -1) == target) * valid).sum() / n
+        return ce, acc
+
+    main_ce, main_acc = head(out.main, 0)
+    stream = [head(out.streams[:, j], j + 1) for j in range(out.streams.shape[1])]
+    stream_ce = mx.stack([c for c, _ in stream])
+    loss = main_ce + STREAM_WEIGHT * stream_ce.sum()
+    acc = mx.stack([main_acc] + [a for _, a in stream])
+    return loss, main_ce, stream_ce, acc
+
+
+def _batch(data: Data, idx: np.ndarray):
+    return mx.array(data.tokens[idx]), mx.array(data.start[idx]), mx.array(data.length[idx])
+
+
+def evaluate(model: Model, data: Data, batch_size: int = 32) -> dict:
+    """Loss and top-1 accuracy of the main row and of each stream on `data`."""
+    sums, n = None, 0
+    for i in range(0, len(data.tokens), batch_size):
+        idx = np.arange(i, min(i + batch_size, len(data.tokens)))
+        loss, main_ce, stream_ce, acc = ss_loss(model, *_batch(data, idx))
+        vals = np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)])
+        sums = vals * len(idx) if sums is None else sums + vals * len(idx)
+        n += len(idx)
+    v = sums / n
+    S = model.args.num_streams
+    return {"loss": float(v[0]), "main_ce": float(v[1]), "stream_ce": v[2:2 + S].round(4).tolist(),
+            "main_acc": float(v[2 + S]), "stream_acc": v[3 + S:].round(4).tolist()}
+
+
+def _schedule(cfg: TrainConfig) -> Callable:
+    warm = min(100, max(1, cfg.steps // 10))
+    return optim.join_schedules(
+        [optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
+         optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * 0.1)], [warm])
+
+
+def _save_checkpoint(ckpt: Path, model: Model, opt: optim.Optimizer, step: int, cfg: TrainConfig) -> None:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    arrays = {"model." + k: v for k, v in tree_flatten(model.parameters())}
+    arrays.update({"opt." + k: v for k, v in tree_flatten(opt.state)})
+    mx.save_safetensors(str(ckpt / "state.tmp.safetensors"), arrays)
+    (ckpt / "state.tmp.safetensors").replace(ckpt / "state.safetensors")
+    (ckpt / "progress.json").write_text(json.dumps({"step": step, "config": _run_key(cfg)}, indent=2))
+
+
+def _run_key(cfg: TrainConfig) -> dict:
+    """Everything that determines the run; a checkpoint only resumes a run with the same key."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("out", "checkpoint_every")}
+
+
+def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = print,
+          stop_after: Optional[int] = None) -> dict:
+    """Run (or resume) a training run; writes the draft folder to cfg.out and returns a summary.
+
+    `stop_after` ends this run after that many steps with a checkpoint and no draft folder (a
+    time-boxed run; the same call again resumes it). An interrupted run resumes from the last
+    checkpoint (every `checkpoint_every` steps).
+    """
+    check_config(cfg)
+    paragraphs = read_corpus(cfg.corpus)
+    try:
+        target_dir = _download(cfg.model)
+        target, target_tok = load(str(target_dir))
+    except Exception as e:  # not found / not a model: say so plainly
+        raise TrainError(f"cannot load target --model {cfg.model}: {e}") from None
+    args = draft_args(cfg, target_dir, target_tok)
+    out, ckpt = Path(cfg.out), Path(cfg.out) / "checkpoint"
+
+    step, resumed = 0, False
+    progress_file = ckpt / "progress.json"
+    if progress_file.is_file():
+        resumed = True
+        saved = json.loads(progress_file.read_text())
+        if saved["config"] != _run_key(cfg):
+            raise TrainError(f"{ckpt} holds a run with other settings; use another --out or delete it")
+        step = saved["step"]
+        log(f"resuming from step {step}")
+
+    t0 = time.time()
+    if resumed and (ckpt / "data.npz").is_file():
+        z = np.load(ckpt / "data.npz")
+        data = Data(z["tokens"], z["start"], z["length"])
+    else:
+        data = target_continuations(target, target_tok, paragraphs, cfg, progress)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        np.savez(ckpt / "data.npz", tokens=data.tokens, start=data.start, length=data.length)
+        progress_file.write_text(json.dumps({"step": 0, "config": _run_key(cfg)}, indent=2))
+    gen_s = time.time() - t0
+    n_val = min(64, len(data.tokens) // 10)
+    val = Data(data.tokens[:n_val], data.start[:n_val], data.length[:n_val])
+    tr = Data(data.tokens[n_val:], data.start[n_val:], data.length[n_val:])
+    if len(tr.tokens) == 0:
+        raise TrainError("not enough training samples; raise --samples")
+
+    mx.random.seed(cfg.seed)
+    model = new_model(args, cfg.init_from)
+    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=0.01)
+    opt.init(model.trainable_parameters())
+    if step > 0:
+        w = mx.load(str(ckpt / "state.safetensors"))
+        model.load_weights([(k[6:], v) for k, v in w.items() if k.startswith("model.")], strict=True)
+        opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
+    before = evaluate(model, val) if step == 0 else None
+
+    loss_and_grad = nn.value_and_grad(model, lambda m, *b: ss_loss(m, *b))
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def train_step(tokens, start, length):
+        (loss, main_ce, stream_ce, acc), grads = loss_and_grad(model, tokens, start, length)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return loss, main_ce, stream_ce
+
+    B = min(cfg.batch_size, len(tr.tokens))
+    tok_per_step = B * (tr.tokens.shape[1] - 1)
+    bar = tqdm(total=cfg.steps, initial=step, desc="train-draft", disable=not progress,
+               dynamic_ncols=True)
+    ema, train_t0, steps_run = None, time.time(), 0
+    while step < cfg.steps:
+        if stop_after is not None and steps_run >= stop_after:
+            _save_checkpoint(ckpt, model, opt, step, cfg)
+            bar.close()
+            return {"stopped_at": step}
+        idx = np.random.default_rng([cfg.seed, 2, step]).choice(len(tr.tokens), B, replace=False)
+        loss, main_ce, stream_ce = train_step(*_batch(tr, idx))
+        mx.eval(state, loss)
+        step += 1
+        steps_run += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        rate = steps_run * tok_per_step / max(time.time() - train_t0, 1e-9)
+        bar.set_postfix(loss=f"{ema:.3f}", main=f"{main_ce.item():.3f}", tok_s=f"{rate:,.0f}")
+        bar.update(1)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            _save_checkpoint(ckpt, model, opt, step, cfg)
+    bar.close()
+
+    after = evaluate(model, val)
+    t = load_config(target_dir)
+    extra = {k: t[k] for k in ("bos_token_id", "eos_token_id") if k in t}
+    save_ss_draft(model, out, tokenizer_from=target_dir, extra_config=extra)
+    summary = {"config": asdict(cfg), "generate_s": round(gen_s, 1),
+               "train_s": round(time.time() - train_t0, 1), "steps_this_run": steps_run,
+               "final_loss_ema": ema, "val_before": before, "val_after": after}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,185 @@
+"""The Speculative-Streaming draft: mask, cache, save/load, training, rollout, bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.models.cache import make_prompt_cache
+
+from ane_draft.ss_draft import SSDraft
+from ane_draft.ss_model import Model, ModelArgs, is_ss_draft, load_ss_draft, save_ss_draft, ss_forward
+from ane_draft.train import TrainConfig, TrainError, train
+from cli import main as cli
+from mirror_mlx.draft import MLXDraft
+
+DEMO = Path(mirror_mlx.__file__).parent / "demo"
+TARGET, LLAMA2XS, SS_DEMO = DEMO / "stories260K", DEMO / "llama2xs", DEMO / "ss_draft"
+CORPUS = Path(mirror_mlx.__file__).parent / "data" / "tinystories_train.txt"
+
+
+def tiny(streams: int = 3, stream_layers: int = 2, layers: int = 3, seed: int = 0) -> Model:
+    mx.random.seed(seed)
+    args = ModelArgs(model_type="ss_llama", hidden_size=32, num_hidden_layers=layers, intermediate_size=64,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64,
+                     num_streams=streams, stream_layers=stream_layers)
+    model = Model(args)
+    model.stream_embeddings = mx.random.normal(model.stream_embeddings.shape)  # make streams matter
+    mx.eval(model.parameters())
+    return model
+
+
+def tokens(B: int, L: int, seed: int = 0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(3, 64, (B, L)).astype(np.int32))
+
+
+def test_main_rows_equal_the_same_weights_without_streams():
+    model, x = tiny(), tokens(2, 12)
+    out = ss_forward(model, x)
+    assert out.main.shape == (2, 12, 64) and out.streams.shape == (2, 3, 12, 64)
+    plain = model(x)  # llama forward, no stream rows anywhere
+    assert mx.allclose(out.main, plain, atol=1e-5).item()
+    model.stream_embeddings = model.stream_embeddings * 3 + 1  # streams change, main rows must not
+    out2 = ss_forward(model, x)
+    assert mx.array_equal(out2.main, out.main).item()
+    assert not mx.allclose(out2.streams, out.streams).item()
+
+
+def test_stream_j_sees_main_prefix_and_lower_streams_only():
+    model, x = tiny(), tokens(1, 10)
+    out = ss_forward(model, x)
+    y = np.array(x)
+    y[0, 6] = (y[0, 6] + 1) % 64  # change token 6: rows 0..5 (main and streams) must not move
+    out2 = ss_forward(model, mx.array(y))
+    assert mx.allclose(out.streams[:, :, :6], out2.streams[:, :, :6], atol=1e-5).item()
+    assert not mx.allclose(out.streams[:, :, 6:], out2.streams[:, :, 6:]).item()
+    P = np.array(model.stream_embeddings)
+    P[2] += 1.0  # stream 3's embedding: streams 1 and 2 must not move
+    model.stream_embeddings = mx.array(P)
+    out3 = ss_forward(model, x)
+    assert mx.allclose(out.streams[:, :2], out3.streams[:, :2], atol=1e-5).item()
+    assert not mx.allclose(out.streams[:, 2], out3.streams[:, 2]).item()
+
+
+def test_cache_holds_main_rows_only():
+    model = tiny()
+    out = ss_forward(model, tokens(2, 7))
+    assert all(k.shape[2] == 7 and v.shape[2] == 7 for k, v in out.kv)  # no stream rows
+    draft = SSDraft(model)
+    context = np.array(tokens(1, 15, seed=1))[0].tolist()
+    draft.rollout(context, [[5], [6, 7]], gamma=5)
+    ref = make_prompt_cache(model)
+    model(mx.array([context]), cache=ref)
+    for c, r in zip(draft.cache, ref):
+        assert c.offset == len(context)
+        assert mx.allclose(c.state[0][..., :c.offset, :], r.state[0][..., :r.offset, :], atol=1e-5).item()
+    draft.rollout(context[:10] + [9, 9], [[5]], gamma=3)  # diverged context: trimmed, then extended
+    assert draft.cached == context[:10] + [9, 9] and draft.cache[0].offset == 12
+
+
+def test_save_load_round_trip(tmp_path):
+    model = tiny()
+    save_ss_draft(model, tmp_path / "d", tokenizer_from=LLAMA2XS)
+    assert is_ss_draft(tmp_path / "d") and not is_ss_draft(LLAMA2XS) and not is_ss_draft(tmp_path)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["num_streams"] == 3 and config["stream_layers"] == 2
+    loaded, tok = load_ss_draft(tmp_path / "d")
+    x = tokens(1, 9)
+    a, b = ss_forward(model, x), ss_forward(loaded, x)
+    assert mx.array_equal(a.main, b.main).item() and mx.array_equal(a.streams, b.streams).item()
+    assert tok.encode("Once upon a time")[:2] == [1, 403]
+    with pytest.raises(ValueError, match="not a Speculative-Streaming draft"):
+        load_ss_draft(LLAMA2XS)
+
+
+def test_rollout_windows_are_the_drafts_greedy_text():
+    model = tiny(seed=3)
+    context = np.array(tokens(1, 20, seed=2))[0].tolist()
+    stems = [[7], [4, 8], [4, 5, 9], [4, 5, 6, 10]]  # spine-shaped, as the engine sends them
+    ss, plain = SSDraft(model), MLXDraft(model)
+    r = ss.rollout(context, stems, gamma=6)
+    assert r.windows == plain.rollout(context, stems, gamma=6).windows  # main stream = plain greedy
+    assert all(len(w) == 6 for w in r.windows) and 1 <= r.forwards <= 6 and r.tokens == 6
+    assert ss.rollout([], [[1, 4]], 4).windows == plain.rollout([], [[1, 4]], 4).windows
+    assert ss.rollout(context, stems, 0).windows == [[], [], [], []]
+    with pytest.raises(ValueError):
+        ss.rollout(context, [[4], []], 3)
+
+
+@pytest.mark.skipif(not SS_DEMO.is_dir(), reason="demo SS draft not shipped yet")
+def test_trained_streams_save_forwards():
+    draft = SSDraft.from_path(SS_DEMO)
+    plain = MLXDraft(draft.model)
+    from mlx_lm.utils import load_tokenizer
+    tok = load_tokenizer(TARGET)
+    context = tok.encode("Once upon a time, there was a little girl named Lily. She loved to")
+    stems = [[v] for v in (262, 290, 300, 315, 400, 403, 437, 450)]
+    r = draft.rollout(context, stems, gamma=7)
+    assert r.windows == plain.rollout(context, stems, gamma=7).windows
+    assert r.forwards < 7, f"streams never agreed: J = {r.forwards}"
+    trusted = SSDraft(draft.model, trust_streams=True).rollout(context, stems, gamma=7)
+    assert trusted.forwards <= r.forwards and all(len(w) == 7 for w in trusted.windows)
+
+
+def test_training_lowers_loss_and_resumes_exactly(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(CORPUS.read_text().split("\n\n")[:40]))
+    kw = dict(model=str(TARGET), corpus=str(corpus), layers=2, hidden=32, streams=2, stream_layers=1,
+              steps=12, batch_size=8, lr=3e-3, samples=32, seq_len=24, prompt_min=4, prompt_max=8,
+              checkpoint_every=4)
+    summary = train(TrainConfig(out=str(tmp_path / "a"), **kw), progress=False)
+    assert summary["val_after"]["loss"] < summary["val_before"]["loss"]
+    assert is_ss_draft(tmp_path / "a") and (tmp_path / "a" / "tokenizer.json").is_file()
+    cfg = TrainConfig(out=str(tmp_path / "b"), **kw)
+    assert train(cfg, progress=False, stop_after=6) == {"stopped_at": 6}
+    assert not is_ss_draft(tmp_path / "b")
+    train(cfg, progress=False, log=lambda s: None)  # resumes at step 6
+    a = mx.load(str(tmp_path / "a" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    with pytest.raises(TrainError, match="other settings"):
+        train(TrainConfig(out=str(tmp_path / "b"), **dict(kw, lr=1e-3)), progress=False)
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(cli, ["train-draft", "--model", str(TARGET), "--out", "/nonexistent/x", *args])
+
+
+def test_bad_input_gives_clear_usage_errors(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n\n")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("Caf\xe9 au lait.\n\nUne histoire.".encode("latin-1"))
+    good = tmp_path / "good.txt"
+    good.write_text("Once upon a time there was a cat.\n\nThe cat sat on a mat.")
+    cases = [
+        (["--corpus", str(empty)], "is empty"),
+        (["--corpus", str(latin)], "not UTF-8"),
+        (["--corpus", str(tmp_path / "missing.txt")], "does not exist"),
+        (["--corpus", str(good), "--streams", "0"], "--streams must be at least 1"),
+        (["--corpus", str(good), "--layers", "2", "--stream-layers", "3"], "cannot exceed --layers"),
+        (["--corpus", str(good), "--init-from", str(LLAMA2XS), "--stream-layers", "6"],
+         "cannot exceed the draft's layers"),
+        (["--corpus", str(good), "--init-from", str(LLAMA2XS), "--layers", "3"], "disagrees with --init-from"),
+    ]
+    other = tmp_path / "other_tok"
+    shutil.copytree(LLAMA2XS, other)
+    (other / "tokenizer.model").unlink()
+    tj = json.loads((other / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = [k for k, v in vocab.items() if v in (300, 301)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, different tokenizer
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    cases.append((["--corpus", str(good), "--init-from", str(other)], "does not share the target's tokenizer"))
+    for args, message in cases:
+        result = _cli(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output, (args, result.output)
+    with pytest.raises(ValueError, match="stream_layers"):
+        tiny(stream_layers=4, layers=3)
+    with pytest.raises(ValueError, match="num_streams"):
+        tiny(streams=0)
