@@ -3,7 +3,7 @@
 Core ML cannot predict on Linux, but every MIL op class carries a numpy `value_inference`. We
 re-read the *saved* package (milproto -> pymil), bind inputs and state, and evaluate each op in
 order; ops without value inference (conv, silu, read_state, coreml_update_state, constexpr_*) get
-small numpy stand-ins here. Arithmetic model: each op computes in float32 and its fp16 outputs are
+small numpy stand-ins here, and so do layer_norm (float32 statistics) and matmul (speed). Arithmetic model: each op computes in float32 and its fp16 outputs are
 rounded to fp16, like fp16 storage with wide accumulators on the ANE. This checks graph structure,
 layout and fp16 range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
 """
@@ -73,6 +73,17 @@ def _layer_norm(op: Any, env: "Env") -> np.ndarray:
     return y
 
 
+def _matmul(op: Any, env: "Env") -> np.ndarray:
+    # float32 through einsum's own loop: stable speed for the small batched products of attention
+    # (threaded BLAS on a busy machine was 10-50x slower on these shapes)
+    x, y = op.x.val.astype(np.float32), op.y.val.astype(np.float32)
+    if op.transpose_x.val:
+        x = np.swapaxes(x, -1, -2)
+    if op.transpose_y.val:
+        y = np.swapaxes(y, -1, -2)
+    return np.einsum("...ij,...jk->...ik", x, y)
+
+
 def _constexpr(op: Any, env: "Env") -> Any:
     return op.materialized_val_inference()
 
@@ -83,6 +94,7 @@ STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
     "read_state": _read_state,
     "coreml_update_state": _update_state,
     "layer_norm": _layer_norm,
+    "matmul": _matmul,
 }
 
 

@@ -8,7 +8,9 @@ compared with the MLX draft's float32 logits for the same tokens (teacher forcin
 argmax cannot cascade), and every greedy token with the MLX argmax.
 
 Tolerances (max |logit difference| allowed, as a fraction of the largest |logit| seen plus a small
-floor): fp16 packages 2 % + 0.02; int8 10 %; lut6 25 %; lut4 50 %. Greedy tokens must be identical
+floor): fp16 packages 3 % + 0.05; int8 10 %; lut6 25 %; lut4 50 %. fp16 is not exact: the demo
+draft's residual stream reaches ~600, where fp16's spacing is 0.5, and we measured up to 1.7 % of
+the logit range against float32 (0.04 % with float32 activations, so the graph itself is exact). Greedy tokens must be identical
 except where the MLX draft's top two logits are closer than that tolerance (a near-tie, counted and
 reported). Quantized packages are compared with the unquantized draft, so their bounds are loose by
 design; the numbers are reported either way.
@@ -25,7 +27,7 @@ from ane_draft.package_host import PackageDraft
 from convert.coreml import ConvertError, check_match, package_shapes, read_metadata, spec_from_model, tokenizer_sha256
 from convert.mil_eval import MilRunner
 
-TOLERANCE = {"none": (0.02, 0.02), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
+TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
 PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to play",
            "The sun was shining and the birds were singing in the tall green trees.")
 

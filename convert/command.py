@@ -1,0 +1,45 @@
+"""`mirror-mlx convert`: build an ANE draft package, or --verify a saved one against its MLX draft."""
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from convert.coreml import QUANTIZE
+
+
+@click.command("convert")
+@click.option("--draft-model", required=True, type=click.Path(path_type=Path),
+              help="The MLX draft model folder (mlx-lm format, same tokenizer as the target).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output package, e.g. draft.mlpackage.")
+@click.option("--verify", "verify_pkg", type=click.Path(path_type=Path),
+              help="Instead of building: evaluate this saved package on this machine and compare it "
+                   "with --draft-model (one-line verdict; exit status 1 on a mismatch).")
+@click.option("--context", default=512, show_default=True, type=int,
+              help="Committed tokens the draft's KV cache holds (prompt + generated).")
+@click.option("--kappa", default=8, show_default=True, type=int, help="Early-exit candidates per row (κ).")
+@click.option("--gamma", default=7, show_default=True, type=int, help="Window length (γ).")
+@click.option("--chunk", default=16, show_default=True, type=int, help="Tokens per extend call.")
+@click.option("--quantize", type=click.Choice(QUANTIZE), default="none", show_default=True,
+              help="Weight compression of the linear layers (the embedding stays fp16).")
+def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Path], context: int,
+                kappa: int, gamma: int, chunk: int, quantize: str) -> None:
+    """Build DRAFT.mlpackage for the Neural Engine from an MLX draft, or --verify one (works on Linux)."""
+    from convert.coreml import ConvertError
+
+    try:
+        if verify_pkg is not None:
+            from convert.parity import verify
+
+            report = verify(verify_pkg, draft_model)
+            click.echo(report.line())
+            sys.exit(0 if report.ok else 1)
+        if out is None:
+            raise click.UsageError("give --out DRAFT.mlpackage to build a package (or --verify PACKAGE to check one)")
+        from convert.coreml import convert
+
+        convert(draft_model, out, context=context, kappa=kappa, gamma=gamma, chunk=chunk, quantize=quantize)
+        click.echo(f"wrote {out} (check it with: mirror-mlx convert --verify {out} --draft-model {draft_model})")
+    except ConvertError as e:
+        raise click.UsageError(str(e)) from None
