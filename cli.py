@@ -53,5 +53,10 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
     click.echo(f"wrote {out}")
 
 
+from convert.command import convert_cmd  # noqa: E402  (ANE draft packages: convert/coreml.py)
+
+main.add_command(convert_cmd)
+
+
 if __name__ == "__main__":
     sys.exit(main())
