@@ -125,12 +125,14 @@ class Pipeline:
                 seed: Optional[int] = None, kappa: int = 8, gamma: int = 7, exit_layer: Optional[int] = None,
                 mode: str = "mirror", min_p: float = 0.0, repetition_penalty: Optional[float] = None,
                 stop: bool = True, draft_timeout: float = 60.0) -> DecodeOptions:
-        if mode == "mirror" and self.draft is None:
-            mode = "ar" if False else mode  # no silent switch: Engine.check refuses it with a clear sentence
         return DecodeOptions(mode=mode, max_tokens=max_tokens, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
                              temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, seed=seed, draft_timeout=draft_timeout,
                              stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else ())
+
+    def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
+        """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
+        self.engine.check(list(tokens), self.options(**kwargs))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards."""
