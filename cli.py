@@ -92,6 +92,26 @@ def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) ->
     click.secho(pipe.stats.summary() + f" | {status()}", dim=True, err=True)
 
 
+@main.command("chat")
+@model_options
+@click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
+@decode_options
+def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
+    """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands."""
+    from mirror_mlx.chat import run_chat
+
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    kwargs = generation_kwargs(**decode)
+    try:
+        pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
+        code = run_chat(pipe, kwargs, system_prompt)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    finally:
+        pipe.close()
+    sys.exit(code)
+
+
 @main.command("import-llama2c")
 @click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--tokenizer", required=True, type=click.Path(dir_okay=False, path_type=Path),

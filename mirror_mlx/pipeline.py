@@ -160,6 +160,22 @@ class Pipeline:
         stopped = self.stats.generation_tokens > len(tokens)
         return Result("".join(c.text for c in chunks), tokens, self.stats, "stop" if stopped else "length")
 
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
+        """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
+
+        Call again with the reply and the next user turn appended: the earlier turns keep their token
+        ids, so the caches hold them and only the new turn is prefilled. Options as for `generate`.
+        """
+        from .chat import chat
+
+        return chat(self, messages, **kwargs)
+
+    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[Chunk]:
+        """`chat`, yielding text as tokens are committed; stopping early keeps what was committed."""
+        from .chat import stream_reply
+
+        return stream_reply(self, messages, **kwargs)
+
     def close(self) -> None:
         self.engine.close()
 

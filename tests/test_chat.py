@@ -1,0 +1,279 @@
+"""Chat: earlier turns stay cached (only the new turn is prefilled), replies stay lossless across
+turns, and the `mirror-mlx chat` loop behaves through a pipe and through a pseudo-terminal."""
+
+import io
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from mirror_mlx import chat as chat_mod
+from mirror_mlx.chat import prompt_ids, run_chat, state
+from mirror_mlx.pipeline import load
+from tests.models import TARGET_PATH
+
+ROOT = Path(__file__).resolve().parents[1]
+TURNS = ["Once upon a time", "The dog barked.", "Then the sun came out."]
+SHORT = dict(max_tokens=16, kappa=4, gamma=4)  # short replies keep mirror mode quick on a busy CPU
+SHORT_FLAGS = ["--max-tokens", "16", "--kappa", "4", "--gamma", "4"]
+PREFILL = re.compile(r"prefill (\d+)/(\d+) tokens")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = load()  # the embedded demo pair
+    yield p
+    p.close()
+
+
+def target_alone(pipe, prompt, n):
+    """What the target alone generates greedily from the whole prompt, no cache kept between turns."""
+    out = []
+    for t, _ in generate_step(mx.array(prompt), pipe.model, max_tokens=n):
+        out.append(int(t))
+        if out[-1] in pipe.tokenizer.eos_token_ids:
+            break
+    return out
+
+
+def converse(pipe, mode, turns=TURNS):
+    """A conversation through `Pipeline.chat`: (prompt ids, reply ids incl. stop, stats) per turn."""
+    chat_mod.reset(pipe)
+    messages, log = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the demo target has no chat template
+        for text in turns:
+            messages.append({"role": "user", "content": text})
+            result = pipe.chat(messages, mode=mode, **SHORT)
+            ids = state(pipe).tokens
+            log.append((ids[: result.stats.prompt_tokens], ids[result.stats.prompt_tokens :], result.stats))
+            messages.append({"role": "assistant", "content": result.text})
+    return log
+
+
+@pytest.mark.parametrize("mode", ["mirror", "ar"])
+def test_turns_reuse_the_cache_and_stay_lossless(pipe, mode):
+    log = converse(pipe, mode)
+    assert log[0][2].prefill_tokens == len(log[0][0]) - 1  # reset() emptied the caches
+    for i, (prompt, reply, stats) in enumerate(log):
+        assert reply == target_alone(pipe, prompt, SHORT["max_tokens"]), f"turn {i} is not the target's own text"
+        if i:  # the previous prompt and reply are a prefix; only the new turn runs (its last token is pending)
+            prev_prompt, prev_reply, _ = log[i - 1]
+            assert prompt[: len(prev_prompt) + len(prev_reply)] == prev_prompt + prev_reply
+            new = len(prompt) - len(prev_prompt) - len(prev_reply)
+            if mode == "ar":
+                assert stats.prefill_tokens == new
+            else:  # the cache may also hold verified tokens past max_tokens that happen to match the new turn
+                assert 1 <= stats.prefill_tokens <= new
+            assert stats.prefill_tokens < stats.prompt_tokens // 2
+
+
+def test_plain_continuation_is_said_once(pipe):
+    chat_mod.reset(pipe)
+    pipe._told_plain = False
+    with pytest.warns(UserWarning, match="no chat template"):
+        pipe.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
+
+
+def test_chat_template_keeps_the_reply_ids_as_prefix(tmp_path):
+    """With a template, turn 2's ids are turn 1's prompt, its generated reply, then the new turn."""
+    folder = tmp_path / "templated"
+    shutil.copytree(TARGET_PATH, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}\n"
+        "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    p = load(folder)
+    try:
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        first = p.chat(messages, max_tokens=12, mode="ar")
+        before = list(state(p).tokens)
+        assert before[: first.stats.prompt_tokens] == p.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More"}]
+        ids = prompt_ids(p, messages)
+        closing = "" if first.finish_reason == "stop" else "</s>"  # a reply cut short gets the template's end
+        tail = p.tokenizer.encode(closing + "\nuser: More\nassistant: ", add_special_tokens=False)
+        assert ids == before + tail
+        second = p.chat(messages, max_tokens=12, mode="ar")
+        assert second.stats.prefill_tokens == len(tail)
+        assert state(p).tokens[len(ids) :] == target_alone(p, ids, 12)
+        # a reply that ended on </s>: the next turn's ids follow it as if encoded in one piece
+        conv = state(p)
+        conv.tokens, conv.stop_token = conv.tokens + [2], 2
+        messages = conv.messages + [{"role": "user", "content": "Again"}]
+        one_piece = p.tokenizer.encode("</s>\nuser: Again\nassistant: ", add_special_tokens=False)
+        alone = p.tokenizer.encode("\nuser: Again\nassistant: ", add_special_tokens=False)
+        assert one_piece[0] == 2 and one_piece[1:] != alone  # alone, SentencePiece adds a leading "▁"
+        assert prompt_ids(p, messages) == conv.tokens + one_piece[1:]
+    finally:
+        p.close()
+
+
+def run_lines(pipe, lines, **kwargs):
+    """The chat loop in process, fed `lines` as a pipe would; returns (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    chat_mod.reset(pipe)
+    code = run_chat(pipe, dict(SHORT, **kwargs), stdin=io.StringIO("".join(f"{x}\n" for x in lines)),
+                    out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_commands_and_bad_input(pipe):
+    code, out, err = run_lines(pipe, ["/help", "", "/bogus", TURNS[0], "x " * 600, TURNS[1], "/stats", "/reset",
+                                      TURNS[0], "/quit", "never read"], mode="ar")
+    assert code == 0
+    replies = out.splitlines()
+    assert len(replies) == 3 and replies[2] == replies[0]  # the turn after /reset starts over
+    assert "/reset" in err and "unknown command /bogus" in err
+    assert "turn refused: the conversation would be" in err  # the 600-word turn, nothing generated
+    prefill = [tuple(map(int, m)) for m in PREFILL.findall(err)]
+    (p1, n1), (p2, n2), total, (p3, n3) = prefill
+    assert n2 == n1 + 16 + len(pipe.tokenizer.encode(TURNS[1], add_special_tokens=False))  # refused turn left out
+    assert p2 == n2 - n1 - 16  # only the new turn ran: the conversation stayed cached
+    assert "replies: 2, tokens: 32" in err and total == (p1 + p2, n1 + n2)
+    assert (p3, n3) == (p1, n1)
+
+
+def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
+    """Ctrl-C (SIGINT) after the second chunk: the reply stops there, the next turn continues after it."""
+    real = chat_mod.stream_reply
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        chunks = real(*args, **kwargs)
+        calls.append(1)
+
+        def gen():
+            try:
+                for i, c in enumerate(chunks):
+                    if i == 1 and len(calls) == 1:
+                        signal.raise_signal(signal.SIGINT)
+                    yield c
+            finally:
+                chunks.close()
+
+        return gen()
+
+    monkeypatch.setattr(chat_mod, "stream_reply", interrupted_once)
+    code, out, err = run_lines(pipe, TURNS[:2], mode="mirror")
+    assert code == 0
+    kept = int(re.search(r"\[interrupted: kept (\d+) tokens", err).group(1))
+    assert 0 < kept < 16
+    (_, n1), (p2, n2) = [tuple(map(int, m)) for m in PREFILL.findall(err)]
+    new = len(pipe.tokenizer.encode(TURNS[1], add_special_tokens=False))
+    assert n2 == n1 + kept + new and 1 <= p2 <= new
+    ids = state(pipe).tokens
+    assert ids[n2:] == target_alone(pipe, ids[:n2], 16)  # lossless after the interrupt too
+
+
+def cli(*args, ctty=False):
+    """`mirror-mlx ARGS` as a Python command line (ctty: take stdin as the controlling terminal)."""
+    code = "import sys; sys.argv[0] = 'mirror-mlx'; import cli; cli.main()"
+    if ctty:  # so that Ctrl-C typed on the terminal sends SIGINT to it, as in a shell
+        code = "import fcntl, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); " + code
+    return [sys.executable, "-c", code, *args]
+
+
+def test_piped_stdin_mirror_equals_ar(pipe):
+    lines = [TURNS[0], TURNS[1], "/stats", "/reset", TURNS[0]]
+    proc = subprocess.run(cli("chat", *SHORT_FLAGS), input="".join(f"{x}\n" for x in lines), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "embedded demo pair" in proc.stderr and proc.stderr.count("no chat template") == 1
+    _, ar_out, _ = run_lines(pipe, lines, mode="ar")
+    assert proc.stdout == ar_out and len(ar_out.splitlines()) == 3  # greedy: mirror's replies are ar's
+    (p1, n1), (p2, n2), _, (p3, n3) = [tuple(map(int, m)) for m in PREFILL.findall(proc.stderr)]
+    assert p2 < n2 // 2 and (p3, n3) == (p1, n1)
+
+
+def test_missing_model_offline_is_one_sentence():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cli("chat", "--model", "nobody/no-such-model"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "'nobody/no-such-model' is not a local folder" in proc.stderr and "download" in proc.stderr
+
+
+class Terminal:
+    """The chat on a pseudo-terminal: type into it, wait for what it prints."""
+
+    def __init__(self, *args):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(cli(*args, ctty=True), cwd=ROOT, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True)
+        os.close(slave)
+        self.seen = ""
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def expect(self, pattern: str, timeout: float = 180.0) -> re.Match:
+        """Read until `pattern` shows up in the output after what was matched before (hang guard only)."""
+        end = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.seen)
+            if m:
+                self.seen = self.seen[m.end() :]
+                return m
+            left = end - time.monotonic()
+            assert left > 0, f"no {pattern!r} in {self.seen[-2000:]!r}"
+            if select.select([self.master], [], [], left)[0]:
+                try:
+                    self.seen += ANSI.sub("", os.read(self.master, 4096).decode(errors="replace"))
+                except OSError:  # the child closed the terminal
+                    assert re.search(pattern, self.seen), f"no {pattern!r} in {self.seen[-2000:]!r}"
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            os.close(self.master)
+
+
+def test_terminal_ctrl_c_mid_reply_then_ctrl_d():
+    term = Terminal("chat", "--max-tokens", "64", "--kappa", "4", "--gamma", "4")
+    try:
+        term.expect(r"Ctrl-D quits")
+        term.expect(r">> ")
+        term.type("\x03")  # Ctrl-C at the prompt: a fresh prompt
+        term.expect(r">> ")
+        term.type(TURNS[0] + "\r")
+        term.expect(r"there")  # the reply is streaming
+        term.type("\x03")
+        kept = int(term.expect(r"\[interrupted: kept (\d+) tokens").group(1))
+        assert 0 < kept < 64
+        term.expect(r">> ")
+        term.type(TURNS[1] + "\r")
+        prefill, prompt = map(int, term.expect(PREFILL.pattern).groups())
+        new = 7  # "The dog barked." in the demo tokenizer
+        assert prompt == 5 + kept + new and 1 <= prefill <= new  # the interrupted reply stayed in the conversation
+        term.expect(r">> ")
+        term.type("/stats\r")
+        term.expect(r"replies: 2")
+        term.expect(r">> ")
+        term.type("\x04")  # Ctrl-D quits
+    finally:
+        code = term.close()
+    assert code == 0
