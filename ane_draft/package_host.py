@@ -6,9 +6,17 @@ and on Linux (through the MIL evaluator, convert/mil_eval.py). A `runner` has
 for the static shapes).
 
 Rollback is free: slots past the committed prefix are masked, never erased. The rollout puts the
-stems into a trie (stems share accepted draft tokens), then fills each call's B rows with trie
-nodes first and then one new token per branch, so J = ceil(trie / B) + gamma - 1 calls; branch
-rows live in the scratch slots for the duration of one rollout.
+stems into a trie (stems share accepted draft tokens) and fills each call's B rows with trie nodes
+first, then with each unfinished branch's next rows; every row sees the context, its ancestors
+(scratch slots of earlier calls or rows of this call) and itself. Branch rows live in the scratch
+slots for the duration of one rollout.
+
+A plain draft feeds one row per branch per call (J = ceil(trie / B) + gamma - 1). A
+Speculative-Streaming draft feeds a chain per branch: its pending main token and its stream
+guesses; the main rows check the guesses, the branch keeps the agreeing prefix plus the main token
+after it, and the streams of the last kept row are the next guesses (SS self-verification, as in
+ane_draft/ss_draft.py). Windows are the draft's own greedy main-stream text either way; streams
+only cut the number of calls.
 """
 
 from dataclasses import dataclass, field
@@ -41,17 +49,22 @@ class _Node:
     parent: int  # -1: the committed context
     depth: int  # 0 for the first token after the context
     slot: int = -1  # scratch slot once written
-    call: int = -1
+
+
+@dataclass
+class _Branch:
+    last: int  # node whose logits give the next tokens
+    window: list[int] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)  # nodes to feed next: main token, then guesses
 
 
 @dataclass
 class Trace:
-    """Logits the package produced, kept for parity checks: extend rows by position, and for
-    every branch the logit rows that chose its window tokens."""
+    """What the package produced, kept for parity checks: extend logits by position, and every
+    rollout row as (tokens after the context, main logits, stream logits (streams, V) or None)."""
 
     extend: dict[int, np.ndarray] = field(default_factory=dict)
-    windows: list[np.ndarray] = field(default_factory=list)
-    calls: int = 0
+    rows: list[tuple[tuple[int, ...], np.ndarray, Optional[np.ndarray]]] = field(default_factory=list)
 
 
 class PackageDraft:
@@ -72,19 +85,11 @@ class PackageDraft:
 
     # ------------------------------------------------------------------ calls
 
-    def _logits(self, out: dict[str, np.ndarray]) -> np.ndarray:
+    def _logits(self, out: dict[str, np.ndarray], name: str = "logits") -> np.ndarray:
+        """(T, V) float32 from one output or from the split head's outputs name_0..name_{n-1}."""
         if self.n_logits == 1:
-            return out["logits"][0]
-        return np.concatenate([out[f"logits_{j}"][0] for j in range(self.n_logits)], axis=-1)
-
-    def _call(self, fn: str, ids: np.ndarray, pos: np.ndarray, write_pos: int, mask: np.ndarray) -> np.ndarray:
-        out = self.runner.call(fn, {
-            "input_ids": ids.astype(np.int32)[None, :],
-            "positions": pos.astype(np.int32),
-            "write_pos": np.array([write_pos], np.int32),
-            "mask": mask.astype(np.float16)[None],
-        })
-        return self._logits(out)
+            return np.asarray(out[name][0], np.float32)
+        return np.concatenate([np.asarray(out[f"{name}_{j}"][0], np.float32) for j in range(self.n_logits)], -1)
 
     # ------------------------------------------------------------------ committed prefix
 
@@ -107,7 +112,9 @@ class PackageDraft:
             mask = np.full((S + E, E), NEG, np.float32)
             mask[:start, :] = 0.0
             mask[S:, :] = np.where(np.arange(E)[:, None] <= np.arange(E)[None, :], 0.0, NEG)
-            logits = self._call("extend", ids, pos, start, mask)
+            logits = self._logits(self.runner.call("extend", {
+                "input_ids": ids.astype(np.int32)[None, :], "positions": pos.astype(np.int32),
+                "write_pos": np.array([start], np.int32), "mask": mask.astype(np.float16)[None]}))
             if self.keep_trace:
                 for i in range(real):
                     self.trace.extend[start + i] = logits[i].copy()
@@ -132,18 +139,17 @@ class PackageDraft:
         return nodes, leaves
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
-        if not stems or any(len(s) == 0 for s in stems):
+        if not stems or any(len(st) == 0 for st in stems):
             raise ValueError("rollout needs at least one stem and every stem must be non-empty")
-        if gamma < 1:
-            raise ValueError(f"gamma must be >= 1 (got {gamma})")
+        if not 1 <= gamma <= self.shapes.gamma:
+            raise ValueError(f"gamma {gamma} is outside 1..{self.shapes.gamma}, what this Core ML draft was built "
+                             f"for; rebuild it with `mirror-mlx convert --gamma {max(gamma, 1)}`")
         self.sync(context)
-        if self.keep_trace:
-            self.trace.windows, self.trace.calls = [], 0
-        windows, calls = self._rollout_groups(len(context), [list(map(int, s)) for s in stems], gamma)
+        windows, calls = self._rollout_groups(len(context), [[int(t) for t in st] for st in stems], gamma)
         return Rollout(windows=windows, forwards=calls, tokens=gamma)
 
     def _rollout_groups(self, n_ctx: int, stems: list[list[int]], gamma: int) -> tuple[list[list[int]], int]:
-        """Split the stems when one batched rollout would not fit the scratch slots."""
+        """Split the stems when one batched rollout might not fit the scratch slots."""
         nodes, leaves = self._trie(stems)
         max_calls = self.shapes.scratch // self.shapes.rows
         if len(stems) == 1 or self._rollout_once(n_ctx, nodes, leaves, gamma, dry=True)[1] <= max_calls:
@@ -153,71 +159,100 @@ class PackageDraft:
         w2, c2 = self._rollout_groups(n_ctx, stems[half:], gamma)
         return w1 + w2, c1 + c2
 
-    def _rollout_once(self, n_ctx: int, nodes: list[_Node], leaves: list[int], gamma: int, dry: bool = False):
-        """One batched rollout; with dry=True only count the calls it would take."""
-        S, B, W = self.shapes.context, self.shapes.rows, self.shapes.scratch
-        K = S + W
+    def _rollout_once(self, n_ctx: int, nodes: list[_Node], leaves: list[int], gamma: int,
+                      dry: bool = False) -> tuple[list[list[int]], int]:
+        """One batched rollout. dry=True counts the calls it needs at worst (no guess accepted)."""
+        S, B, W, NS = self.shapes.context, self.shapes.rows, self.shapes.scratch, self.shapes.streams
         nodes = [_Node(n.token, n.parent, n.depth) for n in nodes]
-        top = max(n.depth for n in nodes) + gamma
-        if n_ctx + top > K and not dry:
-            raise ValueError(
-                f"context ({n_ctx}) + stem + gamma ({top}) exceeds the package's {K} positions; "
-                "rebuild it with a larger --context"
-            )
-        branches = list(dict.fromkeys(leaves))  # unique leaves, first-seen order
-        last = {b: b for b in branches}  # branch -> node whose logits choose its next token
-        out: dict[int, list[int]] = {b: [] for b in branches}
-        rows_of: dict[int, list[np.ndarray]] = {b: [] for b in branches}
+        top = max(n.depth for n in nodes) + gamma + NS
+        if n_ctx + top > S + W and not dry:
+            raise ValueError(f"context ({n_ctx}) + stem + gamma ({top}) exceeds the package's {S + W} "
+                             "positions; rebuild it with a larger --context")
+        branches = {leaf: _Branch(leaf) for leaf in dict.fromkeys(leaves)}  # unique leaves
         trie_left = list(range(len(nodes)))
-        feed: list[int] = []  # generated nodes waiting for a row
         calls = 0
-        while any(len(out[b]) < gamma for b in branches):
+        while any(len(b.window) < gamma for b in branches.values()):
             if (calls + 1) * B > W and not dry:
                 raise ValueError("rollout does not fit the package's scratch slots; use fewer or shorter stems")
             batch = trie_left[:B]
             trie_left = trie_left[len(batch):]
-            fed = feed[: B - len(batch)]
-            feed = feed[len(fed):]
-            batch += fed
+            for b in branches.values():  # whole chains only, first come first served
+                if b.chain and len(batch) + len(b.chain) <= B:
+                    batch += b.chain
             row_of = {u: r for r, u in enumerate(batch)}
             write = S + calls * B
-            logits = None if dry else self._rollout_call(n_ctx, nodes, batch, row_of, write)
+            main, streams = (None, None) if dry else self._rollout_call(n_ctx, nodes, batch, row_of, write)
             for r, u in enumerate(batch):
                 nodes[u].slot = write + r
-            for b in branches:
-                u = last[b]
-                if u not in row_of or len(out[b]) == gamma:
+            for b in branches.values():
+                if len(b.window) >= gamma:
                     continue
-                tok = 0 if dry else int(np.argmax(logits[row_of[u]]))
-                out[b].append(tok)
-                if self.keep_trace and not dry:
-                    rows_of[b].append(logits[row_of[u]].copy())
-                if len(out[b]) < gamma:
-                    nodes.append(_Node(tok, u, nodes[u].depth + 1))
-                    last[b] = len(nodes) - 1
-                    feed.append(last[b])
+                if not b.chain and b.last in row_of:  # the leaf itself: its first token
+                    self._advance(b, [b.last], row_of, main, streams, nodes, gamma, dry)
+                elif b.chain and b.chain[0] in row_of:
+                    self._advance(b, b.chain, row_of, main, streams, nodes, gamma, dry)
             calls += 1
-        if self.keep_trace and not dry:
-            self.trace.windows += [np.stack(rows_of[b]) for b in leaves]
-            self.trace.calls += calls
-        return [list(out[b]) for b in leaves], calls
+        return [branches[leaf].window[:gamma] for leaf in leaves], calls
+
+    def _advance(self, b: _Branch, fed: list[int], row_of: dict[int, int], main: Optional[np.ndarray],
+                 streams: Optional[np.ndarray], nodes: list[_Node], gamma: int, dry: bool) -> None:
+        """Take the tokens a processed chain earns and queue the branch's next chain.
+
+        fed = [leaf] or [main token, guess_1, ...]: the main prediction at row i checks fed[i+1]."""
+        NS = self.shapes.streams
+        if dry:
+            keep, tok, guesses = 0, 0, [0] * NS
+        else:
+            pred = [int(np.argmax(main[row_of[u]])) for u in fed]
+            keep = 0
+            while keep + 1 < len(fed) and nodes[fed[keep + 1]].token == pred[keep]:
+                keep += 1
+            tok = pred[keep]
+            guesses = [int(np.argmax(streams[j, row_of[fed[keep]]])) for j in range(NS)] if NS else []
+        # fed[0] is the leaf (a stem token) or the main token already in the window
+        b.window += [nodes[u].token for u in fed[1 : keep + 1]] + [tok]
+        b.last = fed[keep]
+        need = gamma - len(b.window)
+        b.chain = []
+        for t in ([tok] + guesses)[: max(0, need)]:  # a chain of c rows earns at most c tokens
+            parent = b.chain[-1] if b.chain else b.last
+            nodes.append(_Node(t, parent, nodes[parent].depth + 1))
+            b.chain.append(len(nodes) - 1)
 
     def _rollout_call(self, n_ctx: int, nodes: list[_Node], batch: list[int], row_of: dict[int, int],
-                      write: int) -> np.ndarray:
-        """One `rollout` call: each row sees the context, its ancestors (earlier calls' scratch
-        slots or this call's rows) and itself."""
-        S, B, W = self.shapes.context, self.shapes.rows, self.shapes.scratch
+                      write: int) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """One `rollout` call; returns main logits (B, V) and stream logits (NS, B, V) or None."""
+        S, B, W, NS = self.shapes.context, self.shapes.rows, self.shapes.scratch, self.shapes.streams
         K = S + W
         ids = np.zeros(B, np.int64)
         pos = np.zeros(B, np.int64)
         mask = np.full((K + B, B), NEG, np.float32)
         mask[:n_ctx, : len(batch)] = 0.0
+        paths = []
         for r, u in enumerate(batch):
             ids[r], pos[r] = nodes[u].token, n_ctx + nodes[u].depth
-            a = u
+            a, path = u, []
             while a != -1:
                 mask[K + row_of[a] if a in row_of else nodes[a].slot, r] = 0.0
+                path.append(nodes[a].token)
                 a = nodes[a].parent
+            paths.append(tuple(reversed(path)))
         for r in range(len(batch), B):
             mask[K + r, r] = 0.0  # padding rows see themselves only
-        return self._call("rollout", ids, pos, write, mask)
+        inputs = {"input_ids": ids.astype(np.int32)[None, :], "positions": pos.astype(np.int32),
+                  "write_pos": np.array([write], np.int32), "mask": mask.astype(np.float16)[None]}
+        if NS:  # stream (r, j): what main row r sees, plus streams 1..j of row r
+            smask = np.full((K + B + B * NS, B * NS), NEG, np.float32)
+            for j in range(NS):
+                smask[: K + B, j * B : (j + 1) * B] = mask
+                for jj in range(j + 1):
+                    smask[K + B + jj * B + np.arange(B), j * B + np.arange(B)] = 0.0
+            inputs["stream_positions"] = np.concatenate([pos + j + 1 for j in range(NS)]).astype(np.int32)
+            inputs["stream_mask"] = smask.astype(np.float16)[None]
+        out = self.runner.call("rollout", inputs)
+        main = self._logits(out, "logits")
+        streams = self._logits(out, "stream_logits").reshape(NS, B, -1) if NS else None
+        if self.keep_trace:
+            for r, path in enumerate(paths):
+                self.trace.rows.append((path, main[r].copy(), None if streams is None else streams[:, r].copy()))
+        return main, streams

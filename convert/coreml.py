@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 FORMAT = "1"
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: ane_draft/ss_model.py
 NEG = -1.0e4  # additive mask value: exp(-1e4) == 0 in fp16 and fp32, never -inf (no NaN rows)
 HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
 QUANTIZE = ("none", "int8", "lut4", "lut6")
@@ -66,21 +66,24 @@ class Shapes:
     scratch: int  # W: scratch slots for rollout rows
     kappa: int
     gamma: int
+    streams: int = 0  # stream rows per main rollout row (Speculative-Streaming drafts)
 
     @property
     def slots(self) -> int:
         return self.context + self.scratch
 
     @classmethod
-    def make(cls, context: int, kappa: int, gamma: int, chunk: int = 16) -> "Shapes":
+    def make(cls, context: int, kappa: int, gamma: int, chunk: int = 16, streams: int = 0) -> "Shapes":
+        """B = kappa*(gamma+1) rows (times 1 + streams for an SS draft, whose branches each feed
+        a main token and its stream guesses per forward); scratch for gamma+1 rollout calls."""
         if kappa < 1 or gamma < 1:
             raise ConvertError(f"kappa and gamma must be >= 1 (got kappa={kappa}, gamma={gamma})")
         if chunk < 1 or context < chunk:
             raise ConvertError(
                 f"--context {context} must be at least the extend chunk ({chunk}); use --context >= {chunk}"
             )
-        rows = kappa * (gamma + 1)
-        return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma)
+        rows = kappa * (gamma + 1) * (1 + streams)
+        return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma, streams)
 
 
 @dataclass
@@ -101,6 +104,8 @@ class DraftSpec:
     config: dict[str, Any]
     tokenizer_sha256: str
     draft_sha256: str
+    streams: int = 0  # SS drafts: stream rows per main row, carried by the top `stream_layers`
+    stream_layers: int = 0
 
     @property
     def groups(self) -> int:
@@ -187,8 +192,6 @@ def _rope_table(rope: Any, head_dim: int, positions: int) -> tuple[np.ndarray, n
 
 def read_draft(path: Path, positions: int) -> DraftSpec:
     """Load an mlx-lm draft folder and pull out what the builder needs (float32 numpy)."""
-    from mlx_lm.utils import load
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConvertError(f"{path} is not an MLX model folder (no config.json); give --draft-model a folder")
@@ -199,12 +202,29 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
             f"draft architecture '{mt}' is not supported by the Core ML converter "
             f"(supported: {', '.join(SUPPORTED)}); use the MLX draft folder directly instead"
         )
-    model, tokenizer = load(str(path))
+    model, tokenizer = load_draft_model(path, config)
     return spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
 
 
+def load_draft_model(path: Path, config: dict) -> tuple[Any, Any]:
+    """(model, tokenizer) of a plain mlx-lm draft or a Speculative-Streaming draft folder."""
+    if config.get("model_type") == "ss_llama":
+        from ane_draft.ss_model import load_ss_draft
+
+        return load_ss_draft(path)
+    from mlx_lm.utils import load
+
+    return load(str(path))
+
+
+def _np(a: Any) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.array(a.astype(mx.float32))
+
+
 def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> DraftSpec:
-    """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model."""
+    """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
     inner = getattr(model, "language_model", model).model
     args = model.args
     if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in getattr(args, "layer_types", []) or []):
@@ -223,14 +243,18 @@ def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> D
                 w[f"{i}.{n}.bias"] = b
         for n in ("q_norm", "k_norm"):
             if hasattr(a, n):
-                w[f"{i}.{n}"] = np.array(getattr(a, n).weight, np.float32)
+                w[f"{i}.{n}"] = _np(getattr(a, n).weight)
         for n in ("gate_proj", "up_proj", "down_proj"):
             w[f"{i}.{n}"], b = _dense(getattr(m, n))
             if b is not None:
                 w[f"{i}.{n}.bias"] = b
-        w[f"{i}.input_norm"] = np.array(layer.input_layernorm.weight, np.float32)
-        w[f"{i}.post_norm"] = np.array(layer.post_attention_layernorm.weight, np.float32)
-    w["norm"] = np.array(inner.norm.weight, np.float32)
+        w[f"{i}.input_norm"] = _np(layer.input_layernorm.weight)
+        w[f"{i}.post_norm"] = _np(layer.post_attention_layernorm.weight)
+    w["norm"] = _np(inner.norm.weight)
+    streams = stream_layers = 0
+    if hasattr(model, "stream_embeddings"):  # SS draft
+        w["stream_embeddings"] = _np(model.stream_embeddings)
+        streams, stream_layers = int(args.num_streams), int(args.stream_layers)
     lm_head = getattr(model, "lm_head", None)
     w["head"] = _dense(lm_head)[0] if lm_head is not None else w["embed"]
     cos, sin = _rope_table(attn0.rope, head_dim, positions)
@@ -239,6 +263,7 @@ def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> D
         layers=len(inner.layers), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         vocab=w["head"].shape[0], eps=float(inner.norm.eps), weights=w, cos=cos, sin=sin,
         config=config, tokenizer_sha256=tok_sha, draft_sha256=_weights_sha256(w),
+        streams=streams, stream_layers=stream_layers,
     )
 
 
@@ -255,105 +280,139 @@ def _conv_w(w: np.ndarray, scale: float = 1.0) -> np.ndarray:
 
 def build_program(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
     """The MIL program of one function ('extend' or 'rollout') of the package."""
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import types
     import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import Function, Program, types
 
     T = shapes.chunk if fn == "extend" else shapes.rows
     Sk = shapes.context if fn == "extend" else shapes.slots  # state slots this function reads
-    K = shapes.slots
+    NS = spec.streams if fn == "rollout" else 0  # stream rows per main row (SS drafts)
+    TS = T * NS
+    L, KV, D = spec.layers, spec.kv_heads, spec.head_dim
+    specs = {
+        "input_ids": mb.TensorSpec((1, T), dtype=types.int32),
+        "positions": mb.TensorSpec((T,), dtype=types.int32),
+        "write_pos": mb.TensorSpec((1,), dtype=types.int32),
+        "mask": mb.TensorSpec((1, Sk + T, T), dtype=types.fp16),
+    }
+    if NS:
+        specs["stream_positions"] = mb.TensorSpec((TS,), dtype=types.int32)
+        specs["stream_mask"] = mb.TensorSpec((1, Sk + T + TS, TS), dtype=types.fp16)
+    specs["kv_cache"] = mb.StateTensorSpec((2 * L, KV, D, shapes.slots), dtype=types.fp16)
+    with Function(specs, opset_version=ct.target.iOS18) as func:
+        func.set_outputs(_forward(mb, spec, func.inputs, T, Sk, NS, progress))
+    prog = Program()
+    prog.add_function("main", func)
+    return prog
+
+
+def _forward(mb: Any, spec: DraftSpec, inp: dict, T: int, Sk: int, NS: int,
+             progress: Optional[Callable[[], None]]) -> list:
+    """The decoder over T main rows (plus T*NS stream rows in the top layers of an SS draft)."""
     L, H, KV, D, G, C = spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.groups, spec.hidden
-    w = spec.weights
+    TS, w, f16 = T * NS, spec.weights, np.float16
     scale = D ** -0.5
-    h2 = D // 2
-    f16 = np.float16
 
-    input_specs = [
-        mb.TensorSpec((1, T), dtype=types.int32),
-        mb.TensorSpec((T,), dtype=types.int32),
-        mb.TensorSpec((1,), dtype=types.int32),
-        mb.TensorSpec((1, Sk + T, T), dtype=types.fp16),
-        mb.StateTensorSpec((2 * L, KV, D, K), dtype=types.fp16),
-    ]
-
-    def rms(x, weight, axis, shape):
-        both = mb.concat(values=[x, mb.mul(x=x, y=f16(-1.0))], axis=axis)
-        n = mb.layer_norm(x=both, axes=[axis], epsilon=f16(spec.eps))
-        half = mb.split(x=n, num_splits=2, axis=axis)[0]
+    def rms(x, weight, shape):  # over axis 1
+        both = mb.concat(values=[x, mb.mul(x=x, y=f16(-1.0))], axis=1)
+        half = mb.split(x=mb.layer_norm(x=both, axes=[1], epsilon=f16(spec.eps)), num_splits=2, axis=1)[0]
         return mb.mul(x=half, y=_f16(weight).reshape(shape))
 
     def conv(x, name, scale_=1.0):
         b = w.get(f"{name}.bias")
         return mb.conv(x=x, weight=_conv_w(w[name], scale_), bias=None if b is None else _f16(b * scale_))
 
-    cos_t = _f16(spec.cos.T)  # (D/2, P)
-    sin_t = _f16(spec.sin.T)
+    def rope(t, cos, sin):  # t: (n, D, R)
+        a, b = mb.split(x=t, num_splits=2, axis=1)
+        return mb.add(x=mb.mul(x=t, y=cos), y=mb.mul(x=mb.concat(values=[b, a], axis=1), y=sin))
 
-    @mb.program(input_specs=input_specs, opset_version=ct.target.iOS18)
-    def prog(input_ids, positions, write_pos, mask, kv_cache):
-        cache = mb.read_state(input=kv_cache)
-        ids = mb.reshape(x=input_ids, shape=[T])
-        x = mb.gather(x=_f16(w["embed"]), indices=ids, axis=0)  # (T, C)
-        x = mb.reshape(x=mb.transpose(x=x, perm=[1, 0]), shape=[1, C, 1, T])
-        cos = mb.gather(x=cos_t, indices=positions, axis=1)  # (D/2, T)
-        sin = mb.gather(x=sin_t, indices=positions, axis=1)
-        cos = mb.concat(values=[cos, cos], axis=0)  # (D, T)
-        sin = mb.concat(values=[mb.mul(x=sin, y=f16(-1.0)), sin], axis=0)  # signed: rotate_half
-        m = mask if G == 1 else mb.tile(x=mask, reps=[1, 1, G])  # (1, Sk+T, G*T)
+    def attend(q, keys, values, mask, n):
+        """q (H, D, n) over key blocks [(KV, D, m_i)] with the additive key-major mask."""
+        if G > 1:  # (KV*G, D, n) -> (KV, D, G*n)
+            q = mb.reshape(x=mb.transpose(x=mb.reshape(x=q, shape=[KV, G, D, n]), perm=[0, 2, 1, 3]),
+                           shape=[KV, D, G * n])
+        s = [mb.matmul(x=k, y=q, transpose_x=True) for k in keys]  # (KV, m_i, G*n)
+        p = mb.softmax(x=mb.add(x=mb.concat(values=s, axis=1), y=mask), axis=1)
+        parts = mb.split(x=p, split_sizes=[k.shape[2] for k in keys], axis=1)
+        o = mb.matmul(x=values[0], y=parts[0])
+        for v, pv in zip(values[1:], parts[1:]):
+            o = mb.add(x=o, y=mb.matmul(x=v, y=pv))  # (KV, D, G*n)
+        if G > 1:
+            o = mb.transpose(x=mb.reshape(x=o, shape=[KV, D, G, n]), perm=[0, 2, 1, 3])
+        return mb.reshape(x=o, shape=[1, H * D, 1, n])
 
-        def rope(t):  # t: (n, D, T)
-            a, b = mb.split(x=t, num_splits=2, axis=1)
-            return mb.add(x=mb.mul(x=t, y=cos), y=mb.mul(x=mb.concat(values=[b, a], axis=1), y=sin))
-
-        new_kv = []
-        for i in range(L):
-            h = rms(x, w[f"{i}.input_norm"], 1, (1, C, 1, 1))
-            qn = f"{i}.q_norm" in w
-            q = mb.reshape(x=conv(h, f"{i}.q_proj", 1.0 if qn else scale), shape=[H, D, T])
-            k = mb.reshape(x=conv(h, f"{i}.k_proj"), shape=[KV, D, T])
-            v = mb.reshape(x=conv(h, f"{i}.v_proj"), shape=[KV, D, T])
-            if qn:
-                q = rms(q, w[f"{i}.q_norm"] * scale, 1, (1, D, 1))
-                k = rms(k, w[f"{i}.k_norm"], 1, (1, D, 1))
-            q, k = rope(q), rope(k)
-            new_kv += [k, v]
-            if G > 1:  # (KV*G, D, T) -> (KV, D, G*T)
-                q = mb.reshape(x=q, shape=[KV, G, D, T])
-                q = mb.reshape(x=mb.transpose(x=q, perm=[0, 2, 1, 3]), shape=[KV, D, G * T])
-            kc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
-            vc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i + 1, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
-            s = mb.concat(values=[mb.matmul(x=kc, y=q, transpose_x=True),
-                                  mb.matmul(x=k, y=q, transpose_x=True)], axis=1)  # (KV, Sk+T, G*T)
-            p = mb.softmax(x=mb.add(x=s, y=m), axis=1)
-            pc, pn = mb.split(x=p, split_sizes=[Sk, T], axis=1)
-            o = mb.add(x=mb.matmul(x=vc, y=pc), y=mb.matmul(x=v, y=pn))  # (KV, D, G*T)
-            if G > 1:
-                o = mb.transpose(x=mb.reshape(x=o, shape=[KV, D, G, T]), perm=[0, 2, 1, 3])
-            o = mb.reshape(x=o, shape=[1, H * D, 1, T])
-            x = mb.add(x=x, y=conv(o, f"{i}.o_proj"))
-            h = rms(x, w[f"{i}.post_norm"], 1, (1, C, 1, 1))
-            g = conv(h, f"{i}.gate_proj")
-            act = mb.mul(x=mb.mul(x=g, y=mb.sigmoid(x=g)), y=conv(h, f"{i}.up_proj"))
-            x = mb.add(x=x, y=conv(act, f"{i}.down_proj"))
-            if progress:
-                progress()
-        x = rms(x, w["norm"], 1, (1, C, 1, 1))
-        begin = mb.concat(values=[np.zeros(3, np.int32), write_pos], axis=0)
-        end = mb.add(x=begin, y=np.array([2 * L, KV, D, T], np.int32))
-        upd = mb.concat(values=[mb.reshape(x=t, shape=[1, KV, D, T]) for t in new_kv], axis=0)
-        mb.coreml_update_state(state=kv_cache, value=mb.slice_update(x=cache, update=upd, begin=begin, end=end))
-        outs = []
-        head = w["head"]
-        n = math.ceil(spec.vocab / HEAD_SPLIT)
-        for j in range(n):
-            part = head[j * HEAD_SPLIT : (j + 1) * HEAD_SPLIT]
-            y = mb.conv(x=x, weight=_conv_w(part))  # (1, Vj, 1, T)
-            y = mb.transpose(x=mb.reshape(x=y, shape=[part.shape[0], T]), perm=[1, 0])
-            outs.append(mb.reshape(x=y, shape=[1, T, part.shape[0]], name="logits" if n == 1 else f"logits_{j}"))
-        return tuple(outs)
-
-    # the builder names function inputs after the Python parameters
-    return prog
+    cache = mb.read_state(input=inp["kv_cache"])
+    ids = mb.reshape(x=inp["input_ids"], shape=[T])
+    x = mb.gather(x=_f16(w["embed"]), indices=ids, axis=0)  # (T, C)
+    x = mb.reshape(x=mb.transpose(x=x, perm=[1, 0]), shape=[1, C, 1, T])
+    pos = inp["positions"] if not NS else mb.concat(values=[inp["positions"], inp["stream_positions"]], axis=0)
+    cos = mb.gather(x=_f16(spec.cos.T), indices=pos, axis=1)  # (D/2, R)
+    sin = mb.gather(x=_f16(spec.sin.T), indices=pos, axis=1)
+    cos_all = mb.concat(values=[cos, cos], axis=0)  # (D, R)
+    sin_all = mb.concat(values=[mb.mul(x=sin, y=f16(-1.0)), sin], axis=0)  # signed for rotate_half
+    cos_main, sin_main = cos_all, sin_all
+    if NS:
+        cos_main = mb.split(x=cos_all, split_sizes=[T, TS], axis=1)[0]
+        sin_main = mb.split(x=sin_all, split_sizes=[T, TS], axis=1)[0]
+    mask = inp["mask"] if G == 1 else mb.tile(x=inp["mask"], reps=[1, 1, G])  # (1, Sk+T, G*T)
+    if NS:
+        smask = inp["stream_mask"] if G == 1 else mb.tile(x=inp["stream_mask"], reps=[1, 1, G])
+    first_stream = L - spec.stream_layers if NS else L
+    new_kv = []
+    for i in range(L):
+        if i == first_stream:  # every main row spawns NS stream rows h_t + P_j, stream-major
+            P = _f16(w["stream_embeddings"])
+            x = mb.concat(values=[x] + [mb.add(x=x, y=P[j].reshape(1, C, 1, 1)) for j in range(NS)], axis=3)
+        streams = i >= first_stream
+        R = T + TS if streams else T
+        h = rms(x, w[f"{i}.input_norm"], (1, C, 1, 1))
+        qn = f"{i}.q_norm" in w
+        q = mb.reshape(x=conv(h, f"{i}.q_proj", 1.0 if qn else scale), shape=[H, D, R])
+        k = mb.reshape(x=conv(h, f"{i}.k_proj"), shape=[KV, D, R])
+        v = mb.reshape(x=conv(h, f"{i}.v_proj"), shape=[KV, D, R])
+        if qn:
+            q = rms(q, w[f"{i}.q_norm"] * scale, (1, D, 1))
+            k = rms(k, w[f"{i}.k_norm"], (1, D, 1))
+        c, s_ = (cos_all, sin_all) if streams else (cos_main, sin_main)
+        q, k = rope(q, c, s_), rope(k, c, s_)
+        kc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
+        vc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i + 1, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
+        if streams:
+            qm, qs = mb.split(x=q, split_sizes=[T, TS], axis=2)
+            km, ks = mb.split(x=k, split_sizes=[T, TS], axis=2)
+            vm, vs = mb.split(x=v, split_sizes=[T, TS], axis=2)
+            o = mb.concat(values=[attend(qm, [kc, km], [vc, vm], mask, T),  # main rows never see streams
+                                  attend(qs, [kc, km, ks], [vc, vm, vs], smask, TS)], axis=3)
+        else:
+            km, vm = k, v
+            o = attend(q, [kc, k], [vc, v], mask, T)
+        new_kv += [km, vm]
+        x = mb.add(x=x, y=conv(o, f"{i}.o_proj"))
+        h = rms(x, w[f"{i}.post_norm"], (1, C, 1, 1))
+        g = conv(h, f"{i}.gate_proj")
+        act = mb.mul(x=mb.mul(x=g, y=mb.sigmoid(x=g)), y=conv(h, f"{i}.up_proj"))  # SiLU as x*sigmoid(x)
+        x = mb.add(x=x, y=conv(act, f"{i}.down_proj"))
+        if progress:
+            progress()
+    x = rms(x, w["norm"], (1, C, 1, 1))
+    begin = mb.concat(values=[np.zeros(3, np.int32), inp["write_pos"]], axis=0)
+    end = mb.add(x=begin, y=np.array([2 * L, KV, D, T], np.int32))
+    upd = mb.concat(values=[mb.reshape(x=t, shape=[1, KV, D, T]) for t in new_kv], axis=0)
+    mb.coreml_update_state(state=inp["kv_cache"], value=mb.slice_update(x=cache, update=upd, begin=begin, end=end))
+    outs, stream_outs = [], []
+    head, n = w["head"], math.ceil(spec.vocab / HEAD_SPLIT)
+    for j in range(n):  # LM head split at the ANE's per-axis limit
+        part = head[j * HEAD_SPLIT : (j + 1) * HEAD_SPLIT]
+        Vj = part.shape[0]
+        y = mb.transpose(x=mb.reshape(x=mb.conv(x=x, weight=_conv_w(part)), shape=[Vj, T + TS]), perm=[1, 0])
+        suffix = "" if n == 1 else f"_{j}"
+        if NS:
+            ym, ys = mb.split(x=y, split_sizes=[T, TS], axis=0)
+            outs.append(mb.reshape(x=ym, shape=[1, T, Vj], name="logits" + suffix))
+            stream_outs.append(mb.reshape(x=ys, shape=[1, TS, Vj], name="stream_logits" + suffix))
+        else:
+            outs.append(mb.reshape(x=y, shape=[1, T, Vj], name="logits" + suffix))
+    return outs + stream_outs
 
 
 # --------------------------------------------------------------------------- quantization
@@ -415,16 +474,16 @@ def _register_finish_pass() -> str:
 # --------------------------------------------------------------------------- package
 
 
-def metadata(spec: DraftSpec, shapes: Shapes, quantize: str, kind: str = "plain") -> dict[str, str]:
+def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
     """What the runtime checks before trusting a package (all strings, as Core ML wants)."""
     n_heads = math.ceil(spec.vocab / HEAD_SPLIT)
     meta = {
-        "format": FORMAT, "kind": kind, "model_type": spec.model_type,
+        "format": FORMAT, "kind": "ss" if spec.streams else "plain", "model_type": spec.model_type,
         "config": json.dumps(spec.config, sort_keys=True),
         "draft_sha256": spec.draft_sha256, "tokenizer_sha256": spec.tokenizer_sha256,
         "vocab": str(spec.vocab), "layers": str(spec.layers), "kv_heads": str(spec.kv_heads),
         "head_dim": str(spec.head_dim), "logit_outputs": str(n_heads), "quantize": quantize,
-        "compute_units": "CPU_AND_NE",
+        "compute_units": "CPU_AND_NE", "stream_layers": str(spec.stream_layers),
     }
     meta.update({k: str(v) for k, v in asdict(shapes).items()})
     return {META + k: v for k, v in meta.items()}
@@ -435,14 +494,17 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = 8, gamma: i
     """Build `out` (.mlpackage) from the mlx-lm draft folder `draft`."""
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
-    shapes = Shapes.make(context, kappa, gamma, chunk)
-    spec = read_draft(Path(draft), positions=shapes.slots)
+    draft = Path(draft)
+    streams = 0
+    if (draft / "config.json").is_file():
+        streams = int(json.loads((draft / "config.json").read_text()).get("num_streams", 0) or 0)
+    shapes = Shapes.make(context, kappa, gamma, chunk, streams)
+    spec = read_draft(draft, positions=shapes.slots)
     return convert_spec(spec, Path(out), shapes, quantize, progress)
 
 
 def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "none",
-                 progress: bool = True, kind: str = "plain",
-                 build: Callable[..., Any] = build_program) -> Path:
+                 progress: bool = True, build: Callable[..., Any] = build_program) -> Path:
     """Build both functions into one program, convert it once (passes, compression, weight
     sharing) and save it at `out` with the metadata."""
     import coremltools as ct
@@ -470,8 +532,9 @@ def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "no
                            pass_pipeline=pipeline, skip_model_load=True)
     bar.update(2)
     bar.set_postfix_str("save")
+    kind = f"Speculative-Streaming ({spec.streams} streams)" if spec.streams else "plain"
     model.short_description = f"mirror-mlx {kind} draft ({spec.model_type}) for the Neural Engine"
-    model.user_defined_metadata.update(metadata(spec, shapes, quantize, kind))
+    model.user_defined_metadata.update(metadata(spec, shapes, quantize))
     if out.exists():
         shutil.rmtree(out)
     model.save(str(out))
@@ -501,7 +564,8 @@ def read_metadata(package: Path) -> dict[str, str]:
 
 
 def package_shapes(meta: dict[str, str]) -> Shapes:
-    return Shapes(*(int(meta[k]) for k in ("context", "chunk", "rows", "scratch", "kappa", "gamma")))
+    keys = ("context", "chunk", "rows", "scratch", "kappa", "gamma")
+    return Shapes(*(int(meta[k]) for k in keys), streams=int(meta.get("streams", 0)))
 
 
 def check_match(meta: dict[str, str], spec: DraftSpec, package: Path) -> None:

@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ane_draft.package_host import PackageDraft
-from convert.coreml import ConvertError, check_match, package_shapes, read_metadata, spec_from_model, tokenizer_sha256
+from convert.coreml import (ConvertError, check_match, load_draft_model, package_shapes, read_metadata,
+                            spec_from_model, tokenizer_sha256)
 from convert.mil_eval import MilRunner
 
 TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
@@ -101,6 +102,26 @@ def _mlx_logits(model: Any, seqs: Sequence[Sequence[int]], last: Sequence[int], 
     return out
 
 
+def _row_logits(model: Any, seqs: Sequence[Sequence[int]], streams: int,
+                batch: int = 16) -> list[tuple[np.ndarray, Optional[np.ndarray]]]:
+    """Main logits (V,) at the last position of each sequence, and an SS draft's stream logits
+    (streams, V) there; right padding is harmless (rows only see what comes before them)."""
+    import mlx.core as mx
+
+    if not streams:
+        return [(m[0], None) for m in _mlx_logits(model, seqs, [1] * len(seqs), batch)]
+    from ane_draft.ss_model import ss_forward
+
+    out = []
+    for i in range(0, len(seqs), batch):
+        part = seqs[i : i + batch]
+        n = max(len(s) for s in part)
+        res = ss_forward(model, mx.array([list(s) + [0] * (n - len(s)) for s in part], dtype=mx.int32))
+        main, st = np.array(res.main.astype(mx.float32)), np.array(res.streams.astype(mx.float32))
+        out += [(main[j, len(s) - 1], st[j, :, len(s) - 1]) for j, s in enumerate(part)]
+    return out
+
+
 def _stems(model: Any, context: list[int], kappa: int, gamma: int) -> tuple[list[int], list[list[int]]]:
     """The draft's own greedy window after `context` and kappa*(gamma+1) Mirror-SD stems."""
     import mlx.core as mx
@@ -122,13 +143,11 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     """Evaluate the saved package against the MLX draft in `draft`; see the module docstring."""
     package, draft = Path(package), Path(draft)
     meta = read_metadata(package)
-    if model is None:
-        from mlx_lm.utils import load
-
-        if not (draft / "config.json").is_file():
-            raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
-        model, tokenizer = load(str(draft))
+    if not (draft / "config.json").is_file():
+        raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
     config = json.loads((draft / "config.json").read_text())
+    if model is None:
+        model, tokenizer = load_draft_model(draft, config)
     shapes = package_shapes(meta)
     spec = spec_from_model(model, config, tokenizer_sha256(tokenizer), shapes.slots)
     check_match(meta, spec, package)
@@ -151,17 +170,20 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
         for step in range(steps):
             window, stems = _stems(model, context, kappa, gamma)
             draft_pkg.trace.extend.clear()
+            draft_pkg.trace.rows.clear()
             result = draft_pkg.rollout(context, stems, gamma)
             new = sorted(draft_pkg.trace.extend)
             if new:
                 ref = _mlx_logits(model, [context[: new[-1] + 1]], [len(new)])[0]
                 report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), ref)
                 report.extend_rows += len(new)
-            seqs = [context + s + w[:-1] for s, w in zip(stems, result.windows)]
-            refs = _mlx_logits(model, seqs, [gamma] * len(seqs))
-            for got, ref, w in zip(draft_pkg.trace.windows, refs, result.windows):
-                report.add(got, ref, np.array(w))
-            report.rollout_rows += len(seqs) * gamma
+            rows = draft_pkg.trace.rows
+            refs = _row_logits(model, [context + list(path) for path, _, _ in rows], shapes.streams)
+            for (_, main, streams), (ref_main, ref_streams) in zip(rows, refs):
+                report.add(main[None], ref_main[None])
+                if streams is not None:
+                    report.add(streams, ref_streams)
+            report.rollout_rows += len(rows)
             report.calls += result.forwards
             a = step % (gamma + 1)  # accept a draft tokens, then the first candidate of row a
             context = context + stems[a * kappa]

@@ -21,7 +21,7 @@ from convert import coreml
 from convert.ane_ops import not_on_ane
 from convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
 from convert.mil_eval import MilRunner, load_program, op_types
-from convert.parity import verify
+from convert.parity import PROMPTS, verify
 
 DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
@@ -192,7 +192,7 @@ def test_families_convert_and_pass_parity(work, family, monkeypatch):
         monkeypatch.setattr(coreml, "HEAD_SPLIT", 200)
     draft, pkg = family_package(work, family)
     assert read_metadata(pkg)["logit_outputs"] == ("3" if family == "qwen3" else "1")
-    report = verify(pkg, draft, steps=2)
+    report = verify(pkg, draft, steps=2, prompts=PROMPTS[:1])
     assert report.ok, report.line()
 
 
@@ -204,7 +204,7 @@ def test_quantized_packages_convert_and_report_parity(work, tiny_llama, mode, op
     ops = op_types(load_program(pkg))
     assert op in ops and not_on_ane(ops) == []
     assert read_metadata(pkg)["quantize"] == mode
-    report = verify(pkg, draft, steps=1)
+    report = verify(pkg, draft, steps=2, prompts=PROMPTS[:1])
     print(report.line())
     assert report.ok, report.line()  # the looser, stated tolerance of this mode
     assert report.max_abs > 1e-3  # the weights really changed
@@ -323,3 +323,85 @@ def test_process_draft_over_shared_memory(demo_pkg, demo_model):
         assert draft.rollout(ctx, [[5]], 2).windows == [greedy(model, ctx + [5], 2)]
         proc = draft.proc
     assert not proc.is_alive()
+
+
+# ------------------------------------------------------------------ Speculative-Streaming drafts
+
+
+def make_ss_draft(root: Path) -> Path:
+    """A tiny random SS draft (ane_draft/ss_model.py): 3 layers, the top 2 carry 2 streams."""
+    from ane_draft.ss_model import Model, ModelArgs, save_ss_draft
+
+    mx.random.seed(3)
+    args = ModelArgs.from_dict(dict(TINY, model_type="ss_llama", num_hidden_layers=3, tie_word_embeddings=True,
+                                    num_streams=2, stream_layers=2))
+    model = Model(args)
+    model.stream_embeddings = mx.random.normal(model.stream_embeddings.shape)  # make streams matter
+    mx.eval(model.parameters())
+    save_ss_draft(model, root / "ss", tokenizer_from=DEMO_DRAFT)
+    return root / "ss"
+
+
+def test_ss_draft_package_has_stream_rows_and_passes_parity(work):
+    import coremltools as ct
+
+    from ane_draft.ss_model import load_ss_draft
+
+    draft = make_ss_draft(work)
+    pkg = convert(draft, work / "ss.mlpackage", progress=False, context=64, kappa=1, gamma=3, chunk=8)
+    meta = read_metadata(pkg)
+    assert (meta["kind"], meta["streams"], meta["stream_layers"], meta["rows"]) == ("ss", "2", "2", "12")
+    funcs = {f.name: f for f in ct.utils.load_spec(str(pkg)).description.functions}
+    ins = {i.name: list(i.type.multiArrayType.shape) for i in funcs["rollout"].input}
+    K = 64 + 12 * 4
+    assert ins["stream_positions"] == [24] and ins["stream_mask"] == [1, K + 12 + 24, 24]
+    outs = {o.name: list(o.type.multiArrayType.shape) for o in funcs["rollout"].output}
+    assert outs == {"logits": [1, 12, 512], "stream_logits": [1, 24, 512]}
+    assert "stream_mask" not in {i.name for i in funcs["extend"].input}  # extend: main rows only
+    assert not_on_ane(op_types(load_program(pkg))) == []
+    report = verify(pkg, draft, steps=2, prompts=PROMPTS[:1])  # main and stream logits of every row vs ss_forward
+    assert report.ok, report.line()
+    model, tok = load_ss_draft(draft)
+    ctx = tok.encode("Once upon a time")
+    stems = [[5], [6, 7], [9]]
+    r = PackageDraft(MilRunner(pkg), meta).rollout(ctx, stems, 3)
+    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]  # streams never change the text
+
+
+class Counting:
+    """A fake package: the next token is always t+1, and stream j guesses t+1+j (right or not)."""
+
+    def __init__(self, meta: dict, right: bool):
+        self.B, self.NS, self.V, self.right = int(meta["rows"]), int(meta["streams"]), int(meta["vocab"]), right
+        self.calls = 0
+
+    def reset(self):
+        pass
+
+    def call(self, fn, inputs):
+        ids = inputs["input_ids"][0]
+        onehot = lambda t: np.eye(self.V, dtype=np.float32)[t % self.V]  # noqa: E731
+        out = {"logits": onehot(ids + 1)[None]}
+        if fn == "rollout" and self.NS:
+            self.calls += 1
+            guess = [ids + 1 + j + 1 if self.right else ids for j in range(self.NS)]
+            out["stream_logits"] = np.concatenate([onehot(g) for g in guess])[None]
+        return out
+
+
+@pytest.mark.parametrize("right,calls", [(True, 1 + 2), (False, 1 + 6)])
+def test_ss_host_keeps_agreeing_guesses(right, calls):
+    shapes = coreml.Shapes.make(64, kappa=2, gamma=7, chunk=8, streams=2)
+    meta = {k: str(v) for k, v in shapes.__dict__.items()} | {"vocab": "100", "logit_outputs": "1"}
+    runner = Counting(meta, right)
+    ctx = list(range(10, 20))
+    stems = [[20], [20, 21], [50]]
+    r = PackageDraft(runner, meta).rollout(ctx, stems, 7)
+    assert r.windows == [[s[-1] + 1 + i for i in range(7)] for s in stems]
+    assert r.forwards == runner.calls == calls  # 1 + ceil(6 / 3) when every guess is right, else 1 + 6
+
+
+def test_gamma_beyond_the_package_is_refused(demo_pkg):
+    draft = PackageDraft(MilRunner(demo_pkg), read_metadata(demo_pkg))
+    with pytest.raises(ValueError, match="built for; rebuild it with `mirror-mlx convert --gamma 5`"):
+        draft.rollout([1, 2, 3], [[4]], 5)
