@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The headline benchmark behind BENCHMARKS.md (`make bench`), sized for a 2-core CPU box (~40 min).
+#
+# 1. Widen the demo pair into build/ without changing its function (convert/widen.py):
+#    target stories260K -> 98M params (hidden 768, 96 heads, 48 kv, MLP 2064, 15 layers),
+#    draft  llama2xs    -> 8M params  (hidden 256, 32 heads, 16 kv, MLP 768, 10 layers).
+# 2. Sweep Mirror-SD's kappa x gamma x exit layer on TinyStories openings the headline runs do not
+#    use (--skip 10), and take the fastest point as the knobs for the headline runs.
+# 3. Headline: TinyStories openings and SpecBench, temperature 0 and 1, every mode in one process.
+#
+# Threads: OPENBLAS_NUM_THREADS=1 leaves exactly one compute thread per MLX stream (MLX's CPU
+# backend has no thread pool of its own: one thread per stream, plus BLAS's). --pin puts the target
+# side (and mlx-lm's baselines) on the first allowed core and the draft's worker and stream thread on
+# the second, so target and draft each own one core. Sizes: LIMIT prompts x TOKENS new tokens per
+# run (default 10 x 64); override with the environment, e.g. LIMIT=3 TOKENS=32 make bench.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OPENBLAS_NUM_THREADS=1
+VENV=${VENV:-.venv}
+MM="$VENV/bin/mirror-mlx"
+PY="$VENV/bin/python"
+OUT=${OUT:-bench_out}
+LIMIT=${LIMIT:-10}
+TOKENS=${TOKENS:-64}
+SWEEP_LIMIT=${SWEEP_LIMIT:-2}
+SWEEP_TOKENS=${SWEEP_TOKENS:-32}
+SWEEP=${SWEEP:-"kappa=1,2,4,8 gamma=2,3,5 exit=N/4,N/2,3N/4"}
+TARGET=build/stories-98M
+DRAFT=build/llama2xs-8M
+
+[ -f "$TARGET/model.safetensors" ] || "$MM" widen --model mirror_mlx/demo/stories260K --out "$TARGET" \
+  --hidden 768 --heads 96 --kv-heads 48 --intermediate 2064 --layers 15
+[ -f "$DRAFT/model.safetensors" ] || "$MM" widen --model mirror_mlx/demo/llama2xs --out "$DRAFT" \
+  --hidden 256 --heads 32 --kv-heads 16 --intermediate 768 --layers 10
+
+PAIR=(--model "$TARGET" --draft-model "$DRAFT" --pin)
+echo "== sweep ($SWEEP) on $SWEEP_LIMIT held-out openings x $SWEEP_TOKENS tokens"
+"$MM" bench "${PAIR[@]}" --prompts tinystories --skip "$LIMIT" --limit "$SWEEP_LIMIT" \
+  --max-tokens "$SWEEP_TOKENS" --sweep "$SWEEP" --out "$OUT/sweep" >/dev/null
+read -r KAPPA GAMMA EXIT < <("$PY" -c "import json,sys; b=json.load(open(sys.argv[1]))['best']; \
+print(b['kappa'], b['gamma'], b['exit_layer'])" "$OUT/sweep/results.json")
+echo "== knobs from the sweep: kappa=$KAPPA gamma=$GAMMA exit=$EXIT"
+
+for PROMPTS in tinystories spec_bench; do
+  for TEMP in 0 1; do
+    echo "== $PROMPTS, temperature $TEMP: $LIMIT prompts x $TOKENS tokens"
+    "$MM" bench "${PAIR[@]}" --prompts "$PROMPTS" --limit "$LIMIT" --max-tokens "$TOKENS" --temp "$TEMP" \
+      --modes mirror,sd,mlx_sd,ar --kappa "$KAPPA" --gamma "$GAMMA" --exit-layer "$EXIT" \
+      --out "$OUT/$PROMPTS-t$TEMP" >/dev/null
+  done
+done
+
+DOCS=${DOCS:-docs/bench}
+mkdir -p "$DOCS"
+: > "$OUT/summary.md"
+for RUN in sweep tinystories-t0 tinystories-t1 spec_bench-t0 spec_bench-t1; do
+  cat "$OUT/$RUN/results.md" >> "$OUT/summary.md"
+  for PNG in "$OUT/$RUN"/*.png; do cp "$PNG" "$DOCS/$RUN-$(basename "$PNG")"; done
+done
+echo "wrote $OUT/summary.md and $DOCS/*.png"

@@ -1,0 +1,133 @@
+"""`mirror-mlx bench` on the demo pair: every mode runs, files are written, a wrong token fails the run.
+
+(That widening keeps greedy text, which the headline benchmark relies on, is tests/test_widen.py.)
+"""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import mirror_mlx.bench as bench_mod
+from cli import main
+from mirror_mlx.bench import Sample, layer_value, parse_modes, parse_sweep, summarize, table
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SMOKE = ["bench", "--prompts", "tinystories", "--limit", "2", "--max-tokens", "16", "--modes", "mirror,sd,mlx_sd,ar"]
+
+
+def read(out):
+    return json.loads((out / "results.json").read_text())
+
+
+def is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG and path.stat().st_size > 1000
+
+
+def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
+    out = tmp_path / "b"
+    r = CliRunner().invoke(main, SMOKE + ["--out", str(out)])
+    assert r.exit_code == 0, r.output
+    for name in ("results.md", "speedup.png", "accepted.png", "latency.png", "timeline.png"):
+        assert name == "results.md" or is_png(out / name), name
+    rep = read(out)
+    assert rep["equality_checked"] and "error" not in rep and len(rep["prompts"]) == 2
+    rows = rep["summary"]["all"]
+    assert set(rows) == {"mirror", "sd", "mlx_sd", "ar"}
+    by_prompt: dict = {}
+    for s in rep["samples"]:
+        assert len(s["tokens"]) == 16 and s["decode_s"] > 0
+        by_prompt.setdefault(s["prompt"], {})[s["mode"]] = s["tokens"]
+    for modes in by_prompt.values():  # the harness's own check, redone from the saved samples
+        assert len(modes) == 4 and all(t == modes["ar"] for t in modes.values())
+    assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert rows["mlx_sd"]["speedup_vs_mlx_sd"] == pytest.approx(1.0)
+    assert rep["mlx_sd_sweep"]["best_k"] in (2, 3, 4, 5, 6) and rows["mlx_sd"]["num_draft_tokens"] == [
+        rep["mlx_sd_sweep"]["best_k"]]
+    m = rows["mirror"]
+    assert m["fallback_rate"] + m["reuse_rate"] == pytest.approx(1.0)
+    assert 0 <= m["hidden_draft_fraction"] <= 1 and 0 <= m["omega_kappa"] <= 1
+    assert m["mean_accepted"] >= 1 and set(m["breakdown_ms"]) >= {"prefix", "suffix", "draft", "overhead"}
+    assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
+    md = (out / "results.md").read_text()
+    assert "| mirror |" in md and "| mlx_sd (k=" in md and "Latency per step" in md
+
+
+def test_a_wrong_token_fails_the_run_and_names_the_prompt(tmp_path, monkeypatch):
+    real = bench_mod.run_engine
+
+    def broken(pipe, mode, p, index, *args, **kwargs):
+        s = real(pipe, mode, p, index, *args, **kwargs)
+        if mode == "sd" and index == 1:
+            s.tokens[-1] = (s.tokens[-1] + 1) % 512
+        return s
+
+    monkeypatch.setattr(bench_mod, "run_engine", broken)
+    out = tmp_path / "bad"
+    r = CliRunner().invoke(main, SMOKE + ["--out", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "sd differs from ar" in r.output and "prompt #1" in r.output and "token 15" in r.output
+    rep = read(out)
+    assert "prompt #1" in rep["error"] and not (out / "results.md").exists()
+    assert {s["prompt"] for s in rep["samples"]} == {0, 1}  # what ran is kept for a look
+
+
+def test_sampling_runs_without_the_equality_check(tmp_path):
+    out = tmp_path / "t1"
+    r = CliRunner().invoke(main, ["bench", "--limit", "1", "--max-tokens", "8", "--modes", "mirror,ar",
+                                  "--temp", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rep = read(out)
+    assert rep["equality_checked"] is False and set(rep["summary"]["all"]) == {"mirror", "ar"}
+
+
+def test_sweep_writes_table_and_heatmap(tmp_path):
+    out = tmp_path / "sw"
+    r = CliRunner().invoke(main, ["bench", "--limit", "1", "--max-tokens", "8", "--sweep", "kappa=1,2 exit=1,N/2",
+                                  "--gamma", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rep = read(out)
+    names = {f"k{k}-g2-e{e}" for k in (1, 2) for e in (1, 2)}
+    assert set(rep["summary"]["all"]) == names | {"ar"}
+    assert rep["best"]["name"] in names and rep["equality_checked"]
+    assert is_png(out / "sweep_heatmap.png")
+    assert (out / "results.md").read_text().count("\n| ") == 5  # header + 4 points
+
+
+def test_bad_modes_and_sweeps_are_usage_errors(tmp_path):
+    r = CliRunner().invoke(main, ["bench", "--modes", "mirror,fast", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "fast" in r.output
+    r = CliRunner().invoke(main, ["bench", "--sweep", "beta=1", "--limit", "1", "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "beta=1" in r.output
+
+
+def test_parsing():
+    assert [layer_value(v, 15) for v in ("N/4", "N/2", "3N/4", "5", "N")] == [3, 7, 11, 5, 15]
+    assert layer_value("N/8", 5) == 1  # never below layer 1
+    assert parse_sweep("kappa=1,4,8,16 gamma=3,5,7 exit=N/4,N/2,3N/4", 15, 8, 7, 7) == {
+        "kappa": [1, 4, 8, 16], "gamma": [3, 5, 7], "exit": [3, 7, 11]}
+    assert parse_sweep("gamma=3", 15, 8, 7, 7) == {"kappa": [8], "gamma": [3], "exit": [7]}
+    with pytest.raises(ValueError, match="exit layer"):
+        layer_value("half", 15)
+    assert parse_modes("ar, mirror") == ("ar", "mirror")
+    with pytest.raises(ValueError):
+        parse_modes("")
+
+
+def test_summary_medians_rates_and_breakdown():
+    def s(mode, tps, cat="a", **kw):
+        return Sample(mode, 0, cat, [1] * 10, 10 / tps, kw.pop("fwd", 10), 0.1, **kw)
+
+    samples = [s("ar", 2.0), s("ar", 4.0), s("ar", 100.0, "b"),
+               s("mirror", 6.0, fwd=4, steps=4, prefix_s=0.4, suffix_s=0.8, draft_s=1.0, hidden_s=0.6,
+                 reuses=3, fallbacks=1, omega_sum=2.0)]
+    rows = table(samples, ["mirror", "ar"])
+    assert rows["all"]["ar"]["tokens_per_s"] == 4.0 and rows["a"]["ar"]["tokens_per_s"] == 3.0
+    assert rows["all"]["mirror"]["speedup_vs_ar"] == pytest.approx(1.5)
+    assert rows["all"]["mirror"]["speedup_vs_mlx_sd"] is None
+    m = summarize(samples[3:])
+    assert m["mean_accepted"] == 2.5 and m["reuse_rate"] == 0.75 and m["omega_kappa"] == 0.5
+    assert m["hidden_draft_fraction"] == pytest.approx(0.6)
+    b = m["breakdown_ms"]  # per step: 10/6 s over 4 steps
+    assert b["prefix"] == pytest.approx(100) and b["suffix"] == pytest.approx(200) and b["draft"] == pytest.approx(100)
+    assert b["prefix"] + b["suffix"] + b["draft"] + b["overhead"] == pytest.approx(m["ms_per_step"])
