@@ -232,5 +232,42 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
         raise click.UsageError(str(e))
 
 
+@main.command("bench")
+@model_options
+@click.option("--prompts", default="tinystories", show_default=True,
+              help="tinystories, spec_bench, mt_bench or FILE.jsonl (a 'prompt' or 'turns' field per line).")
+@click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Prompts to run.")
+@click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Leave out the first N prompts (e.g. those a sweep chose the knobs on).")
+@click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--modes", default="mirror,sd,mlx_sd,ar", show_default=True,
+              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own); ar always runs as reference.")
+@click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
+@click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit.")
+@click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of prompt i is seed + i.")
+@click.option("--sweep", default=None,
+              help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '
+                   'exit=N/4,N/2,3N/4".')
+@click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another "
+              "(Linux; set OPENBLAS_NUM_THREADS=1 too).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for results.json, results.md and the plots.")
+def bench_cmd(**kwargs) -> None:
+    """Mirror-SD against mlx-lm's generate_step and speculative decoding, same prompts, one process."""
+    from mirror_mlx.bench import BenchConfig, Mismatch, bench
+
+    try:
+        report = bench(BenchConfig(**kwargs))
+    except Mismatch as e:
+        raise click.ClickException(f"{e} (partial results in {kwargs['out']}/results.json)")
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    click.echo((kwargs["out"] / "results.md").read_text())
+    if report.get("best"):
+        click.echo(f"best sweep point: {report['best']['name']}")
+
+
 if __name__ == "__main__":
     sys.exit(main())
