@@ -52,7 +52,8 @@ class CoreMLRunner:
         import coremltools as ct
 
         cu = ct.ComputeUnit.CPU_AND_NE
-        self.models = {fn: ct.models.MLModel(str(package), compute_units=cu, function_name=fn)
+        compiled = ct.models.utils.compile_model(str(package))  # once, for both functions
+        self.models = {fn: ct.models.CompiledMLModel(compiled, compute_units=cu, function_name=fn)
                        for fn in ("extend", "rollout")}
         self.reset()
 

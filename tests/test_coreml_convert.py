@@ -405,3 +405,20 @@ def test_gamma_beyond_the_package_is_refused(demo_pkg):
     draft = PackageDraft(MilRunner(demo_pkg), read_metadata(demo_pkg))
     with pytest.raises(ValueError, match="built for; rebuild it with `mirror-mlx convert --gamma 5`"):
         draft.rollout([1, 2, 3], [[4]], 5)
+
+
+def test_quantized_mlx_draft_is_read_dequantized(work):
+    import mlx.nn as nn
+
+    from convert.coreml import spec_from_model
+
+    model, _ = load(str(family_package(work, "qwen2")[0]))
+    nn.quantize(model, group_size=32, bits=4)
+    spec = spec_from_model(model, {}, "-", 64)
+    layer = model.model.layers[0].self_attn.q_proj
+    x = mx.random.normal((3, 64))
+    want = np.array(layer(x))
+    got = np.array(x) @ spec.weights["0.q_proj"].T + spec.weights["0.q_proj.bias"]
+    assert np.abs(got - want).max() < 1e-4
+    emb = np.array(model.model.embed_tokens(mx.array([7])))[0]
+    assert np.abs(spec.weights["embed"][7] - emb).max() < 1e-6

@@ -1,0 +1,47 @@
+"""The Core ML draft on a Mac: the package on Core ML itself (CPU_AND_NE), in process and in its
+own process. Runs only on macOS 15+ with coremltools' native runtime; skipped elsewhere."""
+
+import sys
+from pathlib import Path
+
+import mirror_mlx  # noqa: F401
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load
+
+from ane_draft.coreml_draft import CoreMLDraft, CoreMLRunner, coreml_available
+from convert.coreml import convert
+from convert.parity import verify
+
+DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
+
+pytestmark = pytest.mark.skipif(
+    not coreml_available(),
+    reason=f"Core ML predictions need macOS 15+ with coremltools' native runtime (this is {sys.platform})",
+)
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    out = tmp_path_factory.mktemp("coreml-mac") / "llama2xs.mlpackage"
+    return convert(DEMO_DRAFT, out, context=128, kappa=2, gamma=3, chunk=8, progress=False)
+
+
+def test_parity_on_core_ml_itself(pkg):
+    report = verify(pkg, DEMO_DRAFT, runner=CoreMLRunner(pkg))
+    print(report.line())
+    assert report.ok, report.line()
+
+
+def test_coreml_draft_process_rolls_out_the_greedy_windows(pkg):
+    model, tok = load(str(DEMO_DRAFT))
+    ctx = tok.encode("Once upon a time, there was a little girl")
+    stems = [[5], [6, 7], [9, 10, 11]]
+    with CoreMLDraft(pkg, tok) as draft:
+        r = draft.rollout(ctx, stems, 3)
+    for stem, window in zip(stems, r.windows):
+        seq, want = ctx + stem, []
+        for _ in range(3):
+            want.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
+            seq.append(want[-1])
+        assert window == want
