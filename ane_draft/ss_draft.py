@@ -1,8 +1,9 @@
 """The Speculative-Streaming draft behind the engine's Draft protocol: several tokens per forward.
 
-Each branch is one batch row over the shared committed prefix (batch-1 KV cache, broadcast). A
-forward feeds every branch its pending main token plus its S stream guesses from the previous
-forward. The main rows verify the guesses (SS self-verification, papers.md §3.4): branch i keeps
+The engine's stems share one spine (stem b = ŷ_1..ŷ_{r_b} + [v_b]): the spine is fed once on the
+committed cache, then each branch is one batch row over that shared prefix (broadcast, not copied),
+masked to context + ŷ_1..ŷ_{r_b}, starting from v_b. A forward feeds every branch its pending main
+token plus its S stream guesses from the previous forward. The main rows verify the guesses (SS self-verification, papers.md §3.4): branch i keeps
 the agreeing prefix a_i of its guesses plus the main token after them, so it gains a_i + 1 tokens,
 and that row's streams become its next guesses. Rejected rows stay in the branch's scratch K/V but
 are masked out. Because main rows never see stream rows, the window is exactly the draft's own
@@ -21,7 +22,8 @@ from typing import Sequence, Union
 import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
-from mirror_mlx.draft import MLXDraft
+from mlx_lm.models.cache import trim_prompt_cache
+from mirror_mlx.draft import MLXDraft, spine_of
 from mirror_mlx.draft_api import Rollout
 
 from .ss_model import Model, is_ss_draft, load_ss_draft, ss_forward  # noqa: F401  (re-exported for load)
@@ -50,43 +52,48 @@ class SSDraft(MLXDraft):
         return cls(model, **kwargs)
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
-        if not stems or any(len(s) == 0 for s in stems):
-            raise ValueError("rollout needs at least one stem and every stem must be non-empty")
+        spine = spine_of(stems)
         self.sync(context)
-        B, S, P = len(stems), self.num_streams, len(self.cached)
+        B, S = len(stems), self.num_streams
         self.stats = RolloutStats([0] * B, [[] for _ in stems])
         if gamma <= 0:
             return Rollout(windows=[[] for _ in stems], forwards=0, tokens=0)
+        self._feed(spine)  # the shared spine once, on the committed cache (one forward, counted)
+        try:
+            windows, forwards = self._branches(stems, len(spine), gamma)
+        finally:
+            trim_prompt_cache(self.cache, len(spine))
+            del self.cached[len(self.cached) - len(spine):]
+        return Rollout(windows=[w[:gamma] for w in windows], forwards=forwards + (1 if spine else 0),
+                       tokens=gamma)
 
-        # First forward: the stems, left-padded so every branch's last stem token is the last row.
-        W = max(len(s) for s in stems)
-        pads = np.array([W - len(s) for s in stems])
-        rows = np.array([[0] * p + list(s) for p, s in zip(pads, stems)], dtype=np.int32)
-        row_valid = np.arange(W)[None, :] >= pads[:, None]
-        offset = P - pads  # position of each branch's row 0
-        n_guess = 0
+    def _branches(self, stems: Sequence[Sequence[int]], n_spine: int, gamma: int) -> tuple[list[list[int]], int]:
+        """Roll every branch out from its last stem token; branch b sees context + spine[:len(stem_b) - 1]."""
+        B, S, P = len(stems), self.num_streams, len(self.cached)
         prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.cache] if P else None
+        offset = np.array([P - n_spine + len(s) - 1 for s in stems])  # position of each branch's row 0
+        prefix_valid = np.arange(P)[None, :] < offset[:, None]
+        rows = np.array([[s[-1]] for s in stems], dtype=np.int32)
+        n_guess = 0
         scratch: list[tuple[mx.array, mx.array]] = []
         scratch_valid = np.zeros((B, 0), dtype=bool)
         windows: list[list[int]] = [[] for _ in stems]
         forwards = 0
         while True:
-            past, past_valid = self._past(prefix, scratch, scratch_valid, B)
-            out = ss_forward(self.model, mx.array(rows), mx.array(offset.astype(np.int32)), past,
-                             past_valid, mx.array(row_valid))
+            past = self._past(prefix, scratch, B)
+            valid = mx.array(np.concatenate([prefix_valid, scratch_valid], axis=1)) if past else None
+            out = ss_forward(self.model, mx.array(rows), mx.array(offset.astype(np.int32)), past, valid)
             main = mx.argmax(out.main, axis=-1)
             streams = mx.argmax(out.streams, axis=-1)
             mx.eval(main, streams, out.kv)
             forwards += 1
             main, streams = np.array(main), np.array(streams)  # (B, L), (B, S, L)
             L = rows.shape[1]
-            g = L - 1 - n_guess  # the last given row; rows after it are guesses to verify
-            agree = rows[:, g + 1:] == main[:, g:L - 1]
-            a = np.cumprod(agree, axis=1).sum(axis=1) if n_guess else np.zeros(B, dtype=int)
-            r = g + a  # the row whose main prediction and streams carry on
-            for i in range(B):
+            agree = rows[:, 1:] == main[:, :L - 1]  # row 0 is given; rows 1.. are the guesses to verify
+            r = np.cumprod(agree, axis=1).sum(axis=1) if n_guess else np.zeros(B, dtype=int)
+            for i in range(B):  # gains the r_i agreeing guesses plus the main token after them
                 before = len(windows[i])
-                windows[i] += rows[i, g + 1:r[i] + 1].tolist() + [int(main[i, r[i]])]
+                windows[i] += rows[i, 1:r[i] + 1].tolist() + [int(main[i, r[i]])]
                 self._note(i, before, len(windows[i]), gamma, forwards)
             if min(len(w) for w in windows) >= gamma:
                 break
@@ -96,17 +103,15 @@ class SSDraft(MLXDraft):
                     windows[i] += streams[i, :, r[i]].tolist()[: max(0, gamma - before)]
                     self._note(i, before, len(windows[i]), gamma, forwards)
                 break
-            kept = row_valid & (np.arange(L)[None, :] <= r[:, None])
             scratch = [(k, v) for k, v in out.kv] if not scratch else [
                 (mx.concatenate([sk, k], axis=2), mx.concatenate([sv, v], axis=2))
                 for (sk, sv), (k, v) in zip(scratch, out.kv)]
-            scratch_valid = np.concatenate([scratch_valid, kept], axis=1)
+            scratch_valid = np.concatenate([scratch_valid, np.arange(L)[None, :] <= r[:, None]], axis=1)
             rows = np.concatenate([main[np.arange(B), r][:, None], streams[np.arange(B), :, r]], axis=1)
             rows = rows.astype(np.int32)
-            row_valid = np.ones_like(rows, dtype=bool)
             offset = offset + r + 1
             n_guess = S
-        return Rollout(windows=[w[:gamma] for w in windows], forwards=forwards, tokens=gamma)
+        return windows, forwards
 
     def _note(self, i: int, before: int, after: int, gamma: int, forward: int) -> None:
         if before < gamma:
@@ -115,10 +120,10 @@ class SSDraft(MLXDraft):
                 self.stats.branch_forwards[i] = forward
 
     @staticmethod
-    def _past(prefix, scratch, scratch_valid: np.ndarray, B: int):
+    def _past(prefix, scratch, B: int):
         """Per layer, the keys/values a branch row may see: shared prefix, then its own scratch."""
         if prefix is None and not scratch:
-            return None, None
+            return None
         layers = []
         for i in range(len(prefix if prefix is not None else scratch)):
             parts_k, parts_v = [], []
@@ -130,6 +135,4 @@ class SSDraft(MLXDraft):
                 parts_k.append(scratch[i][0])
                 parts_v.append(scratch[i][1])
             layers.append((mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)))
-        P = prefix[0][0].shape[2] if prefix is not None else 0
-        valid = np.concatenate([np.ones((B, P), dtype=bool), scratch_valid], axis=1)
-        return layers, mx.array(valid)
+        return layers

@@ -75,16 +75,10 @@ def _head(model: Model, h: mx.array) -> mx.array:
     return model.lm_head(h)
 
 
-def _main_mask(L: int, new_valid: Optional[mx.array], past_valid: Optional[mx.array]) -> mx.array:
-    """Boolean (B or 1, L, P + L): main row t sees the visible past and main rows <= t.
-
-    A row marked invalid in `new_valid` (left padding) is hidden from every other row but still sees
-    itself, so its own output stays finite.
-    """
+def _main_mask(L: int, past_valid: Optional[mx.array]) -> mx.array:
+    """Boolean (B or 1, L, P + L): main row t sees the visible past and main rows <= t."""
     idx = mx.arange(L)
     causal = (idx[None, :] <= idx[:, None])[None]
-    if new_valid is not None:
-        causal = causal & (new_valid[:, None, :] | mx.eye(L, dtype=mx.bool_)[None])
     if past_valid is None:
         return causal
     B = max(causal.shape[0], past_valid.shape[0])
@@ -95,26 +89,25 @@ def _main_mask(L: int, new_valid: Optional[mx.array], past_valid: Optional[mx.ar
 def _stream_attention(q, k, v, ks, vs, mask, scale):
     """Stream rows' attention: to the main keys under `mask`, and to streams 1..j of their own row.
 
-    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys; ks, vs (B, Hkv, S, L, hd) stream keys;
-    mask (B or 1, L, N). One softmax over both key sets, computed without the (S·L)² score matrix
-    a single masked attention over all rows would need.
+    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys (past and new); ks, vs (B, Hkv, S, L, hd)
+    stream keys; mask (B or 1, L, N): stream (j, t) sees the main keys main row t sees. One softmax
+    over both key sets; (rep, S, L) are flattened into one row axis so each (batch, kv head) is one
+    matmul, and the (S·L)² scores of a single masked attention over all rows are never formed.
     """
     B, H, S, L, hd = q.shape
-    Hkv = k.shape[1]
-    q = (q * scale).reshape(B, Hkv, H // Hkv, S, L, hd)
-    s_main = q @ k[:, :, None, None].swapaxes(-1, -2)  # (B, Hkv, rep, S, L, N)
-    qt = q.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, L, S, hd)
+    Hkv, N = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    q = (q * scale).reshape(B, Hkv, rep * S * L, hd)
+    s_main = (q @ k.swapaxes(-1, -2)).reshape(B, Hkv, rep, S, L, N)
+    s_main = mx.where(mask[:, None, None, None], s_main, -mx.inf)
+    qt = q.reshape(B, Hkv, rep, S, L, hd).transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, L, S, hd)
     s_own = qt @ ks.transpose(0, 1, 3, 4, 2)[:, :, None]  # (B, Hkv, rep, L, S, S)
-    s_own = s_own.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, S, L, S)
-    m_main = mask[:, None, None, None]  # (B, 1, 1, 1, L, N)
-    m_own = mx.tril(mx.ones((S, S), dtype=mx.bool_))[:, None, :]  # (S, 1, S): stream j sees j' <= j
-    scores = mx.concatenate([mx.where(m_main, s_main, -mx.inf), mx.where(m_own, s_own, -mx.inf)], -1)
-    p = mx.softmax(scores, axis=-1, precise=True)
-    N = k.shape[2]
-    out = p[..., :N] @ v[:, :, None, None]  # (B, Hkv, rep, S, L, hd)
+    s_own = mx.where(mx.tril(mx.ones((S, S), dtype=mx.bool_)), s_own, -mx.inf)  # stream j sees j' <= j
+    p = mx.softmax(mx.concatenate([s_main, s_own.transpose(0, 1, 2, 4, 3, 5)], -1), axis=-1, precise=True)
+    out = p[..., :N].reshape(B, Hkv, rep * S * L, N) @ v
     p_own = p[..., N:].transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, rep, L, S, S)
-    out = out + (p_own @ vs.transpose(0, 1, 3, 2, 4)[:, :, None]).transpose(0, 1, 2, 4, 3, 5)
-    return out.reshape(B, H, S * L, hd)
+    own = (p_own @ vs.transpose(0, 1, 3, 2, 4)[:, :, None]).transpose(0, 1, 2, 4, 3, 5)  # (.., S, L, hd)
+    return (out.reshape(B, Hkv, rep, S, L, hd) + own).reshape(B, H, S * L, hd)
 
 
 def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
@@ -156,21 +149,19 @@ def ss_forward(
     offset: Union[int, mx.array] = 0,
     past: Optional[list[tuple[mx.array, mx.array]]] = None,
     past_valid: Optional[mx.array] = None,
-    new_valid: Optional[mx.array] = None,
 ) -> SSOutput:
     """Main and stream logits for main rows `tokens` (B, L) at positions offset + t.
 
     `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix
     and the branch's own earlier rows); `past_valid` (B, P) says which of them each row sees (None:
-    all). `new_valid` (B, L) marks left-padding rows (None: all real). Training calls it with the
-    tokens only.
+    all). Training calls it with the tokens only.
     """
     B, L = tokens.shape
     S = model.args.num_streams
     first_stream = len(model.layers) - model.args.stream_layers
     if past is not None and past_valid is None:
         past_valid = mx.ones((B, past[0][0].shape[2]), dtype=mx.bool_)
-    mask = _main_mask(L, new_valid, past_valid)
+    mask = _main_mask(L, past_valid)
     x = model.model.embed_tokens(tokens)
     kv = []
     for i, block in enumerate(model.layers):

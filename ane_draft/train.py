@@ -56,6 +56,7 @@ class TrainConfig:
     seq_len: int = 128  # opening + continuation, in tokens
     prompt_min: int = 4  # opening length range, in tokens (BOS included)
     prompt_max: int = 24
+    holdout: int = 200  # the corpus's first paragraphs, never trained on (prompts.tinystories benchmarks them)
     checkpoint_every: int = 200
 
 
@@ -97,6 +98,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"--stream-layers must be at least 1, got {cfg.stream_layers}")
     if cfg.layers is not None and cfg.stream_layers > cfg.layers:
         raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed --layers ({cfg.layers})")
+    if cfg.holdout < 0:
+        raise TrainError("--holdout cannot be negative")
     for name in ("steps", "batch_size", "samples"):
         if getattr(cfg, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
@@ -151,7 +154,7 @@ def target_continuations(target: nn.Module, tokenizer, paragraphs: list[str], cf
     encoded = [tokenizer.encode(p) for p in paragraphs]
     lengths = np.array([len(e) for e in encoded])
     eos = np.array(sorted(tokenizer.eos_token_ids or []), dtype=np.int64)
-    B = min(cfg.batch_size * 2, 64)
+    B = 64  # generation batch: inference only, so wide; fixed so the data depend on the seed alone
     n_batches = math.ceil(cfg.samples / B)
     rows, starts = [], []
     for _ in tqdm(range(n_batches), desc="target continuations", disable=not progress):
@@ -253,6 +256,10 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     """
     check_config(cfg)
     paragraphs = read_corpus(cfg.corpus)
+    if len(paragraphs) <= cfg.holdout:
+        raise TrainError(f"corpus {cfg.corpus} has {len(paragraphs)} paragraphs, not more than --holdout "
+                         f"({cfg.holdout}): give a longer corpus or a smaller --holdout")
+    paragraphs = paragraphs[cfg.holdout:]
     try:
         target_dir = _download(cfg.model)
         target, target_tok = load(str(target_dir))

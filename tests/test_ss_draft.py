@@ -103,7 +103,7 @@ def test_rollout_windows_are_the_drafts_greedy_text():
     ss, plain = SSDraft(model), MLXDraft(model)
     r = ss.rollout(context, stems, gamma=6)
     assert r.windows == plain.rollout(context, stems, gamma=6).windows  # main stream = plain greedy
-    assert all(len(w) == 6 for w in r.windows) and 1 <= r.forwards <= 6 and r.tokens == 6
+    assert all(len(w) == 6 for w in r.windows) and 1 <= r.forwards <= 6 + 1 and r.tokens == 6  # + the spine
     assert ss.rollout([], [[1, 4]], 4).windows == plain.rollout([], [[1, 4]], 4).windows
     assert ss.rollout(context, stems, 0).windows == [[], [], [], []]
     with pytest.raises(ValueError):
@@ -130,7 +130,7 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path):
     corpus.write_text("\n\n".join(CORPUS.read_text().split("\n\n")[:40]))
     kw = dict(model=str(TARGET), corpus=str(corpus), layers=2, hidden=32, streams=2, stream_layers=1,
               steps=12, batch_size=8, lr=3e-3, samples=32, seq_len=24, prompt_min=4, prompt_max=8,
-              checkpoint_every=4)
+              holdout=10, checkpoint_every=4)
     summary = train(TrainConfig(out=str(tmp_path / "a"), **kw), progress=False)
     assert summary["val_after"]["loss"] < summary["val_before"]["loss"]
     assert is_ss_draft(tmp_path / "a") and (tmp_path / "a" / "tokenizer.json").is_file()
@@ -146,6 +146,7 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path):
 
 
 def _cli(*args: str):
+    args = args if "--holdout" in args else args + ("--holdout", "0")
     return CliRunner().invoke(cli, ["train-draft", "--model", str(TARGET), "--out", "/nonexistent/x", *args])
 
 
@@ -161,6 +162,7 @@ def test_bad_input_gives_clear_usage_errors(tmp_path):
         (["--corpus", str(latin)], "not UTF-8"),
         (["--corpus", str(tmp_path / "missing.txt")], "does not exist"),
         (["--corpus", str(good), "--streams", "0"], "--streams must be at least 1"),
+        (["--corpus", str(good), "--holdout", "5"], "not more than --holdout"),
         (["--corpus", str(good), "--layers", "2", "--stream-layers", "3"], "cannot exceed --layers"),
         (["--corpus", str(good), "--init-from", str(LLAMA2XS), "--stream-layers", "6"],
          "cannot exceed the draft's layers"),

@@ -1,0 +1,83 @@
+"""Mirror-mode greedy decoding with each draft on TinyStories openings: acceptance, J, η̄, lossless.
+
+    .venv/bin/python scripts/measure_ss.py --n 50 --max-tokens 128 --gamma 7
+
+Per draft: mean accepted tokens per target forward (correction counted), J = draft forwards per
+window (the batch's: the slowest of the κ·(γ+1) branches), the mean per-branch forwards for SS
+drafts, η̄ = γ/J, and whether every output equals the target's own greedy text (ar mode).
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+from mlx_lm import load as mlx_load
+
+from ane_draft.ss_draft import SSDraft
+from mirror_mlx.draft import MLXDraft
+from mirror_mlx.pipeline import Pipeline
+from mirror_mlx.prompts import load_prompts
+
+DEMO = Path(mirror_mlx.__file__).parent / "demo"
+
+
+class Recorder:
+    """Passes rollouts through and keeps the per-branch forwards of SS drafts."""
+
+    def __init__(self, draft):
+        self.draft, self.vocab_size, self.branch_forwards = draft, draft.vocab_size, []
+
+    def reset(self) -> None:
+        self.draft.reset()
+
+    def rollout(self, context, stems, gamma):
+        out = self.draft.rollout(context, stems, gamma)
+        if isinstance(self.draft, SSDraft):
+            self.branch_forwards += self.draft.stats.branch_forwards
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=7)
+    ap.add_argument("--kappa", type=int, default=8)
+    ap.add_argument("--ss-draft", default=str(DEMO / "ss_draft"))
+    args = ap.parse_args()
+    target, tok = mlx_load(str(DEMO / "stories260K"))
+    plain_model, _ = mlx_load(str(DEMO / "llama2xs"))
+    ss = SSDraft.from_path(args.ss_draft)
+    drafts = {"llama2xs": MLXDraft(plain_model), "ss": ss,
+              "ss+trust_streams": SSDraft(ss.model, trust_streams=True)}
+    prompts = [p.text for p in load_prompts("tinystories", args.n)]
+    ar = Pipeline(target, tok, None)
+    reference = [ar.generate(p, max_tokens=args.max_tokens, mode="ar").tokens for p in prompts]
+    results = {}
+    for name, draft in drafts.items():
+        rec = Recorder(draft)
+        pipe = Pipeline(target, tok, rec)
+        tot = dict(gen=0, tf=0, df=0, dt=0, ro=0)
+        same, t0 = 0, time.time()
+        for p, ref in zip(prompts, reference):
+            r = pipe.generate(p, max_tokens=args.max_tokens, gamma=args.gamma, kappa=args.kappa, mode="mirror")
+            s = r.stats
+            same += r.tokens == ref
+            for k, v in (("gen", s.generation_tokens), ("tf", s.target_forwards), ("df", s.draft_forwards),
+                         ("dt", s.draft_tokens), ("ro", s.rollouts)):
+                tot[k] += v
+        pipe.close()
+        bf = rec.branch_forwards
+        results[name] = {
+            "mean_accepted": round(tot["gen"] / tot["tf"], 3), "J": round(tot["df"] / tot["ro"], 3),
+            "eta": round(tot["dt"] / tot["df"], 3),
+            "branch_J": round(sum(bf) / len(bf), 3) if bf else None,
+            "lossless": f"{same}/{len(prompts)}", "seconds": round(time.time() - t0, 1)}
+        print(name, json.dumps(results[name]), flush=True)
+    ar.close()
+
+
+if __name__ == "__main__":
+    main()
