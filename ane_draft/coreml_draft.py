@@ -263,7 +263,3 @@ class CoreMLDraft(ProcessDraft):
             )
         super().__init__(package, backend="coreml", timeout=timeout)
 
-
-def is_package(path: Any) -> bool:
-    """Whether a --draft-model argument names a Core ML package (what load() dispatches on)."""
-    return str(path).rstrip("/").endswith(".mlpackage")

@@ -16,6 +16,11 @@ One `.mlpackage`, two functions sharing weights and one state, all shapes static
                        mask (1, K + B, B)  ->  logits (1, B, V)
                        one batched forward over branch rows: attends to all K slots and its own
                        rows, writes its rows to scratch [write_pos, write_pos + B) (write_pos >= S).
+    SS drafts          B = kappa*(gamma+1)*(1+N) and rollout also takes stream_positions (B*N,)
+                       and stream_mask (1, K + B + B*N, B*N), returning stream_logits (1, B*N, V):
+                       in the top stream layers each main row spawns N stream rows (stream-major
+                       order: row j*B + b is stream j+1 of main row b); they never write K/V and
+                       main rows never see them.
 
 The mask is additive (0 attend, -1e4 blocked) and key-major: mask[0, key, query]; keys are the
 state's slots followed by the call's own rows. The host builds masks and positions, so the same
@@ -37,7 +42,6 @@ import logging
 import math
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -98,7 +102,7 @@ class DraftSpec:
     head_dim: int
     vocab: int
     eps: float
-    weights: dict[str, np.ndarray]  # names below; see read_draft
+    weights: dict[str, np.ndarray]  # '{layer}.q_proj', 'embed', 'head', ... (see spec_from_model)
     cos: np.ndarray  # (P, head_dim/2) RoPE table from the model's own rope module
     sin: np.ndarray
     config: dict[str, Any]
