@@ -423,9 +423,17 @@ def _forward(mb: Any, spec: DraftSpec, inp: dict, T: int, Sk: int, NS: int,
 
 
 def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """1-D k-means (Lloyd, quantile init): a LUT per weight group without scikit-learn."""
+    """1-D k-means (Lloyd, quantile init): a LUT per weight group without scikit-learn. Results are
+    memoised: both functions hold the same weights, and equal LUTs keep them shared."""
+    memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
     def fn(val: np.ndarray):
+        key = hashlib.sha1(np.ascontiguousarray(val).tobytes()).digest()
+        if key not in memo:
+            memo[key] = cluster(val)
+        return memo[key]
+
+    def cluster(val: np.ndarray):
         x = np.asarray(val, np.float32).ravel()
         k = 1 << nbits
         c = np.quantile(x, (np.arange(k) + 0.5) / k)

@@ -25,7 +25,7 @@ from convert.parity import PROMPTS, verify
 
 DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
-TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+TINY = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=16,
             max_position_embeddings=512, rope_theta=10000.0)
 FAMILIES = {
