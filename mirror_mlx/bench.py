@@ -91,6 +91,16 @@ class Sample:
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s else 0.0
 
+    @property
+    def rollout_s(self) -> float:
+        """Mirror: time in branch rollouts (the rest of draft_s is serial: first and fallback windows)."""
+        return sum(t["rollout"][1] - t["rollout"][0] for t in self.timeline)
+
+    @property
+    def rollout_wait_s(self) -> float:
+        """Mirror: how long the target waited for branch rollouts that outlasted its suffix."""
+        return sum(max(0.0, t["rollout"][1] - max(t["rollout"][0], t["suffix"][1])) for t in self.timeline)
+
 
 @dataclass
 class PromptIds:
@@ -375,10 +385,12 @@ def summarize(samples: Sequence[Sample]) -> dict:
            "mean_accepted": n_tok / max(fwd, 1), "ms_per_step": decode * per,
            "peak_memory_gb": max(s.peak_memory_gb for s in samples),
            "fallback_rate": None, "reuse_rate": None, "omega_kappa": None, "hidden_draft_fraction": None}
-    if engine:
-        exposed = draft - hidden
-        out["breakdown_ms"] = {"prefix": prefix * per, "suffix": suffix * per, "draft": exposed * per,
-                               "overhead": max(0.0, decode - prefix - suffix - exposed) * per,
+    if engine:  # the critical path of a step, in order; the hidden draft time runs beside the suffix
+        wait = sum(s.rollout_wait_s for s in samples)
+        serial = draft - sum(s.rollout_s for s in samples)
+        out["breakdown_ms"] = {"prefix": prefix * per, "suffix": suffix * per, "rollout_wait": wait * per,
+                               "draft": serial * per,
+                               "overhead": max(0.0, decode - prefix - suffix - wait - serial) * per,
                                "draft_hidden": hidden * per}
     else:  # mlx-lm's loops: one number per step, not split
         out["breakdown_ms"] = {"unsplit": decode * per}

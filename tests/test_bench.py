@@ -11,6 +11,7 @@ from click.testing import CliRunner
 import mirror_mlx.bench as bench_mod
 from cli import main
 from mirror_mlx.bench import Sample, layer_value, parse_modes, parse_sweep, summarize, table
+from mirror_mlx.bench_report import redraw
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMOKE = ["bench", "--prompts", "tinystories", "--limit", "2", "--max-tokens", "16", "--modes", "mirror,sd,mlx_sd,ar"]
@@ -47,10 +48,14 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     m = rows["mirror"]
     assert m["fallback_rate"] + m["reuse_rate"] == pytest.approx(1.0)
     assert 0 <= m["hidden_draft_fraction"] <= 1 and 0 <= m["omega_kappa"] <= 1
-    assert m["mean_accepted"] >= 1 and set(m["breakdown_ms"]) >= {"prefix", "suffix", "draft", "overhead"}
+    assert m["mean_accepted"] >= 1
+    assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "overhead", "draft_hidden"}
     assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
     md = (out / "results.md").read_text()
     assert "| mirror |" in md and "| mlx_sd (k=" in md and "Latency per step" in md
+    (out / "results.md").unlink()
+    redraw(out / "results.json")  # the saved samples alone give the same summary and files
+    assert read(out)["summary"] == rep["summary"] and (out / "results.md").read_text() == md
 
 
 def test_a_wrong_token_fails_the_run_and_names_the_prompt(tmp_path, monkeypatch):
@@ -118,16 +123,18 @@ def test_summary_medians_rates_and_breakdown():
     def s(mode, tps, cat="a", **kw):
         return Sample(mode, 0, cat, [1] * 10, 10 / tps, kw.pop("fwd", 10), 0.1, **kw)
 
+    step = {"prefix": (0.0, 0.1), "suffix": (0.1, 0.3), "rollout": (0.1, 0.35), "accepted": 1}
     samples = [s("ar", 2.0), s("ar", 4.0), s("ar", 100.0, "b"),
-               s("mirror", 6.0, fwd=4, steps=4, prefix_s=0.4, suffix_s=0.8, draft_s=1.0, hidden_s=0.6,
-                 reuses=3, fallbacks=1, omega_sum=2.0)]
+               s("mirror", 6.0, fwd=4, steps=4, prefix_s=0.4, suffix_s=0.8, draft_s=1.2, hidden_s=0.8,
+                 reuses=3, fallbacks=1, omega_sum=2.0, timeline=[step] * 4)]
     rows = table(samples, ["mirror", "ar"])
     assert rows["all"]["ar"]["tokens_per_s"] == 4.0 and rows["a"]["ar"]["tokens_per_s"] == 3.0
     assert rows["all"]["mirror"]["speedup_vs_ar"] == pytest.approx(1.5)
     assert rows["all"]["mirror"]["speedup_vs_mlx_sd"] is None
     m = summarize(samples[3:])
     assert m["mean_accepted"] == 2.5 and m["reuse_rate"] == 0.75 and m["omega_kappa"] == 0.5
-    assert m["hidden_draft_fraction"] == pytest.approx(0.6)
-    b = m["breakdown_ms"]  # per step: 10/6 s over 4 steps
-    assert b["prefix"] == pytest.approx(100) and b["suffix"] == pytest.approx(200) and b["draft"] == pytest.approx(100)
-    assert b["prefix"] + b["suffix"] + b["draft"] + b["overhead"] == pytest.approx(m["ms_per_step"])
+    assert m["hidden_draft_fraction"] == pytest.approx(0.8 / 1.2)
+    b = m["breakdown_ms"]  # per step (10/6 s over 4): rollouts outlast the suffix by 50 ms, 0.2 s of serial draft
+    assert (b["prefix"], b["suffix"], b["rollout_wait"], b["draft"]) == pytest.approx((100, 200, 50, 50))
+    assert sum(b[k] for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead")) == pytest.approx(m["ms_per_step"])
+    assert b["overhead"] == pytest.approx(1000 * (10 / 6 - 1.6) / 4)
