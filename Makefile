@@ -15,7 +15,7 @@ demo: setup
 	$(VENV)/bin/mirror-mlx generate --prompt "Once upon a time" --max-tokens 128
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: setup
 	bash scripts/bench.sh

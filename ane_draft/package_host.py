@@ -25,6 +25,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from convert.coreml import NEG, Shapes, package_shapes
+from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Rollout
 
 
@@ -32,15 +33,6 @@ class Runner(Protocol):
     def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     def reset(self) -> None: ...
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
