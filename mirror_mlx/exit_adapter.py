@@ -1,0 +1,361 @@
+"""A learned early-exit adapter: a small residual map on the normalised layer-ℓ_e state.
+
+The bare head at ℓ_e guesses the final distribution poorly on shallow targets (DESIGN §3 step 2).
+The adapter sits between the target's final norm and its head at the early exit only, and is
+distilled so that head(adapter(norm(h_ℓe))) matches the target's final distribution on the target's
+own greedy text. It never touches the final logits, so generated tokens cannot change.
+"""
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from .corpus import eos_ids, greedy_continuations, split_openings, openings
+from .target import EarlyExitTarget, check_exit_layer, text_model
+
+FORMAT = "mirror-mlx-exit-adapter"
+VERSION = "1"
+DEMO_TARGET = Path(__file__).resolve().parent / "demo" / "stories260K"
+DEFAULT_RANK = 256  # hidden width of the residual MLP: on stories260K it beats a full-rank linear map
+DEFAULT_STEPS = 6000
+
+
+class ExitAdapter(nn.Module):
+    """x ↦ x + up(act(down(x))) + bias, starting as the identity (so as the bare head).
+
+    `mlp=False` is a low-rank linear map (rank r); `mlp=True` puts a SiLU between the two factors
+    (a one-hidden-layer residual MLP of width r, which may exceed the model width).
+    """
+
+    def __init__(self, dims: int, rank: int, mlp: bool = True):
+        super().__init__()
+        self.dims, self.rank, self.mlp = dims, rank, mlp
+        self.down = nn.Linear(dims, rank, bias=mlp)
+        self.up = nn.Linear(rank, dims, bias=True)
+        self.up.weight = mx.zeros_like(self.up.weight)
+        self.up.bias = mx.zeros_like(self.up.bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        z = self.down(x.astype(mx.float32))
+        if self.mlp:
+            z = nn.silu(z)
+        return (x + self.up(z)).astype(x.dtype)
+
+
+def apply_head(model: nn.Module, x: mx.array) -> mx.array:
+    """The model's own head (tied or not, soft-caps included) on an already normalised state (B, T, D)."""
+    tm = text_model(model)
+    inner = tm.model
+    cls = type(inner)
+    inner.__class__ = type("Given" + cls.__name__, (cls,), {"__call__": lambda self_, *a, **k: x})
+    try:
+        return tm(mx.zeros(x.shape[:2], dtype=mx.int32))
+    finally:
+        inner.__class__ = cls
+
+
+def model_dims(model: nn.Module) -> int:
+    return text_model(model).model.norm.weight.shape[-1]
+
+
+def fingerprint(model: nn.Module, rows: int = 4096) -> str:
+    """sha256 over the model's config, every parameter's name/shape/dtype, and its embedding and final norm.
+
+    Only `rows` evenly strided rows of each array are hashed, so a 150k-token embedding costs milliseconds.
+    """
+    h = hashlib.sha256()
+    args = getattr(text_model(model), "args", None) or getattr(model, "args", None)
+    if args is not None:
+        h.update(json.dumps(vars(args), sort_keys=True, default=str).encode())
+    for name, a in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(a.shape)}:{a.dtype};".encode())
+    inner = text_model(model).model
+    for part in ("embed_tokens", "norm"):
+        mod = getattr(inner, part, None)
+        if mod is None:
+            continue
+        for name, a in sorted(tree_flatten(mod.parameters()), key=lambda kv: kv[0]):
+            a = a[:: max(1, a.shape[0] // rows)] if a.ndim > 1 else a
+            h.update(name.encode())
+            h.update(np.array(a.view(mx.uint8) if a.dtype == mx.bfloat16 else a).tobytes())
+    return h.hexdigest()
+
+
+# ---- data: the target's own greedy text, as (normalised early state, normalised final state) rows
+
+
+@dataclass
+class ExitData:
+    """Rows of the target's greedy text: x_early = norm(h_ℓe), x_final = the state the head sees."""
+
+    x_early: mx.array  # (n, D)
+    x_final: mx.array  # (n, D)
+
+
+def _capture() -> tuple[list, Any]:
+    got: list = []
+
+    def adapter(x):
+        got.append(x)
+        return x
+
+    return got, adapter
+
+
+def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts: list[int],
+                batch_size: int = 8, progress: bool = False) -> ExitData:
+    """Early and final normalised states at the rows of `seqs` from `starts[i]` on (right-padded batches)."""
+    got, capture = _capture()
+    target = EarlyExitTarget(model, exit_layer, adapter=capture)
+    inner = text_model(model).model
+    xe, xf = [], []
+    try:
+        for j in tqdm(range(0, len(seqs), batch_size), desc=f"states L{exit_layer}", unit="batch",
+                      disable=not progress):
+            chunk = seqs[j : j + batch_size]
+            L = max(len(s) for s in chunk)
+            tokens = mx.array([s + [0] * (L - len(s)) for s in chunk])
+            got.clear()
+            target.forward(tokens, cache=None)  # only the captured early state is evaluated: blocks 1..ℓ_e
+            early = got[0]
+            final = inner(tokens)  # mlx-lm inner models return the final-normalised state
+            rows = [(b, t) for b, s in enumerate(chunk) for t in range(starts[j + b], len(s) - 1)]
+            bi = mx.array([b for b, _ in rows])
+            ti = mx.array([t for _, t in rows])
+            xe.append(early[bi, ti])
+            xf.append(final[bi, ti])
+            mx.eval(xe[-1], xf[-1])
+    finally:
+        target.remove()
+    return ExitData(mx.concatenate(xe).astype(mx.float32), mx.concatenate(xf).astype(mx.float32))
+
+
+def greedy_rows(model: nn.Module, tokenizer, texts: list[str], max_tokens: int,
+                max_prompt_tokens: int = 32, progress: bool = False) -> tuple[list[list[int]], list[int]]:
+    """(sequences, starts): each opening plus the target's greedy continuation; rows from the last prompt token."""
+    prompts = [tokenizer.encode(s)[:max_prompt_tokens] for s in texts]
+    gens = greedy_continuations(model, prompts, max_tokens, eos_ids(tokenizer), progress=progress)
+    keep = [(p, g) for p, g in zip(prompts, gens) if g]
+    return [p + g for p, g in keep], [len(p) - 1 for p, _ in keep]
+
+
+def kl(model: nn.Module, adapter: Optional[nn.Module], data: ExitData, batch: int = 4096) -> float:
+    """Mean KL(final ‖ early) over the rows (nats)."""
+    total = 0.0
+    n = data.x_early.shape[0]
+    for i in range(0, n, batch):
+        total += _kl_rows(model, adapter, data.x_early[i : i + batch], data.x_final[i : i + batch]).sum().item()
+    return total / max(n, 1)
+
+
+def _kl_rows(model, adapter, xe: mx.array, xf: mx.array) -> mx.array:
+    lp = nn.log_softmax(apply_head(model, xf[None]).astype(mx.float32)[0], axis=-1)
+    x = adapter(xe) if adapter is not None else xe
+    lq = nn.log_softmax(apply_head(model, x[None]).astype(mx.float32)[0], axis=-1)
+    return (mx.exp(lp) * (lp - lq)).sum(axis=-1)
+
+
+# ---- training
+
+
+@dataclass
+class TrainReport:
+    exit_layer: int
+    rank: int
+    mlp: bool
+    steps: int
+    seed: int
+    train_rows: int
+    held_out_rows: int
+    kl_before: float  # held-out, bare head
+    kl_after: float  # held-out, with the adapter
+    seconds: float
+
+
+def exit_data(model: nn.Module, tokenizer, exit_layer: int, texts: list[str], max_tokens: int = 64,
+              progress: bool = False) -> ExitData:
+    """Training rows: the target's greedy continuation of each opening, states at `exit_layer` and at the end."""
+    seqs, starts = greedy_rows(model, tokenizer, texts, max_tokens, progress=progress)
+    return exit_states(model, exit_layer, seqs, starts, progress=progress)
+
+
+def fit_adapter(model: nn.Module, train: ExitData, rank: int, steps: int, seed: int = 0, mlp: bool = True,
+                lr: float = 3e-3, batch_size: int = 256, progress: bool = True, desc: str = "train-exit") -> ExitAdapter:
+    """Adam on mean KL(final ‖ head(adapter(x_early))) over shuffled minibatches; deterministic per seed."""
+    mx.random.seed(seed)
+    adapter = ExitAdapter(model_dims(model), rank, mlp)
+    mx.eval(adapter.parameters())
+    opt = optim.Adam(learning_rate=optim.cosine_decay(lr, max(steps, 1), lr * 0.01))
+
+    def loss_fn(a, xe, xf):
+        return _kl_rows(model, a, xe, xf).mean()
+
+    step_fn = nn.value_and_grad(adapter, loss_fn)
+    rng = np.random.default_rng(seed)
+    n = train.x_early.shape[0]
+    batch_size = min(batch_size, n)
+    order, pos = rng.permutation(n), 0
+    bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress)
+    for step in bar:
+        if pos + batch_size > n:
+            order, pos = rng.permutation(n), 0
+        idx = mx.array(order[pos : pos + batch_size])
+        pos += batch_size
+        loss, grads = step_fn(adapter, train.x_early[idx], train.x_final[idx])
+        opt.update(adapter, grads)
+        mx.eval(adapter.parameters(), opt.state, loss)
+        if step % 50 == 0:
+            bar.set_postfix(kl=f"{loss.item():.3f}")
+    return adapter
+
+
+def train_exit_adapter(
+    model: nn.Module,
+    tokenizer,
+    exit_layer: int,
+    corpus_text: str,
+    rank: int = DEFAULT_RANK,
+    steps: int = DEFAULT_STEPS,
+    seed: int = 0,
+    mlp: bool = True,
+    lr: float = 3e-3,
+    batch_size: int = 256,
+    max_openings: Optional[int] = None,
+    held_out_openings: int = 64,
+    max_tokens: int = 64,
+    progress: bool = True,
+) -> tuple[ExitAdapter, TrainReport]:
+    """Distil an adapter at `exit_layer` on the target's greedy text over the corpus openings.
+
+    Deterministic for a given seed. KL is reported on held-out openings (hash split, corpus.py).
+    """
+    check_exit_layer(exit_layer, len(text_model(model).layers))
+    if rank < 1:
+        raise ValueError(f"rank must be at least 1, got {rank}")
+    if steps < 0:
+        raise ValueError(f"steps must be non-negative, got {steps}")
+    t0 = time.perf_counter()
+    train_txt, held_txt = split_openings(openings(corpus_text))
+    train_txt = train_txt[:max_openings] if max_openings else train_txt
+    held_txt = held_txt[:held_out_openings]
+    if not train_txt or not held_txt:
+        raise ValueError("the corpus has too few openings (sentences in paragraphs separated by blank lines)")
+    train = exit_data(model, tokenizer, exit_layer, train_txt, max_tokens, progress)
+    held = exit_data(model, tokenizer, exit_layer, held_txt, max_tokens)
+    adapter = fit_adapter(model, train, rank, steps, seed, mlp, lr, batch_size, progress, f"train-exit L{exit_layer}")
+    report = TrainReport(exit_layer, rank, mlp, steps, seed, train.x_early.shape[0], held.x_early.shape[0],
+                         kl(model, None, held), kl(model, adapter, held), time.perf_counter() - t0)
+    return adapter, report
+
+
+# ---- files
+
+
+def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, Any]) -> None:
+    """Weights as safetensors; `meta` must hold at least fingerprint and exit_layer (see adapter_meta)."""
+    for key in ("fingerprint", "exit_layer"):
+        if key not in meta:
+            raise ValueError(f"adapter metadata needs '{key}'")
+    md = {k: str(v) for k, v in meta.items()}
+    md.update(format=FORMAT, version=VERSION, dims=str(adapter.dims), rank=str(adapter.rank),
+              mlp=str(int(adapter.mlp)))
+    mx.save_safetensors(str(path), dict(tree_flatten(adapter.parameters())), metadata=md)
+
+
+def adapter_meta(model: nn.Module, exit_layer: int, **extra: Any) -> dict[str, Any]:
+    return {"fingerprint": fingerprint(model), "exit_layer": exit_layer, **extra}
+
+
+def read_adapter(path: Union[str, Path]) -> tuple[ExitAdapter, dict[str, str]]:
+    """The adapter and its metadata, without any check against a model."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no exit adapter at {path}")
+    try:
+        weights, md = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise ValueError(f"{path} is not a safetensors file ({e})") from None
+    if md.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a mirror-mlx exit adapter (made by `mirror-mlx train-exit`)")
+    adapter = ExitAdapter(int(md["dims"]), int(md["rank"]), bool(int(md["mlp"])))
+    adapter.load_weights(list(weights.items()), strict=True)
+    mx.eval(adapter.parameters())
+    return adapter, md
+
+
+def check_layer(adapter: nn.Module, exit_layer: int, path: Any = "the exit adapter") -> None:
+    """Refuse an adapter trained at another exit layer (its state space is another layer's)."""
+    trained = getattr(adapter, "exit_layer", None)
+    if trained is not None and trained != exit_layer:
+        raise ValueError(
+            f"{path} was trained for exit layer {trained}, not {exit_layer} (use --exit-layer {trained} "
+            f"or train one with `mirror-mlx train-exit --exit-layer {exit_layer}`)"
+        )
+
+
+def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[int] = None) -> ExitAdapter:
+    """Load an adapter, refusing one made for another model or (if given) another exit layer.
+
+    The adapter keeps its layer in `adapter.exit_layer`; an engine that picks the layer later
+    calls `check_layer(adapter, layer)`.
+    """
+    adapter, md = read_adapter(path)
+    adapter.exit_layer = int(md["exit_layer"])
+    if md["fingerprint"] != fingerprint(model):
+        raise ValueError(
+            f"exit adapter {path} was trained for another model (fingerprint {md['fingerprint'][:12]}, "
+            f"this model is {fingerprint(model)[:12]}); train one for it with `mirror-mlx train-exit`"
+        )
+    if exit_layer is not None:
+        check_layer(adapter, exit_layer, f"exit adapter {path}")
+    return adapter
+
+
+# ---- command line
+
+
+def load_model(path: Optional[Union[str, Path]]) -> tuple[nn.Module, Any]:
+    """mlx_lm.load on a folder or Hugging Face id (the demo target when None), errors as one ValueError."""
+    from mlx_lm.utils import load
+
+    path = DEMO_TARGET if path is None else path
+    try:
+        return load(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot load model {path}: {type(e).__name__}: {e}") from None
+
+
+def train_and_save(out: Path, model_path: Optional[str] = None, exit_layer: Optional[int] = None,
+                   corpus: Optional[Path] = None, progress: bool = True, **kwargs: Any) -> TrainReport:
+    """`mirror-mlx train-exit`: check the inputs before any work, train, write the adapter file."""
+    from .corpus import CORPUS
+
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ValueError(f"--out must end in .safetensors, got {out}")
+    if not out.parent.is_dir():
+        raise ValueError(f"the folder {out.parent} does not exist")
+    corpus = Path(corpus or CORPUS)
+    if not corpus.is_file():
+        raise ValueError(f"corpus file {corpus} does not exist")
+    model, tokenizer = load_model(model_path)
+    n_layers = len(text_model(model).layers)
+    exit_layer = max(1, n_layers // 2) if exit_layer is None else exit_layer
+    check_exit_layer(exit_layer, n_layers)
+    meta = adapter_meta(model, exit_layer, model_name=str(model_path or DEMO_TARGET.name), corpus=corpus.name)
+    adapter, report = train_exit_adapter(model, tokenizer, exit_layer, corpus.read_text(encoding="utf-8"),
+                                         progress=progress, **kwargs)
+    meta.update(steps=report.steps, seed=report.seed, kl_bare=f"{report.kl_before:.4f}",
+                kl_adapted=f"{report.kl_after:.4f}")
+    save_adapter(out, adapter, meta)
+    return report
