@@ -197,7 +197,7 @@ main.add_command(convert_cmd)
 @click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Text, paragraphs split by blank lines; trains on the target's greedy text after each "
                    "paragraph's first sentence [default: the packaged TinyStories sample].")
-@click.option("--steps", type=click.IntRange(min=1), default=3000, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=6000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
                    corpus: Path | None, steps: int, seed: int) -> None:
