@@ -21,7 +21,7 @@ _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 def _close_all() -> None:
     """Stop worker threads while the interpreter is still whole (else MLX aborts at exit)."""
     for worker in list(_live):
-        worker.close(join_timeout=10.0)
+        worker.close()
 
 
 atexit.register(_close_all)
@@ -57,7 +57,7 @@ class Worker:
 
         return await asyncio.wrap_future(self.submit(timed))
 
-    def close(self, join_timeout: float = 0.0) -> None:
+    def close(self, join_timeout: float = 10.0) -> None:
         """Stop the thread; wait up to `join_timeout` s for a job still running (a stalled draft)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         for thread in list(getattr(self._pool, "_threads", ())):
