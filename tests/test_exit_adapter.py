@@ -174,3 +174,20 @@ def test_cli_omega_with_the_shipped_adapter():
     assert r.exit_code == 0, r.output
     assert "| 2 | stories260K_exit2 | all rows, top-κ |" in r.output
     assert not math.isnan(float(r.output.split("| 2 | - | all rows, top-κ | ")[1].split(" |")[0]))
+
+
+def test_pipeline_with_the_adapter_generates_mlx_lm_greedy_text():
+    from mirror_mlx.pipeline import load
+
+    prompt = "Once upon a time, there was a little dog."
+    outs = []
+    for adapter in (None, SHIPPED):
+        pipe = load(exit_adapter=adapter)
+        try:
+            outs.append(pipe.generate(prompt, max_tokens=32))
+        finally:
+            pipe.close()
+    model, tokenizer = demo_target()
+    assert outs[0].tokens == outs[1].tokens
+    assert outs[1].text == mlx_generate(model, tokenizer, prompt, max_tokens=32)
+    assert outs[1].stats.reuses >= outs[0].stats.reuses  # the sharper exit prepares the right branch more often
