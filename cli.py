@@ -17,7 +17,7 @@ def main() -> None:
 def model_options(f):
     """--model / --draft-model / --exit-adapter, shared by generate, chat and bench."""
     f = click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
-                     help="A learned early-exit adapter for the target (train-exit).")(f)
+                     help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's.")(f)
     f = click.option("--draft-model", default=None,
                      help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id.")(f)
     f = click.option("--model", default=None,

@@ -239,6 +239,7 @@ class Engine:
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.draft = draft
+        self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
         self.draft_worker = Worker("draft") if draft is not None else None
         self.target = self.target_worker.call(TargetSide, target_model, exit_adapter)
@@ -274,6 +275,10 @@ class Engine:
         if opts.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1 (got {opts.max_tokens})")
         check_exit_layer(self.exit_layer(opts), self.n_layers)
+        if self.exit_adapter is not None and opts.mode == "mirror":
+            from .exit_adapter import check_layer
+
+            check_layer(self.exit_adapter, self.exit_layer(opts))
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         if self.context_length and len(prompt) + opts.max_tokens > self.context_length:
@@ -283,7 +288,10 @@ class Engine:
             )
 
     def exit_layer(self, opts: DecodeOptions) -> int:
-        return opts.exit_layer if opts.exit_layer is not None else max(1, self.n_layers // 2)
+        """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
+        if opts.exit_layer is not None:
+            return opts.exit_layer
+        return getattr(self.exit_adapter, "exit_layer", None) or max(1, self.n_layers // 2)
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions) -> Iterator[list[int]]:
         """Yield committed tokens, a chunk per step, until max_tokens or a stop token."""

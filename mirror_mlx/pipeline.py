@@ -15,6 +15,7 @@ from .engine import DecodeOptions, Engine, Stats
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_TARGET = DEMO_DIR / "stories260K"
 DEMO_DRAFT = DEMO_DIR / "llama2xs"
+DEMO_EXIT_ADAPTER = DEMO_DIR / "stories260K_exit2.safetensors"  # mirror-mlx train-exit --exit-layer 2
 
 Prompt = Union[str, Sequence[int]]
 
@@ -182,10 +183,17 @@ class Pipeline:
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
          exit_adapter: Optional[Union[str, Path]] = None, **_: Any) -> Pipeline:
-    """Load a target and its draft. With no model, the embedded demo pair (works offline)."""
+    """Load a target and its draft. With no model, the embedded demo pair (works offline).
+
+    `exit_adapter`: a `mirror-mlx train-exit` file that sharpens the early exit (never the target's
+    own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
+    """
     if model is None:
         model = DEMO_TARGET
         draft_model = DEMO_DRAFT if draft_model is None else draft_model
+        exit_adapter = DEMO_EXIT_ADAPTER if exit_adapter is None else exit_adapter
+    if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
+        exit_adapter = None
     target, tokenizer = mlx_load(str(resolve_model(model)))
     draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
     adapter = None

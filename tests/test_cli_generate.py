@@ -69,3 +69,12 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
         assert "use a draft trained with the target's tokenizer" in str(e)
     else:
         raise AssertionError("mismatched tokenizers were accepted")
+
+
+def test_the_demo_uses_its_exit_adapter_and_refuses_it_at_another_layer():
+    result = run("--max-tokens", "40", "--json")
+    stats = json.loads(result.output.strip().splitlines()[-1])["stats"]
+    assert stats["reuse_rate"] > 0.8  # the shipped layer-2 adapter: most corrections are precomputed
+    result = run("--exit-layer", "3", "--max-tokens", "5")
+    assert result.exit_code == 2 and "trained for exit layer 2, not 3" in result.output
+    assert run("--exit-layer", "3", "--exit-adapter", "none", "--max-tokens", "5").exit_code == 0
