@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from . import __version__
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
+from .engine import DecodeOptions
 from .prompts import load_prompts
 
 MODES = ("mirror", "sd", "mlx_sd", "ar")
@@ -292,7 +293,7 @@ def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
     modes = list(cfg.modes)
     if "ar" not in modes:  # ar is the reference for the equality check and the speedups
         modes.append("ar")
-    exit_layer = cfg.exit_layer if cfg.exit_layer is not None else max(1, pipe.engine.n_layers // 2)
+    exit_layer = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
     knobs = dict(kappa=cfg.kappa, gamma=cfg.gamma, exit_layer=exit_layer)
     sd_prompts = prompts[: max(1, cfg.sd_sweep_prompts)]
     bar = progress_bar(len(modes) + len(prompts) * len(modes) +
@@ -338,10 +339,10 @@ def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs:
 
 def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dict) -> None:
     """Mirror mode over the (κ, γ, ℓ_e) grid, with `ar` on each prompt as reference and baseline."""
-    default_exit = cfg.exit_layer if cfg.exit_layer is not None else max(1, pipe.engine.n_layers // 2)
+    default_exit = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
     grid = parse_sweep(cfg.sweep, pipe.engine.n_layers, cfg.kappa, cfg.gamma, default_exit)
     points = [dict(kappa=k, gamma=g, exit_layer=e) for e, g, k in product(grid["exit"], grid["gamma"], grid["kappa"])]
-    bar = progress_bar(2 + len(prompts) * (len(points) + 1), "sweep", cfg.progress)
+    bar = progress_bar(2 + len(prompts) * (len(points) + 2), "sweep", cfg.progress)
     result.update(grid=grid, points=points)
     try:
         for mode in ("ar", "mirror"):
@@ -351,15 +352,16 @@ def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
             ref = one(pipe, "ar", p, i, cfg, points[0], cfg.max_tokens)
             bar.update()
             result["samples"].append(ref)
-            start = i % len(points)
-            for j in list(range(start, len(points))) + list(range(start)):
-                bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {point_name(points[j])}")
-                s = one(pipe, "mirror", p, i, cfg, points[j], cfg.max_tokens)
-                s.mode = point_name(points[j])
+            for pt in points if i % 2 == 0 else points[::-1]:  # alternate directions: linear drift cancels
+                bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)} {point_name(pt)}")
+                s = one(pipe, "mirror", p, i, cfg, pt, cfg.max_tokens)
+                s.mode = point_name(pt)
                 result["samples"].append(s)
                 bar.update()
                 if cfg.temp == 0:
                     check_equal([s], ref, p, what="sweep point")
+            result["samples"].append(one(pipe, "ar", p, i, cfg, points[0], cfg.max_tokens))  # ar at both ends
+            bar.update()
     finally:
         bar.close()
     result["equality_checked"] = cfg.temp == 0

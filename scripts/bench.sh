@@ -13,7 +13,7 @@
 # backend has no thread pool of its own: one thread per stream, plus BLAS's). --pin puts the target
 # side (and mlx-lm's baselines) on the first allowed core and the draft's worker and stream thread on
 # the second, so target and draft each own one core. Sizes: LIMIT prompts x TOKENS new tokens per
-# run (default 10 x 48; the sweep: 1 held-out opening x 32 tokens per grid point); override with the
+# run (default 10 x 48; the sweep: 2 held-out openings x 24 tokens per grid point); override with the
 # environment, e.g. LIMIT=3 TOKENS=32 make bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +24,8 @@ PY="$VENV/bin/python"
 OUT=${OUT:-bench_out}
 LIMIT=${LIMIT:-10}
 TOKENS=${TOKENS:-48}
-SWEEP_LIMIT=${SWEEP_LIMIT:-1}
-SWEEP_TOKENS=${SWEEP_TOKENS:-32}
+SWEEP_LIMIT=${SWEEP_LIMIT:-2}
+SWEEP_TOKENS=${SWEEP_TOKENS:-24}
 SWEEP=${SWEEP:-"kappa=1,2,4,8 gamma=2,3,5 exit=N/4,N/2,3N/4"}
 TARGET=build/stories-98M
 DRAFT=build/llama2xs-8M

@@ -87,13 +87,15 @@ def test_sampling_runs_without_the_equality_check(tmp_path):
 
 
 def test_sweep_writes_table_and_heatmap(tmp_path):
+    """Without the demo's layer-2 exit adapter, which fixes the exit layer."""
     out = tmp_path / "sw"
     r = CliRunner().invoke(main, ["bench", "--limit", "1", "--max-tokens", "8", "--sweep", "kappa=1,2 exit=1,N/2",
-                                  "--gamma", "2", "--out", str(out)])
+                                  "--gamma", "2", "--exit-adapter", "none", "--out", str(out)])
     assert r.exit_code == 0, r.output
     rep = read(out)
     names = {f"k{k}-g2-e{e}" for k in (1, 2) for e in (1, 2)}
     assert set(rep["summary"]["all"]) == names | {"ar"}
+    assert rep["summary"]["all"]["ar"]["prompts"] == 2  # ar before and after the points, against drift
     assert rep["best"]["name"] in names and rep["equality_checked"]
     assert is_png(out / "sweep_heatmap.png")
     assert (out / "results.md").read_text().count("\n| ") == 5  # header + 4 points
