@@ -50,13 +50,13 @@ class MLXDraft:
         self.cache: list[Any] = trimmable_cache(self.model)
         self.cached: list[int] = []
 
-    def sync(self, context: Sequence[int]) -> None:
-        """Make the cache hold exactly `context`: trim what diverged, feed what is new."""
+    def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> None:
+        """Make the cache hold exactly `context` (+ `extra`): trim what diverged, feed what is new."""
         keep = common_prefix(self.cached, context)
         if keep < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - keep)
             del self.cached[keep:]
-        self._feed(list(context[keep:]))
+        self._feed(list(context[keep:]) + list(extra))
 
     def _feed(self, tokens: list[int]) -> None:
         for i in range(0, len(tokens), self.prefill_step_size):
@@ -66,8 +66,7 @@ class MLXDraft:
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
         spine = spine_of(stems)
-        self.sync(context)
-        self._feed(spine)  # one forward over the shared spine (counted below)
+        self.sync(context, extra=spine)  # new context and the shared spine in one forward
         cache = self._branch_cache([len(spine) - (len(s) - 1) for s in stems])
         trim_prompt_cache(self.cache, len(spine))
         del self.cached[len(self.cached) - len(spine) :]
