@@ -12,6 +12,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from .engine import DecodeOptions, Stats
@@ -323,7 +324,8 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
-        session.note(f"chatting with {pipe.name or 'the model'} (mode {kwargs.get('mode', 'mirror')}): "
+        name = Path(pipe.name).name if pipe.name else "the model"
+        session.note(f"chatting with {name} (mode {kwargs.get('mode', 'mirror')}): "
                      "/help lists the commands, Ctrl-D quits")
     while True:
         try:
