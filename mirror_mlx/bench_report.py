@@ -158,7 +158,7 @@ def plot_latency(report: dict, path: Path) -> None:
     """Stacked ms per step: target prefix / suffix / draft not hidden / overhead (mlx-lm loops: one bar)."""
     rows = report["summary"]["all"]
     modes = list(rows)
-    fig, ax = plt.subplots(figsize=(6.5, 0.7 * len(modes) + 1.6))
+    fig, ax = plt.subplots(figsize=(6.5, 0.7 * len(modes) + 2.4))
     used = set()
     for i, mode in enumerate(modes):
         b, left = rows[mode]["breakdown_ms"], 0.0
@@ -179,7 +179,7 @@ def plot_latency(report: dict, path: Path) -> None:
     ax.set_xlabel("ms per step (one target forward)")
     ax.set_title(f"Latency per step — {report['config']['prompts']}, T={report['config']['temp']}")
     ax.set_xlim(0, ax.get_xlim()[1] * 1.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -224,7 +224,7 @@ def plot_sweep(report: dict, path: Path) -> None:
         ax.set_ylabel("γ")
         ax.set_title(f"ℓ_e = {e}")
     fig.colorbar(im, ax=axes[0].tolist(), label="tokens/s ÷ ar")
-    fig.suptitle(f"Mirror-SD sweep — {report['config']['prompts']}, T={report['config']['temp']}", fontsize=10)
+    fig.suptitle(f"Mirror-SD sweep — {report['config']['prompts']}, T={report['config']['temp']}", fontsize=10, y=1.04)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
