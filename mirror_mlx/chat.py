@@ -173,7 +173,7 @@ def add_stats(total: Stats, s: Stats) -> Stats:
         a, b = getattr(total, f.name), getattr(s, f.name)
         if f.name == "peak_memory_gb":
             setattr(out, f.name, max(a, b))
-        elif isinstance(a, (int, float)) and not isinstance(a, bool) and f.name != "mode":
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
             setattr(out, f.name, a + b)
     return out
 
@@ -183,8 +183,8 @@ def stats_line(s: Stats) -> str:
 
 
 class CtrlC:
-    """While a reply streams, the first Ctrl-C asks it to stop after the step in flight (the caches stay
-    consistent); a second one raises KeyboardInterrupt at once."""
+    """During a turn, the first Ctrl-C asks the reply to stop after the step in flight (so the engine is
+    never cut mid-step and its caches stay consistent); a second one raises KeyboardInterrupt at once."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -251,7 +251,13 @@ class ChatSession:
         return True
 
     def turn(self, text: str) -> None:
-        """One user turn: refuse it if it cannot fit in the context, else stream the reply."""
+        """One user turn. Ctrl-C at any point of it stops the reply after the step in flight (a Ctrl-C that
+        lands just after the reply ended is spent on it, not on the prompt that follows)."""
+        with CtrlC() as ctrl_c:
+            self._turn(text, ctrl_c)
+
+    def _turn(self, text: str, ctrl_c: CtrlC) -> None:
+        """Refuse the turn if it cannot fit in the context, else stream the reply."""
         messages = self.messages + [{"role": "user", "content": text}]
         kwargs = dict(self.kwargs)
         if self.seeded:
@@ -276,18 +282,17 @@ class ChatSession:
             return
         self.seeded = True
         interrupted = False
-        with CtrlC() as ctrl_c:
-            try:
-                for chunk in chunks:
-                    self.out.write(chunk.text)
-                    self.out.flush()
-                    if ctrl_c.requested:
-                        interrupted = True
-                        break
-            except KeyboardInterrupt:
-                interrupted = True
-            finally:
-                chunks.close()
+        try:
+            for chunk in chunks:
+                self.out.write(chunk.text)
+                self.out.flush()
+                if ctrl_c.requested:
+                    interrupted = True
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            chunks.close()
         self.out.write("\n")
         self.out.flush()
         self.messages = list(state(self.pipe).messages)
@@ -330,18 +335,15 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
     while True:
         try:
             line = read_line(interactive, stdin)
-        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt when interactive, else quit
+            if line is None:
+                return 0
+            line = line.strip()
+            if line.startswith("/"):
+                if not session.command(line):
+                    return 0
+            elif line:
+                session.turn(line)
+        except KeyboardInterrupt:  # at the prompt (or a second Ctrl-C): a fresh prompt; from a pipe, quit
             if not interactive:
                 return 130
             print()
-            continue
-        if line is None:
-            return 0
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("/"):
-            if not session.command(line):
-                return 0
-            continue
-        session.turn(line)
