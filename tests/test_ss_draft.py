@@ -115,14 +115,17 @@ def test_trained_streams_save_forwards():
     draft = SSDraft.from_path(SS_DEMO)
     plain = MLXDraft(draft.model)
     from mlx_lm.utils import load_tokenizer
-    tok = load_tokenizer(TARGET)
-    context = tok.encode("Once upon a time, there was a little girl named Lily. She loved to")
-    stems = [[v] for v in (262, 290, 300, 315, 400, 403, 437, 450)]
+    context = load_tokenizer(TARGET).encode("Once upon a time, there was a little girl named Lily. She loved to")
+    top8 = np.argsort(-np.array(draft.model(mx.array([context]))[0, -1]))[:8].tolist()
+    stems = [[v] for v in top8]  # plausible candidates, as the early exit would send
     r = draft.rollout(context, stems, gamma=7)
     assert r.windows == plain.rollout(context, stems, gamma=7).windows
-    assert r.forwards < 7, f"streams never agreed: J = {r.forwards}"
+    per_branch = draft.stats.branch_forwards
+    assert np.mean(per_branch) < 6, f"streams rarely agree: forwards per branch {per_branch}"
+    assert all(sum(e) == 7 for e in draft.stats.emitted) and max(max(e) for e in draft.stats.emitted) > 1
     trusted = SSDraft(draft.model, trust_streams=True).rollout(context, stems, gamma=7)
-    assert trusted.forwards <= r.forwards and all(len(w) == 7 for w in trusted.windows)
+    assert trusted.forwards <= min(5, r.forwards) and all(len(w) == 7 for w in trusted.windows)
+    assert all(t[:4] == w[:4] for t, w in zip(trusted.windows, r.windows))  # the γ - S verified tokens
 
 
 def test_training_lowers_loss_and_resumes_exactly(tmp_path):
