@@ -68,19 +68,24 @@ class SSDraft(MLXDraft):
                        tokens=gamma)
 
     def _branches(self, stems: Sequence[Sequence[int]], n_spine: int, gamma: int) -> tuple[list[list[int]], int]:
-        """Roll every branch out from its last stem token; branch b sees context + spine[:len(stem_b) - 1]."""
-        B, S, P = len(stems), self.num_streams, len(self.cached)
+        """Roll every branch out from its last stem token; branch b sees context + spine[:len(stem_b) - 1].
+
+        A branch whose window is complete leaves the batch, so the last forwards run only the
+        slow branches.
+        """
+        S, P = self.num_streams, len(self.cached)
         prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.cache] if P else None
-        offset = np.array([P - n_spine + len(s) - 1 for s in stems])  # position of each branch's row 0
+        act = np.arange(len(stems))  # the branches still in the batch, in batch-row order
+        offset = np.array([P - n_spine + len(s) - 1 for s in stems])  # position of each row's first input
         prefix_valid = np.arange(P)[None, :] < offset[:, None]
         rows = np.array([[s[-1]] for s in stems], dtype=np.int32)
         n_guess = 0
         scratch: list[tuple[mx.array, mx.array]] = []
-        scratch_valid = np.zeros((B, 0), dtype=bool)
+        scratch_valid = np.zeros((len(stems), 0), dtype=bool)
         windows: list[list[int]] = [[] for _ in stems]
         forwards = 0
         while True:
-            past = self._past(prefix, scratch, B)
+            past = self._past(prefix, scratch, len(act))
             valid = mx.array(np.concatenate([prefix_valid, scratch_valid], axis=1)) if past else None
             out = ss_forward(self.model, mx.array(rows), mx.array(offset.astype(np.int32)), past, valid)
             main = mx.argmax(out.main, axis=-1)
@@ -90,27 +95,34 @@ class SSDraft(MLXDraft):
             main, streams = np.array(main), np.array(streams)  # (B, L), (B, S, L)
             L = rows.shape[1]
             agree = rows[:, 1:] == main[:, :L - 1]  # row 0 is given; rows 1.. are the guesses to verify
-            r = np.cumprod(agree, axis=1).sum(axis=1) if n_guess else np.zeros(B, dtype=int)
-            for i in range(B):  # gains the r_i agreeing guesses plus the main token after them
-                before = len(windows[i])
-                windows[i] += rows[i, 1:r[i] + 1].tolist() + [int(main[i, r[i]])]
-                self._note(i, before, len(windows[i]), gamma, forwards)
-            if min(len(w) for w in windows) >= gamma:
+            r = np.cumprod(agree, axis=1).sum(axis=1) if n_guess else np.zeros(len(act), dtype=int)
+            for i, b in enumerate(act):  # gains the r_i agreeing guesses plus the main token after them
+                before = len(windows[b])
+                windows[b] += rows[i, 1:r[i] + 1].tolist() + [int(main[i, r[i]])]
+                self._note(b, before, len(windows[b]), gamma, forwards)
+            short = min(len(windows[b]) for b in act)
+            if short >= gamma:
                 break
-            if self.trust_streams and min(len(w) for w in windows) + S >= gamma:
-                for i in range(B):
-                    before = len(windows[i])
-                    windows[i] += streams[i, :, r[i]].tolist()[: max(0, gamma - before)]
-                    self._note(i, before, len(windows[i]), gamma, forwards)
+            if self.trust_streams and short + S >= gamma:
+                for i, b in enumerate(act):
+                    before = len(windows[b])
+                    windows[b] += streams[i, :, r[i]].tolist()[: max(0, gamma - before)]
+                    self._note(b, before, len(windows[b]), gamma, forwards)
                 break
             scratch = [(k, v) for k, v in out.kv] if not scratch else [
                 (mx.concatenate([sk, k], axis=2), mx.concatenate([sv, v], axis=2))
                 for (sk, sv), (k, v) in zip(scratch, out.kv)]
             scratch_valid = np.concatenate([scratch_valid, np.arange(L)[None, :] <= r[:, None]], axis=1)
-            rows = np.concatenate([main[np.arange(B), r][:, None], streams[np.arange(B), :, r]], axis=1)
-            rows = rows.astype(np.int32)
+            i = np.arange(len(act))
+            rows = np.concatenate([main[i, r][:, None], streams[i, :, r]], axis=1).astype(np.int32)
             offset = offset + r + 1
             n_guess = S
+            keep = np.flatnonzero([len(windows[b]) < gamma for b in act])
+            if len(keep) < len(act):
+                sel = mx.array(keep)
+                scratch = [(k[sel], v[sel]) for k, v in scratch]
+                act, rows, offset = act[keep], rows[keep], offset[keep]
+                prefix_valid, scratch_valid = prefix_valid[keep], scratch_valid[keep]
         return windows, forwards
 
     def _note(self, i: int, before: int, after: int, gamma: int, forward: int) -> None:
