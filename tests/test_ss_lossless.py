@@ -1,0 +1,38 @@
+"""Mirror-SD with the Speculative-Streaming demo draft returns exactly mlx-lm's greedy tokens."""
+
+import pytest
+from mlx_lm import load
+
+from mirror_mlx.pipeline import DEMO_DIR, Pipeline, load_draft
+from tests.models import TARGET_PATH
+from tests.test_engine import mlx_greedy, openings
+
+SS_DEMO = DEMO_DIR / "ss_draft"
+
+
+@pytest.fixture(scope="module")
+def ss_pipe():
+    target, tokenizer = load(str(TARGET_PATH))
+    draft = load_draft(SS_DEMO, tokenizer)
+    assert type(draft).__name__ == "SSDraft"  # the folder is recognised as an SS draft
+    pipe = Pipeline(target, tokenizer, draft)
+    yield pipe
+    pipe.close()
+
+
+def test_mirror_with_the_ss_draft_equals_mlx_lm_greedy_on_20_openings(ss_pipe):
+    forwards = windows = 0
+    for text in openings(20):
+        prompt = ss_pipe.tokenizer.encode(text)
+        out = ss_pipe.generate(prompt, max_tokens=48, kappa=2, gamma=5, stop=False)
+        assert out.tokens == mlx_greedy(ss_pipe.model, prompt, 48), f"diverged on {text!r}"
+        forwards += out.stats.draft_forwards
+        windows += out.stats.rollouts
+    assert forwards / windows < 5 + 1  # streams save forwards: fewer than γ (+1 spine) per window
+
+
+def test_sd_with_the_ss_draft_equals_mlx_lm_greedy(ss_pipe):
+    for text in openings(5):
+        prompt = ss_pipe.tokenizer.encode(text)
+        assert ss_pipe.generate(prompt, max_tokens=48, mode="sd", stop=False).tokens == \
+            mlx_greedy(ss_pipe.model, prompt, 48)
