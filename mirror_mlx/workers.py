@@ -7,15 +7,24 @@ GIL, so a target worker and a draft worker really compute at the same time.
 
 import asyncio
 import atexit
+import os
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+
+def _wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
+    """`join` returns before the OS thread runs MLX's thread-local destructors, which take the GIL;
+    if the interpreter finalizes meanwhile, the process aborts. On Linux, wait for the task to go."""
+    task = f"/proc/self/task/{native_id}"
+    end = time.monotonic() + cap
+    while native_id is not None and os.path.exists(task) and time.monotonic() < end:
+        time.sleep(0.002)
 
 
 def _close_all() -> None:
@@ -62,4 +71,5 @@ class Worker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for thread in list(getattr(self._pool, "_threads", ())):
             thread.join(join_timeout)
+            _wait_os_thread_gone(thread.native_id)
         _live.discard(self)
