@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     target, tok = mlx_load(str(DEMO / "stories260K"))
     plain_model, _ = mlx_load(str(DEMO / "llama2xs"))
-    ss = SSDraft.from_path(args.ss_draft)
+    ss = SSDraft.from_path(args.ss_draft, trust_streams=False)
     drafts = {"llama2xs": MLXDraft(plain_model), "ss": ss,
               "ss+trust_streams": SSDraft(ss.model, trust_streams=True)}
     prompts = [p.text for p in load_prompts("tinystories", args.n)]

@@ -100,7 +100,7 @@ def test_rollout_windows_are_the_drafts_greedy_text():
     model = tiny(seed=3)
     context = np.array(tokens(1, 20, seed=2))[0].tolist()
     stems = [[7], [4, 8], [4, 5, 9], [4, 5, 6, 10]]  # spine-shaped, as the engine sends them
-    ss, plain = SSDraft(model), MLXDraft(model)
+    ss, plain = SSDraft(model, trust_streams=False), MLXDraft(model)
     r = ss.rollout(context, stems, gamma=6)
     assert r.windows == plain.rollout(context, stems, gamma=6).windows  # main stream = plain greedy
     assert all(len(w) == 6 for w in r.windows) and 1 <= r.forwards <= 6 + 1 and r.tokens == 6  # + the spine
@@ -112,7 +112,7 @@ def test_rollout_windows_are_the_drafts_greedy_text():
 
 @pytest.mark.skipif(not SS_DEMO.is_dir(), reason="demo SS draft not shipped yet")
 def test_trained_streams_save_forwards():
-    draft = SSDraft.from_path(SS_DEMO)
+    draft = SSDraft.from_path(SS_DEMO, trust_streams=False)
     plain = MLXDraft(draft.model)
     from mlx_lm.utils import load_tokenizer
     context = load_tokenizer(TARGET).encode("Once upon a time, there was a little girl named Lily. She loved to")
