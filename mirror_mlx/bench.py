@@ -422,12 +422,28 @@ def table(samples: Sequence[Sample], keys: Sequence[str]) -> dict:
             group = [s for s in samples if s.mode == key and (cat == "all" or s.category == cat)]
             if group:
                 rows[key] = summarize(group)
-        for row in rows.values():
+        for key, row in rows.items():
             for base in ("ar", "mlx_sd"):
                 b = rows.get(base)
                 row[f"speedup_vs_{base}"] = row["tokens_per_s"] / b["tokens_per_s"] if b and b["tokens_per_s"] else None
+                row[f"paired_speedup_vs_{base}"] = paired_speedup(
+                    [s for s in samples if cat == "all" or s.category == cat], key, base) if b else None
         out[cat] = rows
     return out
+
+
+def paired_speedup(samples: Sequence[Sample], key: str, base: str) -> Optional[float]:
+    """Median over prompts of key's tokens/s ÷ base's on the same prompt (run next to it, so drift cancels)."""
+    def per_prompt(mode: str) -> dict[int, float]:
+        runs: dict[int, list[float]] = {}
+        for s in samples:
+            if s.mode == mode:
+                runs.setdefault(s.prompt, []).append(s.tokens_per_s)
+        return {p: sum(v) / len(v) for p, v in runs.items()}
+
+    a, b = per_prompt(key), per_prompt(base)
+    ratios = [a[p] / b[p] for p in a if b.get(p)]
+    return median(ratios) if ratios else None
 
 
 def best_point(rows: dict, points: Sequence[dict]) -> dict:

@@ -42,7 +42,7 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     for modes in by_prompt.values():  # the harness's own check, redone from the saved samples
         assert len(modes) == 4 and all(t == modes["ar"] for t in modes.values())
     assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
-    assert rows["mlx_sd"]["speedup_vs_mlx_sd"] == pytest.approx(1.0)
+    assert rows["mlx_sd"]["speedup_vs_mlx_sd"] == pytest.approx(1.0) == rows["mlx_sd"]["paired_speedup_vs_mlx_sd"]
     assert rep["mlx_sd_sweep"]["best_k"] in (2, 3, 4, 5, 6) and rows["mlx_sd"]["num_draft_tokens"] == [
         rep["mlx_sd_sweep"]["best_k"]]
     m = rows["mirror"]
@@ -133,6 +133,7 @@ def test_summary_medians_rates_and_breakdown():
     assert rows["all"]["ar"]["tokens_per_s"] == 4.0 and rows["a"]["ar"]["tokens_per_s"] == 3.0
     assert rows["all"]["mirror"]["speedup_vs_ar"] == pytest.approx(1.5)
     assert rows["all"]["mirror"]["speedup_vs_mlx_sd"] is None
+    assert rows["all"]["ar"]["paired_speedup_vs_ar"] == 1.0 and rows["all"]["ar"]["paired_speedup_vs_mlx_sd"] is None
     m = summarize(samples[3:])
     assert m["mean_accepted"] == 2.5 and m["reuse_rate"] == 0.75 and m["omega_kappa"] == 0.5
     assert m["hidden_draft_fraction"] == pytest.approx(0.8 / 1.2)
@@ -140,3 +141,15 @@ def test_summary_medians_rates_and_breakdown():
     assert (b["prefix"], b["suffix"], b["rollout_wait"], b["draft"]) == pytest.approx((100, 200, 50, 50))
     assert sum(b[k] for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead")) == pytest.approx(m["ms_per_step"])
     assert b["overhead"] == pytest.approx(1000 * (10 / 6 - 1.6) / 4)
+
+
+def test_paired_speedup_compares_each_prompt_with_its_own_ar():
+    """A slow patch that hits one prompt's runs of every mode leaves the paired ratio alone."""
+    def s(mode, prompt, tps):
+        return Sample(mode, prompt, "a", [1] * 10, 10 / tps, 10, 0.1)
+
+    samples = [s("ar", 0, 10.0), s("x", 0, 20.0), s("ar", 1, 2.0), s("x", 1, 4.0), s("ar", 2, 3.0), s("x", 2, 5.0),
+               s("ar", 2, 5.0)]  # prompt 2: ar twice (a sweep times it at both ends), mean 4
+    rows = table(samples, ["x", "ar"])["all"]
+    assert rows["x"]["paired_speedup_vs_ar"] == pytest.approx(2.0)  # ratios 2, 2, 1.25
+    assert rows["x"]["speedup_vs_ar"] == pytest.approx(5.0 / 4.0)  # ratio of medians: drift leaks in
