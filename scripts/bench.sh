@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The headline benchmark behind BENCHMARKS.md (`make bench`), sized for a 2-core CPU box: ~25 min
-# when the cores are free, ~50 min when other jobs share them.
+# The headline benchmark behind BENCHMARKS.md (`make bench`), sized for a 2-core CPU box: 28 and
+# 50 min measured with other jobs sharing the cores (load average 3-7); less on a quiet machine.
 #
 # 1. Widen the demo pair into build/ without changing its function (convert/widen.py):
 #    target stories260K -> 98M params (hidden 768, 96 heads, 48 kv, MLP 2064, 15 layers),
@@ -73,6 +73,7 @@ mkdir -p "$DOCS"
 : > "$OUT/summary.md"
 for RUN in sweep tinystories-t0 tinystories-t1 spec_bench-t0 spec_bench-t1; do
   cat "$OUT/$RUN/results.md" >> "$OUT/summary.md"
+  cp "$OUT/$RUN/results.md" "$DOCS/$RUN-results.md"
   for PNG in "$OUT/$RUN"/*.png; do cp "$PNG" "$DOCS/$RUN-$(basename "$PNG")"; done
 done
-echo "wrote $OUT/summary.md and $DOCS/*.png"
+echo "wrote $OUT/summary.md and $DOCS/*-results.md, *.png"
