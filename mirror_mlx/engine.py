@@ -384,7 +384,7 @@ class Engine:
             stats.reuses += 1
             return new, reused
         stats.fallbacks += 1
-        return new, self._fresh_window_sync(committed + new, opts, stats)
+        return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
 
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
@@ -428,21 +428,6 @@ class Engine:
 
     def _fresh_window(self, loop, committed, opts, stats):
         return loop.run_until_complete(self._timed_rollout(committed, opts, stats))
-
-    def _fresh_window_sync(self, committed, opts, stats):
-        """Fallback inside a running step: the draft works while the target waits."""
-        job = self.draft_worker.submit(self.draft.rollout, committed[:-1], [[committed[-1]]], opts.gamma)
-        t0 = time.perf_counter()
-        try:
-            out = job.result(timeout=opts.draft_timeout)
-        except Exception as e:
-            self._drop_draft(e, stats)
-            return None
-        stats.draft_seconds += time.perf_counter() - t0
-        stats.draft_forwards += out.forwards
-        stats.draft_tokens += out.tokens
-        stats.rollouts += 1
-        return out.windows[0]
 
     def _drop_draft(self, error: BaseException, stats: Stats) -> None:
         reason = "timed out" if isinstance(error, (asyncio.TimeoutError, TimeoutError)) else repr(error)
