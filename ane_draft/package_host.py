@@ -85,8 +85,10 @@ class PackageDraft:
 
     # ------------------------------------------------------------------ committed prefix
 
-    def sync(self, context: Sequence[int]) -> None:
-        """Make the cache hold exactly `context`: keep the common prefix, extend with the rest."""
+    def sync(self, context: Sequence[int]) -> int:
+        """Make the cache hold exactly `context`: keep the common prefix, extend with the rest.
+
+        Returns the `extend` calls that took."""
         S, E = self.shapes.context, self.shapes.chunk
         n = len(context)
         if n > S:
@@ -94,7 +96,7 @@ class PackageDraft:
                 f"the context has {n} tokens but this Core ML draft was built for {S}; "
                 f"rebuild it with `mirror-mlx convert --context {max(n, 2 * S)}` or shorten the prompt"
             )
-        keep = common_prefix(self.cached, context)
+        keep, calls = common_prefix(self.cached, context), 0
         while keep < n:
             start = keep if keep + E <= n else max(0, n - E)  # end-aligned: re-writes equal rows
             chunk = list(context[start : start + E])
@@ -111,7 +113,9 @@ class PackageDraft:
                 for i in range(real):
                     self.trace.extend[start + i] = logits[i].copy()
             keep = start + real
+            calls += 1
         self.cached = list(context)
+        return calls
 
     # ------------------------------------------------------------------ branch rollout
 
@@ -136,9 +140,9 @@ class PackageDraft:
         if not 1 <= gamma <= self.shapes.gamma:
             raise ValueError(f"gamma {gamma} is outside 1..{self.shapes.gamma}, what this Core ML draft was built "
                              f"for; rebuild it with `mirror-mlx convert --gamma {max(gamma, 1)}`")
-        self.sync(context)
+        extends = self.sync(context)
         windows, calls = self._rollout_groups(len(context), [[int(t) for t in st] for st in stems], gamma)
-        return Rollout(windows=windows, forwards=calls, tokens=gamma)
+        return Rollout(windows=windows, forwards=extends + calls, tokens=gamma)
 
     def _rollout_groups(self, n_ctx: int, stems: list[list[int]], gamma: int) -> tuple[list[list[int]], int]:
         """Split the stems when one batched rollout might not fit the scratch slots."""

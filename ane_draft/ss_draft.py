@@ -1,21 +1,27 @@
 """The Speculative-Streaming draft behind the engine's Draft protocol: several tokens per forward.
 
-The engine's stems share one spine (stem b = ŷ_1..ŷ_{r_b} + [v_b]): the spine is fed once on the
-committed cache, then each branch is one batch row over that shared prefix (broadcast, not copied),
-masked to context + ŷ_1..ŷ_{r_b}, starting from v_b. A forward feeds every branch its pending main
-token plus its S stream guesses from the previous forward. The main rows verify the guesses (SS self-verification, papers.md §3.4): branch i keeps
-the agreeing prefix a_i of its guesses plus the main token after them, so it gains a_i + 1 tokens,
-and that row's streams become its next guesses. Rejected rows stay in the branch's scratch K/V but
-are masked out. Because main rows never see stream rows, the window is exactly the draft's own
-greedy main-stream continuation (the same text a plain llama forward would give), reached in
-J ≈ ⌈γ/η̄⌉ forwards instead of γ.
+The engine's stems share one spine (stem b = ŷ_1..ŷ_{r_b} + [v_b]), and the spine is the window the
+draft itself proposed one rollout earlier. So the draft keeps the keys/values its last rollout
+computed (the spine's, and every branch's own rows) and *recalls* them for the next one: the
+committed prefix and most of the spine come back without a forward. Each branch is one batch row
+over the shared prefix (broadcast, not copied), masked to context + ŷ_1..ŷ_{r_b}.
+
+Forward 1 feeds every branch what it must still see (the few tokens no rollout computed yet:
+the last window's final main token and trusted guesses) followed by v_b, and yields its main token
+plus S stream guesses. Every later forward feeds [main token, guesses]; the main rows verify the
+guesses (SS self-verification, papers.md §3.4): branch i keeps the agreeing prefix a_i of its
+guesses plus the main token after them, so it gains a_i + 1 tokens, and that row's streams become
+its next guesses. Rejected rows stay in the branch's scratch K/V but are masked out. Because main
+rows never see stream rows, the window is exactly the draft's own greedy main-stream continuation
+(the same text a plain llama forward would give), reached in J ≈ ⌈γ/η̄⌉ forwards instead of γ.
+When nothing can be recalled (a new prompt, a reset) the unseen tokens are fed first, in a
+forward of their own, counted in J like every other.
 
 With `trust_streams` (the default), the last forward's unchecked stream guesses complete the
 windows as soon as the slowest branch is within S tokens of γ; those windows end with guesses the
-draft did not verify (still valid proposals: the target verifies every token). On the demo pair
-(50 openings × 128 tokens, γ = 7, κ = 8) this cuts J from 6.8 to 4.3 for 3% fewer accepted
-tokens per target forward (docs/ss_draft.md). `trust_streams=False` gives exactly the draft's
-greedy main-stream text, as the Core ML host does.
+draft did not verify (still valid proposals: the target verifies every token). This trades a few
+accepted tokens per target forward for fewer forwards (docs/ss_draft.md). `trust_streams=False`
+gives exactly the draft's greedy main-stream text, as the Core ML host does.
 """
 
 from dataclasses import dataclass, field
@@ -25,8 +31,7 @@ from typing import Sequence, Union
 import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import trim_prompt_cache
-from mirror_mlx.draft import MLXDraft, spine_of
+from mirror_mlx.draft import MLXDraft, common_prefix, spine_of
 from mirror_mlx.draft_api import Rollout
 
 from .ss_model import Model, is_ss_draft, load_ss_draft, ss_forward  # noqa: F401  (re-exported for load)
@@ -38,16 +43,31 @@ class RolloutStats:
 
     branch_forwards: list[int] = field(default_factory=list)  # forwards until branch i had gamma tokens
     emitted: list[list[int]] = field(default_factory=list)  # tokens gained per forward, per branch
+    recalled: int = 0  # tokens whose keys/values came from the previous rollout instead of a forward
+
+
+@dataclass
+class Extension:
+    """Keys/values a rollout computed for `tokens`, which follow the first `start` tokens of its sequence."""
+
+    start: int
+    tokens: list[int]
+    kv: list[tuple[mx.array, mx.array]]  # per layer (1, Hkv, len(tokens), hd), at their true positions
 
 
 class SSDraft(MLXDraft):
-    """An SS model as draft; its prefix cache holds committed main rows only (sync as MLXDraft)."""
+    """An SS model as draft; between rollouts its cache holds committed main rows only."""
 
     def __init__(self, model: Model, trust_streams: bool = True, prefill_step_size: int = 512):
         super().__init__(model, prefill_step_size)
         self.num_streams = model.args.num_streams
         self.trust_streams = trust_streams
         self.stats = RolloutStats()
+
+    def reset(self) -> None:
+        super().reset()
+        self.base: list[int] = []  # the last rollout's context + spine, which extensions follow
+        self.extensions: list[Extension] = []
 
     @classmethod
     def from_path(cls, path: Union[str, Path], **kwargs) -> "SSDraft":
@@ -56,37 +76,68 @@ class SSDraft(MLXDraft):
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
         spine = spine_of(stems)
-        self.sync(context)
-        B, S = len(stems), self.num_streams
-        self.stats = RolloutStats([0] * B, [[] for _ in stems])
+        context, seq = list(context), list(context) + spine
+        self.stats = RolloutStats([0] * len(stems), [[] for _ in stems])
         if gamma <= 0:
+            self.sync(context)
             return Rollout(windows=[[] for _ in stems], forwards=0, tokens=0)
-        self._feed(spine)  # the shared spine once, on the committed cache (one forward, counted)
-        try:
-            windows, forwards = self._branches(stems, len(spine), gamma)
-        finally:
-            trim_prompt_cache(self.cache, len(spine))
-            del self.cached[len(self.cached) - len(spine):]
-        return Rollout(windows=[w[:gamma] for w in windows], forwards=forwards + (1 if spine else 0),
-                       tokens=gamma)
+        keep = common_prefix(self.cached, seq)
+        self._recall(seq)
+        self.stats.recalled = len(self.cached) - keep
+        fed = 0
+        if len(seq) - len(self.cached) > self.num_streams + 1:  # too many to repeat in every row
+            fed = self._feed(seq[len(self.cached):])
+        windows, forwards, extensions = self._branches(seq, len(context), stems, gamma)
+        if len(self.cached) > len(context):  # keep the spine's keys/values for the next rollout
+            extensions.append(Extension(len(context), self.cached[len(context):],
+                                        [(c.state[0][..., len(context):len(self.cached), :],
+                                          c.state[1][..., len(context):len(self.cached), :]) for c in self.cache]))
+            self._trim_to(len(context))
+        self.base, self.extensions = seq, extensions
+        self._recall(context)  # committed tokens the branch rows computed join the cache
+        return Rollout(windows=[w[:gamma] for w in windows], forwards=fed + forwards, tokens=gamma)
 
-    def _branches(self, stems: Sequence[Sequence[int]], n_spine: int, gamma: int) -> tuple[list[list[int]], int]:
-        """Roll every branch out from its last stem token; branch b sees context + spine[:len(stem_b) - 1].
+    def _recall(self, seq: list[int]) -> None:
+        """Grow the cache along `seq` with keys/values the last rollout computed (no forward)."""
+        self._trim_to(common_prefix(self.cached, seq))
+        shared = common_prefix(self.base, seq)  # extensions are valid where seq follows the same tokens
+        while True:
+            n, best, best_m = len(self.cached), None, 0
+            for e in self.extensions:
+                if e.start <= min(n, shared) and e.start + len(e.tokens) > n:
+                    m = common_prefix(e.tokens[n - e.start:], seq[n:])
+                    if m > best_m:
+                        best, best_m = e, m
+            if best is None:
+                return
+            i = n - best.start
+            for c, (k, v) in zip(self.cache, best.kv):
+                c.update_and_fetch(k[..., i:i + best_m, :], v[..., i:i + best_m, :])
+            self.cached += seq[n:n + best_m]
 
-        A branch whose window is complete leaves the batch, so the last forwards run only the
-        slow branches.
+    def _branches(self, seq: list[int], n_context: int, stems: Sequence[Sequence[int]], gamma: int):
+        """Roll every branch out from its last stem token; branch b sees seq[:n_context + len(stem_b) - 1].
+
+        Returns (windows, forwards, one Extension per branch). A branch whose window is complete
+        leaves the batch, so the last forwards run only the slow branches.
         """
         S, P = self.num_streams, len(self.cached)
         prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.cache] if P else None
+        sees = [n_context + len(s) - 1 for s in stems]  # how much of seq branch b sees before v_b
+        start = np.array([min(P, n) for n in sees])  # position of each row's first input
+        firsts = [seq[a:n] + [s[-1]] for a, n, s in zip(start, sees, stems)]  # unseen tokens, then v_b
+        L = max(map(len, firsts))
+        rows = np.array([f + [0] * (L - len(f)) for f in firsts], dtype=np.int32)  # right-padded: causal
+        last = np.array([len(f) - 1 for f in firsts])  # the row whose main output is the next token
+        fed = [list(f) for f in firsts]  # tokens whose keys/values stand valid in each branch's scratch
         act = np.arange(len(stems))  # the branches still in the batch, in batch-row order
-        offset = np.array([P - n_spine + len(s) - 1 for s in stems])  # position of each row's first input
-        prefix_valid = np.arange(P)[None, :] < offset[:, None]
-        rows = np.array([[s[-1]] for s in stems], dtype=np.int32)
-        n_guess = 0
+        offset = start.copy()
+        prefix_valid = np.arange(P)[None, :] < start[:, None]
         scratch: list[tuple[mx.array, mx.array]] = []
         scratch_valid = np.zeros((len(stems), 0), dtype=bool)
         windows: list[list[int]] = [[] for _ in stems]
-        forwards = 0
+        extensions: list[Extension] = []
+        forwards, guessing = 0, False
         while True:
             past = self._past(prefix, scratch, len(act))
             valid = mx.array(np.concatenate([prefix_valid, scratch_valid], axis=1)) if past else None
@@ -97,36 +148,47 @@ class SSDraft(MLXDraft):
             forwards += 1
             main, streams = np.array(main), np.array(streams)  # (B, L), (B, S, L)
             L = rows.shape[1]
-            agree = rows[:, 1:] == main[:, :L - 1]  # row 0 is given; rows 1.. are the guesses to verify
-            r = np.cumprod(agree, axis=1).sum(axis=1) if n_guess else np.zeros(len(act), dtype=int)
+            if guessing:  # rows 1.. are last forward's guesses: keep the prefix the main rows agree with
+                r = np.cumprod(rows[:, 1:] == main[:, :L - 1], axis=1).sum(axis=1)
+                last = r
+                for i, b in enumerate(act):
+                    fed[b] += rows[i, :r[i] + 1].tolist()
+            else:
+                r = np.zeros(len(act), dtype=int)
             for i, b in enumerate(act):  # gains the r_i agreeing guesses plus the main token after them
                 before = len(windows[b])
-                windows[b] += rows[i, 1:r[i] + 1].tolist() + [int(main[i, r[i]])]
+                windows[b] += rows[i, 1:r[i] + 1].tolist() + [int(main[i, last[i]])]
                 self._note(b, before, len(windows[b]), gamma, forwards)
-            short = min(len(windows[b]) for b in act)
-            if short >= gamma:
-                break
-            if self.trust_streams and short + S >= gamma:
-                for i, b in enumerate(act):
-                    before = len(windows[b])
-                    windows[b] += streams[i, :, r[i]].tolist()[: max(0, gamma - before)]
-                    self._note(b, before, len(windows[b]), gamma, forwards)
-                break
+            i = np.arange(len(act))
             scratch = [(k, v) for k, v in out.kv] if not scratch else [
                 (mx.concatenate([sk, k], axis=2), mx.concatenate([sv, v], axis=2))
                 for (sk, sv), (k, v) in zip(scratch, out.kv)]
-            scratch_valid = np.concatenate([scratch_valid, np.arange(L)[None, :] <= r[:, None]], axis=1)
-            i = np.arange(len(act))
-            rows = np.concatenate([main[i, r][:, None], streams[i, :, r]], axis=1).astype(np.int32)
-            offset = offset + r + 1
-            n_guess = S
-            keep = np.flatnonzero([len(windows[b]) < gamma for b in act])
+            scratch_valid = np.concatenate([scratch_valid, np.arange(L)[None, :] <= last[:, None]], axis=1)
+            short = min(len(windows[b]) for b in act)
+            done = short >= gamma or (self.trust_streams and short + S >= gamma)
+            if done and short < gamma:
+                for j, b in enumerate(act):
+                    before = len(windows[b])
+                    windows[b] += streams[j, :, last[j]].tolist()[: max(0, gamma - before)]
+                    self._note(b, before, len(windows[b]), gamma, forwards)
+            finished = np.array([done or len(windows[b]) >= gamma for b in act])
+            for j in np.flatnonzero(finished):
+                cols = mx.array(np.flatnonzero(scratch_valid[j]))
+                extensions.append(Extension(int(start[act[j]]), fed[act[j]],
+                                            [(k[j:j + 1][:, :, cols], v[j:j + 1][:, :, cols]) for k, v in scratch]))
+            if done:
+                break
+            rows = np.concatenate([main[i, last][:, None], streams[i, :, last]], axis=1).astype(np.int32)
+            offset = offset + last + 1
+            guessing = True
+            keep = np.flatnonzero(~finished)
             if len(keep) < len(act):
                 sel = mx.array(keep)
                 scratch = [(k[sel], v[sel]) for k, v in scratch]
                 act, rows, offset = act[keep], rows[keep], offset[keep]
                 prefix_valid, scratch_valid = prefix_valid[keep], scratch_valid[keep]
-        return windows, forwards
+        mx.eval([e.kv for e in extensions])
+        return windows, forwards, extensions
 
     def _note(self, i: int, before: int, after: int, gamma: int, forward: int) -> None:
         if before < gamma:

@@ -50,23 +50,29 @@ class MLXDraft:
         self.cache: list[Any] = trimmable_cache(self.model)
         self.cached: list[int] = []
 
-    def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> None:
-        """Make the cache hold exactly `context` (+ `extra`): trim what diverged, feed what is new."""
-        keep = common_prefix(self.cached, context)
-        if keep < len(self.cached):
-            trim_prompt_cache(self.cache, len(self.cached) - keep)
-            del self.cached[keep:]
-        self._feed(list(context[keep:]) + list(extra))
+    def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> int:
+        """Make the cache hold exactly `context` (+ `extra`): trim what diverged, feed what is new.
 
-    def _feed(self, tokens: list[int]) -> None:
+        Returns the forwards that took (0 when nothing was new).
+        """
+        self._trim_to(common_prefix(self.cached, context))
+        return self._feed(list(context[len(self.cached):]) + list(extra))
+
+    def _trim_to(self, n: int) -> None:
+        if n < len(self.cached):
+            trim_prompt_cache(self.cache, len(self.cached) - n)
+            del self.cached[n:]
+
+    def _feed(self, tokens: list[int]) -> int:
         for i in range(0, len(tokens), self.prefill_step_size):
             self.model(mx.array([tokens[i : i + self.prefill_step_size]]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
         self.cached.extend(tokens)
+        return -(-len(tokens) // self.prefill_step_size)
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
         spine = spine_of(stems)
-        self.sync(context, extra=spine)  # new context and the shared spine in one forward
+        fed = self.sync(context, extra=spine)  # new context and the shared spine in one forward
         cache = self._branch_cache([len(spine) - (len(s) - 1) for s in stems])
         trim_prompt_cache(self.cache, len(spine))
         del self.cached[len(self.cached) - len(spine) :]
@@ -77,7 +83,7 @@ class MLXDraft:
             mx.eval(y)
             out.append(y)
         windows = mx.concatenate(out, axis=1).tolist() if out else [[] for _ in stems]
-        return Rollout(windows=windows, forwards=gamma + (1 if spine else 0), tokens=gamma)
+        return Rollout(windows=windows, forwards=gamma + fed, tokens=gamma)
 
     def _branch_cache(self, pads: list[int]) -> list[BatchKVCache]:
         """Rows of the cache, row b shifted right by pads[b] masked slots (one gather per layer)."""

@@ -9,7 +9,7 @@ class Rollout:
     """Greedy draft continuations, one per stem, and what they cost."""
 
     windows: list[list[int]]  # windows[i]: `gamma` tokens that follow context + stems[i]
-    forwards: int  # draft forward passes spent on the windows (J); cache syncing not counted
+    forwards: int  # every draft forward the rollout ran (J), cache syncing included
     tokens: int  # draft tokens emitted per branch summed over forwards / forwards gives eta-bar
 
 

@@ -1,10 +1,12 @@
 """Mirror-mode greedy decoding with each draft on TinyStories openings: acceptance, J, η̄, lossless.
 
-    .venv/bin/python scripts/measure_ss.py --n 50 --max-tokens 128 --gamma 7
+    .venv/bin/python scripts/measure_ss.py --n 50 --max-tokens 128 --gamma 7 [--drafts llama2xs,ss]
 
 Per draft: mean accepted tokens per target forward (correction counted), J = draft forwards per
-window (the batch's: the slowest of the κ·(γ+1) branches), the mean per-branch forwards for SS
-drafts, η̄ = γ/J, and whether every output equals the target's own greedy text (ar mode).
+window (every forward a rollout runs, syncing included; for a branch rollout the slowest of the
+κ·(γ+1) branches decides it), J over branch rollouts and over single-window rollouts (the first
+window and fallbacks) apart, the mean per-branch forwards for SS drafts, η̄ = γ/J, and whether
+every output equals the target's own greedy text (ar mode).
 """
 
 import argparse
@@ -28,15 +30,21 @@ class Recorder:
 
     def __init__(self, draft):
         self.draft, self.vocab_size, self.branch_forwards = draft, draft.vocab_size, []
+        self.forwards = {"branch": [], "single": []}  # J of each rollout, by kind
 
     def reset(self) -> None:
         self.draft.reset()
 
     def rollout(self, context, stems, gamma):
         out = self.draft.rollout(context, stems, gamma)
+        self.forwards["branch" if len(stems) > 1 else "single"].append(out.forwards)
         if isinstance(self.draft, SSDraft):
             self.branch_forwards += self.draft.stats.branch_forwards
         return out
+
+
+def mean(xs: list) -> float:
+    return round(sum(xs) / len(xs), 3) if xs else None
 
 
 def main() -> None:
@@ -46,12 +54,14 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--kappa", type=int, default=8)
     ap.add_argument("--ss-draft", default=str(DEMO / "ss_draft"))
+    ap.add_argument("--drafts", default="llama2xs,ss,ss+trust_streams", help="comma-separated subset")
     args = ap.parse_args()
     target, tok = mlx_load(str(DEMO / "stories260K"))
     plain_model, _ = mlx_load(str(DEMO / "llama2xs"))
     ss = SSDraft.from_path(args.ss_draft, trust_streams=False)
     drafts = {"llama2xs": MLXDraft(plain_model), "ss": ss,
               "ss+trust_streams": SSDraft(ss.model, trust_streams=True)}
+    drafts = {k: drafts[k] for k in args.drafts.split(",")}
     prompts = [p.text for p in load_prompts("tinystories", args.n)]
     ar = Pipeline(target, tok, None)
     reference = [ar.generate(p, max_tokens=args.max_tokens, mode="ar").tokens for p in prompts]
@@ -73,7 +83,8 @@ def main() -> None:
         results[name] = {
             "mean_accepted": round(tot["gen"] / tot["tf"], 3), "J": round(tot["df"] / tot["ro"], 3),
             "eta": round(tot["dt"] / tot["df"], 3),
-            "branch_J": round(sum(bf) / len(bf), 3) if bf else None,
+            "J_branch_rollouts": mean(rec.forwards["branch"]), "J_single_rollouts": mean(rec.forwards["single"]),
+            "branch_J": mean(bf),
             "lossless": f"{same}/{len(prompts)}", "seconds": round(time.time() - t0, 1)}
         print(name, json.dumps(results[name]), flush=True)
     ar.close()

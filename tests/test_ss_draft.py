@@ -103,11 +103,38 @@ def test_rollout_windows_are_the_drafts_greedy_text():
     ss, plain = SSDraft(model, trust_streams=False), MLXDraft(model)
     r = ss.rollout(context, stems, gamma=6)
     assert r.windows == plain.rollout(context, stems, gamma=6).windows  # main stream = plain greedy
-    assert all(len(w) == 6 for w in r.windows) and 1 <= r.forwards <= 6 + 1 and r.tokens == 6  # + the spine
+    assert all(len(w) == 6 for w in r.windows) and 1 <= r.forwards <= 6 + 1 and r.tokens == 6  # + the unseen context
     assert ss.rollout([], [[1, 4]], 4).windows == plain.rollout([], [[1, 4]], 4).windows
     assert ss.rollout(context, stems, 0).windows == [[], [], [], []]
     with pytest.raises(ValueError):
         ss.rollout(context, [[4], []], 3)
+
+
+def test_next_rollout_recalls_the_spine_and_the_reused_branch_without_a_forward():
+    model = tiny(seed=4)
+    context = np.array(tokens(1, 20, seed=5))[0].tolist()
+    ss, plain = SSDraft(model, trust_streams=False), MLXDraft(model)
+    spine = ss.rollout(context, [[7]], gamma=6).windows[0]  # the window the target now verifies
+    stems = [spine[:r] + [v] for r in range(7) for v in (3, 11)]
+    first = ss.rollout(context + [7], stems, gamma=6)
+    assert ss.stats.recalled >= 1 + 5 and first.forwards == max(ss.stats.branch_forwards)  # 7 and the window's fed tokens; no spine forward
+    a = 2  # the target accepted ŷ1, ŷ2 and corrected to 11: the next window is w(2, 11)
+    reused = first.windows[stems.index(spine[:a] + [11])]
+    context2 = context + [7] + spine[:a] + [11]
+    stems2 = [reused[:r] + [v] for r in range(7) for v in (5, 9)]
+    second = ss.rollout(context2, stems2, gamma=6)
+    assert ss.stats.recalled >= a + 1 + 5  # ŷ1 ŷ2 from the spine, 11 and w's verified tokens from its row
+    assert second.windows == plain.rollout(context2, stems2, gamma=6).windows  # recalled keys/values are right
+    assert ss.cached == context2 and ss.cache[0].offset == len(context2)  # committed tokens only
+    ref = make_prompt_cache(model)
+    model(mx.array([context2]), cache=ref)
+    for c, r in zip(ss.cache, ref):
+        n = len(context2)
+        assert mx.allclose(c.state[0][..., :n, :], r.state[0][..., :n, :], atol=1e-5).item()
+        assert mx.allclose(c.state[1][..., :n, :], r.state[1][..., :n, :], atol=1e-5).item()
+    ss.reset()  # nothing to recall: the unseen tokens take a forward of their own, counted
+    again = ss.rollout(context2, stems2, gamma=6)
+    assert again.windows == second.windows and again.forwards == max(ss.stats.branch_forwards) + 1
 
 
 @pytest.mark.skipif(not SS_DEMO.is_dir(), reason="demo SS draft not shipped yet")
