@@ -59,7 +59,7 @@ class Stats:
     prefill_tokens: int = 0  # prompt tokens actually run through the target (the rest came from its cache)
     generation_tokens: int = 0
     target_forwards: int = 0  # decode forwards of the target (one per step)
-    draft_forwards: int = 0  # draft forwards spent on windows (J per rollout)
+    draft_forwards: int = 0  # every draft forward the rollouts ran, syncing included (J per rollout)
     draft_tokens: int = 0  # per-branch tokens those forwards emitted (η̄ = draft_tokens / draft_forwards)
     rollouts: int = 0
     steps: int = 0
@@ -330,7 +330,9 @@ class Engine:
                 elif mode == "sd" and self.draft_failure is None:
                     new = loop.run_until_complete(self._sd_step(committed, opts, sampler, processors, stats))
                 else:
+                    s0 = time.perf_counter()
                     ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
+                    stats.suffix_seconds += time.perf_counter() - s0
                     new = ys[:1]
                 stats.target_forwards += 1
                 stats.steps += 1

@@ -184,7 +184,9 @@ def test_mirror_without_draft_is_refused():
     pipe = Pipeline(target, tokenizer, None)
     with pytest.raises(ValueError, match="needs a draft model"):
         pipe.generate("Once upon a time", mode="mirror")
-    assert len(pipe.generate("Once upon a time", mode="ar", max_tokens=5).tokens) == 5
+    ar = pipe.generate("Once upon a time", mode="ar", max_tokens=5)
+    assert len(ar.tokens) == 5 and ar.stats.target_forwards == 5
+    assert 0 < ar.stats.suffix_seconds <= ar.stats.decode_seconds  # ar's forwards are timed too
     pipe.close()
 
 
