@@ -59,7 +59,7 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
         raise ValueError(
             f"model {name!r} is not a local folder and could not be fetched from the Hugging Face hub"
             f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
-            f"(`huggingface-cli download {name}`) or pass a local folder"
+            f"(`hf download {name}`) or pass a local folder"
         ) from None
 
 
