@@ -220,8 +220,11 @@ class Terminal:
         import pty
 
         self.master, slave = pty.openpty()
+        # a user's terminal delivers Ctrl-C; a runner that started us in the background may ignore SIGINT,
+        # and an ignored signal stays ignored across exec, so give the chat the default action back
         self.proc = subprocess.Popen(cli(*args, ctty=True), cwd=ROOT, stdin=slave, stdout=slave, stderr=slave,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         os.close(slave)
         self.seen = ""  # output not matched yet
         self.log = ""  # all output, for failure messages
