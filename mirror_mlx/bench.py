@@ -237,9 +237,6 @@ def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
 def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
                kappa: int, gamma: int, exit_layer: Optional[int]) -> Sample:
     """`mirror` or `sd` through the Pipeline (stop=False: exactly max_tokens, as the baselines)."""
-    sync = getattr(pipe.draft, "sync", None)
-    if sync is not None and pipe.engine.draft_failure is None:
-        pipe.engine.draft_worker.call(sync, p.ids[:-1])  # draft prefill off the clock, as mlx_sd's
     r = pipe.generate(p.ids, max_tokens=max_tokens, temperature=temp, seed=seed, kappa=kappa, gamma=gamma,
                       exit_layer=exit_layer, mode=mode, stop=False)
     s = r.stats

@@ -308,7 +308,15 @@ class Engine:
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
         t0 = time.perf_counter()
+        sync = getattr(self.draft, "sync", None) if mode != "ar" else None
+        draft_prefill = self.draft_worker.submit(sync, prompt[:-1]) if sync else None  # beside the target's
         stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
+        if draft_prefill is not None:
+            try:
+                draft_prefill.result(timeout=opts.draft_timeout)
+            except Exception as e:  # the draft cannot even prefill: the target alone, visibly
+                self._drop_draft(e, stats)
+                mode = stats.mode = "ar"
         stats.prefill_seconds = time.perf_counter() - t0
         committed, produced = list(prompt), 0
         loop = asyncio.new_event_loop()

@@ -136,6 +136,13 @@ def test_rollout_overlaps_the_target_suffix_in_threads():
     pipe.close()
 
 
+def test_the_draft_prefills_beside_the_target(demo):
+    prompt = demo.tokenizer.encode("Once upon a time, there was a little dog who liked to run")
+    out = demo.generate(prompt, max_tokens=1, gamma=5, mode="sd", stop=False)
+    assert out.stats.rollouts == 1 and out.stats.draft_forwards == 5  # no prompt forward on the decode clock
+    assert demo.draft.cached == prompt[:-1]  # the prompt came in during prefill
+
+
 # --- failure and bad input --------------------------------------------------------------------------
 
 class _BrokenDraft(MLXDraft):
@@ -162,6 +169,22 @@ def test_failing_or_stalling_draft_switches_visibly_to_ar(greedy_refs, capsys, s
     out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5)
     assert out.tokens == ref
     assert out.stats.draft_failure and ("timed out" if stall else "exploded") in out.stats.draft_failure
+    assert "continuing with the target alone" in capsys.readouterr().err
+    pipe.close()
+
+
+class _NoPrefillDraft(MLXDraft):
+    def sync(self, context, extra=()):
+        raise RuntimeError("draft cannot prefill")
+
+
+def test_a_draft_that_cannot_prefill_switches_visibly_to_ar(greedy_refs, capsys):
+    target, tokenizer = load(str(TARGET_PATH))
+    draft, _ = load(str(DRAFT_PATH))
+    pipe = Pipeline(target, tokenizer, _NoPrefillDraft(draft))
+    prompt, ref = greedy_refs[0]
+    out = pipe.generate(prompt, max_tokens=32, stop=False)
+    assert out.tokens == ref[:32] and out.stats.mode == "ar" and "cannot prefill" in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     pipe.close()
 
