@@ -35,6 +35,9 @@ class Recorder:
     def reset(self) -> None:
         self.draft.reset()
 
+    def sync(self, context) -> None:  # the engine prefills the draft beside the target with it
+        self.draft.sync(context)
+
     def rollout(self, context, stems, gamma):
         out = self.draft.rollout(context, stems, gamma)
         self.forwards["branch" if len(stems) > 1 else "single"].append(out.forwards)
