@@ -48,11 +48,16 @@ class RolloutStats:
 
 @dataclass
 class Extension:
-    """Keys/values a rollout computed for `tokens`, which follow the first `start` tokens of its sequence."""
+    """Keys/values a rollout computed for `tokens`, which follow the first `start` tokens of its sequence.
+
+    Token t's keys/values are column cols[t] of kv: a branch keeps its scratch as it is (rejected
+    guesses included) and only a recalled one is ever gathered.
+    """
 
     start: int
     tokens: list[int]
-    kv: list[tuple[mx.array, mx.array]]  # per layer (1, Hkv, len(tokens), hd), at their true positions
+    kv: list[tuple[mx.array, mx.array]]  # per layer (1, Hkv, columns, hd), at their true positions
+    cols: np.ndarray
 
 
 class SSDraft(MLXDraft):
@@ -81,25 +86,28 @@ class SSDraft(MLXDraft):
         if gamma <= 0:
             self.sync(context)
             return Rollout(windows=[[] for _ in stems], forwards=0, tokens=0)
-        keep = common_prefix(self.cached, seq)
-        self._recall(seq)
-        self.stats.recalled = len(self.cached) - keep
+        self.stats.recalled = self._recall(seq)
         fed = 0
         if len(seq) - len(self.cached) > self.num_streams + 1:  # too many to repeat in every row
             fed = self._feed(seq[len(self.cached):])
         windows, forwards, extensions = self._branches(seq, len(context), stems, gamma)
         if len(self.cached) > len(context):  # keep the spine's keys/values for the next rollout
+            n = len(self.cached) - len(context)
             extensions.append(Extension(len(context), self.cached[len(context):],
                                         [(c.state[0][..., len(context):len(self.cached), :],
-                                          c.state[1][..., len(context):len(self.cached), :]) for c in self.cache]))
+                                          c.state[1][..., len(context):len(self.cached), :]) for c in self.cache],
+                                        np.arange(n)))
             self._trim_to(len(context))
         self.base, self.extensions = seq, extensions
         self._recall(context)  # committed tokens the branch rows computed join the cache
         return Rollout(windows=[w[:gamma] for w in windows], forwards=fed + forwards, tokens=gamma)
 
-    def _recall(self, seq: list[int]) -> None:
-        """Grow the cache along `seq` with keys/values the last rollout computed (no forward)."""
+    def _recall(self, seq: list[int]) -> int:
+        """Grow the cache along `seq` with keys/values the last rollout computed (no forward).
+
+        Returns how many tokens came back that way."""
         self._trim_to(common_prefix(self.cached, seq))
+        kept = len(self.cached)
         shared = common_prefix(self.base, seq)  # extensions are valid where seq follows the same tokens
         while True:
             n, best, best_m = len(self.cached), None, 0
@@ -109,10 +117,11 @@ class SSDraft(MLXDraft):
                     if m > best_m:
                         best, best_m = e, m
             if best is None:
-                return
+                return len(self.cached) - kept
             i = n - best.start
+            cols = mx.array(best.cols[i:i + best_m])
             for c, (k, v) in zip(self.cache, best.kv):
-                c.update_and_fetch(k[..., i:i + best_m, :], v[..., i:i + best_m, :])
+                c.update_and_fetch(k[:, :, cols], v[:, :, cols])
             self.cached += seq[n:n + best_m]
 
     def _branches(self, seq: list[int], n_context: int, stems: Sequence[Sequence[int]], gamma: int):
@@ -173,9 +182,9 @@ class SSDraft(MLXDraft):
                     self._note(b, before, len(windows[b]), gamma, forwards)
             finished = np.array([done or len(windows[b]) >= gamma for b in act])
             for j in np.flatnonzero(finished):
-                cols = mx.array(np.flatnonzero(scratch_valid[j]))
                 extensions.append(Extension(int(start[act[j]]), fed[act[j]],
-                                            [(k[j:j + 1][:, :, cols], v[j:j + 1][:, :, cols]) for k, v in scratch]))
+                                            [(k[j:j + 1], v[j:j + 1]) for k, v in scratch],
+                                            np.flatnonzero(scratch_valid[j])))
             if done:
                 break
             rows = np.concatenate([main[i, last][:, None], streams[i, :, last]], axis=1).astype(np.int32)
@@ -187,7 +196,6 @@ class SSDraft(MLXDraft):
                 scratch = [(k[sel], v[sel]) for k, v in scratch]
                 act, rows, offset = act[keep], rows[keep], offset[keep]
                 prefix_valid, scratch_valid = prefix_valid[keep], scratch_valid[keep]
-        mx.eval([e.kv for e in extensions])
         return windows, forwards, extensions
 
     def _note(self, i: int, before: int, after: int, gamma: int, forward: int) -> None:
