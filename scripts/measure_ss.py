@@ -64,6 +64,9 @@ def main() -> None:
     ss = SSDraft.from_path(args.ss_draft, trust_streams=False)
     drafts = {"llama2xs": MLXDraft(plain_model), "ss": ss,
               "ss+trust_streams": SSDraft(ss.model, trust_streams=True)}
+    unknown = set(args.drafts.split(",")) - set(drafts)
+    if unknown:
+        ap.error(f"unknown --drafts {', '.join(sorted(unknown))}: choose from {', '.join(drafts)}")
     drafts = {k: drafts[k] for k in args.drafts.split(",")}
     prompts = [p.text for p in load_prompts("tinystories", args.n)]
     ar = Pipeline(target, tok, None)
