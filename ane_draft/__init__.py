@@ -1,3 +1,3 @@
-"""The draft side: Speculative-Streaming draft, its training, and the Core ML (ANE) backend."""
+"""The draft side: Speculative-Streaming draft, its training, and the Core ML (ANE) backend.
 
-import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+Installed as `mirror_mlx.ane_draft`."""

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from convert.coreml import ConvertError, read_metadata, tokenizer_sha256
+from mirror_mlx.convert.coreml import ConvertError, read_metadata, tokenizer_sha256
 from mirror_mlx.draft_api import Rollout
 from mirror_mlx.ring import TokenRing
 
@@ -70,7 +70,7 @@ def make_runner(package: Path, backend: str) -> Any:
     if backend == "coreml":
         return CoreMLRunner(package)
     if backend == "mil":
-        from convert.mil_eval import MilRunner
+        from mirror_mlx.convert.mil_eval import MilRunner
 
         return MilRunner(package)
     raise ValueError(f"unknown draft backend {backend!r} (use 'coreml' or 'mil')")
@@ -127,7 +127,7 @@ def _wait(ring: TokenRing, seq: int, timeout: Optional[float], alive: Any = None
 
 def _serve(package: str, backend: str, req_name: str, rep_name: str, ring_kw: dict) -> None:
     """Child process: load the package, then answer rollout/reset requests until STOP."""
-    from ane_draft.package_host import PackageDraft
+    from mirror_mlx.ane_draft.package_host import PackageDraft
 
     # attach only; the parent owns and unlinks the memory (spawned children share its tracker)
     req = TokenRing(name=req_name, create=False, **ring_kw)

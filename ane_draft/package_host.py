@@ -24,7 +24,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from convert.coreml import NEG, Shapes, package_shapes
+from mirror_mlx.convert.coreml import NEG, Shapes, package_shapes
 from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Rollout
 

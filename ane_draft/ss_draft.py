@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence, Union
 
-import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 from mirror_mlx.draft import MLXDraft, common_prefix, spine_of

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten

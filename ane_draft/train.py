@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
-import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim

@@ -1,3 +1,3 @@
-"""Builders: llama2.c checkpoints to MLX folders, widening, MLX drafts to Core ML packages."""
+"""Builders: llama2.c checkpoints to MLX folders, widening, MLX drafts to Core ML packages.
 
-import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+Installed as `mirror_mlx.convert`; the runtime never imports it."""

@@ -6,7 +6,7 @@ from typing import Optional
 
 import click
 
-from convert.coreml import QUANTIZE
+from mirror_mlx.convert.coreml import QUANTIZE
 
 
 @click.command("convert")
@@ -26,18 +26,18 @@ from convert.coreml import QUANTIZE
 def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Path], context: int,
                 kappa: int, gamma: int, chunk: int, quantize: str) -> None:
     """Build DRAFT.mlpackage for the Neural Engine from an MLX draft, or --verify one (works on Linux)."""
-    from convert.coreml import ConvertError
+    from mirror_mlx.convert.coreml import ConvertError
 
     try:
         if verify_pkg is not None:
-            from convert.parity import verify
+            from mirror_mlx.convert.parity import verify
 
             report = verify(verify_pkg, draft_model)
             click.echo(report.line())
             sys.exit(0 if report.ok else 1)
         if out is None:
             raise click.UsageError("give --out DRAFT.mlpackage to build a package (or --verify PACKAGE to check one)")
-        from convert.coreml import convert
+        from mirror_mlx.convert.coreml import convert
 
         convert(draft_model, out, context=context, kappa=kappa, gamma=gamma, chunk=chunk, quantize=quantize)
         click.echo(f"wrote {out} (check it with: mirror-mlx convert --verify {out} --draft-model {draft_model})")

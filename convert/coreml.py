@@ -213,7 +213,7 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
 def load_draft_model(path: Path, config: dict) -> tuple[Any, Any]:
     """(model, tokenizer) of a plain mlx-lm draft or a Speculative-Streaming draft folder."""
     if config.get("model_type") == "ss_llama":
-        from ane_draft.ss_model import load_ss_draft
+        from mirror_mlx.ane_draft.ss_model import load_ss_draft
 
         return load_ss_draft(path)
     from mlx_lm.utils import load

@@ -24,10 +24,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ane_draft.package_host import PackageDraft
-from convert.coreml import (ConvertError, check_match, load_draft_model, package_shapes, read_metadata,
+from mirror_mlx.ane_draft.package_host import PackageDraft
+from mirror_mlx.convert.coreml import (ConvertError, check_match, load_draft_model, package_shapes, read_metadata,
                             spec_from_model, tokenizer_sha256)
-from convert.mil_eval import MilRunner
+from mirror_mlx.convert.mil_eval import MilRunner
 
 TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
 PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to play",
@@ -111,7 +111,7 @@ def _row_logits(model: Any, seqs: Sequence[Sequence[int]], streams: int,
 
     if not streams:
         return [(m[0], None) for m in _mlx_logits(model, seqs, [1] * len(seqs), batch)]
-    from ane_draft.ss_model import ss_forward
+    from mirror_mlx.ane_draft.ss_model import ss_forward
 
     out = []
     for i in range(0, len(seqs), batch):

@@ -80,12 +80,12 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
     """A draft from a folder (plain mlx-lm model or SS draft) or a Core ML package."""
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
-        from ane_draft.coreml_draft import CoreMLDraft  # raises a clear error off macOS
+        from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft  # raises a clear error off macOS
 
         return CoreMLDraft(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
     try:
-        from ane_draft.ss_draft import SSDraft, is_ss_draft, load_ss_draft
+        from mirror_mlx.ane_draft.ss_draft import SSDraft, is_ss_draft, load_ss_draft
     except ImportError:  # the SS draft module is optional at this layer
         is_ss_draft = None
     if is_ss_draft is not None and is_ss_draft(folder):

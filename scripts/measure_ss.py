@@ -17,7 +17,7 @@ from pathlib import Path
 import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlx_lm import load as mlx_load
 
-from ane_draft.ss_draft import SSDraft
+from mirror_mlx.ane_draft.ss_draft import SSDraft
 from mirror_mlx.draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import load_prompts

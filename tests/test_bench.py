@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import mirror_mlx.bench as bench_mod
-from cli import main
+from mirror_mlx.cli import main
 from mirror_mlx.bench import Sample, layer_value, parse_modes, parse_sweep, summarize, table
 from mirror_mlx.bench_report import redraw
 

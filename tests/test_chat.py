@@ -186,7 +186,7 @@ def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
 
 def cli(*args, ctty=False):
     """`mirror-mlx ARGS` as a Python command line (ctty: take stdin as the controlling terminal)."""
-    code = "import sys; sys.argv[0] = 'mirror-mlx'; import cli; cli.main()"
+    code = "import sys; sys.argv[0] = 'mirror-mlx'; from mirror_mlx.cli import main; main()"
     if ctty:  # so that Ctrl-C typed on the terminal sends SIGINT to it, as in a shell
         code = "import fcntl, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); " + code
     return [sys.executable, "-c", code, *args]

@@ -6,7 +6,7 @@ import shutil
 from click.testing import CliRunner
 from mlx_lm import load
 
-from cli import main
+from mirror_mlx.cli import main
 from mirror_mlx.pipeline import load as load_pipeline
 from tests.models import DRAFT_PATH, TARGET_PATH
 from tests.test_engine import mlx_greedy

@@ -9,19 +9,18 @@ import shutil
 import struct
 from pathlib import Path
 
-import mirror_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load, save_config, save_model
 
-from ane_draft.package_host import PackageDraft
-from convert import coreml
-from convert.ane_ops import not_on_ane
-from convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
-from convert.mil_eval import MilRunner, load_program, op_types
-from convert.parity import PROMPTS, verify
+from mirror_mlx.ane_draft.package_host import PackageDraft
+from mirror_mlx.convert import coreml
+from mirror_mlx.convert.ane_ops import not_on_ane
+from mirror_mlx.convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
+from mirror_mlx.convert.mil_eval import MilRunner, load_program, op_types
+from mirror_mlx.convert.parity import PROMPTS, verify
 
 DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
@@ -236,7 +235,7 @@ def test_bad_shapes_are_refused(work):
 def test_package_from_another_draft_or_tokenizer_is_refused(tiny_llama, demo_pkg, demo_model):
     with pytest.raises(ConvertError, match="different draft weights"):
         verify(demo_pkg, tiny_llama)
-    from convert.coreml import check_match, spec_from_model
+    from mirror_mlx.convert.coreml import check_match, spec_from_model
 
     meta = read_metadata(demo_pkg)
     spec = spec_from_model(demo_model[0], {}, "0" * 64, 200)
@@ -276,7 +275,7 @@ def test_context_shorter_than_prompt_is_refused(demo_pkg, demo_model):
 def test_cli_convert_and_verify(work):
     from click.testing import CliRunner
 
-    from cli import main
+    from mirror_mlx.cli import main
 
     draft, pkg = family_package(work, "qwen2")
     runner = CliRunner()
@@ -298,7 +297,7 @@ def test_cli_convert_and_verify(work):
 def test_coreml_draft_on_linux_fails_at_construction(demo_pkg):
     import sys
 
-    from ane_draft.coreml_draft import MESSAGE, CoreMLDraft, CoreMLUnavailable, coreml_available
+    from mirror_mlx.ane_draft.coreml_draft import MESSAGE, CoreMLDraft, CoreMLUnavailable, coreml_available
 
     if sys.platform == "darwin":
         pytest.skip("this checks the non-macOS error; tests/test_coreml_macos.py covers macOS")
@@ -309,7 +308,7 @@ def test_coreml_draft_on_linux_fails_at_construction(demo_pkg):
 
 
 def test_process_draft_over_shared_memory(demo_pkg, demo_model):
-    from ane_draft.coreml_draft import ProcessDraft
+    from mirror_mlx.ane_draft.coreml_draft import ProcessDraft
 
     model, tok = demo_model
     ctx = tok.encode("One day, a little bird")
@@ -331,7 +330,7 @@ def test_process_draft_over_shared_memory(demo_pkg, demo_model):
 
 def make_ss_draft(root: Path) -> Path:
     """A tiny random SS draft (ane_draft/ss_model.py): 3 layers, the top 2 carry 2 streams."""
-    from ane_draft.ss_model import Model, ModelArgs, save_ss_draft
+    from mirror_mlx.ane_draft.ss_model import Model, ModelArgs, save_ss_draft
 
     mx.random.seed(3)
     args = ModelArgs.from_dict(dict(TINY, model_type="ss_llama", num_hidden_layers=3, tie_word_embeddings=True,
@@ -346,7 +345,7 @@ def make_ss_draft(root: Path) -> Path:
 def test_ss_draft_package_has_stream_rows_and_passes_parity(work):
     import coremltools as ct
 
-    from ane_draft.ss_model import load_ss_draft
+    from mirror_mlx.ane_draft.ss_model import load_ss_draft
 
     draft = make_ss_draft(work)
     pkg = convert(draft, work / "ss.mlpackage", progress=False, context=64, kappa=1, gamma=3, chunk=8)
@@ -412,7 +411,7 @@ def test_gamma_beyond_the_package_is_refused(demo_pkg):
 def test_quantized_mlx_draft_is_read_dequantized(work):
     import mlx.nn as nn
 
-    from convert.coreml import spec_from_model
+    from mirror_mlx.convert.coreml import spec_from_model
 
     model, _ = load(str(family_package(work, "qwen2")[0]))
     nn.quantize(model, group_size=32, bits=4)

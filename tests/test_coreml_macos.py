@@ -4,14 +4,13 @@ own process. Runs only on macOS 15+ with coremltools' native runtime; skipped el
 import sys
 from pathlib import Path
 
-import mirror_mlx  # noqa: F401
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from ane_draft.coreml_draft import CoreMLDraft, CoreMLRunner, coreml_available
-from convert.coreml import convert
-from convert.parity import verify
+from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft, CoreMLRunner, coreml_available
+from mirror_mlx.convert.coreml import convert
+from mirror_mlx.convert.parity import verify
 
 DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
 

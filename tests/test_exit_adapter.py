@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm import generate as mlx_generate
 
-from cli import main
+from mirror_mlx.cli import main
 from mirror_mlx.corpus import CORPUS, split_openings, openings
 from mirror_mlx.exit_adapter import (
     ExitAdapter, ExitData, apply_head, fingerprint, fit_adapter, kl, load_adapter, save_adapter, adapter_meta,

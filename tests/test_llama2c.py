@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from cli import main
-from convert.llama2c import ImportError_, import_llama2c, read_checkpoint
+from mirror_mlx.cli import main
+from mirror_mlx.convert.llama2c import ImportError_, import_llama2c, read_checkpoint
 from tests.models import DRAFT_PATH, TARGET_PATH
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "models"

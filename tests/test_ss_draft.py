@@ -4,17 +4,18 @@ import json
 import shutil
 from pathlib import Path
 
-import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
+import mirror_mlx
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import make_prompt_cache
 
-from ane_draft.ss_draft import SSDraft
-from ane_draft.ss_model import Model, ModelArgs, is_ss_draft, load_ss_draft, save_ss_draft, ss_forward
-from ane_draft.train import TrainConfig, TrainError, train
-from cli import main as cli
+from mirror_mlx.ane_draft.ss_draft import SSDraft
+from mirror_mlx.ane_draft.ss_model import Model, ModelArgs, is_ss_draft, load_ss_draft, save_ss_draft, ss_forward
+from mirror_mlx.ane_draft.train import TrainConfig, TrainError, train
+from mirror_mlx.cli import main as cli
 from mirror_mlx.draft import MLXDraft
 
 DEMO = Path(mirror_mlx.__file__).parent / "demo"

@@ -10,8 +10,8 @@ from mlx_lm import generate, load
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
-from cli import main
-from convert.widen import Shape, WidenError, check_shape, head_layout, param_count, widen_weights, widened_config
+from mirror_mlx.cli import main
+from mirror_mlx.convert.widen import Shape, WidenError, check_shape, head_layout, param_count, widen_weights, widened_config
 from models import CONFIGS, TARGET_PATH, tiny_model
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"

@@ -1,0 +1,273 @@
+"""The `mirror-mlx` command line: one click group, one small function per verb."""
+
+import sys
+from pathlib import Path
+
+import click
+
+import mirror_mlx
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(mirror_mlx.__version__, prog_name="mirror-mlx")
+def main() -> None:
+    """Mirror Speculative Decoding: an MLX target and a draft that run at the same time."""
+
+
+def model_options(f):
+    """--model / --draft-model / --exit-adapter, shared by generate, chat and bench."""
+    f = click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
+                     help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's.")(f)
+    f = click.option("--draft-model", default=None,
+                     help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id.")(f)
+    f = click.option("--model", default=None,
+                     help="Target: model folder or Hugging Face id [default: the embedded demo pair].")(f)
+    return f
+
+
+def decode_options(f):
+    """mlx-lm's sampling flags plus Mirror-SD's knobs, shared by generate and chat."""
+    opts = [
+        click.option("--max-tokens", "-m", type=int, default=256, show_default=True),
+        click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Seed for sampling."),
+        click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit."),
+        click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ."),
+        click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2]."),
+        click.option("--mode", type=click.Choice(["mirror", "sd", "ar"]), default="mirror", show_default=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def load_pipeline(model, draft_model, exit_adapter, mode: str):
+    """Load for the CLI: bad paths and mismatched pairs become one-line usage errors."""
+    from mirror_mlx.pipeline import load
+
+    if model is None:
+        click.echo("mirror-mlx: no --model given: using the embedded demo pair (stories260K + llama2xs)", err=True)
+    try:
+        return load(model, None if mode == "ar" and model is not None and draft_model is None else draft_model,
+                    exit_adapter=exit_adapter)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise click.UsageError(str(e))
+
+
+def generation_kwargs(max_tokens, temp, top_p, top_k, seed, kappa, gamma, exit_layer, mode) -> dict:
+    return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed, kappa=kappa,
+                gamma=gamma, exit_layer=exit_layer, mode=mode)
+
+
+@main.command("generate")
+@model_options
+@click.option("--prompt", "-p", default="Once upon a time", show_default=True, help="Prompt text ('-' reads stdin).")
+@decode_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
+def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) -> None:
+    """Generate from a prompt; prints the text as it is committed, then one stats line."""
+    import json
+
+    from mirror_mlx.blas import status
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    kwargs = generation_kwargs(**decode)
+    try:
+        pipe.check(pipe.encode(prompt), **kwargs)
+        if as_json:
+            result = pipe.generate(prompt, **kwargs)
+            click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
+            return
+        for chunk in pipe.stream(prompt, **kwargs):
+            click.echo(chunk.text, nl=False)
+        click.echo()
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    finally:
+        pipe.close()
+    click.secho(pipe.stats.summary() + f" | {status()}", dim=True, err=True)
+
+
+@main.command("chat")
+@model_options
+@click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
+@decode_options
+def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
+    """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands."""
+    from mirror_mlx.chat import run_chat
+
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    kwargs = generation_kwargs(**decode)
+    try:
+        pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
+        code = run_chat(pipe, kwargs, system_prompt)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    finally:
+        pipe.close()
+    sys.exit(code)
+
+
+@main.command("import-llama2c")
+@click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--tokenizer", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The checkpoint's sentencepiece .model file.")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output MLX model folder.")
+def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
+    """Turn a llama2.c CHECKPOINT.bin into an MLX model folder that mlx_lm.load reads."""
+    from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
+
+    try:
+        import_llama2c(checkpoint, tokenizer, out)
+    except ImportError_ as e:
+        raise click.UsageError(str(e))
+    click.echo(f"wrote {out}")
+
+
+@main.command("widen")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The mlx-lm model folder to widen (llama, mistral, qwen2, qwen3).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output MLX model folder.")
+@click.option("--hidden", required=True, type=int, help="New hidden size.")
+@click.option("--heads", required=True, type=int, help="New number of attention heads (head_dim is kept).")
+@click.option("--intermediate", required=True, type=int, help="New MLP width.")
+@click.option("--layers", required=True, type=int, help="New number of layers (identity layers are added).")
+@click.option("--kv-heads", type=int, default=None, help="New number of kv heads [default: keep the ratio].")
+def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
+              kv_heads: int | None) -> None:
+    """Write a wider, deeper copy of a model that computes the same logits (for cost-realistic benchmarks)."""
+    from mirror_mlx.convert.widen import WidenError, widen
+
+    try:
+        widen(model_dir, out, hidden, heads, intermediate, layers, kv_heads)
+    except WidenError as e:
+        raise click.UsageError(str(e))
+    click.echo(f"wrote {out}")
+
+
+@main.command("train-draft")
+@click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")
+@click.option("--corpus", required=True, type=click.Path(), help="UTF-8 text file; blank lines separate paragraphs.")
+@click.option("--layers", type=int, default=None, help="Draft layers [default: --init-from's, else half the target's].")
+@click.option("--hidden", type=int, default=None, help="Draft width [default: --init-from's, else the target's].")
+@click.option("--streams", type=int, default=3, show_default=True, help="Lookahead streams (tokens per forward - 1).")
+@click.option("--stream-layers", type=int, default=2, show_default=True, help="Top layers that carry the streams.")
+@click.option("--steps", type=int, default=2000, show_default=True)
+@click.option("--batch-size", type=int, default=32, show_default=True)
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--init-from", type=click.Path(file_okay=False), default=None,
+              help="Start from this small model's weights (it must share the target's tokenizer).")
+@click.option("--samples", type=int, default=2048, show_default=True, help="Target continuations to train on.")
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Opening + continuation length.")
+@click.option("--holdout", type=int, default=200, show_default=True,
+              help="Leave the corpus's first N paragraphs out of training (benchmark openings).")
+def train_draft_cmd(**kwargs) -> None:
+    """Distil a Speculative-Streaming draft from the target's own greedy text."""
+    from mirror_mlx.ane_draft.train import TrainConfig, TrainError, train
+
+    try:
+        summary = train(TrainConfig(**kwargs))
+    except TrainError as e:
+        raise click.UsageError(str(e))
+    after = summary["val_after"]
+    click.echo(f"wrote {kwargs['out']}: held-out main acc {after['main_acc']:.3f}, "
+               f"stream acc {after['stream_acc']}, {summary['train_s']:.0f} s")
+
+
+from mirror_mlx.convert.command import convert_cmd  # noqa: E402  (ANE draft packages: convert/coreml.py)
+
+main.add_command(convert_cmd)
+
+
+@main.command("train-exit")
+@click.option("--model", default=None, help="Target model folder or Hugging Face id [default: the embedded demo target].")
+@click.option("--exit-layer", type=int, default=None, help="Blocks before the early exit, l_e [default: N//2].")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Adapter file to write (.safetensors).")
+@click.option("--rank", type=click.IntRange(min=1), default=256, show_default=True, help="Adapter hidden width.")
+@click.option("--linear", is_flag=True, help="A low-rank linear map instead of the residual MLP (weaker, cheaper).")
+@click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Text, paragraphs split by blank lines; trains on the target's greedy text after each "
+                   "paragraph's first sentence [default: the packaged TinyStories sample].")
+@click.option("--steps", type=click.IntRange(min=1), default=6000, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
+                   corpus: Path | None, steps: int, seed: int) -> None:
+    """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
+    from mirror_mlx.exit_adapter import train_and_save
+
+    try:
+        r = train_and_save(out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps, seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    click.echo(f"wrote {out}: layer {r.exit_layer}, held-out KL {r.kl_before:.3f} -> {r.kl_after:.3f} nats "
+               f"({r.train_rows} training rows, {r.seconds:.0f} s)")
+
+
+@main.command("omega")
+@click.option("--model", default=None, help="Target model [default: the embedded demo target].")
+@click.option("--draft-model", default=None, help="Draft whose greedy token each row excludes [default: demo draft].")
+@click.option("--exit-adapter", "exit_adapters", multiple=True, type=click.Path(dir_okay=False),
+              help="An adapter from train-exit (repeat for several layers).")
+@click.option("--prompts", type=int, default=50, show_default=True, help="Held-out TinyStories openings.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Greedy tokens per opening.")
+@click.option("--exit-layer", "layers", type=int, multiple=True, help="Layers to measure [default: all].")
+def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[str, ...], prompts: int,
+              max_tokens: int, layers: tuple[int, ...]) -> None:
+    """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
+    from mirror_mlx.omega import run_omega
+
+    try:
+        click.echo(run_omega(model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
+    except ValueError as e:
+        raise click.UsageError(str(e))
+
+
+@main.command("bench")
+@model_options
+@click.option("--prompts", default="tinystories", show_default=True,
+              help="tinystories, spec_bench, mt_bench or FILE.jsonl (a 'prompt' or 'turns' field per line).")
+@click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True, help="Prompts to run.")
+@click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Leave out the first N prompts (e.g. those a sweep chose the knobs on).")
+@click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--modes", default="mirror,sd,mlx_sd,ar", show_default=True,
+              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own); ar always runs as reference.")
+@click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
+@click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit.")
+@click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of prompt i is seed + i.")
+@click.option("--sweep", default=None,
+              help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '
+                   'exit=N/4,N/2,3N/4".')
+@click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another "
+              "(Linux; set OPENBLAS_NUM_THREADS=1 too).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for results.json, results.md and the plots.")
+def bench_cmd(**kwargs) -> None:
+    """Mirror-SD against mlx-lm's generate_step and speculative decoding, same prompts, one process."""
+    from mirror_mlx.bench import BenchConfig, Mismatch, bench
+
+    try:
+        report = bench(BenchConfig(**kwargs))
+    except Mismatch as e:
+        raise click.ClickException(f"{e} (partial results in {kwargs['out']}/results.json)")
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    click.echo((kwargs["out"] / "results.md").read_text())
+    if report.get("best"):
+        click.echo(f"best sweep point: {report['best']['name']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
