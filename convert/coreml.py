@@ -206,19 +206,10 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
             f"draft architecture '{mt}' is not supported by the Core ML converter "
             f"(supported: {', '.join(SUPPORTED)}); use the MLX draft folder directly instead"
         )
-    model, tokenizer = load_draft_model(path, config)
+    from mirror_mlx.loading import load_model
+
+    model, tokenizer = load_model(path)
     return spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
-
-
-def load_draft_model(path: Path, config: dict) -> tuple[Any, Any]:
-    """(model, tokenizer) of a plain mlx-lm draft or a Speculative-Streaming draft folder."""
-    if config.get("model_type") == "ss_llama":
-        from mirror_mlx.ane_draft.ss_model import load_ss_draft
-
-        return load_ss_draft(path)
-    from mlx_lm.utils import load
-
-    return load(str(path))
 
 
 def _np(a: Any) -> np.ndarray:

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
@@ -39,14 +39,14 @@ class Conversation:
 
 
 def state(pipe: Pipeline) -> Conversation:
-    if not isinstance(getattr(pipe, "_conversation", None), Conversation):
-        pipe._conversation = Conversation()
-    return pipe._conversation
+    if pipe.conversation is None:
+        pipe.conversation = Conversation()
+    return pipe.conversation
 
 
 def reset(pipe: Pipeline) -> None:
     """Forget the conversation and clear both caches (the next turn prefills from scratch)."""
-    pipe._conversation = Conversation()
+    pipe.conversation = Conversation()
     pipe.engine.reset()
 
 
@@ -149,13 +149,13 @@ def _reply(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: Dec
         steps.close()
         stop = committed[-1] if committed and committed[-1] in opts.stop_tokens else None
         reply = {"role": "assistant", "content": "".join(text)}
-        pipe._conversation = Conversation(messages + [reply], prompt + committed, stop)
+        pipe.conversation = Conversation(messages + [reply], prompt + committed, stop)
 
 
 def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
     """`Pipeline.chat`: the whole reply as a Result."""
-    if not has_chat_template(pipe.tokenizer) and not getattr(pipe, "_told_plain", False):
-        pipe._told_plain = True
+    if not has_chat_template(pipe.tokenizer) and not pipe.told_plain:
+        pipe.told_plain = True
         warnings.warn(NO_TEMPLATE, stacklevel=3)
     chunks = list(stream_reply(pipe, messages, **kwargs))
     tokens = [t for c in chunks for t in c.tokens]
@@ -164,18 +164,6 @@ def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
 
 
 # --- the `mirror-mlx chat` loop ------------------------------------------------------------------
-
-
-def add_stats(total: Stats, s: Stats) -> Stats:
-    """Totals over turns: counts and seconds add up, peak memory is the largest."""
-    out = Stats(mode=s.mode, draft_failure=s.draft_failure or total.draft_failure)
-    for f in fields(Stats):
-        a, b = getattr(total, f.name), getattr(s, f.name)
-        if f.name == "peak_memory_gb":
-            setattr(out, f.name, max(a, b))
-        elif isinstance(a, (int, float)) and not isinstance(a, bool):
-            setattr(out, f.name, a + b)
-    return out
 
 
 def stats_line(s: Stats) -> str:
@@ -272,7 +260,7 @@ class ChatSession:
             self.note(f"turn refused: the conversation would be {len(ids)} tokens and the model's context is "
                       f"{context}; the conversation is kept (/reset starts over)")
             return
-        capped = bool(context) and len(ids) + kwargs.get("max_tokens", 256) > context
+        capped = bool(context) and len(ids) + kwargs.get("max_tokens", DecodeOptions.max_tokens) > context
         if capped:
             kwargs["max_tokens"] = context - len(ids)
         try:
@@ -297,7 +285,7 @@ class ChatSession:
         self.out.flush()
         self.messages = list(state(self.pipe).messages)
         s = self.pipe.stats
-        self.total = add_stats(self.total, s)
+        self.total = self.total + s
         self.turns += 1
         if interrupted:
             self.note(f"[interrupted: kept {s.generation_tokens} tokens of the reply]")

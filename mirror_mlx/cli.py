@@ -6,6 +6,9 @@ from pathlib import Path
 import click
 
 import mirror_mlx
+from mirror_mlx.options import MODES, DecodeOptions
+
+DEFAULTS = DecodeOptions()  # the one source of every decoding default
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,22 +28,35 @@ def model_options(f):
     return f
 
 
-def decode_options(f):
-    """mlx-lm's sampling flags plus Mirror-SD's knobs, shared by generate and chat."""
-    opts = [
-        click.option("--max-tokens", "-m", type=int, default=256, show_default=True),
-        click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Seed for sampling."),
-        click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit."),
-        click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ."),
-        click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2]."),
-        click.option("--mode", type=click.Choice(["mirror", "sd", "ar"]), default="mirror", show_default=True),
+def with_options(opts: list):
+    """A decorator applying click options in the order listed."""
+    def apply(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return apply
+
+
+def knob_options(gamma_help: str) -> list:
+    """--kappa / --gamma / --exit-layer, Mirror-SD's knobs (generate, chat, bench)."""
+    return [
+        click.option("--kappa", type=int, default=DEFAULTS.kappa, show_default=True,
+                     help="Top-κ width at the early exit."),
+        click.option("--gamma", type=int, default=DEFAULTS.gamma, show_default=True, help=gamma_help),
+        click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
+                     help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2]."),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+
+
+decode_options = with_options([  # mlx-lm's sampling flags plus Mirror-SD's knobs, shared by generate and chat
+    click.option("--max-tokens", "-m", type=int, default=DEFAULTS.max_tokens, show_default=True),
+    click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True, help="Sampling temperature."),
+    click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True),
+    click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True),
+    click.option("--seed", type=int, default=DEFAULTS.seed, help="Seed for sampling."),
+    *knob_options("Window length γ."),
+    click.option("--mode", type=click.Choice(MODES), default=DEFAULTS.mode, show_default=True),
+])
 
 
 def load_pipeline(model, draft_model, exit_adapter, mode: str):
@@ -167,14 +183,15 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
               help="Start from this small model's weights (it must share the target's tokenizer).")
 @click.option("--samples", type=int, default=2048, show_default=True, help="Target continuations to train on.")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Opening + continuation length.")
-@click.option("--holdout", type=int, default=200, show_default=True,
-              help="Leave the corpus's first N paragraphs out of training (benchmark openings).")
+@click.option("--holdout", type=int, default=None,
+              help="Leave the corpus's first N paragraphs out of training (benchmark openings) "
+                   "[default: as the one corpus split, corpus.py].")
 def train_draft_cmd(**kwargs) -> None:
     """Distil a Speculative-Streaming draft from the target's own greedy text."""
     from mirror_mlx.ane_draft.train import TrainConfig, TrainError, train
 
     try:
-        summary = train(TrainConfig(**kwargs))
+        summary = train(TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
     except TrainError as e:
         raise click.UsageError(str(e))
     after = summary["val_after"]
@@ -242,10 +259,8 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
 @click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--modes", default="mirror,sd,mlx_sd,ar", show_default=True,
               help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own); ar always runs as reference.")
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
-@click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit.")
-@click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ (mirror and sd).")
-@click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2].")
+@click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True, help="Sampling temperature.")
+@with_options(knob_options("Window length γ (mirror and sd)."))
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '

@@ -14,7 +14,7 @@ distribution) given the committed prefix, so every mode returns what the target 
 import asyncio
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -24,31 +24,10 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .draft import common_prefix
 from .draft_api import Draft
+from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
 from .ring import EARLY_EXIT, WINDOW, TokenRing
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache
 from .workers import Worker
-
-MODES = ("mirror", "sd", "ar")
-
-
-@dataclass
-class DecodeOptions:
-    """How to decode: the mode, Mirror-SD's knobs and the target's sampling settings (mlx-lm's)."""
-
-    mode: str = "mirror"
-    max_tokens: int = 256
-    kappa: int = 8
-    gamma: int = 7
-    exit_layer: Optional[int] = None  # None: N // 2
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
-    stop_tokens: Sequence[int] = ()
-    draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
-
 
 @dataclass
 class Stats:
@@ -107,6 +86,19 @@ class Stats:
     @property
     def draft_forwards_per_window(self) -> float:
         return self.draft_forwards / max(self.rollouts, 1)
+
+    def __add__(self, other: "Stats") -> "Stats":
+        """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
+        peak memory is the largest; mode and a draft failure are the latest."""
+        out = Stats(mode=other.mode, draft_failure=other.draft_failure or self.draft_failure,
+                    timeline=self.timeline + other.timeline)
+        for f in fields(Stats):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "peak_memory_gb":
+                setattr(out, f.name, max(a, b))
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                setattr(out, f.name, a + b)
+        return out
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "timeline"}
@@ -176,7 +168,7 @@ class TargetSide:
         self.cached = head
         return len(new)
 
-    def prefix(self, rows: list[int], kappa: int, exclude: list[int], ring: TokenRing, step: int) -> int:
+    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]], ring: TokenRing, step: int) -> int:
         """Blocks 1..ℓ_e over the rows; posts the early-exit top-κ sets on the ring (returns its seq)."""
         early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
         ids, logprobs = top_k(early[0], kappa, exclude)
@@ -291,7 +283,7 @@ class Engine:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
         if opts.exit_layer is not None:
             return opts.exit_layer
-        return getattr(self.exit_adapter, "exit_layer", None) or max(1, self.n_layers // 2)
+        return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions) -> Iterator[list[int]]:
         """Yield committed tokens, a chunk per step, until max_tokens or a stop token."""
@@ -368,7 +360,8 @@ class Engine:
     async def _mirror_step(self, committed, window, opts, sampler, processors, stats, ring_te, ring_dt):
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
-        exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
+        # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
+        exclude = window + [-1] if opts.exclude_drafted else None
         seq, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, ring_te, stats.steps)
         suffix = asyncio.ensure_future(self.target_worker.run(self.target.suffix, committed, window, sampler, processors))
         rollout = asyncio.ensure_future(self.draft_worker.run(

@@ -1,21 +1,17 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
-from mlx_lm.utils import load as mlx_load
 
+from . import demo_pair
 from .draft import MLXDraft
 from .draft_api import Draft
-from .engine import DecodeOptions, Engine, Stats
-
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DEMO_TARGET = DEMO_DIR / "stories260K"
-DEMO_DRAFT = DEMO_DIR / "llama2xs"
-DEMO_EXIT_ADAPTER = DEMO_DIR / "stories260K_exit2.safetensors"  # mirror-mlx train-exit --exit-layer 2
+from .engine import Engine, Stats
+from .options import OPTION_NAMES, DecodeOptions
+from .loading import check_same_tokenizer, load_model, resolve_model  # noqa: F401  (resolve_model: API)
 
 Prompt = Union[str, Sequence[int]]
 
@@ -41,41 +37,6 @@ class Chunk:
         return self.text
 
 
-def resolve_model(path_or_id: Union[str, Path]) -> Path:
-    """A local folder as is; otherwise a Hugging Face id through huggingface_hub (cached, offline-friendly)."""
-    path = Path(path_or_id).expanduser()
-    if path.exists():
-        return path
-    name = str(path_or_id)
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise ValueError(f"model path {name!r} does not exist: give a model folder or a Hugging Face id like org/name")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
-                                                            "*.tiktoken", "*.txt", "*.jinja"]))
-    except Exception as e:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise ValueError(
-            f"model {name!r} is not a local folder and could not be fetched from the Hugging Face hub"
-            f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
-            f"(`hf download {name}`) or pass a local folder"
-        ) from None
-
-
-def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
-    """Target and draft must map the same strings to the same ids, or verification compares nonsense."""
-    tv, dv = target_tok.vocab_size, draft_tok.vocab_size
-    if tv != dv:
-        raise ValueError(f"the draft's tokenizer has {dv} tokens but the target's has {tv}: "
-                         "use a draft trained with the target's tokenizer")
-    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if t_vocab != d_vocab:
-        diff = next(k for k in t_vocab if d_vocab.get(k) != t_vocab[k])
-        raise ValueError(f"target and draft tokenizers differ (token {diff!r} is {t_vocab[diff]} in the target, "
-                         f"{d_vocab.get(diff)} in the draft): use a draft trained with the target's tokenizer")
-
-
 def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
     """A draft from a folder (plain mlx-lm model or SS draft) or a Core ML package."""
     path_str = str(path)
@@ -83,18 +44,12 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
         from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft  # raises a clear error off macOS
 
         return CoreMLDraft(Path(path_str), target_tokenizer)
+    from mirror_mlx.ane_draft.ss_draft import SSDraft, is_ss_draft
+
     folder = resolve_model(path)
-    try:
-        from mirror_mlx.ane_draft.ss_draft import SSDraft, is_ss_draft, load_ss_draft
-    except ImportError:  # the SS draft module is optional at this layer
-        is_ss_draft = None
-    if is_ss_draft is not None and is_ss_draft(folder):
-        model, tokenizer = load_ss_draft(folder)
-        check_same_tokenizer(target_tokenizer, tokenizer)
-        return SSDraft(model)
-    model, tokenizer = mlx_load(str(folder))
+    model, tokenizer = load_model(folder)
     check_same_tokenizer(target_tokenizer, tokenizer)
-    return MLXDraft(model)
+    return SSDraft(model) if is_ss_draft(folder) else MLXDraft(model)
 
 
 class Pipeline:
@@ -107,6 +62,8 @@ class Pipeline:
         self.draft = draft
         self.name = name
         self.engine = Engine(model, draft, exit_adapter)
+        self.conversation: Any = None  # chat.Conversation: the turns the caches hold (chat.py keeps it)
+        self.told_plain = False  # chat.py warned once that the tokenizer has no chat template
 
     @property
     def stats(self) -> Stats:
@@ -122,14 +79,14 @@ class Pipeline:
                                                            add_generation_prompt=True))
         return list(self.tokenizer.encode(prompt))
 
-    def options(self, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                seed: Optional[int] = None, kappa: int = 8, gamma: int = 7, exit_layer: Optional[int] = None,
-                mode: str = "mirror", min_p: float = 0.0, repetition_penalty: Optional[float] = None,
-                stop: bool = True, draft_timeout: float = 60.0) -> DecodeOptions:
-        return DecodeOptions(mode=mode, max_tokens=max_tokens, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
-                             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed, draft_timeout=draft_timeout,
-                             stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else ())
+    def options(self, stop: bool = True, **kwargs: Any) -> DecodeOptions:
+        """`DecodeOptions` from keywords (its fields and defaults are the options); `stop` ends the
+        generation at the tokenizer's end-of-sequence tokens."""
+        allowed = [name for name in OPTION_NAMES if name != "stop_tokens"] + ["stop"]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r}: the options are {', '.join(allowed)}")
+        return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
         """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
@@ -150,13 +107,13 @@ class Pipeline:
         if detok.last_segment:
             yield Chunk(detok.last_segment, [])
 
-    def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: Optional[int] = None, kappa: int = 8, gamma: int = 7,
-                 exit_layer: Optional[int] = None, mode: str = "mirror", **kwargs: Any) -> Result:
-        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens."""
-        chunks = list(self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, seed=seed, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
-                                  mode=mode, **kwargs))
+    def generate(self, prompt: Prompt, **options: Any) -> Result:
+        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
+
+        Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
+        exit_layer, mode, ...) with its defaults, plus `stop`.
+        """
+        chunks = list(self.stream(prompt, **options))
         tokens = [t for c in chunks for t in c.tokens]
         stopped = self.stats.generation_tokens > len(tokens)
         return Result("".join(c.text for c in chunks), tokens, self.stats, "stop" if stopped else "length")
@@ -189,12 +146,12 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
     """
     if model is None:
-        model = DEMO_TARGET
-        draft_model = DEMO_DRAFT if draft_model is None else draft_model
-        exit_adapter = DEMO_EXIT_ADAPTER if exit_adapter is None else exit_adapter
+        model = demo_pair.TARGET
+        draft_model = demo_pair.DRAFT if draft_model is None else draft_model
+        exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
     if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
         exit_adapter = None
-    target, tokenizer = mlx_load(str(resolve_model(model)))
+    target, tokenizer = load_model(model)
     draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:

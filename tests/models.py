@@ -1,14 +1,14 @@
 """Tiny random mlx-lm models of several families, and the demo pair, for tests."""
 
-from pathlib import Path
-
 import mlx.core as mx
 from mlx_lm.utils import _get_classes, load
 
-DEMO = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo"
-DATA = Path(__file__).resolve().parents[1] / "mirror_mlx" / "data"
-TARGET_PATH = DEMO / "stories260K"
-DRAFT_PATH = DEMO / "llama2xs"
+from mirror_mlx.corpus import CORPUS
+from mirror_mlx.demo_pair import DEMO_DIR as DEMO
+from mirror_mlx.demo_pair import DRAFT as DRAFT_PATH
+from mirror_mlx.demo_pair import TARGET as TARGET_PATH
+
+DATA = CORPUS.parent
 
 BASE = dict(
     hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,

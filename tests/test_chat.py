@@ -83,7 +83,7 @@ def test_turns_reuse_the_cache_and_stay_lossless(pipe, mode):
 
 def test_plain_continuation_is_said_once(pipe):
     chat_mod.reset(pipe)
-    pipe._told_plain = False
+    pipe.told_plain = False
     with pytest.warns(UserWarning, match="no chat template"):
         pipe.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
     with warnings.catch_warnings():
