@@ -104,14 +104,13 @@ def measure(
     batch_size: int = 8,
     progress: bool = False,
 ) -> list[OmegaRow]:
-    """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter."""
+    """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
+
+    The draft must share the target's tokenizer (run_omega checks it with loading.check_same_tokenizer).
+    """
     n_layers = len(text_model(model).layers)
     layers = list(layers or range(1, n_layers))
     adapters = adapters or {}
-    dv = text_model(draft).model.embed_tokens.weight.shape[0]
-    tv = text_model(model).model.embed_tokens.weight.shape[0]
-    if dv != tv:
-        raise ValueError(f"the draft's vocabulary ({dv}) differs from the target's ({tv}); they must share a tokenizer")
     seqs, starts = greedy_rows(model, tokenizer, texts, max_tokens, progress=progress)
     variants = [(L, "-", None) for L in layers] + [(L, *adapters[L]) for L in layers if L in adapters]
     out = {(L, name): OmegaRow(L, name, OmegaSums(tuple(kappas))) for L, name, _ in variants}
@@ -162,14 +161,15 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
     from .corpus import load_split
     from .demo_pair import DRAFT, TARGET
     from .exit_adapter import load_adapter
-    from .loading import load_model
+    from .loading import check_same_tokenizer, load_model
 
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")
     if draft_path is None and model_path is not None:
         raise ValueError("--draft-model is needed with --model (the draft's greedy tokens are the excluded ones)")
     model, tokenizer = load_model(model_path or TARGET)
-    draft, _ = load_model(draft_path or DRAFT)
+    draft, draft_tokenizer = load_model(draft_path or DRAFT)
+    check_same_tokenizer(tokenizer, draft_tokenizer)
     n_layers = len(text_model(model).layers)
     for L in layers or ():
         if not 1 <= L <= n_layers - 1:

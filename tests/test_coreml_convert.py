@@ -21,8 +21,8 @@ from mirror_mlx.convert.ane_ops import not_on_ane
 from mirror_mlx.convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
 from mirror_mlx.convert.mil_eval import MilRunner, load_program, op_types
 from mirror_mlx.convert.parity import PROMPTS, verify
+from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 
-DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
 TINY = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=16,

@@ -2,7 +2,6 @@
 own process. Runs only on macOS 15+ with coremltools' native runtime; skipped elsewhere."""
 
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -11,8 +10,7 @@ from mlx_lm.utils import load
 from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft, CoreMLRunner, coreml_available
 from mirror_mlx.convert.coreml import convert
 from mirror_mlx.convert.parity import verify
-
-DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
+from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 
 pytestmark = pytest.mark.skipif(
     not coreml_available(),
