@@ -29,6 +29,7 @@ from .engine import MODES, Stats
 from .pipeline import Pipeline
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+MAX_BODY = 16 << 20  # bytes; a prompt this long is far beyond any context anyway
 ROLES = ("system", "user", "assistant")
 
 
@@ -166,6 +167,8 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     _check(opts["kappa"] >= 1, "kappa", "at least 1", opts["kappa"])
     _check(opts["kappa"] <= vocab_size, "kappa", f"at most the vocabulary size {vocab_size}", opts["kappa"])
     _check(opts["gamma"] >= 1, "gamma", "at least 1", opts["gamma"])
+    seed = opts.get("seed")
+    _check(seed is None or 0 <= seed < 2**63, "seed", "an integer in [0, 2**63)", seed)
     mode = body.get("mode", opts["mode"])
     _check(mode in MODES, "mode", f"one of {', '.join(MODES)}", mode)
     opts["mode"] = mode
@@ -241,9 +244,11 @@ class Generation:
             else:
                 pipe.check(ids, **kwargs)
                 self._chunks = pipe.stream(ids, **kwargs)
-        except ValueError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            raise APIError(400, str(e), None, code) from None
+        except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
+            message = str(e)
+            code = "context_length_exceeded" if "context" in message else None
+            param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else None
+            raise APIError(400, message, param, code) from None
 
     def __iter__(self) -> Iterator[str]:
         stop = StopText(self.req.stop)
@@ -356,6 +361,14 @@ class Server(ThreadingHTTPServer):
     def note(self, text: str) -> None:
         print(f"mirror-mlx serve: {text}", file=self.log, flush=True)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line for a client that went away; the traceback only for a bug of ours."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ClientGone, OSError)):
+            self.note(f"{client_address[0]}: connection lost ({error})")
+        else:
+            self.note(f"{client_address[0]}: {traceback.format_exc().rstrip()}")
+
     def stop(self) -> None:
         """Refuse new work, end in-flight streams after their current step, stop accepting."""
         self.stopping.set()
@@ -376,15 +389,23 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- responses
 
+    def send_head(self, status: int, headers: dict) -> None:
+        try:
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
+
     def send_json(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
         data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
+        self.send_head(status, {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                                **(headers or {})})
+        try:
+            self.wfile.write(data)
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
 
     def send_api_error(self, e: APIError) -> None:
         headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
@@ -392,8 +413,23 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_event(self, body: Union[dict, str]) -> None:
         data = body if isinstance(body, str) else json.dumps(body)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
+        try:
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
+
+    def read_body(self) -> bytes:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise APIError(400, "the Content-Length header is not a number") from None
+        if not 0 <= length <= MAX_BODY:
+            raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY}", code="too_large")
+        try:
+            return self.rfile.read(length)
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
 
     # --- routes
 
@@ -417,12 +453,14 @@ class Handler(BaseHTTPRequestHandler):
             return
         s.count("requests")
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            req = parse_request(self.rfile.read(length), path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults)
+            req = parse_request(self.read_body(), path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults)
             s.gate.enter()
         except APIError as e:
             s.count("rejected")
             self.send_api_error(e)
+            return
+        except ClientGone:
+            s.count("disconnected")
             return
         t0 = time.perf_counter()
         try:
@@ -434,6 +472,9 @@ class Handler(BaseHTTPRequestHandler):
         """Run one admitted request; holds the engine until it returns."""
         s = self.server
         gen = Generation(s.pipe, req, s.max_tokens)
+        if peer_gone(self.connection):  # went away while it waited in the queue
+            s.count("disconnected")
+            return
         try:
             gen.start()
         except APIError as e:
@@ -446,10 +487,7 @@ class Handler(BaseHTTPRequestHandler):
         reply = Reply(req, s.model_id)
         try:
             if req.stream:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
+                self.send_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 if req.messages is not None:
                     self.send_event(reply.chunk({"role": "assistant", "content": ""}))
             text = []
@@ -459,10 +497,10 @@ class Handler(BaseHTTPRequestHandler):
                 else:
                     text.append(piece)
                 if peer_gone(self.connection):
-                    raise ConnectionResetError("the client closed the connection")
+                    raise ClientGone("closed")
                 if s.stopping.is_set():
                     raise Shutdown
-        except (BrokenPipeError, ConnectionResetError):
+        except ClientGone:
             gen.close()
             s.count("disconnected")
             s.note(f"client went away after {gen.stats.generation_tokens} tokens: generation stopped")
@@ -490,7 +528,7 @@ class Handler(BaseHTTPRequestHandler):
             if req.include_usage:
                 self.send_event(dict(reply.chunk(None), choices=[], usage=extra["usage"]))
             self.send_event("[DONE]")
-        except (BrokenPipeError, ConnectionResetError):
+        except (ClientGone, OSError):
             s.count("disconnected")
 
     def cut_short(self, req: Request, gen: Generation, error: APIError) -> None:
@@ -500,7 +538,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_event("[DONE]")
             else:
                 self.send_api_error(error)
-        except OSError:
+        except (ClientGone, OSError):
             pass
 
     def engine_failed(self, e: Exception, gen: Generation, sent: bool) -> None:
@@ -528,6 +566,10 @@ class Handler(BaseHTTPRequestHandler):
 
 class Shutdown(Exception):
     """SIGINT/SIGTERM arrived while a request was decoding."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection, reset it, or stopped reading for `Handler.timeout` seconds."""
 
 
 @dataclass

@@ -180,6 +180,7 @@ def test_stop_text_holds_back_a_possible_start():
     assert s.feed("abE") == ("ab", False) and s.feed("x") == ("Ex", False) and s.flush() == ""
 
 
+@pytest.mark.filterwarnings("ignore:the model has no chat template")
 def test_second_turn_reports_cached_prompt_tokens(client, model, pipe):
     first = client.chat.completions.create(model=model, messages=USER, max_tokens=20)
     reply = first.choices[0].message.content
@@ -216,6 +217,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "kappa": 0}, 400, "kappa"),
     ("/v1/completions", {"prompt": "x", "gamma": 2.5}, 400, "gamma"),
     ("/v1/completions", {"prompt": "x", "mode": "fast"}, 400, "mode"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "exit_layer": 99}, 400, "exit_layer"),
     ("/v1/completions", {"prompt": "x", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
