@@ -12,7 +12,6 @@ exits non-zero on any mismatch or when the run outlives --deadline seconds.
 import argparse
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
