@@ -392,6 +392,7 @@ class Handler(BaseHTTPRequestHandler):
     def send_head(self, status: int, headers: dict) -> None:
         try:
             self.send_response(status)
+            self.send_header("Access-Control-Allow-Origin", "*")  # browser front-ends on another port
             for k, v in headers.items():
                 self.send_header(k, v)
             self.end_headers()
@@ -432,6 +433,11 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone(repr(e)) from None
 
     # --- routes
+
+    def do_OPTIONS(self) -> None:
+        """CORS preflight, as mlx_lm.server answers it."""
+        self.send_head(204, {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                             "Access-Control-Allow-Headers": "Content-Type, Authorization"})
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0].rstrip("/")

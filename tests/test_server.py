@@ -110,6 +110,10 @@ def post(url: str, raw: bytes) -> tuple[int, dict]:
 def test_models_and_health(server, client, model):
     assert model == "stories260K"
     assert health(server[0])["status"] == "ok"
+    preflight = urllib.request.Request(server[0] + "/chat/completions", method="OPTIONS")
+    with urllib.request.urlopen(preflight, timeout=30) as r:  # a browser front-end on another origin
+        assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "*"
+        assert "POST" in r.headers["Access-Control-Allow-Methods"]
 
 
 def test_chat_greedy_equals_pipeline_generate(client, model, pipe, ref):
