@@ -1,9 +1,11 @@
 """`mirror-mlx serve`: a real server in a subprocess on a free loopback port, talked to with the
 real `openai` client (and raw HTTP where a client would refuse to send the request)."""
 
+import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 import mirror_mlx
 from mirror_mlx.chat import reset
+from mirror_mlx.pipeline import DEMO_TARGET
 from mirror_mlx.server import Server, StopText
 
 PROMPT = "Once upon a time"
@@ -307,14 +310,52 @@ def test_queue_full_is_429_with_retry_after(server, client, model, ref):
     assert waited["text"] == ref("The dog", 24)
 
 
-def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeypatch):
-    """In process, so the engine can be made to fail: the HTTP path is the real one."""
-    server = Server(("127.0.0.1", 0), pipe, "stories260K", {"mode": "mirror", "temperature": 0.0, "top_p": 1.0,
-                                                              "top_k": 0, "kappa": 8, "gamma": 7}, log=io.StringIO())
+@contextlib.contextmanager
+def in_process(pipe, mode: str = "mirror"):
+    """The same Server on a thread of this process (to reach inside the engine); yields (server, client)."""
+    defaults = {"mode": mode, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "kappa": 8, "gamma": 7}
+    server = Server(("127.0.0.1", 0), pipe, "stories260K", defaults, log=io.StringIO())
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    try:
+        yield server, openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+    finally:
+        server.stop()
+        thread.join(10)
+        server.server_close()
+
+
+def test_chat_template_is_applied_and_turns_stay_cached(tmp_path):
+    """A target with a chat template: the prompt is the rendered conversation, and the second turn
+    prefills only what follows the first turn's prompt and reply."""
+    folder = tmp_path / "templated"
+    shutil.copytree(DEMO_TARGET, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}\n"
+        "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    p = mirror_mlx.load(folder, exit_adapter="none")
+    try:
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        ids = p.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        expected = p.generate(ids, max_tokens=12, mode="ar")
+        with in_process(p, mode="ar") as (_, c):
+            first = c.chat.completions.create(model="stories260K", messages=messages, max_tokens=12)
+            assert first.choices[0].message.content == expected.text
+            assert first.usage.prompt_tokens == len(ids)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "More"}]
+            second = c.chat.completions.create(model="stories260K", messages=messages, max_tokens=12)
+            assert second.usage.prompt_tokens_details.cached_tokens >= len(ids) + 12 - 1
+    finally:
+        p.close()
+
+
+def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeypatch):
+    """In process, so the engine can be made to fail: the HTTP path is the real one."""
     generate = pipe.engine.generate
 
     def broken(prompt, opts):
@@ -323,7 +364,7 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
         steps.close()
         raise RuntimeError("the accelerator fell over\nsecond line")
 
-    try:
+    with in_process(pipe) as (server, c):
         monkeypatch.setattr(pipe.engine, "generate", broken)
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30)
@@ -334,10 +375,6 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
         monkeypatch.setattr(pipe.engine, "generate", generate)
         assert c.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40).choices[0].text == ref(PROMPT, 40)
         assert server.counts["errors"] == 2
-    finally:
-        server.stop()
-        thread.join(10)
-        server.server_close()
 
 
 # --- shutdown ---------------------------------------------------------------------------------
