@@ -8,7 +8,10 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from .draft import MLXDraft
+from mlx_lm.utils import load_tokenizer
+
+from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
+from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
 from .engine import DecodeOptions, Engine, Stats
 
@@ -76,32 +79,29 @@ def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
                          f"{d_vocab.get(diff)} in the draft): use a draft trained with the target's tokenizer")
 
 
-def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
-    """A draft from a folder (plain mlx-lm model or SS draft) or a Core ML package."""
+def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
+    """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package.
+
+    The tokenizer is checked here; the weights are loaded by the host process only.
+    """
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
-        from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft  # raises a clear error off macOS
+        from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
 
-        return CoreMLDraft(Path(path_str), target_tokenizer)
+        return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
-    try:
-        from mirror_mlx.ane_draft.ss_draft import SSDraft, is_ss_draft, load_ss_draft
-    except ImportError:  # the SS draft module is optional at this layer
-        is_ss_draft = None
-    if is_ss_draft is not None and is_ss_draft(folder):
-        model, tokenizer = load_ss_draft(folder)
-        check_same_tokenizer(target_tokenizer, tokenizer)
-        return SSDraft(model)
-    model, tokenizer = mlx_load(str(folder))
-    check_same_tokenizer(target_tokenizer, tokenizer)
-    return MLXDraft(model)
+    if is_ss_draft(folder):
+        check_same_tokenizer(target_tokenizer, load_tokenizer(folder))
+        return DraftRecipe(ss_draft, (str(folder),))
+    check_same_tokenizer(target_tokenizer, load_tokenizer(folder))
+    return DraftRecipe(mlx_draft, (str(folder),))
 
 
 class Pipeline:
     """A target (and optionally a draft) ready to generate in any mode."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, draft: Optional[Draft] = None, exit_adapter: Any = None,
-                 name: str = ""):
+    def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
+                 exit_adapter: Any = None, name: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft

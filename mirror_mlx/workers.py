@@ -1,13 +1,14 @@
-"""Worker threads that own a model and its MLX stream.
+"""Worker threads that own a model and its MLX stream, and the scheduler's event-loop thread.
 
 MLX streams and lazy graphs are thread-affine: each worker builds *and* evaluates its graphs on
-its own OS thread, and only Python values or evaluated arrays leave it. `mx.eval` releases the
-GIL, so a target worker and a draft worker really compute at the same time.
+its own OS thread, and only Python values or evaluated arrays leave it. (Two such threads do not
+compute at the same time inside one process, DESIGN §4: the draft runs in its own process.)
 """
 
 import asyncio
 import atexit
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,3 +74,30 @@ class Worker:
             thread.join(join_timeout)
             _wait_os_thread_gone(thread.native_id)
         _live.discard(self)
+
+
+class LoopThread:
+    """One asyncio event loop on its own thread: the scheduler's, for the engine's whole life.
+
+    `run(coro)` blocks the calling thread until the coroutine is done, so the synchronous API works
+    even from inside another running event loop (an async app); one loop, not one per generation.
+    """
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro) -> Any:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("the engine is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.loop.close()
