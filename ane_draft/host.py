@@ -15,6 +15,7 @@ end-of-file the moment the other side dies). Contexts travel as deltas against w
 """
 
 import asyncio
+import atexit
 import base64
 import os
 import pickle
@@ -218,8 +219,12 @@ _live: "weakref.WeakSet[DraftHost]" = weakref.WeakSet()
 
 
 def _close_all() -> None:
+    """At interpreter exit: stop every host still open (a script that never called close)."""
     for host in list(_live):
         host.close()
+
+
+atexit.register(_close_all)
 
 
 class DraftHost:

@@ -11,6 +11,7 @@ Why it is built this way:
 `--sweep` runs a grid of (κ, γ, ℓ_e) in mirror mode against `ar` instead of the mode comparison.
 """
 
+import functools
 import json
 import os
 import platform
@@ -29,6 +30,8 @@ import mlx.core as mx
 
 from . import __version__
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
+from .ane_draft.host import DraftRecipe
+from .ane_draft.host import mlx_draft as host_mlx_draft
 from .engine import DecodeOptions
 from .prompts import load_prompts
 
@@ -191,9 +194,12 @@ def pin_threads(pipe: Any) -> dict:
         os.sched_setaffinity(tid, {a})
     out = {"pinned": True, "target_cpu": a, "draft_cpu": b, "main_tid": threading.get_native_id(),
            "target_worker_tid": pipe.engine.target_worker.call(threading.get_native_id)}
-    if pipe.engine.draft_worker is not None:
-        pipe.engine.draft_worker.call(os.sched_setaffinity, 0, {b})
-        out["draft_worker_tid"] = pipe.engine.draft_worker.call(threading.get_native_id)
+    host = pipe.engine.host
+    if host is not None:  # the draft host: every thread of its process (or its one thread)
+        tids = [int(t) for t in os.listdir(f"/proc/{host.pid}/task")] if host.pid else [host.thread.native_id]
+        for tid in tids:
+            os.sched_setaffinity(tid, {b})
+        out["draft_host_tids"] = tids
     return out
 
 
@@ -259,7 +265,15 @@ def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int
                   run.peak_memory / 1e9, run.target_forwards, num_draft_tokens=k)
 
 
+@functools.lru_cache(maxsize=2)
+def _draft_model(path: str) -> Any:
+    return host_mlx_draft(path).model
+
+
 def mlx_draft(pipe: Any) -> Any:
+    """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding."""
+    if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
+        return _draft_model(*pipe.draft.args)
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
         raise ValueError("mode mlx_sd needs a plain mlx-lm draft model (mlx-lm cannot drive this draft): "

@@ -1,9 +1,10 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
 
+import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
@@ -149,6 +150,13 @@ class Pipeline:
         detok.finalize()
         if detok.last_segment:
             yield Chunk(detok.last_segment, [])
+
+    async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
+        chunks = self.stream(prompt, **kwargs)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield chunk
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: Optional[int] = None, kappa: int = 8, gamma: int = 7,
