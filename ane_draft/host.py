@@ -239,6 +239,9 @@ class DraftHost:
         self.process = isinstance(draft, DraftRecipe) if process is None else process
         if self.process and not isinstance(draft, DraftRecipe):
             raise TypeError("a draft object cannot move to another process: pass a DraftRecipe, or process=False")
+        if self.process and getattr(draft.build, "__module__", "") == "__main__":
+            raise TypeError(f"the draft host cannot import {draft.build.__name__} from your __main__ script: "
+                            "define the DraftRecipe's builder in an importable module")
         self.draft = draft
         self.proc: Optional[subprocess.Popen] = None
         self.thread: Optional[threading.Thread] = None

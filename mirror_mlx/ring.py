@@ -10,13 +10,36 @@ a few hundred bytes: early-exit top-κ sets going to the draft host, windows com
 """
 
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+import mmap
+import os
+from multiprocessing import shared_memory
 from typing import Optional
 
 import numpy as np
 
 HEADER_INTS = 5
 BUSY = -1
+
+class _Attached:
+    """A segment mapped by name without registering it with this process's resource tracker."""
+
+    def __init__(self, name: str):
+        import _posixshmem
+
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf, self.name = memoryview(self._mmap), name
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        raise RuntimeError("an attached ring is unlinked by the process that created it")
+
 
 class RingOverwritten(RuntimeError):
     """The expected message was overwritten before it was read (the reader fell too far behind)."""
@@ -43,9 +66,10 @@ class TokenRing:
         self.capacity, self.max_ints, self.max_floats = capacity, max_ints, max_floats
         self.slot_words = HEADER_INTS + max_ints + max_floats
         nbytes = 8 * (2 + capacity * self.slot_words)  # [next_seq, read_seq] + slots
-        self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
-        if not track:  # an attaching process: the creator unlinks; our own tracker must not (Python < 3.13)
-            resource_tracker.unregister(self.shm._name, "shared_memory")
+        if create or track:
+            self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
+        else:  # another process created it and unlinks it: no resource tracker of ours may (Python < 3.13)
+            self.shm = _Attached(name)
         self._words = np.ndarray((2 + capacity * self.slot_words,), dtype=np.int64, buffer=self.shm.buf)
         if create:
             self._words[:] = 0
