@@ -205,3 +205,31 @@ def test_no_runtime_module_imports_the_builders():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import mirror_mlx
+    pipe = mirror_mlx.load()
+    host = pipe.engine.host
+    print(host.pid, host.req.ring.name, host.rep.ring.name, flush=True)
+    while True:
+        pipe.generate("Once upon a time", max_tokens=200, stop=False)
+""")
+
+
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_sigterm_or_ctrl_c_mid_generation_leaves_no_host_and_no_segment(tmp_path, sig, group):
+    """Ctrl-C reaches the whole process group (the host ignores it; the engine's exit stops it);
+    SIGTERM kills the engine at once (the host sees its pipe close, the resource tracker unlinks the rings)."""
+    script = tmp_path / "busy.py"
+    script.write_text(SIGNAL_SCRIPT)
+    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    pid, req, rep = p.stdout.readline().split()
+    time.sleep(1.0)  # mid-generation
+    os.killpg(p.pid, sig) if group else p.send_signal(sig)
+    p.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while not _gone(int(pid), [req, rep]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(int(pid), [req, rep])
