@@ -208,7 +208,7 @@ def main(argv: Sequence[str]) -> None:
     except Exception as e:  # noqa: BLE001
         rep.send(ERROR, 0, [0] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
         return
-    rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))])
+    rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
     serve(draft, req, rep)
 
 
@@ -261,6 +261,7 @@ class DraftHost:
             if msg.kind == ERROR:
                 raise DraftHostError(f"the draft host could not build its draft {draft}: {_text(msg.ints[1:])}")
             self.vocab_size = int(msg.ints[0])
+            self.kind = _text(msg.ints[1:])  # the draft's class, as built in the host
         except BaseException:
             self.close()
             raise
@@ -291,7 +292,7 @@ class DraftHost:
                     except Exception as e:  # noqa: BLE001
                         rep.send(ERROR, 0, [0] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
                         return
-                    rep.send(READY, 0, [int(getattr(built, "vocab_size", 0))])
+                    rep.send(READY, 0, [int(getattr(built, "vocab_size", 0))] + list(type(built).__name__.encode()))
                     serve(built, req, rep)
             except OSError:
                 pass

@@ -132,7 +132,7 @@ def test_host_answers_what_the_draft_would_and_reports_bad_recipes():
     for process in (True, False):
         recipe = DraftRecipe(mlx_draft, (str(DRAFT_PATH),))
         host = DraftHost(recipe, process=process)
-        assert host.vocab_size == 512
+        assert host.vocab_size == 512 and host.kind == "MLXDraft"
         assert host.rollout(ctx, stems, 4, timeout=30).windows == want
         assert host.rollout(ctx + [5, 9], [[2]], 3, timeout=30).windows == local.rollout(ctx + [5, 9], [[2]], 3).windows
         host.reset(timeout=30)
