@@ -282,7 +282,10 @@ class Engine:
         """Forget cached conversation state (both caches)."""
         self.target_worker.call(self._reset_target)
         if self.host is not None and self.draft_failure is None:
-            self.host.reset()
+            try:
+                self.host.reset(timeout=60.0)
+            except Exception as e:  # noqa: BLE001 - a dead or stalled host: dropped, visibly, as in a step
+                self._drop_draft(e, self.stats)
 
     def _reset_target(self) -> None:
         self.target.cache = trimmable_cache(self.target_model)
@@ -334,11 +337,14 @@ class Engine:
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
         t0 = time.perf_counter()
-        if mode != "ar":
-            self.host.post_sync(prompt[:-1])  # the draft prefills beside the target
+        failed: list[BaseException] = []
+        if mode != "ar":  # the draft prefills beside the target
+            _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
         stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
         if mode != "ar":
             try:
+                if failed:
+                    raise failed[0]
                 self.host.wait_done(opts.draft_timeout)
             except Exception as e:  # the draft cannot even prefill: the target alone, visibly
                 self._drop_draft(e, stats)

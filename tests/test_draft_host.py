@@ -98,13 +98,16 @@ def test_a_host_that_raises_stalls_or_dies_is_a_visible_switch_to_ar(target, ref
     assert time.perf_counter() - t0 < 1.0
 
 
-def test_a_host_killed_from_outside_mid_generation(target, reference, capsys):
+@pytest.mark.parametrize("when", ["mid-generation", "between generations"])
+def test_a_host_killed_from_outside(target, reference, capsys, when):
     pipe, pid, rings = _pipe(target, load_draft(DRAFT_PATH, target[1]))
     prompt, ref = reference
+    if when == "between generations":
+        os.kill(pid, signal.SIGKILL)
     tokens = []
     for i, chunk in enumerate(pipe.stream(prompt, max_tokens=64, stop=False)):
         tokens += chunk.tokens
-        if i == 1:
+        if i == 1 and when == "mid-generation":
             os.kill(pid, signal.SIGKILL)
     assert tokens == ref
     assert "exited" in pipe.stats.draft_failure and "continuing with the target alone" in capsys.readouterr().err
