@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.ring import TokenRing
+from mirror_mlx.workers import wait_os_thread_gone
 
 # request kinds (engine → host)
 CONTEXT, SYNC, ROLLOUT, BRANCHES, RESET, STOP = 1, 2, 3, 4, 5, 6
@@ -201,15 +202,23 @@ def main(argv: Sequence[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it then stops us
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
-    try:
-        import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)
+    import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)
 
-        draft = pickle.loads(base64.b64decode(spec))()
-    except Exception as e:  # noqa: BLE001
-        rep.send(ERROR, 0, [0] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
-        return
-    rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
-    serve(draft, req, rep)
+    host(lambda: pickle.loads(base64.b64decode(spec))(), req, rep)
+
+
+def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
+    """Build the draft, say READY (vocabulary size, class) or ERROR, then serve until stopped."""
+    try:
+        try:
+            draft = build()
+        except Exception as e:  # noqa: BLE001
+            rep.send(ERROR, 0, [0] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
+            return
+        rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
+        serve(draft, req, rep)
+    except OSError:  # the engine closed its ends while we were busy (it dropped or closed us): just end
+        pass
 
 
 # ------------------------------------------------------------------ the engine's side
@@ -284,18 +293,10 @@ class DraftHost:
         def run() -> None:
             import mlx.core as mx
 
-            req, rep = Channel(self.req.ring, req_r), Channel(self.rep.ring, rep_w)
-            try:  # an OSError here means the engine closed its ends while this thread stalled: just end
+            build = partial(draft.build, *draft.args) if isinstance(draft, DraftRecipe) else lambda: draft
+            try:
                 with mx.stream(mx.new_stream(mx.default_device())):
-                    try:
-                        built = draft.build(*draft.args) if isinstance(draft, DraftRecipe) else draft
-                    except Exception as e:  # noqa: BLE001
-                        rep.send(ERROR, 0, [0] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
-                        return
-                    rep.send(READY, 0, [int(getattr(built, "vocab_size", 0))] + list(type(built).__name__.encode()))
-                    serve(built, req, rep)
-            except OSError:
-                pass
+                    host(build, Channel(self.req.ring, req_r), Channel(self.rep.ring, rep_w))
             finally:
                 os.close(req_r)
                 os.close(rep_w)
@@ -390,6 +391,8 @@ class DraftHost:
             _end_process(self.proc, grace)
         if self.thread is not None:
             self.thread.join(grace)  # a stalled draft thread cannot be killed: it is a daemon, left behind
+            if not self.thread.is_alive():
+                wait_os_thread_gone(self.thread.native_id)
         for fd in [self.req.fd, self.rep.fd] + self._theirs:
             try:
                 os.close(fd)

@@ -19,7 +19,7 @@ import mlx.core as mx
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
-def _wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
+def wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
     """`join` returns before the OS thread runs MLX's thread-local destructors, which take the GIL;
     if the interpreter finalizes meanwhile, the process aborts. On Linux, wait for the task to go."""
     task = f"/proc/self/task/{native_id}"
@@ -72,7 +72,7 @@ class Worker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for thread in list(getattr(self._pool, "_threads", ())):
             thread.join(join_timeout)
-            _wait_os_thread_gone(thread.native_id)
+            wait_os_thread_gone(thread.native_id)
         _live.discard(self)
 
 
