@@ -178,13 +178,13 @@ def _tids() -> list[int]:
 
 
 def pin_threads(pipe: Any) -> dict:
-    """Target side (and mlx-lm baselines) on one core, the draft worker on another.
+    """Target side (and mlx-lm baselines) on one core, the draft host on another.
 
     MLX starts one CPU thread per stream on its first task, from the thread that submits it, and a
     new thread inherits its creator's affinity. So: pin every thread alive now (main, the default
-    stream, the target worker) to core A, then the draft worker's thread to core B before it runs
-    anything; its stream thread, born later from it, lands on B. With OPENBLAS_NUM_THREADS=1 no
-    other compute threads exist. `thread_report` shows afterwards where CPU time went.
+    stream, the target worker) to core A, then every thread of the draft host's process (or its one
+    thread, for an in-process draft) to core B. With OPENBLAS_NUM_THREADS=1 no other compute threads
+    exist. `thread_report` shows afterwards where this process's CPU time went.
     """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
