@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -92,7 +92,12 @@ class LoopThread:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("the engine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        job = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return job.result()
+        except BaseException:  # e.g. Ctrl-C here: let the step end (caches and host stay in step), then raise
+            wait([job])
+            raise
 
     def close(self) -> None:
         if self.loop.is_closed():
