@@ -168,7 +168,7 @@ def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
 
 def add_stats(total: Stats, s: Stats) -> Stats:
     """Totals over turns: counts and seconds add up, peak memory is the largest."""
-    out = Stats(mode=s.mode, draft_failure=s.draft_failure or total.draft_failure)
+    out = Stats(mode=s.mode, draft_failure=s.draft_failure or total.draft_failure, draft_host=s.draft_host)
     for f in fields(Stats):
         a, b = getattr(total, f.name), getattr(s, f.name)
         if f.name == "peak_memory_gb":

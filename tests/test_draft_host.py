@@ -87,7 +87,7 @@ def test_a_host_that_raises_stalls_or_dies_is_a_visible_switch_to_ar(target, ref
     pipe, pid, rings = _pipe(target, DraftRecipe(broken_draft, (str(DRAFT_PATH), 3, how)))
     prompt, ref = reference
     out = pipe.generate(prompt, max_tokens=64, mode=mode, stop=False, draft_timeout=1.0 if how == "stall" else 30.0)
-    assert out.tokens == ref
+    assert out.tokens == ref and out.stats.draft_host == "process"
     assert out.stats.draft_failure and says in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     assert _gone(pid, rings), "the dropped host left a process or a shared-memory segment"
