@@ -42,13 +42,13 @@ def _tids() -> list[int]:
 
 
 def pin_threads(pipe: Any) -> dict:
-    """Target side (and mlx-lm baselines) on one core, the draft worker on another.
+    """Target side (and mlx-lm baselines) on one core, the draft host on another.
 
     MLX starts one CPU thread per stream on its first task, from the thread that submits it, and a
     new thread inherits its creator's affinity. So: pin every thread alive now (main, the default
-    stream, the target worker) to core A, then the draft worker's thread to core B before it runs
-    anything; its stream thread, born later from it, lands on B. With OPENBLAS_NUM_THREADS=1 no
-    other compute threads exist. `thread_report` shows afterwards where CPU time went.
+    stream, the target worker) to core A, then every thread of the draft host's process (or its one
+    thread, for an in-process draft) to core B. With OPENBLAS_NUM_THREADS=1 no other compute threads
+    exist. `thread_report` shows afterwards where this process's CPU time went.
     """
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -58,9 +58,12 @@ def pin_threads(pipe: Any) -> dict:
         os.sched_setaffinity(tid, {a})
     out = {"pinned": True, "target_cpu": a, "draft_cpu": b, "main_tid": threading.get_native_id(),
            "target_worker_tid": pipe.engine.target_worker.call(threading.get_native_id)}
-    if pipe.engine.draft_worker is not None:
-        pipe.engine.draft_worker.call(os.sched_setaffinity, 0, {b})
-        out["draft_worker_tid"] = pipe.engine.draft_worker.call(threading.get_native_id)
+    host = pipe.engine.host
+    if host is not None:  # the draft host: every thread of its process (or its one thread)
+        tids = [int(t) for t in os.listdir(f"/proc/{host.pid}/task")] if host.pid else [host.thread.native_id]
+        for tid in tids:
+            os.sched_setaffinity(tid, {b})
+        out["draft_host_tids"] = tids
     return out
 
 

@@ -4,30 +4,35 @@ State between steps: `committed` holds every committed token; the target's cache
 them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.
 
 mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring
-              → (target suffix ‖ draft rolls out every branch) → verify → reuse or fallback.
+              → (target suffix ‖ the draft host rolls out every branch) → verify → reuse or fallback.
 sd step:      draft rolls out one window, then the target verifies it (serial).
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
+
+The draft lives behind a DraftHost (ane_draft/host.py): the scheduler posts requests on the ring
+and awaits the windows; it never calls the draft. The scheduler is one asyncio loop on its own
+thread, so the synchronous API also works from inside a running event loop.
 """
 
 import asyncio
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Iterator, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
 from .draft_api import Draft
 from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
-from .ring import EARLY_EXIT, WINDOW, TokenRing
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache
-from .workers import Worker
+from .workers import LoopThread, Worker
 
 @dataclass
 class Stats:
@@ -52,6 +57,7 @@ class Stats:
     draft_seconds: float = 0.0  # all draft rollout time: branch rollouts, fallbacks, first window
     hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
     draft_failure: Optional[str] = None
+    draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
     peak_memory_gb: float = 0.0
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
@@ -91,7 +97,7 @@ class Stats:
         """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
         peak memory is the largest; mode and a draft failure are the latest."""
         out = Stats(mode=other.mode, draft_failure=other.draft_failure or self.draft_failure,
-                    timeline=self.timeline + other.timeline)
+                    draft_host=other.draft_host, timeline=self.timeline + other.timeline)
         for f in fields(Stats):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name == "peak_memory_gb":
@@ -168,13 +174,16 @@ class TargetSide:
         self.cached = head
         return len(new)
 
-    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]], ring: TokenRing, step: int) -> int:
-        """Blocks 1..ℓ_e over the rows; posts the early-exit top-κ sets on the ring (returns its seq)."""
+    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
+               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
+        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once, returns them."""
         early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
-        ids, logprobs = top_k(early[0], kappa, exclude)
-        mx.eval(ids, logprobs)
+        ids, _ = top_k(early[0], kappa, exclude)
+        mx.eval(ids)
         self._ids = ids
-        return ring.put(EARLY_EXIT, step, ids.tolist(), logprobs.tolist())
+        cand = ids.tolist()
+        post(cand)
+        return cand
 
     def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
         """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
@@ -204,6 +213,14 @@ class TargetSide:
             self.tapped = None
 
 
+def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
+    """Post on the target worker; a failure is noted for the scheduler (which drops the draft), not raised there."""
+    try:
+        post(*args)
+    except Exception as e:  # noqa: BLE001
+        failed.append(e)
+
+
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
     """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
 
@@ -223,9 +240,13 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
 
 
 class Engine:
-    """Owns the target worker, the draft worker and the token rings; `generate` yields tokens."""
+    """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
 
-    def __init__(self, target_model: nn.Module, draft: Optional[Draft] = None,
+    `draft`: a DraftRecipe (the host process builds it: the default, see ane_draft/host.py), or a
+    draft object built in this process (its host loop runs on a thread).
+    """
+
+    def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
                  exit_adapter: Optional[Callable] = None):
         self.target_model = target_model
         self.n_layers = len(text_model(target_model).layers)
@@ -233,22 +254,32 @@ class Engine:
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
-        self.draft_worker = Worker("draft") if draft is not None else None
         self.target = self.target_worker.call(TargetSide, target_model, exit_adapter)
+        self.loop = LoopThread("mirror-scheduler")
+        self.host: Optional[DraftHost] = None
+        try:
+            self.host = DraftHost(draft) if draft is not None else None
+        except BaseException:
+            self.close()
+            raise
         self.draft_failure: Optional[str] = None
         self.stats = Stats()
 
     def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.loop.close()
         self.target_worker.call(self.target.close)
         self.target_worker.close()
-        if self.draft_worker:
-            self.draft_worker.close()
 
     def reset(self) -> None:
         """Forget cached conversation state (both caches)."""
         self.target_worker.call(self._reset_target)
-        if self.draft is not None and self.draft_failure is None:
-            self.draft_worker.call(self.draft.reset)
+        if self.host is not None and self.draft_failure is None:
+            try:
+                self.host.reset(timeout=60.0)
+            except Exception as e:  # noqa: BLE001 - a dead or stalled host: dropped, visibly, as in a step
+                self._drop_draft(e, self.stats)
 
     def _reset_target(self) -> None:
         self.target.cache = trimmable_cache(self.target_model)
@@ -258,7 +289,7 @@ class Engine:
         """Refuse bad options with one sentence naming the problem and the fix."""
         if opts.mode not in MODES:
             raise ValueError(f"unknown mode {opts.mode!r}: choose one of {', '.join(MODES)}")
-        if opts.mode != "ar" and self.draft is None:
+        if opts.mode != "ar" and self.host is None and self.draft_failure is None:
             raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=..., or use mode='ar'")
         if opts.kappa < 1:
             raise ValueError(f"kappa must be at least 1 (got {opts.kappa})")
@@ -291,6 +322,8 @@ class Engine:
         self.check(prompt, opts)
         mode = opts.mode if self.draft_failure is None else "ar"
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
+        if mode != "ar":
+            stats.draft_host = "process" if self.host.process else "thread"
         sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                min_p=opts.min_p, top_k=opts.top_k)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
@@ -300,35 +333,33 @@ class Engine:
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
         t0 = time.perf_counter()
-        sync = getattr(self.draft, "sync", None) if mode != "ar" else None
-        draft_prefill = self.draft_worker.submit(sync, prompt[:-1]) if sync else None  # beside the target's
+        failed: list[BaseException] = []
+        if mode != "ar":  # the draft prefills beside the target
+            _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
         stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
-        if draft_prefill is not None:
+        if mode != "ar":
             try:
-                draft_prefill.result(timeout=opts.draft_timeout)
+                if failed:
+                    raise failed[0]
+                self.host.wait_done(opts.draft_timeout)
             except Exception as e:  # the draft cannot even prefill: the target alone, visibly
                 self._drop_draft(e, stats)
                 mode = stats.mode = "ar"
         stats.prefill_seconds = time.perf_counter() - t0
         committed, produced = list(prompt), 0
-        loop = asyncio.new_event_loop()
-        ring_te = ring_dt = None
+        run = self.loop.run
         t_decode = time.perf_counter()
         try:
             window = None
             if mode == "mirror":
-                n = opts.gamma
-                ring_te = TokenRing(capacity=4, max_ints=(n + 1) * opts.kappa, max_floats=(n + 1) * opts.kappa)
-                ring_dt = TokenRing(capacity=4, max_ints=(n + 1) * opts.kappa * n, max_floats=1)
-                window = self._fresh_window(loop, committed, opts, stats)
+                window = run(self._timed_rollout(committed, opts, stats))
                 if window is None:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
                 if mode == "mirror" and self.draft_failure is None:
-                    new, window = loop.run_until_complete(
-                        self._mirror_step(committed, window, opts, sampler, processors, stats, ring_te, ring_dt))
+                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats))
                 elif mode == "sd" and self.draft_failure is None:
-                    new = loop.run_until_complete(self._sd_step(committed, opts, sampler, processors, stats))
+                    new = run(self._sd_step(committed, opts, sampler, processors, stats))
                 else:
                     s0 = time.perf_counter()
                     ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
@@ -348,37 +379,37 @@ class Engine:
                 if stop is not None:
                     break
         finally:
-            loop.close()
-            for ring in (ring_te, ring_dt):
-                if ring is not None:
-                    ring.close()
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     # --- steps -------------------------------------------------------------------------------------
 
-    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, ring_te, ring_dt):
+    async def _mirror_step(self, committed, window, opts, sampler, processors, stats):
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
         # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         exclude = window + [-1] if opts.exclude_drafted else None
-        seq, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, ring_te, stats.steps)
-        suffix = asyncio.ensure_future(self.target_worker.run(self.target.suffix, committed, window, sampler, processors))
-        rollout = asyncio.ensure_future(self.draft_worker.run(
-            self._branch_rollout, ring_te, ring_dt, seq, list(committed), window, kappa, gamma))
-        (ys, a, omega), s0, s1 = await suffix
+        failed: list[BaseException] = []
+        post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed)
+        cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
+        (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
+                                                              processors)
         new = window[:a] + [ys[a]]
-        try:
-            (cand, windows, forwards, tokens), r0, r1 = await asyncio.wait_for(rollout, self._time_left(opts, s1))
-        except Exception as e:  # the draft raised or stalled: finish with the target alone, visibly
+        try:  # the host rolled out every branch meanwhile
+            if failed:
+                raise failed[0]
+            out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), self._time_left(opts, s1))
+        except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
             self._drop_draft(e, stats)
             return new, None
+        it = iter(out.windows)
+        windows = [[next(it) for _ in row] for row in cand]
         stats.prefix_seconds += p1 - p0
         stats.suffix_seconds += s1 - s0
         stats.draft_seconds += r1 - r0
         stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
-        stats.draft_forwards += forwards
-        stats.draft_tokens += tokens
+        stats.draft_forwards += out.forwards
+        stats.draft_tokens += out.tokens
         stats.rollouts += 1
         stats.omega_sum += omega
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
@@ -392,24 +423,10 @@ class Engine:
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
 
-    def _branch_rollout(self, ring_te, ring_dt, seq, context, window, kappa, gamma):
-        """Draft thread: read the early-exit sets from the ring, roll out all κ·(γ+1) branches."""
-        msg = ring_te.get(seq)
-        if msg is None:
-            raise RuntimeError(f"early-exit message {seq} was not on the ring")
-        cand = msg.ints.reshape(gamma + 1, -1).tolist()
-        stems = [window[:r] + [v] for r in range(gamma + 1) for v in cand[r]]
-        out = self.draft.rollout(context, stems, gamma)
-        flat = [t for w in out.windows for t in w]
-        back = ring_dt.get(ring_dt.put(WINDOW, msg.step, flat))
-        it = iter(back.ints.reshape(len(stems), gamma).tolist())
-        windows = [[next(it) for _ in cand[r]] for r in range(gamma + 1)]
-        return cand, windows, out.forwards, out.tokens
-
     async def _sd_step(self, committed, opts, sampler, processors, stats):
         window = await self._timed_rollout(committed, opts, stats)
         if window is None:
-            ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
+            (ys, _), _, _ = await self.target_worker.run(self.target.verify, committed, [], sampler, processors)
             return ys[:1]
         (ys, a), s0, s1 = await self.target_worker.run(self.target.verify, committed, window, sampler, processors)
         stats.suffix_seconds += s1 - s0
@@ -417,9 +434,9 @@ class Engine:
 
     async def _timed_rollout(self, committed, opts, stats) -> Optional[list[int]]:
         """One fresh window after `committed`, on the critical path; None if the draft failed."""
-        job = self.draft_worker.run(self.draft.rollout, committed[:-1], [[committed[-1]]], opts.gamma)
         try:
-            out, r0, r1 = await asyncio.wait_for(job, opts.draft_timeout)
+            self.host.post_rollout(committed[:-1], [[committed[-1]]], opts.gamma)
+            out, r0, r1 = await asyncio.wait_for(self.host.windows(opts.gamma), opts.draft_timeout)
         except Exception as e:
             self._drop_draft(e, stats)
             return None
@@ -429,10 +446,10 @@ class Engine:
         stats.rollouts += 1
         return out.windows[0]
 
-    def _fresh_window(self, loop, committed, opts, stats):
-        return loop.run_until_complete(self._timed_rollout(committed, opts, stats))
-
     def _drop_draft(self, error: BaseException, stats: Stats) -> None:
         reason = "timed out" if isinstance(error, (asyncio.TimeoutError, TimeoutError)) else repr(error)
         self.draft_failure = stats.draft_failure = f"draft {reason}; continuing with the target alone (ar)"
         print(f"mirror-mlx: warning: {self.draft_failure}", file=sys.stderr)
+        if self.host is not None:  # a stalled or dead host gets no grace: no orphan, no shared memory left
+            self.host.kill()
+            self.host = None

@@ -1,13 +1,16 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
+from mlx_lm.utils import load_tokenizer
 
 from . import demo_pair
-from .draft import MLXDraft
+from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
+from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
 from .engine import Engine, Stats
 from .options import OPTION_NAMES, DecodeOptions
@@ -37,26 +40,26 @@ class Chunk:
         return self.text
 
 
-def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
-    """A draft from a folder (plain mlx-lm model or SS draft) or a Core ML package."""
+def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
+    """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package.
+
+    The tokenizer is checked here; the weights are loaded by the host process only.
+    """
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
-        from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft  # raises a clear error off macOS
+        from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
 
-        return CoreMLDraft(Path(path_str), target_tokenizer)
-    from mirror_mlx.ane_draft.ss_draft import SSDraft, is_ss_draft
-
+        return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
-    model, tokenizer = load_model(folder)
-    check_same_tokenizer(target_tokenizer, tokenizer)
-    return SSDraft(model) if is_ss_draft(folder) else MLXDraft(model)
+    check_same_tokenizer(target_tokenizer, load_tokenizer(folder))
+    return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),))
 
 
 class Pipeline:
     """A target (and optionally a draft) ready to generate in any mode."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, draft: Optional[Draft] = None, exit_adapter: Any = None,
-                 name: str = ""):
+    def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
+                 exit_adapter: Any = None, name: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
@@ -106,6 +109,13 @@ class Pipeline:
         detok.finalize()
         if detok.last_segment:
             yield Chunk(detok.last_segment, [])
+
+    async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
+        chunks = self.stream(prompt, **kwargs)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield chunk
 
     def generate(self, prompt: Prompt, **options: Any) -> Result:
         """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.

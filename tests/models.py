@@ -1,5 +1,7 @@
 """Tiny random mlx-lm models of several families, and the demo pair, for tests."""
 
+from pathlib import Path
+
 import mlx.core as mx
 from mlx_lm.utils import _get_classes, load
 
@@ -40,3 +42,15 @@ def tiny_model(name: str, seed: int = 0, **overrides):
 
 def demo_target():
     return load(str(TARGET_PATH))
+
+
+def save_tiny_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """`tiny_model(name, seed, **overrides)` saved as an mlx-lm folder (weights + config), e.g. for a draft host."""
+    from mlx_lm.utils import save_config, save_model
+
+    config = dict(CONFIGS[name], **overrides)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, tiny_model(name, seed, **overrides))
+    save_config(dict(config, model_type="llama" if config["model_type"] == "mistral" else config["model_type"]),
+                path / "config.json")
+    return path

@@ -297,32 +297,34 @@ def test_cli_convert_and_verify(work):
 def test_coreml_draft_on_linux_fails_at_construction(demo_pkg):
     import sys
 
-    from mirror_mlx.ane_draft.coreml_draft import MESSAGE, CoreMLDraft, CoreMLUnavailable, coreml_available
+    from mirror_mlx.ane_draft.coreml_draft import MESSAGE, CoreMLUnavailable, coreml_available, coreml_recipe
 
     if sys.platform == "darwin":
         pytest.skip("this checks the non-macOS error; tests/test_coreml_macos.py covers macOS")
     assert not coreml_available()
     with pytest.raises(CoreMLUnavailable) as e:
-        CoreMLDraft(demo_pkg)
+        coreml_recipe(demo_pkg)
     assert str(e.value) == MESSAGE == "Core ML runs on macOS 15+; use the MLX draft folder here"
 
 
-def test_process_draft_over_shared_memory(demo_pkg, demo_model):
-    from mirror_mlx.ane_draft.coreml_draft import ProcessDraft
+def test_package_draft_in_the_draft_host_process(demo_pkg, demo_model):
+    from mirror_mlx.ane_draft.coreml_draft import coreml_recipe
+    from mirror_mlx.ane_draft.host import DraftHost
 
     model, tok = demo_model
     ctx = tok.encode("One day, a little bird")
     stems = [[5], [6, 7], [9, 10, 11]]
-    with ProcessDraft(demo_pkg, backend="mil") as draft:  # the Mac path, with numpy in the child
-        assert draft.vocab_size == 512
-        r = draft.rollout(ctx, stems, 3)
-        assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
-        with pytest.raises(ValueError, match="built for 64"):
-            draft.rollout(list(range(3, 80)), [[5]], 2)
-        draft.reset()
-        assert draft.rollout(ctx, [[5]], 2).windows == [greedy(model, ctx + [5], 2)]
-        proc = draft.proc
-    assert not proc.is_alive()
+    host = DraftHost(coreml_recipe(demo_pkg, tok, backend="mil"))  # the Mac path, with numpy in the host
+    assert host.vocab_size == 512
+    r = host.rollout(ctx, stems, 3)
+    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
+    with pytest.raises(ValueError, match="built for 64"):
+        host.rollout(list(range(3, 80)), [[5]], 2)
+    host.reset()
+    assert host.rollout(ctx, [[5]], 2).windows == [greedy(model, ctx + [5], 2)]
+    proc = host.proc
+    host.close()
+    assert proc.poll() is not None
 
 
 # ------------------------------------------------------------------ Speculative-Streaming drafts

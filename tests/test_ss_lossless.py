@@ -13,9 +13,8 @@ from tests.test_engine import mlx_greedy, openings
 @pytest.fixture(scope="module")
 def ss_pipe():
     target, tokenizer = load(str(TARGET_PATH))
-    draft = load_draft(SS_DEMO, tokenizer)
-    assert type(draft).__name__ == "SSDraft"  # the folder is recognised as an SS draft
-    pipe = Pipeline(target, tokenizer, draft)
+    pipe = Pipeline(target, tokenizer, load_draft(SS_DEMO, tokenizer))
+    assert pipe.engine.host.kind == "SSDraft"  # the folder is recognised as an SS draft (built in the host)
     yield pipe
     pipe.close()
 
