@@ -294,9 +294,13 @@ def read_adapter(path: Union[str, Path]) -> tuple[ExitAdapter, dict[str, str]]:
 
 
 def check_layer(adapter: nn.Module, exit_layer: int, path: Any = "the exit adapter") -> None:
-    """Refuse an adapter trained at another exit layer (its state space is another layer's)."""
+    """Refuse an adapter trained at another exit layer (its state space is another layer's).
+
+    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
+    block and the identity layers after it.
+    """
     trained = getattr(adapter, "exit_layer", None)
-    if trained is not None and trained != exit_layer:
+    if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
         raise ValueError(
             f"{path} was trained for exit layer {trained}, not {exit_layer} (use --exit-layer {trained} "
             f"or train one with `mirror-mlx train-exit --exit-layer {exit_layer}`)"
@@ -311,6 +315,8 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     """
     adapter, md = read_adapter(path)
     adapter.exit_layer = int(md["exit_layer"])
+    if md.get("exit_layers"):
+        adapter.exit_layers = tuple(int(x) for x in md["exit_layers"].split(","))
     if md["fingerprint"] != fingerprint(model):
         raise ValueError(
             f"exit adapter {path} was trained for another model (fingerprint {md['fingerprint'][:12]}, "
