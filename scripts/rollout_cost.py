@@ -15,6 +15,7 @@ Timings are wall clock on a shared box: read the ratios, and the load average pr
 
 import argparse
 import statistics
+import sys
 import time
 
 import mirror_mlx  # noqa: F401  (OpenBLAS before mlx.core)
@@ -59,7 +60,8 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     vocab = draft.vocab_size
-    print(f"draft {args.model}  gamma={args.gamma}  reps={args.reps}  mlx {mx.__version__}")
+    code = sys.modules[type(draft).__module__].__file__
+    print(f"draft {args.model}  gamma={args.gamma}  reps={args.reps}  mlx {mx.__version__}  code {code}")
     print(f"loadavg before: {open('/proc/loadavg').read().strip()}")
     print("cells: wall ms / CPU ms (median); last column: CPU ratio of the last row count to the first")
     print("| context | " + " | ".join(f"{r} rows" for r in rows) + f" | {rows[-1]}/{rows[0]} |")
