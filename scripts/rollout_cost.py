@@ -42,6 +42,24 @@ def cost_ms(draft, context: list[int], stems: list[list[int]], gamma: int, reps:
     return statistics.median(wall), statistics.median(cpu)
 
 
+def softmax_floor_ms(draft, rows: int, n: int, gamma: int, reps: int) -> float:
+    """CPU ms of only the attention softmax a `rows`-row rollout must do: rows × heads scores over
+    the n + γ/2 keys (on average), per layer and forward. Exact attention cannot skip one of them."""
+    from mirror_mlx.target import text_model
+
+    tm = text_model(draft.model)
+    heads = tm.layers[0].self_attn.n_heads
+    x = mx.random.normal((rows, heads, 1, n + gamma // 2))
+    mx.eval(x)
+    out = []
+    for _ in range(reps):
+        c0 = time.process_time()
+        for _ in range(len(tm.layers) * gamma):
+            mx.eval(mx.softmax(x, axis=-1, precise=True))
+        out.append(1000 * (time.process_time() - c0))
+    return statistics.median(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="draft model directory (mlx-lm), or an SS draft with --ss")
@@ -63,15 +81,19 @@ def main() -> None:
     code = sys.modules[type(draft).__module__].__file__
     print(f"draft {args.model}  gamma={args.gamma}  reps={args.reps}  mlx {mx.__version__}  code {code}")
     print(f"loadavg before: {open('/proc/loadavg').read().strip()}")
-    print("cells: wall ms / CPU ms (median); last column: CPU ratio of the last row count to the first")
-    print("| context | " + " | ".join(f"{r} rows" for r in rows) + f" | {rows[-1]}/{rows[0]} |")
-    print("|---" * (len(rows) + 2) + "|")
+    floor = not args.ss
+    print("cells: wall ms / CPU ms (median); then the CPU ratio of the last row count to the first"
+          + ("; then the CPU ms of the last row count's attention softmax alone (its floor)" if floor else ""))
+    print("| context | " + " | ".join(f"{r} rows" for r in rows) + f" | {rows[-1]}/{rows[0]} |"
+          + (f" softmax floor, {rows[-1]} rows |" if floor else ""))
+    print("|---" * (len(rows) + 2 + floor) + "|")
     for n in contexts:
         context = [(31 * i + 3) % vocab for i in range(n)]
         draft.reset()
         ms = [cost_ms(draft, context, stems_for(r, args.gamma, vocab), args.gamma, args.reps) for r in rows]
         cells = " | ".join(f"{w:.1f} / {c:.1f}" for w, c in ms)
-        print(f"| {n} | {cells} | {ms[-1][1] / ms[0][1]:.2f}× |", flush=True)
+        extra = f" {softmax_floor_ms(draft, rows[-1], n, args.gamma, args.reps):.1f} |" if floor else ""
+        print(f"| {n} | {cells} | {ms[-1][1] / ms[0][1]:.2f}× |{extra}", flush=True)
     print(f"loadavg after: {open('/proc/loadavg').read().strip()}")
 
 
