@@ -60,6 +60,10 @@ def test_rows_are_reused_across_rollouts_and_follow_a_rewound_context():
     keys = draft.rows[0].keys
     check_windows(model, draft, context + [9, 1, 2], spine_stems([5, 6, 7, 8], 15, 512), gamma=4)
     assert draft.rows[0].keys.shape == keys.shape, "branch scratch is allocated once, then reused"
-    check_windows(model, draft, context[:30] + [99, 98], spine_stems([5, 6], 7, 512), gamma=4)  # rewound
+    rewound = context[:30] + [99, 98]
+    check_windows(model, draft, rewound, spine_stems([5, 6], 7, 512), gamma=4)
+    longer = rewound + [(17 * i + 2) % 512 for i in range(260)]  # past the rows' capacity: they grow
+    check_windows(model, draft, longer, spine_stems([5, 6], 7, 512), gamma=4)
+    assert draft.rows[0].keys.shape[2] > keys.shape[2]
     draft.reset()
     assert draft.rows == [] and draft.rows_valid == 0
