@@ -327,6 +327,31 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     return adapter
 
 
+class ExitAdapters:
+    """Several exit adapters of one target, each for its own exit layers; the engine takes the one for ℓ_e."""
+
+    def __init__(self, adapters: list[ExitAdapter]):
+        self.by_layer: dict[int, ExitAdapter] = {}
+        for a in adapters:
+            for layer in getattr(a, "exit_layers", (a.exit_layer,)):
+                if layer in self.by_layer:
+                    raise ValueError(f"two exit adapters are for exit layer {layer}: give one per layer")
+                self.by_layer[layer] = a
+        self.exit_layer = adapters[0].exit_layer  # the default ℓ_e, as with one adapter
+        self.exit_layers = tuple(sorted(self.by_layer))
+
+    def for_layer(self, exit_layer: int) -> ExitAdapter:
+        return self.by_layer[exit_layer]
+
+
+def load_adapters(paths: Union[str, Path], model: nn.Module) -> Union[ExitAdapter, ExitAdapters]:
+    """One adapter file, or several separated by commas (one per exit layer), each checked against `model`."""
+    parts = [p.strip() for p in str(paths).split(",") if p.strip()]
+    if len(parts) == 1:
+        return load_adapter(Path(parts[0]), model)
+    return ExitAdapters([load_adapter(Path(p), model) for p in parts])
+
+
 # ---- command line
 
 

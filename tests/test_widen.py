@@ -219,3 +219,30 @@ def test_widen_exit_refuses_an_adapter_of_another_model(pair, tmp_path):
     r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(out),
                                   "--widened", str(out), "--out", str(tmp_path / "x.safetensors")])
     assert r.exit_code == 2 and "another model" in r.output
+
+
+def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(pair, tmp_path):
+    """`--exit-adapter a,b`: a widened adapter (exact at 2, 3) and one for layer 5; ℓ_e picks its own."""
+    from mirror_mlx.engine import TargetSide
+    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
+
+    model, _, wide, _, out = pair
+    a = tmp_path / "exit2.safetensors"
+    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(TARGET_PATH),
+                                  "--widened", str(out), "--out", str(a)])
+    assert r.exit_code == 0, r.output
+    b = tmp_path / "exit5.safetensors"
+    save_adapter(b, ExitAdapter(256, 8), adapter_meta(wide, 5))
+    both = load_adapters(f"{a},{b}", wide)
+    assert both.exit_layers == (2, 3, 5) and both.exit_layer == 3
+    for layer in (2, 3, 5):
+        check_layer(both, layer)
+    with pytest.raises(ValueError, match="exit layer"):
+        check_layer(both, 4)
+    side = TargetSide(wide, both)
+    for layer, want in ((3, both.for_layer(2)), (5, both.for_layer(5))):
+        side.set_exit_layer(layer)
+        assert side.tapped.adapter is want
+    side.tapped.remove()
+    with pytest.raises(ValueError, match="two exit adapters"):
+        load_adapters(f"{a},{a}", wide)
