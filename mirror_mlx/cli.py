@@ -192,6 +192,28 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
     click.echo(f"wrote {out}")
 
 
+@main.command("widen-exit")
+@click.option("--exit-adapter", "adapter", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The small target's exit adapter (train-exit).")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The small target it was trained for.")
+@click.option("--widened", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The target's widened copy (mirror-mlx widen --model ...).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output .safetensors.")
+def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> None:
+    """Widen an exit adapter along with its target: exact at the widened layers that hold its layer's state."""
+    from mirror_mlx.convert.widen import WidenError, widen_adapter
+
+    for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"), (widened / "config.json", "--widened")):
+        if not p.is_file():
+            raise click.UsageError(f"{what}: {p} does not exist")
+    try:
+        layers = widen_adapter(adapter, model_dir, widened, out)
+    except WidenError as e:
+        raise click.UsageError(str(e))
+    click.echo(f"wrote {out} (exact at exit layers {', '.join(map(str, layers))})")
+
+
 @main.command("train-draft")
 @click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")

@@ -159,7 +159,8 @@ class TargetSide:
         if self.tapped is None or self.tapped.exit_layer != exit_layer:
             if self.tapped is not None:
                 self.tapped.remove()
-            self.tapped = EarlyExitTarget(self.model, exit_layer, self.adapter)
+            adapter = self.adapter.for_layer(exit_layer) if hasattr(self.adapter, "for_layer") else self.adapter
+            self.tapped = EarlyExitTarget(self.model, exit_layer, adapter)
 
     def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
         """Make the cache hold prompt[:-1]; reuse the longest cached prefix. Returns tokens run."""

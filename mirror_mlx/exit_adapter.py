@@ -283,9 +283,13 @@ def read_adapter(path: Union[str, Path]) -> tuple[ExitAdapter, dict[str, str]]:
 
 
 def check_layer(adapter: nn.Module, exit_layer: int, path: Any = "the exit adapter") -> None:
-    """Refuse an adapter trained at another exit layer (its state space is another layer's)."""
+    """Refuse an adapter trained at another exit layer (its state space is another layer's).
+
+    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
+    block and the identity layers after it.
+    """
     trained = getattr(adapter, "exit_layer", None)
-    if trained is not None and trained != exit_layer:
+    if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
         raise ValueError(
             f"{path} was trained for exit layer {trained}, not {exit_layer} (use --exit-layer {trained} "
             f"or train one with `mirror-mlx train-exit --exit-layer {exit_layer}`)"
@@ -300,6 +304,8 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     """
     adapter, md = read_adapter(path)
     adapter.exit_layer = int(md["exit_layer"])
+    if md.get("exit_layers"):
+        adapter.exit_layers = tuple(int(x) for x in md["exit_layers"].split(","))
     if md["fingerprint"] != fingerprint(model):
         raise ValueError(
             f"exit adapter {path} was trained for another model (fingerprint {md['fingerprint'][:12]}, "
@@ -308,6 +314,31 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     if exit_layer is not None:
         check_layer(adapter, exit_layer, f"exit adapter {path}")
     return adapter
+
+
+class ExitAdapters:
+    """Several exit adapters of one target, each for its own exit layers; the engine takes the one for ℓ_e."""
+
+    def __init__(self, adapters: list[ExitAdapter]):
+        self.by_layer: dict[int, ExitAdapter] = {}
+        for a in adapters:
+            for layer in getattr(a, "exit_layers", (a.exit_layer,)):
+                if layer in self.by_layer:
+                    raise ValueError(f"two exit adapters are for exit layer {layer}: give one per layer")
+                self.by_layer[layer] = a
+        self.exit_layer = adapters[0].exit_layer  # the default ℓ_e, as with one adapter
+        self.exit_layers = tuple(sorted(self.by_layer))
+
+    def for_layer(self, exit_layer: int) -> ExitAdapter:
+        return self.by_layer[exit_layer]
+
+
+def load_adapters(paths: Union[str, Path], model: nn.Module) -> Union[ExitAdapter, ExitAdapters]:
+    """One adapter file, or several separated by commas (one per exit layer), each checked against `model`."""
+    parts = [p.strip() for p in str(paths).split(",") if p.strip()]
+    if len(parts) == 1:
+        return load_adapter(Path(parts[0]), model)
+    return ExitAdapters([load_adapter(Path(p), model) for p in parts])
 
 
 # ---- command line

@@ -165,7 +165,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:
-        from .exit_adapter import load_adapter
+        from .exit_adapter import load_adapters
 
-        adapter = load_adapter(Path(exit_adapter), target)
+        adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
     return Pipeline(target, tokenizer, draft, adapter, name=str(model))
