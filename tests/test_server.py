@@ -20,7 +20,7 @@ import pytest
 
 import mirror_mlx
 from mirror_mlx.chat import reset
-from mirror_mlx.pipeline import DEMO_TARGET
+from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
 from mirror_mlx.server import Server, StopText
 
 PROMPT = "Once upon a time"

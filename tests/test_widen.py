@@ -14,7 +14,7 @@ from mirror_mlx.cli import main
 from mirror_mlx.convert.widen import Shape, WidenError, check_shape, head_layout, param_count, widen_weights, widened_config
 from mirror_mlx.convert.widen import exact_exit_layers
 from mirror_mlx.exit_adapter import check_layer, load_adapter
-from mirror_mlx.pipeline import DEMO_EXIT_ADAPTER
+from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
 from mirror_mlx.target import EarlyExitTarget
 from models import CONFIGS, TARGET_PATH, tiny_model
 
