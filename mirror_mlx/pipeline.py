@@ -1,6 +1,9 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
 
 import os
+import threading
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -10,6 +13,7 @@ from mlx_lm.utils import load as mlx_load
 
 from .draft import MLXDraft
 from .draft_api import Draft
+from . import validate
 from .engine import DecodeOptions, Engine, Stats
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
@@ -45,14 +49,14 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
     """A local folder as is; otherwise a Hugging Face id through huggingface_hub (cached, offline-friendly)."""
     path = Path(path_or_id).expanduser()
     if path.exists():
-        return path
+        return validate.model_folder(path)
     name = str(path_or_id)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model path {name!r} does not exist: give a model folder or a Hugging Face id like org/name")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
+        folder = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
                                                             "*.tiktoken", "*.txt", "*.jinja"]))
     except Exception as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
@@ -61,6 +65,7 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
             f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
             f"(`hf download {name}`) or pass a local folder"
         ) from None
+    return validate.model_folder(folder)
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
@@ -98,7 +103,13 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
 
 
 class Pipeline:
-    """A target (and optionally a draft) ready to generate in any mode."""
+    """A target (and optionally a draft) ready to generate in any mode.
+
+    Safe to share between threads: generations run one at a time, each from start to end (a stream
+    holds the pipeline until it is exhausted or closed), so each is lossless and seeded as if alone;
+    other callers wait. Iterating a stream and starting another generation in the same thread is
+    refused (it would wait on itself). After `close()` every call raises ValueError.
+    """
 
     def __init__(self, model: nn.Module, tokenizer: Any, draft: Optional[Draft] = None, exit_adapter: Any = None,
                  name: str = ""):
@@ -107,6 +118,27 @@ class Pipeline:
         self.draft = draft
         self.name = name
         self.engine = Engine(model, draft, exit_adapter)
+        self._lock = threading.Lock()  # one generation at a time (see the class docstring)
+        self._owner: Optional[int] = None  # the thread that holds it
+        self._closed = False
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the pipeline for one whole generation."""
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before starting another generation")
+        with self._lock:
+            self._check_open()
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
     @property
     def stats(self) -> Stats:
@@ -132,20 +164,49 @@ class Pipeline:
                              stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else ())
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
-        """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
-        self.engine.check(list(tokens), self.options(**kwargs))
+        """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve."""
+        self._check_open()
+        self.engine.check(tokens, self.options(**kwargs))
+
+    def prepare(self, prompt: Prompt, **kwargs: Any) -> tuple[list[int], DecodeOptions]:
+        """The checked prompt ids and options of one call; refuses bad input before any work starts.
+
+        Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
+        """
+        self._check_open()
+        if isinstance(prompt, str):
+            text, replaced = validate.clean_text(prompt)
+            if replaced:
+                warnings.warn(validate.REPLACED, stacklevel=3)
+            prompt = self.encode(text)
+        return self.engine.check(prompt, self.options(**kwargs))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
-        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards."""
-        tokens = self.encode(prompt)
-        opts = self.options(**kwargs)
+        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
+
+        Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
+        is exhausted or closed.
+        """
+        tokens, opts = self.prepare(prompt, **kwargs)
+
+        def held() -> Iterator[Chunk]:
+            with self._turn():
+                yield from self._chunks(tokens, opts)
+
+        return held()
+
+    def _chunks(self, tokens: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
         detok = self.tokenizer.detokenizer
         detok.reset()
-        for new in self.engine.generate(tokens, opts):
-            new = [t for t in new if t not in opts.stop_tokens]
-            for t in new:
-                detok.add_token(t)
-            yield Chunk(detok.last_segment, new)
+        steps = self.engine.generate(tokens, opts)
+        try:
+            for new in steps:
+                new = [t for t in new if t not in opts.stop_tokens]
+                for t in new:
+                    detok.add_token(t)
+                yield Chunk(detok.last_segment, new)
+        finally:
+            steps.close()
         detok.finalize()
         if detok.last_segment:
             yield Chunk(detok.last_segment, [])
@@ -154,12 +215,15 @@ class Pipeline:
                  top_k: int = 0, seed: Optional[int] = None, kappa: int = 8, gamma: int = 7,
                  exit_layer: Optional[int] = None, mode: str = "mirror", **kwargs: Any) -> Result:
         """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens."""
-        chunks = list(self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, seed=seed, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
-                                  mode=mode, **kwargs))
+        tokens, opts = self.prepare(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, seed=seed, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
+                                    mode=mode, **kwargs)
+        with self._turn():
+            chunks = list(self._chunks(tokens, opts))
+            stats = self.engine.stats
         tokens = [t for c in chunks for t in c.tokens]
-        stopped = self.stats.generation_tokens > len(tokens)
-        return Result("".join(c.text for c in chunks), tokens, self.stats, "stop" if stopped else "length")
+        stopped = stats.generation_tokens > len(tokens)
+        return Result("".join(c.text for c in chunks), tokens, stats, "stop" if stopped else "length")
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
@@ -178,7 +242,14 @@ class Pipeline:
         return stream_reply(self, messages, **kwargs)
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop the workers (waits for a generation in flight in another thread); idempotent."""
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before closing the Pipeline")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.close()
 
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
