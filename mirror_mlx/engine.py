@@ -300,7 +300,7 @@ class Engine:
                                min_p=opts.min_p, top_k=opts.top_k)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
         if opts.seed is not None:
-            mx.random.seed(opts.seed)
+            self.target_worker.call(mx.random.seed, opts.seed)  # MLX random state is per thread: seed where it samples
         mx.reset_peak_memory()
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
