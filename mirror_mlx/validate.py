@@ -70,7 +70,8 @@ def prompt_tokens(prompt: Any, vocab_size: Optional[int]) -> list[int]:
             raise TypeError(f"prompt token {i} is {t!r} ({_kind(t)}): token ids must be ints")
         t = int(t)
         if t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise ValueError(f"prompt token {i} is id {t}, outside the vocabulary 0..{vocab_size - 1 if vocab_size else '?'}: "
+            span = f"0..{vocab_size - 1}" if vocab_size else "of non-negative ids"
+            raise ValueError(f"prompt token {i} is id {t}, outside the vocabulary {span}: "
                              "use ids from this model's tokenizer")
         ids.append(t)
     if not ids:
