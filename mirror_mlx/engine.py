@@ -319,6 +319,7 @@ class Engine:
         loop = asyncio.new_event_loop()
         ring_te = ring_dt = None
         t_decode = time.perf_counter()
+        stepping = True  # False once a step has committed its chunk (the caches are consistent)
         try:
             window = None
             if mode == "mirror":
@@ -329,6 +330,7 @@ class Engine:
                 if window is None:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
+                stepping = True
                 if mode == "mirror" and self.draft_failure is None:
                     new, window = loop.run_until_complete(
                         self._mirror_step(committed, window, opts, sampler, processors, stats, ring_te, ring_dt))
@@ -349,16 +351,30 @@ class Engine:
                 produced += len(new)
                 stats.generation_tokens = produced
                 stats.decode_seconds = time.perf_counter() - t_decode
+                stepping = False
                 yield new
                 if stop is not None:
                     break
         finally:
+            if stepping:  # cut short inside a step (a second Ctrl-C, an error)
+                self._abandon_step(loop)
             loop.close()
             for ring in (ring_te, ring_dt):
                 if ring is not None:
                     ring.close()
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    def _abandon_step(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Cancel the step's tasks (none is left pending for the loop to complain about at exit), and
+        forget the target's cache: its prefix may have run without its suffix. Worker jobs already
+        running finish first (threads cannot be interrupted), so the draft's cache stays consistent."""
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.target_worker.call(self._reset_target)
 
     # --- steps -------------------------------------------------------------------------------------
 

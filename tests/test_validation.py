@@ -348,3 +348,62 @@ def test_nan_in_parity_is_a_mismatch_that_says_nan():
     assert not bad.ok and bad.nan_rows == 1
     assert bad.line().startswith("parity MISMATCH (NaN or inf logits in 1 rows)")
     assert "max |dlogit| inf" in bad.line()
+
+
+# --- interrupts ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["mirror", "sd"])
+def test_an_interrupt_inside_a_step_leaves_no_task_pending_and_the_next_call_lossless(pipe, monkeypatch, caplog,
+                                                                                       mode):
+    """A second Ctrl-C raises KeyboardInterrupt mid-step: after the target's forward, before its verify
+    trimmed the cache. The step's tasks are cancelled and the target's cache forgotten."""
+    import gc
+
+    import mirror_mlx.engine as engine
+
+    prompt = pipe.tokenizer.encode("Once upon a time")
+    ref = pipe.generate(prompt, mode="ar", max_tokens=12, stop=False).tokens
+    real, calls = engine.sample_rows, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(engine, "sample_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.generate(prompt, mode=mode, max_tokens=12, stop=False)
+    monkeypatch.setattr(engine, "sample_rows", real)
+    gc.collect()
+    assert "Task was destroyed" not in caplog.text
+    assert pipe.generate(prompt, mode=mode, max_tokens=12, stop=False).tokens == ref
+
+
+def test_terminal_double_ctrl_c_then_ctrl_d_exits_cleanly():
+    import re
+    import select
+    import time
+
+    from tests.test_chat import TURNS, Terminal
+
+    term = Terminal("chat", "--max-tokens", "400", "--kappa", "4", "--gamma", "4")
+    try:
+        term.expect(r">> ")
+        term.type(TURNS[0] + "\r")
+        term.expect(re.escape(TURNS[0]) + r"\r?\n\W*\w")  # the reply is streaming
+        term.type("\x03")
+        time.sleep(0.02)
+        term.type("\x03")  # the second one raises inside the step
+        term.expect(r"\[interrupted: kept \d+ tokens")
+        term.expect(r">> ")
+        term.type("\x04")
+        assert term.proc.wait(timeout=60) == 0
+        while select.select([term.master], [], [], 0.5)[0]:  # what it printed while exiting
+            try:
+                term.log += os.read(term.master, 4096).decode(errors="replace")
+            except OSError:
+                break
+        assert "Task was destroyed" not in term.log and "Traceback" not in term.log
+    finally:
+        term.kill()
