@@ -108,7 +108,9 @@ class Pipeline:
     Safe to share between threads: generations run one at a time, each from start to end (a stream
     holds the pipeline until it is exhausted or closed), so each is lossless and seeded as if alone;
     other callers wait. Iterating a stream and starting another generation in the same thread is
-    refused (it would wait on itself). After `close()` every call raises ValueError.
+    refused (it would wait on itself). After `close()` every call raises ValueError. Shared, read each
+    call's own `Result.stats` (`pipe.stats` is whichever generation ran last); `chat` keeps one
+    conversation per Pipeline, so give each conversation its own.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, draft: Optional[Draft] = None, exit_adapter: Any = None,
