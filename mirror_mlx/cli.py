@@ -80,6 +80,17 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str):
         raise click.UsageError(str(e))
 
 
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+         "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer"}
+
+
+def usage_error(e: Exception) -> click.UsageError:
+    """The API's sentence with the argument spelled as its flag ("temperature must ..." -> "--temp must ...")."""
+    message = str(e)
+    name = message.split(" ", 1)[0]
+    return click.UsageError(FLAGS[name] + message[len(name):] if name in FLAGS else message)
+
+
 def generation_kwargs(max_tokens, temp, top_p, top_k, seed, kappa, gamma, exit_layer, mode) -> dict:
     return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed, kappa=kappa,
                 gamma=gamma, exit_layer=exit_layer, mode=mode)
@@ -115,7 +126,7 @@ def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) ->
             click.echo(chunk.text, nl=False)
         click.echo()
     except (ValueError, TypeError) as e:
-        raise click.UsageError(str(e))
+        raise usage_error(e)
     finally:
         pipe.close()
     click.secho(pipe.stats.summary() + f" | {status()}", dim=True, err=True)
@@ -135,7 +146,7 @@ def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
         pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
         code = run_chat(pipe, kwargs, system_prompt)
     except (ValueError, TypeError) as e:
-        raise click.UsageError(str(e))
+        raise usage_error(e)
     finally:
         pipe.close()
     sys.exit(code)

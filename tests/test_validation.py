@@ -232,14 +232,14 @@ def test_cli_undecodable_prompt_and_chat_input_are_replaced_and_said_once():
 # --- the CLI -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--temp", "-1"], "temperature must be at least 0"),
-    (["--temp", "nan"], "temperature must be at least 0 and finite (got nan)"),
-    (["--top-p", "0"], "top_p must be (0, 1]"),
-    (["--top-p", "1.5"], "top_p must be (0, 1]"),
-    (["--top-k", "-3"], "top_k must be at least 0"),
-    (["--kappa", "100000"], "kappa must be at most 512"),
+    (["--temp", "-1"], "error: --temp must be at least 0"),
+    (["--temp", "nan"], "error: --temp must be at least 0 and finite (got nan): use 0 for greedy decoding"),
+    (["--top-p", "0"], "error: --top-p must be (0, 1] (got 0.0): use 1.0 to turn top-p off"),
+    (["--top-p", "1.5"], "error: --top-p must be (0, 1]"),
+    (["--top-k", "-3"], "error: --top-k must be at least 0"),
+    (["--kappa", "100000"], "error: --kappa must be at most 512"),
     (["--kappa", "2.5"], "'2.5' is not a valid integer"),
-    (["--gamma", "300"], "gamma must be at most 256"),
+    (["--gamma", "300"], "error: --gamma must be at most 256 (got 300): use a window within it"),
 ])
 def test_cli_bad_options_are_one_line_and_exit_2(args, message):
     result = CliRunner().invoke(main, prog_name="mirror-mlx", args=["generate", "-m", "4", *args])
