@@ -32,7 +32,7 @@ settings.register_profile("fuzz", max_examples=int(os.environ.get("MIRROR_MLX_FU
 PROFILE = os.environ.get("MIRROR_MLX_FUZZ", "quick")
 FUZZ = settings(settings.get_profile(PROFILE))
 CLI_FUZZ = settings(FUZZ, max_examples=max(10, FUZZ.max_examples // 3))
-SUBPROCESS_FUZZ = settings(FUZZ, max_examples=2 if PROFILE == "quick" else 20)
+SUBPROCESS_FUZZ = settings(FUZZ, max_examples=1 if PROFILE == "quick" else 20)  # a process start costs seconds
 
 # --- strategies: every knob is sometimes fine, sometimes nonsense -------------------------------------
 
