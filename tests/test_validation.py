@@ -409,3 +409,10 @@ def test_terminal_double_ctrl_c_then_ctrl_d_exits_cleanly():
         assert "Task was destroyed" not in term.log and "Traceback" not in term.log
     finally:
         term.kill()
+
+
+def test_bench_baselines_take_any_int_seed(pipe):
+    from mirror_mlx.baselines import run_ar
+
+    ids = pipe.tokenizer.encode("Once upon a time")
+    assert run_ar(pipe.model, ids, 4, 1.0, seed=-1).tokens == run_ar(pipe.model, ids, 4, 1.0, seed=2**64 - 1).tokens
