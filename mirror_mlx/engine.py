@@ -299,8 +299,8 @@ class Engine:
         sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                min_p=opts.min_p, top_k=opts.top_k)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
-        if opts.seed is not None:
-            self.target_worker.call(mx.random.seed, opts.seed)  # MLX random state is per thread: seed where it samples
+        if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
+            self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
