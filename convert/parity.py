@@ -49,6 +49,7 @@ class Parity:
     greedy: int = 0  # greedy tokens compared
     mismatches: int = 0  # argmax differs where MLX's top-2 margin exceeds the tolerance
     near_ties: int = 0  # argmax differs inside the tolerance
+    nan_rows: int = 0  # rows where the package gave NaN or inf (never hidden inside max |dlogit|)
     margins: list[float] = field(default_factory=list, repr=False)  # MLX top-2 margins where argmax differs
 
     @property
@@ -58,10 +59,13 @@ class Parity:
 
     @property
     def ok(self) -> bool:
-        return self.max_abs <= self.tolerance and self.mismatches == 0 and self.greedy > 0
+        return (self.max_abs <= self.tolerance and self.mismatches == 0 and self.greedy > 0
+                and self.nan_rows == 0)
 
     def line(self) -> str:
         verdict = "parity OK" if self.ok else "parity MISMATCH"
+        if self.nan_rows:
+            verdict += f" (NaN or inf logits in {self.nan_rows} rows)"
         q = "" if self.quantize == "none" else f" [{self.quantize}]"
         return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows} rollout rows "
                 f"({self.calls} rollout calls); max |dlogit| {self.max_abs:.4f} "
@@ -72,6 +76,9 @@ class Parity:
     def add(self, got: np.ndarray, ref: np.ndarray, chosen: Optional[np.ndarray] = None) -> None:
         """Compare logit rows (n, V); `chosen` are the tokens the package picked (default argmax)."""
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        bad = ~np.isfinite(got).reshape(len(got), -1).all(-1)
+        self.nan_rows += int(bad.sum())
+        got = np.where(np.isfinite(got), got, np.float32(np.inf))  # max |dlogit| is then inf, not 0
         self.max_abs = max(self.max_abs, float(np.abs(got - ref).max()))
         self.scale = max(self.scale, float(np.abs(ref).max()))
         chosen = got.argmax(-1) if chosen is None else np.asarray(chosen)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
+from . import validate
 from .engine import DecodeOptions, Stats
 from .pipeline import Chunk, Pipeline, Result
 
@@ -117,16 +118,30 @@ def stream_reply(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> 
 
     Whatever was committed is remembered, also when the caller stops early (Ctrl-C).
     """
-    messages = [dict(m) for m in messages]
+    pipe._check_open()
+    messages = [clean_message(m) for m in messages]
     if not messages:
         raise ValueError("the conversation is empty: give at least one message")
-    prompt = prompt_ids(pipe, messages)
-    opts = pipe.options(**kwargs)
-    pipe.engine.check(prompt, opts)
+    prompt, opts = pipe.engine.check(prompt_ids(pipe, messages), pipe.options(**kwargs))
     return _reply(pipe, messages, prompt, opts)
 
 
+def clean_message(m: Any) -> Message:
+    """A copy of one message whose text is valid UTF-8 (undecodable bytes replaced, with one warning)."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        raise TypeError(f"each message must be a dict with a str 'content', not {m!r:.60}")
+    content, replaced = validate.clean_text(m["content"])
+    if replaced:
+        warnings.warn(validate.REPLACED, stacklevel=4)
+    return dict(m, content=content)
+
+
 def _reply(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
+    with pipe._turn():  # the pipeline is held for the whole reply (see Pipeline)
+        yield from _reply_held(pipe, messages, prompt, opts)
+
+
+def _reply_held(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
     detok = pipe.tokenizer.detokenizer
     detok.reset()
     committed: list[int] = []
@@ -206,6 +221,7 @@ class ChatSession:
     total: Stats = field(default_factory=Stats)
     turns: int = 0
     seeded: bool = False
+    told_utf8: bool = False  # said once that undecodable input bytes were replaced
 
     def __post_init__(self) -> None:
         self.restart()
@@ -246,6 +262,10 @@ class ChatSession:
 
     def _turn(self, text: str, ctrl_c: CtrlC) -> None:
         """Refuse the turn if it cannot fit in the context, else stream the reply."""
+        text, replaced = validate.clean_text(text)
+        if replaced and not self.told_utf8:
+            self.told_utf8 = True
+            self.note(validate.REPLACED)
         messages = self.messages + [{"role": "user", "content": text}]
         kwargs = dict(self.kwargs)
         if self.seeded:
@@ -310,6 +330,8 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
              out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """The interactive loop (a pipe works too: each line is a turn). Returns the exit code."""
     stdin = stdin or sys.stdin
+    if hasattr(stdin, "reconfigure"):  # undecodable bytes reach the turn as surrogates, replaced there
+        stdin.reconfigure(errors="surrogateescape")
     interactive = stdin is sys.stdin and stdin.isatty()
     session = ChatSession(pipe, kwargs, system_prompt, out or sys.stdout, err or sys.stderr)
     if not has_chat_template(pipe.tokenizer):

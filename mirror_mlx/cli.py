@@ -11,7 +11,28 @@ from mirror_mlx.options import MODES, DecodeOptions
 DEFAULTS = DecodeOptions()  # the one source of every decoding default
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """Usage errors print one line (`mirror-mlx VERB: error: ...`) and exit 2, with no usage block."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "mirror-mlx"
+            click.echo(f"{where}: error: {e.format_message()}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(mirror_mlx.__version__, prog_name="mirror-mlx")
 def main() -> None:
     """Mirror Speculative Decoding: an MLX target and a draft that run at the same time."""
@@ -63,13 +84,27 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors."""
     from mirror_mlx.pipeline import load
 
-    if model is None:
+    if model is None and draft_model is None:
         click.echo("mirror-mlx: no --model given: using the embedded demo pair (stories260K + llama2xs)", err=True)
+    elif model is None:
+        click.echo(f"mirror-mlx: no --model given: using the embedded demo target (stories260K) with the draft "
+                   f"{draft_model}", err=True)
     try:
         return load(model, None if mode == "ar" and model is not None and draft_model is None else draft_model,
                     exit_adapter=exit_adapter)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.UsageError(str(e))
+
+
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+         "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer"}
+
+
+def usage_error(e: Exception) -> click.UsageError:
+    """The API's sentence with the argument spelled as its flag ("temperature must ..." -> "--temp must ...")."""
+    message = str(e)
+    name = message.split(" ", 1)[0]
+    return click.UsageError(FLAGS[name] + message[len(name):] if name in FLAGS else message)
 
 
 def generation_kwargs(max_tokens, temp, top_p, top_k, seed, kappa, gamma, exit_layer, mode) -> dict:
@@ -88,12 +123,17 @@ def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) ->
 
     from mirror_mlx.blas import status
 
+    from mirror_mlx.validate import REPLACED, clean_text
+
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    prompt, replaced = clean_text(prompt)
+    if replaced:
+        click.echo(f"mirror-mlx: note: {REPLACED}", err=True)
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
     kwargs = generation_kwargs(**decode)
     try:
-        pipe.check(pipe.encode(prompt), **kwargs)
+        pipe.prepare(prompt, **kwargs)
         if as_json:
             result = pipe.generate(prompt, **kwargs)
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
@@ -101,8 +141,8 @@ def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) ->
         for chunk in pipe.stream(prompt, **kwargs):
             click.echo(chunk.text, nl=False)
         click.echo()
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    except (ValueError, TypeError) as e:
+        raise usage_error(e)
     finally:
         pipe.close()
     click.secho(pipe.stats.summary() + f" | {status()}", dim=True, err=True)
@@ -121,8 +161,8 @@ def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
     try:
         pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
         code = run_chat(pipe, kwargs, system_prompt)
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    except (ValueError, TypeError) as e:
+        raise usage_error(e)
     finally:
         pipe.close()
     sys.exit(code)

@@ -30,8 +30,9 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
 from .draft_api import Draft
+from . import validate
 from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
-from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache
+from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
 from .workers import LoopThread, Worker
 
 @dataclass
@@ -252,6 +253,9 @@ class Engine:
         self.target_model = target_model
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
+        self.vocab_size = vocab_size(target_model)
+        self.draft_context = getattr(getattr(text_model(getattr(draft, "model", draft)), "args", None),
+                                     "max_position_embeddings", None)  # γ fits in it
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
@@ -286,30 +290,24 @@ class Engine:
         self.target.cache = trimmable_cache(self.target_model)
         self.target.cached = []
 
-    def check(self, prompt: Sequence[int], opts: DecodeOptions) -> None:
-        """Refuse bad options with one sentence naming the problem and the fix."""
-        if opts.mode not in MODES:
-            raise ValueError(f"unknown mode {opts.mode!r}: choose one of {', '.join(MODES)}")
+    def check(self, prompt: Sequence[int], opts: DecodeOptions) -> tuple[list[int], DecodeOptions]:
+        """Refuse bad options or prompt ids with one sentence naming the problem and the fix, before any
+        work starts (no ring, no forward); returns the prompt and options the engine will use."""
+        opts = validate.decode_options(opts, MODES, self.vocab_size, self.n_layers, self.draft_context)
         if opts.mode != "ar" and self.host is None and self.draft_failure is None:
             raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=..., or use mode='ar'")
-        if opts.kappa < 1:
-            raise ValueError(f"kappa must be at least 1 (got {opts.kappa})")
-        if opts.gamma < 1:
-            raise ValueError(f"gamma must be at least 1 (got {opts.gamma})")
-        if opts.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {opts.max_tokens})")
-        check_exit_layer(self.exit_layer(opts), self.n_layers)
         if self.exit_adapter is not None and opts.mode == "mirror":
             from .exit_adapter import check_layer
 
             check_layer(self.exit_adapter, self.exit_layer(opts))
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
+        check_exit_layer(self.exit_layer(opts), self.n_layers)
+        prompt = validate.prompt_tokens(prompt, self.vocab_size)
         if self.context_length and len(prompt) + opts.max_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "
                 f"context of {self.context_length} tokens: shorten the prompt or lower max_tokens"
             )
+        return prompt, opts
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
@@ -319,8 +317,7 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions) -> Iterator[list[int]]:
         """Yield committed tokens, a chunk per step, until max_tokens or a stop token."""
-        prompt = [int(t) for t in prompt]
-        self.check(prompt, opts)
+        prompt, opts = self.check(prompt, opts)
         mode = opts.mode if self.draft_failure is None else "ar"
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
         if mode != "ar":
@@ -328,8 +325,8 @@ class Engine:
         sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                min_p=opts.min_p, top_k=opts.top_k)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
-        if opts.seed is not None:
-            mx.random.seed(opts.seed)
+        if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
+            self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))

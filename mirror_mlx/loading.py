@@ -11,20 +11,22 @@ from typing import Any, Optional, Union
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
+from . import validate
+
 
 def resolve_model(path_or_id: Union[str, Path]) -> Path:
     """A local folder as is; otherwise a Hugging Face id through huggingface_hub (cached, offline-friendly)."""
     path = Path(path_or_id).expanduser()
     if path.exists():
-        return path
+        return validate.model_folder(path)
     name = str(path_or_id)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model path {name!r} does not exist: give a model folder or a Hugging Face id like org/name")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
-                                                            "*.tiktoken", "*.txt", "*.jinja"]))
+        folder = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
+                                                              "*.tiktoken", "*.txt", "*.jinja"]))
     except Exception as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         raise ValueError(
@@ -32,6 +34,7 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
             f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
             f"(`hf download {name}`) or pass a local folder"
         ) from None
+    return validate.model_folder(folder)
 
 
 def load_model(path_or_id: Union[str, Path]) -> tuple[nn.Module, Any]:

@@ -1,6 +1,9 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
 
 import asyncio
+import threading
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
@@ -8,13 +11,13 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 
-from . import demo_pair
+from . import demo_pair, validate
 from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
 from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
 from .engine import Engine, Stats
-from .options import OPTION_NAMES, DecodeOptions
 from .loading import check_same_tokenizer, load_model, resolve_model  # noqa: F401  (resolve_model: API)
+from .options import OPTION_NAMES, DecodeOptions
 
 Prompt = Union[str, Sequence[int]]
 
@@ -56,7 +59,15 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
 
 
 class Pipeline:
-    """A target (and optionally a draft) ready to generate in any mode."""
+    """A target (and optionally a draft) ready to generate in any mode.
+
+    Safe to share between threads: generations run one at a time, each from start to end (a stream
+    holds the pipeline until it is exhausted or closed), so each is lossless and seeded as if alone;
+    other callers wait. Iterating a stream and starting another generation in the same thread is
+    refused (it would wait on itself). After `close()` every call raises ValueError. Shared, read each
+    call's own `Result.stats` (`pipe.stats` is whichever generation ran last); `chat` keeps one
+    conversation per Pipeline, so give each conversation its own.
+    """
 
     def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
                  exit_adapter: Any = None, name: str = ""):
@@ -67,6 +78,27 @@ class Pipeline:
         self.engine = Engine(model, draft, exit_adapter)
         self.conversation: Any = None  # chat.Conversation: the turns the caches hold (chat.py keeps it)
         self.told_plain = False  # chat.py warned once that the tokenizer has no chat template
+        self._lock = threading.Lock()  # one generation at a time (see the class docstring)
+        self._owner: Optional[int] = None  # the thread that holds it
+        self._closed = False
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the pipeline for one whole generation."""
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before starting another generation")
+        with self._lock:
+            self._check_open()
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
     @property
     def stats(self) -> Stats:
@@ -92,20 +124,49 @@ class Pipeline:
         return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
-        """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
-        self.engine.check(list(tokens), self.options(**kwargs))
+        """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve."""
+        self._check_open()
+        self.engine.check(tokens, self.options(**kwargs))
+
+    def prepare(self, prompt: Prompt, **kwargs: Any) -> tuple[list[int], DecodeOptions]:
+        """The checked prompt ids and options of one call; refuses bad input before any work starts.
+
+        Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
+        """
+        self._check_open()
+        if isinstance(prompt, str):
+            text, replaced = validate.clean_text(prompt)
+            if replaced:
+                warnings.warn(validate.REPLACED, stacklevel=3)
+            prompt = self.encode(text)
+        return self.engine.check(prompt, self.options(**kwargs))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
-        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards."""
-        tokens = self.encode(prompt)
-        opts = self.options(**kwargs)
+        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
+
+        Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
+        is exhausted or closed.
+        """
+        tokens, opts = self.prepare(prompt, **kwargs)
+
+        def held() -> Iterator[Chunk]:
+            with self._turn():
+                yield from self._chunks(tokens, opts)
+
+        return held()
+
+    def _chunks(self, tokens: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
         detok = self.tokenizer.detokenizer
         detok.reset()
-        for new in self.engine.generate(tokens, opts):
-            new = [t for t in new if t not in opts.stop_tokens]
-            for t in new:
-                detok.add_token(t)
-            yield Chunk(detok.last_segment, new)
+        steps = self.engine.generate(tokens, opts)
+        try:
+            for new in steps:
+                new = [t for t in new if t not in opts.stop_tokens]
+                for t in new:
+                    detok.add_token(t)
+                yield Chunk(detok.last_segment, new)
+        finally:
+            steps.close()
         detok.finalize()
         if detok.last_segment:
             yield Chunk(detok.last_segment, [])
@@ -123,10 +184,13 @@ class Pipeline:
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
         exit_layer, mode, ...) with its defaults, plus `stop`.
         """
-        chunks = list(self.stream(prompt, **options))
+        tokens, opts = self.prepare(prompt, **options)
+        with self._turn():
+            chunks = list(self._chunks(tokens, opts))
+            stats = self.engine.stats
         tokens = [t for c in chunks for t in c.tokens]
-        stopped = self.stats.generation_tokens > len(tokens)
-        return Result("".join(c.text for c in chunks), tokens, self.stats, "stop" if stopped else "length")
+        stopped = stats.generation_tokens > len(tokens)
+        return Result("".join(c.text for c in chunks), tokens, stats, "stop" if stopped else "length")
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
@@ -145,7 +209,14 @@ class Pipeline:
         return stream_reply(self, messages, **kwargs)
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop the workers (waits for a generation in flight in another thread); idempotent."""
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before closing the Pipeline")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.close()
 
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,

@@ -37,6 +37,16 @@ def _install_tap(block: nn.Module, tap: _Tap) -> type:
     return cls
 
 
+def vocab_size(model: nn.Module) -> Optional[int]:
+    """Rows of the input embedding: token ids at or above it are out of range (and may crash MLX)."""
+    tm = text_model(model)
+    embed = getattr(getattr(tm, "model", tm), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    if weight is not None and weight.ndim == 2:
+        return int(weight.shape[0])
+    return getattr(getattr(tm, "args", None), "vocab_size", None)
+
+
 def check_exit_layer(exit_layer: int, n_layers: int) -> None:
     if not 1 <= exit_layer <= n_layers - 1:
         raise ValueError(
