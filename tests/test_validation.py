@@ -19,7 +19,9 @@ from click.testing import CliRunner
 
 from mirror_mlx import validate
 from mirror_mlx.cli import main
-from mirror_mlx.pipeline import DEMO_DRAFT, DEMO_TARGET, load
+from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
+from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
+from mirror_mlx.pipeline import load
 from mirror_mlx.ring import shared_memory
 
 ROOT = Path(__file__).resolve().parents[1]
