@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
 from .draft import common_prefix
 from .draft_api import Draft
@@ -48,6 +48,8 @@ class DecodeOptions:
     seed: Optional[int] = None
     stop_tokens: Sequence[int] = ()
     draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
+    sampler: Optional[Callable[[mx.array], mx.array]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
+    logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
 
 
 @dataclass
@@ -227,7 +229,34 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs).tolist()
+    return sampler(logprobs, len(history))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for (seed, absolute position) (splitmix64): independent draws per position."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
+    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
+
+    With a seed, the draw for position p is keyed by (seed, p), not by how many draws came before,
+    so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
+    """
+    if seed is None or sampler is greedy_sampler:
+        return lambda logprobs, first: sampler(logprobs).tolist()
+
+    def sample(logprobs: mx.array, first: int) -> list[int]:
+        rows = []
+        for j in range(logprobs.shape[0]):
+            mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
+            rows.append(sampler(logprobs[j : j + 1]))
+        return mx.concatenate(rows).tolist()
+
+    return sample
 
 
 class Engine:
@@ -299,9 +328,9 @@ class Engine:
         self.check(prompt, opts)
         mode = opts.mode if self.draft_failure is None else "ar"
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
-        sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
-                               min_p=opts.min_p, top_k=opts.top_k)
-        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
+        sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
+                                                           else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
+        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
         if opts.seed is not None:
             mx.random.seed(opts.seed)
         mx.reset_peak_memory()
