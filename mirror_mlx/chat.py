@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from .engine import DecodeOptions, Stats
-from .pipeline import Chunk, Pipeline, Result
+from .pipeline import Chunk, Pipeline, Result, chunks
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -127,27 +127,18 @@ def stream_reply(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> 
 
 
 def _reply(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
-    detok = pipe.tokenizer.detokenizer
-    detok.reset()
     committed: list[int] = []
     text: list[str] = []
+    stop: Optional[int] = None
     steps = pipe.engine.generate(prompt, opts)
     try:
-        for new in steps:
-            committed += new
-            shown = [t for t in new if t not in opts.stop_tokens]
-            for t in shown:
-                detok.add_token(t)
-            segment = detok.last_segment
-            text.append(segment)
-            yield Chunk(segment, shown)
-        detok.finalize()
-        if detok.last_segment:
-            text.append(detok.last_segment)
-            yield Chunk(text[-1], [])
+        for chunk in chunks(steps, opts, pipe.tokenizer, lambda: pipe.stats):
+            committed += chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
+            stop = chunk.stop_token
+            text.append(chunk.text)
+            yield chunk
     finally:
         steps.close()
-        stop = committed[-1] if committed and committed[-1] in opts.stop_tokens else None
         reply = {"role": "assistant", "content": "".join(text)}
         pipe._conversation = Conversation(messages + [reply], prompt + committed, stop)
 
@@ -157,10 +148,10 @@ def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
     if not has_chat_template(pipe.tokenizer) and not getattr(pipe, "_told_plain", False):
         pipe._told_plain = True
         warnings.warn(NO_TEMPLATE, stacklevel=3)
-    chunks = list(stream_reply(pipe, messages, **kwargs))
-    tokens = [t for c in chunks for t in c.tokens]
+    parts = list(stream_reply(pipe, messages, **kwargs))
+    tokens = [t for c in parts for t in c.tokens]
     stopped = state(pipe).stop_token is not None
-    return Result("".join(c.text for c in chunks), tokens, pipe.stats, "stop" if stopped else "length")
+    return Result("".join(c.text for c in parts), tokens, pipe.stats, "stop" if stopped else "length")
 
 
 # --- the `mirror-mlx chat` loop ------------------------------------------------------------------

@@ -76,6 +76,7 @@ class Stats:
     hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
     draft_failure: Optional[str] = None
     peak_memory_gb: float = 0.0
+    from_draft: list = field(default_factory=list, repr=False)  # per committed token: the draft proposed it
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
     @property
@@ -111,7 +112,7 @@ class Stats:
         return self.draft_forwards / max(self.rollouts, 1)
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "from_draft")}
         for name in ("mean_accepted", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
                      "tokens_per_second", "eta", "draft_forwards_per_window"):
             d[name] = getattr(self, name)
@@ -373,11 +374,13 @@ class Engine:
                     new = ys[:1]
                 stats.target_forwards += 1
                 stats.steps += 1
+                drafted = len(new) - 1  # every step commits accepted draft tokens, then one of the target's
                 new = new[: opts.max_tokens - produced]
                 stop = next((i for i, t in enumerate(new) if t in opts.stop_tokens), None)
                 if stop is not None:
                     new = new[: stop + 1]
                 committed += new
+                stats.from_draft += [i < drafted for i in range(len(new))]
                 produced += len(new)
                 stats.generation_tokens = produced
                 stats.decode_seconds = time.perf_counter() - t_decode

@@ -3,8 +3,9 @@
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
@@ -32,13 +33,54 @@ class Result:
 
 @dataclass
 class Chunk:
-    """Text committed by one step (one or more tokens)."""
+    """Text committed by one step (one or more tokens), with mlx-lm's GenerationResponse fields.
+
+    `from_draft[i]` says whether `tokens[i]` was the draft's proposal (accepted), not the target's own
+    correction or bonus token. `finish_reason` is None until the last chunk: "stop" (then `stop_token`
+    is the end-of-sequence token, which `tokens` leaves out) or "length".
+    """
 
     text: str
     tokens: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_token: Optional[int] = None
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0  # committed so far, this chunk's included (an end-of-sequence token too)
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0  # GB, so far
+    token_texts: list[str] = field(default_factory=list, repr=False)  # the text each token completed
 
     def __str__(self) -> str:
         return self.text
+
+
+def chunks(steps: Iterator[list[int]], opts: DecodeOptions, tokenizer: Any,
+           stats: Callable[[], Stats]) -> Iterator[Chunk]:
+    """Engine steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its finish_reason."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+    produced = 0
+    for new in steps:
+        produced += len(new)
+        s = stats()
+        stop = next((t for t in new if t in opts.stop_tokens), None)
+        shown = [(t, d) for t, d in zip(new, s.from_draft[produced - len(new) : produced]) if t != stop]
+        texts = []
+        for t, _ in shown:
+            detok.add_token(t)
+            texts.append(detok.last_segment)
+        finish = "stop" if stop is not None else "length" if produced >= opts.max_tokens else None
+        tail = ""
+        if finish is not None:
+            detok.finalize()
+            tail = detok.last_segment
+            if texts:
+                texts[-1], tail = texts[-1] + tail, ""
+        yield Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
+                    s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0, produced,
+                    produced / s.decode_seconds if s.decode_seconds else 0.0, mx.get_peak_memory() / 1e9, texts)
 
 
 def resolve_model(path_or_id: Union[str, Path]) -> Path:
@@ -61,6 +103,22 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
             f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
             f"(`hf download {name}`) or pass a local folder"
         ) from None
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Text as is (no template), as mlx-lm's stream_generate encodes it: a BOS unless the text has one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
+def template_opening(tokenizer: Any, **template_kwargs: Any) -> str:
+    """What the chat template puts before a user message's content ("" without a template)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return ""
+    marker = "\x00mirror-mlx\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                         tokenize=False, **template_kwargs)
+    return text[: text.index(marker)] if marker in text else ""
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
@@ -114,22 +172,27 @@ class Pipeline:
         return self.engine.stats
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Text goes through the chat template when the tokenizer has one (as mlx-lm does); ids pass as is."""
+        """Ids pass as is. Text goes through the chat template as one user message when the tokenizer has
+        one, unless the text already starts with the template's own opening (templated by the caller,
+        as mlx-lm's README does): then it is encoded as is, never templated twice."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        if getattr(self.tokenizer, "has_chat_template", False):
+        opening = template_opening(self.tokenizer)
+        if opening and not prompt.startswith(opening):
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                            add_generation_prompt=True))
-        return list(self.tokenizer.encode(prompt))
+        return encode(self.tokenizer, prompt)
 
     def options(self, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                 seed: Optional[int] = None, kappa: int = 8, gamma: int = 7, exit_layer: Optional[int] = None,
                 mode: str = "mirror", min_p: float = 0.0, repetition_penalty: Optional[float] = None,
-                stop: bool = True, draft_timeout: float = 60.0) -> DecodeOptions:
+                stop: bool = True, draft_timeout: float = 60.0, sampler: Optional[Callable] = None,
+                logits_processors: Sequence[Callable] = ()) -> DecodeOptions:
         return DecodeOptions(mode=mode, max_tokens=max_tokens, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
                              temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, seed=seed, draft_timeout=draft_timeout,
-                             stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else ())
+                             stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), sampler=sampler,
+                             logits_processors=tuple(logits_processors or ()))
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
         """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
@@ -137,18 +200,8 @@ class Pipeline:
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards."""
-        tokens = self.encode(prompt)
         opts = self.options(**kwargs)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        for new in self.engine.generate(tokens, opts):
-            new = [t for t in new if t not in opts.stop_tokens]
-            for t in new:
-                detok.add_token(t)
-            yield Chunk(detok.last_segment, new)
-        detok.finalize()
-        if detok.last_segment:
-            yield Chunk(detok.last_segment, [])
+        return chunks(self.engine.generate(self.encode(prompt), opts), opts, self.tokenizer, lambda: self.stats)
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: Optional[int] = None, kappa: int = 8, gamma: int = 7,
@@ -158,8 +211,7 @@ class Pipeline:
                                   top_k=top_k, seed=seed, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
                                   mode=mode, **kwargs))
         tokens = [t for c in chunks for t in c.tokens]
-        stopped = self.stats.generation_tokens > len(tokens)
-        return Result("".join(c.text for c in chunks), tokens, self.stats, "stop" if stopped else "length")
+        return Result("".join(c.text for c in chunks), tokens, self.stats, chunks[-1].finish_reason or "length")
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
@@ -182,11 +234,14 @@ class Pipeline:
 
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
-         exit_adapter: Optional[Union[str, Path]] = None, **_: Any) -> Pipeline:
+         exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False) -> Pipeline:
     """Load a target and its draft. With no model, the embedded demo pair (works offline).
 
     `exit_adapter`: a `mirror-mlx train-exit` file that sharpens the early exit (never the target's
     own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
+    `adapter_path`, `tokenizer_config`, `trust_remote_code`: as mlx_lm.load (LoRA adapters apply to the
+    target; an exit adapter is then trained on the adapted target). Any other keyword is a TypeError.
     """
     if model is None:
         model = DEMO_TARGET
@@ -194,7 +249,14 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
         exit_adapter = DEMO_EXIT_ADAPTER if exit_adapter is None else exit_adapter
     if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
         exit_adapter = None
-    target, tokenizer = mlx_load(str(resolve_model(model)))
+    if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
+        raise ValueError(f"adapter_path {str(adapter_path)!r} is not a folder: give the folder mlx_lm.lora wrote "
+                         "(adapter_config.json + adapters.safetensors)")
+    tokenizer_config = dict(tokenizer_config or {}, trust_remote_code=trust_remote_code)
+    target, tokenizer = mlx_load(str(resolve_model(model)), tokenizer_config=tokenizer_config,
+                                 adapter_path=None if adapter_path is None else str(adapter_path),
+                                 trust_remote_code=trust_remote_code)
+    mx.eval(target.parameters())  # LoRA layers come lazy; the target's thread cannot evaluate this thread's graph
     draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:
