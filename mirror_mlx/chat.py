@@ -59,10 +59,10 @@ def _same(a: Sequence[Message], b: Sequence[Message]) -> bool:
                                     for x, y in zip(a, b))
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, **template_kwargs: Any) -> str:
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **template_kwargs)
     except Exception as e:  # templates raise for roles or orders they do not support
         raise ValueError(f"the model's chat template refused the conversation: {e}") from None
 
@@ -75,7 +75,7 @@ def _plain(tokenizer: Any, messages: Sequence[Message], first: bool) -> list[int
     return ids
 
 
-def _template_tail(tokenizer: Any, conv: Conversation, full: str) -> Optional[list[int]]:
+def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwargs: Any) -> Optional[list[int]]:
     """The ids that follow `conv.tokens` in the rendered `full` text, or None when it cannot tell.
 
     The text so far is rendered without a generation prompt; it must end with the last reply plus the
@@ -84,7 +84,7 @@ def _template_tail(tokenizer: Any, conv: Conversation, full: str) -> Optional[li
     the boundary tokenizes as it would in one piece (SentencePiece would add a space otherwise).
     """
     reply = conv.messages[-1]["content"]
-    prev = _render(tokenizer, conv.messages, False)
+    prev = _render(tokenizer, conv.messages, False, **template_kwargs)
     at = prev.rfind(reply) if reply else -1
     if at < 0 or not full.startswith(prev[: at + len(reply)]):
         return None
@@ -104,11 +104,11 @@ def prompt_ids(pipe: Pipeline, messages: Sequence[Message]) -> list[int]:
     extends = n > 0 and len(messages) > n and _same(messages[:n], conv.messages)
     if not has_chat_template(tokenizer):
         return conv.tokens + _plain(tokenizer, messages[n:], False) if extends else _plain(tokenizer, messages, True)
-    full = _render(tokenizer, messages, True)
+    full = _render(tokenizer, messages, True, **pipe.chat_template_kwargs)
     ids = list(tokenizer.encode(full, add_special_tokens=False))
     if not extends or ids[: len(conv.tokens)] == conv.tokens:
         return ids
-    tail = _template_tail(tokenizer, conv, full)
+    tail = _template_tail(tokenizer, conv, full, **pipe.chat_template_kwargs)
     return ids if tail is None else conv.tokens + tail
 
 

@@ -50,6 +50,7 @@ class DecodeOptions:
     draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
     sampler: Optional[Callable[[mx.array], mx.array]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
+    max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
 
 
 @dataclass
@@ -311,6 +312,11 @@ class Engine:
             check_layer(self.exit_adapter, self.exit_layer(opts))
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: give at least one token")
+        if opts.max_kv_size is not None and len(prompt) + opts.max_tokens > opts.max_kv_size:
+            raise ValueError(
+                f"max_kv_size {opts.max_kv_size} is smaller than the prompt ({len(prompt)} tokens) plus max_tokens "
+                f"({opts.max_tokens}): a rotating cache cannot roll back rejected draft tokens, so only a size the "
+                "whole generation fits in is taken (then it equals mlx-lm's); raise it or lower max_tokens")
         if self.context_length and len(prompt) + opts.max_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "

@@ -91,14 +91,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
                                                                           (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     if max_tokens == -1:
         max_tokens = max(1, (pipe.engine.context_length or len(ids) + 2 ** 20) - len(ids))
-    if max_kv_size is not None and len(ids) + max_tokens > max_kv_size:
-        raise ValueError(
-            f"max_kv_size={max_kv_size} is smaller than the prompt ({len(ids)} tokens) plus max_tokens "
-            f"({max_tokens}): a rotating cache cannot roll back rejected draft tokens, so mirror-mlx only takes a "
-            "max_kv_size the generation fits in (then it is exact); raise it or lower max_tokens")
     mode = mode or ("mirror" if draft_model is not None else "ar")
     for chunk in pipe.stream(ids, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
-                             logits_processors=logits_processors or (), **knobs):
+                             logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs):
         last = len(chunk.tokens) - 1
         stats = pipe.stats if chunk.finish_reason else None
         done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)

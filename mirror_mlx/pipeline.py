@@ -164,6 +164,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.draft = draft
         self.name = name
+        self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter)
 
     @property
@@ -177,22 +178,22 @@ class Pipeline:
         as mlx-lm's README does): then it is encoded as is, never templated twice."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        opening = template_opening(self.tokenizer)
+        opening = template_opening(self.tokenizer, **self.chat_template_kwargs)
         if opening and not prompt.startswith(opening):
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                           add_generation_prompt=True))
+                                                           add_generation_prompt=True, **self.chat_template_kwargs))
         return encode(self.tokenizer, prompt)
 
     def options(self, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                 seed: Optional[int] = None, kappa: int = 8, gamma: int = 7, exit_layer: Optional[int] = None,
                 mode: str = "mirror", min_p: float = 0.0, repetition_penalty: Optional[float] = None,
                 stop: bool = True, draft_timeout: float = 60.0, sampler: Optional[Callable] = None,
-                logits_processors: Sequence[Callable] = ()) -> DecodeOptions:
+                logits_processors: Sequence[Callable] = (), max_kv_size: Optional[int] = None) -> DecodeOptions:
         return DecodeOptions(mode=mode, max_tokens=max_tokens, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
                              temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, seed=seed, draft_timeout=draft_timeout,
                              stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), sampler=sampler,
-                             logits_processors=tuple(logits_processors or ()))
+                             logits_processors=tuple(logits_processors or ()), max_kv_size=max_kv_size)
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
         """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
