@@ -306,16 +306,20 @@ main.add_command(convert_cmd)
 @click.option("--linear", is_flag=True, help="A low-rank linear map instead of the residual MLP (weaker, cheaper).")
 @click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Text, paragraphs split by blank lines; trains on the target's greedy text after each "
-                   "paragraph's first sentence [default: the packaged TinyStories sample].")
+                   "paragraph's first sentence [default, for the demo target only: the packaged TinyStories sample].")
 @click.option("--steps", type=click.IntRange(min=1), default=6000, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
+              help="Budget for the text phase: at most this many tokens of the target's greedy text to train on "
+                   "(64 per opening; held-out a tenth) [default: every opening of the corpus].")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
-                   corpus: Path | None, steps: int, seed: int) -> None:
+                   corpus: Path | None, steps: int, tokens: int | None, seed: int) -> None:
     """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
     from mirror_mlx.exit_adapter import train_and_save
 
     try:
-        r = train_and_save(out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps, seed=seed)
+        r = train_and_save(out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps, seed=seed,
+                           tokens=tokens)
     except ValueError as e:
         raise click.UsageError(str(e))
     click.echo(f"wrote {out}: layer {r.exit_layer}, held-out KL {r.kl_before:.3f} -> {r.kl_after:.3f} nats "
