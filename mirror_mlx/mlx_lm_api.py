@@ -12,6 +12,7 @@ A Pipeline (its worker threads, its caches) is kept per (model, draft) pair, so 
 it; the last `KEEP` pairs stay, older ones are closed.
 """
 
+import inspect
 import sys
 import threading
 from dataclasses import dataclass
@@ -72,14 +73,21 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
                     max_tokens: int = 256, draft_model: Union[nn.Module, Draft, None] = None, *,
                     sampler: Optional[Callable[[mx.array], mx.array]] = None,
                     logits_processors: Optional[Sequence[Callable]] = None, prompt_cache: Any = None,
-                    max_kv_size: Optional[int] = None, mode: Optional[str] = None, seed: Optional[int] = None,
-                    **knobs: Any) -> Iterator[Response]:
+                    max_kv_size: Optional[int] = None, num_draft_tokens: Optional[int] = None,
+                    mode: Optional[str] = None, seed: Optional[int] = None, **knobs: Any) -> Iterator[Response]:
     """mlx_lm.stream_generate, one record per committed token; `mode` defaults to mirror with a draft.
 
     `seed` makes sampling mode-invariant (the draw for each position is keyed by (seed, position));
-    `knobs` are Pipeline.generate's: kappa, gamma, exit_layer, temperature, top_p, top_k, min_p,
-    repetition_penalty (`sampler=` replaces the sampling settings, as in mlx-lm).
+    `num_draft_tokens` (mlx-lm's window) is γ; `knobs` are Pipeline.generate's: kappa, gamma, exit_layer,
+    temperature, top_p, top_k, min_p, repetition_penalty (`sampler=` replaces the sampling settings).
     """
+    unknown = sorted(set(knobs) - set(inspect.signature(Pipeline.options).parameters))
+    if unknown:
+        raise TypeError(f"stream_generate() does not take {', '.join(unknown)}: mirror-mlx takes mlx-lm's "
+                        "max_tokens, draft_model, sampler, logits_processors, max_kv_size, num_draft_tokens and "
+                        "its own mode, seed, kappa, gamma, exit_layer")
+    if num_draft_tokens is not None:
+        knobs["gamma"] = num_draft_tokens
     if max_tokens == 0 or max_tokens < -1:
         raise ValueError(f"max_tokens must be positive or -1 for no limit (got {max_tokens})")
     if prompt_cache is not None:

@@ -178,11 +178,13 @@ class Pipeline:
         as mlx-lm's README does): then it is encoded as is, never templated twice."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            return encode(self.tokenizer, prompt)
         opening = template_opening(self.tokenizer, **self.chat_template_kwargs)
-        if opening and not prompt.startswith(opening):
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                           add_generation_prompt=True, **self.chat_template_kwargs))
-        return encode(self.tokenizer, prompt)
+        if opening and prompt.startswith(opening):  # the caller templated it already
+            return encode(self.tokenizer, prompt)
+        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                       add_generation_prompt=True, **self.chat_template_kwargs))
 
     def options(self, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                 seed: Optional[int] = None, kappa: int = 8, gamma: int = 7, exit_layer: Optional[int] = None,

@@ -131,6 +131,10 @@ def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
         next(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft, max_kv_size=8))
     assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft,
                                                max_kv_size=64))) == 10
+    with pytest.raises(TypeError, match="does not take kv_bits"):
+        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=draft, kv_bits=4))
+    assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=6, draft_model=draft,
+                                               num_draft_tokens=2))) == 6  # mlx-lm's window is γ
     with pytest.raises(TypeError, match="mlx-lm model"):
         next(mirror_mlx.stream_generate(str(TARGET_PATH), tokenizer, "Hi"))
 
