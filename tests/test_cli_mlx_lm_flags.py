@@ -159,3 +159,18 @@ def test_a_missing_draft_names_the_flags():
     result = CliRunner().invoke(main, ["generate", "--model", str(TARGET_PATH), "--mode", "sd", "--max-tokens", "4"])
     assert result.exit_code == 2
     assert "--draft-model" in result.output and "--mode ar" in result.output and "draft_model=" not in result.output
+
+
+def test_chat_takes_the_system_prompt_and_template_config(templated):
+    """`chat --system-prompt --chat-template-config`: the first reply is mlx-lm's on that templated conversation."""
+    from mlx_lm import generate as mlx_generate
+
+    model, tokenizer = mlx_load(str(templated))
+    messages = [{"role": "system", "content": "You tell short stories."}, {"role": "user", "content": "Tom and Lily"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, greeting="Hello there.")
+    expected = mlx_generate(model, tokenizer, prompt, max_tokens=12)
+    result = CliRunner().invoke(main, ["chat", "--model", str(templated), "--mode", "ar", "--max-tokens", "12",
+                                       "--system-prompt", "You tell short stories.",
+                                       "--chat-template-config", '{"greeting": "Hello there."}'], input="Tom and Lily\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == expected.strip()  # stdout holds only the reply
