@@ -219,7 +219,8 @@ class TargetSide:
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
     """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
 
-    Row j follows history + window[:j]; logits processors see that row's own history.
+    Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
+    `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
     """
     if processors:
         rows = []
