@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from . import validate
 from .engine import DecodeOptions, Stats
-from .pipeline import Chunk, Pipeline, Result
+from .pipeline import Chunk, Pipeline, Result, chunks
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -60,10 +60,10 @@ def _same(a: Sequence[Message], b: Sequence[Message]) -> bool:
                                     for x, y in zip(a, b))
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, **template_kwargs: Any) -> str:
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **template_kwargs)
     except Exception as e:  # templates raise for roles or orders they do not support
         raise ValueError(f"the model's chat template refused the conversation: {e}") from None
 
@@ -76,7 +76,7 @@ def _plain(tokenizer: Any, messages: Sequence[Message], first: bool) -> list[int
     return ids
 
 
-def _template_tail(tokenizer: Any, conv: Conversation, full: str) -> Optional[list[int]]:
+def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwargs: Any) -> Optional[list[int]]:
     """The ids that follow `conv.tokens` in the rendered `full` text, or None when it cannot tell.
 
     The text so far is rendered without a generation prompt; it must end with the last reply plus the
@@ -85,7 +85,7 @@ def _template_tail(tokenizer: Any, conv: Conversation, full: str) -> Optional[li
     the boundary tokenizes as it would in one piece (SentencePiece would add a space otherwise).
     """
     reply = conv.messages[-1]["content"]
-    prev = _render(tokenizer, conv.messages, False)
+    prev = _render(tokenizer, conv.messages, False, **template_kwargs)
     at = prev.rfind(reply) if reply else -1
     if at < 0 or not full.startswith(prev[: at + len(reply)]):
         return None
@@ -105,11 +105,11 @@ def prompt_ids(pipe: Pipeline, messages: Sequence[Message]) -> list[int]:
     extends = n > 0 and len(messages) > n and _same(messages[:n], conv.messages)
     if not has_chat_template(tokenizer):
         return conv.tokens + _plain(tokenizer, messages[n:], False) if extends else _plain(tokenizer, messages, True)
-    full = _render(tokenizer, messages, True)
+    full = _render(tokenizer, messages, True, **pipe.chat_template_kwargs)
     ids = list(tokenizer.encode(full, add_special_tokens=False))
     if not extends or ids[: len(conv.tokens)] == conv.tokens:
         return ids
-    tail = _template_tail(tokenizer, conv, full)
+    tail = _template_tail(tokenizer, conv, full, **pipe.chat_template_kwargs)
     return ids if tail is None else conv.tokens + tail
 
 
@@ -142,27 +142,18 @@ def _reply(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: Dec
 
 
 def _reply_held(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
-    detok = pipe.tokenizer.detokenizer
-    detok.reset()
     committed: list[int] = []
     text: list[str] = []
+    stop: Optional[int] = None
     steps = pipe.engine.generate(prompt, opts)
     try:
-        for new in steps:
-            committed += new
-            shown = [t for t in new if t not in opts.stop_tokens]
-            for t in shown:
-                detok.add_token(t)
-            segment = detok.last_segment
-            text.append(segment)
-            yield Chunk(segment, shown)
-        detok.finalize()
-        if detok.last_segment:
-            text.append(detok.last_segment)
-            yield Chunk(text[-1], [])
+        for chunk in chunks(steps, opts, pipe.tokenizer, lambda: pipe.stats):
+            committed += chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
+            stop = chunk.stop_token
+            text.append(chunk.text)
+            yield chunk
     finally:
         steps.close()
-        stop = committed[-1] if committed and committed[-1] in opts.stop_tokens else None
         reply = {"role": "assistant", "content": "".join(text)}
         pipe.conversation = Conversation(messages + [reply], prompt + committed, stop)
 
@@ -172,10 +163,10 @@ def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
     if not has_chat_template(pipe.tokenizer) and not pipe.told_plain:
         pipe.told_plain = True
         warnings.warn(NO_TEMPLATE, stacklevel=3)
-    chunks = list(stream_reply(pipe, messages, **kwargs))
-    tokens = [t for c in chunks for t in c.tokens]
+    parts = list(stream_reply(pipe, messages, **kwargs))
+    tokens = [t for c in parts for t in c.tokens]
     stopped = state(pipe).stop_token is not None
-    return Result("".join(c.text for c in chunks), tokens, pipe.stats, "stop" if stopped else "length")
+    return Result("".join(c.text for c in parts), tokens, pipe.stats, "stop" if stopped else "length")
 
 
 # --- the `mirror-mlx chat` loop ------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The `mirror-mlx` command line: one click group, one small function per verb."""
 
+import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -69,18 +71,48 @@ def knob_options(gamma_help: str) -> list:
     ]
 
 
-decode_options = with_options([  # mlx-lm's sampling flags plus Mirror-SD's knobs, shared by generate and chat
-    click.option("--max-tokens", "-m", type=int, default=DEFAULTS.max_tokens, show_default=True),
-    click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True, help="Sampling temperature."),
-    click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True),
-    click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True),
-    click.option("--seed", type=int, default=DEFAULTS.seed, help="Seed for sampling."),
-    *knob_options("Window length γ."),
-    click.option("--mode", type=click.Choice(MODES), default=DEFAULTS.mode, show_default=True),
-])
+def decode_options(max_tokens: int, seed: Optional[int]):
+    """mlx-lm's sampling flags (its defaults: generate -m 100, chat -m 256 and --seed 0) plus Mirror-SD's knobs."""
+    return with_options([
+        click.option("--max-tokens", "-m", type=int, default=max_tokens, show_default=True),
+        click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True,
+                     help="Sampling temperature."),
+        click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True),
+        click.option("--min-p", type=float, default=DEFAULTS.min_p, show_default=True),
+        click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True),
+        click.option("--seed", type=int, default=seed, show_default=seed is not None,
+                     help="Seed for sampling: the same seed gives the same tokens in every --mode."),
+        click.option("--max-kv-size", type=int, default=DEFAULTS.max_kv_size,
+                     help="As mlx-lm's, but a rotating cache cannot roll back draft tokens: taken only when "
+                          "prompt + --max-tokens fit in it (then exact), else refused."),
+        *knob_options("Window length γ."),
+        click.option("--mode", type=click.Choice(MODES), default=DEFAULTS.mode, show_default=True),
+    ])
 
 
-def load_pipeline(model, draft_model, exit_adapter, mode: str):
+def mlx_lm_load_options(f):
+    """mlx_lm.load's flags, for generate and chat."""
+    f = click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (as mlx-lm).")(f)
+    f = click.option("--adapter-path", type=click.Path(file_okay=False), default=None,
+                     help="LoRA adapters (mlx_lm.lora's folder) applied to the target.")(f)
+    return f
+
+
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+         "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer",
+         "max_kv_size": "--max-kv-size", "adapter_path": "--adapter-path", "draft_model=...": "--draft-model",
+         "mode='ar'": "--mode ar"}
+
+
+def usage_error(e: Exception) -> click.UsageError:
+    """The API's one sentence, naming CLI flags instead of Python keywords ("temperature must ..." -> "--temp must ...")."""
+    text = str(e)
+    for keyword, flag in FLAGS.items():
+        text = re.sub(r"(?<![\w-])" + re.escape(keyword) + r"(?![\w])", flag, text)
+    return click.UsageError(text)
+
+
+def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors."""
     from mirror_mlx.pipeline import load
 
@@ -91,72 +123,141 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str):
                    f"{draft_model}", err=True)
     try:
         return load(model, None if mode == "ar" and model is not None and draft_model is None else draft_model,
-                    exit_adapter=exit_adapter)
+                    exit_adapter=exit_adapter, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.UsageError(str(e))
+        raise usage_error(e)
 
 
-FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-         "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer"}
+def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, kappa, gamma, exit_layer,
+                      mode) -> dict:
+    return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
+                max_kv_size=max_kv_size, kappa=kappa, gamma=gamma, exit_layer=exit_layer, mode=mode)
 
 
-def usage_error(e: Exception) -> click.UsageError:
-    """The API's sentence with the argument spelled as its flag ("temperature must ..." -> "--temp must ...")."""
-    message = str(e)
-    name = message.split(" ", 1)[0]
-    return click.UsageError(FLAGS[name] + message[len(name):] if name in FLAGS else message)
+def template_config(text):
+    """--chat-template-config: a JSON object of extra template variables."""
+    import json
+
+    if text is None:
+        return {}
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.UsageError(f"--chat-template-config is not valid JSON ({e.msg}): give an object like "
+                               '\'{"enable_thinking": false}\'')
+    if not isinstance(config, dict):
+        raise click.UsageError('--chat-template-config must be a JSON object, like \'{"enable_thinking": false}\'')
+    return config
 
 
-def generation_kwargs(max_tokens, temp, top_p, top_k, seed, kappa, gamma, exit_layer, mode) -> dict:
-    return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed, kappa=kappa,
-                gamma=gamma, exit_layer=exit_layer, mode=mode)
+def add_eos_tokens(tokenizer, tokens) -> None:
+    for token in tokens:  # mlx-lm would take an unknown string as the unknown-token id; refuse it instead
+        try:
+            if not token.isdigit() and token not in tokenizer.get_vocab():
+                raise ValueError(token)
+            tokenizer.add_eos_token(token)
+        except ValueError:
+            raise click.UsageError(f"--extra-eos-token {token!r} is not a token of this tokenizer: give a token "
+                                   "string from its vocabulary or an id")
+
+
+def prompt_ids(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool, template_kwargs: dict) -> list:
+    """The prompt as mlx_lm.generate builds it: through the chat template unless there is none or it is ignored."""
+    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    use_template = not ignore_chat_template and tokenizer.has_chat_template
+    if not use_template:
+        if system_prompt is not None:
+            click.echo("mirror-mlx: no chat template in use: --system-prompt is ignored (as mlx-lm does)", err=True)
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": prompt})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except Exception as e:  # a template raises for roles it does not know (say, no system role)
+        raise click.UsageError(f"the model's chat template refused the prompt ({e}): drop --system-prompt or "
+                               "use --ignore-chat-template")
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 @main.command("generate")
 @model_options
+@mlx_lm_load_options
 @click.option("--prompt", "-p", default="Once upon a time", show_default=True, help="Prompt text ('-' reads stdin).")
-@decode_options
+@click.option("--system-prompt", default=None, help="A system message before the prompt (with a chat template).")
+@click.option("--ignore-chat-template", is_flag=True, help="Use the prompt text as is, without the chat template.")
+@click.option("--use-default-chat-template", is_flag=True,
+              help="Accepted as mlx-lm 0.32 accepts it: it has no effect there either.")
+@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@click.option("--extra-eos-token", multiple=True, help="Another token that ends generation (repeatable).")
+@click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None,
+              help="mlx_lm.cache_prompt's file: refused for now (see the message).")
+@decode_options(max_tokens=100, seed=None)
+@click.option("--verbose/--quiet", default=True, show_default=True,
+              help="Stream the text, then the timing and Mirror-SD stats on stderr; --quiet prints the text only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
-def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) -> None:
-    """Generate from a prompt; prints the text as it is committed, then one stats line."""
+def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, prompt, system_prompt,
+                 ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
+                 prompt_cache_file, verbose, as_json, **decode) -> None:
+    """Generate from a prompt; prints the text as it is committed, then the stats on stderr."""
     import json
 
     from mirror_mlx.blas import status
 
     from mirror_mlx.validate import REPLACED, clean_text
 
+    if prompt_cache_file is not None:
+        raise click.UsageError(
+            "--prompt-cache-file is not supported yet: its cache holds the target's keys and values but not the "
+            "prompt's tokens, which the draft needs; pass the whole prompt instead (it is prefilled once)")
+    template_kwargs = template_config(chat_template_config)
     if prompt == "-":
         prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
     prompt, replaced = clean_text(prompt)
     if replaced:
         click.echo(f"mirror-mlx: note: {REPLACED}", err=True)
-    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
     kwargs = generation_kwargs(**decode)
     try:
-        pipe.prepare(prompt, **kwargs)
+        add_eos_tokens(pipe.tokenizer, extra_eos_token)
+        if use_default_chat_template:
+            click.echo("mirror-mlx: --use-default-chat-template has no effect (as in mlx-lm 0.32)", err=True)
+        ids = prompt_ids(pipe.tokenizer, prompt, system_prompt, ignore_chat_template, template_kwargs)
+        pipe.check(ids, **kwargs)
         if as_json:
-            result = pipe.generate(prompt, **kwargs)
+            result = pipe.generate(ids, **kwargs)
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
             return
-        for chunk in pipe.stream(prompt, **kwargs):
-            click.echo(chunk.text, nl=False)
-        click.echo()
+        last, text = None, []
+        for last in pipe.stream(ids, **kwargs):
+            text.append(last.text)
+            if verbose:
+                click.echo(last.text, nl=False)
+        click.echo("" if verbose else "".join(text))  # --quiet: as mlx-lm, the whole text at the end
     except (ValueError, TypeError) as e:
         raise usage_error(e)
     finally:
         pipe.close()
-    click.secho(pipe.stats.summary() + f" | {status()}", dim=True, err=True)
+    if verbose and last is not None:
+        click.secho(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec\n"
+                    f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec\n"
+                    f"Peak memory: {last.peak_memory:.3f} GB\n" + pipe.stats.summary() + f" | {status()}",
+                    dim=True, err=True)
 
 
 @main.command("chat")
 @model_options
+@mlx_lm_load_options
 @click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
-@decode_options
-def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
+@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@decode_options(max_tokens=256, seed=0)
+def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, system_prompt, chat_template_config,
+             **decode) -> None:
     """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands."""
     from mirror_mlx.chat import run_chat
 
-    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    template_kwargs = template_config(chat_template_config)
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
+    pipe.chat_template_kwargs = template_kwargs
     kwargs = generation_kwargs(**decode)
     try:
         pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
@@ -174,7 +275,7 @@ def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
               help="Requests that may wait while one decodes; more get 429.")
-@decode_options
+@decode_options(max_tokens=DEFAULTS.max_tokens, seed=None)
 def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_tokens, temp, **decode) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
     from mirror_mlx.server import serve
@@ -300,16 +401,20 @@ main.add_command(convert_cmd)
 @click.option("--linear", is_flag=True, help="A low-rank linear map instead of the residual MLP (weaker, cheaper).")
 @click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Text, paragraphs split by blank lines; trains on the target's greedy text after each "
-                   "paragraph's first sentence [default: the packaged TinyStories sample].")
+                   "paragraph's first sentence [default, for the demo target only: the packaged TinyStories sample].")
 @click.option("--steps", type=click.IntRange(min=1), default=6000, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=1), default=None,
+              help="Budget for the text phase: at most this many tokens of the target's greedy text to train on "
+                   "(64 per opening; held-out a tenth) [default: every opening of the corpus].")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
-                   corpus: Path | None, steps: int, seed: int) -> None:
+                   corpus: Path | None, steps: int, tokens: int | None, seed: int) -> None:
     """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
     from mirror_mlx.exit_adapter import train_and_save
 
     try:
-        r = train_and_save(out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps, seed=seed)
+        r = train_and_save(out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps, seed=seed,
+                           tokens=tokens)
     except ValueError as e:
         raise click.UsageError(str(e))
     click.echo(f"wrote {out}: layer {r.exit_layer}, held-out KL {r.kl_before:.3f} -> {r.kl_after:.3f} nats "

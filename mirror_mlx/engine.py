@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
@@ -60,6 +60,7 @@ class Stats:
     draft_failure: Optional[str] = None
     draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
     peak_memory_gb: float = 0.0
+    from_draft: list = field(default_factory=list, repr=False)  # per committed token: the draft proposed it
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
     @property
@@ -108,7 +109,7 @@ class Stats:
         return out
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "timeline"}
+        d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "from_draft")}
         for name in ("mean_accepted", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
                      "tokens_per_second", "eta", "draft_forwards_per_window"):
             d[name] = getattr(self, name)
@@ -226,7 +227,8 @@ def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
     """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
 
-    Row j follows history + window[:j]; logits processors see that row's own history.
+    Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
+    `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
     """
     if processors:
         rows = []
@@ -238,7 +240,34 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs).tolist()
+    return sampler(logprobs, len(history))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for (seed, absolute position) (splitmix64): independent draws per position."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
+    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
+
+    With a seed, the draw for position p is keyed by (seed, p), not by how many draws came before,
+    so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
+    """
+    if seed is None or sampler is greedy_sampler:
+        return lambda logprobs, first: sampler(logprobs).tolist()
+
+    def sample(logprobs: mx.array, first: int) -> list[int]:
+        rows = []
+        for j in range(logprobs.shape[0]):
+            mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
+            rows.append(sampler(logprobs[j : j + 1]))
+        return mx.concatenate(rows).tolist()
+
+    return sample
 
 
 class Engine:
@@ -302,6 +331,11 @@ class Engine:
             check_layer(self.exit_adapter, self.exit_layer(opts))
         check_exit_layer(self.exit_layer(opts), self.n_layers)
         prompt = validate.prompt_tokens(prompt, self.vocab_size)
+        if opts.max_kv_size is not None and len(prompt) + opts.max_tokens > opts.max_kv_size:
+            raise ValueError(
+                f"max_kv_size {opts.max_kv_size} is smaller than the prompt ({len(prompt)} tokens) plus max_tokens "
+                f"({opts.max_tokens}): a rotating cache cannot roll back rejected draft tokens, so only a size the "
+                "whole generation fits in is taken (then it equals mlx-lm's); raise it or lower max_tokens")
         if self.context_length and len(prompt) + opts.max_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "
@@ -322,9 +356,9 @@ class Engine:
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
         if mode != "ar":
             stats.draft_host = "process" if self.host.process else "thread"
-        sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
-                               min_p=opts.min_p, top_k=opts.top_k)
-        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
+        sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
+                                                           else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
+        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
         if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
             self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
@@ -365,11 +399,13 @@ class Engine:
                     new = ys[:1]
                 stats.target_forwards += 1
                 stats.steps += 1
+                drafted = len(new) - 1  # every step commits accepted draft tokens, then one of the target's
                 new = new[: opts.max_tokens - produced]
                 stop = next((i for i, t in enumerate(new) if t in opts.stop_tokens), None)
                 if stop is not None:
                     new = new[: stop + 1]
                 committed += new
+                stats.from_draft += [i < drafted for i in range(len(new))]
                 produced += len(new)
                 stats.generation_tokens = produced
                 stats.decode_seconds = time.perf_counter() - t_decode

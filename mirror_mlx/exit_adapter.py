@@ -221,11 +221,14 @@ def train_exit_adapter(
     held_out_openings: int = 64,
     max_tokens: int = 64,
     progress: bool = True,
+    tokens: Optional[int] = None,
 ) -> tuple[ExitAdapter, TrainReport]:
     """Distil an adapter at `exit_layer` on the target's greedy text over the corpus openings.
 
     Deterministic for a given seed. Trains on the openings of the training paragraphs; KL is
     reported on held-out openings (corpus.split, the benchmark's side).
+    `tokens` bounds the text phase (and so the states phase): at most that many target-written
+    training tokens (⌈tokens / max_tokens⌉ openings), and a held-out set a tenth of that size.
     """
     check_exit_layer(exit_layer, len(text_model(model).layers))
     if rank < 1:
@@ -235,12 +238,17 @@ def train_exit_adapter(
     t0 = time.perf_counter()
     parts = split(corpus_text, HELD_OUT_PARAGRAPHS)
     train_txt, held_txt = parts.train_openings, parts.held_out
+    if tokens is not None:
+        if tokens < 1:
+            raise ValueError(f"tokens must be at least 1, got {tokens}")
+        max_openings = min(max_openings or len(train_txt), -(-tokens // max_tokens))
+        held_out_openings = min(held_out_openings, max(1, max_openings // 10))
     train_txt = train_txt[:max_openings] if max_openings else train_txt
     held_txt = held_txt[:held_out_openings]
     if not train_txt or not held_txt:
         raise ValueError("the corpus has too few openings (sentences in paragraphs separated by blank lines)")
     train = exit_data(model, tokenizer, exit_layer, train_txt, max_tokens, progress)
-    held = exit_data(model, tokenizer, exit_layer, held_txt, max_tokens)
+    held = exit_data(model, tokenizer, exit_layer, held_txt, max_tokens, progress)
     adapter = fit_adapter(model, train, rank, steps, seed, mlp, lr, batch_size, progress, f"train-exit L{exit_layer}")
     report = TrainReport(exit_layer, rank, mlp, steps, seed, train.x_early.shape[0], held.x_early.shape[0],
                          kl(model, None, held), kl(model, adapter, held), time.perf_counter() - t0)
@@ -355,6 +363,9 @@ def train_and_save(out: Path, model_path: Optional[str] = None, exit_layer: Opti
         raise ValueError(f"--out must end in .safetensors, got {out}")
     if not out.parent.is_dir():
         raise ValueError(f"the folder {out.parent} does not exist")
+    if corpus is None and model_path is not None:
+        raise ValueError("give --corpus: a general-text file (paragraphs split by blank lines) in the model's domain; "
+                         "the packaged TinyStories sample only suits the demo target")
     corpus = Path(corpus or CORPUS)
     if not corpus.is_file():
         raise ValueError(f"corpus file {corpus} does not exist")

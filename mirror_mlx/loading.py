@@ -37,15 +37,17 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
     return validate.model_folder(folder)
 
 
-def load_model(path_or_id: Union[str, Path]) -> tuple[nn.Module, Any]:
-    """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder."""
+def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder.
+
+    `mlx_lm_options` (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
     from mirror_mlx.ane_draft.ss_model import is_ss_draft, load_ss_draft
 
     folder = resolve_model(path_or_id)
     if is_ss_draft(folder):
         return load_ss_draft(folder)
     try:
-        return mlx_load(str(folder))
+        return mlx_load(str(folder), **mlx_lm_options)
     except Exception as e:
         raise ValueError(f"cannot load model {path_or_id}: {type(e).__name__}: {e}") from None
 

@@ -6,7 +6,7 @@ import, so the command line can show them in `--help` without loading MLX.
 """
 
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 MODES = ("mirror", "sd", "ar")
 
@@ -33,6 +33,9 @@ class DecodeOptions:
     seed: Optional[int] = None
     stop_tokens: Sequence[int] = ()
     draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
+    sampler: Optional[Callable[[Any], Any]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
+    logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
+    max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
 

@@ -6,8 +6,9 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 
@@ -34,13 +35,70 @@ class Result:
 
 @dataclass
 class Chunk:
-    """Text committed by one step (one or more tokens)."""
+    """Text committed by one step (one or more tokens), with mlx-lm's GenerationResponse fields.
+
+    `from_draft[i]` says whether `tokens[i]` was the draft's proposal (accepted), not the target's own
+    correction or bonus token. `finish_reason` is None until the last chunk: "stop" (then `stop_token`
+    is the end-of-sequence token, which `tokens` leaves out) or "length".
+    """
 
     text: str
     tokens: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_token: Optional[int] = None
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0  # committed so far, this chunk's included (an end-of-sequence token too)
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0  # GB, so far
+    token_texts: list[str] = field(default_factory=list, repr=False)  # the text each token completed
 
     def __str__(self) -> str:
         return self.text
+
+
+def chunks(steps: Iterator[list[int]], opts: DecodeOptions, tokenizer: Any,
+           stats: Callable[[], Stats]) -> Iterator[Chunk]:
+    """Engine steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its finish_reason."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+    produced = 0
+    for new in steps:
+        produced += len(new)
+        s = stats()
+        stop = next((t for t in new if t in opts.stop_tokens), None)
+        shown = [(t, d) for t, d in zip(new, s.from_draft[produced - len(new) : produced]) if t != stop]
+        texts = []
+        for t, _ in shown:
+            detok.add_token(t)
+            texts.append(detok.last_segment)
+        finish = "stop" if stop is not None else "length" if produced >= opts.max_tokens else None
+        tail = ""
+        if finish is not None:
+            detok.finalize()
+            tail = detok.last_segment
+            if texts:
+                texts[-1], tail = texts[-1] + tail, ""
+        yield Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
+                    s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0, produced,
+                    produced / s.decode_seconds if s.decode_seconds else 0.0, mx.get_peak_memory() / 1e9, texts)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Text as is (no template), as mlx-lm's stream_generate encodes it: a BOS unless the text has one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
+def template_opening(tokenizer: Any, **template_kwargs: Any) -> str:
+    """What the chat template puts before a user message's content ("" without a template)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return ""
+    marker = "\x00mirror-mlx\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                         tokenize=False, **template_kwargs)
+    return text[: text.index(marker)] if marker in text else ""
 
 
 def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
@@ -75,6 +133,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.draft = draft
         self.name = name
+        self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter)
         self.conversation: Any = None  # chat.Conversation: the turns the caches hold (chat.py keeps it)
         self.told_plain = False  # chat.py warned once that the tokenizer has no chat template
@@ -106,13 +165,18 @@ class Pipeline:
         return self.engine.stats
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Text goes through the chat template when the tokenizer has one (as mlx-lm does); ids pass as is."""
+        """Ids pass as is. Text goes through the chat template as one user message when the tokenizer has
+        one, unless the text already starts with the template's own opening (templated by the caller,
+        as mlx-lm's README does): then it is encoded as is, never templated twice."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        if getattr(self.tokenizer, "has_chat_template", False):
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                           add_generation_prompt=True))
-        return list(self.tokenizer.encode(prompt))
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            return encode(self.tokenizer, prompt)
+        opening = template_opening(self.tokenizer, **self.chat_template_kwargs)
+        if opening and prompt.startswith(opening):  # the caller templated it already
+            return encode(self.tokenizer, prompt)
+        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                       add_generation_prompt=True, **self.chat_template_kwargs))
 
     def options(self, stop: bool = True, **kwargs: Any) -> DecodeOptions:
         """`DecodeOptions` from keywords (its fields and defaults are the options); `stop` ends the
@@ -156,20 +220,11 @@ class Pipeline:
         return held()
 
     def _chunks(self, tokens: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
-        detok = self.tokenizer.detokenizer
-        detok.reset()
         steps = self.engine.generate(tokens, opts)
         try:
-            for new in steps:
-                new = [t for t in new if t not in opts.stop_tokens]
-                for t in new:
-                    detok.add_token(t)
-                yield Chunk(detok.last_segment, new)
+            yield from chunks(steps, opts, self.tokenizer, lambda: self.engine.stats)
         finally:
             steps.close()
-        detok.finalize()
-        if detok.last_segment:
-            yield Chunk(detok.last_segment, [])
 
     async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
         """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
@@ -186,11 +241,10 @@ class Pipeline:
         """
         tokens, opts = self.prepare(prompt, **options)
         with self._turn():
-            chunks = list(self._chunks(tokens, opts))
+            parts = list(self._chunks(tokens, opts))
             stats = self.engine.stats
-        tokens = [t for c in chunks for t in c.tokens]
-        stopped = stats.generation_tokens > len(tokens)
-        return Result("".join(c.text for c in chunks), tokens, stats, "stop" if stopped else "length")
+        tokens = [t for c in parts for t in c.tokens]
+        return Result("".join(c.text for c in parts), tokens, stats, parts[-1].finish_reason if parts else "length")
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
@@ -220,11 +274,14 @@ class Pipeline:
 
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
-         exit_adapter: Optional[Union[str, Path]] = None, **_: Any) -> Pipeline:
+         exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False) -> Pipeline:
     """Load a target and its draft. With no model, the embedded demo pair (works offline).
 
     `exit_adapter`: a `mirror-mlx train-exit` file that sharpens the early exit (never the target's
     own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
+    `adapter_path`, `tokenizer_config`, `trust_remote_code`: as mlx_lm.load (LoRA adapters apply to the
+    target; an exit adapter is then trained on the adapted target). Any other keyword is a TypeError.
     """
     if model is None:
         model = demo_pair.TARGET
@@ -232,7 +289,13 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
         exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
     if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
         exit_adapter = None
-    target, tokenizer = load_model(model)
+    if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
+        raise ValueError(f"adapter_path {str(adapter_path)!r} is not a folder: give the folder mlx_lm.lora wrote "
+                         "(adapter_config.json + adapters.safetensors)")
+    tokenizer_config = dict(tokenizer_config or {}, trust_remote_code=trust_remote_code)
+    target, tokenizer = load_model(model, tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code,
+                                   adapter_path=None if adapter_path is None else str(adapter_path))
+    mx.eval(target.parameters())  # LoRA layers come lazy; the target's thread cannot evaluate this thread's graph
     draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:

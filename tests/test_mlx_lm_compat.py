@@ -1,0 +1,204 @@
+"""mlx-lm users feel at home: `mirror_mlx.stream_generate` / `generate` drop in for mlx_lm's, `load()`
+takes mlx_lm.load's options and refuses unknown ones, and a templated prompt is never templated twice.
+
+Everything runs the embedded demo pair (stories260K target, llama2xs draft, one real tokenizer).
+"""
+
+import contextlib
+import io
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_load
+from mlx_lm import stream_generate as mlx_stream_generate
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx.utils import tree_flatten
+
+import mirror_mlx
+from mirror_mlx import mlx_lm_api
+from mirror_mlx.pipeline import load
+from tests.models import DRAFT_PATH, TARGET_PATH
+
+SCRIPT = """
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+model, tokenizer = load(TARGET)
+draft_model, _ = load(DRAFT)
+for response in stream_generate(model, tokenizer, "Once upon a time", max_tokens=40, draft_model=draft_model,
+                                sampler=make_sampler(0.0)):
+    print(response.text, end="", flush=True)
+print()
+print(response.finish_reason, response.generation_tokens, response.prompt_tokens)
+"""
+
+
+@pytest.fixture(scope="module")
+def pair():
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    draft, _ = mlx_load(str(DRAFT_PATH))
+    return model, tokenizer, draft
+
+
+def run(script: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(script, {"TARGET": str(TARGET_PATH), "DRAFT": str(DRAFT_PATH)})
+    return out.getvalue()
+
+
+def test_swapping_the_import_gives_the_same_output():
+    """An mlx-lm script with `from mirror_mlx import stream_generate` prints exactly what it printed."""
+    ours = SCRIPT.replace("from mlx_lm import load, stream_generate",
+                          "from mlx_lm import load\nfrom mirror_mlx import stream_generate")
+    assert ours != SCRIPT
+    expected = run(SCRIPT)
+    assert expected.splitlines()[-1] == "length 40 5"
+    assert run(ours) == expected
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_same_tokens_as_mlx_lm_at_temperature_zero(pair, mode):
+    model, tokenizer, draft = pair
+    theirs = [r.token for r in mlx_stream_generate(model, tokenizer, "The dog", max_tokens=30)]
+    ours = list(mirror_mlx.stream_generate(model, tokenizer, "The dog", max_tokens=30, draft_model=draft,
+                                           mode=mode, kappa=4, gamma=4))
+    assert [r.token for r in ours] == theirs
+    assert all(isinstance(r, GenerationResponse) for r in ours)
+    assert [r.generation_tokens for r in ours] == list(range(1, 31))
+    assert [r.finish_reason for r in ours] == [None] * 29 + ["length"]
+    assert ours[-1].stats is not None and ours[-1].stats.mode == mode
+    assert any(r.from_draft for r in ours) == (mode != "ar")
+    assert ours[0].prompt_tokens == len(tokenizer.encode("The dog")) and ours[-1].peak_memory > 0
+
+
+def test_seeded_samples_are_the_same_in_every_mode(pair):
+    """mlx-lm's own sampler and a logits processor, T > 0, one seed: ar, sd and mirror agree token for token."""
+    model, tokenizer, draft = pair
+    ban = tokenizer.encode("Lily", add_special_tokens=False)[0]
+
+    def no_lily(tokens, logits):
+        return logits.at[:, ban].add(-1e9)
+
+    runs = {mode: [r.token for r in mirror_mlx.stream_generate(
+        model, tokenizer, "Once upon a time", max_tokens=32, draft_model=draft, mode=mode, seed=7,
+        sampler=make_sampler(0.9, top_k=30), logits_processors=[no_lily])] for mode in ("ar", "sd", "mirror")}
+    assert runs["ar"] == runs["sd"] == runs["mirror"]
+    assert ban not in runs["ar"]
+
+
+def test_generate_returns_mlx_lm_text_and_prints_its_verbose_lines(pair):
+    model, tokenizer, draft = pair
+    from mlx_lm import generate as mlx_generate
+
+    expected = mlx_generate(model, tokenizer, "Tom and Lily", max_tokens=20)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        text = mirror_mlx.generate(model, tokenizer, "Tom and Lily", max_tokens=20, draft_model=draft, verbose=True)
+    assert text == expected
+    printed = out.getvalue()
+    assert text in printed and "Prompt: 5 tokens" in printed and "Generation: 20 tokens" in printed
+
+
+def test_an_end_of_sequence_token_ends_with_a_stop_record(tmp_path):
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    draft, _ = mlx_load(str(DRAFT_PATH))
+    tokenizer.add_eos_token(".")  # as --extra-eos-token does
+    theirs = list(mlx_stream_generate(model, tokenizer, "Once upon a time", max_tokens=60))
+    ours = list(mirror_mlx.stream_generate(model, tokenizer, "Once upon a time", max_tokens=60, draft_model=draft))
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in theirs)
+    assert ours[-1].finish_reason == theirs[-1].finish_reason == "stop"
+    assert ours[-1].generation_tokens == theirs[-1].generation_tokens < 60
+
+
+def test_one_pipeline_per_model_pair(pair):
+    model, tokenizer, draft = pair
+    first = mlx_lm_api.pipeline(model, tokenizer, draft)
+    assert mlx_lm_api.pipeline(model, tokenizer, draft) is first
+    assert mlx_lm_api.pipeline(model, tokenizer, None) is not first
+
+
+def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
+    model, tokenizer, draft = pair
+    with pytest.raises(ValueError, match="prompt_cache= is not supported.*pass the whole prompt"):
+        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=draft, prompt_cache=[]))
+    with pytest.raises(ValueError, match="max_kv_size 8 is smaller than the prompt"):
+        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft, max_kv_size=8))
+    assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft,
+                                               max_kv_size=64))) == 10
+    with pytest.raises(TypeError, match="does not take kv_bits"):
+        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=draft, kv_bits=4))
+    assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=6, draft_model=draft,
+                                               num_draft_tokens=2))) == 6  # mlx-lm's window is γ
+    with pytest.raises(TypeError, match="mlx-lm model"):
+        next(mirror_mlx.stream_generate(str(TARGET_PATH), tokenizer, "Hi"))
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(draft="x"), "draft"), (dict(modle="x"), "modle")])
+def test_load_refuses_unknown_arguments_by_name(kwargs, name):
+    for loader in (load, mirror_mlx.load):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            loader(**kwargs)
+
+
+def lora_adapter(folder):
+    """A small LoRA adapter for the demo target, as mlx_lm.lora writes it (random, so it changes the output)."""
+    model, _ = mlx_load(str(TARGET_PATH))
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, params)
+    mx.random.seed(0)
+    weights = {k: mx.random.normal(v.shape) * 0.5 for k, v in tree_flatten(model.trainable_parameters())
+               if k.endswith(("lora_a", "lora_b"))}
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    (folder / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2,
+                                                             "lora_parameters": params}))
+    return folder
+
+
+def test_adapter_path_applies_lora_to_the_target_as_mlx_lm_does(tmp_path):
+    adapter = lora_adapter(tmp_path / "adapter")
+    model, tokenizer = mlx_load(str(TARGET_PATH), adapter_path=str(adapter))
+    theirs = [r.token for r in mlx_stream_generate(model, tokenizer, "Once upon a time", max_tokens=24)]
+    plain, _ = mlx_load(str(TARGET_PATH))
+    assert theirs != [r.token for r in mlx_stream_generate(plain, tokenizer, "Once upon a time", max_tokens=24)]
+    pipe = load(TARGET_PATH, DRAFT_PATH, adapter_path=adapter)
+    try:
+        for mode in ("ar", "mirror"):
+            assert pipe.generate("Once upon a time", max_tokens=24, mode=mode, stop=False).tokens == theirs
+    finally:
+        pipe.close()
+    with pytest.raises(ValueError, match="adapter_path .* is not a folder"):
+        load(TARGET_PATH, adapter_path=tmp_path / "missing")
+
+
+def templated_copy(tmp_path):
+    folder = tmp_path / "templated"
+    shutil.copytree(TARGET_PATH, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                            "{% if add_generation_prompt %}assistant: {% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_a_templated_prompt_is_not_templated_again(tmp_path):
+    pipe = load(templated_copy(tmp_path), exit_adapter="none")
+    try:
+        tok = pipe.tokenizer
+        messages = [{"role": "user", "content": "Tell a story"}]
+        once = tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert pipe.encode("Tell a story") == once  # Pipeline's convenience: plain text gets the template
+        templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert pipe.encode(templated) == once  # the caller templated it: as is
+        model, tokenizer = pipe.model, pipe.tokenizer
+        ours = list(mirror_mlx.stream_generate(model, tokenizer, templated, max_tokens=8))
+        theirs = list(mlx_stream_generate(model, tokenizer, templated, max_tokens=8))
+        assert [r.token for r in ours] == [r.token for r in theirs]
+    finally:
+        pipe.close()
