@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.ring import TokenRing
