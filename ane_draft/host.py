@@ -105,13 +105,14 @@ class Channel:
 
     async def arecv(self):
         """`recv` for the asyncio loop: waits on the pipe with the loop's selector, no thread, no spinning."""
-        loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
-            loop.remove_reader(self.fd)
+        if not select.select([self.fd], [], [], 0)[0]:  # not there yet (a hidden rollout usually is)
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+            loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await ready
+            finally:
+                loop.remove_reader(self.fd)
         return self._take()
 
 
