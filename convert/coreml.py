@@ -169,7 +169,7 @@ def _weights_sha256(weights: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     for k in sorted(weights):
         h.update(k.encode())
-        h.update(np.ascontiguousarray(weights[k], dtype=np.float32).tobytes())
+        h.update(np.ascontiguousarray(weights[k], dtype=np.float32).view(np.uint8))  # no copy
     return h.hexdigest()
 
 
@@ -526,6 +526,27 @@ def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
                                                     op_name_configs=dict.fromkeys(shared, cfg)))
 
 
+def _share_weights(prog: Any) -> None:
+    """Give equal consts of the two functions one weight_id, so the package stores them once.
+
+    coremltools' own `_deduplicate_const_across_functions` does this by comparing every candidate
+    pair with np.allclose (in float64: most of the build time of a 0.6B draft); our functions are
+    built from the same arrays, so a full hash of the bytes finds the very same pairs."""
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    PASS_REGISTRY["common::const_deduplication"].apply(prog)  # within each function first
+    groups: dict[tuple, list] = {}
+    for f in prog.functions.values():
+        for op in f.operations:
+            val = op.outputs[0].val if op.op_type == "const" else None
+            if isinstance(val, np.ndarray):
+                key = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val).view(np.uint8)).digest())
+                groups.setdefault(key, []).append(op)
+    for i, ops in enumerate(g for g in groups.values() if len(g) > 1):
+        for op in ops:
+            op.weight_id = str(i)
+
+
 def _register_finish_pass() -> str:
     """A last graph pass: compress weights, then let both functions share every weight blob."""
     from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
@@ -542,7 +563,7 @@ def _register_finish_pass() -> str:
             def apply(self, prog):
                 if self.quantize != "none":
                     _compression_pass(self.quantize, tuple(filter(None, self.shared.split(",")))).apply(prog)
-                PASS_REGISTRY["common::const_deduplication"]._deduplicate_const_across_functions(prog)
+                _share_weights(prog)
 
     return name
 

@@ -12,6 +12,7 @@ once per runner (cached; 4 bytes a weight), and large attention products go to B
 layout and fp16 range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
 """
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -42,11 +43,8 @@ def _conv(op: Any, env: "Env") -> np.ndarray:
     x, w = op.x.val, op.weight.val
     if w.shape[2:] != (1, 1) or (op.groups is not None and op.groups.val != 1):
         raise NotImplementedError(f"conv stand-in handles 1x1 convolutions only ({op.name})")
-    key = id(op.weight)
-    if key not in env.weights:
-        env.weights[key] = np.ascontiguousarray(w[:, :, 0, 0], np.float32)
     b, c, h, wd = x.shape
-    y = np.matmul(env.weights[key], x.astype(np.float32).reshape(b, c, h * wd)).reshape(b, -1, h, wd)
+    y = np.matmul(env.float32(op.weight), x.astype(np.float32).reshape(b, c, h * wd)).reshape(b, -1, h, wd)
     if op.bias is not None:
         y = y + op.bias.val.astype(np.float32)[None, :, None, None]
     return y
@@ -114,7 +112,19 @@ class Env:
     (kept across resets: they are the package's constants)."""
 
     state: dict[str, np.ndarray] = field(default_factory=dict)
-    weights: dict[int, np.ndarray] = field(default_factory=dict)
+    weights: dict[Any, np.ndarray] = field(default_factory=dict)
+
+    def float32(self, var: Any) -> np.ndarray:
+        """A conv weight (O, C, 1, 1) as float32 (O, C), converted once. Keyed by content: each
+        function of a loaded package has its own copy of every weight, the cache holds one."""
+        key = self.weights.get(id(var))
+        if key is None:
+            w = var.val
+            key = (w.shape, hashlib.sha1(np.ascontiguousarray(w).view(np.uint8)).digest())
+            self.weights[id(var)] = key
+            if key not in self.weights:
+                self.weights[key] = np.ascontiguousarray(w[:, :, 0, 0], np.float32)
+        return self.weights[key]
 
 
 def _store(var: Any, value: Any) -> None:
