@@ -479,7 +479,7 @@ def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarr
 
     In one dimension each cluster is a run of the sorted values, so one sort and a prefix sum make
     every Lloyd step a `searchsorted` of k-1 midpoints (O(k log n), not an n x k distance table:
-    ~2 ms for a 16 x 3072 group, 10x faster than the table)."""
+    4 ms of CPU for a 16 x 3072 group, against 95 ms with the table; same clusters)."""
     memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
     def fn(val: np.ndarray):

@@ -179,6 +179,10 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
     for var in function.inputs.values():  # leave no constants behind in the program
         if not types.is_state(var.sym_type):
             var._sym_val = None
+    for op in function.operations:  # nor this call's values (a 0.6B draft's KV copies are GBs)
+        if op.op_type != "const" and not op.op_type.startswith("constexpr_"):
+            for var in op.outputs:
+                var._sym_val = None
     return out
 
 

@@ -240,6 +240,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
 
     `runner` defaults to the MIL evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner runs the
     same check on Core ML itself."""
+    import mlx.core as mx
     from tqdm import tqdm
 
     package, draft = Path(package), Path(draft)
@@ -310,6 +311,8 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
                 new = sorted(draft_pkg.trace.extend)
                 report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), Reference(model, context).logits[new])
                 report.extend_rows += len(new)
+            del ref, refs, rows
+            mx.clear_cache()  # MLX keeps freed buffers for reuse: at 0.6B they pile up to GBs
             bar.update(1)
             bar.set_postfix_str(f"max |dlogit| {report.max_abs:.3f}")
     bar.close()

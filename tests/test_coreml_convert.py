@@ -29,7 +29,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_atten
             max_position_embeddings=512, rope_theta=10000.0)
 FAMILIES = {
     "llama": dict(TINY, model_type="llama", tie_word_embeddings=True),
-    "qwen2": dict(TINY, model_type="qwen2", tie_word_embeddings=True),  # q/k/v biases
+    # q/k/v biases; 513 rows: transformers loads the demo tokenizer in a qwen2 folder as a
+    # Qwen2Tokenizer, which adds <|endoftext|> as id 512 (convert refuses ids past the vocabulary)
+    "qwen2": dict(TINY, model_type="qwen2", tie_word_embeddings=True, vocab_size=513),
     "qwen3": dict(TINY, model_type="qwen3", tie_word_embeddings=False),  # q/k norms, own head
 }
 
