@@ -19,7 +19,7 @@ from mirror_mlx.convert.coreml import QUANTIZE
 @click.option("--verify-budget", "budget", default=None, metavar="300s|5m|2000rows",
               help="Bound --verify: wall time (steps not started in time are skipped) or rollout rows "
                    "compared (a seeded sample of whole branches); the verdict says what was compared. "
-                   "Default: everything (~2 min for a 0.6B draft).")
+                   "Default: everything.")
 @click.option("--context", default=512, show_default=True, type=int,
               help="Committed tokens the draft's KV cache holds (prompt + generated).")
 @click.option("--kappa", default=8, show_default=True, type=int, help="Early-exit candidates per row (κ).")

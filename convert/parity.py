@@ -21,7 +21,7 @@ float32; a 4/8-bit MLX draft keeps its integer weights and runs with float32 sca
 weights the package holds, dequantized, in fp16): so every draft, quantized or not, is held to the
 fp16 tolerance of its package mode. It prefills each committed context once (its logits are the
 extend rows' reference) and runs every rollout row as a batch of branch paths on top of that
-prefix cache, so a 0.6B draft is checked in minutes. `Budget` bounds the check in seconds (steps
+prefix cache (no full-sequence forward per row). `Budget` bounds the check in seconds (steps
 not started when it runs out are skipped) or in rollout rows compared (a seeded sample of whole
 branches per step); the verdict line says what was compared.
 """
