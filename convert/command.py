@@ -32,6 +32,10 @@ def check_writable(out: Path) -> None:
 @click.option("--verify", "verify_pkg", type=click.Path(path_type=Path),
               help="Instead of building: evaluate this saved package on this machine and compare it "
                    "with --draft-model (one-line verdict; exit status 1 on a mismatch).")
+@click.option("--verify-budget", "budget", default=None, metavar="300s|5m|2000rows",
+              help="Bound --verify: wall time (steps not started in time are skipped) or rollout rows "
+                   "compared (a seeded sample of whole branches); the verdict says what was compared. "
+                   "Default: everything.")
 @click.option("--context", default=512, show_default=True, type=int,
               help="Committed tokens the draft's KV cache holds (prompt + generated).")
 @click.option("--kappa", default=8, show_default=True, type=int, help="Early-exit candidates per row (κ).")
@@ -39,18 +43,21 @@ def check_writable(out: Path) -> None:
 @click.option("--chunk", default=16, show_default=True, type=int, help="Tokens per extend call.")
 @click.option("--quantize", type=click.Choice(QUANTIZE), default="none", show_default=True,
               help="Weight compression of the linear layers (the embedding stays fp16).")
-def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Path], context: int,
-                kappa: int, gamma: int, chunk: int, quantize: str) -> None:
+def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Path], budget: Optional[str],
+                context: int, kappa: int, gamma: int, chunk: int, quantize: str) -> None:
     """Build DRAFT.mlpackage for the Neural Engine from an MLX draft, or --verify one (works on Linux)."""
     from mirror_mlx.convert.coreml import ConvertError
 
     try:
         if verify_pkg is not None:
-            from mirror_mlx.convert.parity import verify
+            from mirror_mlx.convert.parity import Budget, verify
 
-            report = verify(verify_pkg, draft_model)
+            report = verify(verify_pkg, draft_model, budget=Budget.parse(budget) if budget else None,
+                            progress=True)
             click.echo(report.line())
             sys.exit(0 if report.ok else 1)
+        if budget is not None:
+            raise click.UsageError("--verify-budget bounds --verify PACKAGE; give it with --verify")
         if out is None:
             raise click.UsageError("give --out DRAFT.mlpackage to build a package (or --verify PACKAGE to check one)")
         from mirror_mlx.convert.coreml import convert

@@ -4,10 +4,15 @@ Core ML cannot predict on Linux, but every MIL op class carries a numpy `value_i
 re-read the *saved* package (milproto -> pymil), bind inputs and state, and evaluate each op in
 order; ops without value inference (conv, silu, read_state, coreml_update_state, constexpr_*) get
 small numpy stand-ins here, and so do layer_norm (float32 statistics) and matmul (speed). Arithmetic model: each op computes in float32 and its fp16 outputs are
-rounded to fp16, like fp16 storage with wide accumulators on the ANE. This checks graph structure,
+rounded to fp16, like fp16 storage with wide accumulators on the ANE.
+
+Speed at real size (0.6B): a conv is one BLAS matmul against its weight converted to float32
+once per runner (one copy per distinct weight, 4 bytes each), and large attention products go to
+BLAS too: a 64-row rollout call of a 0.6B draft is ~75 GFLOP of BLAS, not numpy's einsum loop. This checks graph structure,
 layout and fp16 range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
 """
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +43,8 @@ def _conv(op: Any, env: "Env") -> np.ndarray:
     x, w = op.x.val, op.weight.val
     if w.shape[2:] != (1, 1) or (op.groups is not None and op.groups.val != 1):
         raise NotImplementedError(f"conv stand-in handles 1x1 convolutions only ({op.name})")
-    y = np.einsum("bchw,oc->bohw", x.astype(np.float32), w[:, :, 0, 0].astype(np.float32))
+    b, c, h, wd = x.shape
+    y = np.matmul(env.float32(op.weight), x.astype(np.float32).reshape(b, c, h * wd)).reshape(b, -1, h, wd)
     if op.bias is not None:
         y = y + op.bias.val.astype(np.float32)[None, :, None, None]
     return y
@@ -74,14 +80,16 @@ def _layer_norm(op: Any, env: "Env") -> np.ndarray:
 
 
 def _matmul(op: Any, env: "Env") -> np.ndarray:
-    # float32 through einsum's own loop: stable speed for the small batched products of attention
-    # (threaded BLAS on a busy machine was 10-50x slower on these shapes)
+    # float32; small products through einsum's own loop (threaded BLAS on a busy machine was
+    # 10-50x slower on a tiny draft's attention shapes), large ones through BLAS
     x, y = op.x.val.astype(np.float32), op.y.val.astype(np.float32)
     if op.transpose_x.val:
         x = np.swapaxes(x, -1, -2)
     if op.transpose_y.val:
         y = np.swapaxes(y, -1, -2)
-    return np.einsum("...ij,...jk->...ik", x, y)
+    if x.shape[-2] * x.shape[-1] * y.shape[-1] < 1 << 20:
+        return np.einsum("...ij,...jk->...ik", x, y)
+    return np.matmul(x, y)
 
 
 def _constexpr(op: Any, env: "Env") -> Any:
@@ -100,9 +108,23 @@ STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
 
 @dataclass
 class Env:
-    """Evaluation state of one function: KV state arrays keyed by state input name."""
+    """Evaluation state: KV state arrays keyed by state input name, and the float32 conv weights
+    (kept across resets: they are the package's constants)."""
 
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    weights: dict[Any, np.ndarray] = field(default_factory=dict)
+
+    def float32(self, var: Any) -> np.ndarray:
+        """A conv weight (O, C, 1, 1) as float32 (O, C), converted once. Keyed by content: each
+        function of a loaded package has its own copy of every weight, the cache holds one."""
+        key = self.weights.get(id(var))
+        if key is None:
+            w = var.val
+            key = (w.shape, hashlib.sha1(np.ascontiguousarray(w).view(np.uint8)).digest())
+            self.weights[id(var)] = key
+            if key not in self.weights:
+                self.weights[key] = np.ascontiguousarray(w[:, :, 0, 0], np.float32)
+        return self.weights[key]
 
 
 def _store(var: Any, value: Any) -> None:
@@ -157,6 +179,10 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
     for var in function.inputs.values():  # leave no constants behind in the program
         if not types.is_state(var.sym_type):
             var._sym_val = None
+    for op in function.operations:  # nor this call's values (a 0.6B draft's KV copies are GBs)
+        if op.op_type != "const" and not op.op_type.startswith("constexpr_"):
+            for var in op.outputs:
+                var._sym_val = None
     return out
 
 
@@ -171,7 +197,7 @@ class MilRunner:
         self.env = Env()
 
     def reset(self) -> None:
-        self.env = Env()
+        self.env = Env(weights=self.env.weights)
 
     def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return run_function(self.program.functions[fn], inputs, self.env)

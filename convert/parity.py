@@ -15,9 +15,20 @@ up to 1.7 % of the logit range against float32 (0.2 % with float32 activations a
 the graph itself is right). Argmaxes must agree except where the MLX draft's top two logits are
 closer than the tolerance (a near-tie, counted and reported). Quantized packages are compared with
 the unquantized draft, so their bounds are loose by design; the numbers are reported either way.
+
+The reference is the MLX draft cast to float32 (a bf16 or fp16 draft's weights are exact in
+float32; a 4/8-bit MLX draft keeps its integer weights and runs with float32 scales, the very
+weights the package holds, dequantized, in fp16): so every draft, quantized or not, is held to the
+fp16 tolerance of its package mode. It prefills each committed context once (its logits are the
+extend rows' reference) and runs every rollout row as a batch of branch paths on top of that
+prefix cache (no full-sequence forward per row). `Budget` bounds the check in seconds (steps
+not started when it runs out are skipped) or in rollout rows compared (a seeded sample of whole
+branches per step); the verdict line says what was compared.
 """
 
 import json
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,13 +48,34 @@ PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to p
 
 
 @dataclass
+class Budget:
+    """How much of the check to run: `seconds` of wall time, or `rows` rollout rows compared."""
+
+    seconds: Optional[float] = None
+    rows: Optional[int] = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        """'300s', '5m' (time) or '2000rows' (rollout rows compared)."""
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|rows)\s*", text or "")
+        if not m or float(m.group(1)) <= 0:
+            raise ConvertError(f"--verify-budget must be a time like 300s or 5m, or a row count like 2000rows "
+                               f"(got {text!r})")
+        n, unit = float(m.group(1)), m.group(2)
+        return cls(rows=int(n)) if unit == "rows" else cls(seconds=n * (60 if unit == "m" else 1))
+
+
+@dataclass
 class Parity:
     """What --verify measured."""
 
     quantize: str
     extend_rows: int = 0
-    rollout_rows: int = 0
+    rollout_rows: int = 0  # rollout rows compared with the reference
+    produced_rows: int = 0  # rollout rows the package produced (all of them run: they build the state)
     calls: int = 0
+    steps: int = 0  # rollout steps run
+    planned_steps: int = 0
     max_abs: float = 0.0  # max |logit_package - logit_mlx|
     scale: float = 0.0  # max |logit_mlx|
     greedy: int = 0  # greedy tokens compared
@@ -67,8 +99,10 @@ class Parity:
         if self.nan_rows:
             verdict += f" (NaN or inf logits in {self.nan_rows} rows)"
         q = "" if self.quantize == "none" else f" [{self.quantize}]"
-        return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows} rollout rows "
-                f"({self.calls} rollout calls); max |dlogit| {self.max_abs:.4f} "
+        of = "" if self.rollout_rows == self.produced_rows else f" (sampled, of {self.produced_rows})"
+        cut = "" if self.steps == self.planned_steps else f", {self.steps} of {self.planned_steps} steps (budget)"
+        return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows}{of} rollout rows "
+                f"({self.calls} rollout calls{cut}); max |dlogit| {self.max_abs:.4f} "
                 f"(tolerance {self.tolerance:.3f} = {TOLERANCE[self.quantize][0]:.0%} of logit range "
                 f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); greedy {self.greedy - self.mismatches - self.near_ties}"
                 f"/{self.greedy} identical, {self.near_ties} near-ties, {self.mismatches} mismatches")
@@ -96,60 +130,127 @@ class Parity:
         return self
 
 
-def _mlx_logits(model: Any, seqs: Sequence[Sequence[int]], last: Sequence[int], batch: int = 16) -> list[np.ndarray]:
-    """float32 logits of the last `last[i]` positions of each sequence (right-padded batches)."""
+def float32_reference(model: Any) -> Any:
+    """The MLX draft with float32 activations: its float parameters cast in place (a quantized
+    layer keeps its integer weights; its scales and biases become float32)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in tree_flatten(model.parameters())):
+        model.set_dtype(mx.float32)
+    return model
+
+
+class Reference:
+    """The float32 MLX draft after one committed context: the logits at every context position,
+    its greedy window, and the logits of branch rows (paths after the context) on top of the
+    context's K/V, computed once."""
+
+    def __init__(self, model: Any, context: Sequence[int]):
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.n = model, len(context)
+        self.cache = make_prompt_cache(model)
+        self.logits = np.array(model(mx.array([list(context)]), cache=self.cache)[0].astype(mx.float32))
+        mx.eval([c.state for c in self.cache])
+        self.kv = [(c.keys[..., : self.n, :], c.values[..., : self.n, :]) for c in self.cache]
+
+    def _caches(self, batch: int) -> list:
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        caches = []
+        for k, v in self.kv:
+            c = KVCache()
+            c.keys, c.values, c.offset = mx.repeat(k, batch, axis=0), mx.repeat(v, batch, axis=0), self.n
+            caches.append(c)
+        return caches
+
+    def stems(self, kappa: int, gamma: int) -> tuple[list[int], list[list[int]]]:
+        """The draft's own greedy window and kappa*(gamma+1) Mirror-SD stems (row r < gamma never
+        proposes window[r] again)."""
+        import mlx.core as mx
+
+        caches, rows, window = self._caches(1), [self.logits[-1]], []
+        for _ in range(gamma):
+            window.append(int(rows[-1].argmax()))
+            rows.append(np.array(self.model(mx.array([[window[-1]]]), cache=caches)[0, -1].astype(mx.float32)))
+        stems = []
+        for r in range(gamma + 1):
+            order = np.argsort(-rows[r])
+            cands = [int(t) for t in order if r == gamma or t != window[r]][:kappa]
+            stems += [window[:r] + [v] for v in cands]
+        return window, stems
+
+    def rows(self, paths: Sequence[tuple[int, ...]], batch: int = 16) -> dict[tuple[int, ...], np.ndarray]:
+        """Logits (V,) after context + path for every path: one forward per branch leaf (a path no
+        other path extends), right-padded, in batches over the shared prefix cache."""
+        import mlx.core as mx
+
+        want = set(paths)
+        leaves = [p for p in sorted(want, key=len, reverse=True)]
+        kept: list[tuple[int, ...]] = []
+        covered: set[tuple[int, ...]] = set()
+        for p in leaves:
+            if p not in covered:
+                kept.append(p)
+                covered.update(p[:m] for m in range(1, len(p) + 1))
+        out: dict[tuple[int, ...], np.ndarray] = {}
+        for i in range(0, len(kept), batch):
+            part = kept[i : i + batch]
+            n = max(len(p) for p in part)
+            x = mx.array([list(p) + [0] * (n - len(p)) for p in part], dtype=mx.int32)
+            logits = self.model(x, cache=self._caches(len(part))).astype(mx.float32)
+            for j, p in enumerate(part):
+                ms = [m for m in range(1, len(p) + 1) if p[:m] in want and p[:m] not in out]
+                if ms:
+                    got = np.array(logits[j, mx.array([m - 1 for m in ms])])
+                    out.update((p[:m], got[t]) for t, m in enumerate(ms))
+        return out
+
+
+def _stream_logits(model: Any, seqs: Sequence[Sequence[int]], batch: int = 16) -> list[np.ndarray]:
+    """An SS draft's stream logits (streams, V) at the last position of each sequence (right
+    padding is harmless: rows only see what comes before them)."""
     import mlx.core as mx
 
-    out = []
-    for i, part, x in padded_batches(seqs, batch):
-        logits = model(x).astype(mx.float32)
-        for j, s in enumerate(part):
-            k = last[i + j]
-            out.append(np.array(logits[j, len(s) - k : len(s)]))
-    return out
-
-
-def _row_logits(model: Any, seqs: Sequence[Sequence[int]], streams: int,
-                batch: int = 16) -> list[tuple[np.ndarray, Optional[np.ndarray]]]:
-    """Main logits (V,) at the last position of each sequence, and an SS draft's stream logits
-    (streams, V) there; right padding is harmless (rows only see what comes before them)."""
-    import mlx.core as mx
-
-    if not streams:
-        return [(m[0], None) for m in _mlx_logits(model, seqs, [1] * len(seqs), batch)]
     from mirror_mlx.ane_draft.ss_model import ss_forward
 
     out = []
     for _, part, x in padded_batches(seqs, batch):
-        res = ss_forward(model, x)
-        main, st = np.array(res.main.astype(mx.float32)), np.array(res.streams.astype(mx.float32))
-        out += [(main[j, len(s) - 1], st[j, :, len(s) - 1]) for j, s in enumerate(part)]
+        st = np.array(ss_forward(model, x).streams.astype(mx.float32))
+        out += [st[j, :, len(s) - 1] for j, s in enumerate(part)]
     return out
 
 
-def _stems(model: Any, context: list[int], kappa: int, gamma: int) -> tuple[list[int], list[list[int]]]:
-    """The draft's own greedy window after `context` and kappa*(gamma+1) Mirror-SD stems."""
-    import mlx.core as mx
-
-    window: list[int] = []
-    for _ in range(gamma):
-        window.append(int(mx.argmax(model(mx.array([context + window]))[0, -1]).item()))
-    rows = np.array(model(mx.array([context + window]))[0, len(context) - 1 :].astype(mx.float32))
-    stems = []
-    for r in range(gamma + 1):
-        order = np.argsort(-rows[r])
-        cands = [int(t) for t in order if r == gamma or t != window[r]][:kappa]
-        stems += [window[:r] + [v] for v in cands]
-    return window, stems
+def _sample(paths: list[tuple[int, ...]], limit: Optional[int], rng: np.random.Generator) -> list[tuple[int, ...]]:
+    """At most `limit` of the paths, whole branches at a time (a leaf and all its ancestors), in a
+    seeded random order; all of them when there is no limit."""
+    if limit is None or len(paths) <= limit:
+        return paths
+    chosen: set[tuple[int, ...]] = set()
+    have = set(paths)
+    for i in rng.permutation(len(paths)):
+        branch = {paths[i][:m] for m in range(1, len(paths[i]) + 1)} & have
+        if chosen and len(chosen | branch) > limit:
+            continue
+        chosen |= branch
+    return [p for p in paths if p in chosen]
 
 
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
-           model: Any = None, tokenizer: Any = None, runner: Any = None) -> Parity:
+           model: Any = None, tokenizer: Any = None, runner: Any = None,
+           budget: Optional[Budget] = None, progress: bool = False) -> Parity:
     """Evaluate the saved package against the MLX draft in `draft`; see the module docstring.
 
     `runner` defaults to the MIL evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner runs the
     same check on Core ML itself."""
+    import mlx.core as mx
+    from tqdm import tqdm
+
     package, draft = Path(package), Path(draft)
+    budget = budget or Budget()
     meta = read_metadata(package)
     if not (draft / "config.json").is_file():
         raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
@@ -159,40 +260,54 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     shapes = package_shapes(meta)
     spec = spec_from_model(model, config, tokenizer_sha256(tokenizer), shapes.slots)
     check_match(meta, spec, package)
+    del spec
+    model = float32_reference(model)
     try:
         runner = runner if runner is not None else MilRunner(package)
     except Exception as e:  # noqa: BLE001
         raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); it is corrupt: rebuild it") from None
     draft_pkg = PackageDraft(runner, meta, trace=True)
-    report = Parity(meta["quantize"])
+    report = Parity(meta["quantize"], planned_steps=steps * len(prompts))
     kappa, gamma = shapes.kappa, shapes.gamma
-    for text in prompts:
-        context = list(tokenizer.encode(text))
+    per_step = None if budget.rows is None else max(1, budget.rows // report.planned_steps)
+    rng, start = np.random.default_rng(0), time.monotonic()
+    contexts = [list(tokenizer.encode(text)) for text in prompts]
+    for context in contexts:
         need = len(context) + steps * (gamma + 1) + 1
         if need > shapes.context:
             raise ConvertError(
                 f"the verification prompt needs {need} context positions but the package has {shapes.context}; "
                 f"rebuild it with --context {max(need, 64)} or more"
             )
+    bar = tqdm(total=report.planned_steps, desc=f"verify {package.name}", unit="step",
+               disable=None if progress else True)  # None: shown on a terminal only
+    for context in contexts:
         draft_pkg.reset()
         for step in range(steps):
-            window, stems = _stems(model, context, kappa, gamma)
+            if budget.seconds is not None and report.steps and time.monotonic() - start > budget.seconds:
+                break
+            ref = Reference(model, context)
+            window, stems = ref.stems(kappa, gamma)
             draft_pkg.trace.extend.clear()
             draft_pkg.trace.rows.clear()
             result = draft_pkg.rollout(context, stems, gamma)
             new = sorted(draft_pkg.trace.extend)
             if new:
-                ref = _mlx_logits(model, [context[: new[-1] + 1]], [len(new)])[0]
-                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), ref)
+                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), ref.logits[new])
                 report.extend_rows += len(new)
-            rows = draft_pkg.trace.rows
-            refs = _row_logits(model, [context + list(path) for path, _, _ in rows], shapes.streams)
-            for (_, main, streams), (ref_main, ref_streams) in zip(rows, refs):
-                report.add(main[None], ref_main[None])
-                if streams is not None:
-                    report.add(streams, ref_streams)
-            report.rollout_rows += len(rows)
+            rows = {tuple(path): (main, streams) for path, main, streams in draft_pkg.trace.rows}
+            chosen = _sample(list(rows), per_step, rng)
+            refs = ref.rows(chosen)
+            for path in chosen:
+                report.add(rows[path][0][None], refs[path][None])
+            if shapes.streams:
+                got = [rows[p][1] for p in chosen]
+                for g, want in zip(got, _stream_logits(model, [context + list(p) for p in chosen])):
+                    report.add(g, want)
+            report.rollout_rows += len(chosen)
+            report.produced_rows += len(draft_pkg.trace.rows)
             report.calls += result.forwards
+            report.steps += 1
             a = step % (gamma + 1)  # accept a draft tokens, then the first candidate of row a
             context = context + stems[a * kappa]
             if step == steps - 1:  # roll back: the cache must forget what was trimmed
@@ -200,7 +315,11 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
                 draft_pkg.trace.extend.clear()
                 draft_pkg.sync(context)
                 new = sorted(draft_pkg.trace.extend)
-                ref = _mlx_logits(model, [context], [len(context) - new[0]])[0]
-                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), ref)
+                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), Reference(model, context).logits[new])
                 report.extend_rows += len(new)
+            del ref, refs, rows
+            mx.clear_cache()  # MLX keeps freed buffers for reuse: at 0.6B they pile up to GBs
+            bar.update(1)
+            bar.set_postfix_str(f"max |dlogit| {report.max_abs:.3f}")
+    bar.close()
     return report.settle()
