@@ -12,7 +12,6 @@ A Pipeline (its worker threads, its caches) is kept per (model, draft) pair, so 
 it; the last `KEEP` pairs stay, older ones are closed.
 """
 
-import inspect
 import sys
 import threading
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .draft import MLXDraft
 from .draft_api import Draft
 from .engine import Stats
+from .options import OPTION_NAMES
 from .pipeline import Pipeline, encode
 
 KEEP = 2
@@ -81,7 +81,7 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     `num_draft_tokens` (mlx-lm's window) is γ; `knobs` are Pipeline.generate's: kappa, gamma, exit_layer,
     temperature, top_p, top_k, min_p, repetition_penalty (`sampler=` replaces the sampling settings).
     """
-    unknown = sorted(set(knobs) - set(inspect.signature(Pipeline.options).parameters))
+    unknown = sorted(set(knobs) - set(OPTION_NAMES) - {"stop_tokens"})
     if unknown:
         raise TypeError(f"stream_generate() does not take {', '.join(unknown)}: mirror-mlx takes mlx-lm's "
                         "max_tokens, draft_model, sampler, logits_processors, max_kv_size, num_draft_tokens and "
