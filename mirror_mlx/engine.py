@@ -16,10 +16,12 @@ thread, so the synchronous API also works from inside a running event loop.
 """
 
 import asyncio
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -251,6 +253,22 @@ def position_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
+    """The draft's context length (γ must fit in it): from its model, or its folder's config.json
+    for a draft the host builds; None when unknown (a Core ML package checks its own shapes)."""
+    model = getattr(draft, "model", None)
+    if model is not None:
+        return getattr(getattr(text_model(model), "args", None), "max_position_embeddings", None)
+    if isinstance(draft, DraftRecipe) and draft.args:
+        config = Path(str(draft.args[0])) / "config.json"
+        if config.is_file():
+            try:
+                return json.loads(config.read_text()).get("max_position_embeddings")
+            except (OSError, ValueError):
+                return None
+    return None
+
+
 def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
     """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
 
@@ -283,8 +301,7 @@ class Engine:
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
-        self.draft_context = getattr(getattr(text_model(getattr(draft, "model", draft)), "args", None),
-                                     "max_position_embeddings", None)  # γ fits in it
+        self.draft_context = draft_context(draft)  # γ fits in it
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")

@@ -182,13 +182,19 @@ def test_bad_knobs_are_refused_before_any_shared_memory(pipe, shm_made, kwargs, 
     assert shm_made == []
 
 
-def test_every_ring_is_unlinked_after_a_generation_finishes_or_is_abandoned(pipe, shm_made):
-    pipe.generate("Once upon a time", **SHORT)
-    stream = pipe.stream("Once upon a time", **SHORT)
+def test_no_ring_is_made_per_generation_and_close_unlinks_the_hosts(shm_made):
+    """The draft host's two rings are made once, at load; a finished or abandoned generation makes
+    none, and close() unlinks them."""
+    p = load()
+    names = [p.engine.host.req.ring.name, p.engine.host.rep.ring.name]
+    at_load = list(shm_made)
+    p.generate("Once upon a time", **SHORT)
+    stream = p.stream("Once upon a time", **SHORT)
     next(stream)
-    assert len(shm_made) == 4 and len(leftover(shm_made)) == 2  # the open stream's two rings
     stream.close()
-    assert leftover(shm_made) == []
+    assert shm_made == at_load and leftover(names) == names
+    p.close()
+    assert leftover(names) == []
 
 
 @pytest.mark.parametrize("mode", ["ar", "mirror"])
