@@ -63,9 +63,16 @@ class Split:
         return distinct_openings(self.train)
 
 
-def split(text: str, held_out: int = HELD_OUT_PARAGRAPHS) -> Split:
-    """The one corpus split: paragraphs[held_out:] train, openings of the first `held_out` are held out."""
+def split(text: str, held_out: Optional[int] = None) -> Split:
+    """The one corpus split: paragraphs[held_out:] train, openings of the first `held_out` are held out.
+
+    By default `held_out` is HELD_OUT_PARAGRAPHS (200), or a tenth of a small corpus (a user's own,
+    under 2,000 paragraphs) so that it still trains; the shipped TinyStories text (3,440 paragraphs)
+    is always split at 200.
+    """
     paras = paragraphs(text)
+    if held_out is None:
+        held_out = min(HELD_OUT_PARAGRAPHS, max(1, len(paras) // 10))
     train = paras[held_out:]
     starts = {opening(p) for p in train}  # a training prompt is a prefix of its paragraph, often its opening
     held = [o for o in distinct_openings(paras[:held_out])
@@ -73,7 +80,7 @@ def split(text: str, held_out: int = HELD_OUT_PARAGRAPHS) -> Split:
     return Split(train, held)
 
 
-def load_split(corpus: Optional[Union[str, Path]] = None, held_out: int = HELD_OUT_PARAGRAPHS) -> Split:
+def load_split(corpus: Optional[Union[str, Path]] = None, held_out: Optional[int] = None) -> Split:
     return split(Path(corpus or CORPUS).read_text(encoding="utf-8"), held_out)
 
 

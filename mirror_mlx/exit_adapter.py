@@ -236,7 +236,7 @@ def train_exit_adapter(
     if steps < 0:
         raise ValueError(f"steps must be non-negative, got {steps}")
     t0 = time.perf_counter()
-    parts = split(corpus_text, HELD_OUT_PARAGRAPHS)
+    parts = split(corpus_text)
     train_txt, held_txt = parts.train_openings, parts.held_out
     if tokens is not None:
         if tokens < 1:
