@@ -33,10 +33,12 @@ def decode_options(f):
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--top-k", type=int, default=0, show_default=True),
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
-        click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit."),
-        click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ."),
-        click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2]."),
-        click.option("--mode", type=click.Choice(["mirror", "sd", "ar"]), default="mirror", show_default=True),
+        click.option("--kappa", type=int, default=None, help="Top-κ width at the early exit [default: auto's, else 8]."),
+        click.option("--gamma", type=int, default=None, help="Window length γ [default: auto's, else 7]."),
+        click.option("--exit-layer", type=int, default=None,
+                     help="Early-exit layer ℓ_e [default: auto's, else the adapter's or N/2]."),
+        click.option("--mode", type=click.Choice(["auto", "mirror", "sd", "ar"]), default="auto", show_default=True,
+                     help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -110,6 +112,41 @@ def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
     finally:
         pipe.close()
     sys.exit(code)
+
+
+@main.command("tune")
+@model_options
+@click.option("--prompts", "prompts_file", default=None,
+              help="Calibration prompts: FILE.jsonl (a 'prompt' or 'turns' field per line) or a prompt set name "
+                   "[default: held-out TinyStories openings].")
+@click.option("--limit", type=click.IntRange(min=1), default=4, show_default=True, help="Calibration prompts.")
+@click.option("--max-tokens", "-m", type=click.IntRange(min=4), default=48, show_default=True,
+              help="Greedy tokens per calibration prompt.")
+@click.option("--confirm", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Top predictions to measure end to end.")
+@click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
+def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, quick) -> None:
+    """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses."""
+    from mirror_mlx import profile, tune
+    from mirror_mlx.compute_plan import report as compute_plan_report
+
+    pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
+    cfg = tune.TuneConfig.quick() if quick else tune.TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm)
+    if quick:
+        cfg.progress = True
+    try:
+        prof = tune.calibrate(pipe, cfg, prompts_file)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    finally:
+        pipe.close()
+    path = profile.save(prof)
+    click.echo(tune.format_table(prof))
+    for line in (tune.contention(prof), compute_plan_report(draft_model)):
+        if line:
+            click.echo(line)
+    click.echo(f"chose {tune.describe(prof)}: {prof.why}")
+    click.echo(f"calibrated in {prof.calibration['seconds']:.0f} s on {prof.key['machine']}; wrote {path}")
 
 
 @main.command("import-llama2c")

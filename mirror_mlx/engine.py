@@ -35,7 +35,7 @@ MODES = ("mirror", "sd", "ar")
 class DecodeOptions:
     """How to decode: the mode, Mirror-SD's knobs and the target's sampling settings (mlx-lm's)."""
 
-    mode: str = "mirror"
+    mode: str = "auto"  # Pipeline.options resolves "auto" (mirror_mlx.tune) before the engine sees it
     max_tokens: int = 256
     kappa: int = 8
     gamma: int = 7
@@ -48,13 +48,19 @@ class DecodeOptions:
     seed: Optional[int] = None
     stop_tokens: Sequence[int] = ()
     draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
+    why: str = ""  # how the mode and knobs were chosen (shown in Stats)
 
 
 @dataclass
 class Stats:
     """What one generation did; `as_dict()` is what `--json` prints."""
 
-    mode: str = "ar"
+    mode: str = "ar"  # what ran (ar after a dropped draft)
+    chosen_mode: str = ""  # what was chosen, and with which knobs and why
+    kappa: Optional[int] = None
+    gamma: Optional[int] = None
+    exit_layer: Optional[int] = None
+    why: str = ""
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens actually run through the target (the rest came from its cache)
     generation_tokens: int = 0
@@ -118,6 +124,12 @@ class Stats:
     def summary(self) -> str:
         line = (f"{self.tokens_per_second:.1f} tok/s | {self.mean_accepted:.2f} accepted/forward"
                 f" | mode {self.mode}")
+        if self.mode == "mirror":
+            line += f" κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
+        elif self.mode == "sd":
+            line += f" γ={self.gamma}"
+        if self.why.startswith(("auto", "quick")):
+            line += f" ({self.why})"
         if self.mode == "mirror":
             line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
                      f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
@@ -299,6 +311,8 @@ class Engine:
         self.check(prompt, opts)
         mode = opts.mode if self.draft_failure is None else "ar"
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
+        stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
+        stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                min_p=opts.min_p, top_k=opts.top_k)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)

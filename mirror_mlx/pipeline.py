@@ -123,12 +123,18 @@ class Pipeline:
         return list(self.tokenizer.encode(prompt))
 
     def options(self, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                seed: Optional[int] = None, kappa: int = 8, gamma: int = 7, exit_layer: Optional[int] = None,
-                mode: str = "mirror", min_p: float = 0.0, repetition_penalty: Optional[float] = None,
-                stop: bool = True, draft_timeout: float = 60.0) -> DecodeOptions:
-        return DecodeOptions(mode=mode, max_tokens=max_tokens, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
-                             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed, draft_timeout=draft_timeout,
+                seed: Optional[int] = None, kappa: Optional[int] = None, gamma: Optional[int] = None,
+                exit_layer: Optional[int] = None, mode: str = "auto", min_p: float = 0.0,
+                repetition_penalty: Optional[float] = None, stop: bool = True,
+                draft_timeout: float = 60.0) -> DecodeOptions:
+        """mode="auto" becomes the tuned mode and knobs (mirror_mlx.tune.resolve); explicit ones win."""
+        from .tune import resolve
+
+        c = resolve(self, mode, kappa, gamma, exit_layer)
+        return DecodeOptions(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa, gamma=c.gamma,
+                             exit_layer=c.exit_layer, temperature=temperature, top_p=top_p, top_k=top_k,
+                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                             draft_timeout=draft_timeout, why=c.why,
                              stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else ())
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
@@ -151,8 +157,9 @@ class Pipeline:
             yield Chunk(detok.last_segment, [])
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: Optional[int] = None, kappa: int = 8, gamma: int = 7,
-                 exit_layer: Optional[int] = None, mode: str = "mirror", **kwargs: Any) -> Result:
+                 top_k: int = 0, seed: Optional[int] = None, kappa: Optional[int] = None,
+                 gamma: Optional[int] = None, exit_layer: Optional[int] = None, mode: str = "auto",
+                 **kwargs: Any) -> Result:
         """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens."""
         chunks = list(self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, kappa=kappa, gamma=gamma, exit_layer=exit_layer,

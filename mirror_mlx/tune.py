@@ -1,0 +1,439 @@
+"""Calibrate the cost model on this machine, pick the fastest mode and knobs, and resolve mode="auto".
+
+`calibrate` measures, in this order (each step real forwards of the loaded models):
+1. acceptance traces: the target's greedy text after each calibration prompt, the draft's window at
+   every position of it, and the early exit's rank of the target's token at every candidate ℓ_e;
+2. component timings (cost_model.Timings): target forwards, prefix / suffix per ℓ_e, 1-row windows,
+   suffix ‖ branch rollout run together per (ℓ_e, κ, γ);
+3. per-mode overhead: one real generation per mode, its step time minus the modelled components;
+4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
+   profile's choice is the fastest *measured* configuration, so the choice is never one that only
+   the model believed in.
+"""
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+from . import profile as profiles
+from .draft import MLXDraft
+from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
+from .target import EarlyExitTarget, text_model, top_k, trimmable_cache
+
+PAPER_KNOBS = dict(kappa=8, gamma=7)  # what an explicit mode gets for knobs not given
+
+
+@dataclass
+class TuneConfig:
+    """How much to measure. `quick()` is the first-call calibration of mode="auto"."""
+
+    prompts: int = 4
+    max_tokens: int = 48
+    kappas: tuple = (1, 2, 4, 8)
+    gammas: tuple = (1, 2, 3, 5, 7)
+    exit_layers: Optional[tuple] = None  # None: the adapter's layer, else N/4, N/3, N/2, 3N/4
+    reps: int = 3
+    confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
+    progress: bool = True
+
+    @classmethod
+    def quick(cls) -> "TuneConfig":
+        return cls(prompts=2, max_tokens=16, kappas=(1, 2, 4), gammas=(1, 2, 3, 5), reps=2, confirm=2,
+                   progress=False)
+
+
+@dataclass
+class Choice:
+    """A concrete mode and knobs, and why they were chosen (goes into Stats)."""
+
+    mode: str
+    kappa: int = PAPER_KNOBS["kappa"]
+    gamma: int = PAPER_KNOBS["gamma"]
+    exit_layer: Optional[int] = None
+    why: str = ""
+
+
+# --- the calibration prompts ----------------------------------------------------------------------
+
+
+def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[list[int]]:
+    """Token ids of `n` prompts: the user's file (prompts.load_prompts) or held-out TinyStories openings."""
+    if path:
+        from .prompts import load_prompts
+
+        texts = [p.text for p in load_prompts(path, n)]
+    else:
+        from .corpus import load_openings
+
+        texts = load_openings(held_out=True)[:n]
+    return [pipe.encode(t) for t in texts]
+
+
+# --- 1. acceptance traces -------------------------------------------------------------------------
+
+
+def exit_layer_candidates(pipe: Any, cfg: TuneConfig) -> list[int]:
+    adapter_layer = getattr(pipe.engine.exit_adapter, "exit_layer", None)
+    if adapter_layer:  # an adapter only maps its own layer's state
+        return [adapter_layer]
+    n = pipe.engine.n_layers
+    layers = cfg.exit_layers or (n // 4, n // 3, n // 2, 3 * n // 4)
+    return sorted({min(max(1, e), n - 1) for e in layers})
+
+
+def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[list[int], list[int]]:
+    """Rank of each row's target token (0 = top) with and without the excluded token."""
+    logits = logits.astype(mx.float32)
+    t = mx.array(targets)[:, None]
+    score = mx.take_along_axis(logits, t, axis=-1)
+    above = logits > score
+    plain = above.sum(axis=-1)
+    ex = mx.array(exclude)[:, None]
+    ex_above = mx.take_along_axis(above, ex, axis=-1)[:, 0] & (ex[:, 0] != t[:, 0])
+    return (plain - ex_above).tolist(), plain.tolist()
+
+
+def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int
+          ) -> tuple[Trace, list[int]]:
+    """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
+    the prompt plus the target's greedy text."""
+    from .corpus import greedy_continuations
+
+    engine = pipe.engine
+    eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
+    text = greedy_continuations(engine.target_model, [prompt], max_tokens, eos=eos)[0]
+    full = list(prompt) + text
+    n0 = len(prompt)
+
+    def draft_runs() -> tuple[list[int], list[int]]:
+        runs, first = [], []
+        for i in range(n0, len(full)):
+            w = engine.draft.rollout(full[: i - 1], [[full[i - 1]]], gamma_max).windows[0]
+            a = 0
+            while a < len(w) and i + a < len(full) and w[a] == full[i + a]:
+                a += 1
+            runs.append(a)
+            first.append(w[0])
+        return runs, first
+
+    def teacher_forced() -> tuple[list[int], list[int]]:
+        """A plain autoregressive draft: one forward over the text gives its token at every position."""
+        first = mx.argmax(engine.draft.model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1).tolist()
+        runs = [0] * (len(text) + 1)
+        for i in range(len(text) - 1, -1, -1):
+            runs[i] = min(gamma_max, runs[i + 1] + 1) if first[i] == text[i] else 0
+        return runs[:-1], first
+
+    plain = type(engine.draft) is MLXDraft  # subclasses (the SS draft) propose more than argmax chains
+    runs, first = engine.draft_worker.call(teacher_forced if plain else draft_runs)
+    tr = Trace(runs=runs)
+    for layer in exit_layers:
+        tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
+        try:
+            early, _ = tapped.forward(mx.array([full[:-1]]), cache=None)
+            rows = early[0, n0 - 1:]
+            tr.rank_excl[layer], tr.rank_plain[layer] = _ranks(rows, text, first)
+        finally:
+            tapped.remove()
+    return tr, full
+
+
+# --- 2. component timings -------------------------------------------------------------------------
+
+
+def _best_time(fn: Callable[[], Any], reps: int) -> float:
+    """Fastest of `reps` calls after one untimed warm-up (the box is shared: spikes are other jobs)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class _Bench:
+    """Timed pieces over one committed context, each on the worker that runs it in the engine."""
+
+    def __init__(self, pipe: Any, context: list[int], reps: int):
+        self.engine, self.context, self.reps = pipe.engine, context, reps
+        self.cache = self.engine.target_worker.call(self._prefill)
+
+    def _prefill(self):
+        cache = trimmable_cache(self.engine.target_model)
+        self.engine.target_model(mx.array([self.context[:-1]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def rows(self, n: int) -> mx.array:
+        return mx.array([self.context[-n:] if n <= len(self.context) else [self.context[-1]] * n])
+
+    def verify(self, n: int) -> float:
+        def once():
+            mx.eval(self.engine.target_model(self.rows(n), cache=self.cache))
+            trim_prompt_cache(self.cache, n)
+
+        return self.engine.target_worker.call(_best_time, once, self.reps)
+
+    def split(self, layer: int, n: int) -> tuple[float, float]:
+        """(prefix, suffix) seconds at exit layer `layer` over `n` rows."""
+
+        def run():
+            tapped = EarlyExitTarget(self.engine.target_model, layer, self.engine.exit_adapter)
+            pre, suf = [], []
+            try:
+                for _ in range(self.reps):
+                    t0 = time.perf_counter()
+                    early, final = tapped.forward(self.rows(n), self.cache)
+                    mx.eval(top_k(early[0], 1))
+                    t1 = time.perf_counter()
+                    mx.eval(final)
+                    pre.append(t1 - t0)
+                    suf.append(time.perf_counter() - t1)
+                    trim_prompt_cache(self.cache, n)
+            finally:
+                tapped.remove()
+            return min(pre), min(suf)
+
+        return self.engine.target_worker.call(run)
+
+    def stems(self, kappa: int, gamma: int) -> list[list[int]]:
+        spine = self.context[-gamma:]
+        vocab = self.engine.draft.vocab_size
+        return [spine[:r] + [(self.context[-1] + 1 + v) % vocab] for r in range(gamma + 1) for v in range(kappa)]
+
+    def rollout(self, stems: list[list[int]], gamma: int) -> float:
+        """A rollout after two newly committed tokens (the draft syncs them in, as in a real step)."""
+        draft, ctx = self.engine.draft, self.context[:-1]
+
+        def run():
+            times = []
+            for _ in range(self.reps):
+                draft.sync(ctx[:-2]) if hasattr(draft, "sync") else None
+                t0 = time.perf_counter()
+                draft.rollout(ctx, stems, gamma)
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        return self.engine.draft_worker.call(run)
+
+    def parallel(self, layer: int, kappa: int, gamma: int) -> float:
+        """The target suffix and the κ(γ+1)-row rollout started together; seconds until both are done."""
+        engine, draft, ctx = self.engine, self.engine.draft, self.context[:-1]
+        stems, n = self.stems(kappa, gamma), gamma + 1
+        times = []
+        for _ in range(self.reps):
+            def prefix():
+                tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
+                early, final = tapped.forward(self.rows(n), self.cache)
+                mx.eval(early)
+                tapped.remove()
+                return final
+
+            final = engine.target_worker.call(prefix)
+            if hasattr(draft, "sync"):
+                engine.draft_worker.call(draft.sync, ctx[:-2])
+            t0 = time.perf_counter()
+            suffix = engine.target_worker.submit(mx.eval, final)
+            roll = engine.draft_worker.submit(draft.rollout, ctx, stems, gamma)
+            suffix.result(), roll.result()
+            times.append(time.perf_counter() - t0)
+            engine.target_worker.call(trim_prompt_cache, self.cache, n)
+        return min(times)
+
+
+def measure_timings(pipe: Any, context: list[int], cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
+    b, t = _Bench(pipe, context, cfg.reps), Timings()
+    for n in sorted({1} | {g + 1 for g in cfg.gammas}):
+        t.verify[n] = b.verify(n)
+        tick()
+    if pipe.draft is None:
+        return t
+    for g in cfg.gammas:
+        t.window[g] = b.rollout([[context[-1]]], g)
+        tick()
+    for layer in layers:
+        for g in cfg.gammas:
+            t.prefix[(layer, g + 1)], t.suffix[(layer, g + 1)] = b.split(layer, g + 1)
+            for k in cfg.kappas:
+                t.rollout[(k * (g + 1), g)] = b.rollout(b.stems(k, g), g)
+                t.parallel[(layer, k, g)] = b.parallel(layer, k, g)
+                tick()
+    return t
+
+
+# --- 3./4. real generations -----------------------------------------------------------------------
+
+
+def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Real greedy generations of `c` over `prompts` (after one warm-up): tokens/s, steps, reuse."""
+    knobs = dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1, exit_layer=c.exit_layer)
+    pipe.generate(prompts[0], **dict(knobs, max_tokens=4))
+    tokens = steps = reuses = 0
+    seconds = 0.0
+    for p in prompts:
+        s = pipe.generate(p, **knobs).stats
+        tokens, steps, reuses, seconds = (tokens + s.generation_tokens, steps + s.steps, reuses + s.reuses,
+                                          seconds + s.decode_seconds)
+    return {"tokens_per_second": tokens / seconds if seconds else 0.0, "step_s": seconds / max(steps, 1),
+            "reuse": reuses / max(steps, 1)}
+
+
+def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers) -> dict:
+    """Per mode: measured step time minus the modelled components (scheduling, sampling, Python).
+
+    One probe configuration per mode, run for real; returns {config: measured run} (the probes are
+    measured configurations too, but their prediction is fitted to them: the table marks them).
+    """
+    g = cfg.gammas[len(cfg.gammas) // 2]
+    probes = [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
+    runs = {}
+    for c in probes:
+        runs[c] = run_config(pipe, c, prompts, cfg.max_tokens)
+        t.overhead[c.mode] = max(0.0, runs[c]["step_s"] - component_time(c, t, runs[c]["reuse"]))
+    return runs
+
+
+def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
+              log: Callable[[str], None] = lambda s: None) -> profiles.Profile:
+    """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration."""
+    from tqdm import tqdm
+
+    if pipe.draft is None:
+        raise ValueError("tune needs a draft model (without one the only mode is ar): pass --draft-model")
+    started = time.perf_counter()
+    prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
+    layers = exit_layer_candidates(pipe, cfg)
+    configs = grid(cfg.kappas, cfg.gammas, layers)
+    total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(layers) * len(cfg.kappas))
+             + 3 + cfg.confirm)
+    bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    tick = lambda: bar.update(1)  # noqa: E731
+    try:
+        traces = []
+        for p in prompts:
+            traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas)))
+            tick()
+        acc = Acceptance([tr for tr, _ in traces])
+        t = measure_timings(pipe, traces[0][1], cfg, layers, tick)  # over a prompt and its greedy text
+        measured = measure_overheads(pipe, t, cfg, prompts, layers)
+        bar.update(3)
+        ranked = rank(configs, t, acc)
+        for r in [r for r in ranked if r["config"] not in measured][: cfg.confirm]:
+            measured[r["config"]] = run_config(pipe, r["config"], prompts, cfg.max_tokens)
+            tick()
+    finally:
+        bar.close()
+    for r in ranked:
+        r["measured"] = measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None
+    best = max((r for r in ranked if r["measured"] is not None), key=lambda r: r["measured"])
+    ar = next(r for r in ranked if r["config"].mode == "ar")
+    c = best["config"]
+    why = (f"tuned: {best['measured']:.0f} tok/s measured vs ar {ar['measured']:.0f} "
+           f"(predicted {best['tokens_per_second']:.0f}; best of {len(measured)} measured, {len(configs)} predicted)")
+    table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"], measured=r["measured"],
+                  probe=r["config"] in list(measured)[:3], tokens_per_step=r["tokens_per_step"], reuse=r["reuse"],
+                  step_ms=1e3 * r["step_s"]) for r in ranked]
+    calibration = {"seconds": time.perf_counter() - started, "prompts": len(prompts), "max_tokens": cfg.max_tokens,
+                   "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
+    log(f"calibrated in {calibration['seconds']:.1f} s")
+    return profiles.Profile(key=pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
+                            why=why, table=table, calibration=calibration)
+
+
+# --- mode="auto" ----------------------------------------------------------------------------------
+
+
+def pipe_key(pipe: Any) -> dict:
+    key = getattr(pipe, "_profile_key", None)
+    if key is None:
+        key = pipe._profile_key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+    return key
+
+
+def profile_for(pipe: Any) -> profiles.Profile:
+    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr)."""
+    prof = getattr(pipe, "_profile", None)
+    if prof is not None:
+        return prof
+    key = pipe_key(pipe)
+    try:
+        prof = profiles.load(key)
+    except profiles.ProfileError as e:
+        print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
+        prof = None
+    if prof is None:
+        t0 = time.perf_counter()
+        prof = calibrate(pipe, TuneConfig.quick())
+        prof.why = "quick " + prof.why
+        path = profiles.save(prof)
+        print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
+              f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
+              "(`mirror-mlx tune` measures more)", file=sys.stderr)
+    pipe._profile = prof
+    return prof
+
+
+def describe(c: Any) -> str:
+    return Config(c.mode, c.kappa if c.mode == "mirror" else None, c.gamma if c.mode != "ar" else None,
+                  c.exit_layer if c.mode == "mirror" else None).name
+
+
+def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> Choice:
+    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile."""
+    if mode != "auto":
+        return Choice(mode, kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"], exit_layer,
+                      why=f"mode {mode} as asked")
+    if pipe.draft is None:
+        return Choice("ar", kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"], exit_layer,
+                      why="auto: no draft model, so ar")
+    prof = profile_for(pipe)
+    asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
+    if not asked:
+        return Choice(prof.mode, prof.kappa or PAPER_KNOBS["kappa"], prof.gamma or PAPER_KNOBS["gamma"],
+                      prof.exit_layer, why="auto: " + prof.why)
+    # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
+    need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
+    rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)
+            and all(r.get(k) == v for k, v in asked.items())]
+    if rows:
+        r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
+        why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
+        return Choice(r["mode"], kappa or r["kappa"] or PAPER_KNOBS["kappa"], gamma or r["gamma"],
+                      exit_layer if exit_layer is not None else r["exit_layer"], why=why)
+    return Choice("mirror", kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"], exit_layer,
+                  why="auto with knobs outside the profile's grid: mirror with them")
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+
+def format_table(prof: profiles.Profile, top: int = 10) -> str:
+    """Predicted vs measured tokens/s: the top predictions and every measured configuration."""
+    rows = [r for i, r in enumerate(prof.table) if i < top or r.get("measured") is not None]
+    lines = [f"{'configuration':<28} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
+             f"{'error':>7}"]
+    for r in rows:
+        m = r.get("measured")
+        err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
+        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (" (probe)" if r.get("probe") else "")
+        lines.append(f"{name:<28} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
+                     f"{r['predicted']:>10.1f} {m if m is not None else float('nan'):>9.1f} {err:>7}")
+    return "\n".join(lines)
+
+
+def contention(prof: profiles.Profile) -> str:
+    """For the chosen mirror point: suffix ‖ rollout measured together against Eq. 10's ideal max()."""
+    if prof.mode != "mirror":
+        return ""
+    t = prof.calibration["timings"]
+    k, g, e = prof.kappa, prof.gamma, prof.exit_layer
+    suffix = t["suffix"][str((e, g + 1))]
+    rollout = t["rollout"][str((k * (g + 1), g))]
+    together = t["parallel"][str((e, k, g))]
+    return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
+            f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")
