@@ -269,10 +269,11 @@ def measure_timings(pipe: Any, context: list[int], cfg: TuneConfig, layers: list
 # --- 3./4. real generations -----------------------------------------------------------------------
 
 
-def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Real greedy generations of `c` over `prompts` (after one warm-up): tokens/s, steps, reuse."""
+def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, warm_up: bool = True) -> dict:
+    """Real greedy generations of `c` over `prompts` (after a short warm-up): tokens/s, steps, reuse."""
     knobs = dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1, exit_layer=c.exit_layer)
-    pipe.generate(prompts[0], **dict(knobs, max_tokens=4))
+    if warm_up:
+        pipe.generate(prompts[0], **dict(knobs, max_tokens=4))
     tokens = steps = reuses = 0
     seconds = 0.0
     for p in prompts:
@@ -286,8 +287,9 @@ def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int) 
 def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers) -> dict:
     """Per mode: measured step time minus the modelled components (scheduling, sampling, Python).
 
-    One probe configuration per mode, run for real; returns {config: measured run} (the probes are
-    measured configurations too, but their prediction is fitted to them: the table marks them).
+    One probe configuration per mode, run for real after a warm-up of that mode; returns {config:
+    measured run} (the probes are measured configurations too, but their prediction is fitted to
+    them: the table marks them).
     """
     g = cfg.gammas[len(cfg.gammas) // 2]
     probes = [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
@@ -324,7 +326,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         bar.update(3)
         ranked = rank(configs, t, acc)
         for r in [r for r in ranked if r["config"] not in measured][: cfg.confirm]:
-            measured[r["config"]] = run_config(pipe, r["config"], prompts, cfg.max_tokens)
+            measured[r["config"]] = run_config(pipe, r["config"], prompts, cfg.max_tokens, warm_up=False)
             tick()
     finally:
         bar.close()
@@ -385,55 +387,25 @@ def describe(c: Any) -> str:
 
 def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> Choice:
     """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile."""
+
+    def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> Choice:
+        return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why)
+
     if mode != "auto":
-        return Choice(mode, kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"], exit_layer,
-                      why=f"mode {mode} as asked")
+        return knobs(kappa, gamma, exit_layer, f"mode {mode} as asked", mode)
     if pipe.draft is None:
-        return Choice("ar", kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"], exit_layer,
-                      why="auto: no draft model, so ar")
+        return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
     prof = profile_for(pipe)
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:
-        return Choice(prof.mode, prof.kappa or PAPER_KNOBS["kappa"], prof.gamma or PAPER_KNOBS["gamma"],
-                      prof.exit_layer, why="auto: " + prof.why)
+        return knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
     # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
     need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
     rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)
             and all(r.get(k) == v for k, v in asked.items())]
-    if rows:
-        r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
-        why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
-        return Choice(r["mode"], kappa or r["kappa"] or PAPER_KNOBS["kappa"], gamma or r["gamma"],
-                      exit_layer if exit_layer is not None else r["exit_layer"], why=why)
-    return Choice("mirror", kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"], exit_layer,
-                  why="auto with knobs outside the profile's grid: mirror with them")
-
-
-# --- reporting ------------------------------------------------------------------------------------
-
-
-def format_table(prof: profiles.Profile, top: int = 10) -> str:
-    """Predicted vs measured tokens/s: the top predictions and every measured configuration."""
-    rows = [r for i, r in enumerate(prof.table) if i < top or r.get("measured") is not None]
-    lines = [f"{'configuration':<28} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
-             f"{'error':>7}"]
-    for r in rows:
-        m = r.get("measured")
-        err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
-        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (" (probe)" if r.get("probe") else "")
-        lines.append(f"{name:<28} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
-                     f"{r['predicted']:>10.1f} {m if m is not None else float('nan'):>9.1f} {err:>7}")
-    return "\n".join(lines)
-
-
-def contention(prof: profiles.Profile) -> str:
-    """For the chosen mirror point: suffix ‖ rollout measured together against Eq. 10's ideal max()."""
-    if prof.mode != "mirror":
-        return ""
-    t = prof.calibration["timings"]
-    k, g, e = prof.kappa, prof.gamma, prof.exit_layer
-    suffix = t["suffix"][str((e, g + 1))]
-    rollout = t["rollout"][str((k * (g + 1), g))]
-    together = t["parallel"][str((e, k, g))]
-    return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
-            f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")
+    if not rows:
+        return knobs(kappa, gamma, exit_layer, "auto with knobs outside the profile's grid: mirror with them")
+    r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
+    why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
+    return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
+                 r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
