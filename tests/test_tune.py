@@ -165,9 +165,12 @@ def test_auto_is_lossless_and_says_what_it_chose(pipe):
 def test_the_choice_is_the_fastest_measured_configuration(pipe):
     prof = tune.profile_for(pipe)
     measured = [r for r in prof.table if r["measured"] is not None]
+    ar = next(r for r in measured if r["mode"] == "ar")  # never chosen without measuring plain generation
     best = max(measured, key=lambda r: r["measured"])
-    assert (prof.mode, prof.gamma if prof.mode != "ar" else None) == (best["mode"], best["gamma"])
-    assert any(r["mode"] == "ar" for r in measured)  # never chosen without measuring plain generation
+    if best["measured"] < tune.AR_MARGIN * ar["measured"]:  # a gain within noise is not taken
+        best = ar
+    assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
+                                                                        ("mode", "kappa", "gamma", "exit_layer"))
     quick = tune.TuneConfig.quick()
     assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2]))  # the demo adapter pins ℓe = 2
 
