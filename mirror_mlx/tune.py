@@ -11,6 +11,7 @@
    the model believed in.
 """
 
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -147,14 +148,14 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
 
 
 def _best_time(fn: Callable[[], Any], reps: int) -> float:
-    """Fastest of `reps` calls after one untimed warm-up (the box is shared: spikes are other jobs)."""
+    """Median of `reps` calls after one untimed warm-up: what a real run sees, contention included."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 class _Bench:
@@ -198,7 +199,7 @@ class _Bench:
                     trim_prompt_cache(self.cache, n)
             finally:
                 tapped.remove()
-            return min(pre), min(suf)
+            return statistics.median(pre), statistics.median(suf)
 
         return self.engine.target_worker.call(run)
 
@@ -218,7 +219,7 @@ class _Bench:
                 t0 = time.perf_counter()
                 draft.rollout(ctx, stems, gamma)
                 times.append(time.perf_counter() - t0)
-            return min(times)
+            return statistics.median(times)
 
         return self.engine.draft_worker.call(run)
 
@@ -244,7 +245,7 @@ class _Bench:
             suffix.result(), roll.result()
             times.append(time.perf_counter() - t0)
             engine.target_worker.call(trim_prompt_cache, self.cache, n)
-        return min(times)
+        return statistics.median(times)
 
 
 def measure_timings(pipe: Any, context: list[int], cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:

@@ -28,7 +28,7 @@ def run(texts, max_tokens, adapter, rule):
     outs = []
     try:
         for text in texts:
-            r = pipe.generate(text, max_tokens=max_tokens)
+            r = pipe.generate(text, max_tokens=max_tokens, mode="mirror")  # reuse exists only in mirror
             s = r.stats
             tot["steps"] += s.steps
             tot["reuses"] += s.reuses
