@@ -13,6 +13,7 @@
 
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -371,8 +372,19 @@ def pipe_key(pipe: Any) -> dict:
     return key
 
 
+_calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
+
+
 def profile_for(pipe: Any) -> profiles.Profile:
     """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr)."""
+    prof = getattr(pipe, "_profile", None)
+    if prof is not None:
+        return prof
+    with _calibrating:
+        return _load_or_calibrate(pipe)
+
+
+def _load_or_calibrate(pipe: Any) -> profiles.Profile:
     prof = getattr(pipe, "_profile", None)
     if prof is not None:
         return prof

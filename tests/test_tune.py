@@ -213,3 +213,13 @@ def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
         assert profiles.load(tune.pipe_key(p)) is not None  # the next auto run uses it
     finally:
         p.close()
+
+
+def test_the_core_ml_compute_plan_says_why_it_is_skipped():
+    import sys
+
+    from mirror_mlx.compute_plan import report, unavailable_reason
+
+    assert report(None) == "Core ML compute plan: skipped (the draft is not a Core ML package)"
+    if sys.platform != "darwin":
+        assert "needs macOS 14.4+" in unavailable_reason("draft.mlpackage")
