@@ -32,8 +32,8 @@ from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .engine import DecodeOptions
 from .prompts import load_prompts
 
-MODES = ("mirror", "sd", "mlx_sd", "ar")
-ENGINE_MODES = ("mirror", "sd")
+MODES = ("mirror", "sd", "mlx_sd", "ar", "auto")
+ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
 
 
@@ -330,6 +330,8 @@ def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs:
         k: Optional[int] = None) -> Sample:
     seed = cfg.seed + index
     if mode in ENGINE_MODES:
+        if mode == "auto":  # the profile's knobs, not the command line's
+            knobs = dict(kappa=None, gamma=None, exit_layer=None)
         return run_engine(pipe, mode, p, index, max_tokens, cfg.temp, seed, **knobs)
     return run_baseline(pipe, mode, p, index, max_tokens, cfg.temp, seed, k if mode == "mlx_sd" else None)
 

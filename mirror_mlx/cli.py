@@ -278,7 +278,8 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Leave out the first N prompts (e.g. those a sweep chose the knobs on).")
 @click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--modes", default="mirror,sd,mlx_sd,ar", show_default=True,
-              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own); ar always runs as reference.")
+              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own), auto (the tuned choice); "
+                   "ar always runs as reference.")
 @click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
 @click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit.")
 @click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ (mirror and sd).")
