@@ -45,7 +45,7 @@ class TuneConfig:
 
     @classmethod
     def quick(cls) -> "TuneConfig":
-        return cls(prompts=2, max_tokens=16, kappas=(1, 2, 4), gammas=(1, 2, 3, 5), reps=2, confirm=2,
+        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
                    progress=False)
 
 
