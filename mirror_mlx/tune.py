@@ -396,12 +396,17 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
         prof = None
     if prof is None:
         t0 = time.perf_counter()
-        prof = calibrate(pipe, TuneConfig.quick())
-        prof.why = "quick " + prof.why
-        path = profiles.save(prof)
-        print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
-              f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
-              "(`mirror-mlx tune` measures more)", file=sys.stderr)
+        try:
+            prof = calibrate(pipe, TuneConfig.quick())
+        except Exception as e:  # a draft that fails here would fail in generation too: plain, visibly
+            prof = profiles.Profile(key=key, mode="ar", why=f"quick calibration failed ({e!r}), so ar")
+            print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)
+        else:
+            prof.why = "quick " + prof.why
+            path = profiles.save(prof)
+            print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
+                  f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
+                  "(`mirror-mlx tune` measures more)", file=sys.stderr)
     pipe._profile = prof
     return prof
 
@@ -421,6 +426,8 @@ def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], ex
         return knobs(kappa, gamma, exit_layer, f"mode {mode} as asked", mode)
     if pipe.draft is None:
         return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
+    if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
+        return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
     prof = profile_for(pipe)
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:

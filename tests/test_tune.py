@@ -223,3 +223,24 @@ def test_the_core_ml_compute_plan_says_why_it_is_skipped():
     assert report(None) == "Core ML compute plan: skipped (the draft is not a Core ML package)"
     if sys.platform != "darwin":
         assert "needs macOS 14.4+" in unavailable_reason("draft.mlpackage")
+
+
+def test_auto_with_a_failing_draft_says_so_and_runs_plain(capfd):
+    class Exploding:  # fails on its first rollout, as a broken draft host would
+        vocab_size = 512
+
+        def reset(self):
+            pass
+
+        def rollout(self, context, stems, gamma):
+            raise RuntimeError("draft exploded")
+
+    target, tokenizer = mlx_load(str(TARGET_PATH))
+    p = Pipeline(target, tokenizer, Exploding())
+    try:
+        out = p.generate(PROMPT, max_tokens=8)
+    finally:
+        p.close()
+    assert out.tokens == mlx_greedy(target, tokenizer.encode(PROMPT), 8)
+    assert out.stats.chosen_mode == "ar" and "quick calibration failed" in out.stats.why
+    assert "draft exploded" in capfd.readouterr().err
