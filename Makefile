@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test fuzz bench clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,9 @@ demo: setup  # the demo pair widened to a realistic cost (build/), mode auto, an
 
 test: setup
 	$(PY) -m pytest -q --durations=15 tests
+
+fuzz: setup  # many more random inputs than `make test` runs (MIRROR_MLX_FUZZ_EXAMPLES=500 by default)
+	MIRROR_MLX_FUZZ=fuzz $(PY) -m pytest -q tests/test_fuzz.py
 
 bench: setup
 	bash scripts/bench.sh

@@ -1,6 +1,6 @@
 """The host half of a Core ML draft: chunking, tree masks, positions and the rollout loop.
 
-Pure numpy and platform-free, so the very same code drives the package on a Mac (through Core ML)
+Pure numpy and platform-free, so the very same code drives the package on a Mac (through Core ML, inside the draft host)
 and on Linux (through the MIL evaluator, convert/mil_eval.py). A `runner` has
 `call(fn, inputs) -> outputs` and `reset()`; fn is 'extend' or 'rollout' (see convert/coreml.py
 for the static shapes).
@@ -24,7 +24,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from mirror_mlx.convert.coreml import NEG, Shapes, package_shapes
+from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
 from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Rollout
 

@@ -147,7 +147,7 @@ class SSDraft(MLXDraft):
         extensions: list[Extension] = []
         forwards, guessing = 0, False
         while True:
-            past = self._past(prefix, scratch, len(act))
+            past = self._past(prefix, scratch)
             valid = mx.array(np.concatenate([prefix_valid, scratch_valid], axis=1)) if past else None
             out = ss_forward(self.model, mx.array(rows), mx.array(offset.astype(np.int32)), past, valid)
             main = mx.argmax(out.main, axis=-1)
@@ -204,19 +204,15 @@ class SSDraft(MLXDraft):
                 self.stats.branch_forwards[i] = forward
 
     @staticmethod
-    def _past(prefix, scratch, B: int):
-        """Per layer, the keys/values a branch row may see: shared prefix, then its own scratch."""
+    def _past(prefix, scratch):
+        """Per layer, the parts a branch row may see: the shared prefix (batch 1), then its own scratch.
+
+        Parts stay separate: ss_forward's blocks join them with the new rows in one concatenation.
+        """
         if prefix is None and not scratch:
             return None
         layers = []
         for i in range(len(prefix if prefix is not None else scratch)):
-            parts_k, parts_v = [], []
-            if prefix is not None:
-                k, v = prefix[i]
-                parts_k.append(mx.broadcast_to(k, (B,) + k.shape[1:]))
-                parts_v.append(mx.broadcast_to(v, (B,) + v.shape[1:]))
-            if scratch:
-                parts_k.append(scratch[i][0])
-                parts_v.append(scratch[i][1])
-            layers.append((mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)))
+            parts = ([prefix[i]] if prefix is not None else []) + ([scratch[i]] if scratch else [])
+            layers.append(([k for k, _ in parts], [v for _, v in parts]))
         return layers

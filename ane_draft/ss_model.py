@@ -126,12 +126,10 @@ def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
     k = mx.concatenate([attn.rope(k[:, :, g * L:(g + 1) * L], offset=offset + g) for g in range(G)], 2)
     new_kv = (k[:, :, :L], v[:, :, :L])
     km, vm = new_kv
-    if past is not None:
-        pk, pv = past
-        if pk.shape[0] != B:
-            pk = mx.broadcast_to(pk, (B,) + pk.shape[1:])
-            pv = mx.broadcast_to(pv, (B,) + pv.shape[1:])
-        km, vm = mx.concatenate([pk, km], axis=2), mx.concatenate([pv, vm], axis=2)
+    if past is not None:  # one concatenation of every part (a batch-1 prefix broadcast into it)
+        def rows(parts):
+            return [mx.broadcast_to(p, (B,) + p.shape[1:]) for p in (parts if isinstance(parts, list) else [parts])]
+        km, vm = mx.concatenate(rows(past[0]) + [km], axis=2), mx.concatenate(rows(past[1]) + [vm], axis=2)
     o = mx.fast.scaled_dot_product_attention(q[:, :, :L], km, vm, scale=attn.scale, mask=mask[:, None])
     if G > 1:
         def streams(a):
@@ -152,14 +150,16 @@ def ss_forward(
     """Main and stream logits for main rows `tokens` (B, L) at positions offset + t.
 
     `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix
-    and the branch's own earlier rows); `past_valid` (B, P) says which of them each row sees (None:
+    and the branch's own earlier rows), each given whole or as a list of parts along P (the block
+    concatenates them with the new rows once, so a batch-1 prefix is copied once per forward); `past_valid` (B, P) says which of them each row sees (None:
     all). Training calls it with the tokens only.
     """
     B, L = tokens.shape
     S = model.args.num_streams
     first_stream = len(model.layers) - model.args.stream_layers
     if past is not None and past_valid is None:
-        past_valid = mx.ones((B, past[0][0].shape[2]), dtype=mx.bool_)
+        k = past[0][0]
+        past_valid = mx.ones((B, sum(p.shape[2] for p in k) if isinstance(k, list) else k.shape[2]), dtype=mx.bool_)
     mask = _main_mask(L, past_valid)
     x = model.model.embed_tokens(tokens)
     kv = []

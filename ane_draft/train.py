@@ -28,6 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _download, load, load_config, load_tokenizer
 from tqdm import tqdm
 
+from ..corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
+from ..loading import tokenizer_mismatch
 from .ss_model import Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (papers.md §3.7)
@@ -55,7 +57,7 @@ class TrainConfig:
     seq_len: int = 128  # opening + continuation, in tokens
     prompt_min: int = 4  # opening length range, in tokens (BOS included)
     prompt_max: int = 24
-    holdout: int = 200  # the corpus's first paragraphs, never trained on (prompts.tinystories benchmarks them)
+    holdout: int = HELD_OUT_PARAGRAPHS  # the corpus's first paragraphs, never trained on (corpus.split)
     checkpoint_every: int = 200
 
 
@@ -66,8 +68,8 @@ class Data:
     length: np.ndarray  # (N,) tokens up to and including the first EOS (labels stop there)
 
 
-def read_corpus(path: str) -> list[str]:
-    """The corpus paragraphs (blank-line separated); errors say what is wrong with the file."""
+def read_corpus(path: str) -> str:
+    """The corpus text (paragraphs separated by blank lines); errors say what is wrong with the file."""
     p = Path(path)
     if not p.is_file():
         raise TrainError(f"corpus {path} does not exist or is not a file")
@@ -77,17 +79,9 @@ def read_corpus(path: str) -> list[str]:
     except UnicodeDecodeError as e:
         raise TrainError(f"corpus {path} is not UTF-8 text (bad byte at offset {e.start}); "
                          "convert it, e.g. with iconv -t utf-8") from None
-    paragraphs = [" ".join(q.split()) for q in text.replace("\r\n", "\n").split("\n\n")]
-    paragraphs = [q for q in paragraphs if q]
-    if not paragraphs:
+    if not paragraphs(text):
         raise TrainError(f"corpus {path} is empty: it needs paragraphs of text separated by blank lines")
-    return paragraphs
-
-
-def same_tokenizer(a, b) -> bool:
-    """Two tokenizers agree when their vocabularies and special ids are identical."""
-    return (a.get_vocab() == b.get_vocab() and a.bos_token_id == b.bos_token_id
-            and set(a.eos_token_ids) == set(b.eos_token_ids))
+    return text
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -112,9 +106,10 @@ def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
         init_dir = Path(cfg.init_from)
         if not (init_dir / "config.json").is_file():
             raise TrainError(f"--init-from {cfg.init_from} is not a model folder (no config.json)")
-        if not same_tokenizer(load_tokenizer(init_dir), target_tok):
+        why = tokenizer_mismatch(target_tok, load_tokenizer(init_dir))
+        if why is not None:
             raise TrainError(f"--init-from {cfg.init_from} does not share the target's tokenizer "
-                             f"({cfg.model}); a draft must tokenize exactly like its target")
+                             f"({cfg.model}: {why}); a draft must tokenize exactly like its target")
         n_layers = load_config(init_dir)["num_hidden_layers"]
         if cfg.stream_layers > n_layers:
             raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed the draft's layers "
@@ -254,11 +249,11 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     checkpoint (every `checkpoint_every` steps).
     """
     check_config(cfg)
-    paragraphs = read_corpus(cfg.corpus)
-    if len(paragraphs) <= cfg.holdout:
-        raise TrainError(f"corpus {cfg.corpus} has {len(paragraphs)} paragraphs, not more than --holdout "
+    text = read_corpus(cfg.corpus)
+    train_paragraphs = split(text, cfg.holdout).train
+    if not train_paragraphs:
+        raise TrainError(f"corpus {cfg.corpus} has {len(paragraphs(text))} paragraphs, not more than --holdout "
                          f"({cfg.holdout}): give a longer corpus or a smaller --holdout")
-    paragraphs = paragraphs[cfg.holdout:]
     try:
         target_dir = _download(cfg.model)
         target, target_tok = load(str(target_dir))
@@ -282,7 +277,7 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
         z = np.load(ckpt / "data.npz")
         data = Data(z["tokens"], z["start"], z["length"])
     else:
-        data = target_continuations(target, target_tok, paragraphs, cfg, progress)
+        data = target_continuations(target, target_tok, train_paragraphs, cfg, progress)
         ckpt.mkdir(parents=True, exist_ok=True)
         np.savez(ckpt / "data.npz", tokens=data.tokens, start=data.start, length=data.length)
         progress_file.write_text(json.dumps({"step": 0, "config": _run_key(cfg)}, indent=2))

@@ -9,6 +9,22 @@ import click
 from mirror_mlx.convert.coreml import QUANTIZE
 
 
+def check_writable(out: Path) -> None:
+    """Fail before the (long) build when the package cannot be written where --out says."""
+    import tempfile
+
+    from mirror_mlx.convert.coreml import ConvertError
+
+    parent = out.expanduser().absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ConvertError(f"cannot write --out {out}: {parent} is not a writable folder ({e.strerror}): "
+                           "choose an --out in a folder you can write to") from None
+
+
 @click.command("convert")
 @click.option("--draft-model", required=True, type=click.Path(path_type=Path),
               help="The MLX draft model folder (mlx-lm format, same tokenizer as the target).")
@@ -39,6 +55,7 @@ def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Pat
             raise click.UsageError("give --out DRAFT.mlpackage to build a package (or --verify PACKAGE to check one)")
         from mirror_mlx.convert.coreml import convert
 
+        check_writable(out)
         convert(draft_model, out, context=context, kappa=kappa, gamma=gamma, chunk=chunk, quantize=quantize)
         click.echo(f"wrote {out} (check it with: mirror-mlx convert --verify {out} --draft-model {draft_model})")
     except ConvertError as e:

@@ -48,46 +48,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-FORMAT = "1"
+from mirror_mlx.ane_draft.package_format import (FORMAT, META, NEG, ConvertError, Shapes, package_shapes,  # noqa: F401
+                                                 read_metadata, tokenizer_sha256)
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: ane_draft/ss_model.py
-NEG = -1.0e4  # additive mask value: exp(-1e4) == 0 in fp16 and fp32, never -inf (no NaN rows)
 HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
 QUANTIZE = ("none", "int8", "lut4", "lut6")
-META = "mirror_mlx."
-
-
-class ConvertError(ValueError):
-    """A draft or package that cannot be converted or used (the message says why and what to do)."""
-
-
-@dataclass
-class Shapes:
-    """The static shapes of a package (recorded in its metadata)."""
-
-    context: int  # S: committed slots
-    chunk: int  # E: rows per extend call
-    rows: int  # B: rows per rollout call
-    scratch: int  # W: scratch slots for rollout rows
-    kappa: int
-    gamma: int
-    streams: int = 0  # stream rows per main rollout row (Speculative-Streaming drafts)
-
-    @property
-    def slots(self) -> int:
-        return self.context + self.scratch
-
-    @classmethod
-    def make(cls, context: int, kappa: int, gamma: int, chunk: int = 16, streams: int = 0) -> "Shapes":
-        """B = kappa*(gamma+1) rows (times 1 + streams for an SS draft, whose branches each feed
-        a main token and its stream guesses per forward); scratch for gamma+1 rollout calls."""
-        if kappa < 1 or gamma < 1:
-            raise ConvertError(f"kappa and gamma must be >= 1 (got kappa={kappa}, gamma={gamma})")
-        if chunk < 1 or context < chunk:
-            raise ConvertError(
-                f"--context {context} must be at least the extend chunk ({chunk}); use --context >= {chunk}"
-            )
-        rows = kappa * (gamma + 1) * (1 + streams)
-        return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma, streams)
 
 
 @dataclass
@@ -153,15 +119,6 @@ def _dense(layer: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
     return to_np(w), (to_np(b) if b is not None else None)
 
 
-def tokenizer_sha256(tokenizer: Any) -> str:
-    """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    special = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
-    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
 def _weights_sha256(weights: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     for k in sorted(weights):
@@ -206,19 +163,10 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
             f"draft architecture '{mt}' is not supported by the Core ML converter "
             f"(supported: {', '.join(SUPPORTED)}); use the MLX draft folder directly instead"
         )
-    model, tokenizer = load_draft_model(path, config)
+    from mirror_mlx.loading import load_model
+
+    model, tokenizer = load_model(path)
     return spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
-
-
-def load_draft_model(path: Path, config: dict) -> tuple[Any, Any]:
-    """(model, tokenizer) of a plain mlx-lm draft or a Speculative-Streaming draft folder."""
-    if config.get("model_type") == "ss_llama":
-        from mirror_mlx.ane_draft.ss_model import load_ss_draft
-
-        return load_ss_draft(path)
-    from mlx_lm.utils import load
-
-    return load(str(path))
 
 
 def _np(a: Any) -> np.ndarray:
@@ -553,31 +501,6 @@ def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "no
     bar.update(1)
     bar.close()
     return out
-
-
-def read_metadata(package: Path) -> dict[str, str]:
-    """The package's mirror-mlx metadata (prefix stripped); a clear error if it is not ours or broken."""
-    import coremltools as ct
-
-    package = Path(package)
-    if not package.exists():
-        raise ConvertError(f"{package} does not exist (build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
-    try:
-        spec = ct.utils.load_spec(str(package))
-    except Exception as e:  # noqa: BLE001  (protobuf/IO errors of many kinds)
-        raise ConvertError(
-            f"{package} is not a readable Core ML package ({type(e).__name__}: {e}); "
-            "it is corrupt or truncated: rebuild it with `mirror-mlx convert`"
-        ) from None
-    meta = dict(spec.description.metadata.userDefined)
-    if meta.get(META + "format") != FORMAT:
-        raise ConvertError(f"{package} was not built by `mirror-mlx convert` (format {FORMAT}); rebuild it")
-    return {k[len(META):]: v for k, v in meta.items() if k.startswith(META)}
-
-
-def package_shapes(meta: dict[str, str]) -> Shapes:
-    keys = ("context", "chunk", "rows", "scratch", "kappa", "gamma")
-    return Shapes(*(int(meta[k]) for k in keys), streams=int(meta.get("streams", 0)))
 
 
 def check_match(meta: dict[str, str], spec: DraftSpec, package: Path) -> None:

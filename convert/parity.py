@@ -25,9 +25,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
-from mirror_mlx.convert.coreml import (ConvertError, check_match, load_draft_model, package_shapes, read_metadata,
+from mirror_mlx.batching import padded_batches
+from mirror_mlx.convert.coreml import (ConvertError, check_match, package_shapes, read_metadata,
                             spec_from_model, tokenizer_sha256)
 from mirror_mlx.convert.mil_eval import MilRunner
+from mirror_mlx.loading import load_model
 
 TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
 PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to play",
@@ -47,6 +49,7 @@ class Parity:
     greedy: int = 0  # greedy tokens compared
     mismatches: int = 0  # argmax differs where MLX's top-2 margin exceeds the tolerance
     near_ties: int = 0  # argmax differs inside the tolerance
+    nan_rows: int = 0  # rows where the package gave NaN or inf (never hidden inside max |dlogit|)
     margins: list[float] = field(default_factory=list, repr=False)  # MLX top-2 margins where argmax differs
 
     @property
@@ -56,10 +59,13 @@ class Parity:
 
     @property
     def ok(self) -> bool:
-        return self.max_abs <= self.tolerance and self.mismatches == 0 and self.greedy > 0
+        return (self.max_abs <= self.tolerance and self.mismatches == 0 and self.greedy > 0
+                and self.nan_rows == 0)
 
     def line(self) -> str:
         verdict = "parity OK" if self.ok else "parity MISMATCH"
+        if self.nan_rows:
+            verdict += f" (NaN or inf logits in {self.nan_rows} rows)"
         q = "" if self.quantize == "none" else f" [{self.quantize}]"
         return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows} rollout rows "
                 f"({self.calls} rollout calls); max |dlogit| {self.max_abs:.4f} "
@@ -70,6 +76,9 @@ class Parity:
     def add(self, got: np.ndarray, ref: np.ndarray, chosen: Optional[np.ndarray] = None) -> None:
         """Compare logit rows (n, V); `chosen` are the tokens the package picked (default argmax)."""
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        bad = ~np.isfinite(got).reshape(len(got), -1).all(-1)
+        self.nan_rows += int(bad.sum())
+        got = np.where(np.isfinite(got), got, np.float32(np.inf))  # max |dlogit| is then inf, not 0
         self.max_abs = max(self.max_abs, float(np.abs(got - ref).max()))
         self.scale = max(self.scale, float(np.abs(ref).max()))
         chosen = got.argmax(-1) if chosen is None else np.asarray(chosen)
@@ -92,10 +101,7 @@ def _mlx_logits(model: Any, seqs: Sequence[Sequence[int]], last: Sequence[int], 
     import mlx.core as mx
 
     out = []
-    for i in range(0, len(seqs), batch):
-        part = seqs[i : i + batch]
-        n = max(len(s) for s in part)
-        x = mx.array([list(s) + [0] * (n - len(s)) for s in part], dtype=mx.int32)
+    for i, part, x in padded_batches(seqs, batch):
         logits = model(x).astype(mx.float32)
         for j, s in enumerate(part):
             k = last[i + j]
@@ -114,10 +120,8 @@ def _row_logits(model: Any, seqs: Sequence[Sequence[int]], streams: int,
     from mirror_mlx.ane_draft.ss_model import ss_forward
 
     out = []
-    for i in range(0, len(seqs), batch):
-        part = seqs[i : i + batch]
-        n = max(len(s) for s in part)
-        res = ss_forward(model, mx.array([list(s) + [0] * (n - len(s)) for s in part], dtype=mx.int32))
+    for _, part, x in padded_batches(seqs, batch):
+        res = ss_forward(model, x)
         main, st = np.array(res.main.astype(mx.float32)), np.array(res.streams.astype(mx.float32))
         out += [(main[j, len(s) - 1], st[j, :, len(s) - 1]) for j, s in enumerate(part)]
     return out
@@ -151,7 +155,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
         raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
     config = json.loads((draft / "config.json").read_text())
     if model is None:
-        model, tokenizer = load_draft_model(draft, config)
+        model, tokenizer = load_model(draft)
     shapes = package_shapes(meta)
     spec = spec_from_model(model, config, tokenizer_sha256(tokenizer), shapes.slots)
     check_match(meta, spec, package)

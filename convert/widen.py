@@ -252,3 +252,50 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(widened_config(config, new), indent=2, sort_keys=True) + "\n")
     return out
+
+
+def exact_exit_layers(exit_layer: int, old_layers: int, new_layers: int) -> list[int]:
+    """The widened exit layers whose state is the original state after `exit_layer` blocks.
+
+    Original block ℓ−1 sits at slot ⌊(ℓ−1)·L/n⌋ and identities follow it up to original block ℓ,
+    so exiting after any of those layers sees the very same residual stream.
+    """
+    first = (exit_layer - 1) * new_layers // old_layers + 1
+    last = exit_layer * new_layers // old_layers if exit_layer < old_layers else new_layers
+    return list(range(first, last + 1))
+
+
+def widen_adapter(adapter_path: Path, model_dir: Path, widened_dir: Path, out: Path) -> list[int]:
+    """Write the exit adapter of `model_dir` for its widened copy `widened_dir`; returns its exact layers.
+
+    The adapter is x ↦ x + up(act(down(x))): zero-padding down's inputs and up's outputs keeps it
+    exact on the widened normalised state (the original state in the first d dims, zeros after),
+    as widening keeps the model's own logits.
+    """
+    from mlx_lm.utils import load_model
+
+    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapter, save_adapter
+
+    small, _ = load_model(Path(model_dir), lazy=True)
+    try:
+        adapter = load_adapter(adapter_path, small)
+    except ValueError as e:
+        raise WidenError(str(e)) from None
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    wide_config = json.loads((Path(widened_dir) / "config.json").read_text())
+    old, new = Shape.of(config), Shape.of(wide_config)
+    if new.hidden < old.hidden or new.layers < old.layers or wide_config["vocab_size"] != config["vocab_size"]:
+        raise WidenError(f"{widened_dir} is not a widened copy of {model_dir} (its shape is smaller or its vocabulary differs)")
+    D = new.hidden
+    wide = ExitAdapter(D, adapter.rank, adapter.mlp)
+    wide.down.weight = _pad(adapter.down.weight, (adapter.rank, D))
+    if adapter.mlp:
+        wide.down.bias = adapter.down.bias
+    wide.up.weight = _pad(adapter.up.weight, (D, adapter.rank))
+    wide.up.bias = _pad(adapter.up.bias, (D,))
+    layers = exact_exit_layers(adapter.exit_layer, old.layers, new.layers)
+    wide_model, _ = load_model(Path(widened_dir), lazy=True)
+    meta = adapter_meta(wide_model, layers[-1], exit_layers=",".join(map(str, layers)),
+                        widened_from=Path(adapter_path).name, source_exit_layer=adapter.exit_layer)
+    save_adapter(out, wide, meta)
+    return layers

@@ -18,6 +18,8 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 
+from .validate import generator_seed
+
 
 @dataclass
 class Run:
@@ -77,7 +79,7 @@ def _start(seed: int) -> None:
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
-    mx.random.seed(seed)
+    mx.random.seed(generator_seed(seed))  # any int (bench --seed -1): mapped into uint64
 
 
 def run_ar(model: nn.Module, prompt: Sequence[int], max_tokens: int, temp: float = 0.0, top_p: float = 0.0,

@@ -11,28 +11,26 @@ Why it is built this way:
 `--sweep` runs a grid of (κ, γ, ℓ_e) in mirror mode against `ar` instead of the mode comparison.
 """
 
+import functools
 import json
 import os
-import platform
-import re
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from itertools import product
 from pathlib import Path
-from statistics import median
 from typing import Any, Optional, Sequence
 
-import mlx.core as mx
-
-from . import __version__
+from .ane_draft.host import DraftRecipe
+from .ane_draft.host import mlx_draft as host_mlx_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
-from .engine import DecodeOptions
+from .bench_grid import MODES, parse_modes, parse_sweep, point_name
+from .bench_machine import machine, pin_threads, thread_report
+from .bench_summary import Sample, best_point, table
+from .engine import DecodeOptions, Stats
+from .options import PAPER_KNOBS
 from .prompts import load_prompts
 
-MODES = ("mirror", "sd", "mlx_sd", "ar", "auto")
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
 
@@ -52,9 +50,9 @@ class BenchConfig:
     max_tokens: int = 64
     modes: Sequence[str] = MODES
     temp: float = 0.0
-    kappa: int = 8
-    gamma: int = 7
-    exit_layer: Optional[int] = None
+    kappa: int = PAPER_KNOBS["kappa"]
+    gamma: int = PAPER_KNOBS["gamma"]
+    exit_layer: Optional[int] = DecodeOptions.exit_layer
     out: Path = Path("bench_out")
     sweep: Optional[str] = None
     seed: int = 0
@@ -66,153 +64,12 @@ class BenchConfig:
 
 
 @dataclass
-class Sample:
-    """One generation: one prompt, one mode (or sweep point)."""
-
-    mode: str
-    prompt: int
-    category: str
-    tokens: list[int]
-    decode_s: float
-    target_forwards: int
-    peak_memory_gb: float
-    steps: int = 0
-    prefix_s: float = 0.0
-    suffix_s: float = 0.0  # mirror: target suffix; sd: the whole verify forward
-    draft_s: float = 0.0
-    hidden_s: float = 0.0
-    reuses: int = 0
-    fallbacks: int = 0
-    omega_sum: float = 0.0
-    num_draft_tokens: Optional[int] = None
-    ran_as: Optional[str] = None  # the engine's mode when it differs (a dropped draft runs as ar)
-    timeline: list = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def rollout_s(self) -> float:
-        """Mirror: time in branch rollouts (the rest of draft_s is serial: first and fallback windows)."""
-        return sum(t["rollout"][1] - t["rollout"][0] for t in self.timeline)
-
-    @property
-    def rollout_wait_s(self) -> float:
-        """Mirror: how long the target waited for branch rollouts that outlasted its suffix."""
-        return sum(max(0.0, t["rollout"][1] - max(t["rollout"][0], t["suffix"][1])) for t in self.timeline)
-
-
-@dataclass
 class PromptIds:
     category: str
     text: str
     ids: list[int]
     truncated: bool
 
-
-# --- parsing -----------------------------------------------------------------------------------------
-
-def parse_modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"unknown mode(s) {', '.join(bad) or '(none)'}: choose from {','.join(MODES)}")
-    return modes
-
-
-def layer_value(text: str, n_layers: int) -> int:
-    """An exit layer: an integer, or an expression in N (the target's layers) like N/2 or 3N/4."""
-    text = text.strip().replace(" ", "")
-    if text.isdigit():
-        return int(text)
-    m = re.fullmatch(r"(\d*)N(?:/(\d+))?", text)
-    if not m:
-        raise ValueError(f"exit layer {text!r} is neither an integer nor like N/4, N/2, 3N/4")
-    return max(1, int(m.group(1) or 1) * n_layers // int(m.group(2) or 1))
-
-
-def parse_sweep(spec: str, n_layers: int, kappa: int, gamma: int, exit_layer: int) -> dict[str, list[int]]:
-    """'kappa=1,4 gamma=3,5 exit=N/4,N/2' → value lists; a knob left out keeps its single value."""
-    grid = {"kappa": [kappa], "gamma": [gamma], "exit": [exit_layer]}
-    for part in spec.split():
-        key, _, values = part.partition("=")
-        if key not in grid or not values:
-            raise ValueError(f"sweep part {part!r} is not kappa=..., gamma=... or exit=...")
-        vals = [layer_value(v, n_layers) if key == "exit" else int(v) for v in values.split(",") if v]
-        grid[key] = sorted(set(vals))
-    return grid
-
-
-# --- machine -----------------------------------------------------------------------------------------
-
-def machine() -> dict:
-    """What the numbers depend on: CPU, cores, load, versions, BLAS threads."""
-    import mlx_lm
-
-    from .blas import status
-
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except Exception:
-        commit = ""
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-            "mirror_mlx": __version__, "commit": commit, "blas": status(),
-            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
-            "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
-
-
-def _tids() -> list[int]:
-    return sorted(int(t) for t in os.listdir("/proc/self/task"))
-
-
-def pin_threads(pipe: Any) -> dict:
-    """Target side (and mlx-lm baselines) on one core, the draft worker on another.
-
-    MLX starts one CPU thread per stream on its first task, from the thread that submits it, and a
-    new thread inherits its creator's affinity. So: pin every thread alive now (main, the default
-    stream, the target worker) to core A, then the draft worker's thread to core B before it runs
-    anything; its stream thread, born later from it, lands on B. With OPENBLAS_NUM_THREADS=1 no
-    other compute threads exist. `thread_report` shows afterwards where CPU time went.
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return {"pinned": False, "why": f"only {len(cpus)} CPU allowed"}
-    a, b = cpus[0], cpus[1]
-    for tid in _tids():
-        os.sched_setaffinity(tid, {a})
-    out = {"pinned": True, "target_cpu": a, "draft_cpu": b, "main_tid": threading.get_native_id(),
-           "target_worker_tid": pipe.engine.target_worker.call(threading.get_native_id)}
-    if pipe.engine.draft_worker is not None:
-        pipe.engine.draft_worker.call(os.sched_setaffinity, 0, {b})
-        out["draft_worker_tid"] = pipe.engine.draft_worker.call(threading.get_native_id)
-    return out
-
-
-def thread_report() -> list[dict]:
-    """Every thread of this process: allowed CPUs and CPU seconds used."""
-    out, tick = [], os.sysconf("SC_CLK_TCK")
-    for tid in _tids():
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            status = Path(f"/proc/self/task/{tid}/status").read_text()
-        except OSError:
-            continue
-        allowed = re.search(r"Cpus_allowed_list:\s*(\S+)", status)
-        out.append({"tid": tid, "cpus": allowed.group(1) if allowed else "?",
-                    "cpu_s": round((int(stat[11]) + int(stat[12])) / tick, 2)})
-    return out
-
-
-# --- running -----------------------------------------------------------------------------------------
 
 def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
     """The prompts as token ids, cut to fit the target's context with max_tokens to spare."""
@@ -243,9 +100,8 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
     t0 = s.timeline[0]["prefix"][0] if s.timeline else 0.0
     timeline = [{k: (v[0] - t0, v[1] - t0) if isinstance(v, tuple) else v for k, v in step.items()}
                 for step in s.timeline]
-    return Sample(mode, index, p.category, list(r.tokens), s.decode_seconds, s.target_forwards, s.peak_memory_gb,
-                  s.steps, s.prefix_seconds, s.suffix_seconds, s.draft_seconds, s.hidden_draft_seconds, s.reuses,
-                  s.fallbacks, s.omega_sum, ran_as=s.mode if s.mode != mode else None, timeline=timeline)
+    return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline),
+                  ran_as=s.mode if s.mode != mode else None)
 
 
 def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
@@ -255,11 +111,20 @@ def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int
         run = run_ar(pipe.model, p.ids, max_tokens, temp, seed=seed)
     else:
         run = run_mlx_sd(pipe.model, mlx_draft(pipe), p.ids, max_tokens, k, temp, seed=seed)
-    return Sample(mode, index, p.category, list(run.tokens), run.decode_s, run.target_forwards,
-                  run.peak_memory / 1e9, run.target_forwards, num_draft_tokens=k)
+    stats = Stats(mode=mode, generation_tokens=len(run.tokens), target_forwards=run.target_forwards,
+                  steps=run.target_forwards, decode_seconds=run.decode_s, peak_memory_gb=run.peak_memory / 1e9)
+    return Sample(mode, index, p.category, list(run.tokens), stats, num_draft_tokens=k)
+
+
+@functools.lru_cache(maxsize=2)
+def _draft_model(path: str) -> Any:
+    return host_mlx_draft(path).model
 
 
 def mlx_draft(pipe: Any) -> Any:
+    """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding."""
+    if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
+        return _draft_model(*pipe.draft.args)
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
         raise ValueError("mode mlx_sd needs a plain mlx-lm draft model (mlx-lm cannot drive this draft): "
@@ -365,93 +230,6 @@ def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
         bar.close()
     result["equality_checked"] = cfg.temp == 0
 
-
-def point_name(pt: dict) -> str:
-    return f"k{pt['kappa']}-g{pt['gamma']}-e{pt['exit_layer']}"
-
-
-# --- summaries ---------------------------------------------------------------------------------------
-
-def summarize(samples: Sequence[Sample]) -> dict:
-    """Median tokens/s; pooled rates (sums over prompts) and the per-step latency breakdown in ms."""
-    n_tok = sum(len(s.tokens) for s in samples)
-    fwd = sum(s.target_forwards for s in samples)
-    steps = sum(s.steps for s in samples)
-    decode = sum(s.decode_s for s in samples)
-    prefix, suffix = sum(s.prefix_s for s in samples), sum(s.suffix_s for s in samples)
-    draft, hidden = sum(s.draft_s for s in samples), sum(s.hidden_s for s in samples)
-    engine = any(s.suffix_s for s in samples)
-    per = 1000.0 / max(steps, 1)
-    out = {"prompts": len(samples), "tokens": n_tok, "tokens_per_s": median(s.tokens_per_s for s in samples),
-           "mean_accepted": n_tok / max(fwd, 1), "ms_per_step": decode * per,
-           "peak_memory_gb": max(s.peak_memory_gb for s in samples),
-           "fallback_rate": None, "reuse_rate": None, "omega_kappa": None, "hidden_draft_fraction": None}
-    if engine:  # the critical path of a step, in order; the hidden draft time runs beside the suffix
-        wait = sum(s.rollout_wait_s for s in samples)
-        serial = draft - sum(s.rollout_s for s in samples)
-        out["breakdown_ms"] = {"prefix": prefix * per, "suffix": suffix * per, "rollout_wait": wait * per,
-                               "draft": serial * per,
-                               "overhead": max(0.0, decode - prefix - suffix - wait - serial) * per,
-                               "draft_hidden": hidden * per}
-    else:  # mlx-lm's loops: one number per step, not split
-        out["breakdown_ms"] = {"unsplit": decode * per}
-    if any(s.prefix_s for s in samples):  # mirror: only it has a target prefix
-        out.update(fallback_rate=sum(s.fallbacks for s in samples) / max(steps, 1),
-                   reuse_rate=sum(s.reuses for s in samples) / max(steps, 1),
-                   omega_kappa=sum(s.omega_sum for s in samples) / max(steps, 1),
-                   hidden_draft_fraction=hidden / draft if draft else 0.0)
-    k = {s.num_draft_tokens for s in samples if s.num_draft_tokens}
-    if k:
-        out["num_draft_tokens"] = sorted(k)
-    dropped = sorted({s.ran_as for s in samples if s.ran_as})
-    if dropped:
-        out["ran_as"] = dropped
-    return out
-
-
-def table(samples: Sequence[Sample], keys: Sequence[str]) -> dict:
-    """{category: {key: summary}} with an `all` category first; speedups against `ar` and `mlx_sd`."""
-    cats = ["all"] + sorted({s.category for s in samples})
-    if len(cats) == 2:
-        cats = ["all"]
-    out: dict = {}
-    for cat in cats:
-        rows = {}
-        for key in keys:
-            group = [s for s in samples if s.mode == key and (cat == "all" or s.category == cat)]
-            if group:
-                rows[key] = summarize(group)
-        for key, row in rows.items():
-            for base in ("ar", "mlx_sd"):
-                b = rows.get(base)
-                row[f"speedup_vs_{base}"] = row["tokens_per_s"] / b["tokens_per_s"] if b and b["tokens_per_s"] else None
-                row[f"paired_speedup_vs_{base}"] = paired_speedup(
-                    [s for s in samples if cat == "all" or s.category == cat], key, base) if b else None
-        out[cat] = rows
-    return out
-
-
-def paired_speedup(samples: Sequence[Sample], key: str, base: str) -> Optional[float]:
-    """Median over prompts of key's tokens/s ÷ base's on the same prompt (run next to it, so drift cancels)."""
-    def per_prompt(mode: str) -> dict[int, float]:
-        runs: dict[int, list[float]] = {}
-        for s in samples:
-            if s.mode == mode:
-                runs.setdefault(s.prompt, []).append(s.tokens_per_s)
-        return {p: sum(v) / len(v) for p, v in runs.items()}
-
-    a, b = per_prompt(key), per_prompt(base)
-    ratios = [a[p] / b[p] for p in a if b.get(p)]
-    return median(ratios) if ratios else None
-
-
-def best_point(rows: dict, points: Sequence[dict]) -> dict:
-    """The sweep point with the highest median tokens/s (its knobs and its row)."""
-    pt = max(points, key=lambda pt: rows[point_name(pt)]["tokens_per_s"])
-    return dict(pt, name=point_name(pt), **{k: rows[point_name(pt)][k] for k in ("tokens_per_s", "speedup_vs_ar")})
-
-
-# --- the command -------------------------------------------------------------------------------------
 
 def bench(cfg: BenchConfig) -> dict:
     """Run the comparison (or the sweep), write results.json, results.md and plots into cfg.out."""

@@ -192,11 +192,11 @@ def plot_latency(report: dict, path: Path) -> None:
 
 def plot_timeline(report: dict, path: Path, steps: int = 10) -> bool:
     """The first mirror steps of the first prompt: target and draft lanes, so overlap is visible."""
-    sample = next((s for s in report["samples"] if s["mode"] == "mirror" and s["timeline"]), None)
+    sample = next((s for s in report["samples"] if s["mode"] == "mirror" and s["stats"]["timeline"]), None)
     if sample is None:
         return False
     fig, ax = plt.subplots(figsize=(9, 2.4))
-    for step in sample["timeline"][:steps]:
+    for step in sample["stats"]["timeline"][:steps]:
         for key, lane, color in (("prefix", 1, "tab:purple"), ("suffix", 1, "tab:blue"), ("rollout", 0, "tab:orange")):
             a, b = step[key]
             ax.barh(lane, 1000 * (b - a), left=1000 * a, color=color, edgecolor="white", height=0.6)
@@ -253,11 +253,12 @@ def write_report(report: dict, out: Path) -> list[Path]:
 
 def redraw(results_json: Path) -> list[Path]:
     """Recompute the summary from the saved samples; rewrite results.json, results.md and the plots."""
-    from .bench import Sample, best_point, point_name, table
+    from .bench_grid import point_name
+    from .bench_summary import Sample, best_point, table
 
     results_json = Path(results_json)
     report = json.loads(results_json.read_text())
-    samples = [Sample(**s) for s in report["samples"]]
+    samples = [Sample.from_dict(s) for s in report["samples"]]
     keys = ["ar"] + [point_name(pt) for pt in report["points"]] if report.get("grid") else report["modes"]
     report["summary"] = table(samples, keys)
     if report.get("grid"):

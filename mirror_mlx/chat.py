@@ -11,10 +11,11 @@ import signal
 import sys
 import threading
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
+from . import validate
 from .engine import DecodeOptions, Stats
 from .pipeline import Chunk, Pipeline, Result
 
@@ -39,14 +40,14 @@ class Conversation:
 
 
 def state(pipe: Pipeline) -> Conversation:
-    if not isinstance(getattr(pipe, "_conversation", None), Conversation):
-        pipe._conversation = Conversation()
-    return pipe._conversation
+    if pipe.conversation is None:
+        pipe.conversation = Conversation()
+    return pipe.conversation
 
 
 def reset(pipe: Pipeline) -> None:
     """Forget the conversation and clear both caches (the next turn prefills from scratch)."""
-    pipe._conversation = Conversation()
+    pipe.conversation = Conversation()
     pipe.engine.reset()
 
 
@@ -117,16 +118,30 @@ def stream_reply(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> 
 
     Whatever was committed is remembered, also when the caller stops early (Ctrl-C).
     """
-    messages = [dict(m) for m in messages]
+    pipe._check_open()
+    messages = [clean_message(m) for m in messages]
     if not messages:
         raise ValueError("the conversation is empty: give at least one message")
-    prompt = prompt_ids(pipe, messages)
-    opts = pipe.options(**kwargs)
-    pipe.engine.check(prompt, opts)
+    prompt, opts = pipe.engine.check(prompt_ids(pipe, messages), pipe.options(**kwargs))
     return _reply(pipe, messages, prompt, opts)
 
 
+def clean_message(m: Any) -> Message:
+    """A copy of one message whose text is valid UTF-8 (undecodable bytes replaced, with one warning)."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        raise TypeError(f"each message must be a dict with a str 'content', not {m!r:.60}")
+    content, replaced = validate.clean_text(m["content"])
+    if replaced:
+        warnings.warn(validate.REPLACED, stacklevel=4)
+    return dict(m, content=content)
+
+
 def _reply(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
+    with pipe._turn():  # the pipeline is held for the whole reply (see Pipeline)
+        yield from _reply_held(pipe, messages, prompt, opts)
+
+
+def _reply_held(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
     detok = pipe.tokenizer.detokenizer
     detok.reset()
     committed: list[int] = []
@@ -149,13 +164,13 @@ def _reply(pipe: Pipeline, messages: list[Message], prompt: list[int], opts: Dec
         steps.close()
         stop = committed[-1] if committed and committed[-1] in opts.stop_tokens else None
         reply = {"role": "assistant", "content": "".join(text)}
-        pipe._conversation = Conversation(messages + [reply], prompt + committed, stop)
+        pipe.conversation = Conversation(messages + [reply], prompt + committed, stop)
 
 
 def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
     """`Pipeline.chat`: the whole reply as a Result."""
-    if not has_chat_template(pipe.tokenizer) and not getattr(pipe, "_told_plain", False):
-        pipe._told_plain = True
+    if not has_chat_template(pipe.tokenizer) and not pipe.told_plain:
+        pipe.told_plain = True
         warnings.warn(NO_TEMPLATE, stacklevel=3)
     chunks = list(stream_reply(pipe, messages, **kwargs))
     tokens = [t for c in chunks for t in c.tokens]
@@ -164,18 +179,6 @@ def chat(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> Result:
 
 
 # --- the `mirror-mlx chat` loop ------------------------------------------------------------------
-
-
-def add_stats(total: Stats, s: Stats) -> Stats:
-    """Totals over turns: counts and seconds add up, peak memory is the largest."""
-    out = Stats(mode=s.mode, draft_failure=s.draft_failure or total.draft_failure)
-    for f in fields(Stats):
-        a, b = getattr(total, f.name), getattr(s, f.name)
-        if f.name == "peak_memory_gb":
-            setattr(out, f.name, max(a, b))
-        elif isinstance(a, (int, float)) and not isinstance(a, bool):
-            setattr(out, f.name, a + b)
-    return out
 
 
 def stats_line(s: Stats) -> str:
@@ -218,6 +221,7 @@ class ChatSession:
     total: Stats = field(default_factory=Stats)
     turns: int = 0
     seeded: bool = False
+    told_utf8: bool = False  # said once that undecodable input bytes were replaced
 
     def __post_init__(self) -> None:
         self.restart()
@@ -258,6 +262,10 @@ class ChatSession:
 
     def _turn(self, text: str, ctrl_c: CtrlC) -> None:
         """Refuse the turn if it cannot fit in the context, else stream the reply."""
+        text, replaced = validate.clean_text(text)
+        if replaced and not self.told_utf8:
+            self.told_utf8 = True
+            self.note(validate.REPLACED)
         messages = self.messages + [{"role": "user", "content": text}]
         kwargs = dict(self.kwargs)
         if self.seeded:
@@ -272,7 +280,7 @@ class ChatSession:
             self.note(f"turn refused: the conversation would be {len(ids)} tokens and the model's context is "
                       f"{context}; the conversation is kept (/reset starts over)")
             return
-        capped = bool(context) and len(ids) + kwargs.get("max_tokens", 256) > context
+        capped = bool(context) and len(ids) + kwargs.get("max_tokens", DecodeOptions.max_tokens) > context
         if capped:
             kwargs["max_tokens"] = context - len(ids)
         try:
@@ -297,7 +305,7 @@ class ChatSession:
         self.out.flush()
         self.messages = list(state(self.pipe).messages)
         s = self.pipe.stats
-        self.total = add_stats(self.total, s)
+        self.total = self.total + s
         self.turns += 1
         if interrupted:
             self.note(f"[interrupted: kept {s.generation_tokens} tokens of the reply]")
@@ -322,6 +330,8 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
              out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
     """The interactive loop (a pipe works too: each line is a turn). Returns the exit code."""
     stdin = stdin or sys.stdin
+    if hasattr(stdin, "reconfigure"):  # undecodable bytes reach the turn as surrogates, replaced there
+        stdin.reconfigure(errors="surrogateescape")
     interactive = stdin is sys.stdin and stdin.isatty()
     session = ChatSession(pipe, kwargs, system_prompt, out or sys.stdout, err or sys.stderr)
     if not has_chat_template(pipe.tokenizer):

@@ -6,9 +6,33 @@ from pathlib import Path
 import click
 
 import mirror_mlx
+from mirror_mlx.options import CHOICES, PAPER_KNOBS, DecodeOptions
+
+DEFAULTS = DecodeOptions()  # the one source of every decoding default
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """Usage errors print one line (`mirror-mlx VERB: error: ...`) and exit 2, with no usage block."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "mirror-mlx"
+            click.echo(f"{where}: error: {e.format_message()}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(mirror_mlx.__version__, prog_name="mirror-mlx")
 def main() -> None:
     """Mirror Speculative Decoding: an MLX target and a draft that run at the same time."""
@@ -25,37 +49,64 @@ def model_options(f):
     return f
 
 
-def decode_options(f):
-    """mlx-lm's sampling flags plus Mirror-SD's knobs, shared by generate and chat."""
-    opts = [
-        click.option("--max-tokens", "-m", type=int, default=256, show_default=True),
-        click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature."),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=0, show_default=True),
-        click.option("--seed", type=int, default=None, help="Seed for sampling."),
-        click.option("--kappa", type=int, default=None, help="Top-κ width at the early exit [default: auto's, else 8]."),
-        click.option("--gamma", type=int, default=None, help="Window length γ [default: auto's, else 7]."),
-        click.option("--exit-layer", type=int, default=None,
-                     help="Early-exit layer ℓ_e [default: auto's, else the adapter's or N/2]."),
-        click.option("--mode", type=click.Choice(["auto", "mirror", "sd", "ar"]), default="auto", show_default=True,
-                     help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
+def with_options(opts: list):
+    """A decorator applying click options in the order listed."""
+    def apply(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return apply
+
+
+def knob_options(gamma_help: str) -> list:
+    """--kappa / --gamma / --exit-layer, Mirror-SD's knobs (generate, chat, bench)."""
+    return [
+        click.option("--kappa", type=int, default=DEFAULTS.kappa,
+                     help=f"Top-κ width at the early exit [default: auto's, else {PAPER_KNOBS['kappa']}]."),
+        click.option("--gamma", type=int, default=DEFAULTS.gamma,
+                     help=f"{gamma_help} [default: auto's, else {PAPER_KNOBS['gamma']}]"),
+        click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
+                     help="Early-exit layer ℓ_e [default: auto's, else the exit adapter's, else N/2]."),
     ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+
+
+decode_options = with_options([  # mlx-lm's sampling flags plus Mirror-SD's knobs, shared by generate and chat
+    click.option("--max-tokens", "-m", type=int, default=DEFAULTS.max_tokens, show_default=True),
+    click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True, help="Sampling temperature."),
+    click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True),
+    click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True),
+    click.option("--seed", type=int, default=DEFAULTS.seed, help="Seed for sampling."),
+    *knob_options("Window length γ."),
+    click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
+                 help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
+])
 
 
 def load_pipeline(model, draft_model, exit_adapter, mode: str):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors."""
     from mirror_mlx.pipeline import load
 
-    if model is None:
+    if model is None and draft_model is None:
         click.echo("mirror-mlx: no --model given: using the embedded demo pair (stories260K + llama2xs)", err=True)
+    elif model is None:
+        click.echo(f"mirror-mlx: no --model given: using the embedded demo target (stories260K) with the draft "
+                   f"{draft_model}", err=True)
     try:
         return load(model, None if mode == "ar" and model is not None and draft_model is None else draft_model,
                     exit_adapter=exit_adapter)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.UsageError(str(e))
+
+
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+         "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer"}
+
+
+def usage_error(e: Exception) -> click.UsageError:
+    """The API's sentence with the argument spelled as its flag ("temperature must ..." -> "--temp must ...")."""
+    message = str(e)
+    name = message.split(" ", 1)[0]
+    return click.UsageError(FLAGS[name] + message[len(name):] if name in FLAGS else message)
 
 
 def generation_kwargs(max_tokens, temp, top_p, top_k, seed, kappa, gamma, exit_layer, mode) -> dict:
@@ -74,12 +125,17 @@ def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) ->
 
     from mirror_mlx.blas import status
 
+    from mirror_mlx.validate import REPLACED, clean_text
+
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    prompt, replaced = clean_text(prompt)
+    if replaced:
+        click.echo(f"mirror-mlx: note: {REPLACED}", err=True)
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
     kwargs = generation_kwargs(**decode)
     try:
-        pipe.check(pipe.encode(prompt), **kwargs)
+        pipe.prepare(prompt, **kwargs)
         if as_json:
             result = pipe.generate(prompt, **kwargs)
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
@@ -87,8 +143,8 @@ def generate_cmd(model, draft_model, exit_adapter, prompt, as_json, **decode) ->
         for chunk in pipe.stream(prompt, **kwargs):
             click.echo(chunk.text, nl=False)
         click.echo()
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    except (ValueError, TypeError) as e:
+        raise usage_error(e)
     finally:
         pipe.close()
     click.secho(pipe.stats.summary() + f" | {status()}", dim=True, err=True)
@@ -107,11 +163,36 @@ def chat_cmd(model, draft_model, exit_adapter, system_prompt, **decode) -> None:
     try:
         pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
         code = run_chat(pipe, kwargs, system_prompt)
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    except (ValueError, TypeError) as e:
+        raise usage_error(e)
     finally:
         pipe.close()
     sys.exit(code)
+
+
+@main.command("serve")
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Requests that may wait while one decodes; more get 429.")
+@decode_options
+def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_tokens, temp, **decode) -> None:
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
+    from mirror_mlx.server import serve
+
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    defaults = generation_kwargs(max_tokens, temp, **decode)
+    defaults.pop("max_tokens")
+    try:
+        pipe.check([0], **dict(defaults, max_tokens=1))
+        serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    except OSError as e:
+        raise click.UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}: pick another --port")
+    finally:
+        pipe.close()
 
 
 @main.command("tune")
@@ -188,6 +269,28 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
     click.echo(f"wrote {out}")
 
 
+@main.command("widen-exit")
+@click.option("--exit-adapter", "adapter", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The small target's exit adapter (train-exit).")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The small target it was trained for.")
+@click.option("--widened", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The target's widened copy (mirror-mlx widen --model ...).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output .safetensors.")
+def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> None:
+    """Widen an exit adapter along with its target: exact at the widened layers that hold its layer's state."""
+    from mirror_mlx.convert.widen import WidenError, widen_adapter
+
+    for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"), (widened / "config.json", "--widened")):
+        if not p.is_file():
+            raise click.UsageError(f"{what}: {p} does not exist")
+    try:
+        layers = widen_adapter(adapter, model_dir, widened, out)
+    except WidenError as e:
+        raise click.UsageError(str(e))
+    click.echo(f"wrote {out} (exact at exit layers {', '.join(map(str, layers))})")
+
+
 @main.command("train-draft")
 @click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")
@@ -204,14 +307,15 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
               help="Start from this small model's weights (it must share the target's tokenizer).")
 @click.option("--samples", type=int, default=2048, show_default=True, help="Target continuations to train on.")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Opening + continuation length.")
-@click.option("--holdout", type=int, default=200, show_default=True,
-              help="Leave the corpus's first N paragraphs out of training (benchmark openings).")
+@click.option("--holdout", type=int, default=None,
+              help="Leave the corpus's first N paragraphs out of training (benchmark openings) "
+                   "[default: as the one corpus split, corpus.py].")
 def train_draft_cmd(**kwargs) -> None:
     """Distil a Speculative-Streaming draft from the target's own greedy text."""
     from mirror_mlx.ane_draft.train import TrainConfig, TrainError, train
 
     try:
-        summary = train(TrainConfig(**kwargs))
+        summary = train(TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
     except TrainError as e:
         raise click.UsageError(str(e))
     after = summary["val_after"]
@@ -280,10 +384,11 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
 @click.option("--modes", default="mirror,sd,mlx_sd,ar", show_default=True,
               help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own), auto (the tuned choice); "
                    "ar always runs as reference.")
-@click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature.")
-@click.option("--kappa", type=int, default=8, show_default=True, help="Top-κ width at the early exit.")
-@click.option("--gamma", type=int, default=7, show_default=True, help="Window length γ (mirror and sd).")
-@click.option("--exit-layer", type=int, default=None, help="Early-exit layer ℓ_e [default: N/2].")
+@click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True, help="Sampling temperature.")
+@click.option("--kappa", type=int, default=PAPER_KNOBS["kappa"], show_default=True, help="Top-κ width at the early exit.")
+@click.option("--gamma", type=int, default=PAPER_KNOBS["gamma"], show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
+              help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '

@@ -1,15 +1,20 @@
-"""TinyStories openings and the target's own greedy text over them.
+"""The TinyStories corpus shipped in data/, split once: held-out openings and training paragraphs.
+
+Every consumer takes its side of one split: the benchmark's `tinystories` prompts and the Ω_κ /
+reuse measurements use the held-out openings; the Speculative-Streaming draft (ane_draft/train.py)
+and the exit adapter (exit_adapter.py) train on the target's greedy text over the training
+paragraphs. The first `HELD_OUT_PARAGRAPHS` paragraphs are held out (the shipped SS draft was
+trained with that rule, see demo/ss_draft/training.json); a held-out opening that also begins a
+training paragraph is dropped, so no training prompt ever starts with a benchmark opening.
 
 The early exit only ever sees the text the engine commits, which is the target's greedy text, so
-both the adapter's training data and the Ω_κ measurement are built from it, not from the corpus.
-Openings are split into train / held-out by a hash of their text, so the same opening (and hence
-the same greedy text) never lands on both sides, whatever order the corpus file has.
+the adapter's training data and the Ω_κ measurement are built from it, not from the corpus.
 """
 
 import re
-import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,40 +22,59 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 CORPUS = Path(__file__).resolve().parent / "data" / "tinystories_train.txt"
-HELD_OUT_MOD = 10  # one opening in ten is held out
+HELD_OUT_PARAGRAPHS = 200  # the corpus's first paragraphs: benchmark openings, never training text
+OPENING_WORDS = (4, 8)  # an opening has 4..8 words (very short ones, like "The end.", are skipped)
 
-_SENTENCE = re.compile(r"^(.+?[.!?])(\s|$)", re.S)
+_SENTENCE_END = re.compile(r"[.!?][\"”']?(?=\s|$)")
 
 
-def openings(text: str, min_words: int = 3) -> list[str]:
-    """The first sentence of every paragraph, de-duplicated, in corpus order."""
+def paragraphs(text: str) -> list[str]:
+    """The blank-line separated paragraphs, whitespace-normalised, empty ones dropped."""
+    out = (" ".join(q.split()) for q in text.replace("\r\n", "\n").split("\n\n"))
+    return [q for q in out if q]
+
+
+def opening(paragraph: str, max_words: int = OPENING_WORDS[1]) -> str:
+    """The paragraph's first sentence, or its first `max_words` words if the sentence is longer."""
+    words = paragraph.split()
+    m = _SENTENCE_END.search(paragraph)
+    sentence = paragraph[: m.end()] if m else paragraph
+    return " ".join(words[:max_words]) if len(sentence.split()) > max_words else " ".join(sentence.split())
+
+
+def distinct_openings(paras: Iterable[str]) -> list[str]:
+    """The openings of `paras` with 4..8 words, each once, in order."""
     seen, out = set(), []
-    for para in text.split("\n\n"):
-        para = " ".join(para.split())
-        m = _SENTENCE.match(para)
-        first = m.group(1) if m else para
-        if len(first.split()) >= min_words and first not in seen:
-            seen.add(first)
-            out.append(first)
+    for p in paras:
+        o = opening(p)
+        if len(o.split()) >= OPENING_WORDS[0] and o not in seen:
+            seen.add(o)
+            out.append(o)
     return out
 
 
-def is_held_out(opening: str) -> bool:
-    return zlib.crc32(opening.encode()) % HELD_OUT_MOD == 0
+@dataclass(frozen=True)
+class Split:
+    train: list[str]  # training paragraphs (the draft and the adapter train on the target's text over them)
+    held_out: list[str]  # benchmark openings: none begins a training paragraph
+
+    @property
+    def train_openings(self) -> list[str]:
+        return distinct_openings(self.train)
 
 
-def split_openings(items: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(train, held_out): a fixed split by text hash."""
-    train, held = [], []
-    for s in items:
-        (held if is_held_out(s) else train).append(s)
-    return train, held
+def split(text: str, held_out: int = HELD_OUT_PARAGRAPHS) -> Split:
+    """The one corpus split: paragraphs[held_out:] train, openings of the first `held_out` are held out."""
+    paras = paragraphs(text)
+    train = paras[held_out:]
+    starts = {opening(p) for p in train}  # a training prompt is a prefix of its paragraph, often its opening
+    held = [o for o in distinct_openings(paras[:held_out])
+            if not any(p.startswith(o) for p in train) and not any(o.startswith(t) for t in starts)]
+    return Split(train, held)
 
 
-def load_openings(corpus: Optional[Path] = None, held_out: bool = False) -> list[str]:
-    text = Path(corpus or CORPUS).read_text(encoding="utf-8")
-    train, held = split_openings(openings(text))
-    return held if held_out else train
+def load_split(corpus: Optional[Union[str, Path]] = None, held_out: int = HELD_OUT_PARAGRAPHS) -> Split:
+    return split(Path(corpus or CORPUS).read_text(encoding="utf-8"), held_out)
 
 
 def greedy_continuations(

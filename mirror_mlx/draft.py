@@ -2,16 +2,17 @@
 
 The engine's stems are spine-shaped: stem = ŷ_1..ŷ_r + [v], every stem minus its last token a
 prefix of one spine ŷ. The spine is fed once on the committed cache; every branch is then one
-row of a left-padded `BatchKVCache` holding context + ŷ_1..ŷ_r (shifted right by γ − r masked
-padding slots, so positions stay exact), and all rows advance together, one token per forward.
-Afterwards the spine is trimmed again: the draft's own cache keeps committed tokens only.
+row of `BranchRows` (branch scratch kept for the whole generation, holding context + spine; a mask
+hides the spine past each row's stem, RoPE takes each row's own position), and all rows advance
+together, one token per forward, lazily, with one evaluation at the end. Afterwards the spine is
+trimmed again: the draft's own cache keeps committed tokens only.
 """
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
 from .draft_api import Rollout
 from .target import text_model, trimmable_cache
@@ -49,6 +50,8 @@ class MLXDraft:
     def reset(self) -> None:
         self.cache: list[Any] = trimmable_cache(self.model)
         self.cached: list[int] = []
+        self.rows: list[BranchRows] = []  # branch scratch, kept across rollouts (see BranchRows)
+        self.rows_valid = 0  # leading cache slots whose keys/values the rows hold as they are
 
     def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> int:
         """Make the cache hold exactly `context` (+ `extra`): trim what diverged, feed what is new.
@@ -59,6 +62,7 @@ class MLXDraft:
         return self._feed(list(context[len(self.cached):]) + list(extra))
 
     def _trim_to(self, n: int) -> None:
+        self.rows_valid = min(self.rows_valid, n)
         if n < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - n)
             del self.cached[n:]
@@ -73,37 +77,85 @@ class MLXDraft:
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
         spine = spine_of(stems)
         fed = self.sync(context, extra=spine)  # new context and the shared spine in one forward
-        cache = self._branch_cache([len(spine) - (len(s) - 1) for s in stems])
-        trim_prompt_cache(self.cache, len(spine))
-        del self.cached[len(self.cached) - len(spine) :]
+        rows = self._branch_rows(len(context), [len(s) - 1 for s in stems], gamma)
+        self._trim_to(len(context))  # the draft's own cache keeps committed tokens only
         y = mx.array([[s[-1]] for s in stems], dtype=mx.int32)
         out = []
-        for _ in range(gamma):
-            y = mx.argmax(self.model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
-            mx.eval(y)
+        for _ in range(gamma):  # lazy: each forward takes the previous argmax unevaluated
+            y = mx.argmax(self.model(y, cache=rows)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
+            mx.async_eval(y)
             out.append(y)
         windows = mx.concatenate(out, axis=1).tolist() if out else [[] for _ in stems]
         return Rollout(windows=windows, forwards=gamma + fed, tokens=gamma)
 
-    def _branch_cache(self, pads: list[int]) -> list[BatchKVCache]:
-        """Rows of the cache, row b shifted right by pads[b] masked slots (one gather per layer)."""
-        S = len(self.cached)
-        j = mx.arange(S)[None, :]
-        p = mx.array(pads)[:, None]
-        index = mx.where(j < p, 0, j - p + 1)  # slot 0 of the padded prefix is the zero pad
-        caches = []
-        for c in self.cache:
-            bc = BatchKVCache(pads)
-            if S > 0:
-                bc.keys, bc.values = (_pad_rows(x[..., :S, :], index) for x in c.state[:2])
-                bc.offset = bc.offset + S
-                bc._idx = S
-            caches.append(bc)
-        mx.eval([(bc.keys, bc.values) for bc in caches if bc.keys is not None])
-        return caches
+    def _branch_rows(self, n: int, spine_used: list[int], gamma: int) -> list["BranchRows"]:
+        """The branch rows over the cache (context + spine), refreshing only the slots that changed."""
+        B, S = len(spine_used), len(self.cached)
+        rows, keep = self.rows, self.rows_valid
+        if not rows or rows[0].keys.shape[0] < B or rows[0].keys.shape[2] < S + gamma:
+            cap = BranchRows.step * -(-(S + gamma) // BranchRows.step)
+            keep = keep if rows and rows[0].keys.shape[0] >= B else 0
+            rows = [BranchRows.grow(old, c, max(B, old.keys.shape[0] if old else 0), cap, keep)
+                    for old, c in zip(rows or [None] * len(self.cache), self.cache)]
+        for r, c in zip(rows, self.cache):
+            r.start(c, keep, S, n, spine_used)
+        self.rows, self.rows_valid = rows, S
+        return rows
 
 
-def _pad_rows(x: mx.array, index: mx.array) -> mx.array:
-    """(1, H, S, D) prefix → (B, H, S, D) rows, row b shifted right by its padding (zeros in front)."""
-    padded = mx.concatenate([mx.zeros_like(x[..., :1, :]), x], axis=2)[0]  # (H, S+1, D)
-    return mx.take(padded, index, axis=1).transpose(1, 0, 2, 3)  # (H, B, S, D) → (B, H, S, D)
+class BranchRows:
+    """One layer's branch scratch, allocated once and reused by every rollout of a generation.
+
+    Row b holds a copy of the draft's cache (context + spine) in slots [0, S) and its own γ tokens
+    in slots S.. . Rows are not shifted: a mask hides the spine tokens past row b's stem, and RoPE
+    takes row b's own position (context + its stem) from `offset`. Between rollouts only the slots
+    whose tokens changed are copied again (a few per step), never the whole prefix; the rows are
+    fed lazily, one token each per forward, through the model's own attention.
+    """
+
+    step = 256
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        self.B = self.S = self.t = 0
+
+    @classmethod
+    def grow(cls, old: Optional["BranchRows"], cache: Any, B: int, cap: int, keep: int) -> "BranchRows":
+        k, v = cache.state[:2]
+        new = cls(mx.zeros((B, k.shape[1], cap, k.shape[3]), k.dtype),
+                  mx.zeros((B, v.shape[1], cap, v.shape[3]), v.dtype))
+        if old is not None and keep:
+            new.keys[:, :, :keep, :] = old.keys[:B, :, :keep, :]
+            new.values[:, :, :keep, :] = old.values[:B, :, :keep, :]
+        return new
+
+    def start(self, cache: Any, m: int, S: int, n: int, spine_used: list[int]) -> None:
+        """Copy slots [m, S) from the draft's cache into every row; row b's stem ends at n + spine_used[b]."""
+        if m < S:
+            k, v = cache.state[:2]
+            self.keys[:, :, m:S, :] = k[:, :, m:S, :]
+            self.values[:, :, m:S, :] = v[:, :, m:S, :]
+        self.B, self.S, self.t = len(spine_used), S, 0
+        self.lim = mx.array([n + u for u in spine_used])  # row b sees prefix slots < lim[b]
+
+    @property
+    def offset(self) -> mx.array:
+        return self.lim + self.t  # RoPE position of each row's next token
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        i = self.S + self.t
+        self.keys[: self.B, :, i : i + 1, :] = keys
+        self.values[: self.B, :, i : i + 1, :] = values
+        self.t += 1
+        return self.keys[: self.B, :, : i + 1, :], self.values[: self.B, :, : i + 1, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        if N != 1:
+            raise ValueError("branch rows advance one token per forward")
+        j = mx.arange(self.S + self.t + 1)[None, :]
+        lim = self.lim[:, None]
+        mask = (j < lim) | (j >= self.S)
+        if window_size is not None:
+            pos = mx.where(j < self.S, j, lim + j - self.S)  # each slot's RoPE position in row b
+            mask = mask & (lim + self.t - pos < window_size)
+        return mask[:, None, None, :]

@@ -4,52 +4,36 @@ State between steps: `committed` holds every committed token; the target's cache
 them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.
 
 mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring
-              → (target suffix ‖ draft rolls out every branch) → verify → reuse or fallback.
+              → (target suffix ‖ the draft host rolls out every branch) → verify → reuse or fallback.
 sd step:      draft rolls out one window, then the target verifies it (serial).
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
+
+The draft lives behind a DraftHost (ane_draft/host.py): the scheduler posts requests on the ring
+and awaits the windows; it never calls the draft. The scheduler is one asyncio loop on its own
+thread, so the synchronous API also works from inside a running event loop.
 """
 
 import asyncio
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
 from .draft_api import Draft
-from .ring import EARLY_EXIT, WINDOW, TokenRing
-from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache
-from .workers import Worker
-
-MODES = ("mirror", "sd", "ar")
-
-
-@dataclass
-class DecodeOptions:
-    """How to decode: the mode, Mirror-SD's knobs and the target's sampling settings (mlx-lm's)."""
-
-    mode: str = "auto"  # Pipeline.options resolves "auto" (mirror_mlx.tune) before the engine sees it
-    max_tokens: int = 256
-    kappa: int = 8
-    gamma: int = 7
-    exit_layer: Optional[int] = None  # None: N // 2
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
-    stop_tokens: Sequence[int] = ()
-    draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
-    why: str = ""  # how the mode and knobs were chosen (shown in Stats)
-
+from . import validate
+from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
+from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
+from .workers import LoopThread, Worker
 
 @dataclass
 class Stats:
@@ -79,6 +63,7 @@ class Stats:
     draft_seconds: float = 0.0  # all draft rollout time: branch rollouts, fallbacks, first window
     hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
     draft_failure: Optional[str] = None
+    draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
     peak_memory_gb: float = 0.0
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
@@ -114,6 +99,21 @@ class Stats:
     def draft_forwards_per_window(self) -> float:
         return self.draft_forwards / max(self.rollouts, 1)
 
+    def __add__(self, other: "Stats") -> "Stats":
+        """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
+        peak memory is the largest; mode, the chosen mode and knobs and a draft failure are the latest."""
+        out = Stats(mode=other.mode, draft_failure=other.draft_failure or self.draft_failure,
+                    draft_host=other.draft_host, timeline=self.timeline + other.timeline)
+        for f in fields(Stats):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in _LATEST:
+                setattr(out, f.name, b)
+            elif f.name == "peak_memory_gb":
+                setattr(out, f.name, max(a, b))
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                setattr(out, f.name, a + b)
+        return out
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "timeline"}
         for name in ("mean_accepted", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
@@ -136,6 +136,9 @@ class Stats:
         if self.draft_failure:
             line += f" | draft dropped: {self.draft_failure}"
         return line
+
+
+_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why")  # Stats fields a total keeps the latest of
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
@@ -173,7 +176,8 @@ class TargetSide:
         if self.tapped is None or self.tapped.exit_layer != exit_layer:
             if self.tapped is not None:
                 self.tapped.remove()
-            self.tapped = EarlyExitTarget(self.model, exit_layer, self.adapter)
+            adapter = self.adapter.for_layer(exit_layer) if hasattr(self.adapter, "for_layer") else self.adapter
+            self.tapped = EarlyExitTarget(self.model, exit_layer, adapter)
 
     def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
         """Make the cache hold prompt[:-1]; reuse the longest cached prefix. Returns tokens run."""
@@ -188,13 +192,16 @@ class TargetSide:
         self.cached = head
         return len(new)
 
-    def prefix(self, rows: list[int], kappa: int, exclude: list[int], ring: TokenRing, step: int) -> int:
-        """Blocks 1..ℓ_e over the rows; posts the early-exit top-κ sets on the ring (returns its seq)."""
+    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
+               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
+        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once, returns them."""
         early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
-        ids, logprobs = top_k(early[0], kappa, exclude)
-        mx.eval(ids, logprobs)
+        ids, _ = top_k(early[0], kappa, exclude)
+        mx.eval(ids)
         self._ids = ids
-        return ring.put(EARLY_EXIT, step, ids.tolist(), logprobs.tolist())
+        cand = ids.tolist()
+        post(cand)
+        return cand
 
     def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
         """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
@@ -224,6 +231,14 @@ class TargetSide:
             self.tapped = None
 
 
+def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
+    """Post on the target worker; a failure is noted for the scheduler (which drops the draft), not raised there."""
+    try:
+        post(*args)
+    except Exception as e:  # noqa: BLE001
+        failed.append(e)
+
+
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
     """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
 
@@ -243,114 +258,124 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
 
 
 class Engine:
-    """Owns the target worker, the draft worker and the token rings; `generate` yields tokens."""
+    """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
 
-    def __init__(self, target_model: nn.Module, draft: Optional[Draft] = None,
+    `draft`: a DraftRecipe (the host process builds it: the default, see ane_draft/host.py), or a
+    draft object built in this process (its host loop runs on a thread).
+    """
+
+    def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
                  exit_adapter: Optional[Callable] = None):
         self.target_model = target_model
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
+        self.vocab_size = vocab_size(target_model)
+        self.draft_context = getattr(getattr(text_model(getattr(draft, "model", draft)), "args", None),
+                                     "max_position_embeddings", None)  # γ fits in it
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
-        self.draft_worker = Worker("draft") if draft is not None else None
         self.target = self.target_worker.call(TargetSide, target_model, exit_adapter)
+        self.loop = LoopThread("mirror-scheduler")
+        self.host: Optional[DraftHost] = None
+        try:
+            self.host = DraftHost(draft) if draft is not None else None
+        except BaseException:
+            self.close()
+            raise
         self.draft_failure: Optional[str] = None
         self.stats = Stats()
 
     def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.loop.close()
         self.target_worker.call(self.target.close)
         self.target_worker.close()
-        if self.draft_worker:
-            self.draft_worker.close()
 
     def reset(self) -> None:
         """Forget cached conversation state (both caches)."""
         self.target_worker.call(self._reset_target)
-        if self.draft is not None and self.draft_failure is None:
-            self.draft_worker.call(self.draft.reset)
+        if self.host is not None and self.draft_failure is None:
+            try:
+                self.host.reset(timeout=60.0)
+            except Exception as e:  # noqa: BLE001 - a dead or stalled host: dropped, visibly, as in a step
+                self._drop_draft(e, self.stats)
 
     def _reset_target(self) -> None:
         self.target.cache = trimmable_cache(self.target_model)
         self.target.cached = []
 
-    def check(self, prompt: Sequence[int], opts: DecodeOptions) -> None:
-        """Refuse bad options with one sentence naming the problem and the fix."""
-        if opts.mode not in MODES:
-            raise ValueError(f"unknown mode {opts.mode!r}: choose one of {', '.join(MODES)}")
-        if opts.mode != "ar" and self.draft is None:
+    def check(self, prompt: Sequence[int], opts: DecodeOptions) -> tuple[list[int], DecodeOptions]:
+        """Refuse bad options or prompt ids with one sentence naming the problem and the fix, before any
+        work starts (no ring, no forward); returns the prompt and options the engine will use."""
+        opts = validate.decode_options(opts, MODES, self.vocab_size, self.n_layers, self.draft_context)
+        if opts.mode != "ar" and self.host is None and self.draft_failure is None:
             raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=..., or use mode='ar'")
-        if opts.kappa < 1:
-            raise ValueError(f"kappa must be at least 1 (got {opts.kappa})")
-        if opts.gamma < 1:
-            raise ValueError(f"gamma must be at least 1 (got {opts.gamma})")
-        if opts.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {opts.max_tokens})")
-        check_exit_layer(self.exit_layer(opts), self.n_layers)
         if self.exit_adapter is not None and opts.mode == "mirror":
             from .exit_adapter import check_layer
 
             check_layer(self.exit_adapter, self.exit_layer(opts))
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
+        check_exit_layer(self.exit_layer(opts), self.n_layers)
+        prompt = validate.prompt_tokens(prompt, self.vocab_size)
         if self.context_length and len(prompt) + opts.max_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "
                 f"context of {self.context_length} tokens: shorten the prompt or lower max_tokens"
             )
+        return prompt, opts
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
         if opts.exit_layer is not None:
             return opts.exit_layer
-        return getattr(self.exit_adapter, "exit_layer", None) or max(1, self.n_layers // 2)
+        return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions) -> Iterator[list[int]]:
         """Yield committed tokens, a chunk per step, until max_tokens or a stop token."""
-        prompt = [int(t) for t in prompt]
-        self.check(prompt, opts)
+        prompt, opts = self.check(prompt, opts)
         mode = opts.mode if self.draft_failure is None else "ar"
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
         stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
         stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
+        if mode != "ar":
+            stats.draft_host = "process" if self.host.process else "thread"
         sampler = make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                min_p=opts.min_p, top_k=opts.top_k)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty)
-        if opts.seed is not None:
-            mx.random.seed(opts.seed)
+        if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
+            self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
         t0 = time.perf_counter()
-        sync = getattr(self.draft, "sync", None) if mode != "ar" else None
-        draft_prefill = self.draft_worker.submit(sync, prompt[:-1]) if sync else None  # beside the target's
+        failed: list[BaseException] = []
+        if mode != "ar":  # the draft prefills beside the target
+            _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
         stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
-        if draft_prefill is not None:
+        if mode != "ar":
             try:
-                draft_prefill.result(timeout=opts.draft_timeout)
+                if failed:
+                    raise failed[0]
+                self.host.wait_done(opts.draft_timeout)
             except Exception as e:  # the draft cannot even prefill: the target alone, visibly
                 self._drop_draft(e, stats)
                 mode = stats.mode = "ar"
         stats.prefill_seconds = time.perf_counter() - t0
         committed, produced = list(prompt), 0
-        loop = asyncio.new_event_loop()
-        ring_te = ring_dt = None
+        run = self.loop.run
         t_decode = time.perf_counter()
         try:
             window = None
             if mode == "mirror":
-                n = opts.gamma
-                ring_te = TokenRing(capacity=4, max_ints=(n + 1) * opts.kappa, max_floats=(n + 1) * opts.kappa)
-                ring_dt = TokenRing(capacity=4, max_ints=(n + 1) * opts.kappa * n, max_floats=1)
-                window = self._fresh_window(loop, committed, opts, stats)
+                window = run(self._timed_rollout(committed, opts, stats))
                 if window is None:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
                 if mode == "mirror" and self.draft_failure is None:
-                    new, window = loop.run_until_complete(
-                        self._mirror_step(committed, window, opts, sampler, processors, stats, ring_te, ring_dt))
+                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats))
                 elif mode == "sd" and self.draft_failure is None:
-                    new = loop.run_until_complete(self._sd_step(committed, opts, sampler, processors, stats))
+                    new = run(self._sd_step(committed, opts, sampler, processors, stats))
                 else:
                     s0 = time.perf_counter()
                     ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
@@ -370,36 +395,37 @@ class Engine:
                 if stop is not None:
                     break
         finally:
-            loop.close()
-            for ring in (ring_te, ring_dt):
-                if ring is not None:
-                    ring.close()
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     # --- steps -------------------------------------------------------------------------------------
 
-    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, ring_te, ring_dt):
+    async def _mirror_step(self, committed, window, opts, sampler, processors, stats):
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
-        exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
-        seq, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, ring_te, stats.steps)
-        suffix = asyncio.ensure_future(self.target_worker.run(self.target.suffix, committed, window, sampler, processors))
-        rollout = asyncio.ensure_future(self.draft_worker.run(
-            self._branch_rollout, ring_te, ring_dt, seq, list(committed), window, kappa, gamma))
-        (ys, a, omega), s0, s1 = await suffix
+        # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
+        exclude = window + [-1] if opts.exclude_drafted else None
+        failed: list[BaseException] = []
+        post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed)
+        cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
+        (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
+                                                              processors)
         new = window[:a] + [ys[a]]
-        try:
-            (cand, windows, forwards, tokens), r0, r1 = await asyncio.wait_for(rollout, self._time_left(opts, s1))
-        except Exception as e:  # the draft raised or stalled: finish with the target alone, visibly
+        try:  # the host rolled out every branch meanwhile
+            if failed:
+                raise failed[0]
+            out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), self._time_left(opts, s1))
+        except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
             self._drop_draft(e, stats)
             return new, None
+        it = iter(out.windows)
+        windows = [[next(it) for _ in row] for row in cand]
         stats.prefix_seconds += p1 - p0
         stats.suffix_seconds += s1 - s0
         stats.draft_seconds += r1 - r0
         stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
-        stats.draft_forwards += forwards
-        stats.draft_tokens += tokens
+        stats.draft_forwards += out.forwards
+        stats.draft_tokens += out.tokens
         stats.rollouts += 1
         stats.omega_sum += omega
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
@@ -413,24 +439,10 @@ class Engine:
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
 
-    def _branch_rollout(self, ring_te, ring_dt, seq, context, window, kappa, gamma):
-        """Draft thread: read the early-exit sets from the ring, roll out all κ·(γ+1) branches."""
-        msg = ring_te.get(seq)
-        if msg is None:
-            raise RuntimeError(f"early-exit message {seq} was not on the ring")
-        cand = msg.ints.reshape(gamma + 1, -1).tolist()
-        stems = [window[:r] + [v] for r in range(gamma + 1) for v in cand[r]]
-        out = self.draft.rollout(context, stems, gamma)
-        flat = [t for w in out.windows for t in w]
-        back = ring_dt.get(ring_dt.put(WINDOW, msg.step, flat))
-        it = iter(back.ints.reshape(len(stems), gamma).tolist())
-        windows = [[next(it) for _ in cand[r]] for r in range(gamma + 1)]
-        return cand, windows, out.forwards, out.tokens
-
     async def _sd_step(self, committed, opts, sampler, processors, stats):
         window = await self._timed_rollout(committed, opts, stats)
         if window is None:
-            ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
+            (ys, _), _, _ = await self.target_worker.run(self.target.verify, committed, [], sampler, processors)
             return ys[:1]
         (ys, a), s0, s1 = await self.target_worker.run(self.target.verify, committed, window, sampler, processors)
         stats.suffix_seconds += s1 - s0
@@ -438,9 +450,9 @@ class Engine:
 
     async def _timed_rollout(self, committed, opts, stats) -> Optional[list[int]]:
         """One fresh window after `committed`, on the critical path; None if the draft failed."""
-        job = self.draft_worker.run(self.draft.rollout, committed[:-1], [[committed[-1]]], opts.gamma)
         try:
-            out, r0, r1 = await asyncio.wait_for(job, opts.draft_timeout)
+            self.host.post_rollout(committed[:-1], [[committed[-1]]], opts.gamma)
+            out, r0, r1 = await asyncio.wait_for(self.host.windows(opts.gamma), opts.draft_timeout)
         except Exception as e:
             self._drop_draft(e, stats)
             return None
@@ -450,10 +462,10 @@ class Engine:
         stats.rollouts += 1
         return out.windows[0]
 
-    def _fresh_window(self, loop, committed, opts, stats):
-        return loop.run_until_complete(self._timed_rollout(committed, opts, stats))
-
     def _drop_draft(self, error: BaseException, stats: Stats) -> None:
         reason = "timed out" if isinstance(error, (asyncio.TimeoutError, TimeoutError)) else repr(error)
         self.draft_failure = stats.draft_failure = f"draft {reason}; continuing with the target alone (ar)"
         print(f"mirror-mlx: warning: {self.draft_failure}", file=sys.stderr)
+        if self.host is not None:  # a stalled or dead host gets no grace: no orphan, no shared memory left
+            self.host.kill()
+            self.host = None

@@ -20,12 +20,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from .corpus import eos_ids, greedy_continuations, split_openings, openings
-from .target import EarlyExitTarget, check_exit_layer, text_model
+from . import demo_pair
+from .batching import padded_batches
+from .corpus import HELD_OUT_PARAGRAPHS, eos_ids, greedy_continuations, split
+from .options import default_exit_layer
+from .target import EarlyExitTarget, apply_head, check_exit_layer, text_model
 
 FORMAT = "mirror-mlx-exit-adapter"
 VERSION = "1"
-DEMO_TARGET = Path(__file__).resolve().parent / "demo" / "stories260K"
 DEFAULT_RANK = 256  # hidden width of the residual MLP: on stories260K it beats a full-rank linear map
 DEFAULT_STEPS = 6000
 
@@ -50,18 +52,6 @@ class ExitAdapter(nn.Module):
         if self.mlp:
             z = nn.silu(z)
         return (x + self.up(z)).astype(x.dtype)
-
-
-def apply_head(model: nn.Module, x: mx.array) -> mx.array:
-    """The model's own head (tied or not, soft-caps included) on an already normalised state (B, T, D)."""
-    tm = text_model(model)
-    inner = tm.model
-    cls = type(inner)
-    inner.__class__ = type("Given" + cls.__name__, (cls,), {"__call__": lambda self_, *a, **k: x})
-    try:
-        return tm(mx.zeros(x.shape[:2], dtype=mx.int32))
-    finally:
-        inner.__class__ = cls
 
 
 def model_dims(model: nn.Module) -> int:
@@ -120,11 +110,8 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
     inner = text_model(model).model
     xe, xf = [], []
     try:
-        for j in tqdm(range(0, len(seqs), batch_size), desc=f"states L{exit_layer}", unit="batch",
-                      disable=not progress):
-            chunk = seqs[j : j + batch_size]
-            L = max(len(s) for s in chunk)
-            tokens = mx.array([s + [0] * (L - len(s)) for s in chunk])
+        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}", unit="batch",
+                                     total=-(-len(seqs) // batch_size), disable=not progress):
             got.clear()
             target.forward(tokens, cache=None)  # only the captured early state is evaluated: blocks 1..ℓ_e
             early = got[0]
@@ -237,7 +224,8 @@ def train_exit_adapter(
 ) -> tuple[ExitAdapter, TrainReport]:
     """Distil an adapter at `exit_layer` on the target's greedy text over the corpus openings.
 
-    Deterministic for a given seed. KL is reported on held-out openings (hash split, corpus.py).
+    Deterministic for a given seed. Trains on the openings of the training paragraphs; KL is
+    reported on held-out openings (corpus.split, the benchmark's side).
     """
     check_exit_layer(exit_layer, len(text_model(model).layers))
     if rank < 1:
@@ -245,7 +233,8 @@ def train_exit_adapter(
     if steps < 0:
         raise ValueError(f"steps must be non-negative, got {steps}")
     t0 = time.perf_counter()
-    train_txt, held_txt = split_openings(openings(corpus_text))
+    parts = split(corpus_text, HELD_OUT_PARAGRAPHS)
+    train_txt, held_txt = parts.train_openings, parts.held_out
     train_txt = train_txt[:max_openings] if max_openings else train_txt
     held_txt = held_txt[:held_out_openings]
     if not train_txt or not held_txt:
@@ -294,9 +283,13 @@ def read_adapter(path: Union[str, Path]) -> tuple[ExitAdapter, dict[str, str]]:
 
 
 def check_layer(adapter: nn.Module, exit_layer: int, path: Any = "the exit adapter") -> None:
-    """Refuse an adapter trained at another exit layer (its state space is another layer's)."""
+    """Refuse an adapter trained at another exit layer (its state space is another layer's).
+
+    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
+    block and the identity layers after it.
+    """
     trained = getattr(adapter, "exit_layer", None)
-    if trained is not None and trained != exit_layer:
+    if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
         raise ValueError(
             f"{path} was trained for exit layer {trained}, not {exit_layer} (use --exit-layer {trained} "
             f"or train one with `mirror-mlx train-exit --exit-layer {exit_layer}`)"
@@ -311,6 +304,8 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     """
     adapter, md = read_adapter(path)
     adapter.exit_layer = int(md["exit_layer"])
+    if md.get("exit_layers"):
+        adapter.exit_layers = tuple(int(x) for x in md["exit_layers"].split(","))
     if md["fingerprint"] != fingerprint(model):
         raise ValueError(
             f"exit adapter {path} was trained for another model (fingerprint {md['fingerprint'][:12]}, "
@@ -321,24 +316,39 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     return adapter
 
 
+class ExitAdapters:
+    """Several exit adapters of one target, each for its own exit layers; the engine takes the one for ℓ_e."""
+
+    def __init__(self, adapters: list[ExitAdapter]):
+        self.by_layer: dict[int, ExitAdapter] = {}
+        for a in adapters:
+            for layer in getattr(a, "exit_layers", (a.exit_layer,)):
+                if layer in self.by_layer:
+                    raise ValueError(f"two exit adapters are for exit layer {layer}: give one per layer")
+                self.by_layer[layer] = a
+        self.exit_layer = adapters[0].exit_layer  # the default ℓ_e, as with one adapter
+        self.exit_layers = tuple(sorted(self.by_layer))
+
+    def for_layer(self, exit_layer: int) -> ExitAdapter:
+        return self.by_layer[exit_layer]
+
+
+def load_adapters(paths: Union[str, Path], model: nn.Module) -> Union[ExitAdapter, ExitAdapters]:
+    """One adapter file, or several separated by commas (one per exit layer), each checked against `model`."""
+    parts = [p.strip() for p in str(paths).split(",") if p.strip()]
+    if len(parts) == 1:
+        return load_adapter(Path(parts[0]), model)
+    return ExitAdapters([load_adapter(Path(p), model) for p in parts])
+
+
 # ---- command line
-
-
-def load_model(path: Optional[Union[str, Path]]) -> tuple[nn.Module, Any]:
-    """mlx_lm.load on a folder or Hugging Face id (the demo target when None), errors as one ValueError."""
-    from mlx_lm.utils import load
-
-    path = DEMO_TARGET if path is None else path
-    try:
-        return load(str(path))
-    except Exception as e:
-        raise ValueError(f"cannot load model {path}: {type(e).__name__}: {e}") from None
 
 
 def train_and_save(out: Path, model_path: Optional[str] = None, exit_layer: Optional[int] = None,
                    corpus: Optional[Path] = None, progress: bool = True, **kwargs: Any) -> TrainReport:
     """`mirror-mlx train-exit`: check the inputs before any work, train, write the adapter file."""
     from .corpus import CORPUS
+    from .loading import load_model
 
     out = Path(out)
     if out.suffix != ".safetensors":
@@ -348,11 +358,12 @@ def train_and_save(out: Path, model_path: Optional[str] = None, exit_layer: Opti
     corpus = Path(corpus or CORPUS)
     if not corpus.is_file():
         raise ValueError(f"corpus file {corpus} does not exist")
-    model, tokenizer = load_model(model_path)
+    model, tokenizer = load_model(model_path or demo_pair.TARGET)
     n_layers = len(text_model(model).layers)
-    exit_layer = max(1, n_layers // 2) if exit_layer is None else exit_layer
+    exit_layer = default_exit_layer(n_layers) if exit_layer is None else exit_layer
     check_exit_layer(exit_layer, n_layers)
-    meta = adapter_meta(model, exit_layer, model_name=str(model_path or DEMO_TARGET.name), corpus=corpus.name)
+    meta = adapter_meta(model, exit_layer, model_name=str(model_path or demo_pair.TARGET.name), corpus=corpus.name,
+                        held_out_paragraphs=HELD_OUT_PARAGRAPHS)
     adapter, report = train_exit_adapter(model, tokenizer, exit_layer, corpus.read_text(encoding="utf-8"),
                                          progress=progress, **kwargs)
     meta.update(steps=report.steps, seed=report.seed, kl_bare=f"{report.kl_before:.4f}",

@@ -18,11 +18,11 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from .batching import padded_batches
 from .exit_adapter import greedy_rows
 from .target import EarlyExitTarget, text_model, top_k
 
 KAPPAS = (1, 2, 4, 8, 16)
-DEMO_DRAFT = Path(__file__).resolve().parent / "demo" / "llama2xs"
 
 
 @dataclass
@@ -92,11 +92,6 @@ class OmegaRow:
     sums: OmegaSums
 
 
-def _padded(seqs: list[list[int]]) -> mx.array:
-    L = max(len(s) for s in seqs)
-    return mx.array([s + [0] * (L - len(s)) for s in seqs])
-
-
 def measure(
     model: nn.Module,
     tokenizer,
@@ -109,21 +104,18 @@ def measure(
     batch_size: int = 8,
     progress: bool = False,
 ) -> list[OmegaRow]:
-    """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter."""
+    """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
+
+    The draft must share the target's tokenizer (run_omega checks it with loading.check_same_tokenizer).
+    """
     n_layers = len(text_model(model).layers)
     layers = list(layers or range(1, n_layers))
     adapters = adapters or {}
-    dv = text_model(draft).model.embed_tokens.weight.shape[0]
-    tv = text_model(model).model.embed_tokens.weight.shape[0]
-    if dv != tv:
-        raise ValueError(f"the draft's vocabulary ({dv}) differs from the target's ({tv}); they must share a tokenizer")
     seqs, starts = greedy_rows(model, tokenizer, texts, max_tokens, progress=progress)
     variants = [(L, "-", None) for L in layers] + [(L, *adapters[L]) for L in layers if L in adapters]
     out = {(L, name): OmegaRow(L, name, OmegaSums(tuple(kappas))) for L, name, _ in variants}
-    for j in range(0, len(seqs), batch_size):
-        chunk, st = seqs[j : j + batch_size], starts[j : j + batch_size]
-        tokens = _padded(chunk)
-        rows = [(b, t) for b, s in enumerate(chunk) for t in range(st[b], len(s) - 1)]
+    for j, chunk, tokens in padded_batches(seqs, batch_size):
+        rows = [(b, t) for b, s in enumerate(chunk) for t in range(starts[j + b], len(s) - 1)]
         bi, ti = mx.array([b for b, _ in rows]), mx.array([t for _, t in rows])
         d_ids = mx.argmax(draft(tokens)[bi, ti], axis=-1).tolist()
         for L, name, adapter in variants:
@@ -166,15 +158,18 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
               prompts: int = 50, max_tokens: int = 64, layers: Optional[Sequence[int]] = None,
               progress: bool = True) -> str:
     """`mirror-mlx omega`: the table over `prompts` held-out TinyStories openings (the demo pair by default)."""
-    from .corpus import load_openings
-    from .exit_adapter import load_adapter, load_model
+    from .corpus import load_split
+    from .demo_pair import DRAFT, TARGET
+    from .exit_adapter import load_adapter
+    from .loading import check_same_tokenizer, load_model
 
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")
     if draft_path is None and model_path is not None:
         raise ValueError("--draft-model is needed with --model (the draft's greedy tokens are the excluded ones)")
-    model, tokenizer = load_model(model_path)
-    draft, _ = load_model(draft_path or DEMO_DRAFT)
+    model, tokenizer = load_model(model_path or TARGET)
+    draft, draft_tokenizer = load_model(draft_path or DRAFT)
+    check_same_tokenizer(tokenizer, draft_tokenizer)
     n_layers = len(text_model(model).layers)
     for L in layers or ():
         if not 1 <= L <= n_layers - 1:
@@ -185,7 +180,7 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
         if a.exit_layer in adapters:
             raise ValueError(f"two exit adapters for layer {a.exit_layer}: pass one per layer")
         adapters[a.exit_layer] = (Path(p).stem, a)
-    texts = load_openings(held_out=True)
+    texts = load_split().held_out
     if prompts > len(texts):
         raise ValueError(f"--prompts {prompts} is more than the {len(texts)} held-out openings")
     rows = measure(model, tokenizer, draft, texts[:prompts], layers, adapters, max_tokens=max_tokens,

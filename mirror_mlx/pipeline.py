@@ -1,21 +1,23 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
 
-import os
-from dataclasses import dataclass, field
+import asyncio
+import threading
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.nn as nn
-from mlx_lm.utils import load as mlx_load
+from mlx_lm.utils import load_tokenizer
 
-from .draft import MLXDraft
+from . import demo_pair, validate
+from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
+from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
-from .engine import DecodeOptions, Engine, Stats
-
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DEMO_TARGET = DEMO_DIR / "stories260K"
-DEMO_DRAFT = DEMO_DIR / "llama2xs"
-DEMO_EXIT_ADAPTER = DEMO_DIR / "stories260K_exit2.safetensors"  # mirror-mlx train-exit --exit-layer 2
+from .engine import Engine, Stats
+from .loading import check_same_tokenizer, load_model, resolve_model  # noqa: F401  (resolve_model: API)
+from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 
 Prompt = Union[str, Sequence[int]]
 
@@ -41,72 +43,62 @@ class Chunk:
         return self.text
 
 
-def resolve_model(path_or_id: Union[str, Path]) -> Path:
-    """A local folder as is; otherwise a Hugging Face id through huggingface_hub (cached, offline-friendly)."""
-    path = Path(path_or_id).expanduser()
-    if path.exists():
-        return path
-    name = str(path_or_id)
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise ValueError(f"model path {name!r} does not exist: give a model folder or a Hugging Face id like org/name")
-    from huggingface_hub import snapshot_download
+def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
+    """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package.
 
-    try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
-                                                            "*.tiktoken", "*.txt", "*.jinja"]))
-    except Exception as e:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise ValueError(
-            f"model {name!r} is not a local folder and could not be fetched from the Hugging Face hub"
-            f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
-            f"(`hf download {name}`) or pass a local folder"
-        ) from None
-
-
-def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
-    """Target and draft must map the same strings to the same ids, or verification compares nonsense."""
-    tv, dv = target_tok.vocab_size, draft_tok.vocab_size
-    if tv != dv:
-        raise ValueError(f"the draft's tokenizer has {dv} tokens but the target's has {tv}: "
-                         "use a draft trained with the target's tokenizer")
-    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if t_vocab != d_vocab:
-        diff = next(k for k in t_vocab if d_vocab.get(k) != t_vocab[k])
-        raise ValueError(f"target and draft tokenizers differ (token {diff!r} is {t_vocab[diff]} in the target, "
-                         f"{d_vocab.get(diff)} in the draft): use a draft trained with the target's tokenizer")
-
-
-def load_draft(path: Union[str, Path], target_tokenizer: Any) -> Draft:
-    """A draft from a folder (plain mlx-lm model or SS draft) or a Core ML package."""
+    The tokenizer is checked here; the weights are loaded by the host process only.
+    """
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
-        from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft  # raises a clear error off macOS
+        from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
 
-        return CoreMLDraft(Path(path_str), target_tokenizer)
+        return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
-    try:
-        from mirror_mlx.ane_draft.ss_draft import SSDraft, is_ss_draft, load_ss_draft
-    except ImportError:  # the SS draft module is optional at this layer
-        is_ss_draft = None
-    if is_ss_draft is not None and is_ss_draft(folder):
-        model, tokenizer = load_ss_draft(folder)
-        check_same_tokenizer(target_tokenizer, tokenizer)
-        return SSDraft(model)
-    model, tokenizer = mlx_load(str(folder))
-    check_same_tokenizer(target_tokenizer, tokenizer)
-    return MLXDraft(model)
+    check_same_tokenizer(target_tokenizer, load_tokenizer(folder))
+    return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),))
 
 
 class Pipeline:
-    """A target (and optionally a draft) ready to generate in any mode."""
+    """A target (and optionally a draft) ready to generate in any mode.
 
-    def __init__(self, model: nn.Module, tokenizer: Any, draft: Optional[Draft] = None, exit_adapter: Any = None,
-                 name: str = ""):
+    Safe to share between threads: generations run one at a time, each from start to end (a stream
+    holds the pipeline until it is exhausted or closed), so each is lossless and seeded as if alone;
+    other callers wait. Iterating a stream and starting another generation in the same thread is
+    refused (it would wait on itself). After `close()` every call raises ValueError. Shared, read each
+    call's own `Result.stats` (`pipe.stats` is whichever generation ran last); `chat` keeps one
+    conversation per Pipeline, so give each conversation its own.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
+                 exit_adapter: Any = None, name: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
         self.name = name
         self.engine = Engine(model, draft, exit_adapter)
+        self.conversation: Any = None  # chat.Conversation: the turns the caches hold (chat.py keeps it)
+        self.told_plain = False  # chat.py warned once that the tokenizer has no chat template
+        self._lock = threading.Lock()  # one generation at a time (see the class docstring)
+        self._owner: Optional[int] = None  # the thread that holds it
+        self._closed = False
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the pipeline for one whole generation."""
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before starting another generation")
+        with self._lock:
+            self._check_open()
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
     @property
     def stats(self) -> Stats:
@@ -122,51 +114,103 @@ class Pipeline:
                                                            add_generation_prompt=True))
         return list(self.tokenizer.encode(prompt))
 
-    def options(self, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                seed: Optional[int] = None, kappa: Optional[int] = None, gamma: Optional[int] = None,
-                exit_layer: Optional[int] = None, mode: str = "auto", min_p: float = 0.0,
-                repetition_penalty: Optional[float] = None, stop: bool = True,
-                draft_timeout: float = 60.0) -> DecodeOptions:
-        """mode="auto" becomes the tuned mode and knobs (mirror_mlx.tune.resolve); explicit ones win."""
+    def options(self, stop: bool = True, **kwargs: Any) -> DecodeOptions:
+        """`DecodeOptions` from keywords (its fields and defaults are the options); `stop` ends the
+        generation at the tokenizer's end-of-sequence tokens. mode="auto" stays auto here: `prepare`
+        resolves it (`resolve`)."""
+        allowed = list(CALLER_OPTIONS) + ["stop"]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r}: the options are {', '.join(allowed)}")
+        return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
+
+    def resolve(self, opts: DecodeOptions) -> DecodeOptions:
+        """A concrete mode and knobs: mode="auto" becomes the tuned ones (mirror_mlx.tune.resolve; the first
+        call without a profile runs a bounded quick calibration); explicit ones win."""
         from .tune import resolve
 
-        c = resolve(self, mode, kappa, gamma, exit_layer)
-        return DecodeOptions(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa, gamma=c.gamma,
-                             exit_layer=c.exit_layer, temperature=temperature, top_p=top_p, top_k=top_k,
-                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                             draft_timeout=draft_timeout, why=c.why,
-                             stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else ())
+        c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
+        return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=c.why)
+
+    def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
+        """What `check` validates before auto is resolved: auto as mirror (ar without a draft), the knobs
+        not given as the paper's. Bad input is refused before any calibration starts."""
+        mode = opts.mode
+        if mode == "auto":
+            mode = "mirror" if self.draft is not None else "ar"
+        return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
+                       gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
 
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
-        """Raise ValueError (one sentence) for options or a prompt this pipeline cannot serve."""
-        self.engine.check(list(tokens), self.options(**kwargs))
+        """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve."""
+        self._check_open()
+        self.engine.check(tokens, self._stand_in(self.options(**kwargs)))
+
+    def prepare(self, prompt: Prompt, **kwargs: Any) -> tuple[list[int], DecodeOptions]:
+        """The checked prompt ids and options of one call; refuses bad input before any work starts.
+
+        Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
+        """
+        self._check_open()
+        if isinstance(prompt, str):
+            text, replaced = validate.clean_text(prompt)
+            if replaced:
+                warnings.warn(validate.REPLACED, stacklevel=3)
+            prompt = self.encode(text)
+        opts = self.options(**kwargs)
+        prompt, _ = self.engine.check(prompt, self._stand_in(opts))
+        return self.engine.check(prompt, self.resolve(opts))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
-        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards."""
-        tokens = self.encode(prompt)
-        opts = self.options(**kwargs)
+        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
+
+        Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
+        is exhausted or closed.
+        """
+        tokens, opts = self.prepare(prompt, **kwargs)
+
+        def held() -> Iterator[Chunk]:
+            with self._turn():
+                yield from self._chunks(tokens, opts)
+
+        return held()
+
+    def _chunks(self, tokens: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
         detok = self.tokenizer.detokenizer
         detok.reset()
-        for new in self.engine.generate(tokens, opts):
-            new = [t for t in new if t not in opts.stop_tokens]
-            for t in new:
-                detok.add_token(t)
-            yield Chunk(detok.last_segment, new)
+        steps = self.engine.generate(tokens, opts)
+        try:
+            for new in steps:
+                new = [t for t in new if t not in opts.stop_tokens]
+                for t in new:
+                    detok.add_token(t)
+                yield Chunk(detok.last_segment, new)
+        finally:
+            steps.close()
         detok.finalize()
         if detok.last_segment:
             yield Chunk(detok.last_segment, [])
 
-    def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: Optional[int] = None, kappa: Optional[int] = None,
-                 gamma: Optional[int] = None, exit_layer: Optional[int] = None, mode: str = "auto",
-                 **kwargs: Any) -> Result:
-        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens."""
-        chunks = list(self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, seed=seed, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
-                                  mode=mode, **kwargs))
+    async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
+        chunks = self.stream(prompt, **kwargs)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield chunk
+
+    def generate(self, prompt: Prompt, **options: Any) -> Result:
+        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
+
+        Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
+        exit_layer, mode, ...) with its defaults, plus `stop`.
+        """
+        tokens, opts = self.prepare(prompt, **options)
+        with self._turn():
+            chunks = list(self._chunks(tokens, opts))
+            stats = self.engine.stats
         tokens = [t for c in chunks for t in c.tokens]
-        stopped = self.stats.generation_tokens > len(tokens)
-        return Result("".join(c.text for c in chunks), tokens, self.stats, "stop" if stopped else "length")
+        stopped = stats.generation_tokens > len(tokens)
+        return Result("".join(c.text for c in chunks), tokens, stats, "stop" if stopped else "length")
 
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
@@ -185,7 +229,14 @@ class Pipeline:
         return stream_reply(self, messages, **kwargs)
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop the workers (waits for a generation in flight in another thread); idempotent."""
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before closing the Pipeline")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.close()
 
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
@@ -196,16 +247,16 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
     """
     if model is None:
-        model = DEMO_TARGET
-        draft_model = DEMO_DRAFT if draft_model is None else draft_model
-        exit_adapter = DEMO_EXIT_ADAPTER if exit_adapter is None else exit_adapter
+        model = demo_pair.TARGET
+        draft_model = demo_pair.DRAFT if draft_model is None else draft_model
+        exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
     if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
         exit_adapter = None
-    target, tokenizer = mlx_load(str(resolve_model(model)))
+    target, tokenizer = load_model(model)
     draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:
-        from .exit_adapter import load_adapter
+        from .exit_adapter import load_adapters
 
-        adapter = load_adapter(Path(exit_adapter), target)
+        adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
     return Pipeline(target, tokenizer, draft, adapter, name=str(model))

@@ -39,6 +39,8 @@ def fingerprint(module: Any) -> str:
     """A short hash of a module's weights: every tensor's name, shape, dtype and first/last values."""
     if module is None:
         return "none"
+    if hasattr(module, "build") and hasattr(module, "args"):  # a DraftRecipe: the draft lives in its host
+        return _recipe_fingerprint(module)
     params = getattr(module, "parameters", None)
     if params is None:  # a draft that is not an mlx module (Core ML): its class and its path if any
         return hashlib.sha1(f"{type(module).__name__}:{getattr(module, 'path', '')}".encode()).hexdigest()[:16]
@@ -48,6 +50,23 @@ def fingerprint(module: Any) -> str:
         sample = mx.concatenate([flat[:32], flat[-32:]]).astype(mx.float32)
         h.update(f"{name}:{tuple(w.shape)}:{w.dtype};".encode())
         h.update(np.array(sample).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _recipe_fingerprint(recipe: Any) -> str:
+    """A DraftRecipe's builder and the files it reads: each file's name, size and first/last 4 KiB."""
+    h = hashlib.sha1(f"{getattr(recipe.build, '__name__', recipe.build)}".encode())
+    for arg in recipe.args:
+        h.update(f"|{arg}".encode())
+        path = Path(str(arg))
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{size};".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(4096))
+                fh.seek(max(0, size - 4096))
+                h.update(fh.read(4096))
     return h.hexdigest()[:16]
 
 

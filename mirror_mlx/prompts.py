@@ -1,20 +1,21 @@
 """Prompt sets for the benchmark, as (category, text) pairs in a fixed order.
 
-`tinystories`: openings of the TinyStories paragraphs shipped in data/ (in domain for the demo
+`tinystories`: the held-out openings of the TinyStories corpus shipped in data/ (corpus.split: no
+training text of the shipped SS draft or exit adapter begins with one; in domain for the demo
 models); `spec_bench`, `mt_bench`: the first turn of each question, with its category (out of
 domain for the demo models, reported anyway); or any FILE.jsonl with a `prompt` or `turns` field.
 A `limit` takes prompts round-robin over the categories, so a few prompts still cover all of them.
 """
 
 import json
-import re
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-DATA = Path(__file__).resolve().parent / "data"
-SETS = {"tinystories": "tinystories_train.txt", "spec_bench": "spec_bench_question.jsonl",
+from .corpus import CORPUS, load_split, opening  # noqa: F401  (opening: the one parse, re-exported)
+
+DATA = CORPUS.parent
+SETS = {"tinystories": CORPUS.name, "spec_bench": "spec_bench_question.jsonl",
         "mt_bench": "mt_bench_question.jsonl"}
-_SENTENCE_END = re.compile(r"[.!?][\"”']?(?=\s|$)")
 
 
 class Prompt(NamedTuple):
@@ -22,23 +23,9 @@ class Prompt(NamedTuple):
     text: str
 
 
-def opening(paragraph: str, max_words: int = 8) -> str:
-    """The paragraph's first sentence, or its first `max_words` words if the sentence is longer."""
-    words = paragraph.split()
-    m = _SENTENCE_END.search(paragraph)
-    sentence = paragraph[: m.end()] if m else paragraph
-    return " ".join(words[:max_words]) if len(sentence.split()) > max_words else " ".join(sentence.split())
-
-
-def tinystories(path: Path = DATA / SETS["tinystories"], max_words: int = 8, min_words: int = 4) -> list[Prompt]:
-    """Distinct openings of the paragraphs in file order (very short ones, like "The end.", skipped)."""
-    seen, out = set(), []
-    for para in re.split(r"\n\s*\n", Path(path).read_text(encoding="utf-8")):
-        text = opening(para, max_words)
-        if len(text.split()) >= min_words and text not in seen:
-            seen.add(text)
-            out.append(Prompt("tinystories", text))
-    return out
+def tinystories(path: Path = CORPUS) -> list[Prompt]:
+    """The corpus's held-out openings, in file order (corpus.split)."""
+    return [Prompt("tinystories", text) for text in load_split(path).held_out]
 
 
 def jsonl(path: Path, category: Optional[str] = None) -> list[Prompt]:

@@ -4,11 +4,14 @@ Each slot is [seq, kind, step, n_ints, n_floats | ints | floats]. The writer mar
 (seq = -1), writes the payload, then publishes its sequence number; the reader copies a slot
 only when its seq equals the one it expects and re-checks it after the copy, so a slot that is
 stale (not yet written) is never consumed and one that was overwritten is detected. Messages are
-a few hundred bytes: early-exit top-κ sets, verdicts, windows. In process the ring carries data
-between threads; on a Mac the same layout is shared with the Core ML draft process.
+a few hundred bytes: early-exit top-κ sets going to the draft host, windows coming back
+(ane_draft/host.py defines the messages and wakes the reader through a pipe). The engine creates
+(and unlinks) both rings; the host process attaches to them by name.
 """
 
 from dataclasses import dataclass
+import mmap
+import os
 from multiprocessing import shared_memory
 from typing import Optional
 
@@ -17,7 +20,25 @@ import numpy as np
 HEADER_INTS = 5
 BUSY = -1
 
-EARLY_EXIT, VERDICT, WINDOW = 1, 2, 3
+class _Attached:
+    """A segment mapped by name without registering it with this process's resource tracker."""
+
+    def __init__(self, name: str):
+        import _posixshmem
+
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf, self.name = memoryview(self._mmap), name
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        raise RuntimeError("an attached ring is unlinked by the process that created it")
 
 
 class RingOverwritten(RuntimeError):
@@ -41,11 +62,14 @@ class TokenRing:
     """One direction of the token channel: `put` on the writer side, `get` on the reader side."""
 
     def __init__(self, capacity: int = 8, max_ints: int = 1024, max_floats: int = 512,
-                 name: Optional[str] = None, create: bool = True):
+                 name: Optional[str] = None, create: bool = True, track: bool = True):
         self.capacity, self.max_ints, self.max_floats = capacity, max_ints, max_floats
         self.slot_words = HEADER_INTS + max_ints + max_floats
         nbytes = 8 * (2 + capacity * self.slot_words)  # [next_seq, read_seq] + slots
-        self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
+        if create or track:
+            self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
+        else:  # another process created it and unlinks it: no resource tracker of ours may (Python < 3.13)
+            self.shm = _Attached(name)
         self._words = np.ndarray((2 + capacity * self.slot_words,), dtype=np.int64, buffer=self.shm.buf)
         if create:
             self._words[:] = 0

@@ -6,12 +6,13 @@ inner model whose `__call__` only normalises the recorded state (ecosystem.md §
 untied heads, logit soft-caps and logit scaling all come along for free.
 """
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from .options import default_exit_layer
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -36,11 +37,21 @@ def _install_tap(block: nn.Module, tap: _Tap) -> type:
     return cls
 
 
+def vocab_size(model: nn.Module) -> Optional[int]:
+    """Rows of the input embedding: token ids at or above it are out of range (and may crash MLX)."""
+    tm = text_model(model)
+    embed = getattr(getattr(tm, "model", tm), "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    if weight is not None and weight.ndim == 2:
+        return int(weight.shape[0])
+    return getattr(getattr(tm, "args", None), "vocab_size", None)
+
+
 def check_exit_layer(exit_layer: int, n_layers: int) -> None:
     if not 1 <= exit_layer <= n_layers - 1:
         raise ValueError(
             f"exit layer {exit_layer} is outside 1..{n_layers - 1} for a target with {n_layers} layers "
-            f"(choose a layer in that range, e.g. {max(1, n_layers // 2)})"
+            f"(choose a layer in that range, e.g. {default_exit_layer(n_layers)})"
         )
 
 
@@ -59,14 +70,6 @@ def trimmable_cache(model: nn.Module) -> list[Any]:
                 "wrong: models with recurrent state (SSM, linear attention) are not supported"
             )
     return cache
-
-
-@dataclass
-class TopK:
-    """Early-exit candidates per row: ids and log-probs under the early distribution."""
-
-    ids: list[list[int]]
-    logprobs: list[list[float]]
 
 
 class EarlyExitTarget:
@@ -105,20 +108,24 @@ class EarlyExitTarget:
 
     def head(self, h: mx.array) -> mx.array:
         """The model's own final norm (+ adapter) and head applied to a hidden state."""
-        tm = text_model(self.model)
-        inner = tm.model
-        cls = type(inner)
-        adapter = self.adapter
+        x = text_model(self.model).model.norm(h)
+        return apply_head(self.model, self.adapter(x) if self.adapter is not None else x)
 
-        def norm_only(self_, *args, **kwargs):
-            x = self_.norm(h)
-            return adapter(x) if adapter is not None else x
 
-        inner.__class__ = type("HeadOnly" + cls.__name__, (cls,), {"__call__": norm_only})
-        try:
-            return tm(mx.zeros(h.shape[:2], dtype=mx.int32))
-        finally:
-            inner.__class__ = cls
+def apply_head(model: nn.Module, x: mx.array) -> mx.array:
+    """The model's own head (tied or not, soft-caps, logit scaling) on an already normalised state (B, T, D).
+
+    The inner model's class is swapped for a subclass whose `__call__` returns `x`, and the outer
+    model runs as usual: no per-architecture code.
+    """
+    tm = text_model(model)
+    inner = tm.model
+    cls = type(inner)
+    inner.__class__ = type("Given" + cls.__name__, (cls,), {"__call__": lambda self_, *a, **k: x})
+    try:
+        return tm(mx.zeros(x.shape[:2], dtype=mx.int32))
+    finally:
+        inner.__class__ = cls
 
 
 def top_k(logits: mx.array, k: int, exclude: Optional[list[int]] = None) -> tuple[mx.array, mx.array]:

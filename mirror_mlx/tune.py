@@ -11,23 +11,40 @@
    the model believed in.
 """
 
+import os
 import statistics
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from . import profile as profiles
-from .draft import MLXDraft
 from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
-from .target import EarlyExitTarget, text_model, top_k, trimmable_cache
+from .draft import MLXDraft
+from .options import PAPER_KNOBS
+from .target import EarlyExitTarget, top_k, trimmable_cache
 
-PAPER_KNOBS = dict(kappa=8, gamma=7)  # what an explicit mode gets for knobs not given
 AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
+QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
+HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
+
+
+class OutOfTime(RuntimeError):
+    """The calibration's time budget ran out."""
+
+
+def quick_budget() -> float:
+    """Seconds the quick calibration may take: $MIRROR_MLX_QUICK_BUDGET, else QUICK_BUDGET_S."""
+    env = os.environ.get("MIRROR_MLX_QUICK_BUDGET")
+    try:
+        return float(env) if env else QUICK_BUDGET_S
+    except ValueError:
+        return QUICK_BUDGET_S
 
 
 @dataclass
@@ -42,11 +59,13 @@ class TuneConfig:
     reps: int = 3
     confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
     progress: bool = True
+    budget_s: Optional[float] = None  # stop (OutOfTime) once calibration has taken this long; None: no cap
 
     @classmethod
     def quick(cls) -> "TuneConfig":
+        """Small on purpose: 2 openings × 16 tokens, κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e only, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
-                   progress=False)
+                   progress=False, budget_s=quick_budget())
 
 
 @dataclass
@@ -70,9 +89,9 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
 
         texts = [p.text for p in load_prompts(path, n)]
     else:
-        from .corpus import load_openings
+        from .corpus import load_split
 
-        texts = load_openings(held_out=True)[:n]
+        texts = load_split().held_out[:n]
     return [pipe.encode(t) for t in texts]
 
 
@@ -84,7 +103,8 @@ def exit_layer_candidates(pipe: Any, cfg: TuneConfig) -> list[int]:
     if adapter_layer:  # an adapter only maps its own layer's state
         return [adapter_layer]
     n = pipe.engine.n_layers
-    layers = cfg.exit_layers or (n // 4, n // 3, n // 2, 3 * n // 4)
+    quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 only
+    layers = cfg.exit_layers or ((n // 2,) if quick else (n // 4, n // 3, n // 2, 3 * n // 4))
     return sorted({min(max(1, e), n - 1) for e in layers})
 
 
@@ -100,22 +120,37 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
     return (plain - ex_above).tolist(), plain.tolist()
 
 
-def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int
-          ) -> tuple[Trace, list[int]]:
+def plain_draft_model(pipe: Any) -> Optional[Any]:
+    """The draft's MLX model when it is a plain MLXDraft object in this process (a Pipeline built with a
+    draft object: its host is a thread), for the teacher-forced trace; None for a recipe (`load()`: the
+    draft lives in the host process, so the trace uses the host's rollouts) and for other drafts."""
+    draft = getattr(pipe, "draft", None)
+    return draft.model if type(draft) is MLXDraft else None  # subclasses (SS) propose more than argmax chains
+
+
+def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
+          draft_model: Any = "auto") -> tuple[Trace, list[int]]:
     """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
-    the prompt plus the target's greedy text."""
+    the prompt plus the target's greedy text.
+
+    The draft side: one teacher-forced forward of `draft_model` (an in-process plain MLX draft; "auto":
+    `plain_draft_model(pipe)`), else one blocking rollout per position through the draft host.
+    """
     from .corpus import greedy_continuations
 
     engine = pipe.engine
+    if draft_model == "auto":
+        draft_model = plain_draft_model(pipe)
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
-    text = greedy_continuations(engine.target_model, [prompt], max_tokens, eos=eos)[0]
+    text = engine.target_worker.call(partial(greedy_continuations, engine.target_model, [prompt], max_tokens,
+                                             eos=eos))[0]
     full = list(prompt) + text
     n0 = len(prompt)
 
     def draft_runs() -> tuple[list[int], list[int]]:
         runs, first = [], []
         for i in range(n0, len(full)):
-            w = engine.draft.rollout(full[: i - 1], [[full[i - 1]]], gamma_max).windows[0]
+            w = engine.host.rollout(full[: i - 1], [[full[i - 1]]], gamma_max, timeout=HOST_TIMEOUT_S).windows[0]
             a = 0
             while a < len(w) and i + a < len(full) and w[a] == full[i + a]:
                 a += 1
@@ -125,23 +160,25 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
 
     def teacher_forced() -> tuple[list[int], list[int]]:
         """A plain autoregressive draft: one forward over the text gives its token at every position."""
-        first = mx.argmax(engine.draft.model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1).tolist()
+        first = mx.argmax(draft_model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1).tolist()
         runs = [0] * (len(text) + 1)
         for i in range(len(text) - 1, -1, -1):
             runs[i] = min(gamma_max, runs[i + 1] + 1) if first[i] == text[i] else 0
         return runs[:-1], first
 
-    plain = type(engine.draft) is MLXDraft  # subclasses (the SS draft) propose more than argmax chains
-    runs, first = engine.draft_worker.call(teacher_forced if plain else draft_runs)
+    runs, first = engine.target_worker.call(teacher_forced) if draft_model is not None else draft_runs()
     tr = Trace(runs=runs)
-    for layer in exit_layers:
+
+    def ranks(layer: int) -> tuple[list[int], list[int]]:
         tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
         try:
             early, _ = tapped.forward(mx.array([full[:-1]]), cache=None)
-            rows = early[0, n0 - 1:]
-            tr.rank_excl[layer], tr.rank_plain[layer] = _ranks(rows, text, first)
+            return _ranks(early[0, n0 - 1:], text, first)
         finally:
             tapped.remove()
+
+    for layer in exit_layers:
+        tr.rank_excl[layer], tr.rank_plain[layer] = engine.target_worker.call(ranks, layer)
     return tr, full
 
 
@@ -206,27 +243,30 @@ class _Bench:
 
     def stems(self, kappa: int, gamma: int) -> list[list[int]]:
         spine = self.context[-gamma:]
-        vocab = self.engine.draft.vocab_size
+        vocab = self.engine.host.vocab_size
         return [spine[:r] + [(self.context[-1] + 1 + v) % vocab] for r in range(gamma + 1) for v in range(kappa)]
 
+    def sync(self, context: list[int]) -> None:
+        """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
+        self.engine.host.post_sync(context)
+        self.engine.host.wait_done(HOST_TIMEOUT_S)
+
     def rollout(self, stems: list[list[int]], gamma: int) -> float:
-        """A rollout after two newly committed tokens (the draft syncs them in, as in a real step)."""
-        draft, ctx = self.engine.draft, self.context[:-1]
-
-        def run():
-            times = []
-            for _ in range(self.reps):
-                draft.sync(ctx[:-2]) if hasattr(draft, "sync") else None
-                t0 = time.perf_counter()
-                draft.rollout(ctx, stems, gamma)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-
-        return self.engine.draft_worker.call(run)
+        """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
+        as in a real step): the round trip over the ring, what the scheduler waits for."""
+        host, ctx = self.engine.host, self.context[:-1]
+        times = []
+        for _ in range(self.reps):
+            self.sync(ctx[:-2])
+            t0 = time.perf_counter()
+            host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
-        """The target suffix and the κ(γ+1)-row rollout started together; seconds until both are done."""
-        engine, draft, ctx = self.engine, self.engine.draft, self.context[:-1]
+        """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
+        seconds until both are done."""
+        engine, host, ctx = self.engine, self.engine.host, self.context[:-1]
         stems, n = self.stems(kappa, gamma), gamma + 1
         times = []
         for _ in range(self.reps):
@@ -238,12 +278,11 @@ class _Bench:
                 return final
 
             final = engine.target_worker.call(prefix)
-            if hasattr(draft, "sync"):
-                engine.draft_worker.call(draft.sync, ctx[:-2])
+            self.sync(ctx[:-2])
             t0 = time.perf_counter()
             suffix = engine.target_worker.submit(mx.eval, final)
-            roll = engine.draft_worker.submit(draft.rollout, ctx, stems, gamma)
-            suffix.result(), roll.result()
+            host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)  # posted, then awaited, while the suffix runs
+            suffix.result()
             times.append(time.perf_counter() - t0)
             engine.target_worker.call(trim_prompt_cache, self.cache, n)
         return statistics.median(times)
@@ -273,17 +312,19 @@ def measure_timings(pipe: Any, context: list[int], cfg: TuneConfig, layers: list
 
 
 def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_tokens: int,
-                warm_up: bool = True) -> dict:
+                warm_up: bool = True, check: Callable[[], None] = lambda: None) -> dict:
     """Real greedy generations of every config on every prompt, interleaved (prompt by prompt, so a
     load change on a shared machine hits all configs alike). {config: tokens/s, step_s, reuse}."""
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer) for c in configs}
     if warm_up:
         for c in configs:
+            check()
             pipe.generate(prompts[0], **dict(knobs[c], max_tokens=4))
     sums = {c: [0, 0, 0, 0.0] for c in configs}  # tokens, steps, reuses, seconds
     for p in prompts:
         for c in configs:
+            check()
             s = pipe.generate(p, **knobs[c]).stats
             for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
                 sums[c][i] += v
@@ -296,7 +337,8 @@ def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, 
     return run_configs(pipe, [c], prompts, max_tokens, warm_up)[c]
 
 
-def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers) -> dict:
+def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers,
+                      check: Callable[[], None] = lambda: None) -> dict:
     """Per mode: measured step time minus the modelled components (scheduling, sampling, Python).
 
     One probe configuration per mode, run for real on the first prompt; returns the probes (they
@@ -305,7 +347,7 @@ def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers) -
     """
     g = cfg.gammas[len(cfg.gammas) // 2]
     probes = [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
-    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens)
+    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check)
     for c, run in runs.items():
         t.overhead[c.mode] = max(0.0, run["step_s"] - component_time(c, t, run["reuse"]))
     return runs
@@ -318,26 +360,38 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
 
     if pipe.draft is None:
         raise ValueError("tune needs a draft model (without one the only mode is ar): pass --draft-model")
+    if pipe.engine.host is None:
+        raise RuntimeError(f"the draft was dropped earlier ({pipe.engine.draft_failure})")
     started = time.perf_counter()
+
+    def check() -> None:
+        if cfg.budget_s is not None and time.perf_counter() - started > cfg.budget_s:
+            raise OutOfTime(f"calibration passed its {cfg.budget_s:g} s budget")
+
     prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
     total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(layers) * len(cfg.kappas))
              + 3 + cfg.confirm)
     bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
-    tick = lambda: bar.update(1)  # noqa: E731
+
+    def tick() -> None:
+        bar.update(1)
+        check()
+
     try:
         traces = []
-        for p in prompts:
-            traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas)))
-            tick()
-        acc = Acceptance([tr for tr, _ in traces])
-        t = measure_timings(pipe, traces[0][1], cfg, layers, tick)  # over a prompt and its greedy text
-        probes = list(measure_overheads(pipe, t, cfg, prompts, layers))
+        with pipe._lock:  # direct use of the target and the host: no generation of another thread meanwhile
+            for p in prompts:
+                traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas)))
+                tick()
+            acc = Acceptance([tr for tr, _ in traces])
+            t = measure_timings(pipe, traces[0][1], cfg, layers, tick)  # over a prompt and its greedy text
+        probes = list(measure_overheads(pipe, t, cfg, prompts, layers, check))
         bar.update(3)
         ranked = rank(configs, t, acc)
         confirm = probes + [r["config"] for r in ranked if r["config"] not in probes][: cfg.confirm]
-        measured = run_configs(pipe, confirm, prompts, cfg.max_tokens, warm_up=False)
+        measured = run_configs(pipe, confirm, prompts, cfg.max_tokens, warm_up=False, check=check)
         bar.update(cfg.confirm)
     finally:
         bar.close()
@@ -396,8 +450,15 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
         prof = None
     if prof is None:
         t0 = time.perf_counter()
+        cfg = TuneConfig.quick()
         try:
-            prof = calibrate(pipe, TuneConfig.quick())
+            prof = calibrate(pipe, cfg)
+        except OutOfTime:  # the safe rule: plain generation is never slower than itself
+            prof = profiles.Profile(key=key, mode="ar", why=(
+                f"quick calibration ran out of its {cfg.budget_s:g} s budget (MIRROR_MLX_QUICK_BUDGET), "
+                "so ar, the safe rule"))
+            print(f"mirror-mlx: mode auto: {prof.why}; not saved (`mirror-mlx tune` measures without a budget)",
+                  file=sys.stderr)
         except Exception as e:  # a draft that fails here would fail in generation too: plain, visibly
             prof = profiles.Profile(key=key, mode="ar", why=f"quick calibration failed ({e!r}), so ar")
             print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)

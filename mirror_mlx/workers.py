@@ -1,16 +1,17 @@
-"""Worker threads that own a model and its MLX stream.
+"""Worker threads that own a model and its MLX stream, and the scheduler's event-loop thread.
 
 MLX streams and lazy graphs are thread-affine: each worker builds *and* evaluates its graphs on
-its own OS thread, and only Python values or evaluated arrays leave it. `mx.eval` releases the
-GIL, so a target worker and a draft worker really compute at the same time.
+its own OS thread, and only Python values or evaluated arrays leave it. (Two such threads do not
+compute at the same time inside one process, DESIGN §4: the draft runs in its own process.)
 """
 
 import asyncio
 import atexit
 import os
+import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ import mlx.core as mx
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
-def _wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
+def wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
     """`join` returns before the OS thread runs MLX's thread-local destructors, which take the GIL;
     if the interpreter finalizes meanwhile, the process aborts. On Linux, wait for the task to go."""
     task = f"/proc/self/task/{native_id}"
@@ -71,5 +72,37 @@ class Worker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for thread in list(getattr(self._pool, "_threads", ())):
             thread.join(join_timeout)
-            _wait_os_thread_gone(thread.native_id)
+            wait_os_thread_gone(thread.native_id)
         _live.discard(self)
+
+
+class LoopThread:
+    """One asyncio event loop on its own thread: the scheduler's, for the engine's whole life.
+
+    `run(coro)` blocks the calling thread until the coroutine is done, so the synchronous API works
+    even from inside another running event loop (an async app); one loop, not one per generation.
+    """
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro) -> Any:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("the engine is closed")
+        job = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return job.result()
+        except BaseException:  # e.g. Ctrl-C here: let the step end (caches and host stay in step), then raise
+            wait([job])
+            raise
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.loop.close()

@@ -5,8 +5,12 @@
 # 1. Widen the demo pair into build/ without changing its function (convert/widen.py):
 #    target stories260K -> 98M params (hidden 768, 96 heads, 48 kv, MLP 2064, 15 layers),
 #    draft  llama2xs    -> 8M params  (hidden 256, 32 heads, 16 kv, MLP 768, 10 layers).
-# 2. Sweep Mirror-SD's kappa x gamma x exit layer on TinyStories openings the headline runs do not
-#    use (--skip 10), and take the fastest point as the knobs for the headline runs.
+#    Exit adapters at layers 1, 2, 3 of the small target (2 is the shipped one; 1 and 3 are trained
+#    once with `mirror-mlx train-exit`, EXIT_STEPS steps) are widened with it (`mirror-mlx widen-exit`).
+#    Original block i sits at layer 3i and identity layers follow, so the widened adapters are exact
+#    at exit layers 1-3, 4-6 and 7-9: N/4 = 3, N/3 = 5 and N/2 = 7 each have theirs (N = 15).
+# 2. Sweep Mirror-SD's kappa x gamma x exit layer (with the adapter) on TinyStories openings the
+#    headline runs do not use (--skip 10), and take the fastest point as the knobs for the headline runs.
 # 3. Headline: TinyStories openings and SpecBench, temperature 0 and 1, every mode in one process.
 #
 # Threads: OPENBLAS_NUM_THREADS=1 leaves exactly one compute thread per MLX stream (MLX's CPU
@@ -26,7 +30,8 @@ LIMIT=${LIMIT:-10}
 TOKENS=${TOKENS:-48}
 SWEEP_LIMIT=${SWEEP_LIMIT:-2}
 SWEEP_TOKENS=${SWEEP_TOKENS:-24}
-SWEEP=${SWEEP:-"kappa=1,2,4,8 gamma=2,3,5 exit=N/4,N/2,3N/4"}
+SWEEP=${SWEEP:-"kappa=1,2,4,8 gamma=2,3,5 exit=N/4,N/3,N/2"}
+EXIT_STEPS=${EXIT_STEPS:-6000}
 TARGET=build/stories-98M
 DRAFT=build/llama2xs-8M
 
@@ -35,7 +40,18 @@ DRAFT=build/llama2xs-8M
 [ -f "$DRAFT/model.safetensors" ] || "$MM" widen --model mirror_mlx/demo/llama2xs --out "$DRAFT" \
   --hidden 256 --heads 32 --kv-heads 16 --intermediate 768 --layers 10
 
-PAIR=(--model "$TARGET" --draft-model "$DRAFT" --pin)
+ADAPTERS=()
+for L in 1 2 3; do
+  SMALL=build/stories260K_exit$L.safetensors
+  [ "$L" = 2 ] && SMALL=mirror_mlx/demo/stories260K_exit2.safetensors
+  [ -f "$SMALL" ] || "$MM" train-exit --exit-layer "$L" --steps "$EXIT_STEPS" --out "$SMALL"
+  WIDE=build/stories-98M-exit$L.safetensors
+  [ -f "$WIDE" ] || "$MM" widen-exit --exit-adapter "$SMALL" --model mirror_mlx/demo/stories260K \
+    --widened "$TARGET" --out "$WIDE"
+  ADAPTERS+=("$WIDE")
+done
+
+PAIR=(--model "$TARGET" --draft-model "$DRAFT" --exit-adapter "$(IFS=,; echo "${ADAPTERS[*]}")" --pin)
 
 # One run into $1. A run that wrote its results and then died at interpreter exit (SIGABRT, rc 134:
 # "terminate called without an active exception", seen after mirror-mode generations) still counts.

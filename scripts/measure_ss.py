@@ -12,17 +12,17 @@ every output equals the target's own greedy text (ar mode).
 import argparse
 import json
 import time
-from pathlib import Path
 
 import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlx_lm import load as mlx_load
 
 from mirror_mlx.ane_draft.ss_draft import SSDraft
+from mirror_mlx.demo_pair import DRAFT, SS_DRAFT, TARGET
 from mirror_mlx.draft import MLXDraft
+from mirror_mlx.engine import Stats
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import load_prompts
 
-DEMO = Path(mirror_mlx.__file__).parent / "demo"
 
 
 class Recorder:
@@ -56,11 +56,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--kappa", type=int, default=8)
-    ap.add_argument("--ss-draft", default=str(DEMO / "ss_draft"))
+    ap.add_argument("--ss-draft", default=str(SS_DRAFT))
     ap.add_argument("--drafts", default="llama2xs,ss,ss+trust_streams", help="comma-separated subset")
     args = ap.parse_args()
-    target, tok = mlx_load(str(DEMO / "stories260K"))
-    plain_model, _ = mlx_load(str(DEMO / "llama2xs"))
+    target, tok = mlx_load(str(TARGET))
+    plain_model, _ = mlx_load(str(DRAFT))
     ss = SSDraft.from_path(args.ss_draft, trust_streams=False)
     drafts = {"llama2xs": MLXDraft(plain_model), "ss": ss,
               "ss+trust_streams": SSDraft(ss.model, trust_streams=True)}
@@ -75,20 +75,16 @@ def main() -> None:
     for name, draft in drafts.items():
         rec = Recorder(draft)
         pipe = Pipeline(target, tok, rec)
-        tot = dict(gen=0, tf=0, df=0, dt=0, ro=0)
-        same, t0 = 0, time.time()
+        tot, same, t0 = Stats(), 0, time.time()
         for p, ref in zip(prompts, reference):
             r = pipe.generate(p, max_tokens=args.max_tokens, gamma=args.gamma, kappa=args.kappa, mode="mirror")
-            s = r.stats
+            tot += r.stats
             same += r.tokens == ref
-            for k, v in (("gen", s.generation_tokens), ("tf", s.target_forwards), ("df", s.draft_forwards),
-                         ("dt", s.draft_tokens), ("ro", s.rollouts)):
-                tot[k] += v
         pipe.close()
         bf = rec.branch_forwards
         results[name] = {
-            "mean_accepted": round(tot["gen"] / tot["tf"], 3), "J": round(tot["df"] / tot["ro"], 3),
-            "eta": round(tot["dt"] / tot["df"], 3),
+            "mean_accepted": round(tot.mean_accepted, 3), "J": round(tot.draft_forwards_per_window, 3),
+            "eta": round(tot.eta, 3),
             "J_branch_rollouts": mean(rec.forwards["branch"]), "J_single_rollouts": mean(rec.forwards["single"]),
             "branch_J": mean(bf),
             "lossless": f"{same}/{len(prompts)}", "seconds": round(time.time() - t0, 1)}

@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from mirror_mlx import tune
-    from mirror_mlx.corpus import load_openings
+    from mirror_mlx.corpus import load_split
     from mirror_mlx.cost_model import Config
     from mirror_mlx.pipeline import load
 
@@ -39,7 +39,7 @@ def main() -> None:
     t0 = time.perf_counter()
     prof = tune.calibrate(pipe, cfg)
     tune_s = time.perf_counter() - t0
-    sweep_prompts = [pipe.encode(t) for t in load_openings(held_out=True)[args.prompts: 2 * args.prompts]]
+    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[args.prompts: 2 * args.prompts]]
     rows = prof.table
     configs = [Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]) for r in rows]
     print(f"sweeping {len(configs)} configurations, interleaved prompt by prompt", flush=True)

@@ -5,10 +5,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.utils import _get_classes, load
 
-DEMO = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo"
-DATA = Path(__file__).resolve().parents[1] / "mirror_mlx" / "data"
-TARGET_PATH = DEMO / "stories260K"
-DRAFT_PATH = DEMO / "llama2xs"
+from mirror_mlx.corpus import CORPUS
+from mirror_mlx.demo_pair import DEMO_DIR as DEMO
+from mirror_mlx.demo_pair import DRAFT as DRAFT_PATH
+from mirror_mlx.demo_pair import TARGET as TARGET_PATH
+
+DATA = CORPUS.parent
 
 BASE = dict(
     hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
@@ -40,3 +42,15 @@ def tiny_model(name: str, seed: int = 0, **overrides):
 
 def demo_target():
     return load(str(TARGET_PATH))
+
+
+def save_tiny_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """`tiny_model(name, seed, **overrides)` saved as an mlx-lm folder (weights + config), e.g. for a draft host."""
+    from mlx_lm.utils import save_config, save_model
+
+    config = dict(CONFIGS[name], **overrides)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, tiny_model(name, seed, **overrides))
+    save_config(dict(config, model_type="llama" if config["model_type"] == "mistral" else config["model_type"]),
+                path / "config.json")
+    return path

@@ -10,8 +10,10 @@ from click.testing import CliRunner
 
 import mirror_mlx.bench as bench_mod
 from mirror_mlx.cli import main
-from mirror_mlx.bench import Sample, layer_value, parse_modes, parse_sweep, summarize, table
+from mirror_mlx.bench_grid import layer_value, parse_modes, parse_sweep
+from mirror_mlx.bench_summary import Sample, summarize, table
 from mirror_mlx.bench_report import redraw
+from mirror_mlx.engine import Stats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMOKE = ["bench", "--prompts", "tinystories", "--limit", "2", "--max-tokens", "16", "--modes", "mirror,sd,mlx_sd,ar"]
@@ -37,7 +39,7 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     assert set(rows) == {"mirror", "sd", "mlx_sd", "ar"}
     by_prompt: dict = {}
     for s in rep["samples"]:
-        assert len(s["tokens"]) == 16 and s["decode_s"] > 0
+        assert len(s["tokens"]) == 16 and s["stats"]["decode_seconds"] > 0
         by_prompt.setdefault(s["prompt"], {})[s["mode"]] = s["tokens"]
     for modes in by_prompt.values():  # the harness's own check, redone from the saved samples
         assert len(modes) == 4 and all(t == modes["ar"] for t in modes.values())
@@ -122,13 +124,14 @@ def test_parsing():
 
 
 def test_summary_medians_rates_and_breakdown():
-    def s(mode, tps, cat="a", **kw):
-        return Sample(mode, 0, cat, [1] * 10, 10 / tps, kw.pop("fwd", 10), 0.1, **kw)
+    def s(mode, tps, cat="a", fwd=10, **kw):
+        return Sample(mode, 0, cat, [1] * 10, Stats(decode_seconds=10 / tps, target_forwards=fwd, peak_memory_gb=0.1,
+                                                    **kw))
 
     step = {"prefix": (0.0, 0.1), "suffix": (0.1, 0.3), "rollout": (0.1, 0.35), "accepted": 1}
     samples = [s("ar", 2.0), s("ar", 4.0), s("ar", 100.0, "b"),
-               s("mirror", 6.0, fwd=4, steps=4, prefix_s=0.4, suffix_s=0.8, draft_s=1.2, hidden_s=0.8,
-                 reuses=3, fallbacks=1, omega_sum=2.0, timeline=[step] * 4)]
+               s("mirror", 6.0, fwd=4, steps=4, prefix_seconds=0.4, suffix_seconds=0.8, draft_seconds=1.2,
+                 hidden_draft_seconds=0.8, reuses=3, fallbacks=1, omega_sum=2.0, timeline=[step] * 4)]
     rows = table(samples, ["mirror", "ar"])
     assert rows["all"]["ar"]["tokens_per_s"] == 4.0 and rows["a"]["ar"]["tokens_per_s"] == 3.0
     assert rows["all"]["mirror"]["speedup_vs_ar"] == pytest.approx(1.5)
@@ -146,7 +149,7 @@ def test_summary_medians_rates_and_breakdown():
 def test_paired_speedup_compares_each_prompt_with_its_own_ar():
     """A slow patch that hits one prompt's runs of every mode leaves the paired ratio alone."""
     def s(mode, prompt, tps):
-        return Sample(mode, prompt, "a", [1] * 10, 10 / tps, 10, 0.1)
+        return Sample(mode, prompt, "a", [1] * 10, Stats(decode_seconds=10 / tps, target_forwards=10))
 
     samples = [s("ar", 0, 10.0), s("x", 0, 20.0), s("ar", 1, 2.0), s("x", 1, 4.0), s("ar", 2, 3.0), s("x", 2, 5.0),
                s("ar", 2, 5.0)]  # prompt 2: ar twice (a sweep times it at both ends), mean 4

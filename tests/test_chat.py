@@ -21,6 +21,7 @@ from mlx_lm.generate import generate_step
 
 from mirror_mlx import chat as chat_mod
 from mirror_mlx.chat import prompt_ids, run_chat, state
+from mirror_mlx.engine import DecodeOptions, Stats
 from mirror_mlx.pipeline import load
 from tests.models import TARGET_PATH
 
@@ -83,7 +84,7 @@ def test_turns_reuse_the_cache_and_stay_lossless(pipe, mode):
 
 def test_plain_continuation_is_said_once(pipe):
     chat_mod.reset(pipe)
-    pipe._told_plain = False
+    pipe.told_plain = False
     with pytest.warns(UserWarning, match="no chat template"):
         pipe.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
     with warnings.catch_warnings():
@@ -296,3 +297,22 @@ def test_terminal_ctrl_c_mid_reply_then_ctrl_d():
         assert code == 0, f"exit code {code} after {term.log[-500:]!r}"
     finally:
         term.kill()
+
+
+def test_options_are_the_decode_options_fields_with_their_defaults(pipe):
+    assert pipe.options() == DecodeOptions(stop_tokens=tuple(pipe.tokenizer.eos_token_ids))
+    assert pipe.options(kappa=3, stop=False).kappa == 3 and pipe.options(stop=False).stop_tokens == ()
+    with pytest.raises(TypeError, match="unknown option 'kapa'"):
+        pipe.generate("Hi", kapa=3)
+    ruled = pipe.generate("Once upon a time", max_tokens=12)
+    bare = pipe.generate("Once upon a time", max_tokens=12, exclude_drafted=False)  # a measurement switch only
+    assert bare.tokens == ruled.tokens == target_alone(pipe, pipe.encode("Once upon a time"), 12)[: len(ruled.tokens)]
+
+
+def test_stats_add_up_over_generations():
+    a = Stats(mode="mirror", steps=2, reuses=1, decode_seconds=0.5, peak_memory_gb=0.2, timeline=[{"step": 0}])
+    b = Stats(mode="ar", steps=3, fallbacks=1, decode_seconds=0.25, peak_memory_gb=0.1, draft_failure="stalled")
+    t = a + b
+    assert (t.steps, t.reuses, t.fallbacks, t.decode_seconds, t.peak_memory_gb) == (5, 1, 1, 0.75, 0.2)
+    assert t.mode == "ar" and t.draft_failure == "stalled" and t.timeline == [{"step": 0}]
+    assert sum([a, b], Stats()).as_dict() == t.as_dict() and a.steps == 2  # the operands stay as they were

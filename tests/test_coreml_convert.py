@@ -21,8 +21,8 @@ from mirror_mlx.convert.ane_ops import not_on_ane
 from mirror_mlx.convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
 from mirror_mlx.convert.mil_eval import MilRunner, load_program, op_types
 from mirror_mlx.convert.parity import PROMPTS, verify
+from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 
-DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
 TINY = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=16,
@@ -297,32 +297,34 @@ def test_cli_convert_and_verify(work):
 def test_coreml_draft_on_linux_fails_at_construction(demo_pkg):
     import sys
 
-    from mirror_mlx.ane_draft.coreml_draft import MESSAGE, CoreMLDraft, CoreMLUnavailable, coreml_available
+    from mirror_mlx.ane_draft.coreml_draft import MESSAGE, CoreMLUnavailable, coreml_available, coreml_recipe
 
     if sys.platform == "darwin":
         pytest.skip("this checks the non-macOS error; tests/test_coreml_macos.py covers macOS")
     assert not coreml_available()
     with pytest.raises(CoreMLUnavailable) as e:
-        CoreMLDraft(demo_pkg)
+        coreml_recipe(demo_pkg)
     assert str(e.value) == MESSAGE == "Core ML runs on macOS 15+; use the MLX draft folder here"
 
 
-def test_process_draft_over_shared_memory(demo_pkg, demo_model):
-    from mirror_mlx.ane_draft.coreml_draft import ProcessDraft
+def test_package_draft_in_the_draft_host_process(demo_pkg, demo_model):
+    from mirror_mlx.ane_draft.coreml_draft import coreml_recipe
+    from mirror_mlx.ane_draft.host import DraftHost
 
     model, tok = demo_model
     ctx = tok.encode("One day, a little bird")
     stems = [[5], [6, 7], [9, 10, 11]]
-    with ProcessDraft(demo_pkg, backend="mil") as draft:  # the Mac path, with numpy in the child
-        assert draft.vocab_size == 512
-        r = draft.rollout(ctx, stems, 3)
-        assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
-        with pytest.raises(ValueError, match="built for 64"):
-            draft.rollout(list(range(3, 80)), [[5]], 2)
-        draft.reset()
-        assert draft.rollout(ctx, [[5]], 2).windows == [greedy(model, ctx + [5], 2)]
-        proc = draft.proc
-    assert not proc.is_alive()
+    host = DraftHost(coreml_recipe(demo_pkg, tok, backend="mil"))  # the Mac path, with numpy in the host
+    assert host.vocab_size == 512
+    r = host.rollout(ctx, stems, 3)
+    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
+    with pytest.raises(ValueError, match="built for 64"):
+        host.rollout(list(range(3, 80)), [[5]], 2)
+    host.reset()
+    assert host.rollout(ctx, [[5]], 2).windows == [greedy(model, ctx + [5], 2)]
+    proc = host.proc
+    host.close()
+    assert proc.poll() is not None
 
 
 # ------------------------------------------------------------------ Speculative-Streaming drafts

@@ -2,17 +2,16 @@
 own process. Runs only on macOS 15+ with coremltools' native runtime; skipped elsewhere."""
 
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from mirror_mlx.ane_draft.coreml_draft import CoreMLDraft, CoreMLRunner, coreml_available
+from mirror_mlx.ane_draft.coreml_draft import CoreMLRunner, coreml_available, coreml_recipe
+from mirror_mlx.ane_draft.host import DraftHost
 from mirror_mlx.convert.coreml import convert
 from mirror_mlx.convert.parity import verify
-
-DEMO_DRAFT = Path(__file__).resolve().parents[1] / "mirror_mlx" / "demo" / "llama2xs"
+from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 
 pytestmark = pytest.mark.skipif(
     not coreml_available(),
@@ -36,8 +35,9 @@ def test_coreml_draft_process_rolls_out_the_greedy_windows(pkg):
     model, tok = load(str(DEMO_DRAFT))
     ctx = tok.encode("Once upon a time, there was a little girl")
     stems = [[5], [6, 7], [9, 10, 11]]
-    with CoreMLDraft(pkg, tok) as draft:
-        r = draft.rollout(ctx, stems, 3)
+    host = DraftHost(coreml_recipe(pkg, tok))
+    r = host.rollout(ctx, stems, 3)
+    host.close()
     for stem, window in zip(stems, r.windows):
         seq, want = ctx + stem, []
         for _ in range(3):

@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from mirror_mlx.draft import MLXDraft
 from mirror_mlx.draft_api import Rollout
 from mirror_mlx.engine import accept, reuse_window
-from mirror_mlx.pipeline import Pipeline
+from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.models import DATA, DRAFT_PATH, TARGET_PATH, tiny_model
 
 
@@ -30,9 +30,21 @@ def mlx_greedy(model, prompt, n):
 
 @pytest.fixture(scope="module")
 def demo():
+    """The demo pair as `load` makes it: the draft in its own host process."""
+    target, tokenizer = load(str(TARGET_PATH))
+    pipe = Pipeline(target, tokenizer, load_draft(DRAFT_PATH, tokenizer))
+    assert pipe.engine.host.process
+    yield pipe
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
+def demo_thread():
+    """The demo pair with a draft object built here: the same host loop, on a thread."""
     target, tokenizer = load(str(TARGET_PATH))
     draft, _ = load(str(DRAFT_PATH))
     pipe = Pipeline(target, tokenizer, MLXDraft(draft))
+    assert not pipe.engine.host.process
     yield pipe
     pipe.close()
 
@@ -136,11 +148,14 @@ def test_rollout_overlaps_the_target_suffix_in_threads():
     pipe.close()
 
 
-def test_the_draft_prefills_beside_the_target(demo):
-    prompt = demo.tokenizer.encode("Once upon a time, there was a little dog who liked to run")
-    out = demo.generate(prompt, max_tokens=1, gamma=5, mode="sd", stop=False)
+@pytest.mark.parametrize("host", ["process", "thread"])
+def test_the_draft_prefills_beside_the_target(request, host):
+    pipe = request.getfixturevalue("demo" if host == "process" else "demo_thread")
+    prompt = pipe.tokenizer.encode("Once upon a time, there was a little dog who liked to run")
+    out = pipe.generate(prompt, max_tokens=1, gamma=5, mode="sd", stop=False)
     assert out.stats.rollouts == 1 and out.stats.draft_forwards == 5  # no prompt forward on the decode clock
-    assert demo.draft.cached == prompt[:-1]  # the prompt came in during prefill
+    if host == "thread":
+        assert pipe.draft.cached == prompt[:-1]  # the prompt came in during prefill
 
 
 # --- failure and bad input --------------------------------------------------------------------------
@@ -166,7 +181,8 @@ def test_failing_or_stalling_draft_switches_visibly_to_ar(greedy_refs, capsys, s
     draft, _ = load(str(DRAFT_PATH))
     pipe = Pipeline(target, tokenizer, _BrokenDraft(draft, fail_after=3, stall=stall))
     prompt, ref = greedy_refs[0]
-    out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5, mode="mirror")
+    out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5 if stall else 30.0,  # 30 s: a busy box
+                        mode="mirror")
     assert out.tokens == ref
     assert out.stats.draft_failure and ("timed out" if stall else "exploded") in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from mirror_mlx.ring import EARLY_EXIT, WINDOW, RingFull, RingOverwritten, TokenRing
+from mirror_mlx.ane_draft.host import BRANCHES as EARLY_EXIT
+from mirror_mlx.ane_draft.host import WINDOWS as WINDOW
+from mirror_mlx.ring import RingFull, RingOverwritten, TokenRing
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def test_overwritten_slot_is_detected():
 
 
 def test_second_handle_by_name_sees_the_same_slots(ring):
-    other = TokenRing(capacity=4, max_ints=16, max_floats=8, name=ring.name, create=False)
+    other = TokenRing(capacity=4, max_ints=16, max_floats=8, name=ring.name, create=False, track=False)
     seq = ring.put(EARLY_EXIT, 3, ints=np.arange(10), floats=[0.25])
     assert other.get(seq).ints.tolist() == list(range(10))
     other.close(unlink=False)

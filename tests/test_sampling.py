@@ -11,9 +11,9 @@ import pytest
 from mlx_lm.sample_utils import apply_top_p
 from scipy.stats import chisquare
 
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
 from mirror_mlx.pipeline import Pipeline
-from tests.models import tiny_model
+from tests.models import save_tiny_model, tiny_model
 from tests.test_engine import _FakeTokenizer
 
 V = 8
@@ -36,12 +36,14 @@ def exact_pair_probs(model, temperature, top_p):
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(tmp_path_factory):
+    """The draft runs in its own host process, as `load` runs it."""
     target = tiny_model("llama_tied", seed=11, vocab_size=V, hidden_size=32, num_attention_heads=2,
                         num_key_value_heads=2, head_dim=16, num_hidden_layers=4)
-    draft = tiny_model("llama_tied", seed=12, vocab_size=V, hidden_size=32, num_attention_heads=2,
-                       num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
-    pipe = Pipeline(target, _FakeTokenizer(V), MLXDraft(draft))
+    draft = save_tiny_model(tmp_path_factory.mktemp("draft"), "llama_tied", seed=12, vocab_size=V, hidden_size=32,
+                            num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
+    pipe = Pipeline(target, _FakeTokenizer(V), DraftRecipe(mlx_draft, (str(draft),)))
+    assert pipe.engine.host.process
     yield target, pipe
     pipe.close()
 

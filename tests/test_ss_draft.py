@@ -2,9 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
-
-import mirror_mlx
 
 import mlx.core as mx
 import numpy as np
@@ -16,11 +13,11 @@ from mirror_mlx.ane_draft.ss_draft import SSDraft
 from mirror_mlx.ane_draft.ss_model import Model, ModelArgs, is_ss_draft, load_ss_draft, save_ss_draft, ss_forward
 from mirror_mlx.ane_draft.train import TrainConfig, TrainError, train
 from mirror_mlx.cli import main as cli
+from mirror_mlx.corpus import CORPUS
+from mirror_mlx.demo_pair import DRAFT as LLAMA2XS
+from mirror_mlx.demo_pair import SS_DRAFT as SS_DEMO
+from mirror_mlx.demo_pair import TARGET
 from mirror_mlx.draft import MLXDraft
-
-DEMO = Path(mirror_mlx.__file__).parent / "demo"
-TARGET, LLAMA2XS, SS_DEMO = DEMO / "stories260K", DEMO / "llama2xs", DEMO / "ss_draft"
-CORPUS = Path(mirror_mlx.__file__).parent / "data" / "tinystories_train.txt"
 
 
 def tiny(streams: int = 3, stream_layers: int = 2, layers: int = 3, seed: int = 0) -> Model:

@@ -3,19 +3,18 @@
 import pytest
 from mlx_lm import load
 
-from mirror_mlx.pipeline import DEMO_DIR, Pipeline, load_draft
+from mirror_mlx.demo_pair import SS_DRAFT as SS_DEMO
+from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.models import TARGET_PATH
 from tests.test_engine import mlx_greedy, openings
 
-SS_DEMO = DEMO_DIR / "ss_draft"
 
 
 @pytest.fixture(scope="module")
 def ss_pipe():
     target, tokenizer = load(str(TARGET_PATH))
-    draft = load_draft(SS_DEMO, tokenizer)
-    assert type(draft).__name__ == "SSDraft"  # the folder is recognised as an SS draft
-    pipe = Pipeline(target, tokenizer, draft)
+    pipe = Pipeline(target, tokenizer, load_draft(SS_DEMO, tokenizer))
+    assert pipe.engine.host.kind == "SSDraft"  # the folder is recognised as an SS draft (built in the host)
     yield pipe
     pipe.close()
 

@@ -10,7 +10,8 @@ from mirror_mlx import profile as profiles
 from mirror_mlx import tune
 from mirror_mlx.cli import main
 from mirror_mlx.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
-from mirror_mlx.pipeline import DEMO_EXIT_ADAPTER, Pipeline, load
+from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
+from mirror_mlx.pipeline import Pipeline, load
 from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
 from tests.test_engine import mlx_greedy
 
@@ -85,19 +86,12 @@ def test_a_fallback_heavy_regime_picks_sd_or_ar():
 
 def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
     """The teacher-forced shortcut for a plain MLX draft must agree with real rollouts at every position."""
-    from mirror_mlx.draft import MLXDraft
-
-    class Rollouts(MLXDraft):  # a subclass takes the generic path: one real rollout per position
-        pass
+    from mirror_mlx.ane_draft.host import mlx_draft
 
     prompt = tune.calibration_prompts(pipe, 1)[0]
-    fast, text = tune.trace(pipe, prompt, 24, [2], 5)
-    plain = pipe.engine.draft
-    pipe.engine.draft = Rollouts(plain.model)
-    try:
-        slow, _ = tune.trace(pipe, prompt, 24, [2], 5)
-    finally:
-        pipe.engine.draft = plain
+    assert tune.plain_draft_model(pipe) is None  # load(): the draft lives in its host, so real host rollouts
+    slow, text = tune.trace(pipe, prompt, 24, [2], 5)
+    fast, _ = tune.trace(pipe, prompt, 24, [2], 5, draft_model=mlx_draft(*pipe.draft.args).model)
     assert fast == slow and len(fast.runs) == len(text) - len(prompt)
     assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
 

@@ -12,6 +12,10 @@ from mlx_lm.utils import _get_classes
 
 from mirror_mlx.cli import main
 from mirror_mlx.convert.widen import Shape, WidenError, check_shape, head_layout, param_count, widen_weights, widened_config
+from mirror_mlx.convert.widen import exact_exit_layers
+from mirror_mlx.exit_adapter import check_layer, load_adapter
+from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
+from mirror_mlx.target import EarlyExitTarget
 from models import CONFIGS, TARGET_PATH, tiny_model
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
@@ -177,3 +181,68 @@ def test_unsupported_model_type(tmp_path):
     r = CliRunner().invoke(main, ["widen", "--model", str(src), "--out", str(tmp_path / "o"), "--hidden", "128",
                                   "--heads", "8", "--intermediate", "200", "--layers", "8"])
     assert r.exit_code == 2 and "not supported" in r.output, r.output
+
+
+def test_exact_exit_layers_follow_the_original_block():
+    assert exact_exit_layers(2, 5, 15) == [4, 5, 6]  # the bench target: block 1 at slot 3, identities 4, 5
+    assert exact_exit_layers(2, 5, 8) == [2, 3]
+    assert exact_exit_layers(5, 5, 15) == [13, 14, 15]
+
+
+def test_widened_exit_adapter_gives_the_small_pairs_early_logits(pair, tmp_path):
+    """A widened adapter is exact: at every layer holding the original exit state, same early logits."""
+    model, tok, wide, _, out = pair
+    adapter_out = tmp_path / "wide_exit.safetensors"
+    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(TARGET_PATH),
+                                  "--widened", str(out), "--out", str(adapter_out)])
+    assert r.exit_code == 0, r.output
+    assert "exact at exit layers 2, 3" in r.output
+    tokens = mx.array([tok.encode(PROMPT)])
+    small = EarlyExitTarget(model, 2, load_adapter(DEMO_EXIT_ADAPTER, model, 2))
+    want = small.forward(tokens, cache=None)[0]
+    bare = EarlyExitTarget(model, 2).forward(tokens, cache=None)[0]
+    assert mx.abs(want - bare).max().item() > 0.1, "the adapter must matter for this test to mean anything"
+    small.remove()
+    adapter = load_adapter(adapter_out, wide)
+    for layer in (2, 3):
+        check_layer(adapter, layer)
+        target = EarlyExitTarget(wide, layer, adapter)
+        got = target.forward(tokens, cache=None)[0]
+        target.remove()
+        assert mx.abs(got - want).max().item() <= 1e-4
+    with pytest.raises(ValueError, match="exit layer"):
+        check_layer(adapter, 4)  # after the next original block: another state, another adapter
+
+
+def test_widen_exit_refuses_an_adapter_of_another_model(pair, tmp_path):
+    *_, out = pair
+    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(out),
+                                  "--widened", str(out), "--out", str(tmp_path / "x.safetensors")])
+    assert r.exit_code == 2 and "another model" in r.output
+
+
+def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(pair, tmp_path):
+    """`--exit-adapter a,b`: a widened adapter (exact at 2, 3) and one for layer 5; ℓ_e picks its own."""
+    from mirror_mlx.engine import TargetSide
+    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
+
+    model, _, wide, _, out = pair
+    a = tmp_path / "exit2.safetensors"
+    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(TARGET_PATH),
+                                  "--widened", str(out), "--out", str(a)])
+    assert r.exit_code == 0, r.output
+    b = tmp_path / "exit5.safetensors"
+    save_adapter(b, ExitAdapter(256, 8), adapter_meta(wide, 5))
+    both = load_adapters(f"{a},{b}", wide)
+    assert both.exit_layers == (2, 3, 5) and both.exit_layer == 3
+    for layer in (2, 3, 5):
+        check_layer(both, layer)
+    with pytest.raises(ValueError, match="exit layer"):
+        check_layer(both, 4)
+    side = TargetSide(wide, both)
+    for layer, want in ((3, both.for_layer(2)), (5, both.for_layer(5))):
+        side.set_exit_layer(layer)
+        assert side.tapped.adapter is want
+    side.tapped.remove()
+    with pytest.raises(ValueError, match="two exit adapters"):
+        load_adapters(f"{a},{a}", wide)

@@ -1,0 +1,436 @@
+"""The draft host: one loop that owns the draft and answers the engine over the TokenRing.
+
+Every kind of draft (plain MLX, Speculative-Streaming, a Core ML package) runs behind the same loop:
+read a request from the request ring, roll out every branch, post the windows on the reply ring. The
+engine posts and awaits; it never calls the draft as a function.
+
+By default the host is its own process (`python -m mirror_mlx.ane_draft.host`, a fresh interpreter:
+never a fork of a process that holds MLX threads, and never a re-run of the user's `__main__` as
+multiprocessing's spawn would do). MLX serializes two threads of one process that evaluate model
+graphs (DESIGN §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
+object built in this process (tests, notebooks) runs the very same loop on a thread instead.
+
+Each direction is a TokenRing (data) plus a pipe (one byte per message: wake-up without spinning, and
+end-of-file the moment the other side dies). Contexts travel as deltas against what the host holds.
+"""
+
+import asyncio
+import atexit
+import base64
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+from mirror_mlx.draft_api import Draft, Rollout
+from mirror_mlx.ring import TokenRing
+from mirror_mlx.workers import wait_os_thread_gone
+
+# request kinds (engine → host)
+CONTEXT, SYNC, ROLLOUT, BRANCHES, RESET, STOP = 1, 2, 3, 4, 5, 6
+# reply kinds (host → engine)
+READY, DONE, WINDOWS, ERROR = 11, 12, 13, 14
+
+SLOT_INTS = 1 << 17  # ints per message (1 MiB); longer contexts travel in several CONTEXT messages
+RING_SLOTS = 4
+
+
+class DraftHostError(RuntimeError):
+    """The draft host died, or its draft raised."""
+
+
+@dataclass(frozen=True)
+class DraftRecipe:
+    """How the host builds its draft: `build(*args)`, run inside the host (picklable by reference)."""
+
+    build: Callable[..., Draft]
+    args: tuple = ()
+
+    def __str__(self) -> str:
+        return f"{self.build.__name__}({', '.join(map(str, self.args))})"
+
+
+def mlx_draft(path: Union[str, Path]) -> Draft:
+    """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec)."""
+    from mlx_lm.utils import load_model
+
+    from mirror_mlx.draft import MLXDraft
+
+    return MLXDraft(load_model(Path(path))[0])
+
+
+def ss_draft(path: Union[str, Path]) -> Draft:
+    """A Speculative-Streaming draft folder."""
+    from mirror_mlx.ane_draft.ss_draft import SSDraft
+
+    return SSDraft.from_path(path)
+
+
+# ------------------------------------------------------------------ one direction of the channel
+
+
+class Channel:
+    """A TokenRing plus a notification pipe: `send` writes the message, then one byte; `recv` waits for it."""
+
+    def __init__(self, ring: TokenRing, fd: int):
+        self.ring, self.fd, self.seq = ring, fd, 0
+
+    def send(self, kind: int, step: int = 0, ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
+        self.ring.put(kind, step, ints, floats)
+        os.write(self.fd, b"\1")
+
+    def _take(self):
+        if os.read(self.fd, 1) == b"":
+            raise DraftHostError("the draft host exited unexpectedly")
+        self.seq += 1
+        msg = self.ring.get(self.seq)
+        if msg is None:
+            raise DraftHostError(f"message {self.seq} was announced but is not on the ring")
+        return msg
+
+    def recv(self, timeout: Optional[float] = None):
+        """Block until the next message (TimeoutError after `timeout` s; DraftHostError if the sender died)."""
+        if timeout is not None and not select.select([self.fd], [], [], max(timeout, 0.0))[0]:
+            raise TimeoutError(f"the draft host did not answer within {timeout:g} s")
+        return self._take()
+
+    async def arecv(self):
+        """`recv` for the asyncio loop: waits on the pipe with the loop's selector, no thread, no spinning."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self.fd)
+        return self._take()
+
+
+# ------------------------------------------------------------------ wire format (int64 words)
+
+
+def encode_stems(gamma: int, stems: Sequence[Sequence[int]]) -> list[int]:
+    """[gamma, n_stems, len_0..len_k, stem tokens...]"""
+    out = [gamma, len(stems)] + [len(s) for s in stems]
+    for s in stems:
+        out += s
+    return out
+
+
+def decode_stems(ints: list[int]) -> tuple[int, list[list[int]]]:
+    gamma, n = ints[0], ints[1]
+    lens, i, stems = ints[2 : 2 + n], 2 + n, []
+    for k in lens:
+        stems.append(ints[i : i + k])
+        i += k
+    return gamma, stems
+
+
+def branch_stems(gamma: int, window: Sequence[int], cand: list[int], kappa: int) -> list[list[int]]:
+    """Every branch of a Mirror-SD step: stem (r, v) = ŷ_1..ŷ_r + [v] for v in C_r, r = 0..γ."""
+    return [list(window[:r]) + [cand[r * kappa + i]] for r in range(gamma + 1) for i in range(kappa)]
+
+
+def _text(ints: Sequence[int]) -> str:
+    return bytes(int(i) for i in ints).decode("utf-8", "replace")
+
+
+# ------------------------------------------------------------------ the host loop
+
+
+def serve(draft: Draft, req: Channel, rep: Channel) -> None:
+    """Answer requests until STOP or until the engine's end of the pipe closes. Every request gets one reply.
+
+    Requests carry [keep, n_new, new tokens..., body...]: the context is the host's first `keep`
+    tokens plus the new ones (contexts travel as deltas).
+    """
+    context: list[int] = []
+    while True:
+        try:
+            msg = req.recv()
+        except DraftHostError:
+            return  # the engine is gone
+        if msg.kind == STOP:
+            return
+        t0 = time.perf_counter()
+        try:
+            ints = msg.ints.tolist()
+            keep, n = ints[0], ints[1]
+            del context[keep:]
+            context += ints[2 : 2 + n]
+            body = ints[2 + n :]
+            if msg.kind == CONTEXT:
+                rep.send(DONE, msg.step)
+            elif msg.kind == SYNC:
+                if hasattr(draft, "sync"):
+                    draft.sync(context)
+                rep.send(DONE, msg.step)
+            elif msg.kind == RESET:
+                draft.reset()
+                context.clear()
+                rep.send(DONE, msg.step)
+            elif msg.kind in (ROLLOUT, BRANCHES):
+                if msg.kind == ROLLOUT:
+                    gamma, stems = decode_stems(body)
+                else:  # [gamma, kappa, window (gamma), candidates ((gamma + 1) * kappa)]
+                    gamma, kappa = body[0], body[1]
+                    stems = branch_stems(gamma, body[2 : 2 + gamma], body[2 + gamma :], kappa)
+                out = draft.rollout(context, stems, gamma)
+                flat = [t for w in out.windows for t in w]
+                rep.send(WINDOWS, msg.step, [out.forwards, out.tokens] + flat, [t0, time.perf_counter()])
+            else:
+                raise ValueError(f"unknown request kind {msg.kind}")
+        except Exception as e:  # noqa: BLE001 - the engine decides what a failing draft means
+            rep.send(ERROR, msg.step, [int(isinstance(e, ValueError))] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
+
+
+def _attach(name: str) -> TokenRing:
+    return TokenRing(capacity=RING_SLOTS, max_ints=SLOT_INTS, max_floats=2, name=name, create=False, track=False)
+
+
+def main(argv: Sequence[str]) -> None:
+    """Host process: `python -m mirror_mlx.ane_draft.host REQ_RING REQ_FD REP_RING REP_FD SPEC`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it then stops us
+    req_name, req_fd, rep_name, rep_fd, spec = argv
+    req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
+    import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)
+
+    host(lambda: pickle.loads(base64.b64decode(spec))(), req, rep)
+
+
+def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
+    """Build the draft, say READY (vocabulary size, class) or ERROR, then serve until stopped."""
+    try:
+        try:
+            draft = build()
+        except Exception as e:  # noqa: BLE001
+            rep.send(ERROR, 0, [0] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
+            return
+        rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
+        serve(draft, req, rep)
+    except OSError:  # the engine closed its ends while we were busy (it dropped or closed us): just end
+        pass
+
+
+# ------------------------------------------------------------------ the engine's side
+
+
+_live: "weakref.WeakSet[DraftHost]" = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    """At interpreter exit: stop every host still open (a script that never called close)."""
+    for host in list(_live):
+        host.close()
+
+
+atexit.register(_close_all)
+
+
+class DraftHost:
+    """The engine's handle on a draft host: posts requests, awaits replies, owns the process and rings.
+
+    `draft` is a DraftRecipe (built inside the host) or a draft object built here (run on a thread).
+    One request is outstanding at a time.
+    """
+
+    def __init__(self, draft: Union[Draft, "DraftRecipe"], process: Optional[bool] = None,
+                 start_timeout: float = 120.0):
+        self.process = isinstance(draft, DraftRecipe) if process is None else process
+        if self.process and not isinstance(draft, DraftRecipe):
+            raise TypeError("a draft object cannot move to another process: pass a DraftRecipe, or process=False")
+        if self.process and getattr(draft.build, "__module__", "") == "__main__":
+            raise TypeError(f"the draft host cannot import {draft.build.__name__} from your __main__ script: "
+                            "define the DraftRecipe's builder in an importable module")
+        self.draft = draft
+        self.proc: Optional[subprocess.Popen] = None
+        self.thread: Optional[threading.Thread] = None
+        self.held: list[int] = []  # the context the host holds (what deltas are taken against)
+        self.step = 0
+        rings = [TokenRing(capacity=RING_SLOTS, max_ints=SLOT_INTS, max_floats=2) for _ in range(2)]
+        (req_r, req_w), (rep_r, rep_w) = os.pipe(), os.pipe()
+        self.req, self.rep = Channel(rings[0], req_w), Channel(rings[1], rep_r)
+        self._theirs = [req_r, rep_w]  # the host's ends
+        _live.add(self)
+        try:
+            if self.process:
+                self._start_process(draft)
+            else:
+                self._start_thread(draft)
+            msg = self.rep.recv(start_timeout)
+            if msg.kind == ERROR:
+                raise DraftHostError(f"the draft host could not build its draft {draft}: {_text(msg.ints[1:])}")
+            self.vocab_size = int(msg.ints[0])
+            self.kind = _text(msg.ints[1:])  # the draft's class, as built in the host
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_process(self, spec: DraftRecipe) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        blob = base64.b64encode(pickle.dumps(partial(spec.build, *spec.args))).decode()
+        req_r, rep_w = self._theirs
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mirror_mlx.ane_draft.host", self.req.ring.name, str(req_r),
+             self.rep.ring.name, str(rep_w), blob], pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL)
+        for fd in self._theirs:  # only the host holds them now: its death reads as end-of-file here
+            os.close(fd)
+        self._theirs = []
+
+    def _start_thread(self, draft: Union[Draft, DraftRecipe]) -> None:
+        req_r, rep_w = self._theirs
+        self._theirs = []
+
+        def run() -> None:
+            import mlx.core as mx
+
+            build = partial(draft.build, *draft.args) if isinstance(draft, DraftRecipe) else lambda: draft
+            try:
+                with mx.stream(mx.new_stream(mx.default_device())):
+                    host(build, Channel(self.req.ring, req_r), Channel(self.rep.ring, rep_w))
+            finally:
+                os.close(req_r)
+                os.close(rep_w)
+
+        self.thread = threading.Thread(target=run, name="mirror-draft-host", daemon=True)
+        self.thread.start()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None else None
+
+    # ---- requests
+
+    def _post(self, kind: int, context: Sequence[int], body: Sequence[int] = ()) -> None:
+        """Post one request whose context is `context` (sent as a delta; a long one in CONTEXT chunks first)."""
+        held = self.held
+        keep = len(held) if context[: len(held)] == held else _common_prefix(held, context)
+        new = list(context[keep:])
+        room = SLOT_INTS - 2 - len(body)
+        if room < 0:
+            raise ValueError(f"a draft request of {len(body)} tokens exceeds the host's {SLOT_INTS}-token "
+                             "message: lower kappa or gamma")
+        while len(new) > room:  # the head of a long context first, acknowledged chunk by chunk
+            chunk, new = new[: SLOT_INTS - 2], new[SLOT_INTS - 2 :]
+            self.step += 1
+            self.req.send(CONTEXT, self.step, [keep, len(chunk)] + chunk)
+            self._expect(self.rep.recv(None), DONE)
+            keep += len(chunk)
+        self.step += 1
+        self.req.send(kind, self.step, [keep, len(new)] + new + list(body))
+        self.held = list(context)
+
+    def _expect(self, msg, kind: int):
+        if msg.kind == ERROR:
+            self.held = []  # the host may hold anything now
+            raise (ValueError if msg.ints[0] else DraftHostError)(_text(msg.ints[1:]))
+        if msg.kind != kind or msg.step != self.step:
+            raise DraftHostError(f"the draft host answered {msg.kind} for step {msg.step}; expected {kind}")
+        return msg
+
+    def post_sync(self, context: Sequence[int]) -> None:
+        """Prefill the draft's cache with `context` (answer with `wait_done`)."""
+        self._post(SYNC, context)
+
+    def wait_done(self, timeout: Optional[float]) -> None:
+        self._expect(self.rep.recv(timeout), DONE)
+
+    def reset(self, timeout: Optional[float] = None) -> None:
+        self.step += 1
+        self.req.send(RESET, self.step, [0, 0])
+        self.held = []
+        self.wait_done(timeout)
+
+    def post_rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> None:
+        """One batched rollout of `stems` after `context` (answer with `windows`)."""
+        self._post(ROLLOUT, context, encode_stems(gamma, stems))
+
+    def post_branches(self, context: Sequence[int], window: Sequence[int], cand: list[list[int]]) -> None:
+        """Mirror-SD's branch rollout: stems ŷ_1..ŷ_r + [v] for every v in the early-exit set C_r."""
+        kappa = len(cand[0])
+        self._post(BRANCHES, context, [len(window), kappa] + list(window) + [v for row in cand for v in row])
+
+    async def windows(self, gamma: int) -> tuple[Rollout, float, float]:
+        """Await the reply to the last rollout: (Rollout, start, end) on the host's perf_counter clock."""
+        return self._windows(await self.rep.arecv(), gamma)
+
+    def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int,
+                timeout: Optional[float] = None) -> Rollout:
+        """Post a rollout and wait for it (scripts and tests; the engine posts and awaits instead)."""
+        self.post_rollout(context, stems, gamma)
+        return self._windows(self.rep.recv(timeout), gamma)[0]
+
+    def _windows(self, msg, gamma: int) -> tuple[Rollout, float, float]:
+        msg = self._expect(msg, WINDOWS)
+        ints = msg.ints.tolist()
+        flat = ints[2:]
+        windows = [flat[i : i + gamma] for i in range(0, len(flat), gamma)]
+        return Rollout(windows=windows, forwards=ints[0], tokens=ints[1]), float(msg.floats[0]), float(msg.floats[1])
+
+    # ---- the end
+
+    def close(self, grace: float = 2.0) -> None:
+        """Stop the host: STOP, then SIGTERM/SIGKILL after `grace` s; unlink the rings. Idempotent."""
+        if getattr(self, "req", None) is None:
+            return
+        try:
+            if self.proc is not None and self.proc.poll() is None or self.thread is not None:
+                self.req.send(STOP, 0, [0, 0])
+        except Exception:  # noqa: BLE001 - a full ring or a closed pipe: the host is going anyway
+            pass
+        if self.proc is not None:
+            _end_process(self.proc, grace)
+        if self.thread is not None:
+            self.thread.join(grace)  # a stalled draft thread cannot be killed: it is a daemon, left behind
+            if not self.thread.is_alive():
+                wait_os_thread_gone(self.thread.native_id)
+        for fd in [self.req.fd, self.rep.fd] + self._theirs:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self.thread is None or not self.thread.is_alive():
+            self.req.ring.close()
+            self.rep.ring.close()
+        else:  # the stalled thread still maps them: unlink the names, keep the mappings
+            for ring in (self.req.ring, self.rep.ring):
+                ring.shm.unlink()
+        self.req = self.rep = None
+        _live.discard(self)
+
+    def kill(self) -> None:
+        """Drop a host that failed: no grace for a stalled or dead one."""
+        self.close(grace=0.0)
+
+
+def _end_process(proc: subprocess.Popen, grace: float) -> None:
+    for step in (None, proc.terminate, proc.kill):
+        if step is not None:
+            step()
+        try:
+            proc.wait(timeout=grace if step is None else 2.0)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,84 @@
+"""What a mirror-mlx Core ML package records about itself: format, static shapes, metadata, tokenizer hash.
+
+The runtime side (the package host, the Core ML draft) reads packages through this module only; the
+builder (convert/coreml.py) writes them and imports these definitions from here, so the runtime never
+imports the builder.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT = "1"
+META = "mirror_mlx."
+NEG = -1.0e4  # additive mask value: exp(-1e4) == 0 in fp16 and fp32, never -inf (no NaN rows)
+
+
+class ConvertError(ValueError):
+    """A draft or package that cannot be converted or used (the message says why and what to do)."""
+
+
+@dataclass
+class Shapes:
+    """The static shapes of a package (recorded in its metadata)."""
+
+    context: int  # S: committed slots
+    chunk: int  # E: rows per extend call
+    rows: int  # B: rows per rollout call
+    scratch: int  # W: scratch slots for rollout rows
+    kappa: int
+    gamma: int
+    streams: int = 0  # stream rows per main rollout row (Speculative-Streaming drafts)
+
+    @property
+    def slots(self) -> int:
+        return self.context + self.scratch
+
+    @classmethod
+    def make(cls, context: int, kappa: int, gamma: int, chunk: int = 16, streams: int = 0) -> "Shapes":
+        """B = kappa*(gamma+1) rows (times 1 + streams for an SS draft, whose branches each feed
+        a main token and its stream guesses per forward); scratch for gamma+1 rollout calls."""
+        if kappa < 1 or gamma < 1:
+            raise ConvertError(f"kappa and gamma must be >= 1 (got kappa={kappa}, gamma={gamma})")
+        if chunk < 1 or context < chunk:
+            raise ConvertError(
+                f"--context {context} must be at least the extend chunk ({chunk}); use --context >= {chunk}"
+            )
+        rows = kappa * (gamma + 1) * (1 + streams)
+        return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma, streams)
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def read_metadata(package: Path) -> dict[str, str]:
+    """The package's mirror-mlx metadata (prefix stripped); a clear error if it is not ours or broken."""
+    import coremltools as ct
+
+    package = Path(package)
+    if not package.exists():
+        raise ConvertError(f"{package} does not exist (build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
+    try:
+        spec = ct.utils.load_spec(str(package))
+    except Exception as e:  # noqa: BLE001  (protobuf/IO errors of many kinds)
+        raise ConvertError(
+            f"{package} is not a readable Core ML package ({type(e).__name__}: {e}); "
+            "it is corrupt or truncated: rebuild it with `mirror-mlx convert`"
+        ) from None
+    meta = dict(spec.description.metadata.userDefined)
+    if meta.get(META + "format") != FORMAT:
+        raise ConvertError(f"{package} was not built by `mirror-mlx convert` (format {FORMAT}); rebuild it")
+    return {k[len(META):]: v for k, v in meta.items() if k.startswith(META)}
+
+
+def package_shapes(meta: dict[str, str]) -> Shapes:
+    keys = ("context", "chunk", "rows", "scratch", "kappa", "gamma")
+    return Shapes(*(int(meta[k]) for k in keys), streams=int(meta.get("streams", 0)))

@@ -1,0 +1,74 @@
+"""Loading a model, once: a folder or Hugging Face id → (model, tokenizer); and the one tokenizer check.
+
+Every command and the API load targets and drafts here: plain mlx-lm folders through mlx_lm, and
+Speculative-Streaming draft folders through their own classes. Errors are one ValueError sentence.
+"""
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.nn as nn
+from mlx_lm.utils import load as mlx_load
+
+from . import validate
+
+
+def resolve_model(path_or_id: Union[str, Path]) -> Path:
+    """A local folder as is; otherwise a Hugging Face id through huggingface_hub (cached, offline-friendly)."""
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        return validate.model_folder(path)
+    name = str(path_or_id)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ValueError(f"model path {name!r} does not exist: give a model folder or a Hugging Face id like org/name")
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
+                                                              "*.tiktoken", "*.txt", "*.jinja"]))
+    except Exception as e:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise ValueError(
+            f"model {name!r} is not a local folder and could not be fetched from the Hugging Face hub"
+            f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
+            f"(`hf download {name}`) or pass a local folder"
+        ) from None
+    return validate.model_folder(folder)
+
+
+def load_model(path_or_id: Union[str, Path]) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder."""
+    from mirror_mlx.ane_draft.ss_model import is_ss_draft, load_ss_draft
+
+    folder = resolve_model(path_or_id)
+    if is_ss_draft(folder):
+        return load_ss_draft(folder)
+    try:
+        return mlx_load(str(folder))
+    except Exception as e:
+        raise ValueError(f"cannot load model {path_or_id}: {type(e).__name__}: {e}") from None
+
+
+def tokenizer_mismatch(target_tok: Any, draft_tok: Any) -> Optional[str]:
+    """Why two tokenizers are not interchangeable (one sentence), or None when they map the same
+    strings to the same ids with the same special ids: otherwise verification compares nonsense."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(t_vocab) != len(d_vocab):
+        return f"the draft's tokenizer has {len(d_vocab)} tokens but the target's has {len(t_vocab)}"
+    if t_vocab != d_vocab:
+        diff = next(k for k in t_vocab if d_vocab.get(k) != t_vocab[k])
+        return (f"target and draft tokenizers differ (token {diff!r} is {t_vocab[diff]} in the target, "
+                f"{d_vocab.get(diff)} in the draft)")
+    for name in ("bos_token_id", "eos_token_ids"):
+        t, d = getattr(target_tok, name, None), getattr(draft_tok, name, None)
+        if (set(t) if isinstance(t, (set, list, tuple)) else t) != (set(d) if isinstance(d, (set, list, tuple)) else d):
+            return f"target and draft tokenizers differ in {name} ({t} in the target, {d} in the draft)"
+    return None
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any) -> None:
+    """Raise ValueError unless the draft tokenizes exactly like the target."""
+    why = tokenizer_mismatch(target_tok, draft_tok)
+    if why is not None:
+        raise ValueError(f"{why}: use a draft trained with the target's tokenizer")

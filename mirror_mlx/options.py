@@ -1,0 +1,43 @@
+"""How to decode, written once: the modes, Mirror-SD's knobs and their defaults, the sampling settings.
+
+`DecodeOptions` is the one source of every default (κ, γ, ℓ_e, timeouts, mlx-lm's sampling flags):
+the API (`Pipeline.generate`), the command line and the benchmark read them from here. No MLX
+import, so the command line can show them in `--help` without loading MLX.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+MODES = ("mirror", "sd", "ar")  # what the engine runs
+CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune)
+PAPER_KNOBS = dict(kappa=8, gamma=7)  # κ, γ of an explicit mode when not given (auto: the tuned ones)
+
+
+def default_exit_layer(n_layers: int) -> int:
+    """ℓ_e = N/2, the paper's default (at least 1)."""
+    return max(1, n_layers // 2)
+
+
+@dataclass
+class DecodeOptions:
+    """How to decode: the mode, Mirror-SD's knobs and the target's sampling settings (mlx-lm's)."""
+
+    mode: str = "auto"  # Pipeline.prepare resolves "auto" (mirror_mlx.tune) before the engine sees it
+    max_tokens: int = 256
+    kappa: Optional[int] = None  # None: auto's choice, else PAPER_KNOBS (8)
+    gamma: Optional[int] = None  # None: auto's choice, else PAPER_KNOBS (7)
+    exit_layer: Optional[int] = None  # None: the exit adapter's layer, else default_exit_layer (N/2)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop_tokens: Sequence[int] = ()
+    draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
+    why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
+    exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why"))  # set by the Pipeline

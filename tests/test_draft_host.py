@@ -1,0 +1,242 @@
+"""The draft host: the draft in its own process behind the TokenRing, and every way that can end.
+
+A host that dies, stalls or raises is a visible switch to `ar` with the target's own tokens, and leaves
+no process and no shared-memory segment behind; the API works from inside a running event loop.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+
+from mirror_mlx.ane_draft.host import DraftHost, DraftHostError, DraftRecipe, mlx_draft
+from mirror_mlx.draft import MLXDraft
+from mirror_mlx.pipeline import Pipeline, load_draft
+from tests.models import DRAFT_PATH, TARGET_PATH
+from tests.test_engine import mlx_greedy
+
+PROMPT_TEXT = "Once upon a time, there was a little girl named Lily"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Broken(MLXDraft):
+    """Rolls out normally `fail_after` times, then raises (or sleeps `stall` s, or kills its own process)."""
+
+    def __init__(self, model, fail_after: int, how: str):
+        super().__init__(model)
+        self.calls, self.fail_after, self.how = 0, fail_after, how
+
+    def rollout(self, context, stems, gamma):
+        self.calls += 1
+        if self.calls > self.fail_after:
+            if self.how == "raise":
+                raise RuntimeError("draft exploded")
+            if self.how == "stall":
+                time.sleep(60)
+            if self.how == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().rollout(context, stems, gamma)
+
+
+def broken_draft(path: str, fail_after: int, how: str) -> MLXDraft:
+    """A DraftRecipe builder: runs inside the host process."""
+    from mlx_lm.utils import load_model
+
+    return _Broken(load_model(Path(path))[0], fail_after, how)
+
+
+def _gone(host_pid: int, rings: list) -> bool:
+    """The host process is reaped and neither ring's shared memory is left in /dev/shm."""
+    try:
+        os.kill(host_pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    return not alive and not any(Path("/dev/shm", name).exists() for name in rings)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load(str(TARGET_PATH))
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    model, tokenizer = target
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    return prompt, mlx_greedy(model, prompt, 64)
+
+
+def _pipe(target, recipe):
+    model, tokenizer = target
+    pipe = Pipeline(model, tokenizer, recipe)
+    host = pipe.engine.host
+    return pipe, host.pid, [host.req.ring.name, host.rep.ring.name]
+
+
+@pytest.mark.parametrize("mode,how,says", [("mirror", "raise", "exploded"), ("mirror", "stall", "timed out"),
+                                           ("sd", "stall", "timed out"), ("sd", "die", "exited")])
+def test_a_host_that_raises_stalls_or_dies_is_a_visible_switch_to_ar(target, reference, capsys, how, says, mode):
+    pipe, pid, rings = _pipe(target, DraftRecipe(broken_draft, (str(DRAFT_PATH), 3, how)))
+    prompt, ref = reference
+    out = pipe.generate(prompt, max_tokens=64, mode=mode, stop=False, draft_timeout=1.0 if how == "stall" else 30.0)
+    assert out.tokens == ref and out.stats.draft_host == "process"
+    assert out.stats.draft_failure and says in out.stats.draft_failure
+    assert "continuing with the target alone" in capsys.readouterr().err
+    assert _gone(pid, rings), "the dropped host left a process or a shared-memory segment"
+    again = pipe.generate(prompt, max_tokens=16, mode=mode, stop=False)  # the pipeline stays usable, in ar
+    assert again.tokens == ref[:16] and again.stats.mode == "ar"
+    t0 = time.perf_counter()
+    pipe.close()
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("when", ["mid-generation", "between generations"])
+def test_a_host_killed_from_outside(target, reference, capsys, when):
+    pipe, pid, rings = _pipe(target, load_draft(DRAFT_PATH, target[1]))
+    prompt, ref = reference
+    if when == "between generations":
+        os.kill(pid, signal.SIGKILL)
+    tokens = []
+    for i, chunk in enumerate(pipe.stream(prompt, max_tokens=64, stop=False)):
+        tokens += chunk.tokens
+        if i == 1 and when == "mid-generation":
+            os.kill(pid, signal.SIGKILL)
+    assert tokens == ref
+    assert "exited" in pipe.stats.draft_failure and "continuing with the target alone" in capsys.readouterr().err
+    assert _gone(pid, rings)
+    pipe.close()
+
+
+def test_close_after_a_stall_returns_within_its_grace_and_ends_the_process():
+    host = DraftHost(DraftRecipe(broken_draft, (str(DRAFT_PATH), 0, "stall")))
+    pid, rings = host.pid, [host.req.ring.name, host.rep.ring.name]
+    host.post_rollout([1, 2, 3], [[4]], 3)
+    with pytest.raises(TimeoutError):
+        host.rep.recv(0.3)
+    t0 = time.perf_counter()
+    host.close(grace=0.5)
+    assert time.perf_counter() - t0 < 0.5 + 2.0  # grace, then SIGTERM (a stalled host does not answer STOP)
+    assert _gone(pid, rings)
+
+
+def test_host_answers_what_the_draft_would_and_reports_bad_recipes():
+    model, _ = load(str(DRAFT_PATH))
+    local = MLXDraft(model)
+    ctx, stems = [1, 403, 407, 261, 378], [[5], [9, 7], [9, 10, 11]]  # spine-shaped, as the engine's
+    want = local.rollout(ctx, stems, 4).windows
+    for process in (True, False):
+        recipe = DraftRecipe(mlx_draft, (str(DRAFT_PATH),))
+        host = DraftHost(recipe, process=process)
+        assert host.vocab_size == 512 and host.kind == "MLXDraft"
+        assert host.rollout(ctx, stems, 4, timeout=30).windows == want
+        assert host.rollout(ctx + [5, 9], [[2]], 3, timeout=30).windows == local.rollout(ctx + [5, 9], [[2]], 3).windows
+        host.reset(timeout=30)
+        assert host.rollout(ctx, stems, 4, timeout=30).windows == want
+        host.close()
+    with pytest.raises(DraftHostError, match="could not build its draft"):
+        DraftHost(DraftRecipe(mlx_draft, ("/nonexistent/draft",)))
+
+
+def test_the_sync_api_and_an_async_stream_work_inside_a_running_event_loop(target, reference):
+    pipe, _, _ = _pipe(target, load_draft(DRAFT_PATH, target[1]))
+    prompt, ref = reference
+
+    async def app():
+        ticks = 0
+
+        async def heartbeat():  # the app's loop keeps running while a stream is awaited
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        beat = asyncio.ensure_future(heartbeat())
+        sync = pipe.generate(prompt, max_tokens=32, stop=False).tokens  # blocks this loop, but works
+        streamed = [t async for chunk in pipe.astream(prompt, max_tokens=32, stop=False) for t in chunk.tokens]
+        beat.cancel()
+        return sync, streamed, ticks
+
+    sync, streamed, ticks = asyncio.run(app())
+    assert sync == streamed == ref[:32]
+    assert ticks > 1
+    pipe.close()
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import time, mirror_mlx
+    pipe = mirror_mlx.load()
+    host = pipe.engine.host
+    print(host.pid, host.req.ring.name, host.rep.ring.name)
+    out = pipe.generate("Once upon a time", max_tokens=8, draft_timeout=1e-4, stop=False)
+    assert out.stats.draft_failure and "timed out" in out.stats.draft_failure, out.stats.draft_failure
+    print(time.time(), flush=True)
+""")  # no close(): the interpreter's exit must clean up on its own
+
+
+def test_drop_the_draft_by_timeout_then_exit_20_times(tmp_path):
+    """Issue 17: exit code 0 every time, within 5 s of the last token, no process or segment left."""
+    script = tmp_path / "drop_and_exit.py"
+    script.write_text(EXIT_SCRIPT)
+    for batch in range(10):  # 2 at a time (2 cores): 20 runs
+        procs = [subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        ended = {}
+        deadline = time.monotonic() + 300
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            ended.update({p: time.time() for p in procs if p not in ended and p.poll() is not None})
+            time.sleep(0.02)
+        for p in procs:
+            out, err = p.communicate(timeout=1)
+            assert p.returncode == 0, err
+            assert "continuing with the target alone" in err and "Traceback" not in err
+            pid, req, rep, last_token = out.split()
+            assert ended[p] - float(last_token) < 5.0
+            assert _gone(int(pid), [req, rep])
+
+
+def test_no_runtime_module_imports_the_builders():
+    runtime = ["mirror_mlx.engine", "mirror_mlx.target", "mirror_mlx.draft", "mirror_mlx.ring", "mirror_mlx.workers",
+               "mirror_mlx.pipeline", "mirror_mlx.ane_draft.host", "mirror_mlx.ane_draft.package_host",
+               "mirror_mlx.ane_draft.package_format", "mirror_mlx.ane_draft.coreml_draft",
+               "mirror_mlx.ane_draft.ss_draft"]
+    code = f"import sys, importlib\nfor m in {runtime!r}: importlib.import_module(m)\n" \
+           "print(sorted(m for m in sys.modules if m.startswith('mirror_mlx.convert')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import mirror_mlx
+    pipe = mirror_mlx.load()
+    host = pipe.engine.host
+    print(host.pid, host.req.ring.name, host.rep.ring.name, flush=True)
+    while True:
+        pipe.generate("Once upon a time", max_tokens=200, stop=False)
+""")
+
+
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_sigterm_or_ctrl_c_mid_generation_leaves_no_host_and_no_segment(tmp_path, sig, group):
+    """Ctrl-C reaches the whole process group (the host ignores it; the engine's exit stops it);
+    SIGTERM kills the engine at once (the host sees its pipe close, the resource tracker unlinks the rings)."""
+    script = tmp_path / "busy.py"
+    script.write_text(SIGNAL_SCRIPT)
+    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    pid, req, rep = p.stdout.readline().split()
+    time.sleep(1.0)  # mid-generation
+    os.killpg(p.pid, sig) if group else p.send_signal(sig)
+    p.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while not _gone(int(pid), [req, rep]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(int(pid), [req, rep])
