@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.ring import TokenRing
@@ -105,13 +105,14 @@ class Channel:
 
     async def arecv(self):
         """`recv` for the asyncio loop: waits on the pipe with the loop's selector, no thread, no spinning."""
-        loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
-            loop.remove_reader(self.fd)
+        if not select.select([self.fd], [], [], 0)[0]:  # not there yet (a hidden rollout usually is)
+            loop = asyncio.get_running_loop()
+            ready = loop.create_future()
+            loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await ready
+            finally:
+                loop.remove_reader(self.fd)
         return self._take()
 
 

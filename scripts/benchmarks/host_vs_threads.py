@@ -9,7 +9,6 @@ before it) the thread row is what `mirror` was.
 """
 
 import sys
-import time
 
 from mlx_lm import load
 
