@@ -138,6 +138,24 @@ class Stats:
         return line
 
 
+def _draft_context(draft: Any) -> Optional[int]:
+    """The draft's context length: its model's args, or for a recipe (built in the host) its folder's config."""
+    if isinstance(draft, DraftRecipe):
+        import json
+        from pathlib import Path
+
+        for arg in draft.args:
+            config = Path(str(arg)) / "config.json"
+            if config.is_file():
+                try:
+                    value = json.loads(config.read_text()).get("max_position_embeddings")
+                except (ValueError, OSError):
+                    return None
+                return value if isinstance(value, int) else None
+        return None
+    return getattr(getattr(text_model(getattr(draft, "model", draft)), "args", None), "max_position_embeddings", None)
+
+
 _LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why")  # Stats fields a total keeps the latest of
 
 
@@ -270,8 +288,7 @@ class Engine:
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
-        self.draft_context = getattr(getattr(text_model(getattr(draft, "model", draft)), "args", None),
-                                     "max_position_embeddings", None)  # γ fits in it
+        self.draft_context = _draft_context(draft)  # γ fits in it
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")

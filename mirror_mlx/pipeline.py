@@ -85,9 +85,7 @@ class Pipeline:
     @contextmanager
     def _turn(self) -> Iterator[None]:
         """Hold the pipeline for one whole generation."""
-        if self._owner == threading.get_ident():
-            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
-                             "before starting another generation")
+        self._check_not_iterating()
         with self._lock:
             self._check_open()
             self._owner = threading.get_ident()
@@ -95,6 +93,11 @@ class Pipeline:
                 yield
             finally:
                 self._owner = None
+
+    def _check_not_iterating(self) -> None:
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before starting another generation")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -159,6 +162,8 @@ class Pipeline:
             prompt = self.encode(text)
         opts = self.options(**kwargs)
         prompt, _ = self.engine.check(prompt, self._stand_in(opts))
+        if opts.mode == "auto":
+            self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         return self.engine.check(prompt, self.resolve(opts))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
