@@ -416,6 +416,7 @@ class Engine:
         committed, produced = list(prompt), 0
         run = self.loop.run
         t_decode = time.perf_counter()
+        stepping = False  # inside a step: the target's cache may hold rows that no verify has trimmed yet
         try:
             window = None
             if mode == "mirror":
@@ -423,6 +424,7 @@ class Engine:
                 if window is None:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
+                stepping = True
                 if mode == "mirror" and self.draft_failure is None:
                     new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats))
                 elif mode == "sd" and self.draft_failure is None:
@@ -444,10 +446,13 @@ class Engine:
                 produced += len(new)
                 stats.generation_tokens = produced
                 stats.decode_seconds = time.perf_counter() - t_decode
+                stepping = False
                 yield new
                 if stop is not None:
                     break
         finally:
+            if stepping:  # a step was cut (an error, a KeyboardInterrupt raised in a worker): forget the cache
+                self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
