@@ -11,8 +11,8 @@ $(STAMP): pyproject.toml
 	bash scripts/setup.sh $(VENV)
 	touch $(STAMP)
 
-demo: setup
-	$(VENV)/bin/mirror-mlx generate --prompt "Once upon a time" --max-tokens 128
+demo: setup  # the demo pair widened to a realistic cost (build/), mode auto, and ar / sd / mirror / auto compared
+	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 128
 
 test: setup
 	$(PY) -m pytest -q --durations=15 tests

@@ -31,6 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.ring import TokenRing
 from mirror_mlx.workers import wait_os_thread_gone
@@ -314,7 +315,7 @@ class DraftHost:
     def _post(self, kind: int, context: Sequence[int], body: Sequence[int] = ()) -> None:
         """Post one request whose context is `context` (sent as a delta; a long one in CONTEXT chunks first)."""
         held = self.held
-        keep = len(held) if context[: len(held)] == held else _common_prefix(held, context)
+        keep = len(held) if context[: len(held)] == held else common_prefix(held, context)
         new = list(context[keep:])
         room = SLOT_INTS - 2 - len(body)
         if room < 0:
@@ -422,15 +423,6 @@ def _end_process(proc: subprocess.Popen, grace: float) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ from .bench_grid import MODES, parse_modes, parse_sweep, point_name
 from .bench_machine import machine, pin_threads, thread_report
 from .bench_summary import Sample, best_point, table
 from .engine import DecodeOptions, Stats
+from .options import PAPER_KNOBS
 from .prompts import load_prompts
 
-ENGINE_MODES = ("mirror", "sd")
+ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
 
 
@@ -49,8 +50,8 @@ class BenchConfig:
     max_tokens: int = 64
     modes: Sequence[str] = MODES
     temp: float = 0.0
-    kappa: int = DecodeOptions.kappa
-    gamma: int = DecodeOptions.gamma
+    kappa: int = PAPER_KNOBS["kappa"]
+    gamma: int = PAPER_KNOBS["gamma"]
     exit_layer: Optional[int] = DecodeOptions.exit_layer
     out: Path = Path("bench_out")
     sweep: Optional[str] = None
@@ -194,6 +195,8 @@ def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs:
         k: Optional[int] = None) -> Sample:
     seed = cfg.seed + index
     if mode in ENGINE_MODES:
+        if mode == "auto":  # the profile's knobs, not the command line's
+            knobs = dict(kappa=None, gamma=None, exit_layer=None)
         return run_engine(pipe, mode, p, index, max_tokens, cfg.temp, seed, **knobs)
     return run_baseline(pipe, mode, p, index, max_tokens, cfg.temp, seed, k if mode == "mlx_sd" else None)
 

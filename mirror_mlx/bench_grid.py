@@ -2,7 +2,7 @@
 
 import re
 
-MODES = ("mirror", "sd", "mlx_sd", "ar")
+MODES = ("mirror", "sd", "mlx_sd", "ar", "auto")  # auto: the tuned choice (mirror_mlx.tune)
 
 
 def parse_modes(text: str) -> tuple[str, ...]:

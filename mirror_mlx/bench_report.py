@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a benchmark box
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"mirror": "tab:red", "sd": "tab:orange", "mlx_sd": "tab:blue", "ar": "tab:gray"}
+COLORS = {"mirror": "tab:red", "sd": "tab:orange", "mlx_sd": "tab:blue", "ar": "tab:gray", "auto": "tab:green"}
 PARTS = [("prefix", "target prefix", "tab:purple"), ("suffix", "target suffix / verify", "tab:blue"),
          ("rollout_wait", "branch rollout past the suffix", "tab:red"),
          ("draft", "serial draft (sd window; mirror first + fallback windows)", "tab:orange"),

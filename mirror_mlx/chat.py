@@ -122,7 +122,7 @@ def stream_reply(pipe: Pipeline, messages: Sequence[Message], **kwargs: Any) -> 
     messages = [clean_message(m) for m in messages]
     if not messages:
         raise ValueError("the conversation is empty: give at least one message")
-    prompt, opts = pipe.engine.check(prompt_ids(pipe, messages), pipe.options(**kwargs))
+    prompt, opts = pipe.prepare(prompt_ids(pipe, messages), **kwargs)  # checked, then auto resolved
     return _reply(pipe, messages, prompt, opts)
 
 

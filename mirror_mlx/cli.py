@@ -8,7 +8,7 @@ from typing import Optional
 import click
 
 import mirror_mlx
-from mirror_mlx.options import MODES, DecodeOptions
+from mirror_mlx.options import CHOICES, PAPER_KNOBS, DecodeOptions
 
 DEFAULTS = DecodeOptions()  # the one source of every decoding default
 
@@ -63,11 +63,12 @@ def with_options(opts: list):
 def knob_options(gamma_help: str) -> list:
     """--kappa / --gamma / --exit-layer, Mirror-SD's knobs (generate, chat, bench)."""
     return [
-        click.option("--kappa", type=int, default=DEFAULTS.kappa, show_default=True,
-                     help="Top-κ width at the early exit."),
-        click.option("--gamma", type=int, default=DEFAULTS.gamma, show_default=True, help=gamma_help),
+        click.option("--kappa", type=int, default=DEFAULTS.kappa,
+                     help=f"Top-κ width at the early exit [default: auto's, else {PAPER_KNOBS['kappa']}]."),
+        click.option("--gamma", type=int, default=DEFAULTS.gamma,
+                     help=f"{gamma_help} [default: auto's, else {PAPER_KNOBS['gamma']}]"),
         click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
-                     help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2]."),
+                     help="Early-exit layer ℓ_e [default: auto's, else the exit adapter's, else N/2]."),
     ]
 
 
@@ -86,7 +87,8 @@ def decode_options(max_tokens: int, seed: Optional[int]):
                      help="As mlx-lm's, but a rotating cache cannot roll back draft tokens: taken only when "
                           "prompt + --max-tokens fit in it (then exact), else refused."),
         *knob_options("Window length γ."),
-        click.option("--mode", type=click.Choice(MODES), default=DEFAULTS.mode, show_default=True),
+        click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
+                     help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
     ])
 
 
@@ -294,6 +296,41 @@ def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_token
         pipe.close()
 
 
+@main.command("tune")
+@model_options
+@click.option("--prompts", "prompts_file", default=None,
+              help="Calibration prompts: FILE.jsonl (a 'prompt' or 'turns' field per line) or a prompt set name "
+                   "[default: held-out TinyStories openings].")
+@click.option("--limit", type=click.IntRange(min=1), default=4, show_default=True, help="Calibration prompts.")
+@click.option("--max-tokens", "-m", type=click.IntRange(min=4), default=48, show_default=True,
+              help="Greedy tokens per calibration prompt.")
+@click.option("--confirm", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Top predictions to measure end to end.")
+@click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
+def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, quick) -> None:
+    """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses."""
+    from mirror_mlx import profile, tune
+    from mirror_mlx.compute_plan import report as compute_plan_report
+
+    pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
+    cfg = tune.TuneConfig.quick() if quick else tune.TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm)
+    if quick:
+        cfg.progress = True
+    try:
+        prof = tune.calibrate(pipe, cfg, prompts_file)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    finally:
+        pipe.close()
+    path = profile.save(prof)
+    click.echo(tune.format_table(prof))
+    for line in (tune.contention(prof), compute_plan_report(draft_model)):
+        if line:
+            click.echo(line)
+    click.echo(f"chose {tune.describe(prof)}: {prof.why}")
+    click.echo(f"calibrated in {prof.calibration['seconds']:.0f} s on {prof.key['machine']}; wrote {path}")
+
+
 @main.command("import-llama2c")
 @click.argument("checkpoint", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--tokenizer", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -450,9 +487,13 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Leave out the first N prompts (e.g. those a sweep chose the knobs on).")
 @click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--modes", default="mirror,sd,mlx_sd,ar", show_default=True,
-              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own); ar always runs as reference.")
+              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own), auto (the tuned choice); "
+                   "ar always runs as reference.")
 @click.option("--temp", type=float, default=DEFAULTS.temperature, show_default=True, help="Sampling temperature.")
-@with_options(knob_options("Window length γ (mirror and sd)."))
+@click.option("--kappa", type=int, default=PAPER_KNOBS["kappa"], show_default=True, help="Top-κ width at the early exit.")
+@click.option("--gamma", type=int, default=PAPER_KNOBS["gamma"], show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
+              help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '

@@ -41,7 +41,12 @@ from .workers import LoopThread, Worker
 class Stats:
     """What one generation did; `as_dict()` is what `--json` prints."""
 
-    mode: str = "ar"
+    mode: str = "ar"  # what ran (ar after a dropped draft)
+    chosen_mode: str = ""  # what was chosen, and with which knobs and why
+    kappa: Optional[int] = None
+    gamma: Optional[int] = None
+    exit_layer: Optional[int] = None
+    why: str = ""
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens actually run through the target (the rest came from its cache)
     generation_tokens: int = 0
@@ -99,12 +104,14 @@ class Stats:
 
     def __add__(self, other: "Stats") -> "Stats":
         """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
-        peak memory is the largest; mode and a draft failure are the latest."""
+        peak memory is the largest; mode, the chosen mode and knobs and a draft failure are the latest."""
         out = Stats(mode=other.mode, draft_failure=other.draft_failure or self.draft_failure,
                     draft_host=other.draft_host, timeline=self.timeline + other.timeline)
         for f in fields(Stats):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "peak_memory_gb":
+            if f.name in _LATEST:
+                setattr(out, f.name, b)
+            elif f.name == "peak_memory_gb":
                 setattr(out, f.name, max(a, b))
             elif isinstance(a, (int, float)) and not isinstance(a, bool):
                 setattr(out, f.name, a + b)
@@ -121,11 +128,20 @@ class Stats:
         line = (f"{self.tokens_per_second:.1f} tok/s | {self.mean_accepted:.2f} accepted/forward"
                 f" | mode {self.mode}")
         if self.mode == "mirror":
+            line += f" κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
+        elif self.mode == "sd":
+            line += f" γ={self.gamma}"
+        if self.why.startswith(("auto", "quick")):
+            line += f" ({self.why})"
+        if self.mode == "mirror":
             line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
                      f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
         if self.draft_failure:
             line += f" | draft dropped: {self.draft_failure}"
         return line
+
+
+_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why")  # Stats fields a total keeps the latest of
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
@@ -371,6 +387,8 @@ class Engine:
         prompt, opts = self.check(prompt, opts)
         mode = opts.mode if self.draft_failure is None else "ar"
         stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
+        stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
+        stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         if mode != "ar":
             stats.draft_host = "process" if self.host.process else "thread"
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
@@ -398,6 +416,7 @@ class Engine:
         committed, produced = list(prompt), 0
         run = self.loop.run
         t_decode = time.perf_counter()
+        stepping = False  # inside a step: the target's cache may hold rows that no verify has trimmed yet
         try:
             window = None
             if mode == "mirror":
@@ -405,6 +424,7 @@ class Engine:
                 if window is None:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
+                stepping = True
                 if mode == "mirror" and self.draft_failure is None:
                     new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats))
                 elif mode == "sd" and self.draft_failure is None:
@@ -426,10 +446,13 @@ class Engine:
                 produced += len(new)
                 stats.generation_tokens = produced
                 stats.decode_seconds = time.perf_counter() - t_decode
+                stepping = False
                 yield new
                 if stop is not None:
                     break
         finally:
+            if stepping:  # a step was cut (an error, a KeyboardInterrupt raised in a worker): forget the cache
+                self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 

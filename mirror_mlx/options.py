@@ -8,7 +8,9 @@ import, so the command line can show them in `--help` without loading MLX.
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
-MODES = ("mirror", "sd", "ar")
+MODES = ("mirror", "sd", "ar")  # what the engine runs
+CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune)
+PAPER_KNOBS = dict(kappa=8, gamma=7)  # κ, γ of an explicit mode when not given (auto: the tuned ones)
 
 
 def default_exit_layer(n_layers: int) -> int:
@@ -20,10 +22,10 @@ def default_exit_layer(n_layers: int) -> int:
 class DecodeOptions:
     """How to decode: the mode, Mirror-SD's knobs and the target's sampling settings (mlx-lm's)."""
 
-    mode: str = "mirror"
+    mode: str = "auto"  # Pipeline.prepare resolves "auto" (mirror_mlx.tune) before the engine sees it
     max_tokens: int = 256
-    kappa: int = 8
-    gamma: int = 7
+    kappa: Optional[int] = None  # None: auto's choice, else PAPER_KNOBS (8)
+    gamma: Optional[int] = None  # None: auto's choice, else PAPER_KNOBS (7)
     exit_layer: Optional[int] = None  # None: the exit adapter's layer, else default_exit_layer (N/2)
     temperature: float = 0.0
     top_p: float = 1.0
@@ -36,7 +38,9 @@ class DecodeOptions:
     sampler: Optional[Callable[[Any], Any]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
+    why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why"))  # set by the Pipeline

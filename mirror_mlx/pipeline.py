@@ -4,7 +4,7 @@ import asyncio
 import threading
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
@@ -18,7 +18,7 @@ from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
 from .engine import Engine, Stats
 from .loading import check_same_tokenizer, load_model, resolve_model  # noqa: F401  (resolve_model: API)
-from .options import OPTION_NAMES, DecodeOptions
+from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 
 Prompt = Union[str, Sequence[int]]
 
@@ -144,9 +144,7 @@ class Pipeline:
     @contextmanager
     def _turn(self) -> Iterator[None]:
         """Hold the pipeline for one whole generation."""
-        if self._owner == threading.get_ident():
-            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
-                             "before starting another generation")
+        self._check_not_iterating()
         with self._lock:
             self._check_open()
             self._owner = threading.get_ident()
@@ -154,6 +152,11 @@ class Pipeline:
                 yield
             finally:
                 self._owner = None
+
+    def _check_not_iterating(self) -> None:
+        if self._owner == threading.get_ident():
+            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             "before starting another generation")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -180,17 +183,35 @@ class Pipeline:
 
     def options(self, stop: bool = True, **kwargs: Any) -> DecodeOptions:
         """`DecodeOptions` from keywords (its fields and defaults are the options); `stop` ends the
-        generation at the tokenizer's end-of-sequence tokens."""
-        allowed = [name for name in OPTION_NAMES if name != "stop_tokens"] + ["stop"]
+        generation at the tokenizer's end-of-sequence tokens. mode="auto" stays auto here: `prepare`
+        resolves it (`resolve`)."""
+        allowed = list(CALLER_OPTIONS) + ["stop"]
         unknown = sorted(set(kwargs) - set(allowed))
         if unknown:
             raise TypeError(f"unknown option {unknown[0]!r}: the options are {', '.join(allowed)}")
         return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
+    def resolve(self, opts: DecodeOptions) -> DecodeOptions:
+        """A concrete mode and knobs: mode="auto" becomes the tuned ones (mirror_mlx.tune.resolve; the first
+        call without a profile runs a bounded quick calibration); explicit ones win."""
+        from .tune import resolve
+
+        c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
+        return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=c.why)
+
+    def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
+        """What `check` validates before auto is resolved: auto as mirror (ar without a draft), the knobs
+        not given as the paper's. Bad input is refused before any calibration starts."""
+        mode = opts.mode
+        if mode == "auto":
+            mode = "mirror" if self.draft is not None else "ar"
+        return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
+                       gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
+
     def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
         """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve."""
         self._check_open()
-        self.engine.check(tokens, self.options(**kwargs))
+        self.engine.check(tokens, self._stand_in(self.options(**kwargs)))
 
     def prepare(self, prompt: Prompt, **kwargs: Any) -> tuple[list[int], DecodeOptions]:
         """The checked prompt ids and options of one call; refuses bad input before any work starts.
@@ -203,7 +224,11 @@ class Pipeline:
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
             prompt = self.encode(text)
-        return self.engine.check(prompt, self.options(**kwargs))
+        opts = self.options(**kwargs)
+        prompt, _ = self.engine.check(prompt, self._stand_in(opts))
+        if opts.mode == "auto":
+            self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
+        return self.engine.check(prompt, self.resolve(opts))
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.

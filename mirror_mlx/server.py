@@ -25,7 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from .engine import MODES, Stats
+from .engine import Stats
+from .options import CHOICES
 from .pipeline import Pipeline
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
@@ -164,13 +165,14 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     _check(opts["top_k"] >= 0, "top_k", "at least 0 (0 turns it off)", opts["top_k"])
     rp = opts.get("repetition_penalty")
     _check(rp is None or rp > 0, "repetition_penalty", "greater than 0", rp)
-    _check(opts["kappa"] >= 1, "kappa", "at least 1", opts["kappa"])
-    _check(opts["kappa"] <= vocab_size, "kappa", f"at most the vocabulary size {vocab_size}", opts["kappa"])
-    _check(opts["gamma"] >= 1, "gamma", "at least 1", opts["gamma"])
+    kappa, gamma = opts.get("kappa"), opts.get("gamma")  # None: mode auto's (or the paper's)
+    _check(kappa is None or kappa >= 1, "kappa", "at least 1", kappa)
+    _check(kappa is None or kappa <= vocab_size, "kappa", f"at most the vocabulary size {vocab_size}", kappa)
+    _check(gamma is None or gamma >= 1, "gamma", "at least 1", gamma)
     seed = opts.get("seed")
     _check(seed is None or 0 <= seed < 2**63, "seed", "an integer in [0, 2**63)", seed)
     mode = body.get("mode", opts["mode"])
-    _check(mode in MODES, "mode", f"one of {', '.join(MODES)}", mode)
+    _check(mode in CHOICES, "mode", f"one of {', '.join(CHOICES)}", mode)
     opts["mode"] = mode
     req.options = opts
     return req

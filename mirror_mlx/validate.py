@@ -114,8 +114,15 @@ REPLACED = "the text was not valid UTF-8: undecodable bytes were replaced with U
 def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n_layers: int,
                    draft_context: Optional[int] = None) -> Any:
     """The DecodeOptions with every knob checked and the seed mapped into the generator's range."""
+    from .options import PAPER_KNOBS
+
+    if opts.mode == "auto" and "auto" not in modes:
+        raise ValueError("mode 'auto' is resolved by the Pipeline (Pipeline.resolve) before the engine runs: "
+                         "give the engine a concrete mode, one of " + ", ".join(modes))
     if not isinstance(opts.mode, str) or opts.mode not in modes:
         raise ValueError(f"unknown mode {opts.mode!r}: choose one of {', '.join(modes)}")
+    opts = replace(opts, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
+                   gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
     vocab_hint = f"at most the vocabulary size {vocab_size}" if vocab_size else ""
     gamma_hint = f"the draft's context is {draft_context} tokens" if draft_context else ""
     return replace(

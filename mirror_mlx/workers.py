@@ -76,6 +76,15 @@ class Worker:
         _live.discard(self)
 
 
+async def _boxed(coro) -> tuple[bool, Any]:
+    """(raised, value): a KeyboardInterrupt or SystemExit from a worker thread comes back to the caller
+    as a value; raised inside the loop it would stop the loop for good (asyncio re-raises them)."""
+    try:
+        return False, await coro
+    except (KeyboardInterrupt, SystemExit) as e:
+        return True, e
+
+
 class LoopThread:
     """One asyncio event loop on its own thread: the scheduler's, for the engine's whole life.
 
@@ -92,12 +101,15 @@ class LoopThread:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("the engine is closed")
-        job = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        job = asyncio.run_coroutine_threadsafe(_boxed(coro), self.loop)
         try:
-            return job.result()
+            raised, value = job.result()
         except BaseException:  # e.g. Ctrl-C here: let the step end (caches and host stay in step), then raise
             wait([job])
             raise
+        if raised:
+            raise value
+        return value
 
     def close(self) -> None:
         if self.loop.is_closed():

@@ -80,7 +80,7 @@ for PROMPTS in tinystories spec_bench; do
   for TEMP in 0 1; do
     echo "== $PROMPTS, temperature $TEMP: $LIMIT prompts x $TOKENS tokens"
     bench "$OUT/$PROMPTS-t$TEMP" --prompts "$PROMPTS" --limit "$LIMIT" --max-tokens "$TOKENS" --temp "$TEMP" \
-      --modes mirror,sd,mlx_sd,ar --kappa "$KAPPA" --gamma "$GAMMA" --exit-layer "$EXIT"
+      --modes auto,mirror,sd,mlx_sd,ar --kappa "$KAPPA" --gamma "$GAMMA" --exit-layer "$EXIT"
   done
 done
 

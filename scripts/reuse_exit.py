@@ -23,7 +23,7 @@ def run(texts, max_tokens, adapter, rule):
     tot, outs = Stats(), []
     try:
         for text in texts:
-            r = pipe.generate(text, max_tokens=max_tokens, exclude_drafted=rule)
+            r = pipe.generate(text, max_tokens=max_tokens, exclude_drafted=rule, mode="mirror")  # reuse: mirror only
             tot += r.stats
             outs.append(r.tokens)
     finally:

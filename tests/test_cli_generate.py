@@ -17,7 +17,7 @@ def run(*args):
 
 
 def test_json_output_has_tokens_text_and_every_stat():
-    result = run("--prompt", "Once upon a time", "--max-tokens", "24", "--json")
+    result = run("--prompt", "Once upon a time", "--max-tokens", "24", "--json", "--mode", "mirror")
     assert result.exit_code == 0, result.output
     out = json.loads(result.output.strip().splitlines()[-1])
     model, tokenizer = load(str(TARGET_PATH))
@@ -72,7 +72,7 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
 
 
 def test_the_demo_uses_its_exit_adapter_and_refuses_it_at_another_layer():
-    result = run("--max-tokens", "40", "--json")
+    result = run("--max-tokens", "40", "--json", "--mode", "mirror")
     stats = json.loads(result.output.strip().splitlines()[-1])["stats"]
     assert stats["reuse_rate"] > 0.8  # the shipped layer-2 adapter: most corrections are precomputed
     result = run("--exit-layer", "3", "--max-tokens", "5")

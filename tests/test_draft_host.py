@@ -105,7 +105,7 @@ def test_a_host_killed_from_outside(target, reference, capsys, when):
     if when == "between generations":
         os.kill(pid, signal.SIGKILL)
     tokens = []
-    for i, chunk in enumerate(pipe.stream(prompt, max_tokens=64, stop=False)):
+    for i, chunk in enumerate(pipe.stream(prompt, max_tokens=64, stop=False, mode="mirror")):  # auto may pick ar
         tokens += chunk.tokens
         if i == 1 and when == "mid-generation":
             os.kill(pid, signal.SIGKILL)
@@ -175,7 +175,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     pipe = mirror_mlx.load()
     host = pipe.engine.host
     print(host.pid, host.req.ring.name, host.rep.ring.name)
-    out = pipe.generate("Once upon a time", max_tokens=8, draft_timeout=1e-4, stop=False)
+    out = pipe.generate("Once upon a time", max_tokens=8, draft_timeout=1e-4, stop=False, mode="mirror")
     assert out.stats.draft_failure and "timed out" in out.stats.draft_failure, out.stats.draft_failure
     print(time.time(), flush=True)
 """)  # no close(): the interpreter's exit must clean up on its own

@@ -120,7 +120,7 @@ def test_reuse_picks_the_branch_of_the_correction_or_signals_fallback():
 
 def test_cache_rollback_leaves_exactly_the_committed_prefix(demo):
     prompt = demo.tokenizer.encode("Tom and Lily went to the park")
-    out = demo.generate(prompt, max_tokens=37, stop=False)
+    out = demo.generate(prompt, max_tokens=37, stop=False, mode="mirror")
     side = demo.engine.target
     # the cache may hold accepted tokens past max_tokens (trimmed at the next start), never others
     committed = prompt + mlx_greedy(demo.model, prompt, 37 + 8)
@@ -181,7 +181,8 @@ def test_failing_or_stalling_draft_switches_visibly_to_ar(greedy_refs, capsys, s
     draft, _ = load(str(DRAFT_PATH))
     pipe = Pipeline(target, tokenizer, _BrokenDraft(draft, fail_after=3, stall=stall))
     prompt, ref = greedy_refs[0]
-    out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5 if stall else 30.0)  # 30 s: a busy box
+    out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5 if stall else 30.0,  # 30 s: a busy box
+                        mode="mirror")
     assert out.tokens == ref
     assert out.stats.draft_failure and ("timed out" if stall else "exploded") in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
@@ -198,7 +199,7 @@ def test_a_draft_that_cannot_prefill_switches_visibly_to_ar(greedy_refs, capsys)
     draft, _ = load(str(DRAFT_PATH))
     pipe = Pipeline(target, tokenizer, _NoPrefillDraft(draft))
     prompt, ref = greedy_refs[0]
-    out = pipe.generate(prompt, max_tokens=32, stop=False)
+    out = pipe.generate(prompt, max_tokens=32, stop=False, mode="mirror")
     assert out.tokens == ref[:32] and out.stats.mode == "ar" and "cannot prefill" in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     pipe.close()

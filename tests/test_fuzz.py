@@ -15,13 +15,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import leftover
 from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mirror_mlx.cli import main
 from mirror_mlx.pipeline import load
-from mirror_mlx.ring import shared_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, DRAFT_CONTEXT = 512, 256  # the demo pair
@@ -83,23 +83,8 @@ def pipe():
     p.close()
 
 
-@pytest.fixture
-def rings(monkeypatch):
-    """Names of the shared-memory blocks made during the test."""
-    made = []
-    real = shared_memory.SharedMemory
-
-    class Spy(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self.name)
-
-    monkeypatch.setattr(shared_memory, "SharedMemory", Spy)
-    return made
 
 
-def left_in_shm(names):
-    return [n for n in names if os.path.exists(f"/dev/shm/{n.lstrip('/')}")]
 
 
 def greedy(temperature) -> bool:
@@ -108,7 +93,7 @@ def greedy(temperature) -> bool:
 
 @FUZZ
 @given(case=cases)
-def test_generate_refuses_clearly_or_equals_ar_greedy(pipe, rings, case):
+def test_generate_refuses_clearly_or_equals_ar_greedy(pipe, shm_made, case):
     prompt, kwargs = case
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the U+FFFD note
@@ -125,7 +110,7 @@ def test_generate_refuses_clearly_or_equals_ar_greedy(pipe, rings, case):
             assert len(out.tokens) == max_tokens and all(0 <= t < VOCAB for t in out.tokens)
             if greedy(kwargs.get("temperature", 0.0)):
                 assert out.tokens == pipe.generate(prompt, mode="ar", max_tokens=max_tokens, stop=False).tokens
-    assert left_in_shm(rings) == []
+    assert leftover(shm_made) == []
 
 
 def as_flag(value) -> str:

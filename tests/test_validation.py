@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import leftover
 from click.testing import CliRunner
 
 from mirror_mlx import validate
@@ -22,7 +23,6 @@ from mirror_mlx.cli import main
 from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
 from mirror_mlx.pipeline import load
-from mirror_mlx.ring import shared_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = dict(max_tokens=6, kappa=2, gamma=3)
@@ -35,24 +35,8 @@ def pipe():
     p.close()
 
 
-@pytest.fixture
-def shm_made(monkeypatch):
-    """The names of every shared-memory block the rings create during the test (other processes'
-    /dev/shm entries are not ours to count on a shared machine)."""
-    made = []
-    real = shared_memory.SharedMemory
-
-    class Spy(real):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self.name)
-
-    monkeypatch.setattr(shared_memory, "SharedMemory", Spy)
-    return made
 
 
-def leftover(names):
-    return [n for n in names if os.path.exists(f"/dev/shm/{n.lstrip('/')}")]
 
 
 # --- a shared Pipeline --------------------------------------------------------------------------

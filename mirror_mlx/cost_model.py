@@ -1,0 +1,146 @@
+"""The paper's latency model (Eq. 10, papers.md §2) for `mirror`, `sd` and `ar`, fed only by measurements.
+
+mirror step:  T = T_prefix(ℓ_e) + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
+              T_par is max(T_suffix(ℓ_e), T_rollout(κ(γ+1) rows, γ)) when the two truly overlap; it is
+              measured with both running at once, so contention between them is in the number.
+sd step:      T = T_window(γ) + T_verify(γ + 1 rows) + T_over
+ar step:      T = T_verify(1 row) + T_over
+Tokens per step come from an acceptance trace (`Trace`): where the draft's greedy token agrees with
+the target's along the target's own greedy text, and the rank of the target's token among the early
+exit's candidates at every candidate ℓ_e. At temperature 0 replaying a trace is exact: it gives the
+accepted length of every step for any γ and whether the branch for the correction was rolled out
+(reuse) for any κ, so `mean_tokens` and `reuse_rate` are measured, not assumed.
+"""
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+MODES = ("mirror", "sd", "ar")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the grid; knobs a mode does not use are None."""
+
+    mode: str
+    kappa: Optional[int] = None
+    gamma: Optional[int] = None
+    exit_layer: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        if self.mode == "ar":
+            return "ar"
+        if self.mode == "sd":
+            return f"sd γ={self.gamma}"
+        return f"mirror κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
+
+
+@dataclass
+class Trace:
+    """One greedy continuation, teacher-forced through target and draft.
+
+    runs[i]: how many tokens of the draft's window started at position i equal the target's, in a row
+    (capped at the longest γ measured). A shorter window's accepted length is min(γ, runs[i]).
+    rank_excl[ℓ][i]: rank of the target's token among the early exit's tokens at layer ℓ, the draft's
+    own token left out (the engine's excluded-token rule at a rejected row).
+    rank_plain[ℓ][i]: the same rank with nothing left out (the bonus row after a full accept).
+    """
+
+    runs: list[int]
+    rank_excl: dict[int, list[int]] = field(default_factory=dict)
+    rank_plain: dict[int, list[int]] = field(default_factory=dict)
+
+
+def replay(trace: Trace, gamma: int, kappa: Optional[int] = None, exit_layer: Optional[int] = None
+           ) -> tuple[int, int, int]:
+    """(steps, tokens, reuses) of greedy speculative decoding along `trace` with window γ."""
+    n, p = len(trace.runs), 0
+    steps = tokens = reuses = 0
+    while p < n:
+        a = min(gamma, trace.runs[p], n - p)
+        if p + a >= n:  # the text ended inside the window
+            tokens += n - p
+            steps += 1
+            break
+        if kappa is not None:
+            ranks = (trace.rank_excl if a < gamma else trace.rank_plain)[exit_layer]
+            reuses += ranks[p + a] < kappa
+        steps += 1
+        tokens += a + 1
+        p += a + 1
+    return steps, tokens, reuses
+
+
+@dataclass
+class Acceptance:
+    """What the traces say per knob: tokens per step per γ, reuse per (κ, γ, ℓ_e)."""
+
+    traces: list[Trace]
+
+    def _sum(self, gamma: int, kappa=None, exit_layer=None) -> tuple[int, int, int]:
+        totals = [replay(t, gamma, kappa, exit_layer) for t in self.traces]
+        return tuple(sum(x) for x in zip(*totals)) if totals else (0, 0, 0)
+
+    def mean_tokens(self, gamma: int) -> float:
+        steps, tokens, _ = self._sum(gamma)
+        return tokens / steps if steps else 1.0
+
+    def reuse_rate(self, kappa: int, gamma: int, exit_layer: int) -> float:
+        steps, _, reuses = self._sum(gamma, kappa, exit_layer)
+        return reuses / steps if steps else 0.0
+
+
+@dataclass
+class Timings:
+    """Measured seconds. Keys are tuples so they say what was varied.
+
+    verify[rows]: a plain target forward over `rows` new tokens (ar: 1, sd: γ + 1).
+    prefix[(ℓ_e, rows)], suffix[(ℓ_e, rows)]: the two halves of the target forward split at ℓ_e.
+    window[γ]: a 1-row draft rollout of depth γ (sd's window and mirror's fallback).
+    parallel[(ℓ_e, κ, γ)]: the target suffix and the κ(γ+1)-row rollout, run at the same time.
+    rollout[(rows, γ)]: the rollout alone (reported next to `parallel`, to show the contention).
+    overhead[mode]: measured step time minus the modelled components, per step, from real runs.
+    """
+
+    verify: dict = field(default_factory=dict)
+    prefix: dict = field(default_factory=dict)
+    suffix: dict = field(default_factory=dict)
+    window: dict = field(default_factory=dict)
+    parallel: dict = field(default_factory=dict)
+    rollout: dict = field(default_factory=dict)
+    overhead: dict = field(default_factory=dict)
+
+
+def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
+    """Seconds per step without the per-mode overhead."""
+    if cfg.mode == "ar":
+        return t.verify[1]
+    g = cfg.gamma
+    if cfg.mode == "sd":
+        return t.window[g] + t.verify[g + 1]
+    rows = g + 1
+    return t.prefix[(cfg.exit_layer, rows)] + t.parallel[(cfg.exit_layer, cfg.kappa, g)] + (1 - reuse) * t.window[g]
+
+
+def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
+    """Predicted tokens/s of `cfg`, with the terms behind it."""
+    tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
+    reuse = acc.reuse_rate(cfg.kappa, cfg.gamma, cfg.exit_layer) if cfg.mode == "mirror" else 0.0
+    step = component_time(cfg, t, reuse) + t.overhead.get(cfg.mode, 0.0)
+    return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
+            "tokens_per_second": tokens / step if step > 0 else 0.0}
+
+
+def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:
+    """Predictions for every config, fastest first."""
+    return sorted((predict(c, t, acc) for c in configs), key=lambda p: -p["tokens_per_second"])
+
+
+def grid(kappas: Iterable[int], gammas: Iterable[int], exit_layers: Iterable[int], draft: bool = True) -> list[Config]:
+    """ar, sd at every γ and mirror at every (κ, γ, ℓ_e); only ar without a draft."""
+    out = [Config("ar")]
+    if draft:
+        out += [Config("sd", gamma=g) for g in gammas]
+        out += [Config("mirror", k, g, e) for e in exit_layers for k in kappas for g in gammas]
+    return out

@@ -1,0 +1,535 @@
+"""Calibrate the cost model on this machine, pick the fastest mode and knobs, and resolve mode="auto".
+
+`calibrate` measures, in this order (each step real forwards of the loaded models):
+1. acceptance traces: the target's greedy text after each calibration prompt, the draft's window at
+   every position of it, and the early exit's rank of the target's token at every candidate ℓ_e;
+2. component timings (cost_model.Timings): target forwards, prefix / suffix per ℓ_e, 1-row windows,
+   suffix ‖ branch rollout run together per (ℓ_e, κ, γ);
+3. per-mode overhead: one real generation per mode, its step time minus the modelled components;
+4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
+   profile's choice is the fastest *measured* configuration, so the choice is never one that only
+   the model believed in.
+"""
+
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+from . import profile as profiles
+from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
+from .draft import MLXDraft
+from .options import PAPER_KNOBS
+from .target import EarlyExitTarget, top_k, trimmable_cache
+
+AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
+QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
+HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
+
+
+class OutOfTime(RuntimeError):
+    """The calibration's time budget ran out."""
+
+
+def quick_budget() -> float:
+    """Seconds the quick calibration may take: $MIRROR_MLX_QUICK_BUDGET, else QUICK_BUDGET_S."""
+    env = os.environ.get("MIRROR_MLX_QUICK_BUDGET")
+    try:
+        return float(env) if env else QUICK_BUDGET_S
+    except ValueError:
+        return QUICK_BUDGET_S
+
+
+@dataclass
+class TuneConfig:
+    """How much to measure. `quick()` is the first-call calibration of mode="auto"."""
+
+    prompts: int = 4
+    max_tokens: int = 48
+    kappas: tuple = (1, 2, 4, 8)
+    gammas: tuple = (1, 2, 3, 5, 7)
+    exit_layers: Optional[tuple] = None  # None: the adapter's layer, else N/4, N/3, N/2, 3N/4
+    reps: int = 3
+    confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
+    progress: bool = True
+    budget_s: Optional[float] = None  # stop (OutOfTime) once calibration has taken this long; None: no cap
+
+    @classmethod
+    def quick(cls) -> "TuneConfig":
+        """Small on purpose: 2 openings × 16 tokens, κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e only, capped."""
+        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
+                   progress=False, budget_s=quick_budget())
+
+
+@dataclass
+class Choice:
+    """A concrete mode and knobs, and why they were chosen (goes into Stats)."""
+
+    mode: str
+    kappa: int = PAPER_KNOBS["kappa"]
+    gamma: int = PAPER_KNOBS["gamma"]
+    exit_layer: Optional[int] = None
+    why: str = ""
+
+
+# --- the calibration prompts ----------------------------------------------------------------------
+
+
+def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[list[int]]:
+    """Token ids of `n` prompts: the user's file (prompts.load_prompts) or held-out TinyStories openings."""
+    if path:
+        from .prompts import load_prompts
+
+        texts = [p.text for p in load_prompts(path, n)]
+    else:
+        from .corpus import load_split
+
+        texts = load_split().held_out[:n]
+    return [pipe.encode(t) for t in texts]
+
+
+# --- 1. acceptance traces -------------------------------------------------------------------------
+
+
+def exit_layer_candidates(pipe: Any, cfg: TuneConfig) -> list[int]:
+    adapter_layer = getattr(pipe.engine.exit_adapter, "exit_layer", None)
+    if adapter_layer:  # an adapter only maps its own layer's state
+        return [adapter_layer]
+    n = pipe.engine.n_layers
+    quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 only
+    layers = cfg.exit_layers or ((n // 2,) if quick else (n // 4, n // 3, n // 2, 3 * n // 4))
+    return sorted({min(max(1, e), n - 1) for e in layers})
+
+
+def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[list[int], list[int]]:
+    """Rank of each row's target token (0 = top) with and without the excluded token."""
+    logits = logits.astype(mx.float32)
+    t = mx.array(targets)[:, None]
+    score = mx.take_along_axis(logits, t, axis=-1)
+    above = logits > score
+    plain = above.sum(axis=-1)
+    ex = mx.array(exclude)[:, None]
+    ex_above = mx.take_along_axis(above, ex, axis=-1)[:, 0] & (ex[:, 0] != t[:, 0])
+    return (plain - ex_above).tolist(), plain.tolist()
+
+
+def plain_draft_model(pipe: Any) -> Optional[Any]:
+    """The draft's MLX model when it is a plain MLXDraft object in this process (a Pipeline built with a
+    draft object: its host is a thread), for the teacher-forced trace; None for a recipe (`load()`: the
+    draft lives in the host process, so the trace uses the host's rollouts) and for other drafts."""
+    draft = getattr(pipe, "draft", None)
+    return draft.model if type(draft) is MLXDraft else None  # subclasses (SS) propose more than argmax chains
+
+
+def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
+          draft_model: Any = "auto") -> tuple[Trace, list[int]]:
+    """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
+    the prompt plus the target's greedy text.
+
+    The draft side: one teacher-forced forward of `draft_model` (an in-process plain MLX draft; "auto":
+    `plain_draft_model(pipe)`), else one blocking rollout per position through the draft host.
+    """
+    from .corpus import greedy_continuations
+
+    engine = pipe.engine
+    if draft_model == "auto":
+        draft_model = plain_draft_model(pipe)
+    eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
+    text = engine.target_worker.call(partial(greedy_continuations, engine.target_model, [prompt], max_tokens,
+                                             eos=eos))[0]
+    full = list(prompt) + text
+    n0 = len(prompt)
+
+    def draft_runs() -> tuple[list[int], list[int]]:
+        runs, first = [], []
+        for i in range(n0, len(full)):
+            w = engine.host.rollout(full[: i - 1], [[full[i - 1]]], gamma_max, timeout=HOST_TIMEOUT_S).windows[0]
+            a = 0
+            while a < len(w) and i + a < len(full) and w[a] == full[i + a]:
+                a += 1
+            runs.append(a)
+            first.append(w[0])
+        return runs, first
+
+    def teacher_forced() -> tuple[list[int], list[int]]:
+        """A plain autoregressive draft: one forward over the text gives its token at every position."""
+        first = mx.argmax(draft_model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1).tolist()
+        runs = [0] * (len(text) + 1)
+        for i in range(len(text) - 1, -1, -1):
+            runs[i] = min(gamma_max, runs[i + 1] + 1) if first[i] == text[i] else 0
+        return runs[:-1], first
+
+    runs, first = engine.target_worker.call(teacher_forced) if draft_model is not None else draft_runs()
+    tr = Trace(runs=runs)
+
+    def ranks(layer: int) -> tuple[list[int], list[int]]:
+        tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
+        try:
+            early, _ = tapped.forward(mx.array([full[:-1]]), cache=None)
+            return _ranks(early[0, n0 - 1:], text, first)
+        finally:
+            tapped.remove()
+
+    for layer in exit_layers:
+        tr.rank_excl[layer], tr.rank_plain[layer] = engine.target_worker.call(ranks, layer)
+    return tr, full
+
+
+# --- 2. component timings -------------------------------------------------------------------------
+
+
+def _best_time(fn: Callable[[], Any], reps: int) -> float:
+    """Median of `reps` calls after one untimed warm-up: what a real run sees, contention included."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Bench:
+    """Timed pieces over one committed context, each on the worker that runs it in the engine."""
+
+    def __init__(self, pipe: Any, context: list[int], reps: int):
+        self.engine, self.context, self.reps = pipe.engine, context, reps
+        self.cache = self.engine.target_worker.call(self._prefill)
+
+    def _prefill(self):
+        cache = trimmable_cache(self.engine.target_model)
+        self.engine.target_model(mx.array([self.context[:-1]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def rows(self, n: int) -> mx.array:
+        return mx.array([self.context[-n:] if n <= len(self.context) else [self.context[-1]] * n])
+
+    def verify(self, n: int) -> float:
+        def once():
+            mx.eval(self.engine.target_model(self.rows(n), cache=self.cache))
+            trim_prompt_cache(self.cache, n)
+
+        return self.engine.target_worker.call(_best_time, once, self.reps)
+
+    def split(self, layer: int, n: int) -> tuple[float, float]:
+        """(prefix, suffix) seconds at exit layer `layer` over `n` rows."""
+
+        def run():
+            tapped = EarlyExitTarget(self.engine.target_model, layer, self.engine.exit_adapter)
+            pre, suf = [], []
+            try:
+                for _ in range(self.reps):
+                    t0 = time.perf_counter()
+                    early, final = tapped.forward(self.rows(n), self.cache)
+                    mx.eval(top_k(early[0], 1))
+                    t1 = time.perf_counter()
+                    mx.eval(final)
+                    pre.append(t1 - t0)
+                    suf.append(time.perf_counter() - t1)
+                    trim_prompt_cache(self.cache, n)
+            finally:
+                tapped.remove()
+            return statistics.median(pre), statistics.median(suf)
+
+        return self.engine.target_worker.call(run)
+
+    def stems(self, kappa: int, gamma: int) -> list[list[int]]:
+        spine = self.context[-gamma:]
+        vocab = self.engine.host.vocab_size
+        return [spine[:r] + [(self.context[-1] + 1 + v) % vocab] for r in range(gamma + 1) for v in range(kappa)]
+
+    def sync(self, context: list[int]) -> None:
+        """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
+        self.engine.host.post_sync(context)
+        self.engine.host.wait_done(HOST_TIMEOUT_S)
+
+    def rollout(self, stems: list[list[int]], gamma: int) -> float:
+        """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
+        as in a real step): the round trip over the ring, what the scheduler waits for."""
+        host, ctx = self.engine.host, self.context[:-1]
+        times = []
+        for _ in range(self.reps):
+            self.sync(ctx[:-2])
+            t0 = time.perf_counter()
+            host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def parallel(self, layer: int, kappa: int, gamma: int) -> float:
+        """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
+        seconds until both are done."""
+        engine, host, ctx = self.engine, self.engine.host, self.context[:-1]
+        stems, n = self.stems(kappa, gamma), gamma + 1
+        times = []
+        for _ in range(self.reps):
+            def prefix():
+                tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
+                early, final = tapped.forward(self.rows(n), self.cache)
+                mx.eval(early)
+                tapped.remove()
+                return final
+
+            final = engine.target_worker.call(prefix)
+            self.sync(ctx[:-2])
+            t0 = time.perf_counter()
+            suffix = engine.target_worker.submit(mx.eval, final)
+            host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)  # posted, then awaited, while the suffix runs
+            suffix.result()
+            times.append(time.perf_counter() - t0)
+            engine.target_worker.call(trim_prompt_cache, self.cache, n)
+        return statistics.median(times)
+
+
+def measure_timings(pipe: Any, context: list[int], cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
+    b, t = _Bench(pipe, context, cfg.reps), Timings()
+    for n in sorted({1} | {g + 1 for g in cfg.gammas}):
+        t.verify[n] = b.verify(n)
+        tick()
+    if pipe.draft is None:
+        return t
+    for g in cfg.gammas:
+        t.window[g] = b.rollout([[context[-1]]], g)
+        tick()
+    for layer in layers:
+        for g in cfg.gammas:
+            t.prefix[(layer, g + 1)], t.suffix[(layer, g + 1)] = b.split(layer, g + 1)
+            for k in cfg.kappas:
+                t.rollout[(k * (g + 1), g)] = b.rollout(b.stems(k, g), g)
+                t.parallel[(layer, k, g)] = b.parallel(layer, k, g)
+                tick()
+    return t
+
+
+# --- 3./4. real generations -----------------------------------------------------------------------
+
+
+def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_tokens: int,
+                warm_up: bool = True, check: Callable[[], None] = lambda: None) -> dict:
+    """Real greedy generations of every config on every prompt, interleaved (prompt by prompt, so a
+    load change on a shared machine hits all configs alike). {config: tokens/s, step_s, reuse}."""
+    knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
+                     exit_layer=c.exit_layer) for c in configs}
+    if warm_up:
+        for c in configs:
+            check()
+            pipe.generate(prompts[0], **dict(knobs[c], max_tokens=4))
+    sums = {c: [0, 0, 0, 0.0] for c in configs}  # tokens, steps, reuses, seconds
+    for p in prompts:
+        for c in configs:
+            check()
+            s = pipe.generate(p, **knobs[c]).stats
+            for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
+                sums[c][i] += v
+    return {c: {"tokens_per_second": tok / sec if sec else 0.0, "step_s": sec / max(steps, 1),
+                "reuse": reuses / max(steps, 1)} for c, (tok, steps, reuses, sec) in sums.items()}
+
+
+def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, warm_up: bool = True) -> dict:
+    """`run_configs` for one configuration."""
+    return run_configs(pipe, [c], prompts, max_tokens, warm_up)[c]
+
+
+def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers,
+                      check: Callable[[], None] = lambda: None) -> dict:
+    """Per mode: measured step time minus the modelled components (scheduling, sampling, Python).
+
+    One probe configuration per mode, run for real on the first prompt; returns the probes (they
+    are confirmed with the top predictions, but their prediction is fitted to them: the table
+    marks them).
+    """
+    g = cfg.gammas[len(cfg.gammas) // 2]
+    probes = [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
+    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check)
+    for c, run in runs.items():
+        t.overhead[c.mode] = max(0.0, run["step_s"] - component_time(c, t, run["reuse"]))
+    return runs
+
+
+def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
+              log: Callable[[str], None] = lambda s: None) -> profiles.Profile:
+    """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration."""
+    from tqdm import tqdm
+
+    if pipe.draft is None:
+        raise ValueError("tune needs a draft model (without one the only mode is ar): pass --draft-model")
+    if pipe.engine.host is None:
+        raise RuntimeError(f"the draft was dropped earlier ({pipe.engine.draft_failure})")
+    started = time.perf_counter()
+
+    def check() -> None:
+        if cfg.budget_s is not None and time.perf_counter() - started > cfg.budget_s:
+            raise OutOfTime(f"calibration passed its {cfg.budget_s:g} s budget")
+
+    prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
+    layers = exit_layer_candidates(pipe, cfg)
+    configs = grid(cfg.kappas, cfg.gammas, layers)
+    total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(layers) * len(cfg.kappas))
+             + 3 + cfg.confirm)
+    bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+
+    def tick() -> None:
+        bar.update(1)
+        check()
+
+    try:
+        traces = []
+        with pipe._lock:  # direct use of the target and the host: no generation of another thread meanwhile
+            for p in prompts:
+                traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas)))
+                tick()
+            acc = Acceptance([tr for tr, _ in traces])
+            t = measure_timings(pipe, traces[0][1], cfg, layers, tick)  # over a prompt and its greedy text
+        probes = list(measure_overheads(pipe, t, cfg, prompts, layers, check))
+        bar.update(3)
+        ranked = rank(configs, t, acc)
+        confirm = probes + [r["config"] for r in ranked if r["config"] not in probes][: cfg.confirm]
+        measured = run_configs(pipe, confirm, prompts, cfg.max_tokens, warm_up=False, check=check)
+        bar.update(cfg.confirm)
+    finally:
+        bar.close()
+    for r in ranked:
+        r["measured"] = measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None
+    best = max((r for r in ranked if r["measured"] is not None), key=lambda r: r["measured"])
+    ar = next(r for r in ranked if r["config"].mode == "ar")
+    margin = ""
+    if best["measured"] < AR_MARGIN * ar["measured"]:  # within noise of plain generation: keep it plain
+        best, margin = ar, f"; speculation not {AR_MARGIN:.2f}x ar, so ar"
+    c = best["config"]
+    why = (f"tuned: {best['measured']:.0f} tok/s measured vs ar {ar['measured']:.0f} "
+           f"(predicted {best['tokens_per_second']:.0f}; best of {len(measured)} measured, {len(configs)} "
+           f"predicted{margin})")
+    table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"], measured=r["measured"],
+                  probe=r["config"] in probes, tokens_per_step=r["tokens_per_step"], reuse=r["reuse"],
+                  step_ms=1e3 * r["step_s"]) for r in ranked]
+    calibration = {"seconds": time.perf_counter() - started, "prompts": len(prompts), "max_tokens": cfg.max_tokens,
+                   "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
+    log(f"calibrated in {calibration['seconds']:.1f} s")
+    return profiles.Profile(key=pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
+                            why=why, table=table, calibration=calibration)
+
+
+# --- mode="auto" ----------------------------------------------------------------------------------
+
+
+def pipe_key(pipe: Any) -> dict:
+    key = getattr(pipe, "_profile_key", None)
+    if key is None:
+        key = pipe._profile_key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+    return key
+
+
+_calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
+
+
+def profile_for(pipe: Any) -> profiles.Profile:
+    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr)."""
+    prof = getattr(pipe, "_profile", None)
+    if prof is not None:
+        return prof
+    with _calibrating:
+        return _load_or_calibrate(pipe)
+
+
+def _load_or_calibrate(pipe: Any) -> profiles.Profile:
+    prof = getattr(pipe, "_profile", None)
+    if prof is not None:
+        return prof
+    key = pipe_key(pipe)
+    try:
+        prof = profiles.load(key)
+    except profiles.ProfileError as e:
+        print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
+        prof = None
+    if prof is None:
+        t0 = time.perf_counter()
+        cfg = TuneConfig.quick()
+        try:
+            prof = calibrate(pipe, cfg)
+        except OutOfTime:  # the safe rule: plain generation is never slower than itself
+            prof = profiles.Profile(key=key, mode="ar", why=(
+                f"quick calibration ran out of its {cfg.budget_s:g} s budget (MIRROR_MLX_QUICK_BUDGET), "
+                "so ar, the safe rule"))
+            print(f"mirror-mlx: mode auto: {prof.why}; not saved (`mirror-mlx tune` measures without a budget)",
+                  file=sys.stderr)
+        except Exception as e:  # a draft that fails here would fail in generation too: plain, visibly
+            prof = profiles.Profile(key=key, mode="ar", why=f"quick calibration failed ({e!r}), so ar")
+            print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)
+        else:
+            prof.why = "quick " + prof.why
+            path = profiles.save(prof)
+            print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
+                  f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
+                  "(`mirror-mlx tune` measures more)", file=sys.stderr)
+    pipe._profile = prof
+    return prof
+
+
+def describe(c: Any) -> str:
+    return Config(c.mode, c.kappa if c.mode == "mirror" else None, c.gamma if c.mode != "ar" else None,
+                  c.exit_layer if c.mode == "mirror" else None).name
+
+
+def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> Choice:
+    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile."""
+
+    def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> Choice:
+        return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why)
+
+    if mode != "auto":
+        return knobs(kappa, gamma, exit_layer, f"mode {mode} as asked", mode)
+    if pipe.draft is None:
+        return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
+    if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
+        return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
+    prof = profile_for(pipe)
+    asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
+    if not asked:
+        return knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
+    # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
+    need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
+    rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)
+            and all(r.get(k) == v for k, v in asked.items())]
+    if not rows:
+        return knobs(kappa, gamma, exit_layer, "auto with knobs outside the profile's grid: mirror with them")
+    r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
+    why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
+    return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
+                 r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+
+def format_table(prof: profiles.Profile, top: int = 10) -> str:
+    """Predicted vs measured tokens/s: the top predictions and every measured configuration."""
+    rows = [r for i, r in enumerate(prof.table) if i < top or r.get("measured") is not None]
+    lines = [f"{'configuration':<28} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
+             f"{'error':>7}"]
+    for r in rows:
+        m = r.get("measured")
+        err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
+        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (" (probe)" if r.get("probe") else "")
+        lines.append(f"{name:<28} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
+                     f"{r['predicted']:>10.1f} {m if m is not None else float('nan'):>9.1f} {err:>7}")
+    return "\n".join(lines)
+
+
+def contention(prof: profiles.Profile) -> str:
+    """For the chosen mirror point: suffix ‖ rollout measured together against Eq. 10's ideal max()."""
+    if prof.mode != "mirror":
+        return ""
+    t = prof.calibration["timings"]
+    k, g, e = prof.kappa, prof.gamma, prof.exit_layer
+    suffix = t["suffix"][str((e, g + 1))]
+    rollout = t["rollout"][str((k * (g + 1), g))]
+    together = t["parallel"][str((e, k, g))]
+    return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
+            f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")

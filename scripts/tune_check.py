@@ -1,0 +1,73 @@
+"""Check `tune` against an exhaustive sweep of its own grid (issue 13's acceptance numbers).
+
+1. `tune.calibrate` on the calibration prompts (held-out openings 0..n-1): its choice and predictions.
+2. Every configuration of the same grid measured end to end on *other* held-out openings.
+3. Report: auto's choice against the best swept configuration (ratio), auto against the best of
+   ar / sd / mirror, and the prediction error of the top 5 predicted configurations; load average.
+
+    .venv/bin/python scripts/tune_check.py                                   # demo pair
+    .venv/bin/python scripts/tune_check.py --model build/stories-98M --draft-model build/llama2xs-8M
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--exit-adapter", default=None)
+    ap.add_argument("--prompts", type=int, default=4, help="calibration prompts (the sweep uses as many others)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--kappas", default="1,2,4,8")
+    ap.add_argument("--gammas", default="1,2,3,5,7")
+    ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
+    args = ap.parse_args()
+
+    from mirror_mlx import tune
+    from mirror_mlx.corpus import load_split
+    from mirror_mlx.cost_model import Config
+    from mirror_mlx.pipeline import load
+
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    cfg = tune.TuneConfig(prompts=args.prompts, max_tokens=args.max_tokens, kappas=ints(args.kappas),
+                          gammas=ints(args.gammas))
+    pipe = load(args.model, args.draft_model, exit_adapter=args.exit_adapter)
+    load0 = Path("/proc/loadavg").read_text().split()[0]
+    t0 = time.perf_counter()
+    prof = tune.calibrate(pipe, cfg)
+    tune_s = time.perf_counter() - t0
+    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[args.prompts: 2 * args.prompts]]
+    rows = prof.table
+    configs = [Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]) for r in rows]
+    print(f"sweeping {len(configs)} configurations, interleaved prompt by prompt", flush=True)
+    swept = {c: m["tokens_per_second"] for c, m in tune.run_configs(pipe, configs, sweep_prompts, args.max_tokens).items()}
+    pipe.close()
+    load1 = Path("/proc/loadavg").read_text().split()[0]
+
+    chosen = Config(prof.mode, prof.kappa if prof.mode == "mirror" else None,
+                    prof.gamma if prof.mode != "ar" else None, prof.exit_layer if prof.mode == "mirror" else None)
+    best = max(swept, key=swept.get)
+    by_mode = {m: max(v for c, v in swept.items() if c.mode == m) for m in ("ar", "sd", "mirror")}
+    lines = [f"## tune vs an exhaustive sweep ({args.model or 'demo pair'})", "",
+             f"Calibration {tune_s:.0f} s on {args.prompts} held-out openings x {args.max_tokens} tokens; sweep of all "
+             f"{len(rows)} grid points on {len(sweep_prompts)} other held-out openings. Load average {load0} -> {load1} "
+             "(shared 2-core box: other jobs ran).", "",
+             f"- auto chose **{chosen.name}**: {swept[chosen]:.1f} tok/s in the sweep; the sweep's best is {best.name} "
+             f"at {swept[best]:.1f} tok/s -> auto at **{swept[chosen] / swept[best]:.2f}x** the best fixed configuration",
+             "- best per mode in the sweep: " + ", ".join(f"{m} {v:.1f}" for m, v in by_mode.items())
+             + f" -> auto at **{swept[chosen] / max(by_mode.values()):.2f}x** the best of ar/sd/mirror", "",
+             "| top predicted | predicted tok/s | swept tok/s | error |", "|---|---:|---:|---:|"]
+    for r in rows[:5]:
+        c = Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])
+        lines.append(f"| {c.name} | {r['predicted']:.1f} | {swept[c]:.1f} | {100 * (r['predicted'] - swept[c]) / swept[c]:+.0f}% |")
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()

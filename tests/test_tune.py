@@ -1,0 +1,240 @@
+"""mode="auto" and `mirror-mlx tune`: the cost model, profiles, and auto staying lossless and overridable."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from mlx_lm import load as mlx_load
+
+from mirror_mlx import profile as profiles
+from mirror_mlx import tune
+from mirror_mlx.cli import main
+from mirror_mlx.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
+from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
+from mirror_mlx.pipeline import Pipeline, load
+from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
+from tests.test_engine import mlx_greedy
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = load()
+    yield p
+    p.close()
+
+
+# --- the cost model -------------------------------------------------------------------------------
+
+
+def test_replay_counts_accepted_tokens_and_reuse_along_a_trace():
+    # runs: the draft's window at 0 matches 2 tokens, at 3 none, at 4 three.
+    tr = Trace(runs=[2, 1, 0, 0, 3, 2, 1, 0], rank_excl={2: [9, 9, 0, 5, 9, 9, 9, 1]},
+               rank_plain={2: [9, 9, 9, 9, 9, 9, 9, 0]})
+    # γ=3: step at 0 accepts 2, corrects at 2 (rank 0); step at 3 accepts 0, corrects at 3 (rank 5);
+    # step at 4 accepts 3 (full window), bonus at 7 (plain rank 0).
+    assert replay(tr, gamma=3, kappa=1, exit_layer=2) == (3, 8, 2)
+    assert replay(tr, gamma=3, kappa=6, exit_layer=2) == (3, 8, 3)
+    # γ=1: steps at 0 (2 tokens), 2, 3 (1 each), 4 and 6 (2 each)
+    assert replay(tr, gamma=1)[:2] == (5, 8)
+    # a window that runs past the end of the text: the last step commits what is left
+    assert replay(Trace(runs=[3, 2, 1]), gamma=5)[:2] == (1, 3)
+
+
+def synthetic(window_ms: float, rank: int) -> tuple[Timings, Acceptance]:
+    """A target whose forward costs 10 ms (+1 ms a row), a draft window of `window_ms` ms, a draft that
+    always matches 2 tokens, and an early exit that ranks every correction at `rank`."""
+    gammas, kappas, layers = (1, 2, 3), (1, 4), (1, 2)
+    t = Timings(overhead={"ar": 0.5e-3, "sd": 1e-3, "mirror": 1.5e-3})
+    for n in (1, 2, 3, 4):
+        t.verify[n] = 1e-3 * (10 + n)
+    for g in gammas:
+        t.window[g] = 1e-3 * window_ms * g
+        for e in layers:
+            t.prefix[(e, g + 1)] = 1e-3 * (10 + g + 1) * e / 4
+            t.suffix[(e, g + 1)] = 1e-3 * (10 + g + 1) * (4 - e) / 4
+            for k in kappas:
+                t.parallel[(e, k, g)] = max(t.suffix[(e, g + 1)], 1e-3 * window_ms * g * (1 + k / 4))
+    runs = [2, 1, 0] * 20
+    trace = Trace(runs=runs, rank_excl={e: [rank] * len(runs) for e in layers},
+                  rank_plain={e: [rank] * len(runs) for e in layers})
+    return t, Acceptance([trace])
+
+
+def test_the_ranking_is_the_arg_max_of_the_predictions():
+    t, acc = synthetic(window_ms=1.0, rank=0)
+    configs = grid((1, 4), (1, 2, 3), (1, 2))
+    ranked = rank(configs, t, acc)
+    best = max(configs, key=lambda c: predict(c, t, acc)["tokens_per_second"])
+    assert ranked[0]["config"] == best
+    assert [r["tokens_per_second"] for r in ranked] == sorted((r["tokens_per_second"] for r in ranked), reverse=True)
+    # cheap draft, every correction rolled out: Mirror-SD hides the draft and wins
+    assert best.mode == "mirror" and ranked[0]["reuse"] == 1.0
+
+
+def test_a_fallback_heavy_regime_picks_sd_or_ar():
+    # the early exit never holds the correction (rank 50 > κ): every mirror step pays the fallback window
+    t, acc = synthetic(window_ms=4.0, rank=50)
+    ranked = rank(grid((1, 4), (1, 2, 3), (1, 2)), t, acc)
+    assert ranked[0]["config"].mode in ("sd", "ar")
+    assert all(r["reuse"] == 0.0 for r in ranked)
+    # and an expensive draft makes plain generation the best
+    t, acc = synthetic(window_ms=40.0, rank=50)
+    assert rank(grid((1, 4), (1, 2, 3), (1, 2)), t, acc)[0]["config"] == Config("ar")
+
+
+def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
+    """The teacher-forced shortcut for a plain MLX draft must agree with real rollouts at every position."""
+    from mirror_mlx.ane_draft.host import mlx_draft
+
+    prompt = tune.calibration_prompts(pipe, 1)[0]
+    assert tune.plain_draft_model(pipe) is None  # load(): the draft lives in its host, so real host rollouts
+    slow, text = tune.trace(pipe, prompt, 24, [2], 5)
+    fast, _ = tune.trace(pipe, prompt, 24, [2], 5, draft_model=mlx_draft(*pipe.draft.args).model)
+    assert fast == slow and len(fast.runs) == len(text) - len(prompt)
+    assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
+
+
+# --- profiles -------------------------------------------------------------------------------------
+
+
+def test_a_profile_is_keyed_by_the_weights_of_target_draft_and_adapter():
+    a, b = tiny_model("llama_tied", seed=0), tiny_model("llama_tied", seed=1)
+    assert profiles.fingerprint(a) == profiles.fingerprint(tiny_model("llama_tied", seed=0))
+    assert profiles.fingerprint(a) != profiles.fingerprint(b)  # same config, other weights
+    key = profiles.key_for(a, b)
+    assert profiles.key_for(b, a) != key and profiles.key_for(a, a) != key
+    target, _ = mlx_load(str(TARGET_PATH))
+    from mirror_mlx.exit_adapter import load_adapter
+
+    adapter = load_adapter(DEMO_EXIT_ADAPTER, target)
+    assert profiles.key_for(target, b, adapter) != profiles.key_for(target, b)
+
+
+def test_a_saved_profile_loads_back_and_is_not_reused_for_another_pair(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    a, b = tiny_model("llama_tied", seed=0), tiny_model("qwen2", seed=0)
+    key = profiles.key_for(a, b)
+    saved = profiles.Profile(key=key, mode="mirror", kappa=2, gamma=3, exit_layer=1, why="test")
+    path = profiles.save(saved)
+    assert path.parent == tmp_path
+    assert profiles.load(key) == saved
+    assert profiles.load(profiles.key_for(b, a)) is None
+    assert profiles.load(profiles.key_for(a, b, adapter=tiny_model("llama_tied", seed=2))) is None
+
+
+def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
+    key = tune.pipe_key(pipe)
+    path = profiles.path_for(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"key": {"target": ')
+    with pytest.raises(profiles.ProfileError, match="corrupt.*delete it or run `mirror-mlx tune`"):
+        profiles.load(key)
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)  # no profile in memory
+    try:
+        result = fresh.generate(PROMPT, max_tokens=12)
+    finally:
+        fresh.close()
+    err = capfd.readouterr().err
+    assert "is corrupt" in err and "recalibrating" in err and "quick calibration" in err
+    assert profiles.load(key).mode == result.stats.chosen_mode  # rewritten, readable
+
+
+# --- mode="auto" ----------------------------------------------------------------------------------
+
+
+def test_auto_is_lossless_and_says_what_it_chose(pipe):
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    result = pipe.generate(PROMPT, max_tokens=40)
+    assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
+    s = result.stats
+    prof = tune.profile_for(pipe)
+    assert (s.chosen_mode, s.why) == (prof.mode, "auto: " + prof.why)
+    if s.chosen_mode == "mirror":
+        assert (s.kappa, s.gamma, s.exit_layer) == (prof.kappa, prof.gamma, prof.exit_layer)
+    assert f"mode {s.mode}" in s.summary() and "auto: " in s.summary()
+
+
+def test_the_choice_is_the_fastest_measured_configuration(pipe):
+    prof = tune.profile_for(pipe)
+    measured = [r for r in prof.table if r["measured"] is not None]
+    ar = next(r for r in measured if r["mode"] == "ar")  # never chosen without measuring plain generation
+    best = max(measured, key=lambda r: r["measured"])
+    if best["measured"] < tune.AR_MARGIN * ar["measured"]:  # a gain within noise is not taken
+        best = ar
+    assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
+                                                                        ("mode", "kappa", "gamma", "exit_layer"))
+    quick = tune.TuneConfig.quick()
+    assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2]))  # the demo adapter pins ℓe = 2
+
+
+def test_explicit_mode_and_knobs_win_over_the_profile(pipe):
+    tune.profile_for(pipe)
+    assert pipe.generate(PROMPT, max_tokens=8, mode="sd").stats.chosen_mode == "sd"
+    s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", gamma=3).stats
+    assert (s.mode, s.kappa, s.gamma) == ("mirror", 8, 3)
+    s = pipe.generate(PROMPT, max_tokens=8, kappa=2).stats  # κ only means mirror; γ from the profile's grid
+    assert (s.chosen_mode, s.kappa) == ("mirror", 2) and "kappa=2" in s.why
+
+
+def test_cli_mode_flag_wins_and_auto_is_the_default():
+    run = lambda *a: CliRunner().invoke(main, ["generate", "--max-tokens", "12", "--json", *a])  # noqa: E731
+    explicit = json.loads(run("--mode", "sd").output.strip().splitlines()[-1])["stats"]
+    assert (explicit["chosen_mode"], explicit["mode"], explicit["why"]) == ("sd", "sd", "mode sd as asked")
+    auto = json.loads(run().output.strip().splitlines()[-1])["stats"]
+    assert auto["why"].startswith("auto: ") and auto["chosen_mode"] in ("mirror", "sd", "ar")
+
+
+def test_auto_without_a_draft_is_plain_generation():
+    p = load(str(TARGET_PATH))
+    try:
+        s = p.generate(PROMPT, max_tokens=4).stats
+    finally:
+        p.close()
+    assert (s.chosen_mode, s.why) == ("ar", "auto: no draft model, so ar")
+
+
+def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
+    args = ["tune", "--quick", "--model", str(TARGET_PATH), "--draft-model", str(DRAFT_PATH)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "predicted" in result.output and "measured" in result.output and "(probe)" in result.output
+    assert "Core ML compute plan: skipped (the draft is not a Core ML package)" in result.output
+    assert "chose " in result.output and "wrote " in result.output
+    p = load(str(TARGET_PATH), str(DRAFT_PATH))
+    try:
+        assert profiles.load(tune.pipe_key(p)) is not None  # the next auto run uses it
+    finally:
+        p.close()
+
+
+def test_the_core_ml_compute_plan_says_why_it_is_skipped():
+    import sys
+
+    from mirror_mlx.compute_plan import report, unavailable_reason
+
+    assert report(None) == "Core ML compute plan: skipped (the draft is not a Core ML package)"
+    if sys.platform != "darwin":
+        assert "needs macOS 14.4+" in unavailable_reason("draft.mlpackage")
+
+
+def test_auto_with_a_failing_draft_says_so_and_runs_plain(capfd):
+    class Exploding:  # fails on its first rollout, as a broken draft host would
+        vocab_size = 512
+
+        def reset(self):
+            pass
+
+        def rollout(self, context, stems, gamma):
+            raise RuntimeError("draft exploded")
+
+    target, tokenizer = mlx_load(str(TARGET_PATH))
+    p = Pipeline(target, tokenizer, Exploding())
+    try:
+        out = p.generate(PROMPT, max_tokens=8)
+    finally:
+        p.close()
+    assert out.tokens == mlx_greedy(target, tokenizer.encode(PROMPT), 8)
+    assert out.stats.chosen_mode == "ar" and "quick calibration failed" in out.stats.why
+    assert "draft exploded" in capfd.readouterr().err
