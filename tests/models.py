@@ -54,3 +54,20 @@ def save_tiny_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     save_config(dict(config, model_type="llama" if config["model_type"] == "mistral" else config["model_type"]),
                 path / "config.json")
     return path
+
+
+TEMPLATE = (  # a small chat template for the demo tokenizer, which has none
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}\n"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def templated_target(folder: Path) -> Path:
+    """A copy of the demo target whose tokenizer has TEMPLATE as its chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(TARGET_PATH, folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), chat_template=TEMPLATE)))
+    return folder

@@ -2,11 +2,9 @@
 turns, and the `mirror-mlx chat` loop behaves through a pipe and through a pseudo-terminal."""
 
 import io
-import json
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from mirror_mlx import chat as chat_mod
 from mirror_mlx.chat import prompt_ids, run_chat, state
 from mirror_mlx.engine import DecodeOptions, Stats
 from mirror_mlx.pipeline import load
-from tests.models import TARGET_PATH
+from tests.models import templated_target
 
 ROOT = Path(__file__).resolve().parents[1]
 TURNS = ["Once upon a time", "The dog barked.", "Then the sun came out."]
@@ -94,14 +92,7 @@ def test_plain_continuation_is_said_once(pipe):
 
 def test_chat_template_keeps_the_reply_ids_as_prefix(tmp_path):
     """With a template, turn 2's ids are turn 1's prompt, its generated reply, then the new turn."""
-    folder = tmp_path / "templated"
-    shutil.copytree(TARGET_PATH, folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (
-        "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}\n"
-        "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    folder = templated_target(tmp_path / "templated")
     p = load(folder)
     try:
         messages = [{"role": "user", "content": "Tell me a story"}]

@@ -5,7 +5,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ import pytest
 
 import mirror_mlx
 from mirror_mlx.chat import reset
-from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
 from mirror_mlx.server import Server, StopText
+from tests.models import templated_target
 
 PROMPT = "Once upon a time"
 USER = [{"role": "user", "content": PROMPT}]
@@ -330,14 +329,7 @@ def in_process(pipe, mode: str = "mirror"):
 def test_chat_template_is_applied_and_turns_stay_cached(tmp_path):
     """A target with a chat template: the prompt is the rendered conversation, and the second turn
     prefills only what follows the first turn's prompt and reply."""
-    folder = tmp_path / "templated"
-    shutil.copytree(DEMO_TARGET, folder)
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (
-        "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}\n"
-        "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    folder = templated_target(tmp_path / "templated")
     p = mirror_mlx.load(folder, exit_adapter="none")
     try:
         messages = [{"role": "user", "content": "Tell me a story"}]
