@@ -46,11 +46,13 @@ def mode_table(rows: dict) -> list[str]:
 
 def breakdown_table(rows: dict) -> list[str]:
     lines = ["| mode | target prefix | target suffix / verify | rollout past suffix | serial draft | overhead "
-             "| (draft hidden) | mlx-lm step (not split) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| (draft hidden) | mlx-lm step (not split) | ideal (Eq. 10) | step / ideal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, r in rows.items():
         b = r["breakdown_ms"]
         cells = [_f(b.get(k), "{:.1f}") for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead",
-                                                    "draft_hidden", "unsplit")]
+                                                    "draft_hidden", "unsplit", "ideal")]
+        cells.append(_f(r["ms_per_step"] / b["ideal"]) if b.get("ideal") else "–")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines
 
@@ -94,7 +96,9 @@ def markdown(report: dict) -> str:
             "rollout that outlasts the suffix makes the target wait, and after a fallback the draft writes "
             "a fresh window while the target waits (serial draft). sd: the draft's window, then the "
             "target's verify forward. ar's accepted count is below 1 because mlx-lm runs one look-ahead "
-            "forward.", ""]
+            "forward. Ideal (Eq. 10): per mirror step prefix + max(suffix, rollout) with the durations "
+            "measured in this run, plus the serial fallback windows; step / ideal is what the scheduler, "
+            "the ring and the target's waits add.", ""]
     out += breakdown_table(report["summary"]["all"]) + [""]
     return "\n".join(out) + "\n"
 

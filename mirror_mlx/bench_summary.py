@@ -41,6 +41,13 @@ def rollout_wait_seconds(timeline: list) -> float:
     return sum(max(0.0, t["rollout"][1] - max(t["rollout"][0], t["suffix"][1])) for t in timeline)
 
 
+def ideal_step_seconds(timeline: list) -> float:
+    """Mirror: the paper's step, prefix + max(suffix, rollout), summed over the steps as measured (Eq. 10's
+    overlap with nothing lost: the target never waits past the longer of the two)."""
+    dur = lambda iv: iv[1] - iv[0]  # noqa: E731
+    return sum(dur(t["prefix"]) + max(dur(t["suffix"]), dur(t["rollout"])) for t in timeline)
+
+
 def summarize(samples: Sequence[Sample]) -> dict:
     """Median tokens/s; pooled rates (sums over prompts) and the per-step latency breakdown in ms."""
     n_tok = sum(len(s.tokens) for s in samples)
@@ -59,6 +66,8 @@ def summarize(samples: Sequence[Sample]) -> dict:
                                "draft": serial * per,
                                "overhead": max(0.0, decode - prefix - suffix - wait - serial) * per,
                                "draft_hidden": hidden * per}
+        if tot.timeline:  # Eq. 10: the ideal step plus the fallback windows, which no overlap can hide
+            out["breakdown_ms"]["ideal"] = (ideal_step_seconds(tot.timeline) + serial) * per
     else:  # mlx-lm's loops: one number per step, not split
         out["breakdown_ms"] = {"unsplit": decode * per}
     if prefix:  # mirror: only it has a target prefix

@@ -51,7 +51,7 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     assert m["fallback_rate"] + m["reuse_rate"] == pytest.approx(1.0)
     assert 0 <= m["hidden_draft_fraction"] <= 1 and 0 <= m["omega_kappa"] <= 1
     assert m["mean_accepted"] >= 1
-    assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "overhead", "draft_hidden"}
+    assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "overhead", "draft_hidden", "ideal"}
     assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
     md = (out / "results.md").read_text()
     assert "| mirror |" in md and "| mlx_sd (k=" in md and "Latency per step" in md
@@ -144,6 +144,7 @@ def test_summary_medians_rates_and_breakdown():
     assert (b["prefix"], b["suffix"], b["rollout_wait"], b["draft"]) == pytest.approx((100, 200, 50, 50))
     assert sum(b[k] for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead")) == pytest.approx(m["ms_per_step"])
     assert b["overhead"] == pytest.approx(1000 * (10 / 6 - 1.6) / 4)
+    assert b["ideal"] == pytest.approx(100 + 250 + 50)  # Eq. 10: prefix + max(suffix 200, rollout 250) + serial
 
 
 def test_paired_speedup_compares_each_prompt_with_its_own_ar():
