@@ -33,6 +33,7 @@ from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
 from .draft_api import Draft
 from . import validate
+from .exit_adapter import adapter_for
 from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
 from .workers import LoopThread, Worker
@@ -179,8 +180,7 @@ class TargetSide:
         if self.tapped is None or self.tapped.exit_layer != exit_layer:
             if self.tapped is not None:
                 self.tapped.remove()
-            adapter = self.adapter.for_layer(exit_layer) if hasattr(self.adapter, "for_layer") else self.adapter
-            self.tapped = EarlyExitTarget(self.model, exit_layer, adapter)
+            self.tapped = EarlyExitTarget(self.model, exit_layer, adapter_for(self.adapter, exit_layer))
 
     def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
         """Make the cache hold prompt[:-1]; reuse the longest cached prefix. Returns tokens run."""

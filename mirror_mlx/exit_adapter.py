@@ -341,6 +341,18 @@ class ExitAdapters:
         return self.by_layer[exit_layer]
 
 
+def adapter_for(adapter: Any, exit_layer: int) -> Any:
+    """The adapter that maps `exit_layer`'s state: one of several (ExitAdapters), else the one given (or None)."""
+    return adapter.for_layer(exit_layer) if isinstance(adapter, ExitAdapters) else adapter
+
+
+def adapter_layers(adapter: Any) -> tuple:
+    """The exit layers an adapter (or several) is exact at; () for no adapter."""
+    if adapter is None:
+        return ()
+    return tuple(getattr(adapter, "exit_layers", None) or (adapter.exit_layer,))
+
+
 def load_adapters(paths: Union[str, Path], model: nn.Module) -> Union[ExitAdapter, ExitAdapters]:
     """One adapter file, or several separated by commas (one per exit layer), each checked against `model`."""
     parts = [p.strip() for p in str(paths).split(",") if p.strip()]

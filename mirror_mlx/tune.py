@@ -26,6 +26,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from . import profile as profiles
 from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
 from .draft import MLXDraft
+from .exit_adapter import adapter_for, adapter_layers
 from .options import PAPER_KNOBS
 from .target import EarlyExitTarget, top_k, trimmable_cache
 
@@ -83,7 +84,8 @@ class Choice:
 
 
 def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[list[int]]:
-    """Token ids of `n` prompts: the user's file (prompts.load_prompts) or held-out TinyStories openings."""
+    """Token ids of `n` prompts: the user's file (prompts.load_prompts) or the *last* n held-out TinyStories
+    openings (benchmarks take theirs from the front, so a tuned profile has never seen a bench prompt)."""
     if path:
         from .prompts import load_prompts
 
@@ -91,7 +93,7 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
     else:
         from .corpus import load_split
 
-        texts = load_split().held_out[:n]
+        texts = load_split().held_out[-n:]
     return [pipe.encode(t) for t in texts]
 
 
@@ -99,12 +101,12 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
 
 
 def exit_layer_candidates(pipe: Any, cfg: TuneConfig) -> list[int]:
-    adapter_layer = getattr(pipe.engine.exit_adapter, "exit_layer", None)
-    if adapter_layer:  # an adapter only maps its own layer's state
-        return [adapter_layer]
     n = pipe.engine.n_layers
     quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 only
     layers = cfg.exit_layers or ((n // 2,) if quick else (n // 4, n // 3, n // 2, 3 * n // 4))
+    covered = adapter_layers(pipe.engine.exit_adapter)
+    if covered:  # an adapter only maps the state of the layers it is exact at: the candidates among them
+        return sorted({e for e in layers if e in covered}) or [pipe.engine.exit_adapter.exit_layer]
     return sorted({min(max(1, e), n - 1) for e in layers})
 
 
@@ -170,7 +172,7 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
     tr = Trace(runs=runs)
 
     def ranks(layer: int) -> tuple[list[int], list[int]]:
-        tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
+        tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
         try:
             early, _ = tapped.forward(mx.array([full[:-1]]), cache=None)
             return _ranks(early[0, n0 - 1:], text, first)
@@ -223,7 +225,7 @@ class _Bench:
         """(prefix, suffix) seconds at exit layer `layer` over `n` rows."""
 
         def run():
-            tapped = EarlyExitTarget(self.engine.target_model, layer, self.engine.exit_adapter)
+            tapped = EarlyExitTarget(self.engine.target_model, layer, adapter_for(self.engine.exit_adapter, layer))
             pre, suf = [], []
             try:
                 for _ in range(self.reps):
@@ -271,7 +273,7 @@ class _Bench:
         times = []
         for _ in range(self.reps):
             def prefix():
-                tapped = EarlyExitTarget(engine.target_model, layer, engine.exit_adapter)
+                tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
                 early, final = tapped.forward(self.rows(n), self.cache)
                 mx.eval(early)
                 tapped.remove()

@@ -11,7 +11,8 @@
 #    at exit layers 1-3, 4-6 and 7-9: N/4 = 3, N/3 = 5 and N/2 = 7 each have theirs (N = 15).
 # 2. Sweep Mirror-SD's kappa x gamma x exit layer (with the adapter) on TinyStories openings the
 #    headline runs do not use (--skip 10), and take the fastest point as the knobs for the headline runs.
-# 3. Headline: TinyStories openings and SpecBench, temperature 0 and 1, every mode in one process.
+# 3. `mirror-mlx tune` for the pair, so that mode auto uses a calibrated profile.
+# 4. Headline: TinyStories openings and SpecBench, temperature 0 and 1, every mode in one process.
 #
 # Threads: OPENBLAS_NUM_THREADS=1 leaves exactly one compute thread per MLX stream (MLX's CPU
 # backend has no thread pool of its own: one thread per stream, plus BLAS's). --pin puts the target
@@ -51,7 +52,14 @@ for L in 1 2 3; do
   ADAPTERS+=("$WIDE")
 done
 
-PAIR=(--model "$TARGET" --draft-model "$DRAFT" --exit-adapter "$(IFS=,; echo "${ADAPTERS[*]}")" --pin)
+MODELS=(--model "$TARGET" --draft-model "$DRAFT" --exit-adapter "$(IFS=,; echo "${ADAPTERS[*]}")")
+PAIR=("${MODELS[@]}" --pin)
+
+# mode auto reads the profile `tune` writes for this pair (user cache dir); without one it would run
+# the capped quick calibration on its first call. Tune once, as the README asks a user to.
+echo "== tune (calibration prompts: held-out openings, disjoint from the headline's)"
+mkdir -p "$OUT"
+"$MM" tune "${MODELS[@]}" | tee "$OUT/tune.txt"
 
 # One run into $1. A run that wrote its results and then died at interpreter exit (SIGABRT, rc 134:
 # "terminate called without an active exception", seen after mirror-mode generations) still counts.

@@ -1,7 +1,7 @@
 """Check `tune` against an exhaustive sweep of its own grid (issue 13's acceptance numbers).
 
-1. `tune.calibrate` on the calibration prompts (held-out openings 0..n-1): its choice and predictions.
-2. Every configuration of the same grid measured end to end on *other* held-out openings.
+1. `tune.calibrate` on the calibration prompts (the last n held-out openings): its choice and predictions.
+2. Every configuration of the same grid measured end to end on *other* held-out openings (the first n).
 3. Report: auto's choice against the best swept configuration (ratio), auto against the best of
    ar / sd / mirror, and the prediction error of the top 5 predicted configurations; load average.
 
@@ -39,7 +39,7 @@ def main() -> None:
     t0 = time.perf_counter()
     prof = tune.calibrate(pipe, cfg)
     tune_s = time.perf_counter() - t0
-    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[args.prompts: 2 * args.prompts]]
+    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.prompts]]
     rows = prof.table
     configs = [Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]) for r in rows]
     print(f"sweeping {len(configs)} configurations, interleaved prompt by prompt", flush=True)

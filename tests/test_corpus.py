@@ -58,3 +58,15 @@ def test_the_shipped_exit_adapter_never_trained_on_a_benchmark_opening():
     training = _raw_paragraphs()[int(md["held_out_paragraphs"]):]  # it trains on these paragraphs' openings
     bench = [p.text for p in load_prompts("tinystories")]
     assert len(training) > 3000 and _disjoint(bench, training) == []
+
+
+def test_tune_calibrates_on_openings_no_benchmark_run_uses():
+    """`tune` takes the last held-out openings; `make bench` the first 10 (headline) and the next 2 (sweep)."""
+    from mirror_mlx.tune import TuneConfig, calibration_prompts
+
+    class Ids:  # calibration_prompts only encodes: keep the text
+        encode = staticmethod(lambda text: text)
+
+    bench = [p.text for p in load_prompts("tinystories")][:12]
+    calibration = calibration_prompts(Ids(), TuneConfig().prompts)
+    assert len(calibration) == TuneConfig().prompts and not set(calibration) & set(bench)

@@ -238,3 +238,23 @@ def test_auto_with_a_failing_draft_says_so_and_runs_plain(capfd):
     assert out.tokens == mlx_greedy(target, tokenizer.encode(PROMPT), 8)
     assert out.stats.chosen_mode == "ar" and "quick calibration failed" in out.stats.why
     assert "draft exploded" in capfd.readouterr().err
+
+
+def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeypatch):
+    """`--exit-adapter a,b`: the candidates are the usual exit layers the adapters cover, each with its own."""
+    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
+
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    first = tmp_path / "exit1.safetensors"  # the identity adapter (the bare head) at layer 1, beside the demo's at 2
+    save_adapter(first, ExitAdapter(pipe.model.args.hidden_size, 8), adapter_meta(pipe.model, 1))
+    both = load_adapters(f"{first},{DEMO_EXIT_ADAPTER}", pipe.model)
+    two = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, both)
+    try:
+        cfg = tune.TuneConfig(prompts=1, max_tokens=8, kappas=(1,), gammas=(2,), reps=1, confirm=1, progress=False)
+        assert tune.exit_layer_candidates(two, cfg) == [1, 2]  # N = 5: N/4 = N/3 = 1, N/2 = 2; 3N/4 = 3 has none
+        prof = tune.calibrate(two, cfg)
+        assert {r["exit_layer"] for r in prof.table if r["mode"] == "mirror"} == {1, 2}
+        out = two.generate(PROMPT, max_tokens=12, mode="mirror", kappa=2, gamma=2, exit_layer=1)
+        assert out.tokens == two.generate(PROMPT, max_tokens=12, mode="ar").tokens
+    finally:
+        two.close()
