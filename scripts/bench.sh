@@ -19,7 +19,8 @@
 # side (and mlx-lm's baselines) on the first allowed core and the draft's worker and stream thread on
 # the second, so target and draft each own one core. Sizes: LIMIT prompts x TOKENS new tokens per
 # run (default 10 x 48; the sweep: 2 held-out openings x 24 tokens per grid point); override with the
-# environment, e.g. LIMIT=3 TOKENS=32 make bench.
+# environment, e.g. LIMIT=3 TOKENS=32 make bench, or PROMPT_SETS=tinystories for the
+# headline's TinyStories runs only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OPENBLAS_NUM_THREADS=1
@@ -33,6 +34,7 @@ SWEEP_LIMIT=${SWEEP_LIMIT:-2}
 SWEEP_TOKENS=${SWEEP_TOKENS:-24}
 SWEEP=${SWEEP:-"kappa=1,2,4,8 gamma=2,3,5 exit=N/4,N/3,N/2"}
 EXIT_STEPS=${EXIT_STEPS:-6000}
+PROMPT_SETS=${PROMPT_SETS:-"tinystories spec_bench"}
 TARGET=build/stories-98M
 DRAFT=build/llama2xs-8M
 
@@ -84,7 +86,7 @@ read -r KAPPA GAMMA EXIT < <("$PY" -c "import json,sys; b=json.load(open(sys.arg
 print(b['kappa'], b['gamma'], b['exit_layer'])" "$OUT/sweep/results.json")
 echo "== knobs from the sweep: kappa=$KAPPA gamma=$GAMMA exit=$EXIT"
 
-for PROMPTS in tinystories spec_bench; do
+for PROMPTS in $PROMPT_SETS; do
   for TEMP in 0 1; do
     echo "== $PROMPTS, temperature $TEMP: $LIMIT prompts x $TOKENS tokens"
     bench "$OUT/$PROMPTS-t$TEMP" --prompts "$PROMPTS" --limit "$LIMIT" --max-tokens "$TOKENS" --temp "$TEMP" \
@@ -95,7 +97,7 @@ done
 DOCS=${DOCS:-docs/bench}
 mkdir -p "$DOCS"
 : > "$OUT/summary.md"
-for RUN in sweep tinystories-t0 tinystories-t1 spec_bench-t0 spec_bench-t1; do
+for RUN in sweep $(for P in $PROMPT_SETS; do echo "$P-t0 $P-t1"; done); do
   cat "$OUT/$RUN/results.md" >> "$OUT/summary.md"
   cp "$OUT/$RUN/results.md" "$DOCS/$RUN-results.md"
   for PNG in "$OUT/$RUN"/*.png; do cp "$PNG" "$DOCS/$RUN-$(basename "$PNG")"; done
