@@ -59,6 +59,7 @@ class TuneConfig:
     exit_layers: Optional[tuple] = None  # None: the adapter's layer, else N/4, N/3, N/2, 3N/4
     reps: int = 3
     confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
+    confirm_prompts: int = 2  # the confirmation runs on the first few calibration prompts (tune's time is mostly here)
     progress: bool = True
     budget_s: Optional[float] = None  # stop (OutOfTime) once calibration has taken this long; None: no cap
 
@@ -393,7 +394,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         bar.update(3)
         ranked = rank(configs, t, acc)
         confirm = probes + [r["config"] for r in ranked if r["config"] not in probes][: cfg.confirm]
-        measured = run_configs(pipe, confirm, prompts, cfg.max_tokens, warm_up=False, check=check)
+        measured = run_configs(pipe, confirm, prompts[: cfg.confirm_prompts], cfg.max_tokens, warm_up=False, check=check)
         bar.update(cfg.confirm)
     finally:
         bar.close()
