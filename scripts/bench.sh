@@ -102,4 +102,5 @@ for RUN in sweep $(for P in $PROMPT_SETS; do echo "$P-t0 $P-t1"; done); do
   cp "$OUT/$RUN/results.md" "$DOCS/$RUN-results.md"
   for PNG in "$OUT/$RUN"/*.png; do cp "$PNG" "$DOCS/$RUN-$(basename "$PNG")"; done
 done
+cp "$OUT/tune.txt" "$DOCS/tune-results.txt"
 echo "wrote $OUT/summary.md and $DOCS/*-results.md, *.png"

@@ -1,0 +1,43 @@
+"""One decode forward of a model against the rows it carries (1, 2, 4, 8 tokens after a short prompt).
+
+Shows what a verify of γ+1 rows costs next to ar's one-row forward, and, for a small draft, whether
+its forward is bound by its parameters or by per-op dispatch (compare two models' ms per layer).
+
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/forward_cost.py build/stories-98M build/llama2xs-8M
+"""
+
+import statistics
+import sys
+import time
+
+import mirror_mlx  # noqa: F401  (OpenBLAS preload)
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+
+def forward_ms(model, prompt: mx.array, rows: int, reps: int = 15) -> float:
+    cache = make_prompt_cache(model)
+    model(prompt, cache=cache)
+    mx.eval([c.state for c in cache])
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(model(mx.array([[5] * rows]), cache=cache))
+        times.append(time.perf_counter() - t0)
+        trim_prompt_cache(cache, rows)
+    return 1e3 * statistics.median(times[2:])
+
+
+def main() -> None:
+    for path in sys.argv[1:]:
+        model, tok = load(path)
+        prompt = mx.array([tok.encode("Once upon a time, there was a little girl named Lily. She loved to play")])
+        n_layers = len(model.layers)
+        cells = {rows: forward_ms(model, prompt, rows) for rows in (1, 2, 4, 8)}
+        print(f"{path}: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in cells.items())
+              + f" | {cells[1] / n_layers:.2f} ms per layer at 1 row ({n_layers} layers)")
+
+
+if __name__ == "__main__":
+    main()
