@@ -239,7 +239,8 @@ def test_init_from_a_qwen3_model_is_refused_in_one_sentence(tmp_path):
     good.write_text("Once upon a time there was a cat.\n\nThe cat sat on a mat.")
     result = _cli("--corpus", str(good), "--init-from", str(qwen3))
     assert result.exit_code == 2, result.output
-    assert "--init-from" in result.output and "is a qwen3 model" in result.output and "drop --init-from" in result.output
+    assert "--init-from" in result.output and "is a qwen3 model" in result.output
+    assert "drop --init-from" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
 

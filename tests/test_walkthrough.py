@@ -83,8 +83,8 @@ def test_every_command_on_the_page_runs(workdir, monkeypatch):
     root, ids = workdir
     monkeypatch.chdir(root)
     commands = page_commands()
-    assert [c.split()[1] for c in commands] == ["generate", "tune", "train-exit", "generate", "train-draft",
-                                                "generate", "convert", "convert", "generate"]
+    assert [c.split()[1] for c in commands] == ["generate", "cache-prompt", "generate", "tune", "train-exit",
+                                                "generate", "train-draft", "generate", "convert", "convert", "generate"]
     ran = []
     for command in commands:
         for hf_id, folder in ids.items():
@@ -101,7 +101,7 @@ def test_every_command_on_the_page_runs(workdir, monkeypatch):
         ran.append(argv[0])
     assert (root / "qwen3-8b-exit.safetensors").is_file() and (root / "qwen3-8b-ss-draft" / "config.json").is_file()
     assert (root / "qwen3-8b-ss-draft.mlpackage").is_dir()
-    assert ran.count("generate") == 3 and ran.count("convert") == 2 and ran.count("tune") == 1
+    assert ran.count("generate") == 4 and ran.count("convert") == 2 and ran.count("tune") == 1
 
 
 def test_the_first_command_prints_the_same_text_in_every_mode(workdir):
