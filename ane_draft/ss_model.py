@@ -210,6 +210,9 @@ def save_ss_draft(model: Model, path: Union[str, Path], tokenizer_from: Union[st
         "tie_word_embeddings": a.tie_word_embeddings, "num_streams": a.num_streams,
         "stream_layers": a.stream_layers, "torch_dtype": "float32",
     }
+    for name in ("attention_bias", "mlp_bias", "rope_scaling"):  # an --init-from model's, kept when set
+        if getattr(a, name, None):
+            config[name] = getattr(a, name)
     config.update(extra_config or {})
     (path / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
@@ -221,6 +224,20 @@ def save_ss_draft(model: Model, path: Union[str, Path], tokenizer_from: Union[st
                 shutil.copyfile(src, path / name)
 
 
+def float_weights(folder: Union[str, Path]) -> dict:
+    """A model folder's weights by name; a 4/8-bit (mlx-lm quantized) model's dequantized by mlx-lm."""
+    config = load_config(Path(folder))
+    if "quantization" not in config and "quantization_config" not in config:
+        weights = {}
+        for wf in sorted(Path(folder).glob("model*.safetensors")):
+            weights.update(mx.load(str(wf)))
+        return weights
+    from mlx_lm.utils import dequantize_model
+
+    model, _ = load_model(Path(folder))
+    return dict(tree_flatten(dequantize_model(model).parameters()))
+
+
 def new_model(args: ModelArgs, init_from: Union[str, Path, None] = None) -> Model:
     """A fresh SS model, with every llama weight taken from `init_from` when given.
 
@@ -228,14 +245,12 @@ def new_model(args: ModelArgs, init_from: Union[str, Path, None] = None) -> Mode
     """
     model = Model(args)
     if init_from is not None:
-        weights = {}
-        for wf in sorted(Path(init_from).glob("model*.safetensors")):
-            weights.update(mx.load(str(wf)))
-        weights = model.sanitize(weights)
+        weights = model.sanitize(float_weights(init_from))
         se = weights.get("stream_embeddings")
         if se is None or se.shape != model.stream_embeddings.shape:
             weights["stream_embeddings"] = model.stream_embeddings
-        model.load_weights(list(weights.items()), strict=True)
+        dtype = model.stream_embeddings.dtype  # the draft trains in the fresh model's precision
+        model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     return model
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
 from ..loading import tokenizer_mismatch
-from .ss_model import Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
+from .ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (papers.md §3.7)
 
@@ -100,6 +100,19 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError("need 2 <= prompt_min <= prompt_max < seq_len")
 
 
+INIT_TYPES = ("llama", "mistral", MODEL_TYPE)  # model types whose weights an SS draft takes as they are
+
+
+def init_refusal(config: dict) -> Optional[str]:
+    """Why a model folder's weights cannot start an SS draft (a phrase), or None when they can."""
+    kind = config.get("model_type")
+    if kind not in INIT_TYPES:
+        return f"a {kind} model"
+    if any(t != "full_attention" for t in config.get("layer_types") or []):  # as mlx-lm's llama reads it
+        return "a sliding-window model"
+    return None
+
+
 def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
     """The draft's shape: that of --init-from, or a narrower/shallower copy of the target's."""
     if cfg.init_from is not None:
@@ -110,7 +123,13 @@ def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
         if why is not None:
             raise TrainError(f"--init-from {cfg.init_from} does not share the target's tokenizer "
                              f"({cfg.model}: {why}); a draft must tokenize exactly like its target")
-        n_layers = load_config(init_dir)["num_hidden_layers"]
+        init_config = load_config(init_dir)
+        why = init_refusal(init_config)
+        if why is not None:
+            raise TrainError(f"--init-from {cfg.init_from} is {why}, but the Speculative-Streaming draft is a plain "
+                             "llama decoder: give a llama or mistral model (4/8-bit ones are dequantized) or an SS "
+                             "draft, or drop --init-from to train one from scratch (--layers, --hidden set its shape)")
+        n_layers = init_config["num_hidden_layers"]
         if cfg.stream_layers > n_layers:
             raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed the draft's layers "
                              f"({n_layers}, from --init-from)")

@@ -114,7 +114,8 @@ def usage_error(e: Exception) -> click.UsageError:
     return click.UsageError(text)
 
 
-def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False):
+def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False,
+                  tokenizer_config=None):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors."""
     from mirror_mlx.pipeline import load
 
@@ -125,7 +126,8 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
                    f"{draft_model}", err=True)
     try:
         return load(model, None if mode == "ar" and model is not None and draft_model is None else draft_model,
-                    exit_adapter=exit_adapter, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+                    exit_adapter=exit_adapter, adapter_path=adapter_path, trust_remote_code=trust_remote_code,
+                    tokenizer_config=tokenizer_config)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise usage_error(e)
 
@@ -163,8 +165,13 @@ def add_eos_tokens(tokenizer, tokens) -> None:
                                    "string from its vocabulary or an id")
 
 
-def prompt_ids(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool, template_kwargs: dict) -> list:
-    """The prompt as mlx_lm.generate builds it: through the chat template unless there is none or it is ignored."""
+def prompt_ids(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool, template_kwargs: dict,
+               after_cache: bool = False) -> list:
+    """The prompt as mlx_lm.generate builds it: through the chat template unless there is none or it is ignored.
+
+    `after_cache` (--prompt-cache-file): as mlx-lm, only the templated text from the user message's
+    content on, since the cached prefix (mlx_lm.cache_prompt's open user message) holds what precedes it.
+    """
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     use_template = not ignore_chat_template and tokenizer.has_chat_template
     if not use_template:
@@ -178,7 +185,69 @@ def prompt_ids(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool
     except Exception as e:  # a template raises for roles it does not know (say, no system role)
         raise click.UsageError(f"the model's chat template refused the prompt ({e}): drop --system-prompt or "
                                "use --ignore-chat-template")
+    if after_cache:  # mlx-lm's rule, template variables left out of the probe as mlx-lm leaves them
+        probe = tokenizer.apply_chat_template(messages[:-1] + [{"role": "user", "content": "<query>"}],
+                                              tokenize=False, add_generation_prompt=True)
+        text = text[probe.index("<query>"):]
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def read_prompt(prompt: str) -> str:
+    """--prompt: '-' reads stdin; text that is not valid UTF-8 is decoded with U+FFFD, said once."""
+    from mirror_mlx.validate import REPLACED, clean_text
+
+    if prompt == "-":
+        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    prompt, replaced = clean_text(prompt)
+    if replaced:
+        click.echo(f"mirror-mlx: note: {REPLACED}", err=True)
+    return prompt
+
+
+def read_prompt_cache(path: str, model, decode: dict):
+    """--prompt-cache-file: the loaded cache, the model to load and its tokenizer config, as mlx_lm.generate
+    takes them from the file's metadata; a file without token ids (mlx_lm.cache_prompt's) turns auto into ar."""
+    import json
+
+    from mirror_mlx import demo_pair
+    from mirror_mlx.prompt_cache import read
+
+    try:
+        cache = read(path)
+    except ValueError as e:
+        raise click.UsageError(f"--prompt-cache-file: {e}")
+    made_with = cache.metadata.get("model")
+    if model is not None and made_with is not None and not same_model(model, made_with):
+        raise click.UsageError(f"--model {model} is not the model that made --prompt-cache-file ({made_with}): "
+                               "drop --model (the file names its model) or make the file again with this one")
+    if model is None and made_with is not None and not same_model(made_with, demo_pair.TARGET):
+        model = made_with  # as mlx-lm: the file names its model (the demo target: the demo pair, as no --model)
+    if cache.tokens is None:
+        if decode["mode"] in ("sd", "mirror"):
+            raise click.UsageError(
+                f"--mode {decode['mode']} needs the cached prompt's token ids (the draft reads them), and "
+                f"--prompt-cache-file {path} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
+                "cache-prompt` (mlx-lm's format plus the ids), or use --mode ar")
+        if decode["mode"] == "auto":  # the Pipeline runs ar (stats.why says so)
+            click.echo(f"mirror-mlx: {path} holds no prompt token ids (mlx_lm.cache_prompt's file), which the draft "
+                       "needs: running --mode ar (`mirror-mlx cache-prompt` makes a file every mode can use)", err=True)
+    if decode["max_kv_size"] is not None:
+        click.echo("mirror-mlx: --max-kv-size has no effect with --prompt-cache-file (as in mlx-lm): the file's "
+                   "cache is used as it is", err=True)
+        decode["max_kv_size"] = None
+    try:
+        tokenizer_config = json.loads(cache.metadata.get("tokenizer_config", "{}"))
+    except ValueError:
+        raise click.UsageError(f"--prompt-cache-file {path}: its tokenizer_config is not JSON") from None
+    return cache, model, tokenizer_config
+
+
+def same_model(a, b) -> bool:
+    """Two --model values naming the same model: equal, or the same local folder."""
+    if str(a) == str(b):
+        return True
+    pa, pb = Path(str(a)).expanduser(), Path(str(b)).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 @main.command("generate")
@@ -192,7 +261,8 @@ def prompt_ids(tokenizer, prompt: str, system_prompt, ignore_chat_template: bool
 @click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @click.option("--extra-eos-token", multiple=True, help="Another token that ends generation (repeatable).")
 @click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None,
-              help="mlx_lm.cache_prompt's file: refused for now (see the message).")
+              help="Continue a cached prompt prefix (mirror-mlx cache-prompt's file: every mode; "
+                   "mlx_lm.cache_prompt's: --mode ar, which auto then picks).")
 @decode_options(max_tokens=100, seed=None)
 @click.option("--verbose/--quiet", default=True, show_default=True,
               help="Stream the text, then the timing and Mirror-SD stats on stderr; --quiet prints the text only.")
@@ -205,32 +275,28 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
 
     from mirror_mlx.blas import status
 
-    from mirror_mlx.validate import REPLACED, clean_text
-
+    cache, tokenizer_config = None, None
     if prompt_cache_file is not None:
-        raise click.UsageError(
-            "--prompt-cache-file is not supported yet: its cache holds the target's keys and values but not the "
-            "prompt's tokens, which the draft needs; pass the whole prompt instead (it is prefilled once)")
+        cache, model, tokenizer_config = read_prompt_cache(prompt_cache_file, model, decode)
     template_kwargs = template_config(chat_template_config)
-    if prompt == "-":
-        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
-    prompt, replaced = clean_text(prompt)
-    if replaced:
-        click.echo(f"mirror-mlx: note: {REPLACED}", err=True)
-    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
+    prompt = read_prompt(prompt)
+    ar_only = cache is not None and cache.tokens is None  # then no draft is needed
+    pipe = load_pipeline(model, draft_model, exit_adapter, "ar" if ar_only else decode["mode"], adapter_path,
+                         trust_remote_code, tokenizer_config)
     kwargs = generation_kwargs(**decode)
     try:
         add_eos_tokens(pipe.tokenizer, extra_eos_token)
         if use_default_chat_template:
             click.echo("mirror-mlx: --use-default-chat-template has no effect (as in mlx-lm 0.32)", err=True)
-        ids = prompt_ids(pipe.tokenizer, prompt, system_prompt, ignore_chat_template, template_kwargs)
-        pipe.check(ids, **kwargs)
+        ids = prompt_ids(pipe.tokenizer, prompt, system_prompt, ignore_chat_template, template_kwargs,
+                         after_cache=cache is not None)
+        pipe.check(ids, prompt_cache=cache, **kwargs)
         if as_json:
-            result = pipe.generate(ids, **kwargs)
+            result = pipe.generate(ids, prompt_cache=cache, **kwargs)
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
             return
         last, text = None, []
-        for last in pipe.stream(ids, **kwargs):
+        for last in pipe.stream(ids, prompt_cache=cache, **kwargs):
             text.append(last.text)
             if verbose:
                 click.echo(last.text, nl=False)
@@ -244,6 +310,40 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
                     f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec\n"
                     f"Peak memory: {last.peak_memory:.3f} GB\n" + pipe.stats.summary() + f" | {status()}",
                     dim=True, err=True)
+
+
+@main.command("cache-prompt")
+@click.option("--model", default=None, help="Target: model folder or Hugging Face id [default: the embedded demo target].")
+@mlx_lm_load_options
+@click.option("--eos-token", default=None, help="End-of-sequence token for the tokenizer (as mlx_lm.cache_prompt).")
+@click.option("--prompt-cache-file", required=True, type=click.Path(dir_okay=False), help="The file to write.")
+@click.option("--prompt", "-p", required=True, help="The prefix to cache ('-' reads stdin).")
+def cache_prompt_cmd(model, adapter_path, trust_remote_code, eos_token, prompt_cache_file, prompt) -> None:
+    """mlx_lm.cache_prompt, plus the prompt's token ids: `generate --prompt-cache-file` then works in every mode."""
+    import json
+
+    from mirror_mlx import demo_pair, prompt_cache
+    from mirror_mlx.loading import load_model
+    from mirror_mlx.pipeline import check_adapter_path
+
+    prompt = read_prompt(prompt)
+    tokenizer_config = {"trust_remote_code": trust_remote_code}
+    if eos_token is not None:
+        tokenizer_config["eos_token"] = eos_token
+    model = str(demo_pair.TARGET) if model is None else model
+    try:
+        check_adapter_path(adapter_path)
+        target, tokenizer = load_model(model, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
+                                       trust_remote_code=trust_remote_code)
+        ids = prompt_cache.prompt_ids(tokenizer, prompt)
+        saved = prompt_cache.write(prompt_cache_file, target, ids,
+                                   {"model": model, "tokenizer_config": json.dumps(tokenizer_config)})
+    except ValueError as e:
+        raise usage_error(e)
+    except (OSError, RuntimeError) as e:  # MLX reports an unwritable path as a RuntimeError
+        raise click.UsageError(f"cannot write --prompt-cache-file {prompt_cache_file}: {e}")
+    click.echo(f"wrote {prompt_cache_file}: {saved.length} prompt tokens (mlx_lm.cache_prompt's format plus their "
+               "ids: `generate --prompt-cache-file` takes it in every --mode)")
 
 
 @main.command("chat")

@@ -35,6 +35,7 @@ from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
 from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
+from .prompt_cache import PromptCache
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
 from .workers import LoopThread, Worker
 
@@ -173,6 +174,7 @@ class TargetSide:
         self.tapped: Optional[EarlyExitTarget] = None
         self.cache: list[Any] = trimmable_cache(model)
         self.cached: list[int] = []  # tokens whose keys/values the cache holds
+        self.opaque = False  # the cache starts with a loaded prefix of unknown tokens (before `cached`)
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
 
@@ -181,6 +183,11 @@ class TargetSide:
             if self.tapped is not None:
                 self.tapped.remove()
             self.tapped = EarlyExitTarget(self.model, exit_layer, adapter_for(self.adapter, exit_layer))
+
+    def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
+        """Continue a loaded prompt cache: it holds `tokens`, or (None) a prefix of unknown tokens that
+        the prompt follows (an mlx_lm.cache_prompt file; mode ar only)."""
+        self.cache, self.cached, self.opaque = cache, list(tokens or []), tokens is None
 
     def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
         """Make the cache hold prompt[:-1]; reuse the longest cached prefix. Returns tokens run."""
@@ -351,11 +358,16 @@ class Engine:
     def _reset_target(self) -> None:
         self.target.cache = trimmable_cache(self.target_model)
         self.target.cached = []
+        self.target.opaque = False
 
-    def check(self, prompt: Sequence[int], opts: DecodeOptions) -> tuple[list[int], DecodeOptions]:
+    def check(self, prompt: Sequence[int], opts: DecodeOptions,
+              prompt_cache: Optional[PromptCache] = None) -> tuple[list[int], DecodeOptions]:
         """Refuse bad options or prompt ids with one sentence naming the problem and the fix, before any
-        work starts (no ring, no forward); returns the prompt and options the engine will use."""
+        work starts (no ring, no forward); returns the prompt and options the engine will use.
+        With a `prompt_cache`, `prompt` is `prompt_cache.prompt(ids)`: its prefix's ids if known, then the rest."""
         opts = validate.decode_options(opts, MODES, self.vocab_size, self.n_layers, self.draft_context)
+        if prompt_cache is not None:
+            prompt_cache.check(opts.mode, self.n_layers)
         if opts.mode != "ar" and self.host is None and self.draft_failure is None:
             raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=..., or use mode='ar'")
         if self.exit_adapter is not None and opts.mode == "mirror":
@@ -364,14 +376,15 @@ class Engine:
             check_layer(self.exit_adapter, self.exit_layer(opts))
         check_exit_layer(self.exit_layer(opts), self.n_layers)
         prompt = validate.prompt_tokens(prompt, self.vocab_size)
-        if opts.max_kv_size is not None and len(prompt) + opts.max_tokens > opts.max_kv_size:
+        length = len(prompt) + (prompt_cache.opaque if prompt_cache is not None else 0)
+        if opts.max_kv_size is not None and length + opts.max_tokens > opts.max_kv_size:
             raise ValueError(
-                f"max_kv_size {opts.max_kv_size} is smaller than the prompt ({len(prompt)} tokens) plus max_tokens "
+                f"max_kv_size {opts.max_kv_size} is smaller than the prompt ({length} tokens) plus max_tokens "
                 f"({opts.max_tokens}): a rotating cache cannot roll back rejected draft tokens, so only a size the "
                 "whole generation fits in is taken (then it equals mlx-lm's); raise it or lower max_tokens")
-        if self.context_length and len(prompt) + opts.max_tokens > self.context_length:
+        if self.context_length and length + opts.max_tokens > self.context_length:
             raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "
+                f"prompt ({length} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "
                 f"context of {self.context_length} tokens: shorten the prompt or lower max_tokens"
             )
         return prompt, opts
@@ -382,11 +395,22 @@ class Engine:
             return opts.exit_layer
         return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
-    def generate(self, prompt: Sequence[int], opts: DecodeOptions) -> Iterator[list[int]]:
-        """Yield committed tokens, a chunk per step, until max_tokens or a stop token."""
-        prompt, opts = self.check(prompt, opts)
+    def generate(self, prompt: Sequence[int], opts: DecodeOptions,
+                 prompt_cache: Optional[PromptCache] = None) -> Iterator[list[int]]:
+        """Yield committed tokens, a chunk per step, until max_tokens or a stop token.
+
+        `prompt_cache`: the target continues this loaded cache (extended in place), as mlx_lm.generate
+        with a prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see `check`).
+        """
+        prompt, opts = self.check(prompt, opts, prompt_cache)
+        if prompt_cache is not None:
+            self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
+        elif self.target.opaque:  # the last generation continued unknown tokens: start afresh
+            self.target_worker.call(self._reset_target)
         mode = opts.mode if self.draft_failure is None else "ar"
-        stats = self.stats = Stats(mode=mode, prompt_tokens=len(prompt), draft_failure=self.draft_failure)
+        # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
+        given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
+        stats = self.stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
         stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
         stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         if mode != "ar":

@@ -19,6 +19,7 @@ from .draft_api import Draft
 from .engine import Engine, Stats
 from .loading import check_same_tokenizer, load_model, resolve_model  # noqa: F401  (resolve_model: API)
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
+from .prompt_cache import PromptCache
 
 Prompt = Union[str, Sequence[int]]
 
@@ -197,7 +198,7 @@ class Pipeline:
         from .tune import resolve
 
         c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
-        return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=c.why)
+        return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why)
 
     def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
         """What `check` validates before auto is resolved: auto as mirror (ar without a draft), the knobs
@@ -208,44 +209,64 @@ class Pipeline:
         return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
                        gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
 
-    def check(self, tokens: Sequence[int], **kwargs: Any) -> None:
+    def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> None:
         """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve."""
         self._check_open()
-        self.engine.check(tokens, self._stand_in(self.options(**kwargs)))
+        opts = self._after_cache(self.options(**kwargs), prompt_cache)
+        self.engine.check(self._with_cache(tokens, prompt_cache), self._stand_in(opts), prompt_cache)
 
-    def prepare(self, prompt: Prompt, **kwargs: Any) -> tuple[list[int], DecodeOptions]:
+    def _with_cache(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache]) -> list[int]:
+        """The ids the engine runs: after a loaded prompt cache, its prefix's ids (when known) first."""
+        if prompt_cache is None:
+            return tokens
+        return prompt_cache.prompt(validate.prompt_tokens(tokens, self.engine.vocab_size))
+
+    @staticmethod
+    def _after_cache(opts: DecodeOptions, prompt_cache: Optional[PromptCache]) -> DecodeOptions:
+        """auto after a prompt cache without token ids (mlx-lm's file) is ar, visibly: the draft needs the ids."""
+        if prompt_cache is None or prompt_cache.tokens is not None or opts.mode != "auto":
+            return opts
+        return replace(opts, mode="ar", why="auto: ar, as the prompt cache holds no token ids for the draft")
+
+    def prepare(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,
+                **kwargs: Any) -> tuple[list[int], DecodeOptions]:
         """The checked prompt ids and options of one call; refuses bad input before any work starts.
 
         Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
+        With a `prompt_cache` (prompt_cache.read), the prompt is what follows the cached prefix: text is
+        then encoded as is, with no template and no BOS (it continues the cached text).
         """
         self._check_open()
         if isinstance(prompt, str):
             text, replaced = validate.clean_text(prompt)
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
-            prompt = self.encode(text)
-        opts = self.options(**kwargs)
-        prompt, _ = self.engine.check(prompt, self._stand_in(opts))
+            prompt = (self.encode(text) if prompt_cache is None
+                      else self.tokenizer.encode(text, add_special_tokens=False))
+        opts = self._after_cache(self.options(**kwargs), prompt_cache)
+        prompt, _ = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
         if opts.mode == "auto":
             self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
-        return self.engine.check(prompt, self.resolve(opts))
+        return self.engine.check(prompt, self.resolve(opts), prompt_cache)
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
 
         Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
-        is exhausted or closed.
+        is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
+        that the prompt follows, as mlx_lm.generate --prompt-cache-file.
         """
-        tokens, opts = self.prepare(prompt, **kwargs)
+        tokens, opts = self.prepare(prompt, prompt_cache, **kwargs)
 
         def held() -> Iterator[Chunk]:
             with self._turn():
-                yield from self._chunks(tokens, opts)
+                yield from self._chunks(tokens, opts, prompt_cache)
 
         return held()
 
-    def _chunks(self, tokens: list[int], opts: DecodeOptions) -> Iterator[Chunk]:
-        steps = self.engine.generate(tokens, opts)
+    def _chunks(self, tokens: list[int], opts: DecodeOptions,
+                prompt_cache: Optional[PromptCache] = None) -> Iterator[Chunk]:
+        steps = self.engine.generate(tokens, opts, prompt_cache)
         try:
             yield from chunks(steps, opts, self.tokenizer, lambda: self.engine.stats)
         finally:
@@ -258,15 +279,15 @@ class Pipeline:
         while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
             yield chunk
 
-    def generate(self, prompt: Prompt, **options: Any) -> Result:
+    def generate(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
         """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
 
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
-        exit_layer, mode, ...) with its defaults, plus `stop`.
+        exit_layer, mode, ...) with its defaults, plus `stop`; `prompt_cache` as for `stream`.
         """
-        tokens, opts = self.prepare(prompt, **options)
+        tokens, opts = self.prepare(prompt, prompt_cache, **options)
         with self._turn():
-            parts = list(self._chunks(tokens, opts))
+            parts = list(self._chunks(tokens, opts, prompt_cache))
             stats = self.engine.stats
         tokens = [t for c in parts for t in c.tokens]
         return Result("".join(c.text for c in parts), tokens, stats, parts[-1].finish_reason if parts else "length")
@@ -298,6 +319,12 @@ class Pipeline:
                 self.engine.close()
 
 
+def check_adapter_path(adapter_path: Optional[Union[str, Path]]) -> None:
+    if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
+        raise ValueError(f"adapter_path {str(adapter_path)!r} is not a folder: give the folder mlx_lm.lora wrote "
+                         "(adapter_config.json + adapters.safetensors)")
+
+
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
          exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
          tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False) -> Pipeline:
@@ -314,9 +341,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
         exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
     if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
         exit_adapter = None
-    if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
-        raise ValueError(f"adapter_path {str(adapter_path)!r} is not a folder: give the folder mlx_lm.lora wrote "
-                         "(adapter_config.json + adapters.safetensors)")
+    check_adapter_path(adapter_path)
     tokenizer_config = dict(tokenizer_config or {}, trust_remote_code=trust_remote_code)
     target, tokenizer = load_model(model, tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code,
                                    adapter_path=None if adapter_path is None else str(adapter_path))

@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
+from mlx_lm.cache_prompt import main as mlx_lm_cache_prompt_main
 from mlx_lm.generate import main as mlx_lm_generate_main
 from mlx_lm.sample_utils import apply_min_p
 
@@ -37,16 +38,38 @@ def templated(tmp_path_factory):
     return folder
 
 
-def mlx_lm_prints(*args) -> str:
+def run_mlx_lm(command, *argv) -> str:
+    """What one of mlx-lm's own command lines (its main()) prints, run in process with `argv`."""
     out = io.StringIO()
-    argv = sys.argv
-    sys.argv = ["mlx_lm.generate", *args, "--verbose", "False"]
+    saved = sys.argv
+    sys.argv = ["mlx_lm", *argv]
     try:
         with contextlib.redirect_stdout(out):
-            mlx_lm_generate_main()
+            command()
     finally:
-        sys.argv = argv
+        sys.argv = saved
     return out.getvalue()
+
+
+def mlx_lm_prints(*args) -> str:
+    return run_mlx_lm(mlx_lm_generate_main, *args, "--verbose", "False")
+
+
+PREFIX = "Once upon a time, Tom and Lily"  # the cached prefix of the --prompt-cache-file rows
+
+
+@pytest.fixture(scope="module")
+def cache_files(templated, tmp_path_factory):
+    """Prompt cache files of PREFIX for the templated demo target: mlx-lm's (mlx_lm.cache_prompt's own
+    code) and ours (`mirror-mlx cache-prompt`, mlx-lm's format plus the token ids)."""
+    folder = tmp_path_factory.mktemp("prompt-cache")
+    files = {"mlx-lm": str(folder / "mlx-lm.safetensors"), "ours": str(folder / "ours.safetensors")}
+    run_mlx_lm(mlx_lm_cache_prompt_main, "--model", str(templated), "--prompt", PREFIX,
+               "--prompt-cache-file", files["mlx-lm"])
+    made = CliRunner().invoke(main, ["cache-prompt", "--model", str(templated), "--prompt", PREFIX,
+                                     "--prompt-cache-file", files["ours"]])
+    assert made.exit_code == 0, made.output
+    return files
 
 
 def ours(*args, mode="mirror"):
@@ -63,16 +86,24 @@ ROWS = {  # flag: (the model, extra flags); the prompt and --max-tokens 24 are a
     "--max-kv-size": ("plain", ["--max-kv-size", "256"]),
     "--trust-remote-code": ("plain", ["--trust-remote-code"]),
     "--top-k 1 at --temp 2": ("plain", ["--temp", "2.0", "--top-k", "1"]),
+    # mlx-lm's file has no token ids for the draft: auto runs ar (said on stderr), as mlx-lm's generate
+    "--prompt-cache-file (mlx_lm.cache_prompt's file)": ("templated", ["--prompt-cache-file", "<mlx-lm>"]),
+    # ours adds the ids: the draft reads them, and mirror prints what mlx-lm's generate prints with it
+    "--prompt-cache-file (mirror-mlx cache-prompt's file)": ("templated", ["--prompt-cache-file", "<ours>"]),
 }
+MODES = {"--prompt-cache-file (mlx_lm.cache_prompt's file)": "auto"}  # the rest: mirror
 
 
 @pytest.mark.parametrize("flag", ROWS)
-def test_flag_prints_what_mlx_lm_prints(flag, templated):
+def test_flag_prints_what_mlx_lm_prints(flag, templated, request):
     which, extra = ROWS[flag]
+    if "--prompt-cache-file" in extra:
+        files = request.getfixturevalue("cache_files")
+        extra = [files[a[1:-1]] if a.startswith("<") else a for a in extra]
     model = str(templated if which == "templated" else TARGET_PATH)
     args = ["--model", model, "--prompt", "Tom and Lily", "--max-tokens", "24", *extra]
     expected = mlx_lm_prints(*args)
-    result = ours(*args)
+    result = ours(*args, mode=MODES.get(flag, "mirror"))
     assert result.exit_code == 0, result.output
     assert result.stdout == expected
 
@@ -144,7 +175,7 @@ def test_verbose_prints_mlx_lm_s_timing_lines_on_stderr():
 
 @pytest.mark.parametrize("args, message", [
     (["--max-kv-size", "16"], "--max-kv-size 16 is smaller than the prompt (5 tokens) plus --max-tokens (24)"),
-    (["--prompt-cache-file", "x.safetensors"], "--prompt-cache-file is not supported yet"),
+    (["--prompt-cache-file", "x.safetensors"], "--prompt-cache-file: prompt cache file x.safetensors does not exist"),
     (["--chat-template-config", "{enable"], "--chat-template-config is not valid JSON"),
     (["--extra-eos-token", "no-such-token"], "--extra-eos-token 'no-such-token' is not a token"),
     (["--adapter-path", "/no/such/adapter"], "--adapter-path '/no/such/adapter' is not a folder"),
@@ -174,3 +205,93 @@ def test_chat_takes_the_system_prompt_and_template_config(templated):
                                        "--chat-template-config", '{"greeting": "Hello there."}'], input="Tom and Lily\n")
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == expected.strip()  # stdout holds only the reply
+
+
+def mlx_lm_ids(*args) -> list:
+    """The token ids mlx-lm's generate command line produces (its stream_generate's, recorded as it runs)."""
+    mlx_lm_generate = sys.modules[mlx_lm_generate_main.__module__]  # (the package's `generate` is a function)
+    ids, real = [], mlx_lm_generate.stream_generate
+
+    def recording(*a, **k):
+        for response in real(*a, **k):
+            ids.append(response.token)
+            yield response
+
+    mlx_lm_generate.stream_generate = recording
+    try:
+        mlx_lm_prints(*args)
+    finally:
+        mlx_lm_generate.stream_generate = real
+    return ids
+
+
+def test_prompt_cache_files_give_mlx_lm_s_ids_in_every_mode(cache_files, templated):
+    """With mlx_lm.cache_prompt's file, ar gives mlx-lm's ids; with ours, ar, sd and mirror give them too."""
+    args = ["--model", str(templated), "--prompt", " went to the park", "--max-tokens", "32",
+            "--system-prompt", "Be brief."]
+    expected = mlx_lm_ids(*args, "--prompt-cache-file", cache_files["mlx-lm"])
+    assert mlx_lm_ids(*args, "--prompt-cache-file", cache_files["ours"]) == expected  # mlx-lm reads ours as its own
+    assert mlx_lm_ids(*args) != expected  # and the cached prefix matters
+    for which, modes in (("mlx-lm", ("ar", "auto")), ("ours", ("ar", "sd", "mirror"))):
+        for mode in modes:
+            result = CliRunner().invoke(main, ["generate", *args, "--prompt-cache-file", cache_files[which], "--json",
+                                               "--mode", mode, "--draft-model", str(DRAFT_PATH), "--kappa", "4",
+                                               "--gamma", "4"])
+            assert result.exit_code == 0, result.output
+            out = json.loads(result.stdout.strip().splitlines()[-1])
+            n = len(out["tokens"])  # (mlx-lm's ids end with the end-of-sequence token if one came)
+            assert out["tokens"] == expected[:n] and n >= len(expected) - 1, (which, mode)
+            stats = out["stats"]
+            if mode == "auto":  # ran ar, and said why
+                assert stats["mode"] == "ar" and "no token ids" in stats["why"], stats
+            elif mode != "ar":  # the draft's windows were partly accepted: the loaded cache was rolled back
+                assert stats["mode"] == mode and 1 < stats["mean_accepted"] < 5, stats
+
+
+def test_cache_prompt_writes_mlx_lm_s_file_plus_the_ids(cache_files):
+    """The same keys and values and metadata as mlx_lm.cache_prompt's file, and the prefix's token ids."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    theirs, their_meta = load_prompt_cache(cache_files["mlx-lm"], return_metadata=True)
+    ours_, our_meta = load_prompt_cache(cache_files["ours"], return_metadata=True)
+    ids = json.loads(our_meta.pop("mirror_mlx_tokens"))
+    assert our_meta == their_meta and len(ids) == theirs[0].offset == ours_[0].offset > 0
+    for a, b in zip(theirs, ours_):
+        assert type(a) is type(b) and all(mx.array_equal(x[:, :, : a.offset], y[:, :, : b.offset]).item()
+                                          for x, y in zip(a.state[:2], b.state[:2]))
+
+
+def test_an_mlx_lm_prompt_cache_file_refuses_the_draft_modes_in_one_line(cache_files, templated):
+    for mode in ("sd", "mirror"):
+        result = ours("--model", str(templated), "--prompt", "Tom", "--prompt-cache-file", cache_files["mlx-lm"],
+                      mode=mode)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert f"--mode {mode} needs the cached prompt's token ids" in result.output
+        assert "mirror-mlx cache-prompt" in result.output and "--mode ar" in result.output
+    result = ours("--model", str(TARGET_PATH), "--prompt", "Tom", "--prompt-cache-file", cache_files["ours"])
+    assert result.exit_code == 2 and "is not the model that made --prompt-cache-file" in result.output
+
+
+def test_the_pipeline_continues_a_prompt_cache_for_one_call_only(cache_files, templated):
+    """Pipeline.generate(prompt_cache=...) continues the file's prefix; the next call without it does not."""
+    from mirror_mlx import load
+    from mirror_mlx.prompt_cache import read
+
+    pipe, fresh = load(str(templated)), load(str(templated))
+    try:
+        from mlx_lm import stream_generate as mlx_lm_stream_generate
+        from mlx_lm.models.cache import load_prompt_cache
+
+        after = pipe.generate(" went to the park", prompt_cache=read(cache_files["mlx-lm"]), mode="ar", max_tokens=12)
+        model, tokenizer = mlx_load(str(templated))
+        expected = [r.token for r in mlx_lm_stream_generate(
+            model, tokenizer, tokenizer.encode(" went to the park", add_special_tokens=False), max_tokens=12,
+            prompt_cache=load_prompt_cache(cache_files["mlx-lm"]))]
+        assert after.tokens == expected[: len(after.tokens)] and len(after.tokens) >= 11
+        ids = pipe.tokenizer.encode("Tom and Lily", add_special_tokens=False)  # (after a BOS the tiny model
+        # hardly looks back, so a left-over prefix would not show)
+        again = pipe.generate(ids, mode="ar", max_tokens=12)
+        assert again.tokens == fresh.generate(ids, mode="ar", max_tokens=12).tokens
+    finally:
+        pipe.close()
+        fresh.close()

@@ -51,14 +51,26 @@ def run(script: str) -> str:
     return out.getvalue()
 
 
+def swapped(script: str) -> str:
+    ours = script.replace("from mlx_lm import load, stream_generate",
+                          "from mlx_lm import load\nfrom mirror_mlx import stream_generate")
+    assert ours != script
+    return ours
+
+
 def test_swapping_the_import_gives_the_same_output():
     """An mlx-lm script with `from mirror_mlx import stream_generate` prints exactly what it printed."""
-    ours = SCRIPT.replace("from mlx_lm import load, stream_generate",
-                          "from mlx_lm import load\nfrom mirror_mlx import stream_generate")
-    assert ours != SCRIPT
     expected = run(SCRIPT)
     assert expected.splitlines()[-1] == "length 40 5"
-    assert run(ours) == expected
+    assert run(swapped(SCRIPT)) == expected
+
+
+def test_the_swapped_script_samples_the_same_text_in_every_mode_with_a_seed():
+    """The same script at T > 0 with a seed (and a mode) added: ar, sd and mirror print the same sample."""
+    sampled = swapped(SCRIPT).replace("sampler=make_sampler(0.0)", "sampler=make_sampler(0.8, top_p=0.95), seed=3, "
+                                      "mode=MODE")
+    texts = {mode: run(sampled.replace("MODE", repr(mode))) for mode in ("ar", "sd", "mirror")}
+    assert texts["ar"] == texts["sd"] == texts["mirror"] != run(SCRIPT)
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])

@@ -94,6 +94,19 @@ def test_save_load_round_trip(tmp_path):
         load_ss_draft(LLAMA2XS)
 
 
+def test_save_keeps_an_init_models_rope_scaling_and_biases(tmp_path):
+    """An --init-from model's RoPE scaling and attention biases are written, so the saved draft is the trained one."""
+    mx.random.seed(0)
+    model = Model(ModelArgs(model_type="ss_llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                            num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=64, num_streams=2, stream_layers=1,
+                            attention_bias=True, rope_scaling={"type": "linear", "factor": 4.0}))
+    mx.eval(model.parameters())
+    save_ss_draft(model, tmp_path / "d")
+    loaded, _ = load_ss_draft(tmp_path / "d", with_tokenizer=False)
+    x = tokens(1, 9)
+    assert mx.array_equal(ss_forward(model, x).streams, ss_forward(loaded, x).streams).item()
+
+
 def test_rollout_windows_are_the_drafts_greedy_text():
     model = tiny(seed=3)
     context = np.array(tokens(1, 20, seed=2))[0].tolist()
@@ -213,3 +226,36 @@ def test_bad_input_gives_clear_usage_errors(tmp_path):
         tiny(stream_layers=4, layers=3)
     with pytest.raises(ValueError, match="num_streams"):
         tiny(streams=0)
+
+
+def test_init_from_a_qwen3_model_is_refused_in_one_sentence(tmp_path):
+    """The SS draft is a plain llama decoder: a qwen3 (q/k norms), float or 4-bit, is refused naming the flag."""
+    from tests.models import save_tiny_model
+
+    qwen3 = save_tiny_model(tmp_path / "qwen3", "qwen3", vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(TARGET / name, qwen3 / name)
+    good = tmp_path / "good.txt"
+    good.write_text("Once upon a time there was a cat.\n\nThe cat sat on a mat.")
+    result = _cli("--corpus", str(good), "--init-from", str(qwen3))
+    assert result.exit_code == 2, result.output
+    assert "--init-from" in result.output and "is a qwen3 model" in result.output
+    assert "drop --init-from" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_init_from_a_4bit_llama_starts_from_its_dequantized_weights(tmp_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm import convert, load
+    from mlx_lm.utils import dequantize_model
+
+    from mirror_mlx.ane_draft.ss_model import config_args, new_model
+
+    quantized = tmp_path / "llama2xs-4bit"
+    convert(str(LLAMA2XS), str(quantized), quantize=True, q_bits=4, q_group_size=32)
+    draft = new_model(config_args(quantized, num_streams=2, stream_layers=1), quantized)
+    expected = dict(tree_flatten(dequantize_model(load(str(quantized))[0]).parameters()))
+    got = dict(tree_flatten(draft.parameters()))
+    assert set(got) == set(expected) | {"stream_embeddings"}
+    assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], expected[k].astype(mx.float32)).item()
+               for k in expected)

@@ -31,7 +31,8 @@ QWEN3_TEMPLATE = (
     "{%- endif %}")
 SHRINK = {"--tokens": "640", "--steps": "8", "--layers": "2", "--hidden": "64", "--max-tokens": "12"}
 EXTRA = {"train-draft": ["--samples", "16", "--seq-len", "40", "--batch-size", "8", "--holdout", "10"],
-         "convert": ["--context", "64", "--kappa", "2", "--gamma", "2"], "generate": ["--max-tokens", "12"]}
+         "convert": ["--context", "64", "--kappa", "2", "--gamma", "2"], "generate": ["--max-tokens", "12"],
+         "tune": ["--limit", "1", "--max-tokens", "8", "--confirm", "1"]}
 
 
 def tiny_qwen3(folder: Path, layers: int, seed: int) -> Path:
@@ -82,26 +83,25 @@ def test_every_command_on_the_page_runs(workdir, monkeypatch):
     root, ids = workdir
     monkeypatch.chdir(root)
     commands = page_commands()
-    assert [c.split()[1] for c in commands] == ["generate", "tune", "train-exit", "generate", "train-draft",
-                                                "generate", "convert", "convert", "generate"]
+    assert [c.split()[1] for c in commands] == ["generate", "cache-prompt", "generate", "tune", "train-exit",
+                                                "generate", "train-draft", "generate", "convert", "convert", "generate"]
     ran = []
     for command in commands:
         for hf_id, folder in ids.items():
             command = command.replace(hf_id, str(folder))
         argv = shrunk(shlex.split(command)[1:])
-        if argv[0] == "tune" and "tune" not in main.commands:
-            assert "Depends on the `tune` command" in PAGE.read_text()
-            continue
         if argv[0] == "generate" and argv[argv.index("--draft-model") + 1].endswith(".mlpackage"):
             continue  # the Neural Engine draft runs on macOS only
         result = CliRunner().invoke(main, argv)
         assert result.exit_code == 0, (command, result.output)
+        if argv[0] == "tune":  # it measured the pair and saved the profile auto uses
+            assert "chose " in result.output and "wrote " in result.output
         if argv[0] == "train-exit":  # --tokens bounds the text phase: at most 640 target-written rows
             assert 0 < int(re.search(r"\((\d+) training rows", result.output).group(1)) <= 640
         ran.append(argv[0])
     assert (root / "qwen3-8b-exit.safetensors").is_file() and (root / "qwen3-8b-ss-draft" / "config.json").is_file()
     assert (root / "qwen3-8b-ss-draft.mlpackage").is_dir()
-    assert ran.count("generate") == 3 and ran.count("convert") == 2
+    assert ran.count("generate") == 4 and ran.count("convert") == 2 and ran.count("tune") == 1
 
 
 def test_the_first_command_prints_the_same_text_in_every_mode(workdir):

@@ -1,0 +1,112 @@
+"""mlx_lm.cache_prompt's files: read for `generate --prompt-cache-file`, written by `mirror-mlx cache-prompt`.
+
+mlx-lm's file (mlx_lm.models.cache.save_prompt_cache) holds the target's keys and values for a
+prompt prefix and the metadata `model` and `tokenizer_config`, but not the prefix's token ids. The
+target continues from the keys and values alone (mode ar, exactly as mlx_lm.generate does); the
+draft needs the tokens themselves, so sd and mirror need a file that also holds them:
+`mirror-mlx cache-prompt` writes mlx-lm's format, computed as mlx_lm.cache_prompt computes it, plus
+the ids in the metadata entry TOKENS (mlx-lm reads such a file as its own).
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
+
+TOKENS = "mirror_mlx_tokens"  # metadata entry: the cached prefix's token ids, as a JSON list
+
+
+@dataclass
+class PromptCache:
+    """A loaded prompt cache: the target's per-layer caches, the prefix's ids (None in mlx-lm's own
+    files) and the file's metadata. The prompt given with it is what follows the prefix."""
+
+    cache: list
+    tokens: Optional[list[int]]
+    metadata: dict
+
+    @property
+    def length(self) -> int:
+        """Tokens the cache holds."""
+        return int(self.cache[0].offset)
+
+    @property
+    def opaque(self) -> int:
+        """Tokens the cache holds whose ids are unknown (the whole prefix of an mlx-lm file, else 0)."""
+        return self.length if self.tokens is None else 0
+
+    def prompt(self, ids: Sequence[int]) -> list[int]:
+        """The prompt the engine runs after this cache: the prefix's ids when known, then `ids` (what
+        follows the prefix). With unknown prefix ids, `ids` alone (the cache stands for the prefix)."""
+        if not ids:
+            raise ValueError("the prompt after a prompt cache is empty: give the text that follows the cached prefix")
+        return list(self.tokens or []) + list(ids)
+
+    def check(self, mode: str, n_layers: int) -> None:
+        """Raise ValueError (one sentence) when this cache cannot serve `mode` on a target of `n_layers`."""
+        if len(self.cache) != n_layers:
+            raise ValueError(f"the prompt cache holds {len(self.cache)} layers but the target has {n_layers}: it was "
+                             "made for another model")
+        if mode == "ar":
+            return
+        if self.tokens is None:
+            raise ValueError(f"mode {mode!r} needs the cached prompt's token ids (the draft reads them) and this "
+                             "prompt cache has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
+                             "cache-prompt` instead, or use mode='ar'")
+        fixed = next((type(c).__name__ for c in self.cache if isinstance(c, RotatingKVCache) or not c.is_trimmable()),
+                     None)
+        if fixed is not None:
+            raise ValueError(f"the prompt cache holds {fixed} layers, which cannot roll back rejected draft tokens: "
+                             "use mode='ar'")
+
+
+def read(path: str) -> PromptCache:
+    """A prompt cache file (mlx-lm's or ours); ValueError (one sentence) when it is not one."""
+    if not Path(path).is_file():
+        raise ValueError(f"prompt cache file {path} does not exist: make one with `mirror-mlx cache-prompt` "
+                         "(or mlx_lm.cache_prompt)")
+    try:
+        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+    except Exception as e:  # not safetensors, or safetensors without a cache's layout
+        raise ValueError(f"{path} is not a prompt cache file (mlx_lm.cache_prompt's format): "
+                         f"{type(e).__name__}: {e}") from None
+    if not cache or not hasattr(cache[0], "offset"):
+        raise ValueError(f"{path} holds no key/value cache layers: it is not a prompt cache of a transformer")
+    mx.eval([c.state for c in cache])  # computed here: the target's worker thread cannot evaluate this graph
+    tokens = None
+    if TOKENS in metadata:
+        try:
+            tokens = [int(t) for t in json.loads(metadata[TOKENS])]
+        except (ValueError, TypeError):
+            raise ValueError(f"{path}: its {TOKENS} entry is not a JSON list of token ids") from None
+    found = PromptCache(cache, tokens, metadata)
+    if tokens is not None and len(tokens) != found.length:
+        raise ValueError(f"{path} lists {len(tokens)} token ids but its cache holds {found.length} tokens: "
+                         "the file was altered; make it again with `mirror-mlx cache-prompt`")
+    return found
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The prefix as mlx_lm.cache_prompt encodes it: an open user message of the chat template (the
+    generate prompt continues it), else the plain text."""
+    if tokenizer.has_chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=False,
+                                                  continue_final_message=True))
+    return list(tokenizer.encode(prompt))
+
+
+def write(path: str, model: Any, ids: Sequence[int], metadata: dict) -> PromptCache:
+    """Run `ids` through the target as mlx_lm.cache_prompt does and save the cache with the ids."""
+    from mlx_lm.generate import generate_step
+
+    from .target import trimmable_cache
+
+    cache = trimmable_cache(model)  # mlx-lm's make_prompt_cache, sliding-window layers plain (rollback)
+    for _ in generate_step(mx.array(list(ids)), model, max_tokens=0, prompt_cache=cache):
+        pass
+    metadata = dict(metadata, **{TOKENS: json.dumps([int(t) for t in ids])})
+    save_prompt_cache(str(path), cache, metadata)
+    return PromptCache(cache, list(ids), metadata)
