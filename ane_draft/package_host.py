@@ -25,7 +25,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
-from mirror_mlx.draft import common_prefix
+from mirror_mlx.draft import check_stems, common_prefix, self_verify
 from mirror_mlx.draft_api import Rollout
 
 
@@ -135,8 +135,7 @@ class PackageDraft:
         return nodes, leaves
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
-        if not stems or any(len(st) == 0 for st in stems):
-            raise ValueError("rollout needs at least one stem and every stem must be non-empty")
+        check_stems(stems)
         if not 1 <= gamma <= self.shapes.gamma:
             raise ValueError(f"gamma {gamma} is outside 1..{self.shapes.gamma}, what this Core ML draft was built "
                              f"for; rebuild it with `mirror-mlx convert --gamma {max(gamma, 1)}`")
@@ -197,16 +196,12 @@ class PackageDraft:
         fed = [leaf] or [main token, guess_1, ...]: the main prediction at row i checks fed[i+1]."""
         NS = self.shapes.streams
         if dry:
-            keep, tok, guesses = 0, 0, [0] * NS
-        else:
-            pred = [int(np.argmax(main[row_of[u]])) for u in fed]
-            keep = 0
-            while keep + 1 < len(fed) and nodes[fed[keep + 1]].token == pred[keep]:
-                keep += 1
-            tok = pred[keep]
+            keep, gained, guesses = 0, [0], [0] * NS
+        else:  # fed[0] is the leaf (a stem token) or the main token already in the window
+            keep, gained = self_verify([nodes[u].token for u in fed], [int(np.argmax(main[row_of[u]])) for u in fed])
             guesses = [int(np.argmax(streams[j, row_of[fed[keep]]])) for j in range(NS)] if NS else []
-        # fed[0] is the leaf (a stem token) or the main token already in the window
-        b.window += [nodes[u].token for u in fed[1 : keep + 1]] + [tok]
+        b.window += gained
+        tok = gained[-1]
         b.last = fed[keep]
         need = gamma - len(b.window)
         b.chain = []

@@ -30,7 +30,7 @@ from typing import Sequence, Union
 
 import mlx.core as mx
 import numpy as np
-from mirror_mlx.draft import MLXDraft, common_prefix, spine_of
+from mirror_mlx.draft import MLXDraft, common_prefix, self_verify, spine_of
 from mirror_mlx.draft_api import Rollout
 
 from .ss_model import Model, is_ss_draft, load_ss_draft, ss_forward  # noqa: F401  (re-exported for load)
@@ -156,16 +156,16 @@ class SSDraft(MLXDraft):
             forwards += 1
             main, streams = np.array(main), np.array(streams)  # (B, L), (B, S, L)
             L = rows.shape[1]
-            if guessing:  # rows 1.. are last forward's guesses: keep the prefix the main rows agree with
-                r = np.cumprod(rows[:, 1:] == main[:, :L - 1], axis=1).sum(axis=1)
-                last = r
-                for i, b in enumerate(act):
-                    fed[b] += rows[i, :r[i] + 1].tolist()
-            else:
-                r = np.zeros(len(act), dtype=int)
-            for i, b in enumerate(act):  # gains the r_i agreeing guesses plus the main token after them
+            if guessing:  # rows are [main token, last forward's guesses]: the main rows verify the guesses
+                last = np.zeros(len(act), dtype=int)
+            for i, b in enumerate(act):
+                if guessing:  # gains the agreeing guesses plus the main token after them
+                    last[i], gained = self_verify(rows[i].tolist(), main[i].tolist())
+                    fed[b] += rows[i, :last[i] + 1].tolist()
+                else:  # the first forward: the main token after the branch's last input
+                    gained = [int(main[i, last[i]])]
                 before = len(windows[b])
-                windows[b] += rows[i, 1:r[i] + 1].tolist() + [int(main[i, last[i]])]
+                windows[b] += gained
                 self._note(b, before, len(windows[b]), gamma, forwards)
             i = np.arange(len(act))
             scratch = [(k, v) for k, v in out.kv] if not scratch else [

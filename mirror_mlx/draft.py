@@ -27,15 +27,35 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def spine_of(stems: Sequence[Sequence[int]]) -> list[int]:
-    """The shared spine of spine-shaped stems (ValueError for anything else)."""
+def check_stems(stems: Sequence[Sequence[int]]) -> None:
+    """Every draft's rule for a rollout's stems: at least one, none empty (ValueError otherwise)."""
     if not stems or any(len(s) == 0 for s in stems):
         raise ValueError("rollout needs at least one stem and every stem must be non-empty")
+
+
+def spine_of(stems: Sequence[Sequence[int]]) -> list[int]:
+    """The shared spine of spine-shaped stems (ValueError for anything else)."""
+    check_stems(stems)
     spine = list(max(stems, key=len)[:-1])
     for s in stems:
         if list(s[:-1]) != spine[: len(s) - 1]:
             raise ValueError("stems must share one spine: each stem minus its last token a prefix of it")
     return spine
+
+
+def self_verify(fed: Sequence[int], pred: Sequence[int]) -> tuple[int, list[int]]:
+    """Speculative Streaming's self-verification (papers.md §3.4) of one chain fed in one forward.
+
+    fed = [main token, guess_1, .., guess_k]; pred[i] is the draft's main prediction after fed[:i+1].
+    The guesses the main predictions before them agree with are kept (a prefix), then the main
+    prediction after the last kept row: returns (keep, fed[1:keep+1] + [pred[keep]]), the tokens gained.
+    The SS draft in MLX (ane_draft/ss_draft.py) and the Core ML package host (package_host.py) both
+    verify this way, so their windows are the draft's own greedy main-stream text.
+    """
+    keep = 0
+    while keep + 1 < len(fed) and fed[keep + 1] == pred[keep]:
+        keep += 1
+    return keep, [int(t) for t in fed[1 : keep + 1]] + [int(pred[keep])]
 
 
 class MLXDraft:

@@ -249,6 +249,10 @@ def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
         failed.append(e)
 
 
+def _no_post(cand: list[list[int]]) -> None:
+    """A step that needs no branch rollout posts nothing."""
+
+
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
     """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
 
@@ -443,17 +447,20 @@ class Engine:
         stepping = False  # inside a step: the target's cache may hold rows that no verify has trimmed yet
         try:
             window = None
-            if mode == "mirror":
-                window = run(self._timed_rollout(committed, opts, stats))
+            if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
+                window = run(self._timed_rollout(committed, opts, stats)) if opts.max_tokens > 1 else []
                 if window is None:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
+                budget = opts.max_tokens - produced
                 if mode == "mirror" and self.draft_failure is None:
-                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats))
-                elif mode == "sd" and self.draft_failure is None:
+                    if budget == 1:  # the step commits the pending row's token whatever the window proposes
+                        window = []
+                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget))
+                elif mode == "sd" and self.draft_failure is None and budget > 1:  # (the last token: see ar)
                     new = run(self._sd_step(committed, opts, sampler, processors, stats))
-                else:
+                else:  # ar, or sd's last token: it is the target's own at the pending row, a window cannot help
                     s0 = time.perf_counter()
                     ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
                     stats.suffix_seconds += time.perf_counter() - s0
@@ -482,40 +489,48 @@ class Engine:
 
     # --- steps -------------------------------------------------------------------------------------
 
-    async def _mirror_step(self, committed, window, opts, sampler, processors, stats):
+    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget):
+        """One step; `budget` tokens are still wanted. A window after the step can change the output only if
+        two more tokens are wanted then (the first is the target's own at the pending row, whatever the window
+        proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it."""
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
         # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         exclude = window + [-1] if opts.exclude_drafted else None
         failed: list[BaseException] = []
-        post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed)
+        branches = budget > 2  # the step commits at least one token
+        post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed) \
+            if branches else _no_post
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
         (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
                                                               processors)
         new = window[:a] + [ys[a]]
-        try:  # the host rolled out every branch meanwhile
-            if failed:
-                raise failed[0]
-            out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), self._time_left(opts, s1))
-        except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
-            self._drop_draft(e, stats)
-            return new, None
-        it = iter(out.windows)
-        windows = [[next(it) for _ in row] for row in cand]
+        windows, r0, r1 = None, s1, s1
+        if branches:
+            try:  # the host rolled out every branch meanwhile
+                if failed:
+                    raise failed[0]
+                out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), self._time_left(opts, s1))
+            except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
+                self._drop_draft(e, stats)
+                return new, None
+            it = iter(out.windows)
+            windows = [[next(it) for _ in row] for row in cand]
+            stats.draft_seconds += r1 - r0
+            stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
+            stats.draft_forwards += out.forwards
+            stats.draft_tokens += out.tokens
+            stats.rollouts += 1
         stats.prefix_seconds += p1 - p0
         stats.suffix_seconds += s1 - s0
-        stats.draft_seconds += r1 - r0
-        stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
-        stats.draft_forwards += out.forwards
-        stats.draft_tokens += out.tokens
-        stats.rollouts += 1
         stats.omega_sum += omega
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
-        reused = reuse_window(cand, windows, a, new[-1])
-        if reused is not None:
+        if new[-1] in cand[a]:  # c ∈ C_A: the next window is w(A, c), already rolled out
             stats.reuses += 1
-            return new, reused
+            return new, reuse_window(cand, windows, a, new[-1]) if windows is not None else None
         stats.fallbacks += 1
+        if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):
+            return new, None  # no window after this step could be used
         return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
 
     def _time_left(self, opts: DecodeOptions, since: float) -> float:

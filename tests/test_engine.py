@@ -80,6 +80,27 @@ def test_random_draft_falls_back_almost_always_and_stays_lossless(greedy_refs):
     pipe.close()
 
 
+def test_the_draft_is_asked_only_for_windows_that_can_be_used(demo, greedy_refs, monkeypatch):
+    """A window after the committed tokens can change the output only if two more tokens are wanted (the
+    next one is the target's own at the pending row, whatever the window proposes): no first window for one
+    token, no branches in a step that leaves fewer than two, no fallback after it, sd's last token alone."""
+    host, asked = demo.engine.host, []
+    for name in ("post_rollout", "post_branches"):  # the context + the stem the window would follow
+        real = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda context, stems, *rest, _real=real, _name=name: (
+            asked.append((_name, len(context) + (1 if _name == "post_rollout" else 0))), _real(context, stems, *rest)))
+    for prompt, ref in greedy_refs[:3]:
+        for n in (1, 2, 3, 5):
+            for mode, knobs in (("mirror", dict(kappa=1, gamma=4, exit_layer=1)), ("sd", dict(gamma=4))):
+                asked.clear()
+                out = demo.generate(prompt, max_tokens=n, mode=mode, stop=False, **knobs)
+                assert out.tokens == ref[:n] and out.stats.draft_failure is None
+                # post_branches goes with a step that commits one token or more before the windows' context
+                wanted = [n - (k - len(prompt)) - (name == "post_branches") for name, k in asked]
+                assert all(w >= 2 for w in wanted), (mode, n, asked)
+                assert out.stats.rollouts == len(asked) and (n > 1) == (len(asked) > 0), (mode, n, asked)
+
+
 def test_target_as_its_own_draft_accepts_every_window_and_mostly_reuses(greedy_refs):
     target, tokenizer = load(str(TARGET_PATH))
     twin, _ = load(str(TARGET_PATH))
@@ -152,7 +173,7 @@ def test_rollout_overlaps_the_target_suffix_in_threads():
 def test_the_draft_prefills_beside_the_target(request, host):
     pipe = request.getfixturevalue("demo" if host == "process" else "demo_thread")
     prompt = pipe.tokenizer.encode("Once upon a time, there was a little dog who liked to run")
-    out = pipe.generate(prompt, max_tokens=1, gamma=5, mode="sd", stop=False)
+    out = pipe.generate(prompt, max_tokens=2, gamma=5, mode="sd", stop=False)  # one window (see below)
     assert out.stats.rollouts == 1 and out.stats.draft_forwards == 5  # no prompt forward on the decode clock
     if host == "thread":
         assert pipe.draft.cached == prompt[:-1]  # the prompt came in during prefill
