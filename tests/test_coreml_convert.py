@@ -527,3 +527,17 @@ def test_runner_holds_each_weight_once_in_float32(demo_pkg):
                for fn, f in runner.program.functions.items()}
     assert all(w.dtype == np.float32 for ws in weights.values() for w in ws) and len(weights["extend"]) > 5
     assert [id(w) for w in weights["extend"]] == [id(w) for w in weights["rollout"]]  # one array, both functions
+
+
+def test_reference_rows_on_the_window_prefix_equal_full_forwards(demo_model):
+    from mirror_mlx.convert.parity import Reference, float32_reference
+
+    model = float32_reference(demo_model[0])
+    ctx = demo_model[1].encode(PROMPTS[0])
+    ref = Reference(model, ctx)
+    window, stems = ref.stems(2, 3)
+    paths = {tuple(s[:m]) for s in stems for m in range(1, len(s) + 1)} | {tuple(window[:2]) + (7, 8)}
+    got = ref.rows(sorted(paths))
+    for p in paths:
+        want = np.array(model(mx.array([ctx + list(p)]))[0, -1].astype(mx.float32))
+        assert np.abs(got[p] - want).max() < 1e-4, p
