@@ -122,11 +122,13 @@ def _dense(layer: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
     return to_np(w), (to_np(b) if b is not None else None)
 
 
-def _weights_sha256(weights: dict[str, np.ndarray]) -> str:
+def _weights_sha256(weights: dict[str, Any]) -> str:
+    """The draft's identity: every weight (an array, or a function that makes one) in key order."""
     h = hashlib.sha256()
     for k in sorted(weights):
+        w = weights[k]() if callable(weights[k]) else weights[k]
         h.update(k.encode())
-        h.update(np.ascontiguousarray(weights[k], dtype=np.float32).view(np.uint8))  # no copy
+        h.update(np.ascontiguousarray(w, dtype=np.float32).view(np.uint8))  # no copy
     return h.hexdigest()
 
 
@@ -193,6 +195,44 @@ def _np(a: Any) -> np.ndarray:
     return np.array(a.astype(mx.float32))
 
 
+def _weight_sources(model: Any) -> dict[str, Callable[[], np.ndarray]]:
+    """Every weight the builder reads, by key ('embed', 'head', 'norm', '{layer}.q_proj',
+    '{layer}.q_proj.bias', ...), as a function that makes it (float32 numpy, dequantized): the
+    spec makes them all, `draft_sha256` one at a time. A tied head is the embedding's function."""
+    inner = getattr(model, "language_model", model).model
+    dense = lambda layer: lambda: _dense(layer)[0]  # noqa: E731
+    plain = lambda a: lambda: _np(a)  # noqa: E731
+    src: dict[str, Callable[[], np.ndarray]] = {"embed": dense(inner.embed_tokens)}
+    for i, layer in enumerate(inner.layers):
+        a, m = layer.self_attn, layer.mlp
+        for block, names in ((a, ("q_proj", "k_proj", "v_proj", "o_proj")), (m, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                lin = getattr(block, n)
+                src[f"{i}.{n}"] = dense(lin)
+                if "bias" in lin:
+                    src[f"{i}.{n}.bias"] = plain(lin.bias)
+        for n in ("q_norm", "k_norm"):
+            if hasattr(a, n):
+                src[f"{i}.{n}"] = plain(getattr(a, n).weight)
+        src[f"{i}.input_norm"] = plain(layer.input_layernorm.weight)
+        src[f"{i}.post_norm"] = plain(layer.post_attention_layernorm.weight)
+    src["norm"] = plain(inner.norm.weight)
+    if hasattr(model, "stream_embeddings"):  # SS draft
+        src["stream_embeddings"] = plain(model.stream_embeddings)
+    src["head"] = src["embed"] if _tied(model) else dense(model.lm_head)
+    return src
+
+
+def _tied(model: Any) -> bool:
+    return getattr(model, "lm_head", None) is None or bool(getattr(model.args, "tie_word_embeddings", False))
+
+
+def draft_sha256(model: Any) -> str:
+    """The spec's `draft_sha256` of a loaded draft, one weight in memory at a time (a 0.6B draft's
+    float32 weights are 2.4 GB)."""
+    return _weights_sha256(_weight_sources(model))
+
+
 def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> DraftSpec:
     """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
     inner = getattr(model, "language_model", model).model
@@ -201,33 +241,14 @@ def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> D
         raise ConvertError("sliding-window attention layers are not supported in the Core ML draft")
     attn0 = inner.layers[0].self_attn
     heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
-    q_w, _ = _dense(attn0.q_proj)
-    head_dim = q_w.shape[0] // heads
-    w: dict[str, np.ndarray] = {}
-    w["embed"], _ = _dense(inner.embed_tokens)
-    for i, layer in enumerate(inner.layers):
-        a, m = layer.self_attn, layer.mlp
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            w[f"{i}.{n}"], b = _dense(getattr(a, n))
-            if b is not None:
-                w[f"{i}.{n}.bias"] = b
-        for n in ("q_norm", "k_norm"):
-            if hasattr(a, n):
-                w[f"{i}.{n}"] = _np(getattr(a, n).weight)
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            w[f"{i}.{n}"], b = _dense(getattr(m, n))
-            if b is not None:
-                w[f"{i}.{n}.bias"] = b
-        w[f"{i}.input_norm"] = _np(layer.input_layernorm.weight)
-        w[f"{i}.post_norm"] = _np(layer.post_attention_layernorm.weight)
-    w["norm"] = _np(inner.norm.weight)
+    src, tied = _weight_sources(model), _tied(model)
+    w = {k: make() for k, make in src.items() if not (tied and k == "head")}
+    if tied:
+        w["head"] = w["embed"]
+    head_dim = w["0.q_proj"].shape[0] // heads
     streams = stream_layers = 0
     if hasattr(model, "stream_embeddings"):  # SS draft
-        w["stream_embeddings"] = _np(model.stream_embeddings)
         streams, stream_layers = int(args.num_streams), int(args.stream_layers)
-    lm_head = getattr(model, "lm_head", None)
-    tied = lm_head is None or bool(getattr(args, "tie_word_embeddings", False))
-    w["head"] = w["embed"] if tied else _dense(lm_head)[0]
     cos, sin = _rope_table(attn0.rope, head_dim, positions)
     return DraftSpec(
         model_type=config.get("model_type", args.model_type), hidden=w["embed"].shape[1],
@@ -589,8 +610,9 @@ def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "no
     return out
 
 
-def check_match(meta: dict[str, str], spec: DraftSpec, package: Path) -> None:
-    """Refuse a package built from another draft or tokenizer."""
+def check_match(meta: dict[str, str], spec: Any, package: Path) -> None:
+    """Refuse a package built from another draft or tokenizer (`spec`: a DraftSpec, or anything
+    with its tokenizer_sha256 and draft_sha256)."""
     if meta["tokenizer_sha256"] != spec.tokenizer_sha256:
         raise ConvertError(
             f"{package} was built for another tokenizer than this draft's; "

@@ -6,13 +6,15 @@ order; ops without value inference (conv, silu, read_state, coreml_update_state,
 small numpy stand-ins here, and so do layer_norm (float32 statistics) and matmul (speed). Arithmetic model: each op computes in float32 and its fp16 outputs are
 rounded to fp16, like fp16 storage with wide accumulators on the ANE.
 
-Speed at real size (0.6B): a conv is one BLAS matmul against its weight converted to float32
-once per runner (one copy per distinct weight, 4 bytes each), and large attention products go to
-BLAS too: a 64-row rollout call of a 0.6B draft is ~75 GFLOP of BLAS, not numpy's einsum loop. This checks graph structure,
-layout and fp16 range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
+Speed and memory at real size (0.6B): the runner holds every fp16 constant once, as float32
+(both functions of a package share their weights; the loaded program has a copy per function, and
+the fp16 copies are dropped), so a conv is one BLAS matmul on a view of its weight; large attention
+products go to BLAS too: a 64-row rollout call of a 0.6B draft is ~90 GFLOP of BLAS, not numpy's
+einsum loop. Ops that only move values (reshape, concat, slices, gathers, the state) are not
+rounded again: their fp16 inputs are already exact. This checks graph structure, layout and fp16
+range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
 """
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -44,14 +46,15 @@ def _conv(op: Any, env: "Env") -> np.ndarray:
     if w.shape[2:] != (1, 1) or (op.groups is not None and op.groups.val != 1):
         raise NotImplementedError(f"conv stand-in handles 1x1 convolutions only ({op.name})")
     b, c, h, wd = x.shape
-    y = np.matmul(env.float32(op.weight), x.astype(np.float32).reshape(b, c, h * wd)).reshape(b, -1, h, wd)
+    w = np.asarray(w, np.float32).reshape(w.shape[0], w.shape[1])  # a view: weights are float32 already
+    y = np.matmul(w, np.asarray(x, np.float32).reshape(b, c, h * wd)).reshape(b, -1, h, wd)
     if op.bias is not None:
         y = y + op.bias.val.astype(np.float32)[None, :, None, None]
     return y
 
 
 def _silu(op: Any, env: "Env") -> np.ndarray:
-    x = op.x.val.astype(np.float32)
+    x = np.asarray(op.x.val, np.float32)
     return x / (1.0 + np.exp(-x))
 
 
@@ -60,13 +63,14 @@ def _read_state(op: Any, env: "Env") -> np.ndarray:
 
 
 def _update_state(op: Any, env: "Env") -> np.ndarray:
-    env.state[op.state.name] = np.asarray(op.value.val, np.float32).copy()
-    return op.value.val
+    value = op.value.val  # slice_update's own copy of the state: held as the new state, not copied again
+    env.state[op.state.name] = value if value is not env.state.get(op.state.name) else value.copy()
+    return value
 
 
 def _layer_norm(op: Any, env: "Env") -> np.ndarray:
     # float32 statistics (the op's own value_inference squares in the input dtype)
-    x = op.x.val.astype(np.float32)
+    x = np.asarray(op.x.val, np.float32)
     axes = tuple(int(a) for a in op.axes.val)
     mu = x.mean(axis=axes, keepdims=True)
     var = ((x - mu) ** 2).mean(axis=axes, keepdims=True)
@@ -82,7 +86,7 @@ def _layer_norm(op: Any, env: "Env") -> np.ndarray:
 def _matmul(op: Any, env: "Env") -> np.ndarray:
     # float32; small products through einsum's own loop (threaded BLAS on a busy machine was
     # 10-50x slower on a tiny draft's attention shapes), large ones through BLAS
-    x, y = op.x.val.astype(np.float32), op.y.val.astype(np.float32)
+    x, y = np.asarray(op.x.val, np.float32), np.asarray(op.y.val, np.float32)
     if op.transpose_x.val:
         x = np.swapaxes(x, -1, -2)
     if op.transpose_y.val:
@@ -106,34 +110,107 @@ STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
 }
 
 
+# ops whose outputs are some of their inputs' values, moved or selected, never computed: an fp16
+# output of fp16 inputs is already exact in fp16 (every stored fp16 value is), so it is not rounded
+MOVES = frozenset({"read_state", "coreml_update_state", "reshape", "transpose", "concat", "split",
+                   "slice_by_size", "slice_by_index", "slice_update", "gather", "gather_along_axis",
+                   "tile", "select", "squeeze", "expand_dims", "identity", "stack"})
+
+
+class Weights:
+    """The package's constants as float32, one array per distinct value: both functions of a loaded
+    package hold their own copy of every weight, the runner keeps one (4 bytes a parameter)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple, list[np.ndarray]] = {}
+
+    def share(self, val: np.ndarray) -> np.ndarray:
+        """`val` as a float32 array, the same object for equal values (a strided sample of the bytes
+        finds the candidates, a full comparison decides)."""
+        flat = val.reshape(-1)
+        key = (val.shape, val.dtype.str, flat[:: max(1, flat.size // 4096)].tobytes(), flat[-64:].tobytes())
+        same = self.arrays.setdefault(key, [])
+        for a in same:
+            if np.array_equal(a, val):
+                return a
+        same.append(np.array(val, np.float32, order="C"))
+        return same[-1]
+
+    def adopt(self, program: Any) -> None:
+        """Replace every fp16 tensor constant of `program` by its shared float32 array; the fp16
+        copies the loader made are freed as it goes (peak: one function's fp16 plus the float32)."""
+        for f in program.functions.values():
+            for op in f.operations:
+                if op.op_type != "const":
+                    continue
+                var = op.outputs[0]
+                val = var.val
+                if isinstance(val, np.ndarray) and val.dtype == np.float16 and val.ndim:
+                    held = _Held(self.share(val))
+                    var._sym_val = held
+                    inner = getattr(op, "val", None)  # the const op keeps its value as an input too
+                    if inner is not None and hasattr(inner, "_sym_val"):
+                        inner._sym_val = held
+
+
 @dataclass
 class Env:
-    """Evaluation state: KV state arrays keyed by state input name, and the float32 conv weights
-    (kept across resets: they are the package's constants)."""
+    """Evaluation state: KV state arrays keyed by state input name, and the shared float32
+    weights (kept across resets: they are the package's constants)."""
 
     state: dict[str, np.ndarray] = field(default_factory=dict)
-    weights: dict[Any, np.ndarray] = field(default_factory=dict)
-
-    def float32(self, var: Any) -> np.ndarray:
-        """A conv weight (O, C, 1, 1) as float32 (O, C), converted once. Keyed by content: each
-        function of a loaded package has its own copy of every weight, the cache holds one."""
-        key = self.weights.get(id(var))
-        if key is None:
-            w = var.val
-            key = (w.shape, hashlib.sha1(np.ascontiguousarray(w).view(np.uint8)).digest())
-            self.weights[id(var)] = key
-            if key not in self.weights:
-                self.weights[key] = np.ascontiguousarray(w[:, :, 0, 0], np.float32)
-        return self.weights[key]
+    weights: Weights = field(default_factory=Weights)
 
 
-def _store(var: Any, value: Any) -> None:
+_LO = np.uint32(0x38800000)  # the bits of 2**-14, fp16's smallest normal
+_SPAN = np.uint32(0x477FF000 - 0x38800000)  # up to 65520, where fp16 rounding overflows to inf
+_ZERO = np.uint32((1 << 32) - 0x38800000)  # +-0 after subtracting _LO
+
+
+def round_fp16(a: np.ndarray) -> np.ndarray:
+    """Round a float32 array (C-contiguous, writable) to the nearest fp16 values in place, bit for
+    bit as `astype(float16).astype(float32)` does (ties to even, fp16 subnormals, overflow to inf,
+    NaN), ~3x faster: numpy's float16 cast is a scalar loop. The normal range is rounded on the
+    bits (add half an fp16 ulp minus one, plus the kept lowest bit, then cut 13 bits); the rest
+    (subnormals, overflow, inf, NaN: rare) goes through numpy's cast."""
+    flat = a.reshape(-1)
+    u = flat.view(np.uint32)
+    t = u & np.uint32(0x7FFFFFFF)
+    t -= _LO
+    odd = t >= _SPAN
+    odd &= t != _ZERO
+    idx = np.flatnonzero(odd) if odd.any() else None
+    keep = None if idx is None else flat[idx]
+    np.right_shift(u, np.uint32(13), out=t)
+    t &= np.uint32(1)
+    t += np.uint32(0xFFF)
+    u += t
+    u &= np.uint32(0xFFFFE000)
+    if idx is not None:
+        with np.errstate(over="ignore"):  # overflow is inf, as on the ANE; the parity check reports it
+            flat[idx] = keep.astype(np.float16).astype(np.float32)
+    return a
+
+
+def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> None:
+    """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`: the value is
+    already fp16-exact), other types as their numpy type. `fresh`: an op's output, rounded in place
+    when it is float32 (it is the op's own array or, from a value_inference that passes an input
+    through, an fp16-exact value, which rounding leaves as it is); a caller's input is copied."""
     from coremltools.converters.mil.mil import types
 
     a = np.asarray(value)
     dt = var.dtype
     if dt == types.fp16:
-        a = a.astype(np.float16).astype(np.float32)  # fp16 storage, fp32 compute
+        # fp16 storage, fp32 compute
+        if exact:
+            a = np.asarray(a, np.float32)
+        elif a.ndim == 0:
+            a = a.astype(np.float16).astype(np.float32)
+        else:
+            if not (fresh and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable):
+                a = np.array(a, np.float32, order="C")
+            a = round_fp16(a)
     elif dt == types.fp32:
         a = a.astype(np.float32)
     elif types.is_int(dt):
@@ -163,18 +240,21 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
     for op in function.operations:
         if op.op_type == "const" or (op.op_type.startswith("constexpr_") and op.outputs[0].val is not None):
             continue
-        if op.op_type.startswith("constexpr_"):
-            vals = _constexpr(op, env)
-        elif op.op_type in STAND_INS:
+        if op.op_type.startswith("constexpr_"):  # materialised once per runner, shared by functions
+            v = np.asarray(_constexpr(op, env))
+            op.outputs[0]._sym_val = _Held(env.weights.share(v) if v.dtype == np.float16 else v)
+            continue
+        if op.op_type in STAND_INS:
             vals = STAND_INS[op.op_type](op, env)
         else:
             vals = op.value_inference()
         if not isinstance(vals, (tuple, list)) or len(op.outputs) == 1:
             vals = (vals,)
+        exact = op.op_type in MOVES
         for var, v in zip(op.outputs, vals):
             if v is None:
                 raise NotImplementedError(f"no value for op {op.op_type} ({op.name})")
-            _store(var, v.val if hasattr(v, "val") and not isinstance(v, np.ndarray) else v)
+            _store(var, v.val if hasattr(v, "val") and not isinstance(v, np.ndarray) else v, exact, fresh=True)
     out = {v.name: np.asarray(v.val, np.float32) for v in function.outputs}
     for var in function.inputs.values():  # leave no constants behind in the program
         if not types.is_state(var.sym_type):
@@ -195,6 +275,7 @@ class MilRunner:
     def __init__(self, package: Path, program: Any = None):
         self.program = program if program is not None else load_program(Path(package))
         self.env = Env()
+        self.env.weights.adopt(self.program)
 
     def reset(self) -> None:
         self.env = Env(weights=self.env.weights)

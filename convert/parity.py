@@ -20,25 +20,26 @@ The reference is the MLX draft cast to float32 (a bf16 or fp16 draft's weights a
 float32; a 4/8-bit MLX draft keeps its integer weights and runs with float32 scales, the very
 weights the package holds, dequantized, in fp16): so every draft, quantized or not, is held to the
 fp16 tolerance of its package mode. It prefills each committed context once (its logits are the
-extend rows' reference) and runs every rollout row as a batch of branch paths on top of that
-prefix cache (no full-sequence forward per row). `Budget` bounds the check in seconds (steps
-not started when it runs out are skipped) or in rollout rows compared (a seeded sample of whole
-branches per step); the verdict line says what was compared.
+extend rows' reference), runs the greedy window one token at a time on that cache, and runs the
+branch rows as batches of branch paths on top of the context plus the window prefix they start
+with (no full-sequence forward per row, no shared prefix computed twice). `Budget` bounds the
+check in seconds (steps not started when it runs out are skipped) or in rollout rows compared (a
+seeded sample of whole branches per step); the verdict line says what was compared.
 """
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
 from mirror_mlx.batching import padded_batches
-from mirror_mlx.convert.coreml import (ConvertError, check_match, package_shapes, read_metadata,
-                            spec_from_model, tokenizer_sha256)
+from mirror_mlx.convert.coreml import (ConvertError, check_match, draft_sha256, package_shapes, read_metadata,
+                                       tokenizer_sha256)
 from mirror_mlx.convert.mil_eval import MilRunner
 from mirror_mlx.loading import load_model
 
@@ -138,13 +139,14 @@ def float32_reference(model: Any) -> Any:
 
     if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in tree_flatten(model.parameters())):
         model.set_dtype(mx.float32)
+        mx.eval(model.parameters())  # now, so the half-precision weights are freed now
     return model
 
 
 class Reference:
     """The float32 MLX draft after one committed context: the logits at every context position,
-    its greedy window, and the logits of branch rows (paths after the context) on top of the
-    context's K/V, computed once."""
+    its greedy window, and the logits of branch rows (paths after the context), each computed on
+    top of the K/V it shares: the context's, or the context plus a prefix of the window."""
 
     def __init__(self, model: Any, context: Sequence[int]):
         import mlx.core as mx
@@ -154,16 +156,21 @@ class Reference:
         self.cache = make_prompt_cache(model)
         self.logits = np.array(model(mx.array([list(context)]), cache=self.cache)[0].astype(mx.float32))
         mx.eval([c.state for c in self.cache])
+        # K/V of the context, and of the window after it once stems() has run
         self.kv = [(c.keys[..., : self.n, :], c.values[..., : self.n, :]) for c in self.cache]
+        self.window: list[int] = []
+        self.window_rows = [self.logits[-1]]  # logits after context + window[:r]
 
-    def _caches(self, batch: int) -> list:
+    def _caches(self, batch: int, r: int = 0) -> list:
+        """Caches holding the context and the first r window tokens, `batch` times."""
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
 
-        caches = []
+        caches, end = [], self.n + r
         for k, v in self.kv:
             c = KVCache()
-            c.keys, c.values, c.offset = mx.repeat(k, batch, axis=0), mx.repeat(v, batch, axis=0), self.n
+            c.keys, c.values = mx.repeat(k[..., :end, :], batch, axis=0), mx.repeat(v[..., :end, :], batch, axis=0)
+            c.offset = end
             caches.append(c)
         return caches
 
@@ -176,6 +183,9 @@ class Reference:
         for _ in range(gamma):
             window.append(int(rows[-1].argmax()))
             rows.append(np.array(self.model(mx.array([[window[-1]]]), cache=caches)[0, -1].astype(mx.float32)))
+        end = self.n + gamma
+        self.kv = [(c.keys[..., :end, :], c.values[..., :end, :]) for c in caches]
+        self.window, self.window_rows = window, rows
         stems = []
         for r in range(gamma + 1):
             order = np.argsort(-rows[r])
@@ -184,28 +194,40 @@ class Reference:
         return window, stems
 
     def rows(self, paths: Sequence[tuple[int, ...]], batch: int = 16) -> dict[tuple[int, ...], np.ndarray]:
-        """Logits (V,) after context + path for every path: one forward per branch leaf (a path no
-        other path extends), right-padded, in batches over the shared prefix cache."""
+        """Logits (V,) after context + path for every path: a window prefix's are the window's own
+        rows; the rest come from one forward per branch leaf (a path no other path extends),
+        right-padded, in batches of leaves ordered by the window prefix they start with, each batch
+        on the K/V of the context plus the shortest such prefix in it."""
         import mlx.core as mx
 
         want = set(paths)
-        leaves = [p for p in sorted(want, key=len, reverse=True)]
+        out: dict[tuple[int, ...], np.ndarray] = {}
+        for m in range(1, len(self.window) + 1):
+            if tuple(self.window[:m]) in want:
+                out[tuple(self.window[:m])] = self.window_rows[m]
         kept: list[tuple[int, ...]] = []
-        covered: set[tuple[int, ...]] = set()
-        for p in leaves:
+        covered: set[tuple[int, ...]] = set(out)
+        for p in sorted(want, key=len, reverse=True):
             if p not in covered:
                 kept.append(p)
                 covered.update(p[:m] for m in range(1, len(p) + 1))
-        out: dict[tuple[int, ...], np.ndarray] = {}
-        for i in range(0, len(kept), batch):
+        def shared(p: tuple[int, ...]) -> int:  # window tokens p starts with (at least one token is fed)
+            r = 0
+            while r < min(len(p) - 1, len(self.window)) and p[r] == self.window[r]:
+                r += 1
+            return r
+
+        kept.sort(key=lambda p: (shared(p), -len(p)))
+        for i in range(0, len(kept), batch):  # a batch starts after the window prefix all its leaves share
             part = kept[i : i + batch]
-            n = max(len(p) for p in part)
-            x = mx.array([list(p) + [0] * (n - len(p)) for p in part], dtype=mx.int32)
-            logits = self.model(x, cache=self._caches(len(part))).astype(mx.float32)
+            r = min(shared(p) for p in part)
+            n = max(len(p) for p in part) - r
+            x = mx.array([list(p[r:]) + [0] * (n - len(p) + r) for p in part], dtype=mx.int32)
+            logits = self.model(x, cache=self._caches(len(part), r)).astype(mx.float32)
             for j, p in enumerate(part):
-                ms = [m for m in range(1, len(p) + 1) if p[:m] in want and p[:m] not in out]
+                ms = [m for m in range(r + 1, len(p) + 1) if p[:m] in want and p[:m] not in out]
                 if ms:
-                    got = np.array(logits[j, mx.array([m - 1 for m in ms])])
+                    got = np.array(logits[j, mx.array([m - r - 1 for m in ms])])
                     out.update((p[:m], got[t]) for t, m in enumerate(ms))
         return out
 
@@ -254,18 +276,16 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     meta = read_metadata(package)
     if not (draft / "config.json").is_file():
         raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
-    config = json.loads((draft / "config.json").read_text())
     if model is None:
         model, tokenizer = load_model(draft)
     shapes = package_shapes(meta)
-    spec = spec_from_model(model, config, tokenizer_sha256(tokenizer), shapes.slots)
-    check_match(meta, spec, package)
-    del spec
-    model = float32_reference(model)
-    try:
+    check_match(meta, SimpleNamespace(tokenizer_sha256=tokenizer_sha256(tokenizer), draft_sha256=draft_sha256(model)),
+                package)
+    try:  # before the float32 cast: the runner's load peaks next to the draft's bf16 weights, not float32
         runner = runner if runner is not None else MilRunner(package)
     except Exception as e:  # noqa: BLE001
         raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); it is corrupt: rebuild it") from None
+    model = float32_reference(model)
     draft_pkg = PackageDraft(runner, meta, trace=True)
     report = Parity(meta["quantize"], planned_steps=steps * len(prompts))
     kappa, gamma = shapes.kappa, shapes.gamma

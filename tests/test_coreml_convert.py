@@ -500,3 +500,44 @@ def test_quantized_mlx_draft_converts_at_fp16_tolerance(work, bits):
     report = verify(pkg, draft, steps=2, prompts=PROMPTS[:1])
     assert report.quantize == "none" and report.ok, report.line()
     assert report.max_abs < 0.03 * report.scale + 0.05
+
+
+# ------------------------------------------------------------------ the evaluator and the reference at real size
+
+
+def test_round_fp16_is_numpys_cast_bit_for_bit():
+    from mirror_mlx.convert.mil_eval import round_fp16
+
+    rng = np.random.default_rng(0)
+    wide = (rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 14, 200_000))).astype(np.float32)
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)  # NaNs and infs too
+    fin = np.sort(every[np.isfinite(every)])
+    ties = ((fin[1:].astype(np.float64) + fin[:-1]) / 2).astype(np.float32)  # halfway: to the even one
+    edges = np.array([0.0, -0.0, 65519.99, 65520, -65520, 3e38, 2**-14, 2**-24, 2**-25, 2**-26], np.float32)
+    x = np.concatenate([wide, every, ties, np.nextafter(ties, np.float32(np.inf)),
+                        np.nextafter(ties, np.float32(-np.inf)), edges])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    assert np.array_equal(round_fp16(x.copy()).view(np.uint32), want.view(np.uint32))
+
+
+def test_runner_holds_each_weight_once_in_float32(demo_pkg):
+    runner = MilRunner(demo_pkg)
+    weights = {fn: [op.weight.val for op in f.operations if op.op_type == "conv"]
+               for fn, f in runner.program.functions.items()}
+    assert all(w.dtype == np.float32 for ws in weights.values() for w in ws) and len(weights["extend"]) > 5
+    assert [id(w) for w in weights["extend"]] == [id(w) for w in weights["rollout"]]  # one array, both functions
+
+
+def test_reference_rows_on_the_window_prefix_equal_full_forwards(demo_model):
+    from mirror_mlx.convert.parity import Reference, float32_reference
+
+    model = float32_reference(demo_model[0])
+    ctx = demo_model[1].encode(PROMPTS[0])
+    ref = Reference(model, ctx)
+    window, stems = ref.stems(2, 3)
+    paths = {tuple(s[:m]) for s in stems for m in range(1, len(s) + 1)} | {tuple(window[:2]) + (7, 8)}
+    got = ref.rows(sorted(paths))
+    for p in paths:
+        want = np.array(model(mx.array([ctx + list(p)]))[0, -1].astype(mx.float32))
+        assert np.abs(got[p] - want).max() < 1e-4, p
