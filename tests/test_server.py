@@ -351,8 +351,8 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
     """In process, so the engine can be made to fail: the HTTP path is the real one."""
     generate = pipe.engine.generate
 
-    def broken(prompt, opts):
-        steps = generate(prompt, opts)
+    def broken(prompt, opts, *rest):
+        steps = generate(prompt, opts, *rest)
         yield next(steps)
         steps.close()
         raise RuntimeError("the accelerator fell over\nsecond line")
