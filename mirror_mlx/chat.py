@@ -178,14 +178,17 @@ def stats_line(s: Stats) -> str:
 
 class CtrlC:
     """During a turn, the first Ctrl-C asks the reply to stop after the step in flight (so the engine is
-    never cut mid-step and its caches stay consistent); a second one raises KeyboardInterrupt at once."""
+    never cut mid-step and its caches stay consistent); a second one raises KeyboardInterrupt at once,
+    unless the reply has already stopped (`ended`): then it is spent on the turn, whose closing
+    (the note, the conversation kept) runs whole."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.ended = False
         self._old: Any = None
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
+        if self.requested and not self.ended:
             raise KeyboardInterrupt
         self.requested = True
 
@@ -291,6 +294,7 @@ class ChatSession:
         except KeyboardInterrupt:
             interrupted = True
         finally:
+            ctrl_c.ended = True
             chunks.close()
         self.out.write("\n")
         self.out.flush()

@@ -290,6 +290,38 @@ def test_terminal_ctrl_c_mid_reply_then_ctrl_d():
         term.kill()
 
 
+def test_a_second_ctrl_c_after_the_reply_stopped_is_spent_on_the_turn(pipe, monkeypatch):
+    """A second Ctrl-C that lands while the stopped reply is being closed does not cut the turn short:
+    the interruption is noted and the reply is kept in the conversation."""
+    real = chat_mod.stream_reply
+
+    def stream(p, messages, **kwargs):
+        chunks = real(p, messages, **kwargs)
+
+        def ctrl_c_twice():
+            try:
+                for i, chunk in enumerate(chunks):
+                    if i == 1:
+                        os.kill(os.getpid(), signal.SIGINT)  # the first: stop after this step
+                    yield chunk
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)  # the second, as the reply closes
+                chunks.close()
+
+        return ctrl_c_twice()
+
+    monkeypatch.setattr(chat_mod, "stream_reply", stream)
+    chat_mod.reset(pipe)
+    out, err = io.StringIO(), io.StringIO()
+    session = chat_mod.ChatSession(pipe, dict(SHORT, mode="mirror"), out=out, err=err)
+    try:
+        session.turn(TURNS[0])
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C cut the closing of a reply that had already stopped")
+    assert re.search(r"\[interrupted: kept \d+ tokens", err.getvalue()) and session.turns == 1
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
 def test_options_are_the_decode_options_fields_with_their_defaults(pipe):
     assert pipe.options() == DecodeOptions(stop_tokens=tuple(pipe.tokenizer.eos_token_ids))
     assert pipe.options(kappa=3, stop=False).kappa == 3 and pipe.options(stop=False).stop_tokens == ()

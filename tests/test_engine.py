@@ -15,6 +15,7 @@ from mirror_mlx.draft import MLXDraft
 from mirror_mlx.draft_api import Rollout
 from mirror_mlx.engine import accept, reuse_window
 from mirror_mlx.pipeline import Pipeline, load_draft
+from tests.lanes import LANES, in_lanes
 from tests.models import DATA, DRAFT_PATH, TARGET_PATH, tiny_model
 
 
@@ -50,18 +51,30 @@ def demo_thread():
 
 
 @pytest.fixture(scope="module")
+def demos(demo):
+    """`demo` and a second demo pipeline with its own draft host: long loops of generations run on both."""
+    target, tokenizer = load(str(TARGET_PATH))
+    pipe = Pipeline(target, tokenizer, load_draft(DRAFT_PATH, tokenizer))
+    yield [demo, pipe][:LANES]
+    pipe.close()
+
+
+@pytest.fixture(scope="module")
 def greedy_refs(demo):
     prompts = [demo.tokenizer.encode(o) for o in openings(20)]
     return [(p, mlx_greedy(demo.model, p, 128)) for p in prompts]
 
 
 @pytest.mark.parametrize("kappa,gamma,exit_layer", [(8, 7, None), (1, 1, 1), (3, 4, 4), (16, 2, 2)])
-def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demo, greedy_refs, kappa, gamma, exit_layer):
+def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, kappa, gamma, exit_layer):
     for mode in ("mirror", "sd"):
-        for prompt, ref in greedy_refs:
-            out = demo.generate(prompt, max_tokens=128, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
+        def check(pipe, case):
+            prompt, ref = case
+            out = pipe.generate(prompt, max_tokens=128, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
                                 mode=mode, stop=False)
             assert out.tokens == ref, f"{mode} κ={kappa} γ={gamma} ℓe={exit_layer} diverged on {prompt}"
+
+        in_lanes(demos, greedy_refs, check)
 
 
 def test_ar_mode_equals_mlx_lm_greedy(demo, greedy_refs):
@@ -102,15 +115,23 @@ def test_the_draft_is_asked_only_for_windows_that_can_be_used(demo, greedy_refs,
 
 
 def test_target_as_its_own_draft_accepts_every_window_and_mostly_reuses(greedy_refs):
-    target, tokenizer = load(str(TARGET_PATH))
-    twin, _ = load(str(TARGET_PATH))
-    pipe = Pipeline(target, tokenizer, MLXDraft(twin))
-    for prompt, ref in greedy_refs[:5]:
+    pipes = []
+    for _ in range(LANES):  # the twin in its draft host process: 128 branches a step keep it the bottleneck
+        target, tokenizer = load(str(TARGET_PATH))
+        pipes.append(Pipeline(target, tokenizer, load_draft(TARGET_PATH, tokenizer)))
+
+    def check(pipe, case):
+        prompt, ref = case
         out = pipe.generate(prompt, max_tokens=128, kappa=16, gamma=7, exit_layer=4, stop=False)
         assert out.tokens == ref
         assert out.stats.mean_accepted == 8.0  # γ accepted + the bonus token, every forward
         assert out.stats.reuse_rate > 0.8  # a fallback only when the bonus token is outside C_γ
-    pipe.close()
+
+    try:
+        in_lanes(pipes, greedy_refs[:5], check)
+    finally:
+        for pipe in pipes:
+            pipe.close()
 
 
 def test_reuse_everywhere_when_kappa_covers_the_vocabulary():

@@ -388,11 +388,25 @@ def test_terminal_double_ctrl_c_then_ctrl_d_exits_cleanly():
         term.expect(re.escape(TURNS[0]) + r"\r?\n\W*\w")  # the reply is streaming
         term.type("\x03")
         time.sleep(0.02)
-        term.type("\x03")  # the second one raises inside the step
+        term.type("\x03")  # the second one raises inside the step (or is spent on the stopped reply)
         term.expect(r"\[interrupted: kept \d+ tokens")
         term.expect(r">> ")
-        term.type("\x04")
-        assert term.proc.wait(timeout=60) == 0
+        # A second Ctrl-C that comes late (a loaded box can hold this process back between the two) lands at
+        # the prompt instead: a fresh prompt, and readline drops the keys typed meanwhile. So Ctrl-D again
+        # until the chat quits, as a user would.
+        for _ in range(5):
+            try:
+                term.type("\x04")
+            except OSError:  # it quit meanwhile: the terminal is closed
+                pass
+            try:
+                code = term.proc.wait(timeout=12)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            pytest.fail(f"Ctrl-D does not quit: {term.log[-500:]!r}")
+        assert code == 0, term.log[-500:]
         while select.select([term.master], [], [], 0.5)[0]:  # what it printed while exiting
             try:
                 term.log += os.read(term.master, 4096).decode(errors="replace")
