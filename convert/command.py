@@ -32,10 +32,11 @@ def check_writable(out: Path) -> None:
 @click.option("--verify", "verify_pkg", type=click.Path(path_type=Path),
               help="Instead of building: evaluate this saved package on this machine and compare it "
                    "with --draft-model (one-line verdict; exit status 1 on a mismatch).")
-@click.option("--verify-budget", "budget", default=None, metavar="300s|5m|2000rows",
-              help="Bound --verify: wall time (steps not started in time are skipped) or rollout rows "
-                   "compared (a seeded sample of whole branches); the verdict says what was compared. "
-                   "Default: everything.")
+@click.option("--verify-budget", "budget", default=None, metavar="300s|5m|2000rows|1steps|all",
+              help="Bound --verify: wall time (steps not started in time are skipped), rollout rows "
+                   "compared (a seeded sample of whole branches), steps per prompt, or all; the verdict "
+                   "says what was compared. Default: everything below 250M parameters, the first step "
+                   "of each prompt above (every function and row of it, and a rollback).")
 @click.option("--context", default=512, show_default=True, type=int,
               help="Committed tokens the draft's KV cache holds (prompt + generated).")
 @click.option("--kappa", default=8, show_default=True, type=int, help="Early-exit candidates per row (κ).")
@@ -50,7 +51,11 @@ def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Pat
 
     try:
         if verify_pkg is not None:
+            from mirror_mlx.blas import keep_freed_memory, single_threaded
             from mirror_mlx.convert.parity import Budget, verify
+
+            single_threaded()
+            keep_freed_memory()
 
             report = verify(verify_pkg, draft_model, budget=Budget.parse(budget) if budget else None,
                             progress=True)

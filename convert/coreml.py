@@ -108,8 +108,9 @@ def quiet_coremltools():
 # --------------------------------------------------------------------------- reading the draft
 
 
-def _dense(layer: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """Weight (out, in) and bias of a Linear/Embedding, dequantizing quantized MLX layers."""
+def _dense(layer: Any, copy: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Weight (out, in) and bias of a Linear/Embedding, dequantizing quantized MLX layers
+    (copy=False: a read-only view of MLX's float32 array where it can be, e.g. to hash it)."""
     import mlx.core as mx
 
     w = layer.weight
@@ -118,7 +119,7 @@ def _dense(layer: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
         f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
         w = mx.dequantize(w, f32(layer.scales), f32(getattr(layer, "biases", None)), layer.group_size, layer.bits, **kw)
     b = layer.bias if "bias" in layer else None
-    to_np = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    to_np = lambda a: (np.array if copy else np.asarray)(a.astype(mx.float32))  # noqa: E731
     return to_np(w), (to_np(b) if b is not None else None)
 
 
@@ -189,19 +190,20 @@ def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
         )
 
 
-def _np(a: Any) -> np.ndarray:
+def _np(a: Any, copy: bool = True) -> np.ndarray:
     import mlx.core as mx
 
-    return np.array(a.astype(mx.float32))
+    return (np.array if copy else np.asarray)(a.astype(mx.float32))
 
 
-def _weight_sources(model: Any) -> dict[str, Callable[[], np.ndarray]]:
+def _weight_sources(model: Any, copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
     """Every weight the builder reads, by key ('embed', 'head', 'norm', '{layer}.q_proj',
     '{layer}.q_proj.bias', ...), as a function that makes it (float32 numpy, dequantized): the
-    spec makes them all, `draft_sha256` one at a time. A tied head is the embedding's function."""
+    spec makes them all, `draft_sha256` one at a time (copy=False: views of MLX's arrays where
+    it can). A tied head is the embedding's function."""
     inner = getattr(model, "language_model", model).model
-    dense = lambda layer: lambda: _dense(layer)[0]  # noqa: E731
-    plain = lambda a: lambda: _np(a)  # noqa: E731
+    dense = lambda layer: lambda: _dense(layer, copy)[0]  # noqa: E731
+    plain = lambda a: lambda: _np(a, copy)  # noqa: E731
     src: dict[str, Callable[[], np.ndarray]] = {"embed": dense(inner.embed_tokens)}
     for i, layer in enumerate(inner.layers):
         a, m = layer.self_attn, layer.mlp
@@ -230,7 +232,7 @@ def _tied(model: Any) -> bool:
 def draft_sha256(model: Any) -> str:
     """The spec's `draft_sha256` of a loaded draft, one weight in memory at a time (a 0.6B draft's
     float32 weights are 2.4 GB)."""
-    return _weights_sha256(_weight_sources(model))
+    return _weights_sha256(_weight_sources(model, copy=False))
 
 
 def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> DraftSpec:

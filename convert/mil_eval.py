@@ -97,7 +97,32 @@ def _matmul(op: Any, env: "Env") -> np.ndarray:
 
 
 def _constexpr(op: Any, env: "Env") -> Any:
+    if op.op_type == "constexpr_lut_to_dense" and op.lut.val.shape[-1] == 1:
+        return _lut_to_dense(op.indices.val, op.lut.val[..., 0])
     return op.materialized_val_inference()
+
+
+def _lut_to_dense(indices: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """A palettized weight: table (*groups, palette) looked up at each index, the group of an
+    element being its position divided by the block size along each axis. coremltools' own
+    lut_to_dense first repeats the palette for every weight (16 or 64 values each: 0.5-2 GB for
+    one 16384 x 1024 head piece); this is one fancy-indexing lookup."""
+    r = indices.ndim
+    ix = tuple((np.arange(n) // (n // g)).reshape([-1 if j == k else 1 for j in range(r)])
+               for k, (n, g) in enumerate(zip(indices.shape, table.shape[:-1])))
+    return table[ix + (indices,)]
+
+
+def _release_inputs(op: Any) -> None:
+    """Drop the constants only this (materialised, never run again) op reads: a lut4 package's
+    indices are a byte per weight in each function, 1.2 GB at 0.6B."""
+    for var in op.inputs.values():
+        src = getattr(var, "op", None)
+        if src is not None and src.op_type == "const" and len(var.child_ops) == 1:
+            var._sym_val = None
+            inner = getattr(src, "val", None)
+            if inner is not None and hasattr(inner, "_sym_val"):
+                inner._sym_val = None
 
 
 STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
@@ -243,6 +268,7 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
         if op.op_type.startswith("constexpr_"):  # materialised once per runner, shared by functions
             v = np.asarray(_constexpr(op, env))
             op.outputs[0]._sym_val = _Held(env.weights.share(v) if v.dtype == np.float16 else v)
+            _release_inputs(op)
             continue
         if op.op_type in STAND_INS:
             vals = STAND_INS[op.op_type](op, env)

@@ -22,9 +22,14 @@ weights the package holds, dequantized, in fp16): so every draft, quantized or n
 fp16 tolerance of its package mode. It prefills each committed context once (its logits are the
 extend rows' reference), runs the greedy window one token at a time on that cache, and runs the
 branch rows as batches of branch paths on top of the context plus the window prefix they start
-with (no full-sequence forward per row, no shared prefix computed twice). `Budget` bounds the
-check in seconds (steps not started when it runs out are skipped) or in rollout rows compared (a
-seeded sample of whole branches per step); the verdict line says what was compared.
+with (no full-sequence forward per row, no shared prefix computed twice).
+
+What is checked: by default every step of every prompt; from REAL_SIZE (250M) dense parameters,
+where one step costs about a minute of CPU, the first step of each prompt (both functions, every
+row of those steps, and a rollback: every function and code path of the package, the MIL program
+being the same for every layer). `Budget` sets it otherwise: seconds (steps not started when it
+runs out are skipped), rollout rows compared (a seeded sample of whole branches per step), steps
+per prompt, or all. The verdict line says what was compared.
 """
 
 import re
@@ -48,22 +53,54 @@ PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to p
            "The sun was shining and the birds were singing in the tall green trees.")
 
 
+REAL_SIZE = 250_000_000  # dense parameters from which --verify runs one step per prompt by default
+
+
 @dataclass
 class Budget:
-    """How much of the check to run: `seconds` of wall time, or `rows` rollout rows compared."""
+    """How much of the check to run: `seconds` of wall time, `rows` rollout rows compared, or the
+    first `steps` steps of each prompt; `why` is what the verdict calls the cut."""
 
     seconds: Optional[float] = None
     rows: Optional[int] = None
+    steps: Optional[int] = None
+    why: str = "budget"
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
-        """'300s', '5m' (time) or '2000rows' (rollout rows compared)."""
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|rows)\s*", text or "")
-        if not m or float(m.group(1)) <= 0:
-            raise ConvertError(f"--verify-budget must be a time like 300s or 5m, or a row count like 2000rows "
-                               f"(got {text!r})")
+        """'300s', '5m' (time), '2000rows' (rollout rows compared), '1steps' (steps per prompt) or
+        'all' (every step and row, whatever the draft's size)."""
+        if (text or "").strip() == "all":
+            return cls()
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|rows|steps?)\s*", text or "")
+        if not m or float(m.group(1)) <= 0 or (m.group(2) not in ("s", "m") and not float(m.group(1)).is_integer()):
+            raise ConvertError(f"--verify-budget must be a time like 300s or 5m, a row count like 2000rows, steps per "
+                               f"prompt like 1steps, or all (got {text!r})")
         n, unit = float(m.group(1)), m.group(2)
+        if unit.startswith("step"):
+            return cls(steps=int(n), why=f"budget: {int(n)} per prompt")
         return cls(rows=int(n)) if unit == "rows" else cls(seconds=n * (60 if unit == "m" else 1))
+
+    @classmethod
+    def default(cls, parameters: int) -> "Budget":
+        """Everything for a small draft; one step per prompt (both functions, every row of those
+        steps, a rollback) from REAL_SIZE parameters, where each step costs about a minute of CPU."""
+        if parameters < REAL_SIZE:
+            return cls()
+        return cls(steps=1, why=f"{parameters / 1e6:.3g}M parameters: the first of each prompt by default; "
+                                "--verify-budget all runs every step")
+
+
+def dense_parameters(model: Any) -> int:
+    """The draft's weights as the package computes with them: a quantized MLX layer counted
+    dequantized, a tied head once (norms and biases are left out: they cost nothing)."""
+    n = 0
+    for _, m in model.named_modules():
+        if "weight" in m and hasattr(m, "scales"):
+            n += m.scales.size * m.group_size
+        elif "weight" in m and m.weight.ndim == 2:
+            n += m.weight.size
+    return n
 
 
 @dataclass
@@ -77,6 +114,7 @@ class Parity:
     calls: int = 0
     steps: int = 0  # rollout steps run
     planned_steps: int = 0
+    cut: str = "budget"  # why steps were left out, when they were
     max_abs: float = 0.0  # max |logit_package - logit_mlx|
     scale: float = 0.0  # max |logit_mlx|
     greedy: int = 0  # greedy tokens compared
@@ -101,7 +139,7 @@ class Parity:
             verdict += f" (NaN or inf logits in {self.nan_rows} rows)"
         q = "" if self.quantize == "none" else f" [{self.quantize}]"
         of = "" if self.rollout_rows == self.produced_rows else f" (sampled, of {self.produced_rows})"
-        cut = "" if self.steps == self.planned_steps else f", {self.steps} of {self.planned_steps} steps (budget)"
+        cut = "" if self.steps == self.planned_steps else f", {self.steps} of {self.planned_steps} steps ({self.cut})"
         return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows}{of} rollout rows "
                 f"({self.calls} rollout calls{cut}); max |dlogit| {self.max_abs:.4f} "
                 f"(tolerance {self.tolerance:.3f} = {TOLERANCE[self.quantize][0]:.0%} of logit range "
@@ -272,7 +310,6 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     from tqdm import tqdm
 
     package, draft = Path(package), Path(draft)
-    budget = budget or Budget()
     meta = read_metadata(package)
     if not (draft / "config.json").is_file():
         raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
@@ -286,10 +323,12 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     except Exception as e:  # noqa: BLE001
         raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); it is corrupt: rebuild it") from None
     model = float32_reference(model)
+    budget = budget or Budget.default(dense_parameters(model))
     draft_pkg = PackageDraft(runner, meta, trace=True)
-    report = Parity(meta["quantize"], planned_steps=steps * len(prompts))
+    report = Parity(meta["quantize"], planned_steps=steps * len(prompts), cut=budget.why)
     kappa, gamma = shapes.kappa, shapes.gamma
-    per_step = None if budget.rows is None else max(1, budget.rows // report.planned_steps)
+    per_prompt = min(steps, budget.steps or steps)
+    per_step = None if budget.rows is None else max(1, budget.rows // (per_prompt * len(prompts)))
     rng, start = np.random.default_rng(0), time.monotonic()
     contexts = [list(tokenizer.encode(text)) for text in prompts]
     for context in contexts:
@@ -299,11 +338,11 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
                 f"the verification prompt needs {need} context positions but the package has {shapes.context}; "
                 f"rebuild it with --context {max(need, 64)} or more"
             )
-    bar = tqdm(total=report.planned_steps, desc=f"verify {package.name}", unit="step",
+    bar = tqdm(total=per_prompt * len(prompts), desc=f"verify {package.name}", unit="step",
                disable=None if progress else True)  # None: shown on a terminal only
     for context in contexts:
         draft_pkg.reset()
-        for step in range(steps):
+        for step in range(per_prompt):
             if budget.seconds is not None and report.steps and time.monotonic() - start > budget.seconds:
                 break
             ref = Reference(model, context)
@@ -330,7 +369,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
             report.steps += 1
             a = step % (gamma + 1)  # accept a draft tokens, then the first candidate of row a
             context = context + stems[a * kappa]
-            if step == steps - 1:  # roll back: the cache must forget what was trimmed
+            if step == per_prompt - 1:  # roll back: the cache must forget what was trimmed
                 context = context[:-3] + [(context[-3] + 1) % draft_pkg.vocab_size]
                 draft_pkg.trace.extend.clear()
                 draft_pkg.sync(context)

@@ -40,3 +40,43 @@ def status() -> str:
     if _loaded:
         return f"BLAS: OpenBLAS preloaded ({_loaded})"
     return "BLAS: MLX reference BLAS (slow; install libopenblas0-pthread to speed up CPU matmuls)"
+
+
+def single_threaded() -> list[str]:
+    """Run every OpenBLAS in this process on one thread (numpy's own and the one preloaded for
+    MLX), unless OPENBLAS_NUM_THREADS is set; returns the libraries it set. For `convert --verify`:
+    its products are 64-row panels, which a second thread barely speeds up on an idle machine and
+    slows down badly on a busy one (threads spin waiting for a core: a 0.6B draft's verify took
+    378 s of CPU with two threads against 192 s with one, on a loaded 2-core machine)."""
+    if not sys.platform.startswith("linux") or os.environ.get("OPENBLAS_NUM_THREADS"):
+        return []
+    done = []
+    paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line and ".so" in line}
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(1)
+                done.append(path)
+                break
+    return done
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc serve blocks of up to 1 GB from its heap and keep up to 512 MB of freed heap
+    instead of handing each block back to the OS: a 0.6B package's verify allocates and frees 100s
+    of MB per call (KV state, logits), and every page handed back faults again on the next call (a
+    fifth of verify's CPU time went to the kernel). Process-wide, so for the `convert` command's
+    own process. Returns whether it was set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 29))

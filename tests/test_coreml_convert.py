@@ -541,3 +541,18 @@ def test_reference_rows_on_the_window_prefix_equal_full_forwards(demo_model):
     for p in paths:
         want = np.array(model(mx.array([ctx + list(p)]))[0, -1].astype(mx.float32))
         assert np.abs(got[p] - want).max() < 1e-4, p
+
+
+def test_verify_budget_parses_and_real_size_drafts_check_one_step_per_prompt(demo_pkg, demo_model, monkeypatch):
+    from mirror_mlx.convert import parity
+    from mirror_mlx.convert.parity import Budget
+
+    assert Budget.parse("5m").seconds == 300 and Budget.parse("2000rows").rows == 2000
+    assert Budget.parse("1steps").steps == 1 and Budget.parse("all") == Budget()
+    with pytest.raises(ConvertError, match="--verify-budget must be"):
+        Budget.parse("1.5steps")
+    assert Budget.default(parity.REAL_SIZE - 1) == Budget() and Budget.default(596_049_920).steps == 1
+    monkeypatch.setattr(parity, "REAL_SIZE", 1000)  # the demo draft counts as real size
+    report = verify(demo_pkg, DEMO_DRAFT, model=demo_model[0], tokenizer=demo_model[1])
+    assert report.ok and (report.steps, report.planned_steps) == (2, 6)
+    assert "2 of 6 steps (0.279M parameters: the first of each prompt by default" in report.line()
