@@ -200,6 +200,7 @@ class TargetSide:
                 c.trim(c.offset - self.base - len(self.cached))
         if tokens is not None:
             self.hold(tokens)
+        mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
         self.reset()
 
     def reset(self) -> None:

@@ -99,15 +99,14 @@ def given_cache(prompt_cache: Any) -> PromptCache:
     return PromptCache(cache, tokens, {}, origin="list")
 
 
-def hand_back(given: PromptCache, start: int, ids: list[int], yielded: list[int], clean: bool) -> None:
-    """Leave the caller's cache as mlx-lm would after these records: `start` rows, the prompt and every
+def hand_back(given: PromptCache, start: int, ids: list[int], yielded: list[int]) -> None:
+    """Leave the caller's cache as mlx-lm would after these records: its `start` rows, the prompt and every
     yielded token (the engine left every committed one: the rest of a step that the caller did not take
-    is trimmed), and remember the ids when they are known. After an error, forget them."""
+    is trimmed; after an error, a prefix of them), and remember the ids when they are known."""
     extra = given.length - start - len(ids) - len(yielded)
-    if clean and extra > 0 and trim_prompt_cache(given.cache, extra) != extra:
-        clean = False
-    if clean and given.tokens is not None and given.length == len(given.tokens) + len(ids) + len(yielded):
-        _held_ids[given.cache[0]] = list(given.tokens) + list(ids) + list(yielded)
+    trimmed = extra <= 0 or trim_prompt_cache(given.cache, extra) == extra
+    if trimmed and given.tokens is not None and len({int(c.offset) for c in given.cache}) == 1:
+        _held_ids[given.cache[0]] = (list(given.tokens) + list(ids) + list(yielded))[: given.length]
     else:
         _held_ids.pop(given.cache[0], None)
 
@@ -132,7 +131,8 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
 
     `prompt_cache`: make_prompt_cache(model)'s list, extended in place as mlx-lm does: afterwards it holds
     what it held, the prompt and every token yielded (the last, and an end-of-sequence token, included),
-    also when the caller stops early; the prompt is only what follows the cached text. Every mode works
+    also when the caller stops early (after an error: a prefix of those, the rows known to be right); the
+    prompt is only what follows the cached text. Every mode works
     on a cache that is empty or that only these calls filled (their ids are remembered for the draft);
     one that mlx-lm filled, or a RotatingKVCache (make_prompt_cache's max_kv_size), works in mode "ar"
     only. While the stream runs the cache is the stream's. As mlx-lm, `max_kv_size` is ignored when a
@@ -161,7 +161,6 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     chunks = pipe.stream(ids, prompt_cache=given, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
                          logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs)
     yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
-    clean = False
     try:
         for chunk in chunks:
             last = len(chunk.tokens) - 1
@@ -180,14 +179,10 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
                 yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
                                from_draft=pipe.stats.from_draft[-1], generation_tokens=chunk.generation_tokens,
                                finish_reason="stop", stats=stats, **common)
-        clean = True
-    except GeneratorExit:  # the caller stopped early: the cache keeps what was yielded, as mlx-lm's does
-        clean = True
-        raise
-    finally:
+    finally:  # (also when the caller stops early: the cache keeps what was yielded, as mlx-lm's does)
         chunks.close()  # the engine hands the prompt cache back, holding every committed token
         if given is not None:
-            hand_back(given, start, ids, yielded, clean)
+            hand_back(given, start, ids, yielded)
 
 
 def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], verbose: bool = False,

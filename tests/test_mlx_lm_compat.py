@@ -240,6 +240,36 @@ def test_stopping_early_leaves_what_was_yielded_as_mlx_lm_does(tmp_path):
     assert turn(caches["mirror"], " Then", "mirror", pair) == turn(caches["mlx-lm"], " Then", pair=pair)
 
 
+def test_after_an_error_the_cache_holds_a_prefix_of_the_records_and_stays_usable(pair):
+    """A logits processor raises mid-generation: the error reaches the caller, the cache holds the prompt
+    and a prefix of the yielded tokens (every layer alike), and the next turn, in mirror mode still, gives
+    what mlx-lm gives on a cache of those same tokens."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer, draft = pair
+    calls = []
+
+    def fails_late(tokens, logits):
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("processor failed")
+        return logits
+
+    cache, records = make_prompt_cache(model), []
+    prompt = tokenizer.encode("Once upon a time")
+    with pytest.raises(RuntimeError, match="processor failed"):
+        for r in mirror_mlx.stream_generate(model, tokenizer, prompt, max_tokens=40, draft_model=draft, kappa=4,
+                                            gamma=4, prompt_cache=cache, logits_processors=[fails_late]):
+            records.append(r.token)
+    assert records and len(set(offsets(cache))) == 1
+    assert len(prompt) <= cache[0].offset <= len(prompt) + len(records)
+    held = (prompt + records)[: cache[0].offset]
+    theirs = make_prompt_cache(model)
+    for _ in generate_step(mx.array(held), model, max_tokens=0, prompt_cache=theirs):  # (mlx_lm.cache_prompt's way)
+        pass
+    assert turn(cache, " Then", "mirror", pair) == turn(theirs, " Then", pair=pair)
+
+
 def test_a_cache_that_mlx_lm_filled_continues_in_ar_and_the_draft_modes_name_the_fix(pair):
     """mlx-lm keeps no token ids: its prefix is opaque to the draft, so ar continues it (exactly as
     mlx-lm does) and sd/mirror refuse in one sentence."""
