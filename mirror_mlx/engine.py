@@ -173,8 +173,9 @@ class TargetSide:
         self.adapter = adapter
         self.tapped: Optional[EarlyExitTarget] = None
         self.cache: list[Any] = trimmable_cache(model)
-        self.cached: list[int] = []  # tokens whose keys/values the cache holds
-        self.opaque = False  # the cache starts with a loaded prefix of unknown tokens (before `cached`)
+        self.cached: list[int] = []  # tokens whose keys/values the cache holds (after `base` rows)
+        self.base = 0  # rows before `cached`: a given prompt cache's prefix of unknown tokens
+        self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
 
@@ -185,22 +186,43 @@ class TargetSide:
             self.tapped = EarlyExitTarget(self.model, exit_layer, adapter_for(self.adapter, exit_layer))
 
     def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
-        """Continue a loaded prompt cache: it holds `tokens`, or (None) a prefix of unknown tokens that
-        the prompt follows (an mlx_lm.cache_prompt file; mode ar only)."""
-        self.cache, self.cached, self.opaque = cache, list(tokens or []), tokens is None
+        """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
+        (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
+        self.cache, self.cached, self.adopted = cache, list(tokens or []), True
+        self.base = int(cache[0].offset) - len(self.cached)
 
-    def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
-        """Make the cache hold prompt[:-1]; reuse the longest cached prefix. Returns tokens run."""
-        head = list(prompt[:-1])
-        keep = common_prefix(self.cached, head)
+    def release(self, tokens: Optional[list[int]]) -> None:
+        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
+        last committed token too, which no step ran); with None (a step was cut), only the rows known to be
+        right. Then take a fresh cache: no later call touches the caller's."""
+        for c in self.cache:  # rows a cut forward added and no verify trimmed
+            if c.offset > self.base + len(self.cached):
+                c.trim(c.offset - self.base - len(self.cached))
+        if tokens is not None:
+            self.hold(tokens)
+        mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh, empty cache of our own."""
+        self.cache, self.cached, self.base, self.adopted = trimmable_cache(self.model), [], 0, False
+
+    def hold(self, tokens: Sequence[int], step_size: int = 2048) -> int:
+        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run."""
+        tokens = list(tokens)
+        keep = common_prefix(self.cached, tokens)
         if keep < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - keep)
-        new = head[keep:]
+        new = tokens[keep:]
         for i in range(0, len(new), step_size):
             self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        self.cached = head
+        self.cached = tokens
         return len(new)
+
+    def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
+        """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
+        return self.hold(prompt[:-1], step_size)
 
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
                post: Callable[[list[list[int]]], None]) -> list[list[int]]:
@@ -360,9 +382,7 @@ class Engine:
                 self._drop_draft(e, self.stats)
 
     def _reset_target(self) -> None:
-        self.target.cache = trimmable_cache(self.target_model)
-        self.target.cached = []
-        self.target.opaque = False
+        self.target.reset()
 
     def check(self, prompt: Sequence[int], opts: DecodeOptions,
               prompt_cache: Optional[PromptCache] = None) -> tuple[list[int], DecodeOptions]:
@@ -403,13 +423,13 @@ class Engine:
                  prompt_cache: Optional[PromptCache] = None) -> Iterator[list[int]]:
         """Yield committed tokens, a chunk per step, until max_tokens or a stop token.
 
-        `prompt_cache`: the target continues this loaded cache (extended in place), as mlx_lm.generate
-        with a prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see `check`).
+        `prompt_cache`: the target continues this cache, extended in place, as mlx_lm.generate with a
+        prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see `check`). When the generation ends (or
+        is closed) the cache holds the prompt and every committed token, the last (or the
+        end-of-sequence token) included, as mlx-lm leaves it, and the engine goes on with a cache of its own.
         """
         prompt, opts = self.check(prompt, opts, prompt_cache)
-        if prompt_cache is not None:
-            self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
-        elif self.target.opaque:  # the last generation continued unknown tokens: start afresh
+        if self.target.adopted:  # (a caller's cache is released when its generation ends; never reused)
             self.target_worker.call(self._reset_target)
         mode = opts.mode if self.draft_failure is None else "ar"
         # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
@@ -427,25 +447,29 @@ class Engine:
         mx.reset_peak_memory()
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
-        t0 = time.perf_counter()
+        t0 = t_decode = time.perf_counter()
         failed: list[BaseException] = []
-        if mode != "ar":  # the draft prefills beside the target
-            _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-        stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
-        if mode != "ar":
-            try:
-                if failed:
-                    raise failed[0]
-                self.host.wait_done(opts.draft_timeout)
-            except Exception as e:  # the draft cannot even prefill: the target alone, visibly
-                self._drop_draft(e, stats)
-                mode = stats.mode = "ar"
-        stats.prefill_seconds = time.perf_counter() - t0
         committed, produced = list(prompt), 0
         run = self.loop.run
-        t_decode = time.perf_counter()
-        stepping = False  # inside a step: the target's cache may hold rows that no verify has trimmed yet
+        # in a prefill or a step: the target's cache may hold rows that `cached` does not list yet
+        stepping = True
+        if prompt_cache is not None:
+            self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
         try:
+            if mode != "ar":  # the draft prefills beside the target
+                _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
+            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
+            if mode != "ar":
+                try:
+                    if failed:
+                        raise failed[0]
+                    self.host.wait_done(opts.draft_timeout)
+                except Exception as e:  # the draft cannot even prefill: the target alone, visibly
+                    self._drop_draft(e, stats)
+                    mode = stats.mode = "ar"
+            stats.prefill_seconds = time.perf_counter() - t0
+            t_decode = time.perf_counter()
+            stepping = False
             window = None
             if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
                 window = run(self._timed_rollout(committed, opts, stats)) if opts.max_tokens > 1 else []
@@ -482,7 +506,9 @@ class Engine:
                 if stop is not None:
                     break
         finally:
-            if stepping:  # a step was cut (an error, a KeyboardInterrupt raised in a worker): forget the cache
+            if prompt_cache is not None:  # back to the caller: every committed token, or (cut) the rows known right
+                self.target_worker.call(self.target.release, None if stepping else committed)
+            elif stepping:  # a prefill or step was cut (an error, a KeyboardInterrupt in a worker): forget the cache
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -10,16 +10,26 @@ As in mlx-lm, a string prompt is encoded as is (no chat template: template it yo
 `tokenizer.apply_chat_template`). The records are mlx-lm's `GenerationResponse` plus our `stats`.
 A Pipeline (its worker threads, its caches) is kept per (model, draft) pair, so repeated calls reuse
 it; the last `KEEP` pairs stay, older ones are closed.
+
+`prompt_cache=` is mlx-lm's: the list `mlx_lm.models.cache.make_prompt_cache(model)` returns (the
+target's layers; mirror-mlx keeps the draft's cache itself), extended in place, so each turn's prompt
+is only its new text:
+
+    cache = make_prompt_cache(model)
+    for turn in turns:
+        for r in stream_generate(model, tokenizer, turn, draft_model=draft, prompt_cache=cache): ...
 """
 
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import MLXDraft
@@ -27,9 +37,12 @@ from .draft_api import Draft
 from .engine import Stats
 from .options import OPTION_NAMES
 from .pipeline import Pipeline, encode
+from .prompt_cache import PromptCache
 
 KEEP = 2
 _pipelines: dict = {}  # (id(model), id(draft_model), id(tokenizer)) -> (model, draft_model, tokenizer, Pipeline)
+# a prompt_cache's first layer -> the ids our calls left in it (the draft needs them; mlx-lm keeps none)
+_held_ids: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -63,6 +76,41 @@ def pipeline(model: nn.Module, tokenizer: Any, draft_model: Union[nn.Module, Dra
     return _pipelines[key][-1]
 
 
+def given_cache(prompt_cache: Any) -> PromptCache:
+    """The caller's make_prompt_cache list as the engine's PromptCache: with the ids it holds when it is
+    empty or our own calls filled it, else none (what mlx-lm put there is opaque: mode ar only). Ours are
+    recognised by length: a cache that something else trimmed and refilled to that same length is not told apart.
+    """
+    if not isinstance(prompt_cache, (list, tuple)) or not prompt_cache or \
+            not all(hasattr(c, "offset") and hasattr(c, "state") for c in prompt_cache):
+        raise ValueError("prompt_cache must be the list mlx_lm.models.cache.make_prompt_cache(model) returns "
+                         f"(got {'an empty ' if isinstance(prompt_cache, (list, tuple)) else ''}"
+                         f"{type(prompt_cache).__name__})")
+    cache = list(prompt_cache)
+    mx.eval([c.state for c in cache])  # computed here: the target's worker thread cannot evaluate this thread's graph
+    lengths = {int(c.offset) for c in cache}
+    known = _held_ids.get(cache[0])
+    if lengths == {0}:
+        tokens: Optional[list] = []
+    elif len(lengths) == 1 and known is not None and len(known) == lengths.pop():
+        tokens = list(known)
+    else:
+        tokens = None
+    return PromptCache(cache, tokens, {}, origin="list")
+
+
+def hand_back(given: PromptCache, start: int, ids: list[int], yielded: list[int]) -> None:
+    """Leave the caller's cache as mlx-lm would after these records: its `start` rows, the prompt and every
+    yielded token (the engine left every committed one: the rest of a step that the caller did not take
+    is trimmed; after an error, a prefix of them), and remember the ids when they are known."""
+    extra = given.length - start - len(ids) - len(yielded)
+    trimmed = extra <= 0 or trim_prompt_cache(given.cache, extra) == extra
+    if trimmed and given.tokens is not None and len({int(c.offset) for c in given.cache}) == 1:
+        _held_ids[given.cache[0]] = (list(given.tokens) + list(ids) + list(yielded))[: given.length]
+    else:
+        _held_ids.pop(given.cache[0], None)
+
+
 def close_all() -> None:
     """Close every cached Pipeline (their worker threads); runs at exit, before the thread pools shut down."""
     while _pipelines:
@@ -80,6 +128,15 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     `seed` makes sampling mode-invariant (the draw for each position is keyed by (seed, position));
     `num_draft_tokens` (mlx-lm's window) is γ; `knobs` are Pipeline.generate's: kappa, gamma, exit_layer,
     temperature, top_p, top_k, min_p, repetition_penalty (`sampler=` replaces the sampling settings).
+
+    `prompt_cache`: make_prompt_cache(model)'s list, extended in place as mlx-lm does: afterwards it holds
+    what it held, the prompt and every token yielded (the last, and an end-of-sequence token, included),
+    also when the caller stops early (after an error: a prefix of those, the rows known to be right); the
+    prompt is only what follows the cached text. Every mode works
+    on a cache that is empty or that only these calls filled (their ids are remembered for the draft);
+    one that mlx-lm filled, or a RotatingKVCache (make_prompt_cache's max_kv_size), works in mode "ar"
+    only. While the stream runs the cache is the stream's. As mlx-lm, `max_kv_size` is ignored when a
+    prompt_cache is given (the cache's own layers decide).
     """
     unknown = sorted(set(knobs) - set(OPTION_NAMES) - {"stop_tokens"})
     if unknown:
@@ -90,33 +147,42 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
         knobs["gamma"] = num_draft_tokens
     if max_tokens == 0 or max_tokens < -1:
         raise ValueError(f"max_tokens must be positive or -1 for no limit (got {max_tokens})")
+    given = None
     if prompt_cache is not None:
-        raise ValueError("prompt_cache= is not supported: mirror-mlx keeps the target's and the draft's caches "
-                         "itself and reuses the longest common prefix of successive prompts, so pass the whole "
-                         "prompt (the conversation so far) each time instead")
+        given = given_cache(prompt_cache)
+        max_kv_size = None  # as mlx-lm: a given cache is used as it is
     pipe = pipeline(model, tokenizer, draft_model)
     ids = encode(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
                                                                           (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    start = given.length if given is not None else 0
     if max_tokens == -1:
-        max_tokens = max(1, (pipe.engine.context_length or len(ids) + 2 ** 20) - len(ids))
+        max_tokens = max(1, (pipe.engine.context_length or start + len(ids) + 2 ** 20) - start - len(ids))
     mode = mode or ("mirror" if draft_model is not None else "ar")
-    for chunk in pipe.stream(ids, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
-                             logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs):
-        last = len(chunk.tokens) - 1
-        stats = pipe.stats if chunk.finish_reason else None
-        done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
-        common = dict(logprobs=None, prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
-                      generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
-        for i, (token, text, drafted) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft)):
-            final = chunk.finish_reason == "length" and i == last
-            yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""), token=token,
-                           from_draft=drafted, generation_tokens=done + i + 1,
-                           finish_reason="length" if final else None, stats=stats if final else None, **common)
-        if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
-            yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
-                           from_draft=pipe.stats.from_draft[-1], generation_tokens=chunk.generation_tokens,
-                           finish_reason="stop",
-                           stats=stats, **common)
+    chunks = pipe.stream(ids, prompt_cache=given, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
+                         logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs)
+    yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
+    try:
+        for chunk in chunks:
+            last = len(chunk.tokens) - 1
+            stats = pipe.stats if chunk.finish_reason else None
+            done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
+            common = dict(logprobs=None, prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
+                          generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
+            for i, (token, text, drafted) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft)):
+                final = chunk.finish_reason == "length" and i == last
+                yielded.append(token)
+                yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
+                               token=token, from_draft=drafted, generation_tokens=done + i + 1,
+                               finish_reason="length" if final else None, stats=stats if final else None, **common)
+            if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
+                yielded.append(chunk.stop_token)
+                yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
+                               from_draft=pipe.stats.from_draft[-1], generation_tokens=chunk.generation_tokens,
+                               finish_reason="stop", stats=stats, **common)
+    finally:  # (also when the caller stops early: the cache keeps what was yielded, as mlx-lm's does)
+        chunks.close()  # the engine hands the prompt cache back, holding every committed token
+        if given is not None:
+            hand_back(given, start, ids, yielded)
 
 
 def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], verbose: bool = False,

@@ -6,6 +6,9 @@ target continues from the keys and values alone (mode ar, exactly as mlx_lm.gene
 draft needs the tokens themselves, so sd and mirror need a file that also holds them:
 `mirror-mlx cache-prompt` writes mlx-lm's format, computed as mlx_lm.cache_prompt computes it, plus
 the ids in the metadata entry TOKENS (mlx-lm reads such a file as its own).
+
+The same class carries `prompt_cache=` of mirror_mlx.stream_generate (origin "list": the caller's
+make_prompt_cache list, whose ids are known when mirror-mlx's own calls filled it).
 """
 
 import json
@@ -21,12 +24,15 @@ TOKENS = "mirror_mlx_tokens"  # metadata entry: the cached prefix's token ids, a
 
 @dataclass
 class PromptCache:
-    """A loaded prompt cache: the target's per-layer caches, the prefix's ids (None in mlx-lm's own
-    files) and the file's metadata. The prompt given with it is what follows the prefix."""
+    """A prompt cache: the target's per-layer caches, the prefix's ids (None in mlx-lm's own files,
+    and in a list that mlx-lm filled) and the file's metadata. The prompt given with it is what
+    follows the prefix. `origin`: "file" (read) or "list" (stream_generate's prompt_cache=), for the
+    errors' advice."""
 
     cache: list
     tokens: Optional[list[int]]
     metadata: dict
+    origin: str = "file"
 
     @property
     def length(self) -> int:
@@ -47,11 +53,18 @@ class PromptCache:
 
     def check(self, mode: str, n_layers: int) -> None:
         """Raise ValueError (one sentence) when this cache cannot serve `mode` on a target of `n_layers`."""
+        listed = self.origin == "list"
         if len(self.cache) != n_layers:
             raise ValueError(f"the prompt cache holds {len(self.cache)} layers but the target has {n_layers}: it was "
-                             "made for another model")
+                             "made for another model" + (" (give make_prompt_cache(model) of the target alone: "
+                                                         "mirror-mlx keeps the draft's cache itself)" if listed else ""))
         if mode == "ar":
             return
+        if self.tokens is None and listed:
+            raise ValueError(f"mode {mode!r} needs the cached prompt's token ids (the draft reads them) and this "
+                             "prompt_cache holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill "
+                             "it only with mirror_mlx.stream_generate/generate calls, from an empty "
+                             "make_prompt_cache(model), or use mode='ar'")
         if self.tokens is None:
             raise ValueError(f"mode {mode!r} needs the cached prompt's token ids (the draft reads them) and this "
                              "prompt cache has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "

@@ -1,5 +1,6 @@
-"""mlx-lm users feel at home: `mirror_mlx.stream_generate` / `generate` drop in for mlx_lm's, `load()`
-takes mlx_lm.load's options and refuses unknown ones, and a templated prompt is never templated twice.
+"""mlx-lm users feel at home: `mirror_mlx.stream_generate` / `generate` drop in for mlx_lm's (a
+`prompt_cache=` list included), `load()` takes mlx_lm.load's options and refuses unknown ones, and a
+templated prompt is never templated twice.
 
 Everything runs the embedded demo pair (stories260K target, llama2xs draft, one real tokenizer).
 """
@@ -14,6 +15,7 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx.utils import tree_flatten
@@ -137,8 +139,6 @@ def test_one_pipeline_per_model_pair(pair):
 
 def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
     model, tokenizer, draft = pair
-    with pytest.raises(ValueError, match="prompt_cache= is not supported.*pass the whole prompt"):
-        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=draft, prompt_cache=[]))
     with pytest.raises(ValueError, match="max_kv_size 8 is smaller than the prompt"):
         next(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft, max_kv_size=8))
     assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft,
@@ -149,6 +149,160 @@ def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
                                                num_draft_tokens=2))) == 6  # mlx-lm's window is γ
     with pytest.raises(TypeError, match="mlx-lm model"):
         next(mirror_mlx.stream_generate(str(TARGET_PATH), tokenizer, "Hi"))
+
+
+# --- prompt_cache=: mlx-lm's make_prompt_cache list, extended in place ------------------------------
+
+TURNS = ["Once upon a time", " Tom went to the park.", " Then Lily said"]  # each turn: only its new text
+
+
+def offsets(cache):
+    return [c.offset for c in cache]
+
+
+def turn(cache, text, mode=None, pair=None, **kwargs):
+    """One turn on `cache`: mlx-lm's own stream_generate (mode None) or ours; the tokens, then the offset."""
+    model, tokenizer, draft = pair
+    if mode is None:
+        records = mlx_stream_generate(model, tokenizer, text, max_tokens=12, prompt_cache=cache, **kwargs)
+    else:
+        records = mirror_mlx.stream_generate(model, tokenizer, text, max_tokens=12, draft_model=draft, mode=mode,
+                                             kappa=4, gamma=4, prompt_cache=cache, **kwargs)
+    return [r.token for r in records], cache[0].offset
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_turns(pair):
+    """mlx-lm's conversation over TURNS on its own make_prompt_cache: per turn (tokens, offset), and the cache."""
+    cache = make_prompt_cache(pair[0])
+    return [turn(cache, text, pair=pair) for text in TURNS], cache
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_a_prompt_cache_carries_a_conversation_exactly_as_in_mlx_lm(pair, mlx_lm_turns, mode):
+    """Every turn gives mlx-lm's tokens, and leaves the cache as mlx-lm's: the prompt and every generated
+    token (the last included) appended, the same keys and values."""
+    model, tokenizer, draft = pair
+    expected, their_cache = mlx_lm_turns
+    cache = make_prompt_cache(model)
+    for text, (tokens, offset) in zip(TURNS, expected):
+        assert turn(cache, text, mode, pair) == (tokens, offset)
+        assert offsets(cache) == [offset] * len(cache)
+    for ours, theirs in zip(cache, their_cache):
+        k, v = ours.keys_and_values()
+        tk, tv = theirs.keys_and_values()
+        assert mx.allclose(k, tk, atol=1e-4) and mx.allclose(v, tv, atol=1e-4)
+    # the draft read the cached turns' ids (they were ours): it still proposes tokens
+    last = list(mirror_mlx.stream_generate(model, tokenizer, " and", max_tokens=12, draft_model=draft, mode=mode,
+                                           prompt_cache=cache))
+    assert any(r.from_draft for r in last) == (mode != "ar")
+    assert last[0].prompt_tokens == len(tokenizer.encode(" and"))  # mlx-lm's count: the new text only
+
+
+def test_after_a_prompt_cache_call_the_engine_keeps_its_own_cache(pair):
+    """No aliasing: later calls without prompt_cache neither extend the caller's cache nor continue it;
+    as in mlx-lm, max_kv_size is ignored when a prompt_cache is given."""
+    model, tokenizer, draft = pair
+    cache = make_prompt_cache(model)
+    turn(cache, "Once upon a time", "mirror", pair, max_kv_size=8)  # (alone, 8 would be refused: too small)
+    held = offsets(cache)
+    keys = mx.array(cache[0].keys_and_values()[0])
+    alone = [r.token for r in mirror_mlx.stream_generate(model, tokenizer, "The dog", max_tokens=12,
+                                                         draft_model=draft)]
+    assert offsets(cache) == held and mx.array_equal(cache[0].keys_and_values()[0], keys)
+    assert alone == [r.token for r in mlx_stream_generate(model, tokenizer, "The dog", max_tokens=12)]
+
+
+def test_stopping_early_leaves_what_was_yielded_as_mlx_lm_does(tmp_path):
+    """The caller leaves the loop after 3 records, mid-step: the cache holds the prompt and those 3 tokens,
+    as mlx-lm's, so the next turn gives mlx-lm's tokens; an end-of-sequence token stays in it too."""
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    draft, _ = mlx_load(str(DRAFT_PATH))
+    tokenizer.add_eos_token(".")  # the second turn ends at "."
+    pair = (model, tokenizer, draft)
+    caches = {"mlx-lm": make_prompt_cache(model), "mirror": make_prompt_cache(model)}
+    for who, cache in caches.items():
+        records = (mlx_stream_generate(model, tokenizer, "Once upon a time", max_tokens=40, prompt_cache=cache)
+                   if who == "mlx-lm" else
+                   mirror_mlx.stream_generate(model, tokenizer, "Once upon a time", max_tokens=40, draft_model=draft,
+                                              kappa=4, gamma=4, prompt_cache=cache))
+        for n, r in enumerate(records, 1):
+            if n == 3:  # (mirror commits 5 tokens in its first step here)
+                break
+        records.close()  # (as leaving the loop does once the generator is dropped)
+        assert cache[0].offset == len(tokenizer.encode("Once upon a time")) + 3
+    ends = {who: list(mirror_mlx.stream_generate(model, tokenizer, " Tom", max_tokens=40, draft_model=draft,
+                                                   prompt_cache=cache)) if who == "mirror" else
+            list(mlx_stream_generate(model, tokenizer, " Tom", max_tokens=40, prompt_cache=cache))
+            for who, cache in caches.items()}
+    assert [r.token for r in ends["mirror"]] == [r.token for r in ends["mlx-lm"]]
+    assert ends["mirror"][-1].finish_reason == "stop" and caches["mirror"][0].offset == caches["mlx-lm"][0].offset
+    assert turn(caches["mirror"], " Then", "mirror", pair) == turn(caches["mlx-lm"], " Then", pair=pair)
+
+
+def test_after_an_error_the_cache_holds_a_prefix_of_the_records_and_stays_usable(pair):
+    """A logits processor raises mid-generation: the error reaches the caller, the cache holds the prompt
+    and a prefix of the yielded tokens (every layer alike), and the next turn, in mirror mode still, gives
+    what mlx-lm gives on a cache of those same tokens."""
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer, draft = pair
+    calls = []
+
+    def fails_late(tokens, logits):
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("processor failed")
+        return logits
+
+    cache, records = make_prompt_cache(model), []
+    prompt = tokenizer.encode("Once upon a time")
+    with pytest.raises(RuntimeError, match="processor failed"):
+        for r in mirror_mlx.stream_generate(model, tokenizer, prompt, max_tokens=40, draft_model=draft, kappa=4,
+                                            gamma=4, prompt_cache=cache, logits_processors=[fails_late]):
+            records.append(r.token)
+    assert records and len(set(offsets(cache))) == 1
+    assert len(prompt) <= cache[0].offset <= len(prompt) + len(records)
+    held = (prompt + records)[: cache[0].offset]
+    theirs = make_prompt_cache(model)
+    for _ in generate_step(mx.array(held), model, max_tokens=0, prompt_cache=theirs):  # (mlx_lm.cache_prompt's way)
+        pass
+    assert turn(cache, " Then", "mirror", pair) == turn(theirs, " Then", pair=pair)
+
+
+def test_a_cache_that_mlx_lm_filled_continues_in_ar_and_the_draft_modes_name_the_fix(pair):
+    """mlx-lm keeps no token ids: its prefix is opaque to the draft, so ar continues it (exactly as
+    mlx-lm does) and sd/mirror refuse in one sentence."""
+    model, tokenizer, draft = pair
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    for cache in (ours, theirs):
+        turn(cache, TURNS[0], pair=pair)  # mlx-lm fills both
+    for mode in ("sd", "mirror"):
+        with pytest.raises(ValueError, match=f"mode '{mode}' needs the cached prompt's token ids .*mlx-lm filled it"
+                                             ".* or use mode='ar'"):
+            turn(ours, TURNS[1], mode, pair)
+    assert offsets(ours) == offsets(theirs)  # refused before any work
+    for text in TURNS[1:]:
+        assert turn(ours, text, "ar", pair) == turn(theirs, text, pair=pair)
+
+
+def test_a_rotating_cache_serves_ar_only_and_another_model_s_cache_is_refused(pair):
+    """A rotating cache (what make_prompt_cache(model, max_kv_size=24) makes for a model without its own
+    make_cache; the demo target has one) cannot roll back draft tokens: ar continues it as mlx-lm does,
+    past its size too; mirror refuses. A cache of another shape is refused before any work."""
+    model, tokenizer, draft = pair
+    rotating, theirs = ([RotatingKVCache(max_size=24, keep=4) for _ in model.layers] for _ in range(2))
+    with pytest.raises(ValueError, match="holds RotatingKVCache layers, which cannot roll back rejected draft "
+                                         "tokens: use mode='ar'"):
+        turn(rotating, TURNS[0], "mirror", pair)
+    for text in TURNS:
+        assert turn(rotating, text, "ar", pair) == turn(theirs, text, pair=pair)
+    with pytest.raises(ValueError, match="holds 3 layers but the target has 5: it was made for another model"):
+        turn(make_prompt_cache(model)[:3], TURNS[0], "ar", pair)
+    with pytest.raises(ValueError, match="holds 10 layers .*give make_prompt_cache\\(model\\) of the target alone"):
+        turn(make_prompt_cache(model) + make_prompt_cache(draft), TURNS[0], "mirror", pair)  # mlx-lm's speculative list
+    with pytest.raises(ValueError, match="prompt_cache must be the list .*make_prompt_cache\\(model\\) returns"):
+        turn([], TURNS[0], "ar", pair)
 
 
 @pytest.mark.parametrize("kwargs, name", [(dict(draft="x"), "draft"), (dict(modle="x"), "modle")])
