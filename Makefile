@@ -15,7 +15,7 @@ demo: setup  # the demo pair widened to a realistic cost (build/), mode auto, an
 	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 128
 
 test: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15 tests
 
 fuzz: setup  # many more random inputs than `make test` runs (MIRROR_MLX_FUZZ_EXAMPLES=500 by default)
 	MIRROR_MLX_FUZZ=fuzz $(PY) -m pytest -q tests/test_fuzz.py
