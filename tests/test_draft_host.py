@@ -223,7 +223,9 @@ def test_no_runtime_module_imports_the_builders():
 
 
 SIGNAL_SCRIPT = textwrap.dedent("""
-    import mirror_mlx
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, even when this suite
+    import mirror_mlx                                          # runs as a background job (SIGINT ignored)
     pipe = mirror_mlx.load()
     host = pipe.engine.host
     print(host.pid, host.req.ring.name, host.rep.ring.name, flush=True)
@@ -237,11 +239,13 @@ def test_sigterm_or_ctrl_c_mid_generation_leaves_no_host_and_no_segment(tmp_path
     """Ctrl-C reaches the whole process group (the host ignores it; the engine's exit stops it);
     SIGTERM kills the engine at once (the host sees its pipe close, the resource tracker unlinks the rings).
 
-    Known, not understood: about 1 Ctrl-C in 30 that lands in the first second after `load()` (the
-    first generation's mode-auto calibration) never reaches Python's handler (gdb afterwards: SIGINT
-    caught, not blocked, not pending, not tripped) and the script keeps generating; a second Ctrl-C
-    ends it at once. So a user's second Ctrl-C is sent after 30 s, once; what this test checks is
-    what any interrupt leaves behind."""
+    The script sets Python's own Ctrl-C handler first: a suite run as a background job (`nohup make
+    test &`) starts every process with SIGINT ignored, and the script then never stopped (two local
+    CI runs hung here so). Known, not understood: about 1 Ctrl-C in 30 that lands in the first second
+    after `load()` (the first generation's mode-auto calibration) never reaches Python's handler (gdb
+    afterwards: SIGINT caught, not blocked, not pending, not tripped) and the script keeps generating;
+    a second Ctrl-C ends it at once. So a user's second Ctrl-C is sent after 30 s, once; what this
+    test checks is what any interrupt leaves behind."""
     script = tmp_path / "busy.py"
     script.write_text(SIGNAL_SCRIPT)
     p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -250,12 +254,17 @@ def test_sigterm_or_ctrl_c_mid_generation_leaves_no_host_and_no_segment(tmp_path
     time.sleep(1.0)  # mid-generation
     os.killpg(p.pid, sig) if group else p.send_signal(sig)
     try:
-        p.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        if sig != signal.SIGINT:
-            raise
-        os.killpg(p.pid, sig)  # the user's second Ctrl-C (see the docstring)
-        p.communicate(timeout=60)
+        try:
+            p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            if sig != signal.SIGINT:
+                raise
+            os.killpg(p.pid, sig)  # the user's second Ctrl-C (see the docstring)
+            p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:  # a failed check leaves no busy process behind to slow the rest of the suite
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     deadline = time.monotonic() + 10
     while not _gone(int(pid), [req, rep]) and time.monotonic() < deadline:
         time.sleep(0.1)
