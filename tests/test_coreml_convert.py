@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load, save_config, save_model
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
-from mirror_mlx.convert import coreml
+from mirror_mlx.convert import coreml, mil_eval
 from mirror_mlx.convert.ane_ops import not_on_ane
 from mirror_mlx.convert.coreml import ConvertError, convert, read_metadata, tokenizer_sha256
 from mirror_mlx.convert.mil_eval import MilRunner, load_program, op_types
@@ -211,6 +211,20 @@ def test_quantized_packages_convert_and_report_parity(work, tiny_llama, mode, op
     print(report.line())
     assert report.ok, report.line()  # the looser, stated tolerance of this mode
     assert report.max_abs > 1e-3  # the weights really changed
+
+
+def test_palettized_weights_are_looked_up_as_coremltools_expands_them(work, tiny_llama):
+    """The evaluator's one-lookup expansion of a lut4 weight equals coremltools' own lut_to_dense, bit for
+    bit (the parity tolerance of lut4 is loose; this is not)."""
+    pkg = convert(tiny_llama, work / "llama-lut4-lookup.mlpackage", progress=False, context=64, kappa=1, gamma=2,
+                  chunk=8, quantize="lut4")
+    ops = [op for f in load_program(pkg).functions.values() for op in f.operations
+           if op.op_type == "constexpr_lut_to_dense"]
+    assert ops
+    for op in ops:
+        assert op.lut.val.shape[-1] == 1  # scalar palettes: the evaluator's fast path
+        ours = mil_eval._lut_to_dense(op.indices.val, op.lut.val[..., 0])
+        np.testing.assert_array_equal(ours, op.materialized_val_inference())
 
 
 # ------------------------------------------------------------------ bad input
