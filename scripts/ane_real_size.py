@@ -1,13 +1,13 @@
-"""The ANE draft at real size: convert, verify and lut4 figures of a Qwen3-0.6B-shaped draft.
+"""The ANE draft at real size: convert, verify, lut4 and lut6 figures of a Qwen3-0.6B-shaped draft.
 
     .venv/bin/python scripts/ane_real_size.py [--layers 28] [--work /tmp/ane-real] [--keep]
 
 Builds a random-weight Qwen3-0.6B-shaped folder (tests/qwen3_shape.py: mlx-lm's own classes and
 save_model, bf16, a synthetic 151,669-token WordLevel tokenizer), then runs each phase as its own
 `mirror-mlx convert` process under /usr/bin/time, one at a time: fp16 build, `--verify`, lut4
-build, lut6 build, `--verify` of the lut4 package. Prints a markdown table (wall and CPU seconds, peak RSS, package size, the verdict) and
-the load average: on a shared machine wall time follows the load, CPU time much less. Packages
-are deleted at the end unless --keep (they are 0.3-1.2 GB each).
+and lut6 builds, `--verify` of the lut4 package. Prints a markdown table (wall and CPU seconds,
+peak RSS, package size, the verdict) and the load average: on a shared machine wall time follows
+the load, CPU time much less. Packages are deleted at the end unless --keep (0.3-1.2 GB each).
 """
 
 import argparse
@@ -85,6 +85,7 @@ def main() -> None:
         if name.startswith("convert --quantize"):
             print(f"\n{name.split()[-1]} build / fp16 build: wall {r['wall'] / rows[0][1]['wall']:.2f}x, "
                   f"CPU {r['cpu'] / rows[0][1]['cpu']:.2f}x")
+
 
 if __name__ == "__main__":
     main()
