@@ -230,10 +230,17 @@ def test_palettized_weights_are_looked_up_as_coremltools_expands_them(work, tiny
 # ------------------------------------------------------------------ bad input
 
 
-def test_unsupported_architecture_is_refused(work):
+def unsupported_folder(work: Path) -> Path:
+    """A model folder of an architecture convert does not build (each test makes its own: under
+    pytest-xdist a module's tests may run in different workers)."""
     d = work / "gemma"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    return d
+
+
+def test_unsupported_architecture_is_refused(work):
+    d = unsupported_folder(work)
     with pytest.raises(ConvertError, match="'gemma3_text' is not supported.*llama, mistral, qwen2, qwen3"):
         convert(d, work / "gemma.mlpackage", progress=False, **SMALL)
     with pytest.raises(ConvertError, match="not an MLX model folder"):
@@ -305,9 +312,10 @@ def test_cli_convert_and_verify(work):
     assert scale_fp16_blobs(next(broken.rglob("weight.bin")), 1.5) > 5
     bad = runner.invoke(main, ["convert", "--verify", str(broken), "--draft-model", str(draft)])
     assert bad.exit_code == 1 and bad.output.startswith("parity MISMATCH"), bad.output
-    usage = runner.invoke(main, ["convert", "--draft-model", str(work / "gemma")])
+    gemma = unsupported_folder(work)
+    usage = runner.invoke(main, ["convert", "--draft-model", str(gemma)])
     assert usage.exit_code == 2 and "give --out" in usage.output
-    wrong = runner.invoke(main, ["convert", "--draft-model", str(work / "gemma"), "--out", str(work / "g.mlpackage")])
+    wrong = runner.invoke(main, ["convert", "--draft-model", str(gemma), "--out", str(work / "g.mlpackage")])
     assert wrong.exit_code == 2 and "not supported" in wrong.output
 
 
