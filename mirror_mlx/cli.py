@@ -428,7 +428,8 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         if line:
             click.echo(line)
     click.echo(f"chose {tune.describe(prof)}: {prof.why}")
-    click.echo(f"calibrated in {prof.calibration['seconds']:.0f} s on {prof.key['machine']}; wrote {path}")
+    split = ", ".join(f"{k} {v:.0f} s" for k, v in prof.calibration.get("phases", {}).items())
+    click.echo(f"calibrated in {prof.calibration['seconds']:.0f} s ({split}) on {prof.key['machine']}; wrote {path}")
 
 
 @main.command("import-llama2c")

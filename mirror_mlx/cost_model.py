@@ -98,8 +98,9 @@ class Timings:
     verify[rows]: a plain target forward over `rows` new tokens (ar: 1, sd: γ + 1).
     prefix[(ℓ_e, rows)], suffix[(ℓ_e, rows)]: the two halves of the target forward split at ℓ_e.
     window[γ]: a 1-row draft rollout of depth γ (sd's window and mirror's fallback).
-    parallel[(ℓ_e, κ, γ)]: the target suffix and the κ(γ+1)-row rollout, run at the same time.
-    rollout[(rows, γ)]: the rollout alone (reported next to `parallel`, to show the contention).
+    parallel[(ℓ_e, κ, γ)]: the target suffix and the κ(γ+1)-row rollout, run at the same time (tune
+      measures it only where it can change the top of the ranking: `parallel_time`).
+    rollout[(rows, γ)]: the rollout alone (its floor, and reported next to `parallel` to show the contention).
     overhead[mode]: measured step time minus the modelled components, per step, from real runs.
     """
 
@@ -120,16 +121,31 @@ def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
     if cfg.mode == "sd":
         return t.window[g] + t.verify[g + 1]
     rows = g + 1
-    return t.prefix[(cfg.exit_layer, rows)] + t.parallel[(cfg.exit_layer, cfg.kappa, g)] + (1 - reuse) * t.window[g]
+    return t.prefix[(cfg.exit_layer, rows)] + parallel_time(cfg, t) + (1 - reuse) * t.window[g]
+
+
+def parallel_time(cfg: Config, t: Timings) -> float:
+    """T_par: measured when `t.parallel` has the point, else its floor max(T_suffix, T_rollout alone)
+    (running both at once only adds contention), so a prediction without it is an upper bound."""
+    g = cfg.gamma
+    measured = t.parallel.get((cfg.exit_layer, cfg.kappa, g))
+    if measured is not None:
+        return measured
+    return max(t.suffix[(cfg.exit_layer, g + 1)], t.rollout[(cfg.kappa * (g + 1), g)])
+
+
+def is_bound(cfg: Config, t: Timings) -> bool:
+    """Whether `predict(cfg)` is only an upper bound (suffix ‖ rollout not measured at this point)."""
+    return cfg.mode == "mirror" and (cfg.exit_layer, cfg.kappa, cfg.gamma) not in t.parallel
 
 
 def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
-    """Predicted tokens/s of `cfg`, with the terms behind it."""
+    """Predicted tokens/s of `cfg`, with the terms behind it ("bound": an upper bound, see parallel_time)."""
     tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
     reuse = acc.reuse_rate(cfg.kappa, cfg.gamma, cfg.exit_layer) if cfg.mode == "mirror" else 0.0
     step = component_time(cfg, t, reuse) + t.overhead.get(cfg.mode, 0.0)
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
-            "tokens_per_second": tokens / step if step > 0 else 0.0}
+            "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": is_bound(cfg, t)}
 
 
 def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:

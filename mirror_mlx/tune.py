@@ -11,6 +11,7 @@
    the model believed in.
 """
 
+import functools
 import os
 import statistics
 import sys
@@ -86,16 +87,18 @@ class Choice:
 
 def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[list[int]]:
     """Token ids of `n` prompts: the user's file (prompts.load_prompts) or the *last* n held-out TinyStories
-    openings (benchmarks take theirs from the front, so a tuned profile has never seen a bench prompt)."""
+    openings (benchmarks take theirs from the front, so a tuned profile has never seen a bench prompt),
+    these cut to the shortest one's length: prompts of one length share each target forward of the
+    traces' greedy texts (corpus.greedy_continuations batches them)."""
     if path:
         from .prompts import load_prompts
 
-        texts = [p.text for p in load_prompts(path, n)]
-    else:
-        from .corpus import load_split
+        return [pipe.encode(p.text) for p in load_prompts(path, n)]
+    from .corpus import load_split
 
-        texts = load_split().held_out[-n:]
-    return [pipe.encode(t) for t in texts]
+    ids = [pipe.encode(t) for t in load_split().held_out[-n:]]
+    shortest = min(len(i) for i in ids)
+    return [i[:shortest] for i in ids]
 
 
 # --- 1. acceptance traces -------------------------------------------------------------------------
@@ -124,29 +127,47 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
 
 
 def plain_draft_model(pipe: Any) -> Optional[Any]:
-    """The draft's MLX model when it is a plain MLXDraft object in this process (a Pipeline built with a
-    draft object: its host is a thread), for the teacher-forced trace; None for a recipe (`load()`: the
-    draft lives in the host process, so the trace uses the host's rollouts) and for other drafts."""
+    """The draft as a plain MLX model in this process, for the teacher-forced trace: the MLXDraft object
+    itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
+    here (small; one forward per prompt instead of one host rollout per position). None for other drafts
+    (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
+    from .ane_draft.host import DraftRecipe, mlx_draft
+
     draft = getattr(pipe, "draft", None)
+    if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
+        return _loaded_draft(*draft.args)
     return draft.model if type(draft) is MLXDraft else None  # subclasses (SS) propose more than argmax chains
 
 
-def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
-          draft_model: Any = "auto") -> tuple[Trace, list[int]]:
-    """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
-    the prompt plus the target's greedy text.
+@functools.lru_cache(maxsize=2)
+def _loaded_draft(path: str) -> Any:
+    from .ane_draft.host import mlx_draft
 
-    The draft side: one teacher-forced forward of `draft_model` (an in-process plain MLX draft; "auto":
-    `plain_draft_model(pipe)`), else one blocking rollout per position through the draft host.
-    """
+    return mlx_draft(path).model
+
+
+def greedy_texts(pipe: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (prompts of one length share each forward)."""
     from .corpus import greedy_continuations
 
+    eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
+    return pipe.engine.target_worker.call(partial(greedy_continuations, pipe.engine.target_model, prompts,
+                                                  max_tokens, eos=eos))
+
+
+def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
+          draft_model: Any = "auto", text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
+    """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
+    the prompt plus the target's greedy text (`text`, else generated here).
+
+    The draft side: one teacher-forced forward of `draft_model` ("auto": `plain_draft_model(pipe)`),
+    else (None) one blocking rollout per position through the draft host.
+    """
     engine = pipe.engine
     if draft_model == "auto":
         draft_model = plain_draft_model(pipe)
-    eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
-    text = engine.target_worker.call(partial(greedy_continuations, engine.target_model, [prompt], max_tokens,
-                                             eos=eos))[0]
+    if text is None:
+        text = greedy_texts(pipe, [prompt], max_tokens)[0]
     full = list(prompt) + text
     n0 = len(prompt)
 
@@ -291,40 +312,63 @@ class _Bench:
         return statistics.median(times)
 
 
-def measure_timings(pipe: Any, context: list[int], cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
-    b, t = _Bench(pipe, context, cfg.reps), Timings()
+def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
+    """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter)."""
+    t = Timings()
     for n in sorted({1} | {g + 1 for g in cfg.gammas}):
         t.verify[n] = b.verify(n)
         tick()
     if pipe.draft is None:
         return t
     for g in cfg.gammas:
-        t.window[g] = b.rollout([[context[-1]]], g)
+        t.window[g] = b.rollout([[b.context[-1]]], g)
         tick()
+        for k in cfg.kappas:  # the rollout alone does not depend on ℓ_e
+            t.rollout[(k * (g + 1), g)] = b.rollout(b.stems(k, g), g)
+            tick()
     for layer in layers:
         for g in cfg.gammas:
             t.prefix[(layer, g + 1)], t.suffix[(layer, g + 1)] = b.split(layer, g + 1)
-            for k in cfg.kappas:
-                t.rollout[(k * (g + 1), g)] = b.rollout(b.stems(k, g), g)
-                t.parallel[(layer, k, g)] = b.parallel(layer, k, g)
-                tick()
+            tick()
     return t
+
+
+def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
+                     tick: Callable) -> int:
+    """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
+
+    Unmeasured points are predicted at their floor (cost_model.parallel_time), an upper bound; each round
+    measures the unmeasured points among the current top, until the top is all measured. Then no
+    unmeasured point can be in it (its bound is below the top's last), so the top equals what measuring
+    every point would give, at a fraction of the time. Returns how many points were measured.
+    """
+    measured = 0
+    while True:
+        todo = [r["config"] for r in rank(configs, t, acc)[:top] if r["bound"]]
+        if not todo:
+            return measured
+        with pipe._lock:
+            for c in todo:
+                t.parallel[(c.exit_layer, c.kappa, c.gamma)] = b.parallel(c.exit_layer, c.kappa, c.gamma)
+                measured += 1
+                tick()
 
 
 # --- 3./4. real generations -----------------------------------------------------------------------
 
 
 def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_tokens: int,
-                warm_up: bool = True, check: Callable[[], None] = lambda: None) -> dict:
+                warm_up: bool = True, check: Callable[[], None] = lambda: None, sums: Optional[dict] = None) -> dict:
     """Real greedy generations of every config on every prompt, interleaved (prompt by prompt, so a
-    load change on a shared machine hits all configs alike). {config: tokens/s, step_s, reuse}."""
+    load change on a shared machine hits all configs alike). {config: tokens/s, step_s, reuse, sums};
+    `sums` (a previous call's, per config) are added in: runs of other prompts."""
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer) for c in configs}
     if warm_up:
         for c in configs:
             check()
             pipe.generate(prompts[0], **dict(knobs[c], max_tokens=4))
-    sums = {c: [0, 0, 0, 0.0] for c in configs}  # tokens, steps, reuses, seconds
+    sums = {c: list((sums or {}).get(c, (0, 0, 0, 0.0))) for c in configs}  # tokens, steps, reuses, seconds
     for p in prompts:
         for c in configs:
             check()
@@ -332,7 +376,8 @@ def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_
             for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
                 sums[c][i] += v
     return {c: {"tokens_per_second": tok / sec if sec else 0.0, "step_s": sec / max(steps, 1),
-                "reuse": reuses / max(steps, 1)} for c, (tok, steps, reuses, sec) in sums.items()}
+                "reuse": reuses / max(steps, 1), "sums": (tok, steps, reuses, sec)}
+            for c, (tok, steps, reuses, sec) in sums.items()}
 
 
 def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, warm_up: bool = True) -> dict:
@@ -340,16 +385,19 @@ def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, 
     return run_configs(pipe, [c], prompts, max_tokens, warm_up)[c]
 
 
-def measure_overheads(pipe: Any, t: Timings, cfg: TuneConfig, prompts, layers,
+def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
+    """One configuration per mode, run for real to measure the mode's overhead."""
+    g = cfg.gammas[len(cfg.gammas) // 2]
+    return [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
+
+
+def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
                       check: Callable[[], None] = lambda: None) -> dict:
     """Per mode: measured step time minus the modelled components (scheduling, sampling, Python).
 
-    One probe configuration per mode, run for real on the first prompt; returns the probes (they
-    are confirmed with the top predictions, but their prediction is fitted to them: the table
-    marks them).
+    The probes run for real on the first prompt; returns their runs (the confirmation adds the other
+    prompts to them; their prediction is fitted to them: the table marks them).
     """
-    g = cfg.gammas[len(cfg.gammas) // 2]
-    probes = [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
     runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check)
     for c, run in runs.items():
         t.overhead[c.mode] = max(0.0, run["step_s"] - component_time(c, t, run["reuse"]))
@@ -374,47 +422,75 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
-    total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(layers) * len(cfg.kappas))
-             + 3 + cfg.confirm)
+    probes = probe_configs(cfg, layers)
+    top = cfg.confirm + len(probes)  # the predictions that decide what is confirmed are all measured ones
+    total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(cfg.kappas))
+             + len(cfg.gammas) * len(layers) + 1 + len(probes) + top + cfg.confirm)  # the parallel points: a guess
     bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    phases: dict[str, float] = {}
+    lap = [time.perf_counter()]
 
     def tick() -> None:
         bar.update(1)
         check()
 
+    def done(phase: str) -> None:
+        now = time.perf_counter()
+        phases[phase] = now - lap[0]
+        lap[0] = now
+
     try:
         traces = []
         with pipe._lock:  # direct use of the target and the host: no generation of another thread meanwhile
-            for p in prompts:
-                traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas)))
+            for p, text in zip(prompts, greedy_texts(pipe, prompts, cfg.max_tokens)):
+                traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas), text=text))
                 tick()
             acc = Acceptance([tr for tr, _ in traces])
-            t = measure_timings(pipe, traces[0][1], cfg, layers, tick)  # over a prompt and its greedy text
-        probes = list(measure_overheads(pipe, t, cfg, prompts, layers, check))
-        bar.update(3)
+            done("traces")
+            bench = _Bench(pipe, traces[0][1], cfg.reps)  # over a prompt and its greedy text
+            t = measure_timings(pipe, bench, cfg, layers, tick)
+        measure_parallel(pipe, bench, t, [probes[-1]], acc, 1, tick)  # the mirror probe's
+        done("timings")
+        probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, check)
+        for _ in probes:
+            tick()
+        done("probes")
+        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, tick)
+        done("parallel")
         ranked = rank(configs, t, acc)
-        confirm = probes + [r["config"] for r in ranked if r["config"] not in probes][: cfg.confirm]
-        measured = run_configs(pipe, confirm, prompts[: cfg.confirm_prompts], cfg.max_tokens, warm_up=False, check=check)
+        # The top predictions and ar, on the first few prompts: probes among them add the other prompts
+        # to their runs on the first; the probes outside stay measured on one prompt and are not candidates.
+        confirm = [r["config"] for r in ranked[: cfg.confirm]]
+        confirm += [Config("ar")] if Config("ar") not in confirm else []
+        fresh = [c for c in confirm if c not in probes]
+        measured = {c: r for c, r in probe_runs.items()}
+        measured.update(run_configs(pipe, [c for c in confirm if c in probes], prompts[1: cfg.confirm_prompts],
+                                    cfg.max_tokens, warm_up=False, check=check,
+                                    sums={c: r["sums"] for c, r in probe_runs.items()}))
+        measured.update(run_configs(pipe, fresh, prompts[: cfg.confirm_prompts], cfg.max_tokens, warm_up=False,
+                                    check=check))
         bar.update(cfg.confirm)
+        done("confirm")
     finally:
         bar.close()
     for r in ranked:
         r["measured"] = measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None
-    best = max((r for r in ranked if r["measured"] is not None), key=lambda r: r["measured"])
+    best = max((r for r in ranked if r["config"] in confirm), key=lambda r: r["measured"])
     ar = next(r for r in ranked if r["config"].mode == "ar")
     margin = ""
     if best["measured"] < AR_MARGIN * ar["measured"]:  # within noise of plain generation: keep it plain
         best, margin = ar, f"; speculation not {AR_MARGIN:.2f}x ar, so ar"
     c = best["config"]
     why = (f"tuned: {best['measured']:.0f} tok/s measured vs ar {ar['measured']:.0f} "
-           f"(predicted {best['tokens_per_second']:.0f}; best of {len(measured)} measured, {len(configs)} "
+           f"(predicted {best['tokens_per_second']:.0f}; best of {len(confirm)} confirmed, {len(configs)} "
            f"predicted{margin})")
     table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"], measured=r["measured"],
-                  probe=r["config"] in probes, tokens_per_step=r["tokens_per_step"], reuse=r["reuse"],
+                  probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"], tokens_per_step=r["tokens_per_step"], reuse=r["reuse"],
                   step_ms=1e3 * r["step_s"]) for r in ranked]
-    calibration = {"seconds": time.perf_counter() - started, "prompts": len(prompts), "max_tokens": cfg.max_tokens,
+    calibration = {"seconds": time.perf_counter() - started, "phases": phases, "prompts": len(prompts),
+                   "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
-    log(f"calibrated in {calibration['seconds']:.1f} s")
+    log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
     return profiles.Profile(key=pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
                             why=why, table=table, calibration=calibration)
 
@@ -514,14 +590,16 @@ def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], ex
 def format_table(prof: profiles.Profile, top: int = 10) -> str:
     """Predicted vs measured tokens/s: the top predictions and every measured configuration."""
     rows = [r for i, r in enumerate(prof.table) if i < top or r.get("measured") is not None]
-    lines = [f"{'configuration':<28} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
+    lines = [f"{'configuration':<38} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
              f"{'error':>7}"]
     for r in rows:
         m = r.get("measured")
         err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
-        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (" (probe)" if r.get("probe") else "")
-        lines.append(f"{name:<28} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
-                     f"{r['predicted']:>10.1f} {m if m is not None else float('nan'):>9.1f} {err:>7}")
+        note = " (probe)" if r.get("confirmed", True) else " (probe, 1 prompt)"
+        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (note if r.get("probe") else "")
+        predicted = ("≤" if r.get("bound") else "") + f"{r['predicted']:.1f}"  # ≤: suffix ‖ rollout not measured
+        lines.append(f"{name:<38} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
+                     f"{predicted:>10} {m if m is not None else float('nan'):>9.1f} {err:>7}")
     return "\n".join(lines)
 
 

@@ -86,12 +86,14 @@ def test_a_fallback_heavy_regime_picks_sd_or_ar():
 
 def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
     """The teacher-forced shortcut for a plain MLX draft must agree with real rollouts at every position."""
-    from mirror_mlx.ane_draft.host import mlx_draft
-
-    prompt = tune.calibration_prompts(pipe, 1)[0]
-    assert tune.plain_draft_model(pipe) is None  # load(): the draft lives in its host, so real host rollouts
-    slow, text = tune.trace(pipe, prompt, 24, [2], 5)
-    fast, _ = tune.trace(pipe, prompt, 24, [2], 5, draft_model=mlx_draft(*pipe.draft.args).model)
+    prompts = tune.calibration_prompts(pipe, 3)
+    assert len({len(p) for p in prompts}) == 1  # the built-in openings are cut to one length: one batch
+    texts = tune.greedy_texts(pipe, prompts, 24)
+    prompt = prompts[0]
+    assert texts[0] == tune.greedy_texts(pipe, [prompt], 24)[0]  # batched = alone
+    assert tune.plain_draft_model(pipe) is not None  # load(): a copy of the host's plain draft, loaded here
+    slow, text = tune.trace(pipe, prompt, 24, [2], 5, draft_model=None)  # a host rollout per position
+    fast, _ = tune.trace(pipe, prompt, 24, [2], 5, text=texts[0])
     assert fast == slow and len(fast.runs) == len(text) - len(prompt)
     assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
 
