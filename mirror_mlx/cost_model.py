@@ -101,7 +101,8 @@ class Timings:
     parallel[(ℓ_e, κ, γ)]: the target suffix and the κ(γ+1)-row rollout, run at the same time (tune
       measures it only where it can change the top of the ranking: `parallel_time`).
     rollout[(rows, γ)]: the rollout alone (its floor, and reported next to `parallel` to show the contention).
-    overhead[mode]: measured step time minus the modelled components, per step, from real runs.
+    overhead[mode]: measured step time minus the modelled components, per step, from real runs (negative
+      when components timed alone cost more than inside a real step); a number, or {γ: seconds} (`overhead`).
     """
 
     verify: dict = field(default_factory=dict)
@@ -139,11 +140,25 @@ def is_bound(cfg: Config, t: Timings) -> bool:
     return cfg.mode == "mirror" and (cfg.exit_layer, cfg.kappa, cfg.gamma) not in t.parallel
 
 
+def overhead(cfg: Config, t: Timings) -> float:
+    """The mode's per-step overhead at `cfg`: a number, or {γ: seconds} from probes at a few γ, read
+    linearly between them and flat beyond (per-step messages and bookkeeping grow with the window)."""
+    o = t.overhead.get(cfg.mode, 0.0)
+    if not isinstance(o, dict):
+        return o
+    gs = sorted(o)
+    g = min(max(cfg.gamma or gs[0], gs[0]), gs[-1])
+    hi = next(x for x in gs if x >= g)
+    lo = max(x for x in gs if x <= g)
+    return o[lo] if hi == lo else o[lo] + (o[hi] - o[lo]) * (g - lo) / (hi - lo)
+
+
 def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
     """Predicted tokens/s of `cfg`, with the terms behind it ("bound": an upper bound, see parallel_time)."""
     tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
     reuse = acc.reuse_rate(cfg.kappa, cfg.gamma, cfg.exit_layer) if cfg.mode == "mirror" else 0.0
-    step = component_time(cfg, t, reuse) + t.overhead.get(cfg.mode, 0.0)
+    component = component_time(cfg, t, reuse)
+    step = max(component + overhead(cfg, t), component / 2)  # (a negative overhead is a correction)
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
             "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": is_bound(cfg, t)}
 

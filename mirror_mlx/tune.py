@@ -5,7 +5,8 @@
    every position of it, and the early exit's rank of the target's token at every candidate ℓ_e;
 2. component timings (cost_model.Timings): target forwards, prefix / suffix per ℓ_e, 1-row windows,
    suffix ‖ branch rollout run together per (ℓ_e, κ, γ);
-3. per-mode overhead: one real generation per mode, its step time minus the modelled components;
+3. per-mode overhead: real generations of a few probe configurations, step time minus the modelled
+   components (at two γ for sd and mirror);
 4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
    profile's choice is the fastest *measured* configuration, so the choice is never one that only
    the model believed in.
@@ -61,6 +62,7 @@ class TuneConfig:
     reps: int = 3
     confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
     confirm_prompts: int = 2  # the confirmation runs on the first few calibration prompts (tune's time is mostly here)
+    min_seconds: float = 4.0  # each real run set goes round its prompts until it has decoded this long
     progress: bool = True
     budget_s: Optional[float] = None  # stop (OutOfTime) once calibration has taken this long; None: no cap
 
@@ -68,7 +70,7 @@ class TuneConfig:
     def quick(cls) -> "TuneConfig":
         """Small on purpose: 2 openings × 16 tokens, κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e only, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
-                   progress=False, budget_s=quick_budget())
+                   min_seconds=0.5, progress=False, budget_s=quick_budget())
 
 
 @dataclass
@@ -209,22 +211,40 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
 # --- 2. component timings -------------------------------------------------------------------------
 
 
-def _best_time(fn: Callable[[], Any], reps: int) -> float:
-    """Median of `reps` calls after one untimed warm-up: what a real run sees, contention included."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+MIN_TIMED_S = 0.15  # each piece is timed at least `reps` times and at least this long (ms-scale pieces jitter)
+MAX_REPS = 40
+
+
+def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None) -> dict:
+    """{key: median seconds} of pieces timed in rounds, one call of each per round: a burst of load on a
+    shared machine then hits every piece alike, not the few timed during it (and the median of at least
+    `reps` drops a slow first call). Each piece returns its own seconds (or a tuple of them, medians
+    taken per element)."""
+    times: dict = {k: [] for k in pieces}
+
+    def enough(k) -> bool:
+        ts = times[k]
+        total = sum(sum(x) if isinstance(x, tuple) else x for x in ts)
+        return len(ts) >= MAX_REPS or (len(ts) >= reps and total >= MIN_TIMED_S)
+
+    todo = list(pieces)
+    while todo:
+        for k in todo:
+            times[k].append(pieces[k]())
+        done = [k for k in todo if enough(k)]
+        for _ in done:
+            tick()
+        todo = [k for k in todo if k not in done]
+    return {k: tuple(map(statistics.median, zip(*ts))) if isinstance(ts[0], tuple) else statistics.median(ts)
+            for k, ts in times.items()}
 
 
 class _Bench:
-    """Timed pieces over one committed context, each on the worker that runs it in the engine."""
+    """Timed pieces over one committed context, each on the worker that runs it in the engine; each
+    method times one call and returns its seconds (`interleaved` repeats them)."""
 
-    def __init__(self, pipe: Any, context: list[int], reps: int):
-        self.engine, self.context, self.reps = pipe.engine, context, reps
+    def __init__(self, pipe: Any, context: list[int]):
+        self.engine, self.context = pipe.engine, context
         self.cache = self.engine.target_worker.call(self._prefill)
 
     def _prefill(self):
@@ -237,33 +257,35 @@ class _Bench:
         return mx.array([self.context[-n:] if n <= len(self.context) else [self.context[-1]] * n])
 
     def verify(self, n: int) -> float:
-        def once():
-            mx.eval(self.engine.target_model(self.rows(n), cache=self.cache))
-            trim_prompt_cache(self.cache, n)
+        """A plain target forward over `n` rows."""
 
-        return self.engine.target_worker.call(_best_time, once, self.reps)
+        def once():
+            t0 = time.perf_counter()
+            mx.eval(self.engine.target_model(self.rows(n), cache=self.cache))
+            elapsed = time.perf_counter() - t0
+            trim_prompt_cache(self.cache, n)
+            return elapsed
+
+        return self.engine.target_worker.call(once)
 
     def split(self, layer: int, n: int) -> tuple[float, float]:
         """(prefix, suffix) seconds at exit layer `layer` over `n` rows."""
 
-        def run():
+        def once():
             tapped = EarlyExitTarget(self.engine.target_model, layer, adapter_for(self.engine.exit_adapter, layer))
-            pre, suf = [], []
             try:
-                for _ in range(self.reps):
-                    t0 = time.perf_counter()
-                    early, final = tapped.forward(self.rows(n), self.cache)
-                    mx.eval(top_k(early[0], 1))
-                    t1 = time.perf_counter()
-                    mx.eval(final)
-                    pre.append(t1 - t0)
-                    suf.append(time.perf_counter() - t1)
-                    trim_prompt_cache(self.cache, n)
+                t0 = time.perf_counter()
+                early, final = tapped.forward(self.rows(n), self.cache)
+                mx.eval(top_k(early[0], 1))
+                t1 = time.perf_counter()
+                mx.eval(final)
+                t2 = time.perf_counter()
+                trim_prompt_cache(self.cache, n)
             finally:
                 tapped.remove()
-            return statistics.median(pre), statistics.median(suf)
+            return t1 - t0, t2 - t1
 
-        return self.engine.target_worker.call(run)
+        return self.engine.target_worker.call(once)
 
     def stems(self, kappa: int, gamma: int) -> list[list[int]]:
         spine = self.context[-gamma:]
@@ -278,63 +300,53 @@ class _Bench:
     def rollout(self, stems: list[list[int]], gamma: int) -> float:
         """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
         as in a real step): the round trip over the ring, what the scheduler waits for."""
-        host, ctx = self.engine.host, self.context[:-1]
-        times = []
-        for _ in range(self.reps):
-            self.sync(ctx[:-2])
-            t0 = time.perf_counter()
-            host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        ctx = self.context[:-1]
+        self.sync(ctx[:-2])
+        t0 = time.perf_counter()
+        self.engine.host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)
+        return time.perf_counter() - t0
 
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
         """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
         seconds until both are done."""
-        engine, host, ctx = self.engine, self.engine.host, self.context[:-1]
-        stems, n = self.stems(kappa, gamma), gamma + 1
-        times = []
-        for _ in range(self.reps):
-            def prefix():
-                tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
-                early, final = tapped.forward(self.rows(n), self.cache)
-                mx.eval(early)
-                tapped.remove()
-                return final
+        engine, ctx, n = self.engine, self.context[:-1], gamma + 1
 
-            final = engine.target_worker.call(prefix)
-            self.sync(ctx[:-2])
-            t0 = time.perf_counter()
-            suffix = engine.target_worker.submit(mx.eval, final)
-            host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)  # posted, then awaited, while the suffix runs
-            suffix.result()
-            times.append(time.perf_counter() - t0)
-            engine.target_worker.call(trim_prompt_cache, self.cache, n)
-        return statistics.median(times)
+        def prefix():
+            tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
+            early, final = tapped.forward(self.rows(n), self.cache)
+            mx.eval(early)
+            tapped.remove()
+            return final
+
+        final = engine.target_worker.call(prefix)
+        self.sync(ctx[:-2])
+        t0 = time.perf_counter()
+        suffix = engine.target_worker.submit(mx.eval, final)
+        engine.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=HOST_TIMEOUT_S)  # awaited while the suffix runs
+        suffix.result()
+        elapsed = time.perf_counter() - t0
+        engine.target_worker.call(trim_prompt_cache, self.cache, n)
+        return elapsed
 
 
 def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
     """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter)."""
     t = Timings()
-    for n in sorted({1} | {g + 1 for g in cfg.gammas}):
-        t.verify[n] = b.verify(n)
-        tick()
-    if pipe.draft is None:
-        return t
-    for g in cfg.gammas:
-        t.window[g] = b.rollout([[b.context[-1]]], g)
-        tick()
-        for k in cfg.kappas:  # the rollout alone does not depend on ℓ_e
-            t.rollout[(k * (g + 1), g)] = b.rollout(b.stems(k, g), g)
-            tick()
-    for layer in layers:
-        for g in cfg.gammas:
-            t.prefix[(layer, g + 1)], t.suffix[(layer, g + 1)] = b.split(layer, g + 1)
-            tick()
+    t.verify = interleaved({n: partial(b.verify, n) for n in sorted({1} | {g + 1 for g in cfg.gammas})},
+                           cfg.reps, tick)
+    t.window = interleaved({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas}, cfg.reps, tick)
+    # the rollout alone does not depend on ℓ_e
+    t.rollout = interleaved({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g)
+                             for g in cfg.gammas for k in cfg.kappas}, cfg.reps, tick)
+    halves = interleaved({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas},
+                         cfg.reps, tick)
+    t.prefix = {k: v[0] for k, v in halves.items()}
+    t.suffix = {k: v[1] for k, v in halves.items()}
     return t
 
 
 def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
-                     tick: Callable) -> int:
+                     reps: int, tick: Callable) -> int:
     """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
 
     Unmeasured points are predicted at their floor (cost_model.parallel_time), an upper bound; each round
@@ -348,20 +360,24 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
         if not todo:
             return measured
         with pipe._lock:
-            for c in todo:
-                t.parallel[(c.exit_layer, c.kappa, c.gamma)] = b.parallel(c.exit_layer, c.kappa, c.gamma)
-                measured += 1
-                tick()
+            t.parallel.update(interleaved({(c.exit_layer, c.kappa, c.gamma): partial(b.parallel, c.exit_layer, c.kappa,
+                                                                                       c.gamma) for c in todo}, reps, tick))
+        measured += len(todo)
 
 
 # --- 3./4. real generations -----------------------------------------------------------------------
 
 
 def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_tokens: int,
-                warm_up: bool = True, check: Callable[[], None] = lambda: None, sums: Optional[dict] = None) -> dict:
+                warm_up: bool = True, check: Callable[[], None] = lambda: None, sums: Optional[dict] = None,
+                min_seconds: float = 0.0) -> dict:
     """Real greedy generations of every config on every prompt, interleaved (prompt by prompt, so a
     load change on a shared machine hits all configs alike). {config: tokens/s, step_s, reuse, sums};
-    `sums` (a previous call's, per config) are added in: runs of other prompts."""
+    `sums` (a previous call's, per config) are added in: runs of other prompts.
+
+    `min_seconds`: the prompts are gone through again until each config has decoded this long (a
+    small model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here).
+    """
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer) for c in configs}
     if warm_up:
@@ -369,12 +385,15 @@ def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_
             check()
             pipe.generate(prompts[0], **dict(knobs[c], max_tokens=4))
     sums = {c: list((sums or {}).get(c, (0, 0, 0, 0.0))) for c in configs}  # tokens, steps, reuses, seconds
-    for p in prompts:
-        for c in configs:
-            check()
-            s = pipe.generate(p, **knobs[c]).stats
-            for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
-                sums[c][i] += v
+    todo = list(configs)
+    while todo and prompts:
+        for p in prompts:
+            for c in todo:
+                check()
+                s = pipe.generate(p, **knobs[c]).stats
+                for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
+                    sums[c][i] += v
+        todo = [c for c in todo if sums[c][3] < min_seconds]
     return {c: {"tokens_per_second": tok / sec if sec else 0.0, "step_s": sec / max(steps, 1),
                 "reuse": reuses / max(steps, 1), "sums": (tok, steps, reuses, sec)}
             for c, (tok, steps, reuses, sec) in sums.items()}
@@ -386,21 +405,24 @@ def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, 
 
 
 def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
-    """One configuration per mode, run for real to measure the mode's overhead."""
-    g = cfg.gammas[len(cfg.gammas) // 2]
-    return [Config("ar"), Config("sd", gamma=g), Config("mirror", cfg.kappas[0], g, layers[len(layers) // 2])]
+    """Configurations run for real to measure each mode's overhead: ar; sd and mirror at the smallest
+    and the middle γ (their overhead grows with the window)."""
+    gs = sorted({cfg.gammas[0], cfg.gammas[len(cfg.gammas) // 2]})
+    e = layers[len(layers) // 2]
+    return [Config("ar")] + [Config("sd", gamma=g) for g in gs] + [Config("mirror", cfg.kappas[0], g, e) for g in gs]
 
 
 def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
                       check: Callable[[], None] = lambda: None) -> dict:
-    """Per mode: measured step time minus the modelled components (scheduling, sampling, Python).
+    """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages,
+    sampling, Python; negative where a component timed alone costs more than inside a real step).
 
     The probes run for real on the first prompt; returns their runs (the confirmation adds the other
     prompts to them; their prediction is fitted to them: the table marks them).
     """
-    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check)
+    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check, min_seconds=cfg.min_seconds / 2)
     for c, run in runs.items():
-        t.overhead[c.mode] = max(0.0, run["step_s"] - component_time(c, t, run["reuse"]))
+        t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
     return runs
 
 
@@ -423,7 +445,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
     probes = probe_configs(cfg, layers)
-    top = cfg.confirm + len(probes)  # the predictions that decide what is confirmed are all measured ones
+    top = max(cfg.confirm, 5)  # the predictions that decide what is confirmed (and a top 5) are all measured ones
     total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(cfg.kappas))
              + len(cfg.gammas) * len(layers) + 1 + len(probes) + top + cfg.confirm)  # the parallel points: a guess
     bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
@@ -447,15 +469,16 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                 tick()
             acc = Acceptance([tr for tr, _ in traces])
             done("traces")
-            bench = _Bench(pipe, traces[0][1], cfg.reps)  # over a prompt and its greedy text
+            bench = _Bench(pipe, traces[0][1])  # over a prompt and its greedy text
             t = measure_timings(pipe, bench, cfg, layers, tick)
-        measure_parallel(pipe, bench, t, [probes[-1]], acc, 1, tick)  # the mirror probe's
+        mirror_probes = [c for c in probes if c.mode == "mirror"]
+        measure_parallel(pipe, bench, t, mirror_probes, acc, len(mirror_probes), cfg.reps, tick)
         done("timings")
         probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, check)
         for _ in probes:
             tick()
         done("probes")
-        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, tick)
+        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick)
         done("parallel")
         ranked = rank(configs, t, acc)
         # The top predictions and ar, on the first few prompts: probes among them add the other prompts
@@ -465,10 +488,10 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         fresh = [c for c in confirm if c not in probes]
         measured = {c: r for c, r in probe_runs.items()}
         measured.update(run_configs(pipe, [c for c in confirm if c in probes], prompts[1: cfg.confirm_prompts],
-                                    cfg.max_tokens, warm_up=False, check=check,
+                                    cfg.max_tokens, warm_up=False, check=check, min_seconds=cfg.min_seconds,
                                     sums={c: r["sums"] for c, r in probe_runs.items()}))
         measured.update(run_configs(pipe, fresh, prompts[: cfg.confirm_prompts], cfg.max_tokens, warm_up=False,
-                                    check=check))
+                                    check=check, min_seconds=cfg.min_seconds))
         bar.update(cfg.confirm)
         done("confirm")
     finally:

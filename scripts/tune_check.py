@@ -39,11 +39,20 @@ def main() -> None:
     t0 = time.perf_counter()
     prof = tune.calibrate(pipe, cfg)
     tune_s = time.perf_counter() - t0
+    print(tune.format_table(prof), flush=True)
+    timings = prof.calibration["timings"]
+    for name in ("verify", "window", "overhead"):
+        print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if not isinstance(v, dict) else
+                                      f"{k} " + "/".join(f"{g}:{x * 1e3:.2f}" for g, x in v.items())
+                                      for k, v in timings[name].items()), flush=True)
+    print(f"calibrated in {tune_s:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in prof.calibration["phases"].items())
+          + ")", flush=True)
     sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.prompts]]
     rows = prof.table
     configs = [Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]) for r in rows]
     print(f"sweeping {len(configs)} configurations, interleaved prompt by prompt", flush=True)
-    swept = {c: m["tokens_per_second"] for c, m in tune.run_configs(pipe, configs, sweep_prompts, args.max_tokens).items()}
+    swept = {c: m["tokens_per_second"] for c, m in tune.run_configs(pipe, configs, sweep_prompts, args.max_tokens,
+                                                                     min_seconds=cfg.min_seconds).items()}
     pipe.close()
     load1 = Path("/proc/loadavg").read_text().split()[0]
 
