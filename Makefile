@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup  # the demo pair widened to a realistic cost (build/), mode auto, and ar / sd / mirror / auto compared
-	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 128
+	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 64
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15 tests

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
@@ -63,14 +63,18 @@ class TuneConfig:
     confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
     confirm_prompts: int = 2  # the confirmation runs on the first few calibration prompts (tune's time is mostly here)
     min_seconds: float = 4.0  # each real run set goes round its prompts until it has decoded this long
+    probe_two_windows: bool = True  # sd and mirror overhead probed at the smallest and middle γ (else the middle)
+    exact_top: int = 5  # this many best predictions have suffix ‖ rollout measured (at least `confirm`)
     progress: bool = True
     budget_s: Optional[float] = None  # stop (OutOfTime) once calibration has taken this long; None: no cap
 
     @classmethod
     def quick(cls) -> "TuneConfig":
-        """Small on purpose: 2 openings × 16 tokens, κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e only, capped."""
+        """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e
+        only, one probe per mode, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
-                   min_seconds=0.5, progress=False, budget_s=quick_budget())
+                   confirm_prompts=1, min_seconds=0.5, probe_two_windows=False, exact_top=2, progress=False,
+                   budget_s=quick_budget())
 
 
 @dataclass
@@ -368,32 +372,35 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
 # --- 3./4. real generations -----------------------------------------------------------------------
 
 
-def run_configs(pipe: Any, configs: list[Config], prompts: list[list[int]], max_tokens: int,
+def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: bool = True, check: Callable[[], None] = lambda: None, sums: Optional[dict] = None,
                 min_seconds: float = 0.0) -> dict:
-    """Real greedy generations of every config on every prompt, interleaved (prompt by prompt, so a
-    load change on a shared machine hits all configs alike). {config: tokens/s, step_s, reuse, sums};
-    `sums` (a previous call's, per config) are added in: runs of other prompts.
+    """Real greedy generations of every config on its prompts, interleaved (in rounds: each config runs its
+    next prompt, so a load change on a shared machine hits all configs alike). {config: tokens/s, step_s,
+    reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums` (a previous call's, per
+    config) are added in: runs of other prompts.
 
-    `min_seconds`: the prompts are gone through again until each config has decoded this long (a
-    small model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here).
+    `min_seconds`: a config's prompts are gone through again until it has decoded this long (a small
+    model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here).
     """
+    own = prompts if isinstance(prompts, dict) else {c: prompts for c in configs}
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer) for c in configs}
     if warm_up:
         for c in configs:
             check()
-            pipe.generate(prompts[0], **dict(knobs[c], max_tokens=4))
+            pipe.generate(own[c][0], **dict(knobs[c], max_tokens=4))
     sums = {c: list((sums or {}).get(c, (0, 0, 0, 0.0))) for c in configs}  # tokens, steps, reuses, seconds
-    todo = list(configs)
-    while todo and prompts:
-        for p in prompts:
-            for c in todo:
-                check()
-                s = pipe.generate(p, **knobs[c]).stats
-                for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
-                    sums[c][i] += v
-        todo = [c for c in todo if sums[c][3] < min_seconds]
+    todo, r = [c for c in configs if own[c]], 0
+    while todo:
+        for c in todo:
+            check()
+            s = pipe.generate(own[c][r % len(own[c])], **knobs[c]).stats
+            for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
+                sums[c][i] += v
+        r += 1
+        # a config is done after whole passes over its prompts that add up to min_seconds
+        todo = [c for c in todo if r < len(own[c]) or r % len(own[c]) or sums[c][3] < min_seconds]
     return {c: {"tokens_per_second": tok / sec if sec else 0.0, "step_s": sec / max(steps, 1),
                 "reuse": reuses / max(steps, 1), "sums": (tok, steps, reuses, sec)}
             for c, (tok, steps, reuses, sec) in sums.items()}
@@ -407,7 +414,7 @@ def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, 
 def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
     """Configurations run for real to measure each mode's overhead: ar; sd and mirror at the smallest
     and the middle γ (their overhead grows with the window)."""
-    gs = sorted({cfg.gammas[0], cfg.gammas[len(cfg.gammas) // 2]})
+    gs = sorted({cfg.gammas[len(cfg.gammas) // 2]} | ({cfg.gammas[0]} if cfg.probe_two_windows else set()))
     e = layers[len(layers) // 2]
     return [Config("ar")] + [Config("sd", gamma=g) for g in gs] + [Config("mirror", cfg.kappas[0], g, e) for g in gs]
 
@@ -445,7 +452,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
     probes = probe_configs(cfg, layers)
-    top = max(cfg.confirm, 5)  # the predictions that decide what is confirmed (and a top 5) are all measured ones
+    top = max(cfg.confirm, cfg.exact_top)  # the predictions that decide what is confirmed are all measured ones
     total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(cfg.kappas))
              + len(cfg.gammas) * len(layers) + 1 + len(probes) + top + cfg.confirm)  # the parallel points: a guess
     bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
@@ -485,13 +492,10 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         # to their runs on the first; the probes outside stay measured on one prompt and are not candidates.
         confirm = [r["config"] for r in ranked[: cfg.confirm]]
         confirm += [Config("ar")] if Config("ar") not in confirm else []
-        fresh = [c for c in confirm if c not in probes]
         measured = {c: r for c, r in probe_runs.items()}
-        measured.update(run_configs(pipe, [c for c in confirm if c in probes], prompts[1: cfg.confirm_prompts],
-                                    cfg.max_tokens, warm_up=False, check=check, min_seconds=cfg.min_seconds,
-                                    sums={c: r["sums"] for c, r in probe_runs.items()}))
-        measured.update(run_configs(pipe, fresh, prompts[: cfg.confirm_prompts], cfg.max_tokens, warm_up=False,
-                                    check=check, min_seconds=cfg.min_seconds))
+        own = {c: prompts[1 if c in probes else 0: cfg.confirm_prompts] for c in confirm}
+        measured.update(run_configs(pipe, confirm, own, cfg.max_tokens, warm_up=False, check=check,
+                                    min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()}))
         bar.update(cfg.confirm)
         done("confirm")
     finally:

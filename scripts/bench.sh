@@ -61,7 +61,7 @@ PAIR=("${MODELS[@]}" --pin)
 # the capped quick calibration on its first call. Tune once, as the README asks a user to.
 echo "== tune (calibration prompts: held-out openings, disjoint from the headline's)"
 mkdir -p "$OUT"
-"$MM" tune "${MODELS[@]}" | tee "$OUT/tune.txt"
+"$MM" tune "${MODELS[@]}" --pin | tee "$OUT/tune.txt"  # pinned as the headline runs
 
 # One run into $1. A run that wrote its results and then died at interpreter exit (SIGABRT, rc 134:
 # "terminate called without an active exception", seen after mirror-mode generations) still counts.

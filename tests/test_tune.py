@@ -98,6 +98,53 @@ def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
     assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
 
 
+def test_tune_measures_suffix_with_rollout_only_where_the_top_can_change():
+    """Unmeasured points are predicted at their floor, max(suffix, rollout alone): an upper bound. Measuring
+    the bounded points of the top until none is left gives the top that measuring every point gives."""
+    import threading
+
+    full, acc = synthetic(window_ms=3.0, rank=0)
+    for (e, k, g), v in full.parallel.items():  # contention: together costs more than the floor
+        full.rollout[(k * (g + 1), g)] = 1e-3 * 3.0 * g * (1 + k / 4) * 0.8
+        full.parallel[(e, k, g)] = v * (1.1 + 0.05 * k)
+    configs = grid((1, 4), (1, 2, 3), (1, 2))
+    lazy = Timings(**{f: dict(getattr(full, f)) for f in ("verify", "prefix", "suffix", "window", "rollout", "overhead")})
+    asked = []
+
+    class Bench:
+        def parallel(self, e, k, g):
+            asked.append((e, k, g))
+            return full.parallel[(e, k, g)]
+
+    class Pipe:
+        _lock = threading.Lock()
+
+    assert all(predict(c, lazy, acc)["tokens_per_second"] >= predict(c, full, acc)["tokens_per_second"] for c in configs)
+    n = tune.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=4, reps=1, tick=lambda: None)
+    assert n == len(set(asked)) < len(full.parallel)
+    assert [r["config"] for r in rank(configs, lazy, acc)[:4]] == [r["config"] for r in rank(configs, full, acc)[:4]]
+    assert not any(r["bound"] for r in rank(configs, lazy, acc)[:4])
+
+
+def test_overhead_probed_at_two_windows_is_read_between_them():
+    from mirror_mlx.cost_model import overhead
+
+    t = Timings(overhead={"ar": 1e-3, "sd": {1: 2e-3, 3: 6e-3}})
+    assert overhead(Config("ar"), t) == 1e-3
+    assert [overhead(Config("sd", gamma=g), t) for g in (1, 2, 3, 7)] == pytest.approx([2e-3, 4e-3, 6e-3, 6e-3])
+    assert overhead(Config("mirror", 1, 2, 1), t) == 0.0  # not probed: none
+
+
+def test_component_timings_are_taken_in_rounds():
+    """One call of each piece per round (a burst of load hits all alike); each piece's median."""
+    calls = []
+    pieces = {k: (lambda k=k: calls.append(k) or {"a": 0.1, "b": 0.2}[k]) for k in ("a", "b")}
+    assert tune.interleaved(pieces, reps=3) == {"a": 0.1, "b": 0.2}
+    assert calls == ["a", "b"] * 3
+    halves = tune.interleaved({"x": lambda: (0.1, 0.3)}, reps=3)
+    assert halves == {"x": (0.1, 0.3)}
+
+
 # --- profiles -------------------------------------------------------------------------------------
 
 
@@ -159,8 +206,10 @@ def test_auto_is_lossless_and_says_what_it_chose(pipe):
 
 
 def test_the_choice_is_the_fastest_measured_configuration(pipe):
+    """Among the confirmed ones: the top predictions and ar, each measured on the same prompts."""
     prof = tune.profile_for(pipe)
-    measured = [r for r in prof.table if r["measured"] is not None]
+    measured = [r for r in prof.table if r["confirmed"]]
+    assert all(r["measured"] is not None for r in measured)
     ar = next(r for r in measured if r["mode"] == "ar")  # never chosen without measuring plain generation
     best = max(measured, key=lambda r: r["measured"])
     if best["measured"] < tune.AR_MARGIN * ar["measured"]:  # a gain within noise is not taken
@@ -252,7 +301,8 @@ def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeyp
     both = load_adapters(f"{first},{DEMO_EXIT_ADAPTER}", pipe.model)
     two = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, both)
     try:
-        cfg = tune.TuneConfig(prompts=1, max_tokens=8, kappas=(1,), gammas=(2,), reps=1, confirm=1, progress=False)
+        cfg = tune.TuneConfig(prompts=1, max_tokens=8, kappas=(1,), gammas=(2,), reps=1, confirm=1, min_seconds=0,
+                              progress=False)
         assert tune.exit_layer_candidates(two, cfg) == [1, 2]  # N = 5: N/4 = N/3 = 1, N/2 = 2; 3N/4 = 3 has none
         prof = tune.calibrate(two, cfg)
         assert {r["exit_layer"] for r in prof.table if r["mode"] == "mirror"} == {1, 2}
