@@ -19,7 +19,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--exit-adapter", default=None)
-    ap.add_argument("--prompts", type=int, default=4, help="calibration prompts (the sweep uses as many others)")
+    ap.add_argument("--prompts", type=int, default=8, help="calibration prompts")
+    ap.add_argument("--sweep-prompts", type=int, default=4, help="held-out openings the sweep runs (the first ones)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--kappas", default="1,2,4,8")
     ap.add_argument("--gammas", default="1,2,3,5,7")
@@ -47,7 +48,7 @@ def main() -> None:
                                       for k, v in timings[name].items()), flush=True)
     print(f"calibrated in {tune_s:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in prof.calibration["phases"].items())
           + ")", flush=True)
-    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.prompts]]
+    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.sweep_prompts]]
     rows = prof.table
     configs = [Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]) for r in rows]
     print(f"sweeping {len(configs)} configurations, interleaved prompt by prompt", flush=True)
