@@ -401,7 +401,7 @@ def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_token
 @click.option("--prompts", "prompts_file", default=None,
               help="Calibration prompts: FILE.jsonl (a 'prompt' or 'turns' field per line) or a prompt set name "
                    "[default: held-out TinyStories openings].")
-@click.option("--limit", type=click.IntRange(min=1), default=8, show_default=True, help="Calibration prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=4, show_default=True, help="Calibration prompts.")
 @click.option("--max-tokens", "-m", type=click.IntRange(min=4), default=48, show_default=True,
               help="Greedy tokens per calibration prompt.")
 @click.option("--confirm", type=click.IntRange(min=1), default=5, show_default=True,

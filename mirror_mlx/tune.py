@@ -55,7 +55,7 @@ def quick_budget() -> float:
 class TuneConfig:
     """How much to measure. `quick()` is the first-call calibration of mode="auto"."""
 
-    prompts: int = 8  # their traces (one batch) give the acceptance; the first `confirm_prompts` also confirm
+    prompts: int = 4  # their traces (one batch) give the acceptance; the first `confirm_prompts` also confirm
     max_tokens: int = 48
     kappas: tuple = (1, 2, 4, 8)
     gammas: tuple = (1, 2, 3, 5, 7)

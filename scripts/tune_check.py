@@ -19,7 +19,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--exit-adapter", default=None)
-    ap.add_argument("--prompts", type=int, default=8, help="calibration prompts")
+    ap.add_argument("--prompts", type=int, default=4, help="calibration prompts")
     ap.add_argument("--sweep-prompts", type=int, default=4, help="held-out openings the sweep runs (the first ones)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--kappas", default="1,2,4,8")
