@@ -406,10 +406,13 @@ def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_token
               help="Greedy tokens per calibration prompt.")
 @click.option("--confirm", type=click.IntRange(min=1), default=5, show_default=True,
               help="Top predictions to measure end to end.")
+@click.option("--min-seconds", type=click.FloatRange(min=0), default=4.0, show_default=True,
+              help="Each configuration run for real goes round its prompts until it has decoded this long.")
 @click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
 @click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another, as "
               "`bench --pin` does (Linux; set OPENBLAS_NUM_THREADS=1 too): calibrate as the bench runs.")
-def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, quick, pin) -> None:
+def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
+             pin) -> None:
     """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses."""
     from mirror_mlx import profile, tune
     from mirror_mlx.bench_machine import pin_threads
@@ -419,7 +422,8 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
     if pin:
         pinning = pin_threads(pipe)
         click.echo(f"pinning: {pinning}", err=True)
-    cfg = tune.TuneConfig.quick() if quick else tune.TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm)
+    cfg = tune.TuneConfig.quick() if quick else tune.TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm,
+                                                                min_seconds=min_seconds)
     if quick:
         cfg.progress = True
     try:

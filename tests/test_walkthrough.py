@@ -32,7 +32,7 @@ QWEN3_TEMPLATE = (
 SHRINK = {"--tokens": "640", "--steps": "8", "--layers": "2", "--hidden": "64", "--max-tokens": "12"}
 EXTRA = {"train-draft": ["--samples", "16", "--seq-len", "40", "--batch-size", "8", "--holdout", "10"],
          "convert": ["--context", "64", "--kappa", "2", "--gamma", "2"], "generate": ["--max-tokens", "12"],
-         "tune": ["--limit", "1", "--max-tokens", "8", "--confirm", "1"]}
+         "tune": ["--limit", "1", "--max-tokens", "8", "--confirm", "1", "--min-seconds", "0"]}
 
 
 def tiny_qwen3(folder: Path, layers: int, seed: int) -> Path:
