@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Create the virtualenv and install mirror-mlx with its test extras.
+# Create the virtualenv and install mirror-mlx; `setup.sh VENV test` adds its test extras.
 # On Linux as root, also install Debian's OpenBLAS: MLX's CPU wheel links the slow reference
 # BLAS, and mirror_mlx preloads OpenBLAS when it is present (float32 matmuls ~30x faster).
 set -euo pipefail
 VENV=${1:-.venv}
+EXTRAS=${2:+[$2]}
 if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null \
    && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
   echo "setup: installing libopenblas0-pthread (apt)"
@@ -13,4 +14,4 @@ fi
 PYTHON=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q -e ".$EXTRAS"
