@@ -17,6 +17,7 @@ end-of-file the moment the other side dies). Contexts travel as deltas against w
 import asyncio
 import atexit
 import base64
+import functools
 import os
 import pickle
 import select
@@ -67,6 +68,13 @@ def mlx_draft(path: Union[str, Path]) -> Draft:
     from mirror_mlx.draft import MLXDraft
 
     return MLXDraft(load_model(Path(path))[0])
+
+
+@functools.lru_cache(maxsize=2)
+def mlx_draft_model(path: str):
+    """The mlx-lm model an `mlx_draft` recipe builds, loaded once in this process (mlx-lm's own
+    speculative decoding in bench, tune's teacher-forced trace), beside the copy its host runs."""
+    return mlx_draft(path).model
 
 
 def ss_draft(path: Union[str, Path]) -> Draft:

@@ -11,7 +11,6 @@ Why it is built this way:
 `--sweep` runs a grid of (κ, γ, ℓ_e) in mirror mode against `ar` instead of the mode comparison.
 """
 
-import functools
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from .ane_draft.host import DraftRecipe
 from .ane_draft.host import mlx_draft as host_mlx_draft
+from .ane_draft.host import mlx_draft_model
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .bench_grid import MODES, parse_modes, parse_sweep, point_name
 from .bench_machine import machine, pin_threads, thread_report
@@ -116,15 +116,10 @@ def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int
     return Sample(mode, index, p.category, list(run.tokens), stats, num_draft_tokens=k)
 
 
-@functools.lru_cache(maxsize=2)
-def _draft_model(path: str) -> Any:
-    return host_mlx_draft(path).model
-
-
 def mlx_draft(pipe: Any) -> Any:
     """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding."""
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
-        return _draft_model(*pipe.draft.args)
+        return mlx_draft_model(*pipe.draft.args)
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
         raise ValueError("mode mlx_sd needs a plain mlx-lm draft model (mlx-lm cannot drive this draft): "

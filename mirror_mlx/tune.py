@@ -12,7 +12,6 @@
    the model believed in.
 """
 
-import functools
 import os
 import statistics
 import sys
@@ -144,19 +143,12 @@ def plain_draft_model(pipe: Any) -> Optional[Any]:
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
     (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
-    from .ane_draft.host import DraftRecipe, mlx_draft
+    from .ane_draft.host import DraftRecipe, mlx_draft, mlx_draft_model
 
     draft = getattr(pipe, "draft", None)
     if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
-        return _loaded_draft(*draft.args)
+        return mlx_draft_model(*draft.args)
     return draft.model if type(draft) is MLXDraft else None  # subclasses (SS) propose more than argmax chains
-
-
-@functools.lru_cache(maxsize=2)
-def _loaded_draft(path: str) -> Any:
-    from .ane_draft.host import mlx_draft
-
-    return mlx_draft(path).model
 
 
 def greedy_texts(pipe: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -519,8 +511,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
            f"(predicted {best['tokens_per_second']:.0f}; best of {len(confirm)} confirmed, {len(configs)} "
            f"predicted{margin})")
     table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"], measured=r["measured"],
-                  probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"], tokens_per_step=r["tokens_per_step"], reuse=r["reuse"],
-                  step_ms=1e3 * r["step_s"]) for r in ranked]
+                  probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
+                  tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"]) for r in ranked]
     calibration = {"seconds": time.perf_counter() - started, "phases": phases, "prompts": len(prompts),
                    "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
