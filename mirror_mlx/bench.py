@@ -27,6 +27,7 @@ from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .bench_grid import MODES, parse_modes, parse_sweep, point_name
 from .bench_machine import machine, pin_threads, thread_report
 from .bench_summary import Sample, best_point, table
+from .cost_model import Config
 from .engine import DecodeOptions, Stats
 from .options import PAPER_KNOBS
 from .prompts import load_prompts
@@ -100,8 +101,10 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
     t0 = s.timeline[0]["prefix"][0] if s.timeline else 0.0
     timeline = [{k: (v[0] - t0, v[1] - t0) if isinstance(v, tuple) else v for k, v in step.items()}
                 for step in s.timeline]
-    return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline),
-                  ran_as=s.mode if s.mode != mode else None)
+    ran_as = s.mode if s.mode != mode else None  # a dropped draft runs as ar
+    if mode == "auto" and s.mode != "ar":  # what auto chose for this prompt (at temperature 0 it adapts)
+        ran_as = Config(s.mode, s.kappa if s.mode == "mirror" else None, s.gamma, s.exit_layer).name
+    return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline), ran_as=ran_as)
 
 
 def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,

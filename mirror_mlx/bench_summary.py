@@ -1,5 +1,6 @@
 """Benchmark samples and their summaries: medians, pooled rates, the per-step latency breakdown, speedups."""
 
+from collections import Counter
 from dataclasses import dataclass
 from statistics import median
 from typing import Optional, Sequence
@@ -76,9 +77,9 @@ def summarize(samples: Sequence[Sample]) -> dict:
     k = {s.num_draft_tokens for s in samples if s.num_draft_tokens}
     if k:
         out["num_draft_tokens"] = sorted(k)
-    dropped = sorted({s.ran_as for s in samples if s.ran_as})
-    if dropped:
-        out["ran_as"] = dropped
+    ran = Counter(s.ran_as for s in samples if s.ran_as)
+    if ran:  # how often each, when the mode ran as more than one thing
+        out["ran_as"] = [f"{k} ×{n}" if len(ran) > 1 else k for k, n in ran.most_common()]
     return out
 
 

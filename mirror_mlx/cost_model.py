@@ -90,6 +90,19 @@ class Acceptance:
         steps, _, reuses = self._sum(gamma, kappa, exit_layer)
         return reuses / steps if steps else 0.0
 
+    def counts(self) -> tuple[int, int]:
+        """(right, wrong): positions where the draft's token after the target's own text is the target's
+        token, and where it is not (α = right / (right + wrong), the per-token acceptance)."""
+        right = sum(r > 0 for t in self.traces for r in t.runs)
+        return right, sum(len(t.runs) for t in self.traces) - right
+
+
+def geometric_tokens(alpha: float, gamma: int) -> float:
+    """Tokens a step commits on average when each draft token is right with probability α on its own
+    (the i.i.d. model of papers.md §2): 1 + α + ... + α^γ. Used only as a ratio, to carry a trace's
+    measured tokens per step over to another acceptance."""
+    return sum(alpha**i for i in range(gamma + 1))
+
 
 @dataclass
 class Timings:

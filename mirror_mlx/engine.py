@@ -59,6 +59,9 @@ class Stats:
     steps: int = 0
     reuses: int = 0
     fallbacks: int = 0
+    proposed: int = 0  # draft tokens the target verified
+    accepted: int = 0  # of them, accepted
+    rejections: int = 0  # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
     omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -83,6 +86,12 @@ class Stats:
     @property
     def reuse_rate(self) -> float:
         return self.reuses / max(self.steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α: the chance that a draft token after a right prefix is right (each accepted token is one such
+        event, each rejection one of the other kind)."""
+        return self.accepted / max(self.accepted + self.rejections, 1)
 
     @property
     def omega_kappa(self) -> float:
@@ -121,7 +130,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "from_draft")}
-        for name in ("mean_accepted", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
+        for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
                      "tokens_per_second", "eta", "draft_forwards_per_window"):
             d[name] = getattr(self, name)
         return d
@@ -159,6 +168,13 @@ def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, 
     if c in cand[a]:
         return windows[a][cand[a].index(c)]
     return None
+
+
+def note_window(stats: Stats, offered: int, accepted: int) -> None:
+    """Count one verified window: `accepted` of its `offered` draft tokens, and a rejection unless all."""
+    stats.proposed += offered
+    stats.accepted += accepted
+    stats.rejections += accepted < offered
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -364,6 +380,7 @@ class Engine:
             raise
         self.draft_failure: Optional[str] = None
         self.stats = Stats()
+        self.greedy_seen = [0, 0]  # accepted, rejections over auto's greedy generations (tune.adapt reads it)
 
     def close(self) -> None:
         if self.host is not None:
@@ -512,6 +529,9 @@ class Engine:
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            if opts.tuned and opts.sampler is None and opts.temperature == 0:  # what auto's choice adapts to
+                self.greedy_seen[0] += stats.accepted
+                self.greedy_seen[1] += stats.rejections
 
     # --- steps -------------------------------------------------------------------------------------
 
@@ -550,6 +570,7 @@ class Engine:
         stats.prefix_seconds += p1 - p0
         stats.suffix_seconds += s1 - s0
         stats.omega_sum += omega
+        note_window(stats, gamma, a)
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
         if new[-1] in cand[a]:  # c ∈ C_A: the next window is w(A, c), already rolled out
             stats.reuses += 1
@@ -569,6 +590,7 @@ class Engine:
             return ys[:1]
         (ys, a), s0, s1 = await self.target_worker.run(self.target.verify, committed, window, sampler, processors)
         stats.suffix_seconds += s1 - s0
+        note_window(stats, len(window), a)
         return window[:a] + [ys[a]]
 
     async def _timed_rollout(self, committed, opts, stats) -> Optional[list[int]]:

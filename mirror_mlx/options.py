@@ -39,8 +39,9 @@ class DecodeOptions:
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
+    tuned: bool = False  # set by the Pipeline: the mode and knobs came from mode="auto"
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
-CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why"))  # set by the Pipeline
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "tuned"))  # set by the Pipeline

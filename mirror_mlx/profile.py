@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-VERSION = 1
+VERSION = 2  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt)
 
 
 class ProfileError(ValueError):

@@ -8,8 +8,12 @@
 3. per-mode overhead: real generations of a few probe configurations, step time minus the modelled
    components (at two γ for sd and mirror);
 4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
-   profile's choice is the fastest *measured* configuration, so the choice is never one that only
-   the model believed in.
+   profile's choice is the fastest confirmed configuration by its *measured* step time and the traces'
+   tokens per step, so the choice is never one that only the model believed in.
+
+mode="auto" then adapts that choice to the text it serves (`adapt`): at temperature 0 the draft's
+acceptance seen in auto's own generations moves every confirmed configuration's tokens per step (a
+more predictable text favours longer windows), their measured step times stay.
 """
 
 import os
@@ -17,7 +21,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -25,13 +29,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from . import profile as profiles
-from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
+from .cost_model import Acceptance, Config, Timings, Trace, component_time, geometric_tokens, grid, rank
 from .draft import MLXDraft
 from .exit_adapter import adapter_for, adapter_layers
 from .options import PAPER_KNOBS
 from .target import EarlyExitTarget, top_k, trimmable_cache
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
+PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
 QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
@@ -370,6 +375,25 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
 
 # --- 3./4. real generations -----------------------------------------------------------------------
 
+def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
+    """The `n` best predictions, at most ⌊n/2⌋ (at least one) of one window γ: the user's text may accept
+    more or less than the calibration's, which moves whole γ groups (`adapt`), so alternatives stay measured."""
+    cap, out, per = max(1, n // 2), [], {}
+    for r in ranked:
+        g = r["config"].gamma
+        if len(out) < n and per.get(g, 0) < cap:
+            out.append(r["config"])
+            per[g] = per.get(g, 0) + 1
+    return out
+
+
+def expected_rate(row: dict, alpha: float, alpha0: float) -> float:
+    """Tokens/s of a measured table row at per-token acceptance α: its measured step time, and its traces'
+    tokens per step carried from the calibration's α0 to α by the geometric model (ar: one token)."""
+    g = row["gamma"] if row["mode"] != "ar" else 0
+    tokens = row["tokens_per_step"] * geometric_tokens(alpha, g) / geometric_tokens(alpha0, g)
+    return 1e3 * tokens / row["measured_step_ms"]
+
 
 def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: bool = True, check: Callable[[], None] = lambda: None, sums: Optional[dict] = None,
@@ -432,6 +456,16 @@ def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConf
     return runs
 
 
+def choose(table: list[dict], alpha: float, alpha0: float) -> tuple[dict, dict, str]:
+    """(the confirmed row fastest at acceptance α, the ar row, a note when ar won by the margin rule)."""
+    rows = [r for r in table if r.get("confirmed") and r.get("measured_step_ms")]
+    ar = next(r for r in rows if r["mode"] == "ar")
+    best = max(rows, key=lambda r: expected_rate(r, alpha, alpha0))
+    if expected_rate(best, alpha, alpha0) < AR_MARGIN * expected_rate(ar, alpha, alpha0):  # within noise of plain
+        return ar, ar, f"; speculation not {AR_MARGIN:.2f}x ar, so ar"
+    return best, ar, ""
+
+
 def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
               log: Callable[[str], None] = lambda s: None) -> profiles.Profile:
     """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration."""
@@ -489,7 +523,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         ranked = rank(configs, t, acc)
         # The top predictions and ar, on the first few prompts: probes among them add the other prompts
         # to their runs on the first; the probes outside stay measured on one prompt and are not candidates.
-        confirm = [r["config"] for r in ranked[: cfg.confirm]]
+        confirm = pick_confirm(ranked, cfg.confirm)
         confirm += [Config("ar")] if Config("ar") not in confirm else []
         measured = {c: r for c, r in probe_runs.items()}
         own = {c: prompts[1 if c in probes else 0: cfg.confirm_prompts] for c in confirm}
@@ -499,22 +533,21 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         done("confirm")
     finally:
         bar.close()
-    for r in ranked:
-        r["measured"] = measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None
-    best = max((r for r in ranked if r["config"] in confirm), key=lambda r: r["measured"])
-    ar = next(r for r in ranked if r["config"].mode == "ar")
-    margin = ""
-    if best["measured"] < AR_MARGIN * ar["measured"]:  # within noise of plain generation: keep it plain
-        best, margin = ar, f"; speculation not {AR_MARGIN:.2f}x ar, so ar"
-    c = best["config"]
-    why = (f"tuned: {best['measured']:.0f} tok/s measured vs ar {ar['measured']:.0f} "
-           f"(predicted {best['tokens_per_second']:.0f}; best of {len(confirm)} confirmed, {len(configs)} "
-           f"predicted{margin})")
-    table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"], measured=r["measured"],
+    right, wrong = acc.counts()
+    table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"],
+                  measured=measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None,
+                  measured_step_ms=1e3 * measured[r["config"]]["step_s"] if r["config"] in measured else None,
                   probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
                   tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"]) for r in ranked]
+    alpha0 = right / max(right + wrong, 1)
+    best, ar, margin = choose(table, alpha0, alpha0)
+    c = Config(best["mode"], best["kappa"], best["gamma"], best["exit_layer"])
+    why = (f"tuned: {expected_rate(best, alpha0, alpha0):.0f} tok/s expected vs ar {expected_rate(ar, alpha0, alpha0):.0f}"
+           f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(confirm)} confirmed, "
+           f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - started, "phases": phases, "prompts": len(prompts),
                    "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
+                   "acceptance": {"right": right, "wrong": wrong},
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
     log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
     return profiles.Profile(key=pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
@@ -582,8 +615,29 @@ def describe(c: Any) -> str:
                   c.exit_layer if c.mode == "mirror" else None).name
 
 
-def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> Choice:
-    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile."""
+def adapt(prof: profiles.Profile, seen: Sequence[int]) -> Optional[Choice]:
+    """The profile's choice at the acceptance of the text auto has served: the accepted/rejected draft
+    tokens of auto's greedy generations so far (`seen`, Engine.greedy_seen) pooled with the calibration's
+    right/wrong draft positions, these weighing at most PRIOR_TOKENS (the user's text need not be like the
+    calibration's, so it should soon outweigh it); every confirmed row's expected tokens/s at that α.
+    None before anything was seen, or for a profile without the counts (a quick one that fell back to ar)."""
+    prior = prof.calibration.get("acceptance")
+    if not prior or not sum(seen) or not any(r.get("confirmed") for r in prof.table):
+        return None
+    alpha0 = prior["right"] / max(prior["right"] + prior["wrong"], 1)
+    weight = min(PRIOR_TOKENS, prior["right"] + prior["wrong"])
+    alpha = (alpha0 * weight + seen[0]) / (weight + sum(seen))
+    best, _, margin = choose(prof.table, alpha, alpha0)
+    why = (f"adapted: draft acceptance {alpha:.2f} with {sum(seen)} tokens of auto's greedy text ({alpha0:.2f} in "
+           f"calibration), {expected_rate(best, alpha, alpha0):.0f} tok/s expected{margin}")
+    return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
+                  best["exit_layer"], why)
+
+
+def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
+            greedy: bool = False) -> Choice:
+    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile
+    (at temperature 0, `greedy`, adapted to the acceptance seen so far: `adapt`)."""
 
     def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> Choice:
         return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why)
@@ -597,6 +651,9 @@ def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], ex
     prof = profile_for(pipe)
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:
+        adapted = adapt(prof, pipe.engine.greedy_seen) if greedy else None
+        if adapted is not None:
+            return replace(adapted, why="auto: " + adapted.why)
         return knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
     # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
     need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None

@@ -195,24 +195,26 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
 
 def test_auto_is_lossless_and_says_what_it_chose(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
+    expected = tune.resolve(pipe, "auto", None, None, None, greedy=True)  # the profile's, or adapted to what was seen
     result = pipe.generate(PROMPT, max_tokens=40)
     assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
     s = result.stats
-    prof = tune.profile_for(pipe)
-    assert (s.chosen_mode, s.why) == (prof.mode, "auto: " + prof.why)
+    assert (s.chosen_mode, s.why) == (expected.mode, expected.why) and s.why.startswith("auto: ")
     if s.chosen_mode == "mirror":
-        assert (s.kappa, s.gamma, s.exit_layer) == (prof.kappa, prof.gamma, prof.exit_layer)
+        assert (s.kappa, s.gamma, s.exit_layer) == (expected.kappa, expected.gamma, expected.exit_layer)
     assert f"mode {s.mode}" in s.summary() and "auto: " in s.summary()
 
 
-def test_the_choice_is_the_fastest_measured_configuration(pipe):
-    """Among the confirmed ones: the top predictions and ar, each measured on the same prompts."""
+def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_time(pipe):
+    """Among the confirmed ones (the top predictions, at most half of one γ, and ar, each measured on the
+    same prompts): the traces' tokens per step over the measured seconds per step."""
     prof = tune.profile_for(pipe)
     measured = [r for r in prof.table if r["confirmed"]]
-    assert all(r["measured"] is not None for r in measured)
+    assert all(r["measured"] is not None and r["measured_step_ms"] > 0 for r in measured)
     ar = next(r for r in measured if r["mode"] == "ar")  # never chosen without measuring plain generation
-    best = max(measured, key=lambda r: r["measured"])
-    if best["measured"] < tune.AR_MARGIN * ar["measured"]:  # a gain within noise is not taken
+    rate = lambda r: r["tokens_per_step"] / r["measured_step_ms"]  # noqa: E731
+    best = max(measured, key=rate)
+    if rate(best) < tune.AR_MARGIN * rate(ar):  # a gain within noise is not taken
         best = ar
     assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
                                                                         ("mode", "kappa", "gamma", "exit_layer"))
@@ -313,3 +315,65 @@ def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeyp
         assert out.tokens == two.generate(PROMPT, max_tokens=12, mode="ar").tokens
     finally:
         two.close()
+
+
+# --- auto adapts to the text it serves ------------------------------------------------------------
+
+
+def ranked(*configs: Config) -> list[dict]:
+    return [{"config": c} for c in configs]
+
+
+def test_the_confirmation_keeps_other_windows_measured():
+    """At most ⌊n/2⌋ of the confirmed points share a γ: acceptance on the user's text moves whole γ groups."""
+    order = ranked(*(Config("mirror", k, 1, 2) for k in (1, 2, 4, 8)), Config("sd", gamma=1), Config("sd", gamma=3),
+                   Config("mirror", 2, 3, 2), Config("mirror", 2, 2, 2))
+    picked = tune.pick_confirm(order, 5)
+    assert [c.gamma for c in picked] == [1, 1, 3, 3, 2]
+    assert picked[:2] == [r["config"] for r in order[:2]]
+    assert [c.gamma for c in tune.pick_confirm(order, 2)] == [1, 3]
+
+
+def row(mode: str, gamma, tokens: float, step_ms: float, kappa=None, exit_layer=None) -> dict:
+    return dict(mode=mode, kappa=kappa, gamma=gamma, exit_layer=exit_layer, tokens_per_step=tokens,
+                measured_step_ms=step_ms, measured=1e3 * tokens / step_ms, predicted=1e3 * tokens / step_ms,
+                confirmed=True)
+
+
+# α0 = 0.6 in calibration: sd γ=1 (1.6 tokens in 15 ms) beats ar (10 ms) and mirror γ=3 (2.3 tokens in 25 ms)
+ADAPTING = profiles.Profile(key={}, mode="sd", gamma=1, why="tuned", calibration={"acceptance": {"right": 60, "wrong": 40}},
+                            table=[row("ar", None, 1.0, 10.0), row("sd", 1, 1.6, 15.0),
+                                   row("mirror", 3, 2.3, 25.0, kappa=2, exit_layer=2)])
+
+
+def test_auto_moves_to_longer_windows_on_predictable_text_and_to_ar_on_unpredictable():
+    assert tune.adapt(ADAPTING, [0, 0]) is None  # nothing seen: the profile's choice
+    same = tune.adapt(ADAPTING, [6, 4])  # as predictable as the calibration text
+    assert (same.mode, same.gamma) == ("sd", 1)
+    easy = tune.adapt(ADAPTING, [900, 100])  # α -> (0.6 * 64 + 900) / 1064 = 0.88 (the calibration weighs 64 tokens)
+    assert (easy.mode, easy.kappa, easy.gamma, easy.exit_layer) == ("mirror", 2, 3, 2)
+    assert "draft acceptance 0.88 with 1000 tokens" in easy.why and "0.60 in calibration" in easy.why
+    hard = tune.adapt(ADAPTING, [20, 980])  # α -> 0.06: one token a step at sd's step time
+    assert hard.mode == "ar" and "so ar" in hard.why
+
+
+def test_auto_adapts_only_at_temperature_0_stays_lossless_and_learns_only_from_its_own_greedy_runs(pipe):
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    fresh._profile = profiles.Profile(**{**ADAPTING.__dict__, "key": tune.pipe_key(fresh)})
+    try:
+        fresh.engine.greedy_seen[:] = [900, 100]
+        sampled = fresh.generate(PROMPT, max_tokens=8, temperature=1.0, seed=0).stats
+        assert (sampled.chosen_mode, sampled.why) == ("sd", "auto: tuned")  # sampled: the profile as it is
+        assert fresh.engine.greedy_seen == [900, 100]
+        result = fresh.generate(PROMPT, max_tokens=40)
+        s = result.stats
+        assert (s.chosen_mode, s.kappa, s.gamma) == ("mirror", 2, 3) and s.why.startswith("auto: adapted")
+        assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
+        assert s.proposed >= s.accepted + s.rejections and s.rejections <= s.steps
+        assert sum(s.from_draft) <= s.accepted <= sum(s.from_draft) + 3  # (max_tokens may cut the last window)
+        assert fresh.engine.greedy_seen == [900 + s.accepted, 100 + s.rejections]
+        explicit = fresh.generate(PROMPT, max_tokens=16, mode="sd", gamma=2).stats
+        assert explicit.proposed > 0 and fresh.engine.greedy_seen == [900 + s.accepted, 100 + s.rejections]
+    finally:
+        fresh.close()
