@@ -90,17 +90,24 @@ class Acceptance:
         steps, _, reuses = self._sum(gamma, kappa, exit_layer)
         return reuses / steps if steps else 0.0
 
-    def counts(self) -> tuple[int, int]:
-        """(right, wrong): positions where the draft's token after the target's own text is the target's
-        token, and where it is not (α = right / (right + wrong), the per-token acceptance)."""
-        right = sum(r > 0 for t in self.traces for r in t.runs)
-        return right, sum(len(t.runs) for t in self.traces) - right
+    def window_counts(self, gamma: int) -> tuple[int, int]:
+        """(accepted, rejections) along the traces with window γ: the draft tokens accepted and the steps
+        that rejected one, as Stats counts them in a real run (α = accepted / (accepted + rejections))."""
+        accepted = rejections = 0
+        for t in self.traces:
+            n, p = len(t.runs), 0
+            while p < n:
+                a = min(gamma, t.runs[p], n - p)
+                if p + a >= n:  # the text ended inside the window
+                    break
+                accepted, rejections, p = accepted + a, rejections + (a < gamma), p + a + 1
+        return accepted, rejections
 
 
 def geometric_tokens(alpha: float, gamma: int) -> float:
     """Tokens a step commits on average when each draft token is right with probability α on its own
     (the i.i.d. model of papers.md §2): 1 + α + ... + α^γ. Used only as a ratio, to carry a trace's
-    measured tokens per step over to another acceptance."""
+    measured tokens per step over to another acceptance (tune.expected_rate)."""
     return sum(alpha**i for i in range(gamma + 1))
 
 

@@ -380,7 +380,7 @@ class Engine:
             raise
         self.draft_failure: Optional[str] = None
         self.stats = Stats()
-        self.greedy_seen = [0, 0]  # accepted, rejections over auto's greedy generations (tune.adapt reads it)
+        self.greedy_seen: dict[int, list[int]] = {}  # γ: [accepted, rejections] in auto's greedy runs (tune.adapt)
 
     def close(self) -> None:
         if self.host is not None:
@@ -529,9 +529,10 @@ class Engine:
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            if opts.tuned and opts.sampler is None and opts.temperature == 0:  # what auto's choice adapts to
-                self.greedy_seen[0] += stats.accepted
-                self.greedy_seen[1] += stats.rejections
+            if opts.tuned and opts.sampler is None and opts.temperature == 0 and stats.proposed:  # what auto adapts to
+                seen = self.greedy_seen.setdefault(opts.gamma, [0, 0])
+                seen[0] += stats.accepted
+                seen[1] += stats.rejections
 
     # --- steps -------------------------------------------------------------------------------------
 

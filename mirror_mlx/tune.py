@@ -387,11 +387,15 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
     return out
 
 
-def expected_rate(row: dict, alpha: float, alpha0: float) -> float:
-    """Tokens/s of a measured table row at per-token acceptance α: its measured step time, and its traces'
-    tokens per step carried from the calibration's α0 to α by the geometric model (ar: one token)."""
+def expected_rate(row: dict, alphas: dict[int, float], factor: float = 1.0) -> float:
+    """Tokens/s of a measured table row on a text whose draft acceptance is `factor` times the calibration's
+    (`alphas`: α per γ in calibration): its measured step time, and its traces' tokens per step carried
+    over to α·factor by the geometric model (ar: one token a step)."""
+    tokens = row["tokens_per_step"]
     g = row["gamma"] if row["mode"] != "ar" else 0
-    tokens = row["tokens_per_step"] * geometric_tokens(alpha, g) / geometric_tokens(alpha0, g)
+    if g and factor != 1.0:
+        alpha = alphas[g]
+        tokens *= geometric_tokens(min(alpha * factor, 0.99), g) / geometric_tokens(alpha, g)
     return 1e3 * tokens / row["measured_step_ms"]
 
 
@@ -456,13 +460,19 @@ def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConf
     return runs
 
 
-def choose(table: list[dict], alpha: float, alpha0: float) -> tuple[dict, dict, str]:
-    """(the confirmed row fastest at acceptance α, the ar row, a note when ar won by the margin rule)."""
+def choose(table: list[dict], alphas: dict[int, float], factor: float = 1.0,
+           incumbent: Optional[dict] = None) -> tuple[dict, dict, str]:
+    """(the confirmed row fastest at `factor` times the calibration's acceptance, the ar row, a note).
+
+    A row replaces the `incumbent` (default ar) only if it is expected AR_MARGIN faster: timings are noisy,
+    and a gain within noise is not worth leaving plain generation (or, when adapting, the tuned choice)."""
     rows = [r for r in table if r.get("confirmed") and r.get("measured_step_ms")]
     ar = next(r for r in rows if r["mode"] == "ar")
-    best = max(rows, key=lambda r: expected_rate(r, alpha, alpha0))
-    if expected_rate(best, alpha, alpha0) < AR_MARGIN * expected_rate(ar, alpha, alpha0):  # within noise of plain
-        return ar, ar, f"; speculation not {AR_MARGIN:.2f}x ar, so ar"
+    keep = incumbent or ar
+    best = max(rows, key=lambda r: expected_rate(r, alphas, factor))
+    if best is not keep and expected_rate(best, alphas, factor) < AR_MARGIN * expected_rate(keep, alphas, factor):
+        what = "ar" if keep is ar else "the tuned choice"
+        return keep, ar, f"; nothing else {AR_MARGIN:.2f}x {what}, so {what}"
     return best, ar, ""
 
 
@@ -533,21 +543,20 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         done("confirm")
     finally:
         bar.close()
-    right, wrong = acc.counts()
+    counts = {g: acc.window_counts(g) for g in cfg.gammas}
     table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"],
                   measured=measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None,
                   measured_step_ms=1e3 * measured[r["config"]]["step_s"] if r["config"] in measured else None,
                   probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
                   tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"]) for r in ranked]
-    alpha0 = right / max(right + wrong, 1)
-    best, ar, margin = choose(table, alpha0, alpha0)
-    c = Config(best["mode"], best["kappa"], best["gamma"], best["exit_layer"])
-    why = (f"tuned: {expected_rate(best, alpha0, alpha0):.0f} tok/s expected vs ar {expected_rate(ar, alpha0, alpha0):.0f}"
+    best, ar, margin = choose(table, {})
+    c = row_config(best)
+    why = (f"tuned: {expected_rate(best, {}):.0f} tok/s expected vs ar {expected_rate(ar, {}):.0f}"
            f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(confirm)} confirmed, "
            f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - started, "phases": phases, "prompts": len(prompts),
                    "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
-                   "acceptance": {"right": right, "wrong": wrong},
+                   "acceptance": {str(g): list(v) for g, v in counts.items()},  # γ: [accepted, rejections]
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
     log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
     return profiles.Profile(key=pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
@@ -610,26 +619,50 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
     return prof
 
 
+def row_config(row: dict) -> Config:
+    return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"])
+
+
 def describe(c: Any) -> str:
     return Config(c.mode, c.kappa if c.mode == "mirror" else None, c.gamma if c.mode != "ar" else None,
                   c.exit_layer if c.mode == "mirror" else None).name
 
 
-def adapt(prof: profiles.Profile, seen: Sequence[int]) -> Optional[Choice]:
-    """The profile's choice at the acceptance of the text auto has served: the accepted/rejected draft
-    tokens of auto's greedy generations so far (`seen`, Engine.greedy_seen) pooled with the calibration's
-    right/wrong draft positions, these weighing at most PRIOR_TOKENS (the user's text need not be like the
-    calibration's, so it should soon outweigh it); every confirmed row's expected tokens/s at that α.
-    None before anything was seen, or for a profile without the counts (a quick one that fell back to ar)."""
+def acceptance_factor(prior: dict, seen: dict) -> tuple[float, int]:
+    """(how many times the calibration's α the draft's acceptance is on auto's greedy text, tokens seen).
+
+    At each window γ auto ran, α seen (Engine.greedy_seen: accepted / (accepted + rejections)) is pooled
+    with the calibration's α at the same γ (the traces replayed at γ count the same way), which weighs at
+    most PRIOR_TOKENS: the user's text need not be like the calibration's, so it soon outweighs it. The
+    ratios to the calibration's α are averaged, weighted by the tokens seen.
+    """
+    num = n = 0
+    for g, (a, r) in seen.items():
+        cal = prior.get(str(g))
+        if not cal or not sum(cal) or not a + r:
+            continue
+        alpha0 = cal[0] / sum(cal)
+        weight = min(PRIOR_TOKENS, sum(cal))
+        num += (a + r) * (alpha0 * weight + a) / (weight + a + r) / max(alpha0, 1e-6)
+        n += a + r
+    return (num / n if n else 1.0), n
+
+
+def adapt(prof: profiles.Profile, seen: dict) -> Optional[Choice]:
+    """The profile's choice on the text auto has served: every confirmed row re-scored at the acceptance
+    seen there (`acceptance_factor`), its measured step time kept. None before anything was seen, or for a
+    profile without acceptance counts (a quick one that fell back to ar)."""
     prior = prof.calibration.get("acceptance")
-    if not prior or not sum(seen) or not any(r.get("confirmed") for r in prof.table):
+    if not prior or not any(r.get("confirmed") for r in prof.table):
         return None
-    alpha0 = prior["right"] / max(prior["right"] + prior["wrong"], 1)
-    weight = min(PRIOR_TOKENS, prior["right"] + prior["wrong"])
-    alpha = (alpha0 * weight + seen[0]) / (weight + sum(seen))
-    best, _, margin = choose(prof.table, alpha, alpha0)
-    why = (f"adapted: draft acceptance {alpha:.2f} with {sum(seen)} tokens of auto's greedy text ({alpha0:.2f} in "
-           f"calibration), {expected_rate(best, alpha, alpha0):.0f} tok/s expected{margin}")
+    factor, n = acceptance_factor(prior, seen)
+    if not n:
+        return None
+    alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
+    tuned = next((r for r in prof.table if r.get("confirmed") and describe(row_config(r)) == describe(prof)), None)
+    best, _, margin = choose(prof.table, alphas, factor, incumbent=tuned)
+    why = (f"adapted: the draft is right {factor:.2f}x as often in auto's greedy runs ({n} draft tokens judged) as "
+           f"in calibration, {expected_rate(best, alphas, factor):.0f} tok/s expected{margin}")
     return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
                   best["exit_layer"], why)
 

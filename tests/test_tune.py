@@ -340,21 +340,35 @@ def row(mode: str, gamma, tokens: float, step_ms: float, kappa=None, exit_layer=
                 confirmed=True)
 
 
-# α0 = 0.6 in calibration: sd γ=1 (1.6 tokens in 15 ms) beats ar (10 ms) and mirror γ=3 (2.3 tokens in 25 ms)
-ADAPTING = profiles.Profile(key={}, mode="sd", gamma=1, why="tuned", calibration={"acceptance": {"right": 60, "wrong": 40}},
+# α = 0.6 in calibration at every γ: sd γ=1 (1.6 tokens in 15 ms) beats ar (10 ms) and mirror γ=3 (2.3 in 25 ms)
+ADAPTING = profiles.Profile(key={}, mode="sd", gamma=1, why="tuned",
+                            calibration={"acceptance": {"1": [60, 40], "3": [120, 80]}},
                             table=[row("ar", None, 1.0, 10.0), row("sd", 1, 1.6, 15.0),
                                    row("mirror", 3, 2.3, 25.0, kappa=2, exit_layer=2)])
 
 
+def test_the_calibration_counts_acceptance_as_a_real_run_does():
+    """Replayed at γ, a trace counts accepted draft tokens and rejecting steps as Stats does."""
+    acc = Acceptance([Trace(runs=[3, 2, 1, 0, 0, 5, 4, 3, 2, 1, 0])])
+    # γ=2: steps at 0 (2 accepted), 3 (0: rejected), 4 (0: rejected), 5 (2), 8 (2); the text ends at 11
+    assert acc.window_counts(2) == (6, 2)
+    # γ=7: steps at 0 (3 of 7: rejected), 4 (0: rejected), 5 (5: rejected)
+    assert acc.window_counts(7) == (8, 3)
+
+
 def test_auto_moves_to_longer_windows_on_predictable_text_and_to_ar_on_unpredictable():
-    assert tune.adapt(ADAPTING, [0, 0]) is None  # nothing seen: the profile's choice
-    same = tune.adapt(ADAPTING, [6, 4])  # as predictable as the calibration text
-    assert (same.mode, same.gamma) == ("sd", 1)
-    easy = tune.adapt(ADAPTING, [900, 100])  # α -> (0.6 * 64 + 900) / 1064 = 0.88 (the calibration weighs 64 tokens)
+    assert tune.adapt(ADAPTING, {}) is None  # nothing seen: the profile's choice
+    same = tune.adapt(ADAPTING, {1: [6, 4]})  # as predictable as the calibration text
+    assert (same.mode, same.gamma) == ("sd", 1) and "right 1.00x as often" in same.why
+    easy = tune.adapt(ADAPTING, {1: [900, 100]})  # α -> (0.6 * 64 + 900) / 1064 = 0.88, 1.47x the calibration's
     assert (easy.mode, easy.kappa, easy.gamma, easy.exit_layer) == ("mirror", 2, 3, 2)
-    assert "draft acceptance 0.88 with 1000 tokens" in easy.why and "0.60 in calibration" in easy.why
-    hard = tune.adapt(ADAPTING, [20, 980])  # α -> 0.06: one token a step at sd's step time
-    assert hard.mode == "ar" and "so ar" in hard.why
+    assert "right 1.47x as often in auto's greedy runs (1000 draft tokens judged)" in easy.why
+    hard = tune.adapt(ADAPTING, {1: [20, 980]})  # 0.09x: one token a step at sd's step time
+    assert hard.mode == "ar" and "right 0.09x as often" in hard.why
+    both = tune.adapt(ADAPTING, {1: [900, 100], 3: [20, 980]})  # ratios averaged, weighted by tokens seen
+    assert "right 0.78x as often" in both.why
+    near = tune.adapt(ADAPTING, {1: [800, 200]})  # 1.31x: mirror γ=3 expected 3 % faster than sd γ=1, within noise
+    assert (near.mode, near.gamma) == ("sd", 1) and "so the tuned choice" in near.why
 
 
 def test_auto_adapts_only_at_temperature_0_stays_lossless_and_learns_only_from_its_own_greedy_runs(pipe):
@@ -362,18 +376,18 @@ def test_auto_adapts_only_at_temperature_0_stays_lossless_and_learns_only_from_i
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
     fresh._profile = profiles.Profile(**{**ADAPTING.__dict__, "key": tune.pipe_key(fresh)})
     try:
-        fresh.engine.greedy_seen[:] = [900, 100]
+        fresh.engine.greedy_seen.update({1: [900, 100]})
         sampled = fresh.generate(PROMPT, max_tokens=8, temperature=1.0, seed=0).stats
         assert (sampled.chosen_mode, sampled.why) == ("sd", "auto: tuned")  # sampled: the profile as it is
-        assert fresh.engine.greedy_seen == [900, 100]
+        assert fresh.engine.greedy_seen == {1: [900, 100]}
         result = fresh.generate(PROMPT, max_tokens=40)
         s = result.stats
         assert (s.chosen_mode, s.kappa, s.gamma) == ("mirror", 2, 3) and s.why.startswith("auto: adapted")
         assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
         assert s.proposed >= s.accepted + s.rejections and s.rejections <= s.steps
         assert sum(s.from_draft) <= s.accepted <= sum(s.from_draft) + 3  # (max_tokens may cut the last window)
-        assert fresh.engine.greedy_seen == [900 + s.accepted, 100 + s.rejections]
+        assert fresh.engine.greedy_seen == {1: [900, 100], 3: [s.accepted, s.rejections]}
         explicit = fresh.generate(PROMPT, max_tokens=16, mode="sd", gamma=2).stats
-        assert explicit.proposed > 0 and fresh.engine.greedy_seen == [900 + s.accepted, 100 + s.rejections]
+        assert explicit.proposed > 0 and 2 not in fresh.engine.greedy_seen
     finally:
         fresh.close()
