@@ -434,7 +434,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         pipe.close()
     path = profile.save(prof)
     click.echo(tune.format_table(prof))
-    for line in (tune.contention(prof), compute_plan_report(draft_model)):
+    for line in (tune.contention(prof), tune.acceptance_line(prof), compute_plan_report(draft_model)):
         if line:
             click.echo(line)
     click.echo(f"chose {tune.describe(prof)}: {prof.why}")

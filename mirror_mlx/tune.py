@@ -719,6 +719,13 @@ def format_table(prof: profiles.Profile, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def acceptance_line(prof: profiles.Profile) -> str:
+    """The calibration's draft acceptance per γ, as `stats.acceptance_rate` reads it (what auto adapts from)."""
+    acc = prof.calibration.get("acceptance") or {}
+    return ("draft acceptance α per γ on the calibration text (auto compares stats.acceptance_rate with it): "
+            + ", ".join(f"γ={g} {a / max(a + r, 1):.2f}" for g, (a, r) in acc.items())) if acc else ""
+
+
 def contention(prof: profiles.Profile) -> str:
     """For the chosen mirror point: suffix ‖ rollout measured together against Eq. 10's ideal max()."""
     if prof.mode != "mirror":

@@ -258,6 +258,7 @@ def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
     assert "predicted" in result.output and "measured" in result.output and "(probe)" in result.output
     assert "Core ML compute plan: skipped (the draft is not a Core ML package)" in result.output
     assert "chose " in result.output and "wrote " in result.output
+    assert "draft acceptance α per γ on the calibration text" in result.output and "γ=3 0." in result.output
     p = load(str(TARGET_PATH), str(DRAFT_PATH))
     try:
         assert profiles.load(tune.pipe_key(p)) is not None  # the next auto run uses it
