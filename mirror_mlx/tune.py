@@ -734,6 +734,9 @@ def contention(prof: profiles.Profile) -> str:
     k, g, e = prof.kappa, prof.gamma, prof.exit_layer
     suffix = t["suffix"][str((e, g + 1))]
     rollout = t["rollout"][str((k * (g + 1), g))]
-    together = t["parallel"][str((e, k, g))]
+    together = t["parallel"].get(str((e, k, g)))
+    if together is None:  # chosen from its real runs; its prediction used the floor (confirmed past the top: pick_confirm)
+        return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: not timed together (confirmed by its real runs); "
+                f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart")
     return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
             f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")

@@ -392,3 +392,12 @@ def test_auto_adapts_only_at_temperature_0_stays_lossless_and_learns_only_from_i
         assert explicit.proposed > 0 and 2 not in fresh.engine.greedy_seen
     finally:
         fresh.close()
+
+
+def test_tune_reports_a_chosen_point_whose_suffix_and_rollout_were_not_timed_together():
+    """pick_confirm can confirm a point past the measured top: its report says so instead of failing."""
+    timings = {"suffix": {"(3, 3)": 0.1}, "rollout": {"(6, 2)": 0.08}, "parallel": {}}
+    prof = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=2, exit_layer=3, calibration={"timings": timings})
+    assert "not timed together" in tune.contention(prof) and "max(100.00, 80.00) ms apart" in tune.contention(prof)
+    timings["parallel"]["(3, 2, 2)"] = 0.12
+    assert "120.00 ms together" in tune.contention(prof) and "1.20× the ideal" in tune.contention(prof)
