@@ -27,10 +27,10 @@ from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .bench_grid import MODES, parse_modes, parse_sweep, point_name
 from .bench_machine import machine, pin_threads, thread_report
 from .bench_summary import Sample, best_point, table
-from .cost_model import Config
 from .engine import DecodeOptions, Stats
 from .options import PAPER_KNOBS
 from .prompts import load_prompts
+from .tune import describe
 
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
@@ -103,7 +103,7 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
                 for step in s.timeline]
     ran_as = s.mode if s.mode != mode else None  # a dropped draft runs as ar
     if mode == "auto" and s.mode != "ar":  # what auto chose for this prompt (at temperature 0 it adapts)
-        ran_as = Config(s.mode, s.kappa if s.mode == "mirror" else None, s.gamma, s.exit_layer).name
+        ran_as = describe(s)
     return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline), ran_as=ran_as)
 
 

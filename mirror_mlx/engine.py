@@ -529,7 +529,7 @@ class Engine:
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            if opts.tuned and opts.sampler is None and opts.temperature == 0 and stats.proposed:  # what auto adapts to
+            if opts.tuned and opts.greedy and stats.proposed:  # what auto adapts to
                 seen = self.greedy_seen.setdefault(opts.gamma, [0, 0])
                 seen[0] += stats.accepted
                 seen[1] += stats.rejections

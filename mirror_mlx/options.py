@@ -42,6 +42,11 @@ class DecodeOptions:
     tuned: bool = False  # set by the Pipeline: the mode and knobs came from mode="auto"
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 with mlx-lm's own sampling (no custom sampler): every mode commits the same tokens."""
+        return self.sampler is None and self.temperature == 0
+
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
 CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "tuned"))  # set by the Pipeline
