@@ -320,6 +320,12 @@ class DraftHost:
 
     # ---- requests
 
+    def _send(self, kind: int, step: int, ints: Sequence[int]) -> None:
+        try:
+            self.req.send(kind, step, ints)
+        except BrokenPipeError:  # the host died: say so as a read that finds it gone does
+            raise DraftHostError("the draft host exited unexpectedly") from None
+
     def _post(self, kind: int, context: Sequence[int], body: Sequence[int] = ()) -> None:
         """Post one request whose context is `context` (sent as a delta; a long one in CONTEXT chunks first)."""
         held = self.held
@@ -332,11 +338,11 @@ class DraftHost:
         while len(new) > room:  # the head of a long context first, acknowledged chunk by chunk
             chunk, new = new[: SLOT_INTS - 2], new[SLOT_INTS - 2 :]
             self.step += 1
-            self.req.send(CONTEXT, self.step, [keep, len(chunk)] + chunk)
+            self._send(CONTEXT, self.step, [keep, len(chunk)] + chunk)
             self._expect(self.rep.recv(None), DONE)
             keep += len(chunk)
         self.step += 1
-        self.req.send(kind, self.step, [keep, len(new)] + new + list(body))
+        self._send(kind, self.step, [keep, len(new)] + new + list(body))
         self.held = list(context)
 
     def _expect(self, msg, kind: int):
@@ -356,7 +362,7 @@ class DraftHost:
 
     def reset(self, timeout: Optional[float] = None) -> None:
         self.step += 1
-        self.req.send(RESET, self.step, [0, 0])
+        self._send(RESET, self.step, [0, 0])
         self.held = []
         self.wait_done(timeout)
 
