@@ -380,7 +380,9 @@ class Engine:
             raise
         self.draft_failure: Optional[str] = None
         self.stats = Stats()
-        self.greedy_seen: dict[int, list[int]] = {}  # γ: [accepted, rejections] in auto's greedy runs (tune.adapt)
+        # auto's runs, per sampling setting (DecodeOptions.sampling) and configuration (mode, κ, γ, ℓe):
+        # [draft tokens accepted, rejecting steps, steps that reused a branch, fallbacks] (tune.adapt)
+        self.auto_seen: dict[tuple, dict[tuple, list[int]]] = {}
 
     def close(self) -> None:
         if self.host is not None:
@@ -529,10 +531,12 @@ class Engine:
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            if opts.tuned and opts.greedy and stats.proposed:  # what auto adapts to
-                seen = self.greedy_seen.setdefault(opts.gamma, [0, 0])
-                seen[0] += stats.accepted
-                seen[1] += stats.rejections
+            if opts.tuned and opts.sampling is not None and stats.proposed:  # what auto adapts to
+                mirror = opts.mode == "mirror"
+                config = (opts.mode, opts.kappa if mirror else None, opts.gamma, self.exit_layer(opts) if mirror else None)
+                seen = self.auto_seen.setdefault(opts.sampling, {}).setdefault(config, [0, 0, 0, 0])
+                for i, n in enumerate((stats.accepted, stats.rejections, stats.reuses, stats.fallbacks)):
+                    seen[i] += n
 
     # --- steps -------------------------------------------------------------------------------------
 

@@ -43,9 +43,15 @@ class DecodeOptions:
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property
-    def greedy(self) -> bool:
-        """Temperature 0 with mlx-lm's own sampling (no custom sampler): every mode commits the same tokens."""
-        return self.sampler is None and self.temperature == 0
+    def sampling(self) -> Optional[tuple]:
+        """The settings the target's processed distribution depends on, as a key: auto adapts to the
+        acceptance seen at each (mirror_mlx.tune.adapt). None for a custom sampler or logits processors,
+        which auto cannot tell apart."""
+        if self.sampler is not None or self.logits_processors:
+            return None
+        if self.temperature == 0:  # mlx-lm's greedy sampler ignores top_p, top_k and min_p
+            return (0.0, self.repetition_penalty)
+        return (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))

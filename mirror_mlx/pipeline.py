@@ -197,7 +197,7 @@ class Pipeline:
         call without a profile runs a bounded quick calibration); explicit ones win."""
         from .tune import resolve
 
-        c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, greedy=opts.greedy)
+        c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling)
         return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
                        tuned=opts.mode == "auto")
 

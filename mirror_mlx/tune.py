@@ -37,6 +37,7 @@ from .target import EarlyExitTarget, top_k, trimmable_cache
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
+PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
 AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
 QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
@@ -387,16 +388,32 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
     return out
 
 
-def expected_rate(row: dict, alphas: dict[int, float], factor: float = 1.0) -> float:
-    """Tokens/s of a measured table row on a text whose draft acceptance is `factor` times the calibration's
-    (`alphas`: α per γ in calibration): its measured step time, and its traces' tokens per step carried
-    over to α·factor by the geometric model (ar: one token a step)."""
-    tokens = row["tokens_per_step"]
+@dataclass
+class Seen:
+    """What auto's runs at one sampling setting showed, against the calibration: `expected_rate` re-scores
+    the measured configurations with it."""
+
+    alphas: dict[int, float]  # the calibration's α per γ (its greedy traces)
+    window_ms: dict[int, float] = field(default_factory=dict)  # the draft's serial window per γ: a fallback's cost
+    acceptance: float = 1.0  # α seen / the calibration's
+    reuse: float = 1.0  # branch reuse seen / the reuse the table predicted for the configurations run
+    tokens: int = 0  # draft tokens judged
+    steps: int = 0  # Mirror-SD steps that reused a branch or fell back
+
+
+def expected_rate(row: dict, seen: Optional[Seen] = None) -> float:
+    """Tokens/s of a measured table row on what auto has seen (None: the calibration's text): its traces'
+    tokens per step carried over to α·acceptance by the geometric model (ar: one token a step), its measured
+    step time plus Eq. 10's serial window for each reuse lost (reuse·(1 − reuse factor) more fallbacks)."""
+    tokens, step_ms = row["tokens_per_step"], row["measured_step_ms"]
     g = row["gamma"] if row["mode"] != "ar" else 0
-    if g and factor != 1.0:
-        alpha = alphas[g]
-        tokens *= geometric_tokens(min(alpha * factor, 0.99), g) / geometric_tokens(alpha, g)
-    return 1e3 * tokens / row["measured_step_ms"]
+    if g and seen is not None and seen.acceptance != 1.0:
+        alpha = seen.alphas[g]
+        tokens *= geometric_tokens(min(alpha * seen.acceptance, 0.99), g) / geometric_tokens(alpha, g)
+    if row["mode"] == "mirror" and seen is not None and seen.reuse != 1.0:
+        reuse = row.get("reuse") or 0.0
+        step_ms += (reuse - min(1.0, reuse * seen.reuse)) * seen.window_ms.get(g, 0.0)
+    return 1e3 * tokens / step_ms
 
 
 def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
@@ -460,17 +477,17 @@ def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConf
     return runs
 
 
-def choose(table: list[dict], alphas: dict[int, float], factor: float = 1.0,
+def choose(table: list[dict], seen: Optional[Seen] = None,
            incumbent: Optional[dict] = None) -> tuple[dict, dict, str]:
-    """(the confirmed row fastest at `factor` times the calibration's acceptance, the ar row, a note).
+    """(the confirmed row fastest on what auto has seen, the ar row, a note).
 
     A row replaces the `incumbent` (default ar) only if it is expected AR_MARGIN faster: timings are noisy,
     and a gain within noise is not worth leaving plain generation (or, when adapting, the tuned choice)."""
     rows = [r for r in table if r.get("confirmed") and r.get("measured_step_ms")]
     ar = next(r for r in rows if r["mode"] == "ar")
     keep = incumbent or ar
-    best = max(rows, key=lambda r: expected_rate(r, alphas, factor))
-    if best is not keep and expected_rate(best, alphas, factor) < AR_MARGIN * expected_rate(keep, alphas, factor):
+    best = max(rows, key=lambda r: expected_rate(r, seen))
+    if best is not keep and expected_rate(best, seen) < AR_MARGIN * expected_rate(keep, seen):
         what = "ar" if keep is ar else "the tuned choice"
         return keep, ar, f"; nothing else {AR_MARGIN:.2f}x {what}, so {what}"
     return best, ar, ""
@@ -549,9 +566,9 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                   measured_step_ms=1e3 * measured[r["config"]]["step_s"] if r["config"] in measured else None,
                   probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
                   tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"]) for r in ranked]
-    best, ar, margin = choose(table, {})
+    best, ar, margin = choose(table)
     c = row_config(best)
-    why = (f"tuned: {expected_rate(best, {}):.0f} tok/s expected vs ar {expected_rate(ar, {}):.0f}"
+    why = (f"tuned: {expected_rate(best):.0f} tok/s expected vs ar {expected_rate(ar):.0f}"
            f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(confirm)} confirmed, "
            f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - started, "phases": phases, "prompts": len(prompts),
@@ -628,49 +645,77 @@ def describe(c: Any) -> str:
                   c.exit_layer if c.mode == "mirror" else None).name
 
 
-def acceptance_factor(prior: dict, seen: dict) -> tuple[float, int]:
-    """(how many times the calibration's α the draft's acceptance is on auto's greedy text, tokens seen).
-
-    At each window γ auto ran, α seen (Engine.greedy_seen: accepted / (accepted + rejections)) is pooled
-    with the calibration's α at the same γ (the traces replayed at γ count the same way), which weighs at
-    most PRIOR_TOKENS: the user's text need not be like the calibration's, so it soon outweighs it. The
-    ratios to the calibration's α are averaged, weighted by the tokens seen.
-    """
+def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tuple[float, int]:
+    """(the weighted mean of seen / expected, how many seen): `counts` holds (expected rate, hits, misses)
+    per group; each group's rate is pooled with its expected one, which weighs at most `prior_weight`
+    (the user's text need not be like the calibration's, so it soon outweighs it)."""
     num = n = 0
-    for g, (a, r) in seen.items():
-        cal = prior.get(str(g))
-        if not cal or not sum(cal) or not a + r:
+    for expected, hits, misses in counts:
+        if expected <= 0 or not hits + misses:
             continue
-        alpha0 = cal[0] / sum(cal)
-        weight = min(PRIOR_TOKENS, sum(cal))
-        num += (a + r) * (alpha0 * weight + a) / (weight + a + r) / max(alpha0, 1e-6)
-        n += a + r
+        pooled = (expected * prior_weight + hits) / (prior_weight + hits + misses)
+        num += (hits + misses) * pooled / expected
+        n += hits + misses
     return (num / n if n else 1.0), n
 
 
-def adapt(prof: profiles.Profile, seen: dict) -> Optional[Choice]:
-    """The profile's choice on the text auto has served: every confirmed row re-scored at the acceptance
-    seen there (`acceptance_factor`), its measured step time kept. None before anything was seen, or for a
-    profile without acceptance counts (a quick one that fell back to ar)."""
+def observed(prof: profiles.Profile, seen: dict[tuple, list[int]]) -> Optional[Seen]:
+    """`Seen` from auto's runs at one sampling setting (Engine.auto_seen[setting]): per γ, the draft's α
+    (accepted / (accepted + rejections)) against the calibration traces replayed at that γ (pooled with
+    them at PRIOR_TOKENS); per Mirror-SD configuration, its branch reuse against the table's prediction
+    (pooled at PRIOR_STEPS). None before anything was seen, or for a profile without acceptance counts
+    (a quick one that fell back to ar)."""
     prior = prof.calibration.get("acceptance")
-    if not prior or not any(r.get("confirmed") for r in prof.table):
-        return None
-    factor, n = acceptance_factor(prior, seen)
-    if not n:
+    if not prior or not seen:
         return None
     alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
+    per_gamma: dict[int, list[int]] = {}
+    for (mode, kappa, g, e), (a, r, reuses, fallbacks) in seen.items():
+        per_gamma.setdefault(g, [0, 0])
+        per_gamma[g][0] += a
+        per_gamma[g][1] += r
+    acceptance, tokens = pooled_ratio([(alphas.get(g, 0.0), a, r) for g, (a, r) in per_gamma.items()],
+                                      PRIOR_TOKENS)
+    rows = {(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]): r for r in prof.table}
+    reuse, steps = pooled_ratio([(rows[c].get("reuse") or 0.0, v[2], v[3]) for c, v in seen.items()
+                                 if c[0] == "mirror" and c in rows], PRIOR_STEPS)
+    window = prof.calibration.get("timings", {}).get("window", {})
+    return Seen(alphas, {int(g): 1e3 * s for g, s in window.items()}, acceptance, reuse, tokens, steps)
+
+
+def adapt(prof: profiles.Profile, seen: dict[tuple, list[int]], setting: str = "temperature 0") -> Optional[Choice]:
+    """The profile's choice on the text auto has served at one sampling setting: every confirmed row
+    re-scored (`expected_rate`) at the acceptance and reuse seen there (`observed`), its measured step time
+    kept. None before anything was seen."""
+    s = observed(prof, seen)
+    if s is None or not s.tokens or not any(r.get("confirmed") for r in prof.table):
+        return None
     tuned = next((r for r in prof.table if r.get("confirmed") and describe(row_config(r)) == describe(prof)), None)
-    best, _, margin = choose(prof.table, alphas, factor, incumbent=tuned)
-    why = (f"adapted: the draft is right {factor:.2f}x as often in auto's greedy runs ({n} draft tokens judged) as "
-           f"in calibration, {expected_rate(best, alphas, factor):.0f} tok/s expected{margin}")
+    best, _, margin = choose(prof.table, s, incumbent=tuned)
+    reuse = (f", its branches reused {s.reuse:.2f}x as often as predicted ({s.steps} steps)"
+             if s.steps else "")
+    why = (f"adapted: at {setting} the draft is right {s.acceptance:.2f}x as often in auto's runs "
+           f"({s.tokens} draft tokens judged) as in calibration{reuse}, "
+           f"{expected_rate(best, s):.0f} tok/s expected{margin}")
     return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
                   best["exit_layer"], why)
 
 
+def setting_name(sampling: tuple) -> str:
+    """DecodeOptions.sampling in words, for `why`."""
+    if sampling[0] == 0:
+        words = ["temperature 0"]
+    else:
+        t, top_p, top_k, min_p = sampling[:4]
+        words = [f"temperature {t:g}"] + ([f"top_p {top_p:g}"] if top_p < 1 else []) + \
+            ([f"top_k {top_k}"] if top_k else []) + ([f"min_p {min_p:g}"] if min_p else [])
+    return " ".join(words + ([f"repetition_penalty {sampling[-1]:g}"] if sampling[-1] is not None else []))
+
+
 def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
-            greedy: bool = False) -> Choice:
-    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile
-    (at temperature 0, `greedy`, adapted to the acceptance seen so far: `adapt`)."""
+            sampling: Optional[tuple] = None) -> Choice:
+    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
+    adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`)."""
 
     def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> Choice:
         return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why)
@@ -684,7 +729,8 @@ def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], ex
     prof = profile_for(pipe)
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:
-        adapted = adapt(prof, pipe.engine.greedy_seen) if greedy else None
+        seen = pipe.engine.auto_seen.get(sampling) if sampling is not None else None
+        adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
         if adapted is not None:
             return replace(adapted, why="auto: " + adapted.why)
         return knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)

@@ -2,6 +2,7 @@
 
 import json
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
@@ -195,7 +196,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
 
 def test_auto_is_lossless_and_says_what_it_chose(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    expected = tune.resolve(pipe, "auto", None, None, None, greedy=True)  # the profile's, or adapted to what was seen
+    expected = tune.resolve(pipe, "auto", None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
     result = pipe.generate(PROMPT, max_tokens=40)
     assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
     s = result.stats
@@ -357,39 +358,70 @@ def test_the_calibration_counts_acceptance_as_a_real_run_does():
     assert acc.window_counts(7) == (8, 3)
 
 
+SD1, MIRROR3 = ("sd", None, 1, None), ("mirror", 2, 3, 2)  # Engine.auto_seen's keys: (mode, κ, γ, ℓe)
+GREEDY, T1 = (0.0, None), (1.0, 1.0, 0, 0.0, None)  # DecodeOptions.sampling at temperature 0 and 1
+
+
 def test_auto_moves_to_longer_windows_on_predictable_text_and_to_ar_on_unpredictable():
     assert tune.adapt(ADAPTING, {}) is None  # nothing seen: the profile's choice
-    same = tune.adapt(ADAPTING, {1: [6, 4]})  # as predictable as the calibration text
+    same = tune.adapt(ADAPTING, {SD1: [6, 4, 0, 0]})  # as predictable as the calibration text
     assert (same.mode, same.gamma) == ("sd", 1) and "right 1.00x as often" in same.why
-    easy = tune.adapt(ADAPTING, {1: [900, 100]})  # α -> (0.6 * 64 + 900) / 1064 = 0.88, 1.47x the calibration's
+    easy = tune.adapt(ADAPTING, {SD1: [900, 100, 0, 0]})  # α -> (0.6 * 64 + 900) / 1064 = 0.88, 1.47x
     assert (easy.mode, easy.kappa, easy.gamma, easy.exit_layer) == ("mirror", 2, 3, 2)
-    assert "right 1.47x as often in auto's greedy runs (1000 draft tokens judged)" in easy.why
-    hard = tune.adapt(ADAPTING, {1: [20, 980]})  # 0.09x: one token a step at sd's step time
+    assert "at temperature 0 the draft is right 1.47x as often in auto's runs (1000 draft tokens judged)" in easy.why
+    hard = tune.adapt(ADAPTING, {SD1: [20, 980, 0, 0]})  # 0.09x: one token a step at sd's step time
     assert hard.mode == "ar" and "right 0.09x as often" in hard.why
-    both = tune.adapt(ADAPTING, {1: [900, 100], 3: [20, 980]})  # ratios averaged, weighted by tokens seen
+    both = tune.adapt(ADAPTING, {SD1: [900, 100, 0, 0], MIRROR3: [20, 980, 0, 0]})  # ratios weighted by tokens
     assert "right 0.78x as often" in both.why
-    near = tune.adapt(ADAPTING, {1: [800, 200]})  # 1.31x: mirror γ=3 expected 3 % faster than sd γ=1, within noise
+    near = tune.adapt(ADAPTING, {SD1: [800, 200, 0, 0]})  # 1.31x: mirror γ=3 3 % faster than sd γ=1, within noise
     assert (near.mode, near.gamma) == ("sd", 1) and "so the tuned choice" in near.why
 
 
-def test_auto_adapts_only_at_temperature_0_stays_lossless_and_learns_only_from_its_own_greedy_runs(pipe):
+# Mirror-SD κ=2 γ=3 tuned (2.3 tokens in 20 ms, a branch reused on 80 % of the steps); a fallback costs the
+# draft's serial window, 20 ms at γ=3: at α as calibrated, it stays fast only while its branches are reused
+REUSING = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2, why="tuned",
+                           calibration={"acceptance": {"3": [120, 80]}, "timings": {"window": {"3": 0.020}}},
+                           table=[row("ar", None, 1.0, 10.0), dict(row("mirror", 3, 2.3, 20.0, 2, 2), reuse=0.8)])
+
+
+def test_auto_counts_the_serial_windows_of_branches_it_could_not_reuse():
+    """Eq. 10's fallback cost: a reuse lost adds the draft's serial window to the measured step."""
+    kept = tune.adapt(REUSING, {MIRROR3: [600, 400, 80, 20]}, "temperature 1")  # α and reuse as calibrated
+    assert (kept.mode, kept.gamma) == ("mirror", 3) and "reused 1.00x as often as predicted (100 steps)" in kept.why
+    # reuse (0.8 * 16 + 5) / 116 = 0.15: 0.65 of a 20 ms window more per step, 2.3 tokens in 33 ms < ar's 1 in 10
+    lost = tune.adapt(REUSING, {MIRROR3: [600, 400, 5, 95]}, "temperature 1")
+    assert lost.mode == "ar" and "at temperature 1 the draft is right 1.00x" in lost.why
+    assert "reused 0.19x as often as predicted (100 steps)" in lost.why
+    seen = tune.observed(REUSING, {MIRROR3: [600, 400, 5, 95]})
+    assert tune.expected_rate(REUSING.table[1], seen) == pytest.approx(2300 / (20 + (0.8 - 0.8 * seen.reuse) * 20))
+
+
+def test_auto_adapts_per_sampling_setting_stays_lossless_and_learns_only_from_its_own_runs(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
     fresh._profile = profiles.Profile(**{**ADAPTING.__dict__, "key": tune.pipe_key(fresh)})
     try:
-        fresh.engine.greedy_seen.update({1: [900, 100]})
+        fresh.engine.auto_seen[GREEDY] = {SD1: [900, 100, 0, 0]}
         sampled = fresh.generate(PROMPT, max_tokens=8, temperature=1.0, seed=0).stats
-        assert (sampled.chosen_mode, sampled.why) == ("sd", "auto: tuned")  # sampled: the profile as it is
-        assert fresh.engine.greedy_seen == {1: [900, 100]}
+        assert (sampled.chosen_mode, sampled.why) == ("sd", "auto: tuned")  # nothing seen at temperature 1 yet
+        assert fresh.engine.auto_seen[T1] == {SD1: [sampled.accepted, sampled.rejections, 0, 0]}
         result = fresh.generate(PROMPT, max_tokens=40)
         s = result.stats
-        assert (s.chosen_mode, s.kappa, s.gamma) == ("mirror", 2, 3) and s.why.startswith("auto: adapted")
+        assert (s.chosen_mode, s.kappa, s.gamma) == ("mirror", 2, 3) and s.why.startswith("auto: adapted: at temperature 0")
         assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
         assert s.proposed >= s.accepted + s.rejections and s.rejections <= s.steps
         assert sum(s.from_draft) <= s.accepted <= sum(s.from_draft) + 3  # (max_tokens may cut the last window)
-        assert fresh.engine.greedy_seen == {1: [900, 100], 3: [s.accepted, s.rejections]}
+        assert fresh.engine.auto_seen[GREEDY] == {SD1: [900, 100, 0, 0],
+                                                  MIRROR3: [s.accepted, s.rejections, s.reuses, s.fallbacks]}
         explicit = fresh.generate(PROMPT, max_tokens=16, mode="sd", gamma=2).stats
-        assert explicit.proposed > 0 and 2 not in fresh.engine.greedy_seen
+        assert explicit.proposed > 0 and ("sd", None, 2, None) not in fresh.engine.auto_seen[GREEDY]
+        custom = fresh.generate(PROMPT, max_tokens=8, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)).stats
+        assert custom.proposed > 0 and len(fresh.engine.auto_seen) == 2  # a custom sampler: nothing to key it by
+        # unpredictable sampled text: auto leaves the draft at temperature 1, and a seed samples the same text
+        fresh.engine.auto_seen[T1] = {SD1: [20, 980, 0, 0]}
+        hard = fresh.generate(PROMPT, max_tokens=16, temperature=1.0, seed=3)
+        assert hard.stats.chosen_mode == "ar" and hard.stats.why.startswith("auto: adapted: at temperature 1 ")
+        assert hard.tokens == fresh.generate(PROMPT, max_tokens=16, temperature=1.0, seed=3, mode="sd", gamma=1).tokens
     finally:
         fresh.close()
 
