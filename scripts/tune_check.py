@@ -25,18 +25,31 @@ def main() -> None:
     ap.add_argument("--kappas", default="1,2,4,8")
     ap.add_argument("--gammas", default="1,2,3,5,7")
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
+    ap.add_argument("--pin", action="store_true", help="target and draft on a core each, as `bench --pin` and "
+                    "`tune --pin` run (set OPENBLAS_NUM_THREADS=1 too)")
     args = ap.parse_args()
 
     from mirror_mlx import tune
     from mirror_mlx.corpus import load_split
-    from mirror_mlx.cost_model import Config
+    from mirror_mlx.cost_model import Config, grid
     from mirror_mlx.pipeline import load
 
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     cfg = tune.TuneConfig(prompts=args.prompts, max_tokens=args.max_tokens, kappas=ints(args.kappas),
                           gammas=ints(args.gammas))
     pipe = load(args.model, args.draft_model, exit_adapter=args.exit_adapter)
+    if args.pin:
+        from mirror_mlx.bench_machine import pin_threads
+
+        print(f"pinning: {pin_threads(pipe)}", flush=True)
     load0 = Path("/proc/loadavg").read_text().split()[0]
+    configs = grid(cfg.kappas, cfg.gammas, tune.exit_layer_candidates(pipe, cfg))  # the table's rows
+    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.sweep_prompts]]
+    half = len(sweep_prompts) // 2
+    # The sweep runs half its prompts before the calibration and half after: the machine's speed drifts
+    # over the half hour (10-20 % here), and a calibration at the sweep's midpoint cancels a steady drift.
+    print(f"sweeping {len(configs)} configurations on {half} prompts, interleaved prompt by prompt", flush=True)
+    before = tune.run_configs(pipe, configs, sweep_prompts[:half], args.max_tokens, min_seconds=cfg.min_seconds / 2)
     t0 = time.perf_counter()
     prof = tune.calibrate(pipe, cfg)
     tune_s = time.perf_counter() - t0
@@ -48,14 +61,15 @@ def main() -> None:
                                       for k, v in timings[name].items()), flush=True)
     print(f"calibrated in {tune_s:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in prof.calibration["phases"].items())
           + ")", flush=True)
-    sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.sweep_prompts]]
+    print(f"sweeping on {len(sweep_prompts) - half} more prompts", flush=True)
     rows = prof.table
-    configs = [Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]) for r in rows]
-    print(f"sweeping {len(configs)} configurations, interleaved prompt by prompt", flush=True)
-    swept = {c: m["tokens_per_second"] for c, m in tune.run_configs(pipe, configs, sweep_prompts, args.max_tokens,
-                                                                     min_seconds=cfg.min_seconds).items()}
+    after = tune.run_configs(pipe, configs, sweep_prompts[half:], args.max_tokens, warm_up=False,
+                             min_seconds=cfg.min_seconds / 2, sums={c: r["sums"] for c, r in before.items()})
+    swept = {c: m["tokens_per_second"] for c, m in after.items()}
     pipe.close()
     load1 = Path("/proc/loadavg").read_text().split()[0]
+    ar_before, ar_calibrated = before[Config("ar")]["tokens_per_second"], next(
+        r["measured"] for r in rows if r["mode"] == "ar")
 
     chosen = Config(prof.mode, prof.kappa if prof.mode == "mirror" else None,
                     prof.gamma if prof.mode != "ar" else None, prof.exit_layer if prof.mode == "mirror" else None)
@@ -63,8 +77,10 @@ def main() -> None:
     by_mode = {m: max(v for c, v in swept.items() if c.mode == m) for m in ("ar", "sd", "mirror")}
     lines = [f"## tune vs an exhaustive sweep ({args.model or 'demo pair'})", "",
              f"Calibration {tune_s:.0f} s on {args.prompts} held-out openings x {args.max_tokens} tokens; sweep of all "
-             f"{len(rows)} grid points on {len(sweep_prompts)} other held-out openings. Load average {load0} -> {load1} "
-             "(shared 2-core box: other jobs ran).", "",
+             f"{len(rows)} grid points on {len(sweep_prompts)} other held-out openings, half before the calibration and "
+             f"half after (ar: {ar_before:.1f} tok/s in the first half, {ar_calibrated:.1f} in the calibration, "
+             f"{swept[Config('ar')]:.1f} over the whole sweep). Load average {load0} -> "
+             f"{load1}.", "",
              f"- auto chose **{chosen.name}**: {swept[chosen]:.1f} tok/s in the sweep; the sweep's best is {best.name} "
              f"at {swept[best]:.1f} tok/s -> auto at **{swept[chosen] / swept[best]:.2f}x** the best fixed configuration",
              "- best per mode in the sweep: " + ", ".join(f"{m} {v:.1f}" for m, v in by_mode.items())
