@@ -533,7 +533,8 @@ class Engine:
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             if opts.tuned and opts.sampling is not None and stats.proposed:  # what auto adapts to
                 mirror = opts.mode == "mirror"
-                config = (opts.mode, opts.kappa if mirror else None, opts.gamma, self.exit_layer(opts) if mirror else None)
+                config = (opts.mode, opts.kappa if mirror else None, opts.gamma,
+                          self.exit_layer(opts) if mirror else None)
                 seen = self.auto_seen.setdefault(opts.sampling, {}).setdefault(config, [0, 0, 0, 0])
                 for i, n in enumerate((stats.accepted, stats.rejections, stats.reuses, stats.fallbacks)):
                     seen[i] += n

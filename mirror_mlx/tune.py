@@ -647,8 +647,8 @@ def describe(c: Any) -> str:
 
 def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tuple[float, int]:
     """(the weighted mean of seen / expected, how many seen): `counts` holds (expected rate, hits, misses)
-    per group; each group's rate is pooled with its expected one, which weighs at most `prior_weight`
-    (the user's text need not be like the calibration's, so it soon outweighs it)."""
+    per group; each group's rate is pooled with its expected one, which weighs as `prior_weight` hits and
+    misses (the user's text need not be like the calibration's, so it soon outweighs it)."""
     num = n = 0
     for expected, hits, misses in counts:
         if expected <= 0 or not hits + misses:
@@ -670,7 +670,7 @@ def observed(prof: profiles.Profile, seen: dict[tuple, list[int]]) -> Optional[S
         return None
     alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
     per_gamma: dict[int, list[int]] = {}
-    for (mode, kappa, g, e), (a, r, reuses, fallbacks) in seen.items():
+    for (_, _, g, _), (a, r, *_) in seen.items():
         per_gamma.setdefault(g, [0, 0])
         per_gamma[g][0] += a
         per_gamma[g][1] += r
@@ -729,7 +729,9 @@ def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], ex
     prof = profile_for(pipe)
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:
-        seen = pipe.engine.auto_seen.get(sampling) if sampling is not None else None
+        # a copy (dict() is one step under the GIL): a generation on another thread may add to it meanwhile
+        seen = {c: list(v) for c, v in dict(pipe.engine.auto_seen.get(sampling) or {}).items()} \
+            if sampling is not None else None
         adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
         if adapted is not None:
             return replace(adapted, why="auto: " + adapted.why)
