@@ -8,7 +8,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 
 setup: $(STAMP)  # the package and its test extras
 
-setup-runtime: $(RUNTIME_STAMP)  # the package alone: what the demo needs (the test extras take ~20 s more)
+setup-runtime: $(RUNTIME_STAMP)  # the package alone: what the demo needs (the test extras, coremltools and matplotlib take ~50 s more)
 
 $(STAMP): pyproject.toml
 	bash scripts/setup.sh $(VENV) test

@@ -59,9 +59,22 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+COREMLTOOLS_MISSING = ("coremltools is not installed, and building, checking or reading a Core ML draft package "
+                       "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)")
+
+
+def import_coremltools() -> Any:
+    """coremltools, or a ConvertError naming the fix: off macOS it is the `convert` extra."""
+    try:
+        import coremltools
+    except ImportError:
+        raise ConvertError(COREMLTOOLS_MISSING) from None
+    return coremltools
+
+
 def read_metadata(package: Path) -> dict[str, str]:
     """The package's mirror-mlx metadata (prefix stripped); a clear error if it is not ours or broken."""
-    import coremltools as ct
+    ct = import_coremltools()
 
     package = Path(package)
     if not package.exists():
