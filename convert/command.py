@@ -47,11 +47,9 @@ def check_writable(out: Path) -> None:
 def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Path], budget: Optional[str],
                 context: int, kappa: int, gamma: int, chunk: int, quantize: str) -> None:
     """Build DRAFT.mlpackage for the Neural Engine from an MLX draft, or --verify one (works on Linux)."""
-    from mirror_mlx.ane_draft.package_format import import_coremltools
     from mirror_mlx.convert.coreml import ConvertError
 
     try:
-        import_coremltools()
         if verify_pkg is not None:
             from mirror_mlx.blas import keep_freed_memory, single_threaded
             from mirror_mlx.convert.parity import Budget, verify

@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from mirror_mlx.ane_draft.package_format import (FORMAT, META, NEG, ConvertError, Shapes, package_shapes,  # noqa: F401
-                                                 read_metadata, tokenizer_sha256)
+                                                 import_coremltools, read_metadata, tokenizer_sha256)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: ane_draft/ss_model.py
 HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
@@ -562,6 +562,7 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = 8, gamma: i
     """Build `out` (.mlpackage) from the mlx-lm draft folder `draft`."""
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
+    import_coremltools()  # before any work: off macOS it is an extra
     draft = Path(draft)
     streams = 0
     if (draft / "config.json").is_file():

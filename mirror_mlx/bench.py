@@ -231,7 +231,13 @@ def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
 
 def bench(cfg: BenchConfig) -> dict:
     """Run the comparison (or the sweep), write results.json, results.md and plots into cfg.out."""
-    from .bench_report import write_report
+    try:
+        from .bench_report import write_report
+    except ImportError as e:  # refused before any model is loaded or file written
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        raise ValueError("mirror-mlx bench draws its plots with matplotlib, which is not installed: "
+                         "pip install 'mirror-mlx[bench]'") from None
     from .pipeline import load
 
     cfg.modes = parse_modes(",".join(cfg.modes)) if not isinstance(cfg.modes, str) else parse_modes(cfg.modes)

@@ -615,11 +615,6 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Folder for results.json, results.md and the plots.")
 def bench_cmd(**kwargs) -> None:
     """Mirror-SD against mlx-lm's generate_step and speculative decoding, same prompts, one process."""
-    try:
-        import matplotlib  # noqa: F401  (the plots; checked before any model is loaded)
-    except ImportError:
-        raise click.UsageError("mirror-mlx bench draws its plots with matplotlib, which is not installed: "
-                               "pip install 'mirror-mlx[bench]'") from None
     from mirror_mlx.bench import BenchConfig, Mismatch, bench
 
     try:
