@@ -6,7 +6,7 @@
 2. component timings (cost_model.Timings): target forwards, prefix / suffix per ℓ_e, 1-row windows,
    suffix ‖ branch rollout run together per (ℓ_e, κ, γ);
 3. per-mode overhead: real generations of a few probe configurations, step time minus the modelled
-   components (at two γ for sd and mirror);
+   components (at two γ for sd and mirror), fitted again after step 4 to all their runs;
 4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
    profile's choice is the fastest confirmed configuration by its *measured* step time and the traces'
    tokens per step, so the choice is never one that only the model believed in.
@@ -220,8 +220,10 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
 # --- 2. component timings -------------------------------------------------------------------------
 
 
-MIN_TIMED_S = 0.15  # each piece is timed at least `reps` times and at least this long (ms-scale pieces jitter)
-MAX_REPS = 40
+# Each piece is timed at least `reps` times and at least MIN_TIMED_S: a ms-scale piece's speed moves by 10-30 %
+# from one tenth of a second to the next on a shared machine (a piece of 100 ms or more costs no extra time).
+MIN_TIMED_S = 0.3
+MAX_REPS = 100
 
 
 def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None) -> dict:
@@ -472,9 +474,14 @@ def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConf
     prompts to them; their prediction is fitted to them: the table marks them).
     """
     runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check, min_seconds=cfg.min_seconds / 2)
+    fit_overheads(t, runs)
+    return runs
+
+
+def fit_overheads(t: Timings, runs: dict) -> None:
+    """t.overhead[mode][γ] from real runs of probe configurations: step time minus the modelled components."""
     for c, run in runs.items():
         t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
-    return runs
 
 
 def choose(table: list[dict], seen: Optional[Seen] = None,
@@ -557,6 +564,12 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         measured.update(run_configs(pipe, confirm, own, cfg.max_tokens, warm_up=False, check=check,
                                     min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()}))
         bar.update(cfg.confirm)
+        # The probes' overheads again from all their runs, the confirmation's too: on a ms-scale pair the
+        # machine's speed moves 10-20 % between the probe runs and the confirmation seconds later, and a
+        # fit to twice the runs follows the calibration's whole span (the table's predictions use it).
+        fit_overheads(t, {c: measured[c] for c in probes})
+        n_parallel += measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick)
+        ranked = rank(configs, t, acc)
         done("confirm")
     finally:
         bar.close()

@@ -14,6 +14,20 @@ import time
 from pathlib import Path
 
 
+def cpu_ticks() -> list[int]:
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal ... (Linux; else empty)."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(t0: list[int], t1: list[int]) -> str:
+    """The share of the machine's CPU time the hypervisor took between two readings (a VM's noise)."""
+    d = [b - a for a, b in zip(t0, t1)]
+    return f"{100 * d[7] / max(sum(d[:8]), 1):.0f} %" if len(d) > 7 else "n/a"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -24,6 +38,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--kappas", default="1,2,4,8")
     ap.add_argument("--gammas", default="1,2,3,5,7")
+    ap.add_argument("--min-seconds", type=float, default=None,
+                    help="the calibration's min_seconds (default: TuneConfig's)")
+    ap.add_argument("--sweep-seconds", type=float, default=None,
+                    help="decode seconds per configuration in each half of the sweep (default: min_seconds)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     ap.add_argument("--pin", action="store_true", help="target and draft on a core each, as `bench --pin` and "
                     "`tune --pin` run (set OPENBLAS_NUM_THREADS=1 too)")
@@ -37,6 +55,9 @@ def main() -> None:
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     cfg = tune.TuneConfig(prompts=args.prompts, max_tokens=args.max_tokens, kappas=ints(args.kappas),
                           gammas=ints(args.gammas))
+    if args.min_seconds is not None:
+        cfg.min_seconds = args.min_seconds
+    sweep_s = cfg.min_seconds if args.sweep_seconds is None else args.sweep_seconds
     pipe = load(args.model, args.draft_model, exit_adapter=args.exit_adapter)
     if args.pin:
         from mirror_mlx.bench_machine import pin_threads
@@ -49,10 +70,13 @@ def main() -> None:
     # The sweep runs half its prompts before the calibration and half after: the machine's speed drifts
     # over the half hour (10-20 % here), and a calibration at the sweep's midpoint cancels a steady drift.
     print(f"sweeping {len(configs)} configurations on {half} prompts, interleaved prompt by prompt", flush=True)
-    before = tune.run_configs(pipe, configs, sweep_prompts[:half], args.max_tokens, min_seconds=cfg.min_seconds / 2)
+    ticks = [cpu_ticks()]
+    before = tune.run_configs(pipe, configs, sweep_prompts[:half], args.max_tokens, min_seconds=sweep_s)
+    ticks.append(cpu_ticks())
     t0 = time.perf_counter()
     prof = tune.calibrate(pipe, cfg)
     tune_s = time.perf_counter() - t0
+    ticks.append(cpu_ticks())
     print(tune.format_table(prof), flush=True)
     timings = prof.calibration["timings"]
     for name in ("verify", "window", "overhead"):
@@ -64,7 +88,8 @@ def main() -> None:
     print(f"sweeping on {len(sweep_prompts) - half} more prompts", flush=True)
     rows = prof.table
     after = tune.run_configs(pipe, configs, sweep_prompts[half:], args.max_tokens, warm_up=False,
-                             min_seconds=cfg.min_seconds / 2, sums={c: r["sums"] for c, r in before.items()})
+                             min_seconds=sweep_s, sums={c: r["sums"] for c, r in before.items()})
+    ticks.append(cpu_ticks())
     swept = {c: m["tokens_per_second"] for c, m in after.items()}
     pipe.close()
     load1 = Path("/proc/loadavg").read_text().split()[0]
@@ -80,7 +105,9 @@ def main() -> None:
              f"{len(rows)} grid points on {len(sweep_prompts)} other held-out openings, half before the calibration and "
              f"half after (ar: {ar_before:.1f} tok/s in the first half, {ar_calibrated:.1f} in the calibration, "
              f"{swept[Config('ar')]:.1f} over the whole sweep). Load average {load0} -> "
-             f"{load1}.", "",
+             f"{load1}; CPU time taken by the hypervisor (steal): {steal_share(*ticks[0:2])} in the first half of "
+             f"the sweep, {steal_share(*ticks[1:3])} in the calibration, {steal_share(*ticks[2:4])} in the second "
+             "half.", "",
              f"- auto chose **{chosen.name}**: {swept[chosen]:.1f} tok/s in the sweep; the sweep's best is {best.name} "
              f"at {swept[best]:.1f} tok/s -> auto at **{swept[chosen] / swept[best]:.2f}x** the best fixed configuration",
              "- best per mode in the sweep: " + ", ".join(f"{m} {v:.1f}" for m, v in by_mode.items())

@@ -319,6 +319,20 @@ def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeyp
         two.close()
 
 
+def test_a_probes_overhead_is_fitted_to_all_its_runs_the_confirmations_too(pipe):
+    """The table's prediction for ar and sd probes is their step time over every run of them (the probe
+    run on the first prompt and the confirmation's on the others), not the probe run's alone: a ms-scale
+    pair's speed moves between the two, and the rest of the grid is predicted from this fit."""
+    cfg = tune.TuneConfig(prompts=2, max_tokens=8, kappas=(1,), gammas=(1, 2), reps=1, confirm=2,
+                          confirm_prompts=2, min_seconds=0, exact_top=2, progress=False)
+    prof = tune.calibrate(pipe, cfg)
+    ar = next(r for r in prof.table if r["mode"] == "ar")
+    assert ar["probe"] and ar["confirmed"]  # ar is always confirmed: it ran on both prompts
+    for r in prof.table:
+        if r["probe"] and r["mode"] in ("ar", "sd"):  # no reuse term: the fit reproduces the measured step exactly
+            assert r["step_ms"] == pytest.approx(r["measured_step_ms"], rel=1e-9)
+
+
 # --- auto adapts to the text it serves ------------------------------------------------------------
 
 
