@@ -17,6 +17,7 @@ more predictable text favours longer windows), their measured step times stay.
 """
 
 import os
+import random
 import statistics
 import sys
 import threading
@@ -439,7 +440,9 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
     sums = {c: list((sums or {}).get(c, (0, 0, 0, 0.0))) for c in configs}  # tokens, steps, reuses, seconds
     todo, r = [c for c in configs if own[c]], 0
     while todo:
-        for c in todo:
+        # each round in its own (seeded) order: whatever a run leaves behind on the machine does not always
+        # fall on the same next configuration
+        for c in random.Random(r).sample(todo, len(todo)):
             check()
             s = pipe.generate(own[c][r % len(own[c])], **knobs[c]).stats
             for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
