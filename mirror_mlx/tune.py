@@ -365,15 +365,24 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
     measures the unmeasured points among the current top, until the top is all measured. Then no
     unmeasured point can be in it (its bound is below the top's last), so the top equals what measuring
     every point would give, at a fraction of the time. Returns how many points were measured.
+
+    A round after the first times the first point measured beside its new ones, and puts them on that
+    point's scale (its first time / its time now): the points are compared with one another, and a
+    ms-scale pair's speed moves 10-30 % between rounds seconds apart.
     """
     measured = 0
     while True:
         todo = [r["config"] for r in rank(configs, t, acc)[:top] if r["bound"]]
         if not todo:
             return measured
+        pieces = {(c.exit_layer, c.kappa, c.gamma): partial(b.parallel, c.exit_layer, c.kappa, c.gamma) for c in todo}
+        ref = next(iter(t.parallel), None)
+        if ref is not None:
+            pieces[ref] = partial(b.parallel, *ref)
         with pipe._lock:
-            t.parallel.update(interleaved({(c.exit_layer, c.kappa, c.gamma): partial(b.parallel, c.exit_layer, c.kappa,
-                                                                                       c.gamma) for c in todo}, reps, tick))
+            got = interleaved(pieces, reps, tick)
+        scale = t.parallel[ref] / got.pop(ref) if ref is not None else 1.0
+        t.parallel.update({k: v * scale for k, v in got.items()})
         measured += len(todo)
 
 

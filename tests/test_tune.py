@@ -127,6 +127,37 @@ def test_tune_measures_suffix_with_rollout_only_where_the_top_can_change():
     assert not any(r["bound"] for r in rank(configs, lazy, acc)[:4])
 
 
+def test_suffix_with_rollout_timed_in_later_rounds_is_put_on_the_first_rounds_scale(monkeypatch):
+    """The machine slows down 2x from one round of measure_parallel to the next: each later round times the
+    first point measured again beside its new ones and scales them by it, so all points stay comparable."""
+    import threading
+
+    full, acc = synthetic(window_ms=3.0, rank=0)
+    for (e, k, g), v in full.parallel.items():
+        full.rollout[(k * (g + 1), g)] = 0.8 * v
+    configs = grid((1, 4), (1, 2, 3), (1, 2))
+    lazy = Timings(**{f: dict(getattr(full, f)) for f in ("verify", "prefix", "suffix", "window", "rollout", "overhead")})
+    slow, timed = [1.0], tune.interleaved
+
+    def slowing(pieces, reps, tick):
+        out = timed(pieces, reps, tick)
+        slow[0] *= 2
+        return out
+
+    class Bench:
+        def parallel(self, e, k, g):
+            return full.parallel[(e, k, g)] * slow[0]
+
+    class Pipe:
+        _lock = threading.Lock()
+
+    monkeypatch.setattr(tune, "interleaved", slowing)
+    tune.measure_parallel(Pipe(), Bench(), lazy, configs[-2:], acc, top=2, reps=1, tick=lambda: None)  # round 1
+    tune.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=6, reps=1, tick=lambda: None)
+    assert slow[0] >= 4 and len(lazy.parallel) > 2  # two rounds or more, at 1x, 2x, ...
+    assert lazy.parallel == pytest.approx({k: full.parallel[k] for k in lazy.parallel})
+
+
 def test_overhead_probed_at_two_windows_is_read_between_them():
     from mirror_mlx.cost_model import overhead
 
@@ -323,7 +354,7 @@ def test_a_probes_overhead_is_fitted_to_all_its_runs_the_confirmations_too(pipe)
     """The table's prediction for ar and sd probes is their step time over every run of them (the probe
     run on the first prompt and the confirmation's on the others), not the probe run's alone: a ms-scale
     pair's speed moves between the two, and the rest of the grid is predicted from this fit."""
-    cfg = tune.TuneConfig(prompts=2, max_tokens=8, kappas=(1,), gammas=(1, 2), reps=1, confirm=2,
+    cfg = tune.TuneConfig(prompts=2, max_tokens=8, kappas=(1,), gammas=(1,), reps=1, confirm=2,
                           confirm_prompts=2, min_seconds=0, exact_top=2, progress=False)
     prof = tune.calibrate(pipe, cfg)
     ar = next(r for r in prof.table if r["mode"] == "ar")
