@@ -42,6 +42,11 @@ PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (a
 AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
 QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
+# Each piece is timed at least `reps` times and at least `min_timed_s` (MIN_TIMED_S; the quick calibration
+# 0.15 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
+# machine (a piece of 100 ms or more costs no extra time).
+MIN_TIMED_S = 0.3
+MAX_REPS = 100
 
 
 class OutOfTime(RuntimeError):
@@ -70,6 +75,7 @@ class TuneConfig:
     confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
     confirm_prompts: int = 2  # the confirmation runs on the first few calibration prompts (tune's time is mostly here)
     min_seconds: float = 4.0  # each real run set goes round its prompts until it has decoded this long
+    min_timed_s: float = MIN_TIMED_S  # each timed piece is timed at least this long (`interleaved`)
     probe_two_windows: bool = True  # sd and mirror overhead probed at the smallest and middle γ (else the middle)
     exact_top: int = 5  # this many best predictions have suffix ‖ rollout measured (at least `confirm`)
     progress: bool = True
@@ -80,8 +86,8 @@ class TuneConfig:
         """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e
         only, one probe per mode, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
-                   confirm_prompts=1, min_seconds=0.5, probe_two_windows=False, exact_top=2, progress=False,
-                   budget_s=quick_budget())
+                   confirm_prompts=1, min_seconds=0.5, min_timed_s=0.15, probe_two_windows=False, exact_top=2,
+                   progress=False, budget_s=quick_budget())
 
 
 @dataclass
@@ -221,13 +227,7 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
 # --- 2. component timings -------------------------------------------------------------------------
 
 
-# Each piece is timed at least `reps` times and at least MIN_TIMED_S: a ms-scale piece's speed moves by 10-30 %
-# from one tenth of a second to the next on a shared machine (a piece of 100 ms or more costs no extra time).
-MIN_TIMED_S = 0.3
-MAX_REPS = 100
-
-
-def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None) -> dict:
+def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None, min_s: float = MIN_TIMED_S) -> dict:
     """{key: median seconds} of pieces timed in rounds, one call of each per round: a burst of load on a
     shared machine then hits every piece alike, not the few timed during it (and the median of at least
     `reps` drops a slow first call). Each piece returns its own seconds (or a tuple of them, medians
@@ -237,7 +237,7 @@ def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None) -> dict:
     def enough(k) -> bool:
         ts = times[k]
         total = sum(sum(x) if isinstance(x, tuple) else x for x in ts)
-        return len(ts) >= MAX_REPS or (len(ts) >= reps and total >= MIN_TIMED_S)
+        return len(ts) >= MAX_REPS or (len(ts) >= reps and total >= min_s)
 
     todo = list(pieces)
     while todo:
@@ -344,21 +344,19 @@ class _Bench:
 def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
     """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter)."""
     t = Timings()
-    t.verify = interleaved({n: partial(b.verify, n) for n in sorted({1} | {g + 1 for g in cfg.gammas})},
-                           cfg.reps, tick)
-    t.window = interleaved({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas}, cfg.reps, tick)
+    timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
+    t.verify = timed({n: partial(b.verify, n) for n in sorted({1} | {g + 1 for g in cfg.gammas})})
+    t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
     # the rollout alone does not depend on ℓ_e
-    t.rollout = interleaved({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g)
-                             for g in cfg.gammas for k in cfg.kappas}, cfg.reps, tick)
-    halves = interleaved({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas},
-                         cfg.reps, tick)
+    t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g) for g in cfg.gammas for k in cfg.kappas})
+    halves = timed({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas})
     t.prefix = {k: v[0] for k, v in halves.items()}
     t.suffix = {k: v[1] for k, v in halves.items()}
     return t
 
 
 def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
-                     reps: int, tick: Callable) -> int:
+                     reps: int, tick: Callable, min_s: float = MIN_TIMED_S) -> int:
     """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
 
     Unmeasured points are predicted at their floor (cost_model.parallel_time), an upper bound; each round
@@ -380,7 +378,7 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
         if ref is not None:
             pieces[ref] = partial(b.parallel, *ref)
         with pipe._lock:
-            got = interleaved(pieces, reps, tick)
+            got = interleaved(pieces, reps, tick, min_s)
         scale = t.parallel[ref] / got.pop(ref) if ref is not None else 1.0
         t.parallel.update({k: v * scale for k, v in got.items()})
         measured += len(todo)
@@ -558,13 +556,13 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             bench = _Bench(pipe, traces[0][1])  # over a prompt and its greedy text
             t = measure_timings(pipe, bench, cfg, layers, tick)
         mirror_probes = [c for c in probes if c.mode == "mirror"]
-        measure_parallel(pipe, bench, t, mirror_probes, acc, len(mirror_probes), cfg.reps, tick)
+        measure_parallel(pipe, bench, t, mirror_probes, acc, len(mirror_probes), cfg.reps, tick, cfg.min_timed_s)
         done("timings")
         probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, check)
         for _ in probes:
             tick()
         done("probes")
-        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick)
+        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s)
         done("parallel")
         ranked = rank(configs, t, acc)
         # The top predictions and ar, on the first few prompts: probes among them add the other prompts
@@ -580,7 +578,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         # machine's speed moves 10-20 % between the probe runs and the confirmation seconds later, and a
         # fit to twice the runs follows the calibration's whole span (the table's predictions use it).
         fit_overheads(t, {c: measured[c] for c in probes})
-        n_parallel += measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick)
+        n_parallel += measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s)
         ranked = rank(configs, t, acc)
         done("confirm")
     finally:

@@ -139,8 +139,8 @@ def test_suffix_with_rollout_timed_in_later_rounds_is_put_on_the_first_rounds_sc
     lazy = Timings(**{f: dict(getattr(full, f)) for f in ("verify", "prefix", "suffix", "window", "rollout", "overhead")})
     slow, timed = [1.0], tune.interleaved
 
-    def slowing(pieces, reps, tick):
-        out = timed(pieces, reps, tick)
+    def slowing(pieces, *args):
+        out = timed(pieces, *args)
         slow[0] *= 2
         return out
 
