@@ -42,6 +42,7 @@ def main() -> None:
                     help="the calibration's min_seconds (default: TuneConfig's)")
     ap.add_argument("--sweep-seconds", type=float, default=None,
                     help="decode seconds per configuration in each half of the sweep (default: min_seconds)")
+    ap.add_argument("--all", action="store_true", help="the error table for every configuration, not the top 5")
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     ap.add_argument("--pin", action="store_true", help="target and draft on a core each, as `bench --pin` and "
                     "`tune --pin` run (set OPENBLAS_NUM_THREADS=1 too)")
@@ -96,6 +97,11 @@ def main() -> None:
     ar_before, ar_calibrated = before[Config("ar")]["tokens_per_second"], next(
         r["measured"] for r in rows if r["mode"] == "ar")
 
+    top5 = [(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]), r) for r in rows[:5]]
+    errors = [r["predicted"] / swept[c] - 1 for c, r in top5]
+    real = [r["measured"] / swept[c] - 1 for c, r in top5 if r.get("measured")]
+    worst = lambda xs: f"{100 * max(xs, key=abs):+.0f} %"  # noqa: E731
+    ok = lambda xs: "yes" if max(map(abs, xs)) <= 0.15 else "no"  # noqa: E731
     chosen = Config(prof.mode, prof.kappa if prof.mode == "mirror" else None,
                     prof.gamma if prof.mode != "ar" else None, prof.exit_layer if prof.mode == "mirror" else None)
     best = max(swept, key=swept.get)
@@ -111,14 +117,25 @@ def main() -> None:
              f"- auto chose **{chosen.name}**: {swept[chosen]:.1f} tok/s in the sweep; the sweep's best is {best.name} "
              f"at {swept[best]:.1f} tok/s -> auto at **{swept[chosen] / swept[best]:.2f}x** the best fixed configuration",
              "- best per mode in the sweep: " + ", ".join(f"{m} {v:.1f}" for m, v in by_mode.items())
-             + f" -> auto at **{swept[chosen] / max(by_mode.values()):.2f}x** the best of ar/sd/mirror", "",
-             "| top predicted | predicted tok/s | swept tok/s | error | measured in the calibration | its difference |",
-             "|---|---:|---:|---:|---:|---:|"]
+             + f" -> auto at **{swept[chosen] / max(by_mode.values()):.2f}x** the best of ar/sd/mirror",
+             f"- the top 5 predictions: largest error {worst(errors)} -> within 15 %: **{ok(errors)}**",
+             # the same line for real runs, no model: what the machine alone allows between calibration and sweep
+             f"- the top 5's own real runs in the calibration ({len(real)} of 5 were run; no model): largest "
+             f"difference {worst(real)} -> within 15 %: **{ok(real)}**", "",
+             "The error splits into tokens per step (the acceptance on the calibration's text against the sweep's; "
+             "greedy, so the sweep's is exact) and the step time (the timings and the machine's speed); in "
+             "parentheses, each one's effect on the predicted tok/s.", "",
+             "| top predicted | predicted tok/s | swept tok/s | error | tok/step predicted / swept | "
+             "step ms predicted / swept | measured in the calibration | its difference |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     pct = lambda x, ref: f"{100 * (x - ref) / ref:+.0f}%"  # noqa: E731
-    for r in rows[:5]:
+    for r in rows if args.all else rows[:5]:
         c = Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])
         m = r.get("measured")  # real runs, no model: how far the machine alone moves between calibration and sweep
+        tok, steps, _, sec = after[c]["sums"]
         lines.append(f"| {c.name} | {r['predicted']:.1f} | {swept[c]:.1f} | {pct(r['predicted'], swept[c])} | "
+                     f"{r['tokens_per_step']:.2f} / {tok / steps:.2f} ({pct(r['tokens_per_step'], tok / steps)}) | "
+                     f"{r['step_ms']:.2f} / {1e3 * sec / steps:.2f} ({pct(1e3 * sec / steps, r['step_ms'])}) | "
                      + (f"{m:.1f} | {pct(m, swept[c])} |" if m else "| |"))
     report = "\n".join(lines)
     print(report)
