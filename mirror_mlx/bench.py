@@ -103,7 +103,7 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
                 for step in s.timeline]
     ran_as = s.mode if s.mode != mode else None  # a dropped draft runs as ar
     if mode == "auto" and s.mode != "ar":  # what auto chose for this prompt (at temperature 0 it adapts)
-        ran_as = describe(s)
+        ran_as = describe(s) + (" then ar" if s.left_draft else "")  # (ar once the text defeated the draft)
     return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline), ran_as=ran_as)
 
 

@@ -70,6 +70,7 @@ class Stats:
     draft_seconds: float = 0.0  # all draft rollout time: branch rollouts, fallbacks, first window
     hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
     draft_failure: Optional[str] = None
+    left_draft: str = ""  # auto only: after which step and why it went on with the target alone (tune.leave_draft)
     draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
     peak_memory_gb: float = 0.0
     from_draft: list = field(default_factory=list, repr=False)  # per committed token: the draft proposed it
@@ -147,12 +148,14 @@ class Stats:
         if self.mode == "mirror":
             line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
                      f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
+        if self.left_draft:
+            line += f" | left the draft {self.left_draft}"
         if self.draft_failure:
             line += f" | draft dropped: {self.draft_failure}"
         return line
 
 
-_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why")  # Stats fields a total keeps the latest of
+_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft")  # Stats fields a total keeps the latest of
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
@@ -519,6 +522,10 @@ class Engine:
                 stats.from_draft += [i < drafted for i in range(len(new))]
                 produced += len(new)
                 stats.generation_tokens = produced
+                if mode != "ar" and opts.leave_draft is not None and produced < opts.max_tokens and stop is None:
+                    why = opts.leave_draft([stats.accepted, stats.rejections, stats.reuses, stats.fallbacks])
+                    if why:  # auto, on text that defeats the draft; it is idle between steps: the target goes on alone
+                        mode, stats.left_draft = "ar", f"after step {stats.steps}: {why}"
                 stats.decode_seconds = time.perf_counter() - t_decode
                 stepping = False
                 yield new

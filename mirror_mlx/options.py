@@ -40,6 +40,9 @@ class DecodeOptions:
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
     tuned: bool = False  # set by the Pipeline: the mode and knobs came from mode="auto"
+    # set by the Pipeline for auto's speculative choice (tune.leave_draft): given this generation's
+    # [accepted, rejections, reuses, fallbacks] after a step, why to go on with the target alone, or None
+    leave_draft: Optional[Callable[[list], Optional[str]]] = None
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property
@@ -55,4 +58,4 @@ class DecodeOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
-CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "tuned"))  # set by the Pipeline
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "tuned", "leave_draft"))  # set by the Pipeline

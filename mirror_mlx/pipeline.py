@@ -199,7 +199,7 @@ class Pipeline:
 
         c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling)
         return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
-                       tuned=opts.mode == "auto")
+                       tuned=opts.mode == "auto", leave_draft=c.leave_draft)
 
     def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
         """What `check` validates before auto is resolved: auto as mirror (ar without a draft), the knobs

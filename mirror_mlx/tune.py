@@ -39,6 +39,10 @@ from .target import EarlyExitTarget, top_k, trimmable_cache
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
+# Within one generation (`leave_draft`) the text at hand counts for more: a prompt unlike any before
+# (an extraction after stories) defeats the draft from its first steps.
+WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS = 8, 4
+WITHIN_MIN_JUDGED = 16  # draft tokens judged in a generation before auto may leave the draft in it
 AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
 QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
@@ -99,6 +103,7 @@ class Choice:
     gamma: int = PAPER_KNOBS["gamma"]
     exit_layer: Optional[int] = None
     why: str = ""
+    leave_draft: Optional[Callable[[list], Optional[str]]] = None  # auto's test within a generation (`leave_draft`)
 
 
 # --- the calibration prompts ----------------------------------------------------------------------
@@ -682,7 +687,8 @@ def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tup
     return (num / n if n else 1.0), n
 
 
-def observed(prof: profiles.Profile, seen: dict[tuple, list[int]]) -> Optional[Seen]:
+def observed(prof: profiles.Profile, seen: dict[tuple, list[int]], prior_tokens: int = PRIOR_TOKENS,
+             prior_steps: int = PRIOR_STEPS) -> Optional[Seen]:
     """`Seen` from auto's runs at one sampling setting (Engine.auto_seen[setting]): per γ, the draft's α
     (accepted / (accepted + rejections)) against the calibration traces replayed at that γ (pooled with
     them at PRIOR_TOKENS); per Mirror-SD configuration, its branch reuse against the table's prediction
@@ -698,10 +704,10 @@ def observed(prof: profiles.Profile, seen: dict[tuple, list[int]]) -> Optional[S
         per_gamma[g][0] += a
         per_gamma[g][1] += r
     acceptance, tokens = pooled_ratio([(alphas.get(g, 0.0), a, r) for g, (a, r) in per_gamma.items()],
-                                      PRIOR_TOKENS)
+                                      prior_tokens)
     rows = {(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]): r for r in prof.table}
     reuse, steps = pooled_ratio([(rows[c].get("reuse") or 0.0, v[2], v[3]) for c, v in seen.items()
-                                 if c[0] == "mirror" and c in rows], PRIOR_STEPS)
+                                 if c[0] == "mirror" and c in rows], prior_steps)
     window = prof.calibration.get("timings", {}).get("window", {})
     return Seen(alphas, {int(g): 1e3 * s for g, s in window.items()}, acceptance, reuse, tokens, steps)
 
@@ -722,6 +728,33 @@ def adapt(prof: profiles.Profile, seen: dict[tuple, list[int]], setting: str = "
            f"{expected_rate(best, s):.0f} tok/s expected{margin}")
     return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
                   best["exit_layer"], why)
+
+
+def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[list], Optional[str]]]:
+    """For auto's speculative choice `c`: a test the engine runs after each step of a generation with this
+    generation's counts [accepted, rejections, reuses, fallbacks]. It says why to go on with ar once
+    the text at hand (its counts pooled with the calibration's at WITHIN_PRIOR_*) makes ar's measured rate
+    AR_MARGIN above the choice's (`expected_rate`); `adapt` learns across generations, this within one.
+    None where there is nothing to compare (ar, no confirmed row for `c`, a profile without counts)."""
+    rows = [r for r in prof.table if r.get("confirmed") and r.get("measured_step_ms")]
+    here = next((r for r in rows if r["mode"] != "ar" and describe(row_config(r)) == describe(c)), None)
+    ar = next((r for r in rows if r["mode"] == "ar"), None)
+    if c.mode == "ar" or here is None or ar is None or not prof.calibration.get("acceptance"):
+        return None
+    config = (c.mode, c.kappa if c.mode == "mirror" else None, c.gamma, c.exit_layer if c.mode == "mirror" else None)
+
+    def test(counts: list) -> Optional[str]:
+        if counts[0] + counts[1] < WITHIN_MIN_JUDGED:
+            return None
+        s = observed(prof, {config: counts}, WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS)
+        rate, plain = expected_rate(here, s), expected_rate(ar, s)
+        if plain < AR_MARGIN * rate:
+            return None
+        reuse = f", its branches reused {s.reuse:.2f}x as often as predicted" if s.steps else ""
+        return (f"the draft is right {s.acceptance:.2f}x as often in this text ({s.tokens} draft tokens judged) "
+                f"as in calibration{reuse}: {rate:.0f} tok/s expected, ar {plain:.0f}")
+
+    return test
 
 
 def setting_name(sampling: tuple) -> str:
@@ -757,8 +790,10 @@ def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], ex
             if sampling is not None else None
         adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
         if adapted is not None:
-            return replace(adapted, why="auto: " + adapted.why)
-        return knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
+            c = replace(adapted, why="auto: " + adapted.why)
+        else:
+            c = knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
+        return replace(c, leave_draft=leave_draft(prof, c))
     # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
     need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
     rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)

@@ -472,6 +472,49 @@ def test_auto_adapts_per_sampling_setting_stays_lossless_and_learns_only_from_it
         fresh.close()
 
 
+# mirror κ=2 γ=3 chosen: α 0.95 in calibration, 3.7 tokens in 36 ms (103 tok/s), just above ar (10 ms: 100 tok/s)
+LEAVING = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2, why="tuned",
+                           calibration={"acceptance": {"3": [190, 10]}},
+                           table=[row("ar", None, 1.0, 10.0), dict(row("mirror", 3, 3.7, 36.0, 2, 2), reuse=0.9)])
+
+
+def test_auto_leaves_the_draft_within_a_generation_once_the_text_at_hand_defeats_it():
+    test = tune.leave_draft(LEAVING, tune.Choice("mirror", 2, 3, 2))
+    assert test([2, 10, 0, 10]) is None  # 12 draft tokens judged: too few to tell
+    assert test([45, 2, 11, 1]) is None  # as predictable as the calibration text: stay
+    # α (0.95 * 8 + 4) / 30 = 0.39, 0.41x: 1.59 tokens a step in 36 ms, 44 tok/s against ar's 100
+    why = test([4, 18, 2, 16])
+    assert why == ("the draft is right 0.41x as often in this text (22 draft tokens judged) as in calibration, "
+                   "its branches reused 0.28x as often as predicted: 44 tok/s expected, ar 100")
+    assert tune.leave_draft(LEAVING, tune.Choice("ar")) is None  # nothing to leave
+    assert tune.leave_draft(LEAVING, tune.Choice("sd", gamma=3)) is None  # not measured: nothing to compare
+
+
+def test_auto_goes_on_with_ar_mid_generation_losslessly_and_says_so(pipe):
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    fresh._profile = profiles.Profile(**{**LEAVING.__dict__, "key": tune.pipe_key(fresh)})
+    try:
+        result = fresh.generate(PROMPT, max_tokens=48)
+        s = result.stats
+        assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 48)
+        assert (s.mode, s.chosen_mode, s.kappa, s.gamma, s.exit_layer) == ("mirror", "mirror", 2, 3, 2)
+        assert s.left_draft.startswith("after step ") and s.left_draft.endswith("ar 100"), s.left_draft
+        left_at = int(s.left_draft.split()[2].rstrip(":"))
+        assert 1 <= left_at < s.steps == s.target_forwards  # every later step is the target's alone: one token
+        assert len(s.from_draft) == 48 and not any(s.from_draft[-(s.steps - left_at):])
+        assert f"left the draft {s.left_draft}" in s.summary()
+        assert fresh.engine.auto_seen[GREEDY] == {MIRROR3: [s.accepted, s.rejections, s.reuses, s.fallbacks]}
+        explicit = fresh.generate(PROMPT, max_tokens=48, mode="mirror", kappa=2, gamma=3, exit_layer=2).stats
+        assert explicit.left_draft == "" and explicit.steps < s.steps  # an explicit mode is kept
+        # sampled: auto leaves the draft too, and a seed samples the same text as the target alone
+        sampled = fresh.generate(PROMPT, max_tokens=32, temperature=1.0, seed=5)
+        assert sampled.stats.left_draft
+        assert sampled.tokens == fresh.generate(PROMPT, max_tokens=32, temperature=1.0, seed=5, mode="ar").tokens
+    finally:
+        fresh.close()
+
+
 def test_tune_reports_a_chosen_point_whose_suffix_and_rollout_were_not_timed_together():
     """pick_confirm can confirm a point past the measured top: its report says so instead of failing."""
     timings = {"suffix": {"(3, 3)": 0.1}, "rollout": {"(6, 2)": 0.08}, "parallel": {}}
