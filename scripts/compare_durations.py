@@ -4,8 +4,8 @@
     python3 scripts/compare_durations.py old.log new.log
 
 Reads pytest's `--durations` lines (setup + call + teardown summed per test id; pytest leaves out
-phases under 5 ms). Used for issue 15: whether a change made the same tests slower, apart from the
-tests that were added meanwhile.
+phases under 5 ms). Says whether a change made the same tests slower, apart from the tests that
+were added meanwhile.
 """
 
 import re

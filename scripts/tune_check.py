@@ -1,4 +1,4 @@
-"""Check `tune` against an exhaustive sweep of its own grid (issue 13's acceptance numbers).
+"""Check `tune` against an exhaustive sweep of its own grid (auto within 5 % of the best, top-5 predictions within 15 %).
 
 1. `tune.calibrate` on the calibration prompts (the last n held-out openings): its choice and predictions.
 2. Every configuration of the same grid measured end to end on *other* held-out openings (the first n).
