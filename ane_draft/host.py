@@ -7,7 +7,7 @@ engine posts and awaits; it never calls the draft as a function.
 By default the host is its own process (`python -m mirror_mlx.ane_draft.host`, a fresh interpreter:
 never a fork of a process that holds MLX threads, and never a re-run of the user's `__main__` as
 multiprocessing's spawn would do). MLX serializes two threads of one process that evaluate model
-graphs (DESIGN §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
+graphs (docs/design.md §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
 object built in this process (tests, notebooks) runs the very same loop on a thread instead.
 
 Each direction is a TokenRing (data) plus a pipe (one byte per message: wake-up without spinning, and

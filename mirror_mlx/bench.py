@@ -1,4 +1,4 @@
-"""`mirror-mlx bench`: Mirror-SD against what users would run instead, in one process (DESIGN §7).
+"""`mirror-mlx bench`: Mirror-SD against what users would run instead, in one process (docs/design.md §7).
 
 Why it is built this way:
 - every mode runs on the same prompts, interleaved per prompt (the order rotates), after a warm-up,

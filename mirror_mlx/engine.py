@@ -1,4 +1,4 @@
-"""The Mirror-SD generation loop (DESIGN §3-4), one code path for `mirror`, `sd` and `ar`.
+"""The Mirror-SD generation loop (docs/design.md §3-4), one code path for `mirror`, `sd` and `ar`.
 
 State between steps: `committed` holds every committed token; the target's cache holds all of
 them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.

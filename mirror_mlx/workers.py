@@ -2,7 +2,7 @@
 
 MLX streams and lazy graphs are thread-affine: each worker builds *and* evaluates its graphs on
 its own OS thread, and only Python values or evaluated arrays leave it. (Two such threads do not
-compute at the same time inside one process, DESIGN §4: the draft runs in its own process.)
+compute at the same time inside one process, docs/design.md §4: the draft runs in its own process.)
 """
 
 import asyncio
