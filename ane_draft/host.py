@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
-from mirror_mlx.ring import TokenRing
+from mirror_mlx.ane_draft.ring import TokenRing
 from mirror_mlx.workers import wait_os_thread_gone
 
 # request kinds (engine → host)

@@ -33,7 +33,7 @@ import numpy as np
 from mirror_mlx.draft import MLXDraft, common_prefix, self_verify, spine_of
 from mirror_mlx.draft_api import Rollout
 
-from .ss_model import Model, is_ss_draft, load_ss_draft, ss_forward  # noqa: F401  (re-exported for load)
+from mirror_mlx.ane_draft.ss_model import Model, load_ss_draft, ss_forward
 
 
 @dataclass

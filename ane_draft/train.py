@@ -28,9 +28,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _download, load, load_config, load_tokenizer
 from tqdm import tqdm
 
-from ..corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
-from ..loading import tokenizer_mismatch
-from .ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
+from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
+from mirror_mlx.loading import tokenizer_mismatch
+from mirror_mlx.ane_draft.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
 

@@ -34,7 +34,7 @@ from .draft import common_prefix
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
-from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
+from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
 from .workers import LoopThread, Worker
@@ -70,10 +70,9 @@ class Stats:
     draft_seconds: float = 0.0  # all draft rollout time: branch rollouts, fallbacks, first window
     hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
     draft_failure: Optional[str] = None
-    left_draft: str = ""  # auto only: after which step and why it went on with the target alone (tune.leave_draft)
+    left_draft: str = ""  # after which step and why it went on with the target alone (the caller's `leave_draft`)
     draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
     peak_memory_gb: float = 0.0
-    from_draft: list = field(default_factory=list, repr=False)  # per committed token: the draft proposed it
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
     @property
@@ -130,7 +129,7 @@ class Stats:
         return out
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "from_draft")}
+        d = {k: v for k, v in asdict(self).items() if k != "timeline"}
         for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
                      "tokens_per_second", "eta", "draft_forwards_per_window"):
             d[name] = getattr(self, name)
@@ -156,6 +155,21 @@ class Stats:
 
 
 _LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft")  # Stats fields a total keeps the latest of
+
+
+@dataclass
+class Step:
+    """What one step committed, with its facts (as mlx-lm's speculative_generate_step yields each token with
+    `from_draft`): the tokens, which of them the draft proposed, and how the step's window fared.
+    `stats` is this generation's running totals (its own object: nothing is shared between generations)."""
+
+    tokens: list[int]
+    from_draft: list[bool]
+    offered: int = 0  # draft tokens the target verified in this step
+    accepted: int = 0  # of them, accepted
+    reused: bool = False  # mirror: the next window was a branch already rolled out
+    fallback: bool = False  # mirror: it was not (a serial rollout, or none)
+    stats: Stats = field(default_factory=Stats, repr=False)
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
@@ -382,10 +396,6 @@ class Engine:
             self.close()
             raise
         self.draft_failure: Optional[str] = None
-        self.stats = Stats()
-        # auto's runs, per sampling setting (DecodeOptions.sampling) and configuration (mode, κ, γ, ℓe):
-        # [draft tokens accepted, rejecting steps, steps that reused a branch, fallbacks] (tune.adapt)
-        self.auto_seen: dict[tuple, dict[tuple, list[int]]] = {}
 
     def close(self) -> None:
         if self.host is not None:
@@ -399,9 +409,9 @@ class Engine:
         self.target_worker.call(self._reset_target)
         if self.host is not None and self.draft_failure is None:
             try:
-                self.host.reset(timeout=60.0)
+                self.host.reset(timeout=DRAFT_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - a dead or stalled host: dropped, visibly, as in a step
-                self._drop_draft(e, self.stats)
+                self._drop_draft(e, Stats())
 
     def _reset_target(self) -> None:
         self.target.reset()
@@ -441,22 +451,24 @@ class Engine:
             return opts.exit_layer
         return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
-    def generate(self, prompt: Sequence[int], opts: DecodeOptions,
-                 prompt_cache: Optional[PromptCache] = None) -> Iterator[list[int]]:
-        """Yield committed tokens, a chunk per step, until max_tokens or a stop token.
+    def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
+                 leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
+        """Yield a `Step` per step, until max_tokens or a stop token. `prompt` and `opts` are as `check`
+        returned them (checked once, by the caller, before any work starts).
 
+        `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or
+        None (mode auto's test of the text at hand; the draft is idle between steps).
         `prompt_cache`: the target continues this cache, extended in place, as mlx_lm.generate with a
         prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see `check`). When the generation ends (or
         is closed) the cache holds the prompt and every committed token, the last (or the
         end-of-sequence token) included, as mlx-lm leaves it, and the engine goes on with a cache of its own.
         """
-        prompt, opts = self.check(prompt, opts, prompt_cache)
         if self.target.adopted:  # (a caller's cache is released when its generation ends; never reused)
             self.target_worker.call(self._reset_target)
         mode = opts.mode if self.draft_failure is None else "ar"
         # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
         given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
-        stats = self.stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
+        stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
         stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
         stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         if mode != "ar":
@@ -499,6 +511,7 @@ class Engine:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
+                before = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
                 budget = opts.max_tokens - produced
                 if mode == "mirror" and self.draft_failure is None:
                     if budget == 1:  # the step commits the pending row's token whatever the window proposes
@@ -519,16 +532,18 @@ class Engine:
                 if stop is not None:
                     new = new[: stop + 1]
                 committed += new
-                stats.from_draft += [i < drafted for i in range(len(new))]
                 produced += len(new)
                 stats.generation_tokens = produced
-                if mode != "ar" and opts.leave_draft is not None and produced < opts.max_tokens and stop is None:
-                    why = opts.leave_draft([stats.accepted, stats.rejections, stats.reuses, stats.fallbacks])
-                    if why:  # auto, on text that defeats the draft; it is idle between steps: the target goes on alone
+                after = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
+                step = Step(new, [i < drafted for i in range(len(new))], after[0] - before[0], after[1] - before[1],
+                            after[2] > before[2], after[3] > before[3], stats)
+                if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
+                    why = leave_draft(step)
+                    if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
                         mode, stats.left_draft = "ar", f"after step {stats.steps}: {why}"
                 stats.decode_seconds = time.perf_counter() - t_decode
                 stepping = False
-                yield new
+                yield step
                 if stop is not None:
                     break
         finally:
@@ -538,13 +553,6 @@ class Engine:
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            if opts.tuned and opts.sampling is not None and stats.proposed:  # what auto adapts to
-                mirror = opts.mode == "mirror"
-                config = (opts.mode, opts.kappa if mirror else None, opts.gamma,
-                          self.exit_layer(opts) if mirror else None)
-                seen = self.auto_seen.setdefault(opts.sampling, {}).setdefault(config, [0, 0, 0, 0])
-                for i, n in enumerate((stats.accepted, stats.rejections, stats.reuses, stats.fallbacks)):
-                    seen[i] += n
 
     # --- steps -------------------------------------------------------------------------------------
 

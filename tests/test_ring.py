@@ -5,7 +5,7 @@ import pytest
 
 from mirror_mlx.ane_draft.host import BRANCHES as EARLY_EXIT
 from mirror_mlx.ane_draft.host import WINDOWS as WINDOW
-from mirror_mlx.ring import RingFull, RingOverwritten, TokenRing
+from mirror_mlx.ane_draft.ring import RingFull, RingOverwritten, TokenRing
 
 
 @pytest.fixture

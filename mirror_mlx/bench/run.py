@@ -20,17 +20,18 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .ane_draft.host import DraftRecipe
-from .ane_draft.host import mlx_draft as host_mlx_draft
-from .ane_draft.host import mlx_draft_model
+from ..ane_draft.host import DraftRecipe
+from ..ane_draft.host import mlx_draft as host_mlx_draft
+from ..ane_draft.host import mlx_draft_model
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
-from .bench_grid import MODES, parse_modes, parse_sweep, point_name
-from .bench_machine import machine, pin_threads, thread_report
-from .bench_summary import Sample, best_point, table
-from .engine import DecodeOptions, Stats
-from .options import PAPER_KNOBS
-from .prompts import load_prompts
-from .tune import describe
+from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
+from .machine import machine, pin_threads, thread_report
+from .summary import Sample, best_point, table
+from ..engine import Stats
+from ..options import DecodeOptions
+from ..options import PAPER_KNOBS
+from ..prompts import load_prompts
+from ..tune.choose import describe
 
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
@@ -49,7 +50,7 @@ class BenchConfig:
     limit: Optional[int] = 10
     skip: int = 0  # leave out the first `skip` prompts (e.g. those a sweep chose the knobs on)
     max_tokens: int = 64
-    modes: Sequence[str] = MODES
+    modes: Sequence[str] = DEFAULT_MODES
     temp: float = 0.0
     kappa: int = PAPER_KNOBS["kappa"]
     gamma: int = PAPER_KNOBS["gamma"]
@@ -238,7 +239,7 @@ def bench(cfg: BenchConfig) -> dict:
             raise
         raise ValueError("mirror-mlx bench draws its plots with matplotlib, which is not installed: "
                          "pip install 'mirror-mlx[bench]'") from None
-    from .pipeline import load
+    from ..pipeline import load
 
     cfg.modes = parse_modes(",".join(cfg.modes)) if not isinstance(cfg.modes, str) else parse_modes(cfg.modes)
     if any(m != "ar" for m in cfg.modes) and cfg.draft_model is None and cfg.model is not None:

@@ -1,9 +1,8 @@
 """What `mirror-mlx bench` writes besides results.json: results.md and PNG plots (matplotlib, Agg).
 
-Plots are made from the report dict alone, so they can be redrawn from a saved results.json.
+Plots are made from the report dict alone.
 """
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -253,19 +252,3 @@ def write_report(report: dict, out: Path) -> list[Path]:
     if plot_timeline(report, out / "timeline.png"):
         files.append(out / "timeline.png")
     return files
-
-
-def redraw(results_json: Path) -> list[Path]:
-    """Recompute the summary from the saved samples; rewrite results.json, results.md and the plots."""
-    from .bench_grid import point_name
-    from .bench_summary import Sample, best_point, table
-
-    results_json = Path(results_json)
-    report = json.loads(results_json.read_text())
-    samples = [Sample.from_dict(s) for s in report["samples"]]
-    keys = ["ar"] + [point_name(pt) for pt in report["points"]] if report.get("grid") else report["modes"]
-    report["summary"] = table(samples, keys)
-    if report.get("grid"):
-        report["best"] = best_point(report["summary"]["all"], report["points"])
-    results_json.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return write_report(report, results_json.parent)
