@@ -40,6 +40,7 @@ class Result:
     tokens: list[int]
     stats: Stats
     finish_reason: str = "length"  # "stop" when an end-of-sequence token ended it
+    from_draft: list[bool] = field(default_factory=list)  # per token: the draft proposed it (see Chunk)
 
 
 @dataclass
@@ -93,6 +94,12 @@ def chunks(steps: Iterator[Step], opts: DecodeOptions, tokenizer: Any) -> Iterat
                     s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0, produced,
                     produced / s.decode_seconds if s.decode_seconds else 0.0, mx.get_peak_memory() / 1e9, texts,
                     step.from_draft[-1] if step.from_draft else False)
+
+
+def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
+    """One generation's chunks as a Result."""
+    return Result("".join(c.text for c in parts), [t for c in parts for t in c.tokens], stats, finish_reason,
+                  [d for c in parts for d in c.from_draft])
 
 
 def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
@@ -226,7 +233,7 @@ class Pipeline:
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
         ids, checked = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
         if opts.mode != "auto":
-            return ids, checked, None
+            return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
                         gamma=None if opts.gamma is None else checked.gamma)
@@ -282,8 +289,7 @@ class Pipeline:
         with self._turn():
             parts = list(self._chunks(tokens, opts, run, prompt_cache))
             stats = self.stats
-        tokens = [t for c in parts for t in c.tokens]
-        return Result("".join(c.text for c in parts), tokens, stats, parts[-1].finish_reason if parts else "length")
+        return result(parts, stats, parts[-1].finish_reason if parts else "length")
 
     # --- chat -------------------------------------------------------------------------------------
 
@@ -330,9 +336,7 @@ class Pipeline:
             self._told_plain = True
             warnings.warn(NO_TEMPLATE, stacklevel=2)
         parts = list(self.chat_stream(messages, **kwargs))
-        tokens = [t for c in parts for t in c.tokens]
-        stopped = self.conversation.stop_token is not None
-        return Result("".join(c.text for c in parts), tokens, self.stats, "stop" if stopped else "length")
+        return result(parts, self.stats, "stop" if self.conversation.stop_token is not None else "length")
 
     def reset(self) -> None:
         """Forget the conversation and clear both caches (the next turn prefills from scratch)."""

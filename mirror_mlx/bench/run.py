@@ -233,7 +233,7 @@ def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
 def bench(cfg: BenchConfig) -> dict:
     """Run the comparison (or the sweep), write results.json, results.md and plots into cfg.out."""
     try:
-        from .bench_report import write_report
+        from .report import write_report
     except ImportError as e:  # refused before any model is loaded or file written
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
