@@ -8,7 +8,7 @@ is given, yields a `Step` per step that becomes a `Chunk` of text.
 import asyncio
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
@@ -69,31 +69,34 @@ class Chunk:
         return self.text
 
 
-def chunks(steps: Iterator[Step], opts: DecodeOptions, tokenizer: Any) -> Iterator[Chunk]:
-    """Engine steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its finish_reason."""
-    detok = tokenizer.detokenizer
-    detok.reset()
-    produced = 0
-    for step in steps:
-        new, s = step.tokens, step.stats
-        produced += len(new)
-        stop = next((t for t in new if t in opts.stop_tokens), None)
+class Detokenizer:
+    """One generation's steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its
+    finish_reason."""
+
+    def __init__(self, tokenizer: Any, opts: DecodeOptions):
+        self.detok, self.opts, self.produced = tokenizer.detokenizer, opts, 0
+        self.detok.reset()
+
+    def chunk(self, step: Step) -> Chunk:
+        new, s, detok = step.tokens, step.stats, self.detok
+        self.produced += len(new)
+        stop = next((t for t in new if t in self.opts.stop_tokens), None)
         shown = [(t, d) for t, d in zip(new, step.from_draft) if t != stop]
         texts = []
         for t, _ in shown:
             detok.add_token(t)
             texts.append(detok.last_segment)
-        finish = "stop" if stop is not None else "length" if produced >= opts.max_tokens else None
+        finish = "stop" if stop is not None else "length" if self.produced >= self.opts.max_tokens else None
         tail = ""
         if finish is not None:
             detok.finalize()
             tail = detok.last_segment
             if texts:
                 texts[-1], tail = texts[-1] + tail, ""
-        yield Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
-                    s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0, produced,
-                    produced / s.decode_seconds if s.decode_seconds else 0.0, mx.get_peak_memory() / 1e9, texts,
-                    step.from_draft[-1] if step.from_draft else False)
+        return Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
+                     s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+                     self.produced, self.produced / s.decode_seconds if s.decode_seconds else 0.0,
+                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False)
 
 
 def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
@@ -248,29 +251,23 @@ class Pipeline:
         that the prompt follows, as mlx_lm.generate --prompt-cache-file.
         """
         tokens, opts, run = self.prepare(prompt, prompt_cache, **kwargs)
-
-        def held() -> Iterator[Chunk]:
-            with self._turn():
-                yield from self._chunks(tokens, opts, run, prompt_cache)
-
-        return held()
+        return self._chunks(tokens, opts, run, prompt_cache, hold=True)
 
     def _chunks(self, tokens: list[int], opts: DecodeOptions, run: Optional[AutoRun],
-                prompt_cache: Optional[PromptCache] = None) -> Iterator[Chunk]:
-        """The engine's steps as Chunks; `stats` is this generation's from its first step on."""
-        steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
-
-        def noted() -> Iterator[Step]:
-            for step in steps:
-                self.stats = step.stats
-                yield step
-
-        try:
-            yield from chunks(noted(), opts, self.tokenizer)
-        finally:
-            steps.close()
-            if run is not None:
-                run.done(self.stats)
+                prompt_cache: Optional[PromptCache] = None, hold: bool = False) -> Iterator[Chunk]:
+        """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
+        the caller holds it). `stats` is this generation's from its first step on."""
+        with self._turn() if hold else nullcontext():
+            steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
+            detok = Detokenizer(self.tokenizer, opts)
+            try:
+                for step in steps:
+                    self.stats = step.stats
+                    yield detok.chunk(step)
+            finally:
+                steps.close()
+                if run is not None:
+                    run.done(self.stats)
 
     async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
         """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
