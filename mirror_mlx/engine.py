@@ -19,7 +19,6 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -27,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
@@ -36,140 +35,10 @@ from . import validate
 from .exit_adapter import adapter_for
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
+from .sampling import row_sampler, sample_rows
+from .stats import Stats, Step
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
 from .workers import LoopThread, Worker
-
-@dataclass
-class Stats:
-    """What one generation did; `as_dict()` is what `--json` prints."""
-
-    mode: str = "ar"  # what ran (ar after a dropped draft)
-    chosen_mode: str = ""  # what was chosen, and with which knobs and why
-    kappa: Optional[int] = None
-    gamma: Optional[int] = None
-    exit_layer: Optional[int] = None
-    why: str = ""
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens actually run through the target (the rest came from its cache)
-    generation_tokens: int = 0
-    target_forwards: int = 0  # decode forwards of the target (one per step)
-    draft_forwards: int = 0  # every draft forward the rollouts ran, syncing included (J per rollout)
-    draft_tokens: int = 0  # per-branch tokens those forwards emitted (η̄ = draft_tokens / draft_forwards)
-    rollouts: int = 0
-    steps: int = 0
-    reuses: int = 0
-    fallbacks: int = 0
-    proposed: int = 0  # draft tokens the target verified
-    accepted: int = 0  # of them, accepted
-    rejections: int = 0  # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
-    omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    prefix_seconds: float = 0.0
-    suffix_seconds: float = 0.0  # target suffix (mirror) or whole verify forward (sd, ar)
-    draft_seconds: float = 0.0  # all draft rollout time: branch rollouts, fallbacks, first window
-    hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
-    draft_failure: Optional[str] = None
-    left_draft: str = ""  # after which step and why it went on with the target alone (the caller's `leave_draft`)
-    draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
-    peak_memory_gb: float = 0.0
-    timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.generation_tokens / max(self.target_forwards, 1)
-
-    @property
-    def fallback_rate(self) -> float:
-        return self.fallbacks / max(self.steps, 1)
-
-    @property
-    def reuse_rate(self) -> float:
-        return self.reuses / max(self.steps, 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """α: the chance that a draft token after a right prefix is right (each accepted token is one such
-        event, each rejection one of the other kind)."""
-        return self.accepted / max(self.accepted + self.rejections, 1)
-
-    @property
-    def omega_kappa(self) -> float:
-        return self.omega_sum / max(self.steps, 1)
-
-    @property
-    def hidden_draft_fraction(self) -> float:
-        return self.hidden_draft_seconds / self.draft_seconds if self.draft_seconds else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generation_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def eta(self) -> float:
-        return self.draft_tokens / max(self.draft_forwards, 1)
-
-    @property
-    def draft_forwards_per_window(self) -> float:
-        return self.draft_forwards / max(self.rollouts, 1)
-
-    def __add__(self, other: "Stats") -> "Stats":
-        """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
-        peak memory is the largest; mode, the chosen mode and knobs and a draft failure are the latest."""
-        out = Stats(mode=other.mode, draft_failure=other.draft_failure or self.draft_failure,
-                    draft_host=other.draft_host, timeline=self.timeline + other.timeline)
-        for f in fields(Stats):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in _LATEST:
-                setattr(out, f.name, b)
-            elif f.name == "peak_memory_gb":
-                setattr(out, f.name, max(a, b))
-            elif isinstance(a, (int, float)) and not isinstance(a, bool):
-                setattr(out, f.name, a + b)
-        return out
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "timeline"}
-        for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
-                     "tokens_per_second", "eta", "draft_forwards_per_window"):
-            d[name] = getattr(self, name)
-        return d
-
-    def summary(self) -> str:
-        line = (f"{self.tokens_per_second:.1f} tok/s | {self.mean_accepted:.2f} accepted/forward"
-                f" | mode {self.mode}")
-        if self.mode == "mirror":
-            line += f" κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
-        elif self.mode == "sd":
-            line += f" γ={self.gamma}"
-        if self.why.startswith(("auto", "quick")):
-            line += f" ({self.why})"
-        if self.mode == "mirror":
-            line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
-                     f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
-        if self.left_draft:
-            line += f" | left the draft {self.left_draft}"
-        if self.draft_failure:
-            line += f" | draft dropped: {self.draft_failure}"
-        return line
-
-
-_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft")  # Stats fields a total keeps the latest of
-
-
-@dataclass
-class Step:
-    """What one step committed, with its facts (as mlx-lm's speculative_generate_step yields each token with
-    `from_draft`): the tokens, which of them the draft proposed, and how the step's window fared.
-    `stats` is this generation's running totals (its own object: nothing is shared between generations)."""
-
-    tokens: list[int]
-    from_draft: list[bool]
-    offered: int = 0  # draft tokens the target verified in this step
-    accepted: int = 0  # of them, accepted
-    reused: bool = False  # mirror: the next window was a branch already rolled out
-    fallback: bool = False  # mirror: it was not (a serial rollout, or none)
-    stats: Stats = field(default_factory=Stats, repr=False)
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
@@ -308,33 +177,6 @@ def _no_post(cand: list[list[int]]) -> None:
     """A step that needs no branch rollout posts nothing."""
 
 
-def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
-    """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
-
-    Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
-    `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
-    """
-    if processors:
-        rows = []
-        for j in range(logits.shape[0]):
-            row = logits[j : j + 1]
-            tokens = mx.array(list(history) + list(window[:j]))
-            for p in processors:
-                row = p(tokens, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs, len(history))
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 64-bit seed for (seed, absolute position) (splitmix64): independent draws per position."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return z ^ (z >> 31)
-
-
 def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
     """The draft's context length (γ must fit in it): from its model, or its folder's config.json
     for a draft the host builds; None when unknown (a Core ML package checks its own shapes)."""
@@ -349,25 +191,6 @@ def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
             except (OSError, ValueError):
                 return None
     return None
-
-
-def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
-    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
-
-    With a seed, the draw for position p is keyed by (seed, p), not by how many draws came before,
-    so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
-    """
-    if seed is None or sampler is greedy_sampler:
-        return lambda logprobs, first: sampler(logprobs).tolist()
-
-    def sample(logprobs: mx.array, first: int) -> list[int]:
-        rows = []
-        for j in range(logprobs.shape[0]):
-            mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
-            rows.append(sampler(logprobs[j : j + 1]))
-        return mx.concatenate(rows).tolist()
-
-    return sample
 
 
 class Engine:

@@ -34,7 +34,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import MLXDraft
 from .draft_api import Draft
-from .engine import Stats
+from .stats import Stats
 from .options import OPTION_NAMES
 from .pipeline import Pipeline
 from .text import as_is

@@ -21,7 +21,8 @@ from . import demo_pair, text, validate
 from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
 from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
-from .engine import Engine, Stats, Step
+from .engine import Engine
+from .stats import Stats, Step
 from .loading import check_same_tokenizer, load_model, resolve_model
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from . import text
-from .engine import Stats
+from .stats import Stats
 from .options import CHOICES
 from .pipeline import Pipeline
 

@@ -27,7 +27,7 @@ from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
 from .summary import Sample, best_point, table
-from ..engine import Stats
+from ..stats import Stats
 from ..options import DecodeOptions
 from ..options import PAPER_KNOBS
 from ..prompts import load_prompts

@@ -6,7 +6,7 @@ from statistics import median
 from typing import Optional, Sequence
 
 from .grid import point_name
-from ..engine import Stats
+from ..stats import Stats
 
 
 @dataclass

@@ -12,7 +12,7 @@ import click
 from mirror_mlx import validate
 from mirror_mlx.cli.common import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
                                    model_options, template_config, usage_error)
-from mirror_mlx.engine import Stats
+from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import NO_TEMPLATE, Pipeline
 from mirror_mlx.text import Message, has_chat_template
