@@ -41,43 +41,17 @@ class Stats:
     peak_memory_gb: float = 0.0
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
-    @property
-    def mean_accepted(self) -> float:
-        return self.generation_tokens / max(self.target_forwards, 1)
-
-    @property
-    def fallback_rate(self) -> float:
-        return self.fallbacks / max(self.steps, 1)
-
-    @property
-    def reuse_rate(self) -> float:
-        return self.reuses / max(self.steps, 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """α: the chance that a draft token after a right prefix is right (each accepted token is one such
-        event, each rejection one of the other kind)."""
-        return self.accepted / max(self.accepted + self.rejections, 1)
-
-    @property
-    def omega_kappa(self) -> float:
-        return self.omega_sum / max(self.steps, 1)
-
-    @property
-    def hidden_draft_fraction(self) -> float:
-        return self.hidden_draft_seconds / self.draft_seconds if self.draft_seconds else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generation_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def eta(self) -> float:
-        return self.draft_tokens / max(self.draft_forwards, 1)
-
-    @property
-    def draft_forwards_per_window(self) -> float:
-        return self.draft_forwards / max(self.rollouts, 1)
+    # the ratios `as_dict` reports; α = acceptance_rate: the chance that a draft token after a right prefix
+    # is right (each accepted token is one such event, each rejection one of the other kind)
+    mean_accepted = property(lambda s: s.generation_tokens / max(s.target_forwards, 1))
+    fallback_rate = property(lambda s: s.fallbacks / max(s.steps, 1))
+    reuse_rate = property(lambda s: s.reuses / max(s.steps, 1))
+    acceptance_rate = property(lambda s: s.accepted / max(s.accepted + s.rejections, 1))
+    omega_kappa = property(lambda s: s.omega_sum / max(s.steps, 1))
+    hidden_draft_fraction = property(lambda s: s.hidden_draft_seconds / s.draft_seconds if s.draft_seconds else 0.0)
+    tokens_per_second = property(lambda s: s.generation_tokens / s.decode_seconds if s.decode_seconds else 0.0)
+    eta = property(lambda s: s.draft_tokens / max(s.draft_forwards, 1))  # η̄: tokens per draft forward
+    draft_forwards_per_window = property(lambda s: s.draft_forwards / max(s.rollouts, 1))
 
     def __add__(self, other: "Stats") -> "Stats":
         """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,

@@ -2,11 +2,20 @@
 and exit adapters (defaults from TrainConfig and the exit trainer)."""
 
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 
 from mirror_mlx.ane_draft.train import TrainConfig
 from mirror_mlx.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
+
+
+def refusing(error: type, make: Callable, *args: Any) -> Any:
+    """`make(*args)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
+    try:
+        return make(*args)
+    except error as e:
+        raise click.UsageError(str(e))
 
 
 @click.command("import-llama2c")
@@ -19,10 +28,7 @@ def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
     """Turn a llama2.c CHECKPOINT.bin into an MLX model folder that mlx_lm.load reads."""
     from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
 
-    try:
-        import_llama2c(checkpoint, tokenizer, out)
-    except ImportError_ as e:
-        raise click.UsageError(str(e))
+    refusing(ImportError_, import_llama2c, checkpoint, tokenizer, out)
     click.echo(f"wrote {out}")
 
 
@@ -41,10 +47,7 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
     """Write a wider, deeper copy of a model that computes the same logits (for cost-realistic benchmarks)."""
     from mirror_mlx.convert.widen import WidenError, widen
 
-    try:
-        widen(model_dir, out, hidden, heads, intermediate, layers, kv_heads)
-    except WidenError as e:
-        raise click.UsageError(str(e))
+    refusing(WidenError, widen, model_dir, out, hidden, heads, intermediate, layers, kv_heads)
     click.echo(f"wrote {out}")
 
 
@@ -63,10 +66,7 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
     for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"), (widened / "config.json", "--widened")):
         if not p.is_file():
             raise click.UsageError(f"{what}: {p} does not exist")
-    try:
-        layers = widen_adapter(adapter, model_dir, widened, out)
-    except WidenError as e:
-        raise click.UsageError(str(e))
+    layers = refusing(WidenError, widen_adapter, adapter, model_dir, widened, out)
     click.echo(f"wrote {out} (exact at exit layers {', '.join(map(str, layers))})")
 
 
