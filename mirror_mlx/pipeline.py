@@ -140,13 +140,20 @@ class Pipeline:
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter)
-        self.auto = AutoState()  # mode auto's profile and what its runs have seen (mirror_mlx.tune.policy)
+        self._auto: Optional[AutoState] = None
         self.conversation = Conversation()  # the turns the caches hold (`chat`)
         self.stats = Stats()  # the last generation's
         self.lock = threading.Lock()  # one generation at a time (see the class docstring); tune holds it too
         self._owner: Optional[int] = None  # the thread that holds it
         self._closed = False
         self._told_plain = False  # `chat` warned once that the tokenizer has no chat template
+
+    @property
+    def auto(self) -> AutoState:
+        """Mode auto's profile and what its runs have seen (mirror_mlx.tune.policy), made on first use."""
+        if self._auto is None:
+            self._auto = AutoState()
+        return self._auto
 
     @property
     def context_length(self) -> Optional[int]:

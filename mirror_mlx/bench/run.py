@@ -80,11 +80,11 @@ def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
     if not chosen:
         raise ValueError(f"no prompts left after skipping {cfg.skip}")
     room = None
-    if pipe.engine.context_length:
-        room = pipe.engine.context_length - cfg.max_tokens
+    if pipe.context_length:
+        room = pipe.context_length - cfg.max_tokens
         if room < 2:
             raise ValueError(f"max_tokens {cfg.max_tokens} leaves no room for a prompt in the target's "
-                             f"context of {pipe.engine.context_length} tokens: lower --max-tokens")
+                             f"context of {pipe.context_length} tokens: lower --max-tokens")
     out = []
     for p in chosen:
         ids = pipe.encode(p.text)

@@ -10,8 +10,8 @@ from typing import Any, Optional, TextIO
 import click
 
 from mirror_mlx import validate
-from mirror_mlx.cli.common import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                                   model_options, template_config, usage_error)
+from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, template_config, usage_error)
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import NO_TEMPLATE, Pipeline

@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 
 from mirror_mlx import text
-from mirror_mlx.cli.common import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                                   model_options, read_prompt, template_config, usage_error)
+from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, read_prompt, template_config, usage_error)
 
 
 def add_eos_tokens(tokenizer, tokens) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from mirror_mlx.bench.run import BenchConfig
-from mirror_mlx.cli.common import load_pipeline, model_options
+from mirror_mlx.cli import load_pipeline, model_options
 from mirror_mlx.tune.calibrate import TuneConfig
 
 TUNE = TuneConfig()

@@ -2,7 +2,7 @@
 
 import click
 
-from mirror_mlx.cli.common import DEFAULTS, decode_options, generation_kwargs, load_pipeline, model_options
+from mirror_mlx.cli import DEFAULTS, decode_options, generation_kwargs, load_pipeline, model_options
 
 
 @click.command("serve")
