@@ -124,7 +124,7 @@ class TokenRing:
         floats = self._fslots[row, f0 : f0 + n_f].copy()
         if int(slot[0]) != seq:  # overwritten while copying
             raise RingOverwritten(f"message {seq} was overwritten while being read")
-        self._words[1] = max(self.consumed, seq)
+        self._words[1] = max(int(self._words[1]), seq)
         return Message(seq, kind, step, ints, floats)
 
     def close(self, unlink: bool = True) -> None:
