@@ -1,12 +1,9 @@
 """The engine: every mode returns exactly what the target alone returns, whatever the draft does."""
 
 import copy
-import re
-import sys
 import time
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -208,7 +205,7 @@ def test_reuse_picks_the_branch_of_the_correction_or_signals_fallback():
 
 def test_cache_rollback_leaves_exactly_the_committed_prefix(demo):
     prompt = demo.tokenizer.encode("Tom and Lily went to the park")
-    out = demo.generate(prompt, max_tokens=37, stop=False, mode="mirror")
+    demo.generate(prompt, max_tokens=37, stop=False, mode="mirror")
     side = demo.engine.target
     # the cache may hold accepted tokens past max_tokens (trimmed at the next start), never others
     committed = prompt + mlx_greedy(demo.model, prompt, 37 + 8)
