@@ -1,2 +1,5 @@
-"""Kept for old imports: the command line lives in mirror_mlx/cli.py (`python -m mirror_mlx`)."""
-from mirror_mlx.cli import main  # noqa: F401
+"""`python cli.py ...` from a checkout is the `mirror-mlx` command (mirror_mlx/cli/)."""
+from mirror_mlx.cli import main
+
+if __name__ == "__main__":
+    main(prog_name="mirror-mlx")

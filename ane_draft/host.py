@@ -7,7 +7,7 @@ engine posts and awaits; it never calls the draft as a function.
 By default the host is its own process (`python -m mirror_mlx.ane_draft.host`, a fresh interpreter:
 never a fork of a process that holds MLX threads, and never a re-run of the user's `__main__` as
 multiprocessing's spawn would do). MLX serializes two threads of one process that evaluate model
-graphs (DESIGN §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
+graphs (docs/design.md §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
 object built in this process (tests, notebooks) runs the very same loop on a thread instead.
 
 Each direction is a TokenRing (data) plus a pipe (one byte per message: wake-up without spinning, and
@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
-from mirror_mlx.ring import TokenRing
+from mirror_mlx.ane_draft.ring import TokenRing
 from mirror_mlx.workers import wait_os_thread_gone
 
 # request kinds (engine → host)
@@ -95,7 +95,10 @@ class Channel:
 
     def send(self, kind: int, step: int = 0, ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
         self.ring.put(kind, step, ints, floats)
-        os.write(self.fd, b"\1")
+        try:
+            os.write(self.fd, b"\1")
+        except BrokenPipeError:  # the other end died: said as a read that finds it gone says it
+            raise DraftHostError("the draft host exited unexpectedly") from None
 
     def _take(self):
         if os.read(self.fd, 1) == b"":
@@ -227,7 +230,7 @@ def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
             return
         rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
         serve(draft, req, rep)
-    except OSError:  # the engine closed its ends while we were busy (it dropped or closed us): just end
+    except (OSError, DraftHostError):  # the engine closed its ends while we were busy (dropped or closed us): end
         pass
 
 
@@ -320,12 +323,6 @@ class DraftHost:
 
     # ---- requests
 
-    def _send(self, kind: int, step: int, ints: Sequence[int]) -> None:
-        try:
-            self.req.send(kind, step, ints)
-        except BrokenPipeError:  # the host died: say so as a read that finds it gone does
-            raise DraftHostError("the draft host exited unexpectedly") from None
-
     def _post(self, kind: int, context: Sequence[int], body: Sequence[int] = ()) -> None:
         """Post one request whose context is `context` (sent as a delta; a long one in CONTEXT chunks first)."""
         held = self.held
@@ -338,11 +335,11 @@ class DraftHost:
         while len(new) > room:  # the head of a long context first, acknowledged chunk by chunk
             chunk, new = new[: SLOT_INTS - 2], new[SLOT_INTS - 2 :]
             self.step += 1
-            self._send(CONTEXT, self.step, [keep, len(chunk)] + chunk)
+            self.req.send(CONTEXT, self.step, [keep, len(chunk)] + chunk)
             self._expect(self.rep.recv(None), DONE)
             keep += len(chunk)
         self.step += 1
-        self._send(kind, self.step, [keep, len(new)] + new + list(body))
+        self.req.send(kind, self.step, [keep, len(new)] + new + list(body))
         self.held = list(context)
 
     def _expect(self, msg, kind: int):
@@ -362,7 +359,7 @@ class DraftHost:
 
     def reset(self, timeout: Optional[float] = None) -> None:
         self.step += 1
-        self._send(RESET, self.step, [0, 0])
+        self.req.send(RESET, self.step, [0, 0])
         self.held = []
         self.wait_done(timeout)
 

@@ -9,7 +9,7 @@ over the shared prefix (broadcast, not copied), masked to context + ŷ_1..ŷ_{r_
 Forward 1 feeds every branch what it must still see (the few tokens no rollout computed yet:
 the last window's final main token and trusted guesses) followed by v_b, and yields its main token
 plus S stream guesses. Every later forward feeds [main token, guesses]; the main rows verify the
-guesses (SS self-verification, papers.md §3.4): branch i keeps the agreeing prefix a_i of its
+guesses (SS self-verification, docs/design.md §5.4): branch i keeps the agreeing prefix a_i of its
 guesses plus the main token after them, so it gains a_i + 1 tokens, and that row's streams become
 its next guesses. Rejected rows stay in the branch's scratch K/V but are masked out. Because main
 rows never see stream rows, the window is exactly the draft's own greedy main-stream continuation
@@ -33,7 +33,7 @@ import numpy as np
 from mirror_mlx.draft import MLXDraft, common_prefix, self_verify, spine_of
 from mirror_mlx.draft_api import Rollout
 
-from .ss_model import Model, is_ss_draft, load_ss_draft, ss_forward  # noqa: F401  (re-exported for load)
+from mirror_mlx.ane_draft.ss_model import Model, load_ss_draft, ss_forward
 
 
 @dataclass

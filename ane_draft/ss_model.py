@@ -5,7 +5,7 @@ One forward over main rows x_0..x_{L-1} emits, per main row t, the main predicti
 
 - Layers 0 .. N-N_s-1 are plain llama blocks over main rows only.
 - At layer N-N_s every main row t spawns stream rows h_t + P_j (j = 1..S, P_j learned).
-- In the top N_s layers (lossless-mode mask, papers.md §3.3): main row t attends to main rows <= t
+- In the top N_s layers (lossless-mode mask, docs/design.md §5.3): main row t attends to main rows <= t
   only, so streams never change the main rows (the main stream *is* a plain llama); stream (t, j)
   attends to main rows <= t and to streams 1..j of row t.
 - Only main rows produce K/V worth keeping: stream rows are never cached.

@@ -2,7 +2,7 @@
 
 1. The target writes the data: greedy continuations of corpus openings (the target's own text, so
    the draft learns what the target will say, not what the corpus says).
-2. The draft learns α₀·CE(main) + Σ_j α_j·CE(stream j), α₀ = 1, α_j = 0.1 (papers.md §3.7), on
+2. The draft learns α₀·CE(main) + Σ_j α_j·CE(stream j), α₀ = 1, α_j = 0.1 (docs/design.md §5.7), on
    hard labels: verification at temperature 0 accepts a draft token iff it is the target's argmax,
    and the target's greedy text *is* that argmax at every position, for the main row and for every
    stream offset alike. Soft targets would need the target's logits stored per position (or the
@@ -28,11 +28,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _download, load, load_config, load_tokenizer
 from tqdm import tqdm
 
-from ..corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
-from ..loading import tokenizer_mismatch
-from .ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
+from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
+from mirror_mlx.loading import tokenizer_mismatch
+from mirror_mlx.ane_draft.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
-STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (papers.md §3.7)
+STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
 
 
 class TrainError(ValueError):

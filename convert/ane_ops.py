@@ -47,8 +47,3 @@ FOLDED: dict[str, str] = {
     "constexpr_blockwise_shift_scale": "int8 weights; stream natively A15+, folded to fp16 on M1/M2",
     "constexpr_affine_dequantize": "int8 (older opset); folded to fp16 below A15",
 }
-
-
-def not_on_ane(op_types: set[str]) -> list[str]:
-    """The ops of a program that are not on the list (empty means every op is ANE-eligible)."""
-    return sorted(op for op in op_types if op not in NATIVE and op not in FOLDED)

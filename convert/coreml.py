@@ -48,8 +48,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from mirror_mlx.ane_draft.package_format import (FORMAT, META, NEG, ConvertError, Shapes, package_shapes,  # noqa: F401
-                                                 import_coremltools, read_metadata, tokenizer_sha256)
+from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Shapes, import_coremltools,
+                                                 tokenizer_sha256)
+from mirror_mlx.options import PAPER_KNOBS
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: ane_draft/ss_model.py
 HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
@@ -557,8 +558,8 @@ def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
     return {META + k: v for k, v in meta.items()}
 
 
-def convert(draft: Path, out: Path, context: int = 512, kappa: int = 8, gamma: int = 7,
-            chunk: int = 16, quantize: str = "none", progress: bool = True) -> Path:
+def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS["kappa"],
+            gamma: int = PAPER_KNOBS["gamma"], chunk: int = 16, quantize: str = "none", progress: bool = True) -> Path:
     """Build `out` (.mlpackage) from the mlx-lm draft folder `draft`."""
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")

@@ -43,8 +43,9 @@ import numpy as np
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
 from mirror_mlx.batching import padded_batches
-from mirror_mlx.convert.coreml import (ConvertError, check_match, draft_sha256, package_shapes, read_metadata,
-                                       tokenizer_sha256)
+from mirror_mlx.ane_draft.package_format import (ConvertError, package_shapes, read_metadata,
+                                                 tokenizer_sha256)
+from mirror_mlx.convert.coreml import check_match, draft_sha256
 from mirror_mlx.convert.mil_eval import MilRunner
 from mirror_mlx.loading import load_model
 

@@ -44,7 +44,7 @@ def spine_of(stems: Sequence[Sequence[int]]) -> list[int]:
 
 
 def self_verify(fed: Sequence[int], pred: Sequence[int]) -> tuple[int, list[int]]:
-    """Speculative Streaming's self-verification (papers.md §3.4) of one chain fed in one forward.
+    """Speculative Streaming's self-verification (docs/design.md §5.4) of one chain fed in one forward.
 
     fed = [main token, guess_1, .., guess_k]; pred[i] is the draft's main prediction after fed[:i+1].
     The guesses the main predictions before them agree with are kept (a prefix), then the main

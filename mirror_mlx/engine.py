@@ -1,4 +1,4 @@
-"""The Mirror-SD generation loop (DESIGN §3-4), one code path for `mirror`, `sd` and `ar`.
+"""The Mirror-SD generation loop (docs/design.md §3-4), one code path for `mirror`, `sd` and `ar`.
 
 State between steps: `committed` holds every committed token; the target's cache holds all of
 them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.
@@ -19,7 +19,6 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -27,135 +26,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe
 from .draft import common_prefix
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
-from .options import MODES, DecodeOptions, default_exit_layer  # noqa: F401  (DecodeOptions: engine API)
+from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
+from .sampling import row_sampler, sample_rows
+from .stats import Stats, Step
 from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
 from .workers import LoopThread, Worker
-
-@dataclass
-class Stats:
-    """What one generation did; `as_dict()` is what `--json` prints."""
-
-    mode: str = "ar"  # what ran (ar after a dropped draft)
-    chosen_mode: str = ""  # what was chosen, and with which knobs and why
-    kappa: Optional[int] = None
-    gamma: Optional[int] = None
-    exit_layer: Optional[int] = None
-    why: str = ""
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0  # prompt tokens actually run through the target (the rest came from its cache)
-    generation_tokens: int = 0
-    target_forwards: int = 0  # decode forwards of the target (one per step)
-    draft_forwards: int = 0  # every draft forward the rollouts ran, syncing included (J per rollout)
-    draft_tokens: int = 0  # per-branch tokens those forwards emitted (η̄ = draft_tokens / draft_forwards)
-    rollouts: int = 0
-    steps: int = 0
-    reuses: int = 0
-    fallbacks: int = 0
-    proposed: int = 0  # draft tokens the target verified
-    accepted: int = 0  # of them, accepted
-    rejections: int = 0  # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
-    omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    prefix_seconds: float = 0.0
-    suffix_seconds: float = 0.0  # target suffix (mirror) or whole verify forward (sd, ar)
-    draft_seconds: float = 0.0  # all draft rollout time: branch rollouts, fallbacks, first window
-    hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
-    draft_failure: Optional[str] = None
-    left_draft: str = ""  # auto only: after which step and why it went on with the target alone (tune.leave_draft)
-    draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
-    peak_memory_gb: float = 0.0
-    from_draft: list = field(default_factory=list, repr=False)  # per committed token: the draft proposed it
-    timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.generation_tokens / max(self.target_forwards, 1)
-
-    @property
-    def fallback_rate(self) -> float:
-        return self.fallbacks / max(self.steps, 1)
-
-    @property
-    def reuse_rate(self) -> float:
-        return self.reuses / max(self.steps, 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """α: the chance that a draft token after a right prefix is right (each accepted token is one such
-        event, each rejection one of the other kind)."""
-        return self.accepted / max(self.accepted + self.rejections, 1)
-
-    @property
-    def omega_kappa(self) -> float:
-        return self.omega_sum / max(self.steps, 1)
-
-    @property
-    def hidden_draft_fraction(self) -> float:
-        return self.hidden_draft_seconds / self.draft_seconds if self.draft_seconds else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generation_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def eta(self) -> float:
-        return self.draft_tokens / max(self.draft_forwards, 1)
-
-    @property
-    def draft_forwards_per_window(self) -> float:
-        return self.draft_forwards / max(self.rollouts, 1)
-
-    def __add__(self, other: "Stats") -> "Stats":
-        """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
-        peak memory is the largest; mode, the chosen mode and knobs and a draft failure are the latest."""
-        out = Stats(mode=other.mode, draft_failure=other.draft_failure or self.draft_failure,
-                    draft_host=other.draft_host, timeline=self.timeline + other.timeline)
-        for f in fields(Stats):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in _LATEST:
-                setattr(out, f.name, b)
-            elif f.name == "peak_memory_gb":
-                setattr(out, f.name, max(a, b))
-            elif isinstance(a, (int, float)) and not isinstance(a, bool):
-                setattr(out, f.name, a + b)
-        return out
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("timeline", "from_draft")}
-        for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
-                     "tokens_per_second", "eta", "draft_forwards_per_window"):
-            d[name] = getattr(self, name)
-        return d
-
-    def summary(self) -> str:
-        line = (f"{self.tokens_per_second:.1f} tok/s | {self.mean_accepted:.2f} accepted/forward"
-                f" | mode {self.mode}")
-        if self.mode == "mirror":
-            line += f" κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
-        elif self.mode == "sd":
-            line += f" γ={self.gamma}"
-        if self.why.startswith(("auto", "quick")):
-            line += f" ({self.why})"
-        if self.mode == "mirror":
-            line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
-                     f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
-        if self.left_draft:
-            line += f" | left the draft {self.left_draft}"
-        if self.draft_failure:
-            line += f" | draft dropped: {self.draft_failure}"
-        return line
-
-
-_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft")  # Stats fields a total keeps the latest of
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
@@ -294,33 +177,6 @@ def _no_post(cand: list[list[int]]) -> None:
     """A step that needs no branch rollout posts nothing."""
 
 
-def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
-    """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
-
-    Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
-    `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
-    """
-    if processors:
-        rows = []
-        for j in range(logits.shape[0]):
-            row = logits[j : j + 1]
-            tokens = mx.array(list(history) + list(window[:j]))
-            for p in processors:
-                row = p(tokens, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs, len(history))
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 64-bit seed for (seed, absolute position) (splitmix64): independent draws per position."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return z ^ (z >> 31)
-
-
 def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
     """The draft's context length (γ must fit in it): from its model, or its folder's config.json
     for a draft the host builds; None when unknown (a Core ML package checks its own shapes)."""
@@ -335,25 +191,6 @@ def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
             except (OSError, ValueError):
                 return None
     return None
-
-
-def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
-    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
-
-    With a seed, the draw for position p is keyed by (seed, p), not by how many draws came before,
-    so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
-    """
-    if seed is None or sampler is greedy_sampler:
-        return lambda logprobs, first: sampler(logprobs).tolist()
-
-    def sample(logprobs: mx.array, first: int) -> list[int]:
-        rows = []
-        for j in range(logprobs.shape[0]):
-            mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
-            rows.append(sampler(logprobs[j : j + 1]))
-        return mx.concatenate(rows).tolist()
-
-    return sample
 
 
 class Engine:
@@ -382,10 +219,6 @@ class Engine:
             self.close()
             raise
         self.draft_failure: Optional[str] = None
-        self.stats = Stats()
-        # auto's runs, per sampling setting (DecodeOptions.sampling) and configuration (mode, κ, γ, ℓe):
-        # [draft tokens accepted, rejecting steps, steps that reused a branch, fallbacks] (tune.adapt)
-        self.auto_seen: dict[tuple, dict[tuple, list[int]]] = {}
 
     def close(self) -> None:
         if self.host is not None:
@@ -399,9 +232,9 @@ class Engine:
         self.target_worker.call(self._reset_target)
         if self.host is not None and self.draft_failure is None:
             try:
-                self.host.reset(timeout=60.0)
+                self.host.reset(timeout=DRAFT_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - a dead or stalled host: dropped, visibly, as in a step
-                self._drop_draft(e, self.stats)
+                self._drop_draft(e, Stats())
 
     def _reset_target(self) -> None:
         self.target.reset()
@@ -441,22 +274,24 @@ class Engine:
             return opts.exit_layer
         return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
-    def generate(self, prompt: Sequence[int], opts: DecodeOptions,
-                 prompt_cache: Optional[PromptCache] = None) -> Iterator[list[int]]:
-        """Yield committed tokens, a chunk per step, until max_tokens or a stop token.
+    def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
+                 leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
+        """Yield a `Step` per step, until max_tokens or a stop token. `prompt` and `opts` are as `check`
+        returned them (checked once, by the caller, before any work starts).
 
+        `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or
+        None (mode auto's test of the text at hand; the draft is idle between steps).
         `prompt_cache`: the target continues this cache, extended in place, as mlx_lm.generate with a
         prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see `check`). When the generation ends (or
         is closed) the cache holds the prompt and every committed token, the last (or the
         end-of-sequence token) included, as mlx-lm leaves it, and the engine goes on with a cache of its own.
         """
-        prompt, opts = self.check(prompt, opts, prompt_cache)
         if self.target.adopted:  # (a caller's cache is released when its generation ends; never reused)
             self.target_worker.call(self._reset_target)
         mode = opts.mode if self.draft_failure is None else "ar"
         # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
         given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
-        stats = self.stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
+        stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
         stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
         stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         if mode != "ar":
@@ -499,6 +334,7 @@ class Engine:
                     mode = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
+                before = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
                 budget = opts.max_tokens - produced
                 if mode == "mirror" and self.draft_failure is None:
                     if budget == 1:  # the step commits the pending row's token whatever the window proposes
@@ -519,16 +355,18 @@ class Engine:
                 if stop is not None:
                     new = new[: stop + 1]
                 committed += new
-                stats.from_draft += [i < drafted for i in range(len(new))]
                 produced += len(new)
                 stats.generation_tokens = produced
-                if mode != "ar" and opts.leave_draft is not None and produced < opts.max_tokens and stop is None:
-                    why = opts.leave_draft([stats.accepted, stats.rejections, stats.reuses, stats.fallbacks])
-                    if why:  # auto, on text that defeats the draft; it is idle between steps: the target goes on alone
+                after = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
+                step = Step(new, [i < drafted for i in range(len(new))], after[0] - before[0], after[1] - before[1],
+                            after[2] > before[2], after[3] > before[3], stats)
+                if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
+                    why = leave_draft(step)
+                    if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
                         mode, stats.left_draft = "ar", f"after step {stats.steps}: {why}"
                 stats.decode_seconds = time.perf_counter() - t_decode
                 stepping = False
-                yield new
+                yield step
                 if stop is not None:
                     break
         finally:
@@ -538,13 +376,6 @@ class Engine:
                 self.target_worker.call(self._reset_target)
             stats.decode_seconds = time.perf_counter() - t_decode
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            if opts.tuned and opts.sampling is not None and stats.proposed:  # what auto adapts to
-                mirror = opts.mode == "mirror"
-                config = (opts.mode, opts.kappa if mirror else None, opts.gamma,
-                          self.exit_layer(opts) if mirror else None)
-                seen = self.auto_seen.setdefault(opts.sampling, {}).setdefault(config, [0, 0, 0, 0])
-                for i, n in enumerate((stats.accepted, stats.rejections, stats.reuses, stats.fallbacks)):
-                    seen[i] += n
 
     # --- steps -------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """A learned early-exit adapter: a small residual map on the normalised layer-ℓ_e state.
 
-The bare head at ℓ_e guesses the final distribution poorly on shallow targets (DESIGN §3 step 2).
+The bare head at ℓ_e guesses the final distribution poorly on shallow targets (docs/design.md §3 step 2).
 The adapter sits between the target's final norm and its head at the early exit only, and is
 distilled so that head(adapter(norm(h_ℓe))) matches the target's final distribution on the target's
 own greedy text. It never touches the final logits, so generated tokens cannot change.

@@ -34,9 +34,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import MLXDraft
 from .draft_api import Draft
-from .engine import Stats
+from .stats import Stats
 from .options import OPTION_NAMES
-from .pipeline import Pipeline, encode
+from .pipeline import Pipeline
+from .text import as_is
 from .prompt_cache import PromptCache
 
 KEEP = 2
@@ -152,11 +153,11 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
         given = given_cache(prompt_cache)
         max_kv_size = None  # as mlx-lm: a given cache is used as it is
     pipe = pipeline(model, tokenizer, draft_model)
-    ids = encode(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
+    ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
                                                                           (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     start = given.length if given is not None else 0
     if max_tokens == -1:
-        max_tokens = max(1, (pipe.engine.context_length or start + len(ids) + 2 ** 20) - start - len(ids))
+        max_tokens = max(1, (pipe.context_length or start + len(ids) + 2 ** 20) - start - len(ids))
     mode = mode or ("mirror" if draft_model is not None else "ar")
     chunks = pipe.stream(ids, prompt_cache=given, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
                          logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs)
@@ -177,7 +178,7 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
             if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
                 yielded.append(chunk.stop_token)
                 yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
-                               from_draft=pipe.stats.from_draft[-1], generation_tokens=chunk.generation_tokens,
+                               from_draft=chunk.stop_from_draft, generation_tokens=chunk.generation_tokens,
                                finish_reason="stop", stats=stats, **common)
     finally:  # (also when the caller stops early: the cache keeps what was yielded, as mlx-lm's does)
         chunks.close()  # the engine hands the prompt cache back, holding every committed token

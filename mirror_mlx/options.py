@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
 MODES = ("mirror", "sd", "ar")  # what the engine runs
-CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune)
+CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune.policy)
 PAPER_KNOBS = dict(kappa=8, gamma=7)  # κ, γ of an explicit mode when not given (auto: the tuned ones)
+DRAFT_TIMEOUT_S = 60.0  # a draft (host) that answers no request in this long is dropped, visibly
 
 
 def default_exit_layer(n_layers: int) -> int:
@@ -34,21 +35,17 @@ class DecodeOptions:
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop_tokens: Sequence[int] = ()
-    draft_timeout: float = 60.0  # seconds; a draft slower than this is dropped (visible switch to ar)
+    draft_timeout: float = DRAFT_TIMEOUT_S  # seconds; a draft slower than this is dropped (visible switch to ar)
     sampler: Optional[Callable[[Any], Any]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
-    tuned: bool = False  # set by the Pipeline: the mode and knobs came from mode="auto"
-    # set by the Pipeline for auto's speculative choice (tune.leave_draft): given this generation's
-    # [accepted, rejections, reuses, fallbacks] after a step, why to go on with the target alone, or None
-    leave_draft: Optional[Callable[[list], Optional[str]]] = None
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property
     def sampling(self) -> Optional[tuple]:
         """The settings the target's processed distribution depends on, as a key: auto adapts to the
-        acceptance seen at each (mirror_mlx.tune.adapt). None for a custom sampler or logits processors,
+        acceptance seen at each (mirror_mlx.tune.policy.adapt). None for a custom sampler or logits processors,
         which auto cannot tell apart."""
         if self.sampler is not None or self.logits_processors:
             return None
@@ -58,4 +55,4 @@ class DecodeOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
-CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "tuned", "leave_draft"))  # set by the Pipeline
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why"))  # set by the Pipeline

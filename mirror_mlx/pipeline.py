@@ -1,27 +1,36 @@
-"""The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`."""
+"""The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`.
+
+One way in: each call's text becomes ids here (mirror_mlx.text), its prompt and options are checked
+once (`prepare`), mode auto is resolved (mirror_mlx.tune.policy), and the engine, which trusts what it
+is given, yields a `Step` per step that becomes a `Chunk` of text.
+"""
 
 import asyncio
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_tokenizer
 
-from . import demo_pair, validate
+from . import demo_pair, text, validate
 from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
 from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
-from .engine import Engine, Stats
-from .loading import check_same_tokenizer, load_model, resolve_model  # noqa: F401  (resolve_model: API)
+from .engine import Engine
+from .stats import Stats, Step
+from .loading import check_same_tokenizer, load_model, resolve_model
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
+from .text import Conversation, Message
+from .tune.policy import AutoRun, AutoState, resolve
 
 Prompt = Union[str, Sequence[int]]
+NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
 
 
 @dataclass
@@ -32,6 +41,7 @@ class Result:
     tokens: list[int]
     stats: Stats
     finish_reason: str = "length"  # "stop" when an end-of-sequence token ended it
+    from_draft: list[bool] = field(default_factory=list)  # per token: the draft proposed it (see Chunk)
 
 
 @dataclass
@@ -54,52 +64,46 @@ class Chunk:
     generation_tps: float = 0.0
     peak_memory: float = 0.0  # GB, so far
     token_texts: list[str] = field(default_factory=list, repr=False)  # the text each token completed
+    stop_from_draft: bool = False  # the end-of-sequence token (if any) was the draft's proposal
 
     def __str__(self) -> str:
         return self.text
 
 
-def chunks(steps: Iterator[list[int]], opts: DecodeOptions, tokenizer: Any,
-           stats: Callable[[], Stats]) -> Iterator[Chunk]:
-    """Engine steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its finish_reason."""
-    detok = tokenizer.detokenizer
-    detok.reset()
-    produced = 0
-    for new in steps:
-        produced += len(new)
-        s = stats()
-        stop = next((t for t in new if t in opts.stop_tokens), None)
-        shown = [(t, d) for t, d in zip(new, s.from_draft[produced - len(new) : produced]) if t != stop]
+class Detokenizer:
+    """One generation's steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its
+    finish_reason."""
+
+    def __init__(self, tokenizer: Any, opts: DecodeOptions):
+        self.detok, self.opts, self.produced = tokenizer.detokenizer, opts, 0
+        self.detok.reset()
+
+    def chunk(self, step: Step) -> Chunk:
+        new, s, detok = step.tokens, step.stats, self.detok
+        self.produced += len(new)
+        stop = next((t for t in new if t in self.opts.stop_tokens), None)
+        shown = [(t, d) for t, d in zip(new, step.from_draft) if t != stop]
         texts = []
         for t, _ in shown:
             detok.add_token(t)
             texts.append(detok.last_segment)
-        finish = "stop" if stop is not None else "length" if produced >= opts.max_tokens else None
+        finish = "stop" if stop is not None else "length" if self.produced >= self.opts.max_tokens else None
         tail = ""
         if finish is not None:
             detok.finalize()
             tail = detok.last_segment
             if texts:
                 texts[-1], tail = texts[-1] + tail, ""
-        yield Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
-                    s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0, produced,
-                    produced / s.decode_seconds if s.decode_seconds else 0.0, mx.get_peak_memory() / 1e9, texts)
+        return Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
+                     s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
+                     self.produced, self.produced / s.decode_seconds if s.decode_seconds else 0.0,
+                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False)
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Text as is (no template), as mlx-lm's stream_generate encodes it: a BOS unless the text has one."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
-
-
-def template_opening(tokenizer: Any, **template_kwargs: Any) -> str:
-    """What the chat template puts before a user message's content ("" without a template)."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        return ""
-    marker = "\x00mirror-mlx\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                         tokenize=False, **template_kwargs)
-    return text[: text.index(marker)] if marker in text else ""
+def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
+    """One generation's chunks as a Result."""
+    return Result("".join(c.text for c in parts), [t for c in parts for t in c.tokens], stats, finish_reason,
+                  [d for c in parts for d in c.from_draft])
 
 
 def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
@@ -136,17 +140,31 @@ class Pipeline:
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter)
-        self.conversation: Any = None  # chat.Conversation: the turns the caches hold (chat.py keeps it)
-        self.told_plain = False  # chat.py warned once that the tokenizer has no chat template
-        self._lock = threading.Lock()  # one generation at a time (see the class docstring)
+        self._auto: Optional[AutoState] = None
+        self.conversation = Conversation()  # the turns the caches hold (`chat`)
+        self.stats = Stats()  # the last generation's
+        self.lock = threading.Lock()  # one generation at a time (see the class docstring); tune holds it too
         self._owner: Optional[int] = None  # the thread that holds it
         self._closed = False
+        self._told_plain = False  # `chat` warned once that the tokenizer has no chat template
+
+    @property
+    def auto(self) -> AutoState:
+        """Mode auto's profile and what its runs have seen (mirror_mlx.tune.policy), made on first use."""
+        if self._auto is None:
+            self._auto = AutoState()
+        return self._auto
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The target's context in tokens (None when its config does not say)."""
+        return self.engine.context_length
 
     @contextmanager
     def _turn(self) -> Iterator[None]:
         """Hold the pipeline for one whole generation."""
         self._check_not_iterating()
-        with self._lock:
+        with self.lock:
             self._check_open()
             self._owner = threading.get_ident()
             try:
@@ -163,47 +181,25 @@ class Pipeline:
         if self._closed:
             raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
-    @property
-    def stats(self) -> Stats:
-        """Stats of the last generation."""
-        return self.engine.stats
-
     def encode(self, prompt: Prompt) -> list[int]:
-        """Ids pass as is. Text goes through the chat template as one user message when the tokenizer has
-        one, unless the text already starts with the template's own opening (templated by the caller,
-        as mlx-lm's README does): then it is encoded as is, never templated twice."""
+        """Ids pass as is; text as `text.api_prompt` (through the chat template unless already templated)."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        if not getattr(self.tokenizer, "has_chat_template", False):
-            return encode(self.tokenizer, prompt)
-        opening = template_opening(self.tokenizer, **self.chat_template_kwargs)
-        if opening and prompt.startswith(opening):  # the caller templated it already
-            return encode(self.tokenizer, prompt)
-        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                       add_generation_prompt=True, **self.chat_template_kwargs))
+        return text.api_prompt(self.tokenizer, prompt, self.chat_template_kwargs)
 
     def options(self, stop: bool = True, **kwargs: Any) -> DecodeOptions:
         """`DecodeOptions` from keywords (its fields and defaults are the options); `stop` ends the
         generation at the tokenizer's end-of-sequence tokens. mode="auto" stays auto here: `prepare`
-        resolves it (`resolve`)."""
+        resolves it."""
         allowed = list(CALLER_OPTIONS) + ["stop"]
         unknown = sorted(set(kwargs) - set(allowed))
         if unknown:
             raise TypeError(f"unknown option {unknown[0]!r}: the options are {', '.join(allowed)}")
         return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
-    def resolve(self, opts: DecodeOptions) -> DecodeOptions:
-        """A concrete mode and knobs: mode="auto" becomes the tuned ones (mirror_mlx.tune.resolve; the first
-        call without a profile runs a bounded quick calibration); explicit ones win."""
-        from .tune import resolve
-
-        c = resolve(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling)
-        return replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
-                       tuned=opts.mode == "auto", leave_draft=c.leave_draft)
-
     def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
-        """What `check` validates before auto is resolved: auto as mirror (ar without a draft), the knobs
-        not given as the paper's. Bad input is refused before any calibration starts."""
+        """What is checked before auto is resolved: auto as mirror (ar without a draft), the knobs not
+        given as the paper's. Bad input is refused before any calibration starts."""
         mode = opts.mode
         if mode == "auto":
             mode = "mirror" if self.draft is not None else "ar"
@@ -211,12 +207,13 @@ class Pipeline:
                        gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
 
     def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> None:
-        """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve."""
+        """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve
+        (say, a server's or a chat's defaults, before the first request)."""
         self._check_open()
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
         self.engine.check(self._with_cache(tokens, prompt_cache), self._stand_in(opts), prompt_cache)
 
-    def _with_cache(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache]) -> list[int]:
+    def _with_cache(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache]) -> Sequence[int]:
         """The ids the engine runs: after a loaded prompt cache, its prefix's ids (when known) first."""
         if prompt_cache is None:
             return tokens
@@ -230,8 +227,9 @@ class Pipeline:
         return replace(opts, mode="ar", why="auto: ar, as the prompt cache holds no token ids for the draft")
 
     def prepare(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,
-                **kwargs: Any) -> tuple[list[int], DecodeOptions]:
-        """The checked prompt ids and options of one call; refuses bad input before any work starts.
+                **kwargs: Any) -> tuple[list[int], DecodeOptions, Optional[AutoRun]]:
+        """The call's prompt ids and options, checked once (before any work starts), mode auto resolved
+        (with its watch over the generation, else None).
 
         Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
         With a `prompt_cache` (prompt_cache.read), the prompt is what follows the cached prefix: text is
@@ -239,16 +237,19 @@ class Pipeline:
         """
         self._check_open()
         if isinstance(prompt, str):
-            text, replaced = validate.clean_text(prompt)
+            clean, replaced = validate.clean_text(prompt)
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
-            prompt = (self.encode(text) if prompt_cache is None
-                      else self.tokenizer.encode(text, add_special_tokens=False))
+            prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
-        prompt, _ = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
-        if opts.mode == "auto":
-            self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
-        return self.engine.check(prompt, self.resolve(opts), prompt_cache)
+        ids, checked = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
+        if opts.mode != "auto":
+            return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
+        self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
+        given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
+                        gamma=None if opts.gamma is None else checked.gamma)
+        resolved, run = resolve(self, given)  # the tuned knobs come from this pair's own runs: trusted
+        return ids, resolved, run
 
     def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
@@ -257,21 +258,24 @@ class Pipeline:
         is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
         that the prompt follows, as mlx_lm.generate --prompt-cache-file.
         """
-        tokens, opts = self.prepare(prompt, prompt_cache, **kwargs)
+        tokens, opts, run = self.prepare(prompt, prompt_cache, **kwargs)
+        return self._chunks(tokens, opts, run, prompt_cache, hold=True)
 
-        def held() -> Iterator[Chunk]:
-            with self._turn():
-                yield from self._chunks(tokens, opts, prompt_cache)
-
-        return held()
-
-    def _chunks(self, tokens: list[int], opts: DecodeOptions,
-                prompt_cache: Optional[PromptCache] = None) -> Iterator[Chunk]:
-        steps = self.engine.generate(tokens, opts, prompt_cache)
-        try:
-            yield from chunks(steps, opts, self.tokenizer, lambda: self.engine.stats)
-        finally:
-            steps.close()
+    def _chunks(self, tokens: list[int], opts: DecodeOptions, run: Optional[AutoRun],
+                prompt_cache: Optional[PromptCache] = None, hold: bool = False) -> Iterator[Chunk]:
+        """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
+        the caller holds it). `stats` is this generation's from its first step on."""
+        with self._turn() if hold else nullcontext():
+            steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
+            detok = Detokenizer(self.tokenizer, opts)
+            try:
+                for step in steps:
+                    self.stats = step.stats
+                    yield detok.chunk(step)
+            finally:
+                steps.close()
+                if run is not None:
+                    run.done(self.stats)
 
     async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
         """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
@@ -286,35 +290,70 @@ class Pipeline:
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
         exit_layer, mode, ...) with its defaults, plus `stop`; `prompt_cache` as for `stream`.
         """
-        tokens, opts = self.prepare(prompt, prompt_cache, **options)
+        tokens, opts, run = self.prepare(prompt, prompt_cache, **options)
         with self._turn():
-            parts = list(self._chunks(tokens, opts, prompt_cache))
-            stats = self.engine.stats
-        tokens = [t for c in parts for t in c.tokens]
-        return Result("".join(c.text for c in parts), tokens, stats, parts[-1].finish_reason if parts else "length")
+            parts = list(self._chunks(tokens, opts, run, prompt_cache))
+            stats = self.stats
+        return result(parts, stats, parts[-1].finish_reason if parts else "length")
 
-    def chat(self, messages: Sequence[dict], **kwargs: Any) -> Result:
+    # --- chat -------------------------------------------------------------------------------------
+
+    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The ids `chat` runs for `messages` plus the assistant's turn (text.conversation): the earlier
+        turns keep the ids the caches hold."""
+        return text.conversation(self.tokenizer, self.conversation, messages, self.chat_template_kwargs)
+
+    def chat_stream(self, messages: Sequence[Message], *, ids: Optional[list[int]] = None,
+                    **kwargs: Any) -> Iterator[Chunk]:
+        """`chat`, yielding text as tokens are committed; stopping early keeps what was committed.
+        Bad input raises here, at the call, and leaves the conversation as it was. `ids`: what
+        `chat_ids(messages)` returned, when the caller needed them first (a server's context check)."""
+        self._check_open()
+        messages = [text.clean_message(m) for m in messages]
+        if not messages:
+            raise ValueError("the conversation is empty: give at least one message")
+        tokens, opts, run = self.prepare(self.chat_ids(messages) if ids is None else ids, **kwargs)
+        return self._reply(messages, tokens, opts, run)
+
+    def _reply(self, messages: list[Message], tokens: list[int], opts: DecodeOptions,
+               run: Optional[AutoRun]) -> Iterator[Chunk]:
+        committed: list[int] = []
+        said: list[str] = []
+        stop: Optional[int] = None
+        with self._turn():  # the pipeline is held for the whole reply
+            try:
+                for chunk in self._chunks(tokens, opts, run):
+                    committed += chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
+                    stop = chunk.stop_token
+                    said.append(chunk.text)
+                    yield chunk
+            finally:  # whatever was committed is remembered, also when the caller stops early (Ctrl-C)
+                reply = {"role": "assistant", "content": "".join(said)}
+                self.conversation = Conversation(messages + [reply], tokens + committed, stop)
+
+    def chat(self, messages: Sequence[Message], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
 
         Call again with the reply and the next user turn appended: the earlier turns keep their token
         ids, so the caches hold them and only the new turn is prefilled. Options as for `generate`.
         """
-        from .chat import chat
+        if not text.has_chat_template(self.tokenizer) and not self._told_plain:
+            self._told_plain = True
+            warnings.warn(NO_TEMPLATE, stacklevel=2)
+        parts = list(self.chat_stream(messages, **kwargs))
+        return result(parts, self.stats, "stop" if self.conversation.stop_token is not None else "length")
 
-        return chat(self, messages, **kwargs)
-
-    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[Chunk]:
-        """`chat`, yielding text as tokens are committed; stopping early keeps what was committed."""
-        from .chat import stream_reply
-
-        return stream_reply(self, messages, **kwargs)
+    def reset(self) -> None:
+        """Forget the conversation and clear both caches (the next turn prefills from scratch)."""
+        self.conversation = Conversation()
+        self.engine.reset()
 
     def close(self) -> None:
         """Stop the workers (waits for a generation in flight in another thread); idempotent."""
         if self._owner == threading.get_ident():
             raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
                              "before closing the Pipeline")
-        with self._lock:
+        with self.lock:
             if not self._closed:
                 self._closed = True
                 self.engine.close()

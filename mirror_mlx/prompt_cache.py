@@ -102,15 +102,6 @@ def read(path: str) -> PromptCache:
     return found
 
 
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """The prefix as mlx_lm.cache_prompt encodes it: an open user message of the chat template (the
-    generate prompt continues it), else the plain text."""
-    if tokenizer.has_chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=False,
-                                                  continue_final_message=True))
-    return list(tokenizer.encode(prompt))
-
-
 def write(path: str, model: Any, ids: Sequence[int], metadata: dict) -> PromptCache:
     """Run `ids` through the target as mlx_lm.cache_prompt does and save the cache with the ids."""
     from mlx_lm.generate import generate_step

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from .corpus import CORPUS, load_split, opening  # noqa: F401  (opening: the one parse, re-exported)
+from .corpus import CORPUS, load_split
 
 DATA = CORPUS.parent
 SETS = {"tinystories": CORPUS.name, "spec_bench": "spec_bench_question.jsonl",

@@ -25,7 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from .engine import Stats
+from . import text
+from .stats import Stats
 from .options import CHOICES
 from .pipeline import Pipeline
 
@@ -218,20 +219,18 @@ class Generation:
 
     def start(self) -> None:
         """Tokenize and check (ValueError → 400) before anything is sent."""
-        from .chat import prompt_ids
-
         pipe, req = self.pipe, self.req
         if req.messages is not None:
             try:
-                ids = prompt_ids(pipe, req.messages)
+                ids = pipe.chat_ids(req.messages)
             except ValueError as e:  # the chat template refused the conversation
                 raise APIError(400, str(e), "messages") from None
         elif isinstance(req.prompt, str):
-            ids = list(pipe.tokenizer.encode(req.prompt))
+            ids = text.plain(pipe.tokenizer, req.prompt)
         else:
             ids = list(req.prompt)
         self.prompt_tokens = len(ids)
-        context = pipe.engine.context_length
+        context = pipe.context_length
         param = "messages" if req.messages is not None else "prompt"
         if context and len(ids) >= context:
             raise APIError(400, f"the prompt is {len(ids)} tokens but the model's context is {context} tokens: "
@@ -242,9 +241,8 @@ class Generation:
         kwargs = dict(req.options, max_tokens=max_tokens)
         try:
             if req.messages is not None:
-                self._chunks = pipe.chat_stream(req.messages, **kwargs)
+                self._chunks = pipe.chat_stream(req.messages, ids=ids, **kwargs)
             else:
-                pipe.check(ids, **kwargs)
                 self._chunks = pipe.stream(ids, **kwargs)
         except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
             message = str(e)
@@ -556,9 +554,7 @@ class Handler(BaseHTTPRequestHandler):
         s.note(f"request failed inside the engine: {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}")
         gen.close()
         try:
-            from .chat import reset
-
-            reset(s.pipe)
+            s.pipe.reset()
         except Exception as e2:  # the next request will show it too; the server stays up
             s.note(f"could not clear the caches after the failure: {e2!r}")
         line = " ".join(f"{type(e).__name__}: {e}".split())

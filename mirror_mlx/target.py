@@ -132,7 +132,7 @@ def top_k(logits: mx.array, k: int, exclude: Optional[list[int]] = None) -> tupl
     """Top-k ids and log-probs of each row of `logits` (T, V), sorted by probability.
 
     `exclude[r]` (or -1) is a token that row r must not propose: for window rows r < γ the
-    correction can never be the draft token it rejected (DESIGN §3 step 2, the excluded-token rule).
+    correction can never be the draft token it rejected (docs/design.md §3 step 2, the excluded-token rule).
     """
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

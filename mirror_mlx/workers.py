@@ -2,7 +2,7 @@
 
 MLX streams and lazy graphs are thread-affine: each worker builds *and* evaluates its graphs on
 its own OS thread, and only Python values or evaluated arrays leave it. (Two such threads do not
-compute at the same time inside one process, DESIGN §4: the draft runs in its own process.)
+compute at the same time inside one process, docs/design.md §4: the draft runs in its own process.)
 """
 
 import asyncio
@@ -47,11 +47,15 @@ class Worker:
         _live.add(self)
 
     def submit(self, fn: Callable, *args: Any) -> Future:
-        def job():
-            with mx.stream(self.stream):
-                return fn(*args)
+        return self._pool.submit(self._job, fn, args, False)
 
-        return self._pool.submit(job)
+    def _job(self, fn: Callable, args: tuple, timed: bool) -> Any:
+        with mx.stream(self.stream):
+            if not timed:
+                return fn(*args)
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, t0, time.perf_counter()
 
     def call(self, fn: Callable, *args: Any) -> Any:
         """Run `fn(*args)` on the worker thread and wait for it."""
@@ -59,13 +63,7 @@ class Worker:
 
     async def run(self, fn: Callable, *args: Any) -> tuple[Any, float, float]:
         """Await `fn(*args)` on the worker; returns (result, start, end) perf_counter timestamps."""
-
-        def timed():
-            t0 = time.perf_counter()
-            out = fn(*args)
-            return out, t0, time.perf_counter()
-
-        return await asyncio.wrap_future(self.submit(timed))
+        return await asyncio.wrap_future(self._pool.submit(self._job, fn, args, True))
 
     def close(self, join_timeout: float = 10.0) -> None:
         """Stop the thread; wait up to `join_timeout` s for a job still running (a stalled draft)."""

@@ -9,9 +9,9 @@ the bench's TinyStories openings (the first ten held-out), tune's calibration op
 
 import random
 
-from mirror_mlx import tune
+from mirror_mlx.tune import calibrate
 from mirror_mlx.corpus import load_split
-from mirror_mlx.cost_model import Acceptance
+from mirror_mlx.tune.cost_model import Acceptance
 from mirror_mlx.pipeline import load
 
 GAMMAS = (1, 2, 3, 5, 7)
@@ -21,8 +21,8 @@ def main() -> None:
     pipe = load()
     try:
         prompts = [pipe.encode(t) for t in load_split().held_out]
-        traces = [tune.trace(pipe, p, 48, [], max(GAMMAS))[0] for p in prompts]
-        calibration = [prompts.index(p) for p in tune.calibration_prompts(pipe, tune.TuneConfig().prompts)]
+        traces = [calibrate.trace(pipe, p, 48, [], max(GAMMAS))[0] for p in prompts]
+        calibration = [prompts.index(p) for p in calibrate.calibration_prompts(pipe, calibrate.TuneConfig().prompts)]
     finally:
         pipe.close()
 

@@ -1,4 +1,4 @@
-"""Replay auto's within-generation rule (`tune.leave_draft`) at other settings, without timing noise.
+"""Replay auto's within-generation rule (`tune.policy.leave_draft`) at other settings, without timing noise.
 
 At temperature 0 a generation's counts after each step (accepted, rejections, reuses, fallbacks) are
 fixed by the text, so where a rule leaves the draft is too. This runs auto greedily on a bench prompt
@@ -19,9 +19,9 @@ SETTINGS = [(8, 4, 16), (4, 2, 12), (16, 8, 16), (8, 4, 24), (16, 8, 24), (32, 8
 
 def record(pipe, prompts, max_tokens: int) -> list[dict]:
     """Per prompt: auto's configuration and its counts after each step (a recorder in place of the rule)."""
-    from mirror_mlx import tune
+    from mirror_mlx.tune import policy
 
-    real, runs = tune.leave_draft, []
+    real, runs = policy.leave_draft, []
 
     def recorder(prof, c):
         if real(prof, c) is None:
@@ -29,7 +29,7 @@ def record(pipe, prompts, max_tokens: int) -> list[dict]:
         runs.append({"config": (c.mode, c.kappa, c.gamma, c.exit_layer), "counts": []})
         return lambda counts: runs[-1]["counts"].append(list(counts))  # (returns None: never leaves)
 
-    tune.leave_draft = recorder
+    policy.leave_draft = recorder
     try:
         out = []
         for p in prompts:
@@ -38,7 +38,7 @@ def record(pipe, prompts, max_tokens: int) -> list[dict]:
             out.append(dict(runs[-1], category=p.category, steps=steps) if len(runs) > before else None)
         return out
     finally:
-        tune.leave_draft = real
+        policy.leave_draft = real
 
 
 def main() -> None:
@@ -52,31 +52,31 @@ def main() -> None:
     ap.add_argument("--step-ms", default=None, help='JSON {category: [choice ms/step, ar ms/step]} from a bench run')
     args = ap.parse_args()
 
-    from mirror_mlx import tune
-    from mirror_mlx.bench import BenchConfig, select_prompts
+    from mirror_mlx.bench.run import BenchConfig, select_prompts
+    from mirror_mlx.tune import choose, policy
     from mirror_mlx.pipeline import load
 
     pipe = load(args.model, args.draft_model, exit_adapter=args.exit_adapter)
     try:
-        prof = tune.profile_for(pipe)
+        prof = policy.profile_for(pipe)
         prompts = select_prompts(BenchConfig(prompts=args.prompts, limit=args.limit, max_tokens=args.max_tokens), pipe)
         runs = record(pipe, prompts, args.max_tokens)
     finally:
         pipe.close()
-    table = {tune.describe(tune.row_config(r)): r["measured_step_ms"] for r in prof.table if r.get("measured_step_ms")}
+    table = {choose.describe(choose.row_config(r)): r["measured_step_ms"] for r in prof.table if r.get("measured_step_ms")}
     given = json.loads(args.step_ms) if args.step_ms else {}
     print(f"{sum(r is not None for r in runs)} of {len(runs)} prompts ran a speculative choice; "
           "modelled time against the choice without leaving (>1: faster)")
     print("| prior tokens, prior steps, min judged | against never leaving | against ar | left (prompt@step: its ratio) |")
     print("|---|---:|---:|---|")
     for setting in SETTINGS:
-        tune.WITHIN_PRIOR_TOKENS, tune.WITHIN_PRIOR_STEPS, tune.WITHIN_MIN_JUDGED = setting
+        policy.WITHIN_PRIOR_TOKENS, policy.WITHIN_PRIOR_STEPS, policy.WITHIN_MIN_JUDGED = setting
         total = stay = plain = 0.0
         left = []
         for r in filter(None, runs):
-            c = tune.Choice(*r["config"])
-            m, a = given.get(r["category"], (table[tune.describe(c)], table["ar"]))
-            test, t = tune.leave_draft(prof, c), r["steps"] * m  # (the last step is not asked: nothing after it)
+            c = choose.Choice(*r["config"])
+            m, a = given.get(r["category"], (table[choose.describe(c)], table["ar"]))
+            test, t = policy.leave_draft(prof, c), r["steps"] * m  # (the last step is not asked: nothing after it)
             for k, counts in enumerate(r["counts"], 1):
                 if test(counts):  # k steps of the choice committed counts[0] + k tokens; ar does the rest
                     t_left = k * m + (args.max_tokens - counts[0] - k) * a

@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--windows", default="2,10,45", help="window lengths in seconds")
     args = ap.parse_args()
 
-    from mirror_mlx.baselines import run_ar
+    from mirror_mlx.bench.baselines import run_ar
     from mirror_mlx.corpus import load_split
     from mirror_mlx.pipeline import load
 

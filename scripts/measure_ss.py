@@ -19,7 +19,7 @@ from mlx_lm import load as mlx_load
 from mirror_mlx.ane_draft.ss_draft import SSDraft
 from mirror_mlx.demo_pair import DRAFT, SS_DRAFT, TARGET
 from mirror_mlx.draft import MLXDraft
-from mirror_mlx.engine import Stats
+from mirror_mlx.stats import Stats
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import load_prompts
 

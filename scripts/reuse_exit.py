@@ -14,7 +14,7 @@ import time
 import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mirror_mlx.corpus import load_split
 from mirror_mlx.demo_pair import EXIT_ADAPTER as ADAPTER
-from mirror_mlx.engine import Stats
+from mirror_mlx.stats import Stats
 from mirror_mlx.pipeline import load
 
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 import mirror_mlx  # noqa: F401  (OpenBLAS before mlx)
-from mirror_mlx.engine import row_sampler
+from mirror_mlx.sampling import row_sampler
 
 
 def per_call_ms(sample, logprobs, iters: int) -> float:

@@ -1,6 +1,6 @@
 """Check `tune` against an exhaustive sweep of its own grid (auto within 5 % of the best, top-5 predictions within 15 %).
 
-1. `tune.calibrate` on the calibration prompts (the last n held-out openings): its choice and predictions.
+1. `calibrate.calibrate` on the calibration prompts (the last n held-out openings): its choice and predictions.
 2. Every configuration of the same grid measured end to end on *other* held-out openings (the first n).
 3. Report: auto's choice against the best swept configuration (ratio), auto against the best of
    ar / sd / mirror, and the prediction error of the top 5 predicted configurations; load average.
@@ -48,37 +48,37 @@ def main() -> None:
                     "`tune --pin` run (set OPENBLAS_NUM_THREADS=1 too)")
     args = ap.parse_args()
 
-    from mirror_mlx import tune
+    from mirror_mlx.tune import calibrate, report
     from mirror_mlx.corpus import load_split
-    from mirror_mlx.cost_model import Config, grid
+    from mirror_mlx.tune.cost_model import Config, grid
     from mirror_mlx.pipeline import load
 
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
-    cfg = tune.TuneConfig(prompts=args.prompts, max_tokens=args.max_tokens, kappas=ints(args.kappas),
+    cfg = calibrate.TuneConfig(prompts=args.prompts, max_tokens=args.max_tokens, kappas=ints(args.kappas),
                           gammas=ints(args.gammas))
     if args.min_seconds is not None:
         cfg.min_seconds = args.min_seconds
     sweep_s = cfg.min_seconds if args.sweep_seconds is None else args.sweep_seconds
     pipe = load(args.model, args.draft_model, exit_adapter=args.exit_adapter)
     if args.pin:
-        from mirror_mlx.bench_machine import pin_threads
+        from mirror_mlx.bench.machine import pin_threads
 
         print(f"pinning: {pin_threads(pipe)}", flush=True)
     load0 = Path("/proc/loadavg").read_text().split()[0]
-    configs = grid(cfg.kappas, cfg.gammas, tune.exit_layer_candidates(pipe, cfg))  # the table's rows
+    configs = grid(cfg.kappas, cfg.gammas, calibrate.exit_layer_candidates(pipe, cfg))  # the table's rows
     sweep_prompts = [pipe.encode(t) for t in load_split().held_out[: args.sweep_prompts]]
     half = len(sweep_prompts) // 2
     # The sweep runs half its prompts before the calibration and half after: the machine's speed drifts
     # over the half hour (10-20 % here), and a calibration at the sweep's midpoint cancels a steady drift.
     print(f"sweeping {len(configs)} configurations on {half} prompts, interleaved prompt by prompt", flush=True)
     ticks = [cpu_ticks()]
-    before = tune.run_configs(pipe, configs, sweep_prompts[:half], args.max_tokens, min_seconds=sweep_s)
+    before = calibrate.run_configs(pipe, configs, sweep_prompts[:half], args.max_tokens, min_seconds=sweep_s)
     ticks.append(cpu_ticks())
     t0 = time.perf_counter()
-    prof = tune.calibrate(pipe, cfg)
+    prof = calibrate.calibrate(pipe, cfg)
     tune_s = time.perf_counter() - t0
     ticks.append(cpu_ticks())
-    print(tune.format_table(prof), flush=True)
+    print(report.format_table(prof), flush=True)
     timings = prof.calibration["timings"]
     for name in ("verify", "window", "overhead"):
         print(f"{name}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if not isinstance(v, dict) else
@@ -88,7 +88,7 @@ def main() -> None:
           + ")", flush=True)
     print(f"sweeping on {len(sweep_prompts) - half} more prompts", flush=True)
     rows = prof.table
-    after = tune.run_configs(pipe, configs, sweep_prompts[half:], args.max_tokens, warm_up=False,
+    after = calibrate.run_configs(pipe, configs, sweep_prompts[half:], args.max_tokens, warm_up=False,
                              min_seconds=sweep_s, sums={c: r["sums"] for c, r in before.items()})
     ticks.append(cpu_ticks())
     swept = {c: m["tokens_per_second"] for c, m in after.items()}

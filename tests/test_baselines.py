@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from mirror_mlx.baselines import best_mlx_sd, run_ar, run_mlx_sd
+from mirror_mlx.bench.baselines import best_mlx_sd, run_ar, run_mlx_sd
 from models import DRAFT_PATH, TARGET_PATH
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "Tom and his dog went to the park"]

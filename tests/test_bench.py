@@ -8,12 +8,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import mirror_mlx.bench as bench_mod
+import mirror_mlx.bench.run as bench_mod
 from mirror_mlx.cli import main
-from mirror_mlx.bench_grid import layer_value, parse_modes, parse_sweep
-from mirror_mlx.bench_summary import Sample, summarize, table
-from mirror_mlx.bench_report import redraw
-from mirror_mlx.engine import Stats
+from mirror_mlx.bench.grid import layer_value, parse_modes, parse_sweep
+from mirror_mlx.bench.summary import Sample, summarize, table
+from mirror_mlx.stats import Stats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMOKE = ["bench", "--prompts", "tinystories", "--limit", "2", "--max-tokens", "16", "--modes", "mirror,sd,mlx_sd,ar"]
@@ -55,9 +54,6 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
     md = (out / "results.md").read_text()
     assert "| mirror |" in md and "| mlx_sd (k=" in md and "Latency per step" in md
-    (out / "results.md").unlink()
-    redraw(out / "results.json")  # the saved samples alone give the same summary and files
-    assert read(out)["summary"] == rep["summary"] and (out / "results.md").read_text() == md
 
 
 def test_a_wrong_token_fails_the_run_and_names_the_prompt(tmp_path, monkeypatch):

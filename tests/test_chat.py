@@ -17,10 +17,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mirror_mlx import chat as chat_mod
-from mirror_mlx.chat import prompt_ids, run_chat, state
-from mirror_mlx.engine import DecodeOptions, Stats
-from mirror_mlx.pipeline import load
+from mirror_mlx.cli import chat as chat_mod
+from mirror_mlx.cli.chat import run_chat
+from mirror_mlx.stats import Stats
+from mirror_mlx.options import DecodeOptions
+from mirror_mlx.pipeline import Pipeline, load
 from tests.models import templated_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,14 +51,14 @@ def target_alone(pipe, prompt, n):
 
 def converse(pipe, mode, turns=TURNS):
     """A conversation through `Pipeline.chat`: (prompt ids, reply ids incl. stop, stats) per turn."""
-    chat_mod.reset(pipe)
+    pipe.reset()
     messages, log = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the demo target has no chat template
         for text in turns:
             messages.append({"role": "user", "content": text})
             result = pipe.chat(messages, mode=mode, **SHORT)
-            ids = state(pipe).tokens
+            ids = pipe.conversation.tokens
             log.append((ids[: result.stats.prompt_tokens], ids[result.stats.prompt_tokens :], result.stats))
             messages.append({"role": "assistant", "content": result.text})
     return log
@@ -81,13 +82,15 @@ def test_turns_reuse_the_cache_and_stay_lossless(pipe, mode):
 
 
 def test_plain_continuation_is_said_once(pipe):
-    chat_mod.reset(pipe)
-    pipe.told_plain = False
-    with pytest.warns(UserWarning, match="no chat template"):
-        pipe.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pipe.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
+    plain = Pipeline(pipe.model, pipe.tokenizer)  # a fresh pipeline: it has said nothing yet
+    try:
+        with pytest.warns(UserWarning, match="no chat template"):
+            plain.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plain.chat([{"role": "user", "content": "Hi"}], max_tokens=2, mode="ar")
+    finally:
+        plain.close()
 
 
 def test_chat_template_keeps_the_reply_ids_as_prefix(tmp_path):
@@ -97,24 +100,24 @@ def test_chat_template_keeps_the_reply_ids_as_prefix(tmp_path):
     try:
         messages = [{"role": "user", "content": "Tell me a story"}]
         first = p.chat(messages, max_tokens=12, mode="ar")
-        before = list(state(p).tokens)
+        before = list(p.conversation.tokens)
         assert before[: first.stats.prompt_tokens] == p.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More"}]
-        ids = prompt_ids(p, messages)
+        ids = p.chat_ids(messages)
         closing = "" if first.finish_reason == "stop" else "</s>"  # a reply cut short gets the template's end
         tail = p.tokenizer.encode(closing + "\nuser: More\nassistant: ", add_special_tokens=False)
         assert ids == before + tail
         second = p.chat(messages, max_tokens=12, mode="ar")
         assert second.stats.prefill_tokens == len(tail)
-        assert state(p).tokens[len(ids) :] == target_alone(p, ids, 12)
+        assert p.conversation.tokens[len(ids) :] == target_alone(p, ids, 12)
         # a reply that ended on </s>: the next turn's ids follow it as if encoded in one piece
-        conv = state(p)
+        conv = p.conversation
         conv.tokens, conv.stop_token = conv.tokens + [2], 2
         messages = conv.messages + [{"role": "user", "content": "Again"}]
         one_piece = p.tokenizer.encode("</s>\nuser: Again\nassistant: ", add_special_tokens=False)
         alone = p.tokenizer.encode("\nuser: Again\nassistant: ", add_special_tokens=False)
         assert one_piece[0] == 2 and one_piece[1:] != alone  # alone, SentencePiece adds a leading "▁"
-        assert prompt_ids(p, messages) == conv.tokens + one_piece[1:]
+        assert p.chat_ids(messages) == conv.tokens + one_piece[1:]
     finally:
         p.close()
 
@@ -122,7 +125,7 @@ def test_chat_template_keeps_the_reply_ids_as_prefix(tmp_path):
 def run_lines(pipe, lines, **kwargs):
     """The chat loop in process, fed `lines` as a pipe would; returns (exit code, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
-    chat_mod.reset(pipe)
+    pipe.reset()
     code = run_chat(pipe, dict(SHORT, **kwargs), stdin=io.StringIO("".join(f"{x}\n" for x in lines)),
                     out=out, err=err)
     return code, out.getvalue(), err.getvalue()
@@ -146,7 +149,7 @@ def test_commands_and_bad_input(pipe):
 
 def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
     """Ctrl-C (SIGINT) after the second chunk: the reply stops there, the next turn continues after it."""
-    real = chat_mod.stream_reply
+    real = pipe.chat_stream
     calls = []
 
     def interrupted_once(*args, **kwargs):
@@ -164,7 +167,7 @@ def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
 
         return gen()
 
-    monkeypatch.setattr(chat_mod, "stream_reply", interrupted_once)
+    monkeypatch.setattr(pipe, "chat_stream", interrupted_once)
     code, out, err = run_lines(pipe, TURNS[:2], mode="mirror")
     assert code == 0
     kept = int(re.search(r"\[interrupted: kept (\d+) tokens", err).group(1))
@@ -172,7 +175,7 @@ def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
     (_, n1), (p2, n2) = [tuple(map(int, m)) for m in PREFILL.findall(err)]
     new = len(pipe.tokenizer.encode(TURNS[1], add_special_tokens=False))
     assert n2 == n1 + kept + new and 1 <= p2 <= new
-    ids = state(pipe).tokens
+    ids = pipe.conversation.tokens
     assert ids[n2:] == target_alone(pipe, ids[:n2], 16)  # lossless after the interrupt too
 
 
@@ -293,10 +296,10 @@ def test_terminal_ctrl_c_mid_reply_then_ctrl_d():
 def test_a_second_ctrl_c_after_the_reply_stopped_is_spent_on_the_turn(pipe, monkeypatch):
     """A second Ctrl-C that lands while the stopped reply is being closed does not cut the turn short:
     the interruption is noted and the reply is kept in the conversation."""
-    real = chat_mod.stream_reply
+    real = pipe.chat_stream
 
-    def stream(p, messages, **kwargs):
-        chunks = real(p, messages, **kwargs)
+    def stream(messages, **kwargs):
+        chunks = real(messages, **kwargs)
 
         def ctrl_c_twice():
             try:
@@ -310,8 +313,8 @@ def test_a_second_ctrl_c_after_the_reply_stopped_is_spent_on_the_turn(pipe, monk
 
         return ctrl_c_twice()
 
-    monkeypatch.setattr(chat_mod, "stream_reply", stream)
-    chat_mod.reset(pipe)
+    monkeypatch.setattr(pipe, "chat_stream", stream)
+    pipe.reset()
     out, err = io.StringIO(), io.StringIO()
     session = chat_mod.ChatSession(pipe, dict(SHORT, mode="mirror"), out=out, err=err)
     try:

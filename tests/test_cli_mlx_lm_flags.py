@@ -119,10 +119,10 @@ def test_the_template_flags_change_the_prompt(templated):
 
 
 def test_system_prompt_appears_in_the_templated_prompt(templated):
-    from mirror_mlx.cli import prompt_ids
+    from mirror_mlx.text import cli_prompt
 
     _, tokenizer = mlx_load(str(templated))
-    text = tokenizer.decode(prompt_ids(tokenizer, "Tom and Lily", "You tell short stories.", False, {"greeting": "Hi."}))
+    text = tokenizer.decode(cli_prompt(tokenizer, "Tom and Lily", "You tell short stories.", True, {"greeting": "Hi."}))
     assert text.endswith("Hi. system: You tell short stories.\nuser: Tom and Lily\nassistant: ")
 
 

@@ -184,7 +184,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 def test_drop_the_draft_by_timeout_then_exit_20_times(tmp_path):
-    """Issue 17: exit code 0 every time, within 5 s of the last token, no process or segment left.
+    """Exit code 0 every time, within 5 s of the last token, no process or segment left.
 
     The 5 s hold for the exit's own work, which is where it could wait on anything (joining threads,
     closing hosts, every exit handler): the script stamps the time in its last exit handler. What comes
@@ -211,8 +211,8 @@ def test_drop_the_draft_by_timeout_then_exit_20_times(tmp_path):
 
 
 def test_no_runtime_module_imports_the_builders():
-    runtime = ["mirror_mlx.engine", "mirror_mlx.target", "mirror_mlx.draft", "mirror_mlx.ring", "mirror_mlx.workers",
-               "mirror_mlx.pipeline", "mirror_mlx.ane_draft.host", "mirror_mlx.ane_draft.package_host",
+    runtime = ["mirror_mlx.engine", "mirror_mlx.target", "mirror_mlx.draft", "mirror_mlx.ane_draft.ring", "mirror_mlx.workers",
+               "mirror_mlx.pipeline", "mirror_mlx.cli", "mirror_mlx.ane_draft.host", "mirror_mlx.ane_draft.package_host",
                "mirror_mlx.ane_draft.package_format", "mirror_mlx.ane_draft.coreml_draft",
                "mirror_mlx.ane_draft.ss_draft"]
     code = f"import sys, importlib\nfor m in {runtime!r}: importlib.import_module(m)\n" \

@@ -31,7 +31,7 @@ def test_reading_a_package_without_coremltools_names_the_extra(no_coremltools, t
 
 def test_bench_without_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.delitem(sys.modules, "mirror_mlx.bench_report", raising=False)  # imported again, without it
+    monkeypatch.delitem(sys.modules, "mirror_mlx.bench.report", raising=False)  # imported again, without it
     result = CliRunner().invoke(main, ["bench", "--out", str(tmp_path / "b"), "--limit", "1"])
     assert result.exit_code == 2 and "pip install 'mirror-mlx[bench]'" in result.output
     assert not (tmp_path / "b").exists()  # refused before any model was loaded or file written

@@ -1,4 +1,4 @@
-"""Random options and prompts, valid and invalid, through `Pipeline.generate` and the CLI (issue 17).
+"""Random options and prompts, valid and invalid, through `Pipeline.generate` and the CLI.
 
 Every case ends in a ValueError/TypeError (exit 2 with one line for the CLI) or in output that equals
 `mode="ar"` greedy at temperature 0 (in-range tokens, at most max_tokens, otherwise); never a crash,

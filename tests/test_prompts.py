@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from mirror_mlx.prompts import DATA, Prompt, load_prompts, opening
+from mirror_mlx.corpus import opening
+from mirror_mlx.prompts import DATA, Prompt, load_prompts
 
 
 def test_opening_is_first_sentence_or_first_words():

@@ -18,7 +18,6 @@ import openai
 import pytest
 
 import mirror_mlx
-from mirror_mlx.chat import reset
 from mirror_mlx.server import Server, StopText
 from tests.models import templated_target
 
@@ -208,7 +207,7 @@ def test_second_turn_reports_cached_prompt_tokens(client, model, pipe):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens + 20 - 1  # the first turn and its reply came from the cache
     assert second.model_extra["x_mirror"]["prefill_tokens"] == second.usage.prompt_tokens - 1 - cached
-    reset(pipe)
+    pipe.reset()
     ref1 = pipe.chat(USER, max_tokens=20)
     assert ref1.text == reply
     ref2 = pipe.chat(USER + [{"role": "assistant", "content": ref1.text}, {"role": "user", "content": " Then"}],
@@ -351,8 +350,8 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
     """In process, so the engine can be made to fail: the HTTP path is the real one."""
     generate = pipe.engine.generate
 
-    def broken(prompt, opts, *rest):
-        steps = generate(prompt, opts, *rest)
+    def broken(prompt, opts, *rest, **kwargs):
+        steps = generate(prompt, opts, *rest, **kwargs)
         yield next(steps)
         steps.close()
         raise RuntimeError("the accelerator fell over\nsecond line")

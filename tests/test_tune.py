@@ -7,10 +7,10 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
 
-from mirror_mlx import profile as profiles
-from mirror_mlx import tune
+from mirror_mlx.tune import calibrate, choose, policy, report
+from mirror_mlx.tune import profile as profiles
 from mirror_mlx.cli import main
-from mirror_mlx.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
+from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
 from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
 from mirror_mlx.pipeline import Pipeline, load
 from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
@@ -87,14 +87,14 @@ def test_a_fallback_heavy_regime_picks_sd_or_ar():
 
 def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
     """The teacher-forced shortcut for a plain MLX draft must agree with real rollouts at every position."""
-    prompts = tune.calibration_prompts(pipe, 3)
+    prompts = calibrate.calibration_prompts(pipe, 3)
     assert len({len(p) for p in prompts}) == 1  # the built-in openings are cut to one length: one batch
-    texts = tune.greedy_texts(pipe, prompts, 24)
+    texts = calibrate.greedy_texts(pipe, prompts, 24)
     prompt = prompts[0]
-    assert texts[0] == tune.greedy_texts(pipe, [prompt], 24)[0]  # batched = alone
-    assert tune.plain_draft_model(pipe) is not None  # load(): a copy of the host's plain draft, loaded here
-    slow, text = tune.trace(pipe, prompt, 24, [2], 5, draft_model=None)  # a host rollout per position
-    fast, _ = tune.trace(pipe, prompt, 24, [2], 5, text=texts[0])
+    assert texts[0] == calibrate.greedy_texts(pipe, [prompt], 24)[0]  # batched = alone
+    assert calibrate.plain_draft_model(pipe) is not None  # load(): a copy of the host's plain draft, loaded here
+    slow, text = calibrate.trace(pipe, prompt, 24, [2], 5, draft_model=None)  # a host rollout per position
+    fast, _ = calibrate.trace(pipe, prompt, 24, [2], 5, text=texts[0])
     assert fast == slow and len(fast.runs) == len(text) - len(prompt)
     assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
 
@@ -118,10 +118,10 @@ def test_tune_measures_suffix_with_rollout_only_where_the_top_can_change():
             return full.parallel[(e, k, g)]
 
     class Pipe:
-        _lock = threading.Lock()
+        lock = threading.Lock()
 
     assert all(predict(c, lazy, acc)["tokens_per_second"] >= predict(c, full, acc)["tokens_per_second"] for c in configs)
-    n = tune.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=4, reps=1, tick=lambda: None)
+    n = calibrate.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=4, reps=1, tick=lambda: None)
     assert n == len(set(asked)) < len(full.parallel)
     assert [r["config"] for r in rank(configs, lazy, acc)[:4]] == [r["config"] for r in rank(configs, full, acc)[:4]]
     assert not any(r["bound"] for r in rank(configs, lazy, acc)[:4])
@@ -137,7 +137,7 @@ def test_suffix_with_rollout_timed_in_later_rounds_is_put_on_the_first_rounds_sc
         full.rollout[(k * (g + 1), g)] = 0.8 * v
     configs = grid((1, 4), (1, 2, 3), (1, 2))
     lazy = Timings(**{f: dict(getattr(full, f)) for f in ("verify", "prefix", "suffix", "window", "rollout", "overhead")})
-    slow, timed = [1.0], tune.interleaved
+    slow, timed = [1.0], calibrate.interleaved
 
     def slowing(pieces, *args):
         out = timed(pieces, *args)
@@ -149,17 +149,17 @@ def test_suffix_with_rollout_timed_in_later_rounds_is_put_on_the_first_rounds_sc
             return full.parallel[(e, k, g)] * slow[0]
 
     class Pipe:
-        _lock = threading.Lock()
+        lock = threading.Lock()
 
-    monkeypatch.setattr(tune, "interleaved", slowing)
-    tune.measure_parallel(Pipe(), Bench(), lazy, configs[-2:], acc, top=2, reps=1, tick=lambda: None)  # round 1
-    tune.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=6, reps=1, tick=lambda: None)
+    monkeypatch.setattr(calibrate, "interleaved", slowing)
+    calibrate.measure_parallel(Pipe(), Bench(), lazy, configs[-2:], acc, top=2, reps=1, tick=lambda: None)  # round 1
+    calibrate.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=6, reps=1, tick=lambda: None)
     assert slow[0] >= 4 and len(lazy.parallel) > 2  # two rounds or more, at 1x, 2x, ...
     assert lazy.parallel == pytest.approx({k: full.parallel[k] for k in lazy.parallel})
 
 
 def test_overhead_probed_at_two_windows_is_read_between_them():
-    from mirror_mlx.cost_model import overhead
+    from mirror_mlx.tune.cost_model import overhead
 
     t = Timings(overhead={"ar": 1e-3, "sd": {1: 2e-3, 3: 6e-3}})
     assert overhead(Config("ar"), t) == 1e-3
@@ -171,9 +171,9 @@ def test_component_timings_are_taken_in_rounds():
     """One call of each piece per round (a burst of load hits all alike); each piece's median."""
     calls = []
     pieces = {k: (lambda k=k: calls.append(k) or {"a": 0.1, "b": 0.2}[k]) for k in ("a", "b")}
-    assert tune.interleaved(pieces, reps=3) == {"a": 0.1, "b": 0.2}
+    assert calibrate.interleaved(pieces, reps=3) == {"a": 0.1, "b": 0.2}
     assert calls == ["a", "b"] * 3
-    halves = tune.interleaved({"x": lambda: (0.1, 0.3)}, reps=3)
+    halves = calibrate.interleaved({"x": lambda: (0.1, 0.3)}, reps=3)
     assert halves == {"x": (0.1, 0.3)}
 
 
@@ -206,7 +206,7 @@ def test_a_saved_profile_loads_back_and_is_not_reused_for_another_pair(tmp_path,
 
 
 def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
-    key = tune.pipe_key(pipe)
+    key = policy.pipe_key(pipe)
     path = profiles.path_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"key": {"target": ')
@@ -227,7 +227,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
 
 def test_auto_is_lossless_and_says_what_it_chose(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    expected = tune.resolve(pipe, "auto", None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
+    expected, _ = policy.choice(pipe, "auto", None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
     result = pipe.generate(PROMPT, max_tokens=40)
     assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
     s = result.stats
@@ -240,22 +240,22 @@ def test_auto_is_lossless_and_says_what_it_chose(pipe):
 def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_time(pipe):
     """Among the confirmed ones (the top predictions, at most half of one γ, and ar, each measured on the
     same prompts): the traces' tokens per step over the measured seconds per step."""
-    prof = tune.profile_for(pipe)
+    prof = policy.profile_for(pipe)
     measured = [r for r in prof.table if r["confirmed"]]
     assert all(r["measured"] is not None and r["measured_step_ms"] > 0 for r in measured)
     ar = next(r for r in measured if r["mode"] == "ar")  # never chosen without measuring plain generation
     rate = lambda r: r["tokens_per_step"] / r["measured_step_ms"]  # noqa: E731
     best = max(measured, key=rate)
-    if rate(best) < tune.AR_MARGIN * rate(ar):  # a gain within noise is not taken
+    if rate(best) < choose.AR_MARGIN * rate(ar):  # a gain within noise is not taken
         best = ar
     assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
                                                                         ("mode", "kappa", "gamma", "exit_layer"))
-    quick = tune.TuneConfig.quick()
+    quick = calibrate.TuneConfig.quick()
     assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2]))  # the demo adapter pins ℓe = 2
 
 
 def test_explicit_mode_and_knobs_win_over_the_profile(pipe):
-    tune.profile_for(pipe)
+    policy.profile_for(pipe)
     assert pipe.generate(PROMPT, max_tokens=8, mode="sd").stats.chosen_mode == "sd"
     s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", gamma=3).stats
     assert (s.mode, s.kappa, s.gamma) == ("mirror", 8, 3)
@@ -293,7 +293,7 @@ def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
     assert "draft acceptance α per γ on the calibration text" in result.output and "γ=3 0." in result.output
     p = load(str(TARGET_PATH), str(DRAFT_PATH))
     try:
-        assert profiles.load(tune.pipe_key(p)) is not None  # the next auto run uses it
+        assert profiles.load(policy.pipe_key(p)) is not None  # the next auto run uses it
     finally:
         p.close()
 
@@ -339,10 +339,10 @@ def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeyp
     both = load_adapters(f"{first},{DEMO_EXIT_ADAPTER}", pipe.model)
     two = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, both)
     try:
-        cfg = tune.TuneConfig(prompts=1, max_tokens=8, kappas=(1,), gammas=(2,), reps=1, confirm=1, min_seconds=0,
+        cfg = calibrate.TuneConfig(prompts=1, max_tokens=8, kappas=(1,), gammas=(2,), reps=1, confirm=1, min_seconds=0,
                               progress=False)
-        assert tune.exit_layer_candidates(two, cfg) == [1, 2]  # N = 5: N/4 = N/3 = 1, N/2 = 2; 3N/4 = 3 has none
-        prof = tune.calibrate(two, cfg)
+        assert calibrate.exit_layer_candidates(two, cfg) == [1, 2]  # N = 5: N/4 = N/3 = 1, N/2 = 2; 3N/4 = 3 has none
+        prof = calibrate.calibrate(two, cfg)
         assert {r["exit_layer"] for r in prof.table if r["mode"] == "mirror"} == {1, 2}
         out = two.generate(PROMPT, max_tokens=12, mode="mirror", kappa=2, gamma=2, exit_layer=1)
         assert out.tokens == two.generate(PROMPT, max_tokens=12, mode="ar").tokens
@@ -354,9 +354,9 @@ def test_a_probes_overhead_is_fitted_to_all_its_runs_the_confirmations_too(pipe)
     """The table's prediction for ar and sd probes is their step time over every run of them (the probe
     run on the first prompt and the confirmation's on the others), not the probe run's alone: a ms-scale
     pair's speed moves between the two, and the rest of the grid is predicted from this fit."""
-    cfg = tune.TuneConfig(prompts=2, max_tokens=8, kappas=(1,), gammas=(1,), reps=1, confirm=2,
+    cfg = calibrate.TuneConfig(prompts=2, max_tokens=8, kappas=(1,), gammas=(1,), reps=1, confirm=2,
                           confirm_prompts=2, min_seconds=0, exact_top=2, progress=False)
-    prof = tune.calibrate(pipe, cfg)
+    prof = calibrate.calibrate(pipe, cfg)
     ar = next(r for r in prof.table if r["mode"] == "ar")
     assert ar["probe"] and ar["confirmed"]  # ar is always confirmed: it ran on both prompts
     for r in prof.table:
@@ -375,10 +375,10 @@ def test_the_confirmation_keeps_other_windows_measured():
     """At most ⌊n/2⌋ of the confirmed points share a γ: acceptance on the user's text moves whole γ groups."""
     order = ranked(*(Config("mirror", k, 1, 2) for k in (1, 2, 4, 8)), Config("sd", gamma=1), Config("sd", gamma=3),
                    Config("mirror", 2, 3, 2), Config("mirror", 2, 2, 2))
-    picked = tune.pick_confirm(order, 5)
+    picked = calibrate.pick_confirm(order, 5)
     assert [c.gamma for c in picked] == [1, 1, 3, 3, 2]
     assert picked[:2] == [r["config"] for r in order[:2]]
-    assert [c.gamma for c in tune.pick_confirm(order, 2)] == [1, 3]
+    assert [c.gamma for c in calibrate.pick_confirm(order, 2)] == [1, 3]
 
 
 def row(mode: str, gamma, tokens: float, step_ms: float, kappa=None, exit_layer=None) -> dict:
@@ -403,22 +403,22 @@ def test_the_calibration_counts_acceptance_as_a_real_run_does():
     assert acc.window_counts(7) == (8, 3)
 
 
-SD1, MIRROR3 = ("sd", None, 1, None), ("mirror", 2, 3, 2)  # Engine.auto_seen's keys: (mode, κ, γ, ℓe)
+SD1, MIRROR3 = ("sd", None, 1, None), ("mirror", 2, 3, 2)  # AutoState.seen keys: (mode, κ, γ, ℓe)
 GREEDY, T1 = (0.0, None), (1.0, 1.0, 0, 0.0, None)  # DecodeOptions.sampling at temperature 0 and 1
 
 
 def test_auto_moves_to_longer_windows_on_predictable_text_and_to_ar_on_unpredictable():
-    assert tune.adapt(ADAPTING, {}) is None  # nothing seen: the profile's choice
-    same = tune.adapt(ADAPTING, {SD1: [6, 4, 0, 0]})  # as predictable as the calibration text
+    assert policy.adapt(ADAPTING, {}) is None  # nothing seen: the profile's choice
+    same = policy.adapt(ADAPTING, {SD1: [6, 4, 0, 0]})  # as predictable as the calibration text
     assert (same.mode, same.gamma) == ("sd", 1) and "right 1.00x as often" in same.why
-    easy = tune.adapt(ADAPTING, {SD1: [900, 100, 0, 0]})  # α -> (0.6 * 64 + 900) / 1064 = 0.88, 1.47x
+    easy = policy.adapt(ADAPTING, {SD1: [900, 100, 0, 0]})  # α -> (0.6 * 64 + 900) / 1064 = 0.88, 1.47x
     assert (easy.mode, easy.kappa, easy.gamma, easy.exit_layer) == ("mirror", 2, 3, 2)
     assert "at temperature 0 the draft is right 1.47x as often in auto's runs (1000 draft tokens judged)" in easy.why
-    hard = tune.adapt(ADAPTING, {SD1: [20, 980, 0, 0]})  # 0.09x: one token a step at sd's step time
+    hard = policy.adapt(ADAPTING, {SD1: [20, 980, 0, 0]})  # 0.09x: one token a step at sd's step time
     assert hard.mode == "ar" and "right 0.09x as often" in hard.why
-    both = tune.adapt(ADAPTING, {SD1: [900, 100, 0, 0], MIRROR3: [20, 980, 0, 0]})  # ratios weighted by tokens
+    both = policy.adapt(ADAPTING, {SD1: [900, 100, 0, 0], MIRROR3: [20, 980, 0, 0]})  # ratios weighted by tokens
     assert "right 0.78x as often" in both.why
-    near = tune.adapt(ADAPTING, {SD1: [800, 200, 0, 0]})  # 1.31x: mirror γ=3 3 % faster than sd γ=1, within noise
+    near = policy.adapt(ADAPTING, {SD1: [800, 200, 0, 0]})  # 1.31x: mirror γ=3 3 % faster than sd γ=1, within noise
     assert (near.mode, near.gamma) == ("sd", 1) and "so the tuned choice" in near.why
 
 
@@ -431,40 +431,40 @@ REUSING = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2
 
 def test_auto_counts_the_serial_windows_of_branches_it_could_not_reuse():
     """Eq. 10's fallback cost: a reuse lost adds the draft's serial window to the measured step."""
-    kept = tune.adapt(REUSING, {MIRROR3: [600, 400, 80, 20]}, "temperature 1")  # α and reuse as calibrated
+    kept = policy.adapt(REUSING, {MIRROR3: [600, 400, 80, 20]}, "temperature 1")  # α and reuse as calibrated
     assert (kept.mode, kept.gamma) == ("mirror", 3) and "reused 1.00x as often as predicted (100 steps)" in kept.why
     # reuse (0.8 * 16 + 5) / 116 = 0.15: 0.65 of a 20 ms window more per step, 2.3 tokens in 33 ms < ar's 1 in 10
-    lost = tune.adapt(REUSING, {MIRROR3: [600, 400, 5, 95]}, "temperature 1")
+    lost = policy.adapt(REUSING, {MIRROR3: [600, 400, 5, 95]}, "temperature 1")
     assert lost.mode == "ar" and "at temperature 1 the draft is right 1.00x" in lost.why
     assert "reused 0.19x as often as predicted (100 steps)" in lost.why
-    seen = tune.observed(REUSING, {MIRROR3: [600, 400, 5, 95]})
-    assert tune.expected_rate(REUSING.table[1], seen) == pytest.approx(2300 / (20 + (0.8 - 0.8 * seen.reuse) * 20))
+    seen = policy.observed(REUSING, {MIRROR3: [600, 400, 5, 95]})
+    assert choose.expected_rate(REUSING.table[1], seen) == pytest.approx(2300 / (20 + (0.8 - 0.8 * seen.reuse) * 20))
 
 
 def test_auto_adapts_per_sampling_setting_stays_lossless_and_learns_only_from_its_own_runs(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh._profile = profiles.Profile(**{**ADAPTING.__dict__, "key": tune.pipe_key(fresh)})
+    fresh.auto.profile = profiles.Profile(**{**ADAPTING.__dict__, "key": policy.pipe_key(fresh)})
     try:
-        fresh.engine.auto_seen[GREEDY] = {SD1: [900, 100, 0, 0]}
+        fresh.auto.seen[GREEDY] = {SD1: [900, 100, 0, 0]}
         sampled = fresh.generate(PROMPT, max_tokens=8, temperature=1.0, seed=0).stats
         assert (sampled.chosen_mode, sampled.why) == ("sd", "auto: tuned")  # nothing seen at temperature 1 yet
-        assert fresh.engine.auto_seen[T1] == {SD1: [sampled.accepted, sampled.rejections, 0, 0]}
+        assert fresh.auto.seen[T1] == {SD1: [sampled.accepted, sampled.rejections, 0, 0]}
         result = fresh.generate(PROMPT, max_tokens=40)
         s = result.stats
         assert (s.chosen_mode, s.kappa, s.gamma) == ("mirror", 2, 3)
         assert s.why.startswith("auto: adapted: at temperature 0 the draft is right")
         assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
         assert s.proposed >= s.accepted + s.rejections and s.rejections <= s.steps
-        assert sum(s.from_draft) <= s.accepted <= sum(s.from_draft) + 3  # (max_tokens may cut the last window)
-        assert fresh.engine.auto_seen[GREEDY] == {SD1: [900, 100, 0, 0],
+        assert sum(result.from_draft) <= s.accepted <= sum(result.from_draft) + 3  # (max_tokens may cut the last window)
+        assert fresh.auto.seen[GREEDY] == {SD1: [900, 100, 0, 0],
                                                   MIRROR3: [s.accepted, s.rejections, s.reuses, s.fallbacks]}
         explicit = fresh.generate(PROMPT, max_tokens=16, mode="sd", gamma=2).stats
-        assert explicit.proposed > 0 and ("sd", None, 2, None) not in fresh.engine.auto_seen[GREEDY]
+        assert explicit.proposed > 0 and ("sd", None, 2, None) not in fresh.auto.seen[GREEDY]
         custom = fresh.generate(PROMPT, max_tokens=8, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)).stats
-        assert custom.proposed > 0 and len(fresh.engine.auto_seen) == 2  # a custom sampler: nothing to key it by
+        assert custom.proposed > 0 and len(fresh.auto.seen) == 2  # a custom sampler: nothing to key it by
         # unpredictable sampled text: auto leaves the draft at temperature 1, and a seed samples the same text
-        fresh.engine.auto_seen[T1] = {SD1: [20, 980, 0, 0]}
+        fresh.auto.seen[T1] = {SD1: [20, 980, 0, 0]}
         hard = fresh.generate(PROMPT, max_tokens=16, temperature=1.0, seed=3)
         assert hard.stats.chosen_mode == "ar" and hard.stats.why.startswith("auto: adapted: at temperature 1 ")
         assert hard.tokens == fresh.generate(PROMPT, max_tokens=16, temperature=1.0, seed=3, mode="sd", gamma=1).tokens
@@ -479,21 +479,21 @@ LEAVING = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2
 
 
 def test_auto_leaves_the_draft_within_a_generation_once_the_text_at_hand_defeats_it():
-    test = tune.leave_draft(LEAVING, tune.Choice("mirror", 2, 3, 2))
+    test = policy.leave_draft(LEAVING, choose.Choice("mirror", 2, 3, 2))
     assert test([2, 10, 0, 10]) is None  # 12 draft tokens judged: too few to tell
     assert test([45, 2, 11, 1]) is None  # as predictable as the calibration text: stay
     # α (0.95 * 8 + 4) / 30 = 0.39, 0.41x: 1.59 tokens a step in 36 ms, 44 tok/s against ar's 100
     why = test([4, 18, 2, 16])
     assert why == ("the draft is right 0.41x as often in this text (22 draft tokens judged) as in calibration, "
                    "its branches reused 0.28x as often as predicted: 44 tok/s expected, ar 100")
-    assert tune.leave_draft(LEAVING, tune.Choice("ar")) is None  # nothing to leave
-    assert tune.leave_draft(LEAVING, tune.Choice("sd", gamma=3)) is None  # not measured: nothing to compare
+    assert policy.leave_draft(LEAVING, choose.Choice("ar")) is None  # nothing to leave
+    assert policy.leave_draft(LEAVING, choose.Choice("sd", gamma=3)) is None  # not measured: nothing to compare
 
 
 def test_auto_goes_on_with_ar_mid_generation_losslessly_and_says_so(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh._profile = profiles.Profile(**{**LEAVING.__dict__, "key": tune.pipe_key(fresh)})
+    fresh.auto.profile = profiles.Profile(**{**LEAVING.__dict__, "key": policy.pipe_key(fresh)})
     try:
         result = fresh.generate(PROMPT, max_tokens=48)
         s = result.stats
@@ -502,9 +502,9 @@ def test_auto_goes_on_with_ar_mid_generation_losslessly_and_says_so(pipe):
         assert s.left_draft.startswith("after step ") and s.left_draft.endswith("ar 100"), s.left_draft
         left_at = int(s.left_draft.split()[2].rstrip(":"))
         assert 1 <= left_at < s.steps == s.target_forwards  # every later step is the target's alone: one token
-        assert len(s.from_draft) == 48 and not any(s.from_draft[-(s.steps - left_at):])
+        assert len(result.from_draft) == 48 and not any(result.from_draft[-(s.steps - left_at):])
         assert f"left the draft {s.left_draft}" in s.summary()
-        assert fresh.engine.auto_seen[GREEDY] == {MIRROR3: [s.accepted, s.rejections, s.reuses, s.fallbacks]}
+        assert fresh.auto.seen[GREEDY] == {MIRROR3: [s.accepted, s.rejections, s.reuses, s.fallbacks]}
         explicit = fresh.generate(PROMPT, max_tokens=48, mode="mirror", kappa=2, gamma=3, exit_layer=2).stats
         assert explicit.left_draft == "" and explicit.steps < s.steps  # an explicit mode is kept
         # sampled: auto leaves the draft too, and a seed samples the same text as the target alone
@@ -519,6 +519,6 @@ def test_tune_reports_a_chosen_point_whose_suffix_and_rollout_were_not_timed_tog
     """pick_confirm can confirm a point past the measured top: its report says so instead of failing."""
     timings = {"suffix": {"(3, 3)": 0.1}, "rollout": {"(6, 2)": 0.08}, "parallel": {}}
     prof = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=2, exit_layer=3, calibration={"timings": timings})
-    assert "not timed together" in tune.contention(prof) and "max(100.00, 80.00) ms apart" in tune.contention(prof)
+    assert "not timed together" in report.contention(prof) and "max(100.00, 80.00) ms apart" in report.contention(prof)
     timings["parallel"]["(3, 2, 2)"] = 0.12
-    assert "120.00 ms together" in tune.contention(prof) and "1.20× the ideal" in tune.contention(prof)
+    assert "120.00 ms together" in report.contention(prof) and "1.20× the ideal" in report.contention(prof)

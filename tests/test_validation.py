@@ -1,4 +1,4 @@
-"""Issue 17: no input and no misuse leads to a wrong token, a crash or a traceback.
+"""No input and no misuse leads to a wrong token, a crash or a traceback.
 
 Bad input is refused at the boundary with one sentence (API: ValueError/TypeError naming the argument;
 CLI: one line, exit 2) before any work starts; a Pipeline shared between threads serializes its calls.
@@ -418,7 +418,7 @@ def test_terminal_double_ctrl_c_then_ctrl_d_exits_cleanly():
 
 
 def test_bench_baselines_take_any_int_seed(pipe):
-    from mirror_mlx.baselines import run_ar
+    from mirror_mlx.bench.baselines import run_ar
 
     ids = pipe.tokenizer.encode("Once upon a time")
     assert run_ar(pipe.model, ids, 4, 1.0, seed=-1).tokens == run_ar(pipe.model, ids, 4, 1.0, seed=2**64 - 1).tokens

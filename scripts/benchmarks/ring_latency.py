@@ -19,7 +19,7 @@ import time
 
 from mirror_mlx.ane_draft.host import DraftHost, DraftRecipe
 from mirror_mlx.draft_api import Rollout
-from mirror_mlx.ring import TokenRing
+from mirror_mlx.ane_draft.ring import TokenRing
 
 KW = dict(capacity=4, max_ints=256, max_floats=2)
 

@@ -19,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..blas import cpu_name
+
 VERSION = 2  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt)
 
 
@@ -72,13 +74,7 @@ def _recipe_fingerprint(recipe: Any) -> str:
 
 def machine() -> str:
     """The machine a timing belongs to: OS, CPU, core count and MLX's device."""
-    cpu = platform.processor() or platform.machine()
-    if sys.platform == "linux":
-        try:
-            cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-    return f"{platform.system()} {platform.machine()} | {cpu} | {os.cpu_count()} cores | {mx.default_device()}"
+    return f"{platform.system()} {platform.machine()} | {cpu_name()} | {os.cpu_count()} cores | {mx.default_device()}"
 
 
 @dataclass

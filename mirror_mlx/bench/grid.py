@@ -2,7 +2,10 @@
 
 import re
 
-MODES = ("mirror", "sd", "mlx_sd", "ar", "auto")  # auto: the tuned choice (mirror_mlx.tune)
+from ..options import CHOICES
+
+MODES = CHOICES + ("mlx_sd",)  # ours (auto: the tuned choice) and mlx-lm's speculative decoding (ar is mlx-lm's own)
+DEFAULT_MODES = ("mirror", "sd", "mlx_sd", "ar")  # `mirror-mlx bench` without --modes
 
 
 def parse_modes(text: str) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 
-from .validate import generator_seed
+from ..validate import generator_seed
 
 
 @dataclass

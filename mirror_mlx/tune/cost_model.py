@@ -1,4 +1,4 @@
-"""The paper's latency model (Eq. 10, papers.md §2) for `mirror`, `sd` and `ar`, fed only by measurements.
+"""The paper's latency model (Eq. 10, docs/design.md §2) for `mirror`, `sd` and `ar`, fed only by measurements.
 
 mirror step:  T = T_prefix(ℓ_e) + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
               T_par is max(T_suffix(ℓ_e), T_rollout(κ(γ+1) rows, γ)) when the two truly overlap; it is
@@ -106,7 +106,7 @@ class Acceptance:
 
 def geometric_tokens(alpha: float, gamma: int) -> float:
     """Tokens a step commits on average when each draft token is right with probability α on its own
-    (the i.i.d. model of papers.md §2): 1 + α + ... + α^γ. Used only as a ratio, to carry a trace's
+    (the i.i.d. model of docs/design.md §2): 1 + α + ... + α^γ. Used only as a ratio, to carry a trace's
     measured tokens per step over to another acceptance (tune.expected_rate)."""
     return sum(alpha**i for i in range(gamma + 1))
 

@@ -96,9 +96,9 @@ class TokenRing:
         floats = np.asarray(floats, dtype=np.float64).ravel()
         if ints.size > self.max_ints or floats.size > self.max_floats:
             raise ValueError(f"message of {ints.size} ints / {floats.size} floats exceeds the ring's slot size")
-        seq = self.written + 1
-        if seq - self.consumed > self.capacity:
-            raise RingFull(f"ring of {self.capacity} slots is full: message {self.consumed + 1} not read yet")
+        seq, consumed = int(self._words[0]) + 1, int(self._words[1])
+        if seq - consumed > self.capacity:
+            raise RingFull(f"ring of {self.capacity} slots is full: message {consumed + 1} not read yet")
         slot = self._slots[seq % self.capacity]
         slot[0] = BUSY
         slot[1:HEADER_INTS] = (kind, step, ints.size, floats.size)
@@ -118,13 +118,13 @@ class TokenRing:
             raise RingOverwritten(f"message {seq} was overwritten by message {found}")
         if found != seq:
             return None
-        kind, step, n_i, n_f = (int(x) for x in slot[1:HEADER_INTS])
+        kind, step, n_i, n_f = slot[1:HEADER_INTS].tolist()
         f0 = HEADER_INTS + self.max_ints
         ints = slot[HEADER_INTS : HEADER_INTS + n_i].copy()
         floats = self._fslots[row, f0 : f0 + n_f].copy()
         if int(slot[0]) != seq:  # overwritten while copying
             raise RingOverwritten(f"message {seq} was overwritten while being read")
-        self._words[1] = max(self.consumed, seq)
+        self._words[1] = max(int(self._words[1]), seq)
         return Message(seq, kind, step, ints, floats)
 
     def close(self, unlink: bool = True) -> None:

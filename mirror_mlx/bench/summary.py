@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Optional, Sequence
 
-from .bench_grid import point_name
-from .engine import Stats
+from .grid import point_name
+from ..stats import Stats
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`mirror-mlx bench`: Mirror-SD against what users would run instead, in one process (DESIGN §7).
+"""`mirror-mlx bench`: Mirror-SD against what users would run instead, in one process (docs/design.md §7).
 
 Why it is built this way:
 - every mode runs on the same prompts, interleaved per prompt (the order rotates), after a warm-up,
@@ -20,17 +20,18 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .ane_draft.host import DraftRecipe
-from .ane_draft.host import mlx_draft as host_mlx_draft
-from .ane_draft.host import mlx_draft_model
+from ..ane_draft.host import DraftRecipe
+from ..ane_draft.host import mlx_draft as host_mlx_draft
+from ..ane_draft.host import mlx_draft_model
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
-from .bench_grid import MODES, parse_modes, parse_sweep, point_name
-from .bench_machine import machine, pin_threads, thread_report
-from .bench_summary import Sample, best_point, table
-from .engine import DecodeOptions, Stats
-from .options import PAPER_KNOBS
-from .prompts import load_prompts
-from .tune import describe
+from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
+from .machine import machine, pin_threads, thread_report
+from .summary import Sample, best_point, table
+from ..stats import Stats
+from ..options import DecodeOptions
+from ..options import PAPER_KNOBS
+from ..prompts import load_prompts
+from ..tune.choose import describe
 
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
@@ -49,7 +50,7 @@ class BenchConfig:
     limit: Optional[int] = 10
     skip: int = 0  # leave out the first `skip` prompts (e.g. those a sweep chose the knobs on)
     max_tokens: int = 64
-    modes: Sequence[str] = MODES
+    modes: Sequence[str] = DEFAULT_MODES
     temp: float = 0.0
     kappa: int = PAPER_KNOBS["kappa"]
     gamma: int = PAPER_KNOBS["gamma"]
@@ -79,11 +80,11 @@ def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
     if not chosen:
         raise ValueError(f"no prompts left after skipping {cfg.skip}")
     room = None
-    if pipe.engine.context_length:
-        room = pipe.engine.context_length - cfg.max_tokens
+    if pipe.context_length:
+        room = pipe.context_length - cfg.max_tokens
         if room < 2:
             raise ValueError(f"max_tokens {cfg.max_tokens} leaves no room for a prompt in the target's "
-                             f"context of {pipe.engine.context_length} tokens: lower --max-tokens")
+                             f"context of {pipe.context_length} tokens: lower --max-tokens")
     out = []
     for p in chosen:
         ids = pipe.encode(p.text)
@@ -232,13 +233,13 @@ def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
 def bench(cfg: BenchConfig) -> dict:
     """Run the comparison (or the sweep), write results.json, results.md and plots into cfg.out."""
     try:
-        from .bench_report import write_report
+        from .report import write_report
     except ImportError as e:  # refused before any model is loaded or file written
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
         raise ValueError("mirror-mlx bench draws its plots with matplotlib, which is not installed: "
                          "pip install 'mirror-mlx[bench]'") from None
-    from .pipeline import load
+    from ..pipeline import load
 
     cfg.modes = parse_modes(",".join(cfg.modes)) if not isinstance(cfg.modes, str) else parse_modes(cfg.modes)
     if any(m != "ar" for m in cfg.modes) and cfg.draft_model is None and cfg.model is not None:

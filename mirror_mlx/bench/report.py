@@ -1,9 +1,8 @@
 """What `mirror-mlx bench` writes besides results.json: results.md and PNG plots (matplotlib, Agg).
 
-Plots are made from the report dict alone, so they can be redrawn from a saved results.json.
+Plots are made from the report dict alone.
 """
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -126,6 +125,12 @@ def _load(x) -> str:
 
 # --- plots -------------------------------------------------------------------------------------------
 
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_speedup(report: dict, path: Path) -> None:
     """Speedup over ar per category, one bar per mode."""
     summary = report["summary"]
@@ -143,9 +148,7 @@ def plot_speedup(report: dict, path: Path) -> None:
     ax.set_ylabel("tokens/s ÷ ar (mlx-lm generate_step)")
     ax.set_title(f"Speedup over ar — {report['config']['prompts']}, T={report['config']['temp']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_accepted(report: dict, path: Path) -> None:
@@ -158,9 +161,7 @@ def plot_accepted(report: dict, path: Path) -> None:
     ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.set_ylabel("tokens per target forward")
     ax.set_title(f"Accepted tokens per step — {report['config']['prompts']}, T={report['config']['temp']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_latency(report: dict, path: Path) -> None:
@@ -189,9 +190,7 @@ def plot_latency(report: dict, path: Path) -> None:
     ax.set_title(f"Latency per step — {report['config']['prompts']}, T={report['config']['temp']}")
     ax.set_xlim(0, ax.get_xlim()[1] * 1.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_timeline(report: dict, path: Path, steps: int = 10) -> bool:
@@ -208,9 +207,7 @@ def plot_timeline(report: dict, path: Path, steps: int = 10) -> bool:
     ax.set_yticks([0, 1], ["draft (branch rollout)", "target (prefix | suffix)"])
     ax.set_xlabel("ms since the first step")
     ax.set_title(f"Mirror-SD timeline, prompt #{sample['prompt']} (first {steps} steps; gaps: fallback windows, verify)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
     return True
 
 
@@ -253,19 +250,3 @@ def write_report(report: dict, out: Path) -> list[Path]:
     if plot_timeline(report, out / "timeline.png"):
         files.append(out / "timeline.png")
     return files
-
-
-def redraw(results_json: Path) -> list[Path]:
-    """Recompute the summary from the saved samples; rewrite results.json, results.md and the plots."""
-    from .bench_grid import point_name
-    from .bench_summary import Sample, best_point, table
-
-    results_json = Path(results_json)
-    report = json.loads(results_json.read_text())
-    samples = [Sample.from_dict(s) for s in report["samples"]]
-    keys = ["ar"] + [point_name(pt) for pt in report["points"]] if report.get("grid") else report["modes"]
-    report["summary"] = table(samples, keys)
-    if report.get("grid"):
-        report["best"] = best_point(report["summary"]["all"], report["points"])
-    results_json.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return write_report(report, results_json.parent)

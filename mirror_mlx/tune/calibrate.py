@@ -1,4 +1,5 @@
-"""Calibrate the cost model on this machine, pick the fastest mode and knobs, and resolve mode="auto".
+"""Calibrate the cost model on this machine and pick the fastest mode and knobs (`mirror-mlx tune`,
+and mode auto's first call).
 
 `calibrate` measures, in this order (each step real forwards of the loaded models):
 1. acceptance traces: the target's greedy text after each calibration prompt, the draft's window at
@@ -10,42 +11,30 @@
 4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
    profile's choice is the fastest confirmed configuration by its *measured* step time and the traces'
    tokens per step, so the choice is never one that only the model believed in.
-
-mode="auto" then adapts that choice to the text it serves (`adapt`): at temperature 0 the draft's
-acceptance seen in auto's own generations moves every confirmed configuration's tokens per step (a
-more predictable text favours longer windows), their measured step times stay.
 """
 
 import os
 import random
 import statistics
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
+from ..draft import MLXDraft
+from ..exit_adapter import adapter_for, adapter_layers
+from ..options import DRAFT_TIMEOUT_S
+from ..target import EarlyExitTarget, top_k, trimmable_cache
 from . import profile as profiles
-from .cost_model import Acceptance, Config, Timings, Trace, component_time, geometric_tokens, grid, rank
-from .draft import MLXDraft
-from .exit_adapter import adapter_for, adapter_layers
-from .options import PAPER_KNOBS
-from .target import EarlyExitTarget, top_k, trimmable_cache
+from .choose import choose, expected_rate, row_config
+from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
-PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
-PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
-# Within one generation (`leave_draft`) the text at hand counts for more: a prompt unlike any before
-# (an extraction after stories) defeats the draft from its first steps.
-WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS = 8, 4
-WITHIN_MIN_JUDGED = 16  # draft tokens judged in a generation before auto may leave the draft in it
-AR_MARGIN = 1.05  # speculation must measure this much faster than ar to be chosen (timings are noisy)
 QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
-HOST_TIMEOUT_S = 60.0  # a draft host that answers no calibration rollout in this long has failed
 # Each piece is timed at least `reps` times and at least `min_timed_s` (MIN_TIMED_S; the quick calibration
 # 0.15 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
 # machine (a piece of 100 ms or more costs no extra time).
@@ -94,18 +83,6 @@ class TuneConfig:
                    progress=False, budget_s=quick_budget())
 
 
-@dataclass
-class Choice:
-    """A concrete mode and knobs, and why they were chosen (goes into Stats)."""
-
-    mode: str
-    kappa: int = PAPER_KNOBS["kappa"]
-    gamma: int = PAPER_KNOBS["gamma"]
-    exit_layer: Optional[int] = None
-    why: str = ""
-    leave_draft: Optional[Callable[[list], Optional[str]]] = None  # auto's test within a generation (`leave_draft`)
-
-
 # --- the calibration prompts ----------------------------------------------------------------------
 
 
@@ -117,10 +94,10 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
     cut ones: a cut opening's greedy text is less predictable (γ=3 accepted 2.18 tokens a step on
     openings cut to 13 tokens, 2.43 whole)."""
     if path:
-        from .prompts import load_prompts
+        from ..prompts import load_prompts
 
         return [pipe.encode(p.text) for p in load_prompts(path, n)]
-    from .corpus import load_split
+    from ..corpus import load_split
 
     pool = [pipe.encode(t) for t in reversed(load_split().held_out[-CALIBRATION_POOL:])]  # last first
     by_len: dict[int, list] = {}
@@ -161,7 +138,7 @@ def plain_draft_model(pipe: Any) -> Optional[Any]:
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
     (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
-    from .ane_draft.host import DraftRecipe, mlx_draft, mlx_draft_model
+    from ..ane_draft.host import DraftRecipe, mlx_draft, mlx_draft_model
 
     draft = getattr(pipe, "draft", None)
     if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
@@ -171,7 +148,7 @@ def plain_draft_model(pipe: Any) -> Optional[Any]:
 
 def greedy_texts(pipe: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (prompts of one length share each forward)."""
-    from .corpus import greedy_continuations
+    from ..corpus import greedy_continuations
 
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
     return pipe.engine.target_worker.call(partial(greedy_continuations, pipe.engine.target_model, prompts,
@@ -197,7 +174,7 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
     def draft_runs() -> tuple[list[int], list[int]]:
         runs, first = [], []
         for i in range(n0, len(full)):
-            w = engine.host.rollout(full[: i - 1], [[full[i - 1]]], gamma_max, timeout=HOST_TIMEOUT_S).windows[0]
+            w = engine.host.rollout(full[: i - 1], [[full[i - 1]]], gamma_max, timeout=DRAFT_TIMEOUT_S).windows[0]
             a = 0
             while a < len(w) and i + a < len(full) and w[a] == full[i + a]:
                 a += 1
@@ -312,7 +289,7 @@ class _Bench:
     def sync(self, context: list[int]) -> None:
         """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
         self.engine.host.post_sync(context)
-        self.engine.host.wait_done(HOST_TIMEOUT_S)
+        self.engine.host.wait_done(DRAFT_TIMEOUT_S)
 
     def rollout(self, stems: list[list[int]], gamma: int) -> float:
         """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
@@ -320,7 +297,7 @@ class _Bench:
         ctx = self.context[:-1]
         self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        self.engine.host.rollout(ctx, stems, gamma, timeout=HOST_TIMEOUT_S)
+        self.engine.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
         return time.perf_counter() - t0
 
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
@@ -339,7 +316,7 @@ class _Bench:
         self.sync(ctx[:-2])
         t0 = time.perf_counter()
         suffix = engine.target_worker.submit(mx.eval, final)
-        engine.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=HOST_TIMEOUT_S)  # awaited while the suffix runs
+        engine.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)  # awaited while the suffix runs
         suffix.result()
         elapsed = time.perf_counter() - t0
         engine.target_worker.call(trim_prompt_cache, self.cache, n)
@@ -382,7 +359,7 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
         ref = next(iter(t.parallel), None)
         if ref is not None:
             pieces[ref] = partial(b.parallel, *ref)
-        with pipe._lock:
+        with pipe.lock:
             got = interleaved(pieces, reps, tick, min_s)
         scale = t.parallel[ref] / got.pop(ref) if ref is not None else 1.0
         t.parallel.update({k: v * scale for k, v in got.items()})
@@ -401,34 +378,6 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
             out.append(r["config"])
             per[g] = per.get(g, 0) + 1
     return out
-
-
-@dataclass
-class Seen:
-    """What auto's runs at one sampling setting showed, against the calibration: `expected_rate` re-scores
-    the measured configurations with it."""
-
-    alphas: dict[int, float]  # the calibration's α per γ (its greedy traces)
-    window_ms: dict[int, float] = field(default_factory=dict)  # the draft's serial window per γ: a fallback's cost
-    acceptance: float = 1.0  # α seen / the calibration's
-    reuse: float = 1.0  # branch reuse seen / the reuse the table predicted for the configurations run
-    tokens: int = 0  # draft tokens judged
-    steps: int = 0  # Mirror-SD steps that reused a branch or fell back
-
-
-def expected_rate(row: dict, seen: Optional[Seen] = None) -> float:
-    """Tokens/s of a measured table row on what auto has seen (None: the calibration's text): its traces'
-    tokens per step carried over to α·acceptance by the geometric model (ar: one token a step), its measured
-    step time plus Eq. 10's serial window for each reuse lost (reuse·(1 − reuse factor) more fallbacks)."""
-    tokens, step_ms = row["tokens_per_step"], row["measured_step_ms"]
-    g = row["gamma"] if row["mode"] != "ar" else 0
-    if g and seen is not None and seen.acceptance != 1.0:
-        alpha = seen.alphas[g]
-        tokens *= geometric_tokens(min(alpha * seen.acceptance, 0.99), g) / geometric_tokens(alpha, g)
-    if row["mode"] == "mirror" and seen is not None and seen.reuse != 1.0:
-        reuse = row.get("reuse") or 0.0
-        step_ms += (reuse - min(1.0, reuse * seen.reuse)) * seen.window_ms.get(g, 0.0)
-    return 1e3 * tokens / step_ms
 
 
 def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
@@ -467,11 +416,6 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
             for c, (tok, steps, reuses, sec) in sums.items()}
 
 
-def run_config(pipe: Any, c: Config, prompts: list[list[int]], max_tokens: int, warm_up: bool = True) -> dict:
-    """`run_configs` for one configuration."""
-    return run_configs(pipe, [c], prompts, max_tokens, warm_up)[c]
-
-
 def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
     """Configurations run for real to measure each mode's overhead: ar; sd and mirror at the smallest
     and the middle γ (their overhead grows with the window)."""
@@ -499,25 +443,10 @@ def fit_overheads(t: Timings, runs: dict) -> None:
         t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
 
 
-def choose(table: list[dict], seen: Optional[Seen] = None,
-           incumbent: Optional[dict] = None) -> tuple[dict, dict, str]:
-    """(the confirmed row fastest on what auto has seen, the ar row, a note).
-
-    A row replaces the `incumbent` (default ar) only if it is expected AR_MARGIN faster: timings are noisy,
-    and a gain within noise is not worth leaving plain generation (or, when adapting, the tuned choice)."""
-    rows = [r for r in table if r.get("confirmed") and r.get("measured_step_ms")]
-    ar = next(r for r in rows if r["mode"] == "ar")
-    keep = incumbent or ar
-    best = max(rows, key=lambda r: expected_rate(r, seen))
-    if best is not keep and expected_rate(best, seen) < AR_MARGIN * expected_rate(keep, seen):
-        what = "ar" if keep is ar else "the tuned choice"
-        return keep, ar, f"; nothing else {AR_MARGIN:.2f}x {what}, so {what}"
-    return best, ar, ""
-
-
 def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
-              log: Callable[[str], None] = lambda s: None) -> profiles.Profile:
-    """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration."""
+              log: Callable[[str], None] = lambda s: None, key: Optional[dict] = None) -> profiles.Profile:
+    """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration.
+    `key`: the pair's profile key (profile.key_for), computed here when not given."""
     from tqdm import tqdm
 
     if pipe.draft is None:
@@ -552,7 +481,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
 
     try:
         traces = []
-        with pipe._lock:  # direct use of the target and the host: no generation of another thread meanwhile
+        with pipe.lock:  # direct use of the target and the host: no generation of another thread meanwhile
             for p, text in zip(prompts, greedy_texts(pipe, prompts, cfg.max_tokens)):
                 traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas), text=text))
                 tick()
@@ -604,245 +533,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                    "acceptance": {str(g): list(v) for g, v in counts.items()},  # γ: [accepted, rejections]
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
     log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
-    return profiles.Profile(key=pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
+    key = key or profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+    return profiles.Profile(key=key, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
                             why=why, table=table, calibration=calibration)
 
 
-# --- mode="auto" ----------------------------------------------------------------------------------
-
-
-def pipe_key(pipe: Any) -> dict:
-    key = getattr(pipe, "_profile_key", None)
-    if key is None:
-        key = pipe._profile_key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
-    return key
-
-
-_calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
-
-
-def profile_for(pipe: Any) -> profiles.Profile:
-    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr)."""
-    prof = getattr(pipe, "_profile", None)
-    if prof is not None:
-        return prof
-    with _calibrating:
-        return _load_or_calibrate(pipe)
-
-
-def _load_or_calibrate(pipe: Any) -> profiles.Profile:
-    prof = getattr(pipe, "_profile", None)
-    if prof is not None:
-        return prof
-    key = pipe_key(pipe)
-    try:
-        prof = profiles.load(key)
-    except profiles.ProfileError as e:
-        print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
-        prof = None
-    if prof is None:
-        t0 = time.perf_counter()
-        cfg = TuneConfig.quick()
-        try:
-            prof = calibrate(pipe, cfg)
-        except OutOfTime:  # the safe rule: plain generation is never slower than itself
-            prof = profiles.Profile(key=key, mode="ar", why=(
-                f"quick calibration ran out of its {cfg.budget_s:g} s budget (MIRROR_MLX_QUICK_BUDGET), "
-                "so ar, the safe rule"))
-            print(f"mirror-mlx: mode auto: {prof.why}; not saved (`mirror-mlx tune` measures without a budget)",
-                  file=sys.stderr)
-        except Exception as e:  # a draft that fails here would fail in generation too: plain, visibly
-            prof = profiles.Profile(key=key, mode="ar", why=f"quick calibration failed ({e!r}), so ar")
-            print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)
-        else:
-            prof.why = "quick " + prof.why
-            path = profiles.save(prof)
-            print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
-                  f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
-                  "(`mirror-mlx tune` measures more)", file=sys.stderr)
-    pipe._profile = prof
-    return prof
-
-
-def row_config(row: dict) -> Config:
-    return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"])
-
-
-def describe(c: Any) -> str:
-    return Config(c.mode, c.kappa if c.mode == "mirror" else None, c.gamma if c.mode != "ar" else None,
-                  c.exit_layer if c.mode == "mirror" else None).name
-
-
-def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tuple[float, int]:
-    """(the weighted mean of seen / expected, how many seen): `counts` holds (expected rate, hits, misses)
-    per group; each group's rate is pooled with its expected one, which weighs as `prior_weight` hits and
-    misses (the user's text need not be like the calibration's, so it soon outweighs it)."""
-    num = n = 0
-    for expected, hits, misses in counts:
-        if expected <= 0 or not hits + misses:
-            continue
-        pooled = (expected * prior_weight + hits) / (prior_weight + hits + misses)
-        num += (hits + misses) * pooled / expected
-        n += hits + misses
-    return (num / n if n else 1.0), n
-
-
-def observed(prof: profiles.Profile, seen: dict[tuple, list[int]], prior_tokens: int = PRIOR_TOKENS,
-             prior_steps: int = PRIOR_STEPS) -> Optional[Seen]:
-    """`Seen` from auto's runs at one sampling setting (Engine.auto_seen[setting]): per γ, the draft's α
-    (accepted / (accepted + rejections)) against the calibration traces replayed at that γ (pooled with
-    them at PRIOR_TOKENS); per Mirror-SD configuration, its branch reuse against the table's prediction
-    (pooled at PRIOR_STEPS). None before anything was seen, or for a profile without acceptance counts
-    (a quick one that fell back to ar)."""
-    prior = prof.calibration.get("acceptance")
-    if not prior or not seen:
-        return None
-    alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
-    per_gamma: dict[int, list[int]] = {}
-    for (_, _, g, _), (a, r, *_) in seen.items():
-        per_gamma.setdefault(g, [0, 0])
-        per_gamma[g][0] += a
-        per_gamma[g][1] += r
-    acceptance, tokens = pooled_ratio([(alphas.get(g, 0.0), a, r) for g, (a, r) in per_gamma.items()],
-                                      prior_tokens)
-    rows = {(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]): r for r in prof.table}
-    reuse, steps = pooled_ratio([(rows[c].get("reuse") or 0.0, v[2], v[3]) for c, v in seen.items()
-                                 if c[0] == "mirror" and c in rows], prior_steps)
-    window = prof.calibration.get("timings", {}).get("window", {})
-    return Seen(alphas, {int(g): 1e3 * s for g, s in window.items()}, acceptance, reuse, tokens, steps)
-
-
-def adapt(prof: profiles.Profile, seen: dict[tuple, list[int]], setting: str = "temperature 0") -> Optional[Choice]:
-    """The profile's choice on the text auto has served at one sampling setting: every confirmed row
-    re-scored (`expected_rate`) at the acceptance and reuse seen there (`observed`), its measured step time
-    kept. None before anything was seen."""
-    s = observed(prof, seen)
-    if s is None or not s.tokens or not any(r.get("confirmed") for r in prof.table):
-        return None
-    tuned = next((r for r in prof.table if r.get("confirmed") and describe(row_config(r)) == describe(prof)), None)
-    best, _, margin = choose(prof.table, s, incumbent=tuned)
-    reuse = (f", its branches reused {s.reuse:.2f}x as often as predicted ({s.steps} steps)"
-             if s.steps else "")
-    why = (f"adapted: at {setting} the draft is right {s.acceptance:.2f}x as often in auto's runs "
-           f"({s.tokens} draft tokens judged) as in calibration{reuse}, "
-           f"{expected_rate(best, s):.0f} tok/s expected{margin}")
-    return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
-                  best["exit_layer"], why)
-
-
-def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[list], Optional[str]]]:
-    """For auto's speculative choice `c`: a test the engine runs after each step of a generation with this
-    generation's counts [accepted, rejections, reuses, fallbacks]. It says why to go on with ar once
-    the text at hand (its counts pooled with the calibration's at WITHIN_PRIOR_*) makes ar's measured rate
-    AR_MARGIN above the choice's (`expected_rate`); `adapt` learns across generations, this within one.
-    None where there is nothing to compare (ar, no confirmed row for `c`, a profile without counts)."""
-    rows = [r for r in prof.table if r.get("confirmed") and r.get("measured_step_ms")]
-    here = next((r for r in rows if r["mode"] != "ar" and describe(row_config(r)) == describe(c)), None)
-    ar = next((r for r in rows if r["mode"] == "ar"), None)
-    if c.mode == "ar" or here is None or ar is None or not prof.calibration.get("acceptance"):
-        return None
-    config = (c.mode, c.kappa if c.mode == "mirror" else None, c.gamma, c.exit_layer if c.mode == "mirror" else None)
-
-    def test(counts: list) -> Optional[str]:
-        if counts[0] + counts[1] < WITHIN_MIN_JUDGED:
-            return None
-        s = observed(prof, {config: counts}, WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS)
-        rate, plain = expected_rate(here, s), expected_rate(ar, s)
-        if plain < AR_MARGIN * rate:
-            return None
-        reuse = f", its branches reused {s.reuse:.2f}x as often as predicted" if s.steps else ""
-        return (f"the draft is right {s.acceptance:.2f}x as often in this text ({s.tokens} draft tokens judged) "
-                f"as in calibration{reuse}: {rate:.0f} tok/s expected, ar {plain:.0f}")
-
-    return test
-
-
-def setting_name(sampling: tuple) -> str:
-    """DecodeOptions.sampling in words, for `why`."""
-    if sampling[0] == 0:
-        words = ["temperature 0"]
-    else:
-        t, top_p, top_k, min_p = sampling[:4]
-        words = [f"temperature {t:g}"] + ([f"top_p {top_p:g}"] if top_p < 1 else []) + \
-            ([f"top_k {top_k}"] if top_k else []) + ([f"min_p {min_p:g}"] if min_p else [])
-    return " ".join(words + ([f"repetition_penalty {sampling[-1]:g}"] if sampling[-1] is not None else []))
-
-
-def resolve(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
-            sampling: Optional[tuple] = None) -> Choice:
-    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
-    adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`)."""
-
-    def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> Choice:
-        return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why)
-
-    if mode != "auto":
-        return knobs(kappa, gamma, exit_layer, f"mode {mode} as asked", mode)
-    if pipe.draft is None:
-        return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
-    if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
-        return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
-    prof = profile_for(pipe)
-    asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
-    if not asked:
-        # a copy (dict() is one step under the GIL): a generation on another thread may add to it meanwhile
-        seen = {c: list(v) for c, v in dict(pipe.engine.auto_seen.get(sampling) or {}).items()} \
-            if sampling is not None else None
-        adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
-        if adapted is not None:
-            c = replace(adapted, why="auto: " + adapted.why)
-        else:
-            c = knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
-        return replace(c, leave_draft=leave_draft(prof, c))
-    # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
-    need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
-    rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)
-            and all(r.get(k) == v for k, v in asked.items())]
-    if not rows:
-        return knobs(kappa, gamma, exit_layer, "auto with knobs outside the profile's grid: mirror with them")
-    r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
-    why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
-    return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
-                 r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
-
-
-# --- reporting ------------------------------------------------------------------------------------
-
-
-def format_table(prof: profiles.Profile, top: int = 10) -> str:
-    """Predicted vs measured tokens/s: the top predictions and every measured configuration."""
-    rows = [r for i, r in enumerate(prof.table) if i < top or r.get("measured") is not None]
-    lines = [f"{'configuration':<38} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
-             f"{'error':>7}"]
-    for r in rows:
-        m = r.get("measured")
-        err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
-        note = " (probe)" if r.get("confirmed", True) else " (probe, 1 prompt)"
-        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (note if r.get("probe") else "")
-        predicted = ("≤" if r.get("bound") else "") + f"{r['predicted']:.1f}"  # ≤: suffix ‖ rollout not measured
-        lines.append(f"{name:<38} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
-                     f"{predicted:>10} {m if m is not None else float('nan'):>9.1f} {err:>7}")
-    return "\n".join(lines)
-
-
-def acceptance_line(prof: profiles.Profile) -> str:
-    """The calibration's draft acceptance per γ, as `stats.acceptance_rate` reads it (what auto adapts from)."""
-    acc = prof.calibration.get("acceptance") or {}
-    return ("draft acceptance α per γ on the calibration text (auto compares stats.acceptance_rate with it): "
-            + ", ".join(f"γ={g} {a / max(a + r, 1):.2f}" for g, (a, r) in acc.items())) if acc else ""
-
-
-def contention(prof: profiles.Profile) -> str:
-    """For the chosen mirror point: suffix ‖ rollout measured together against Eq. 10's ideal max()."""
-    if prof.mode != "mirror":
-        return ""
-    t = prof.calibration["timings"]
-    k, g, e = prof.kappa, prof.gamma, prof.exit_layer
-    suffix = t["suffix"][str((e, g + 1))]
-    rollout = t["rollout"][str((k * (g + 1), g))]
-    together = t["parallel"].get(str((e, k, g)))
-    if together is None:  # chosen from its real runs; its prediction used the floor (confirmed past the top: pick_confirm)
-        return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: not timed together (confirmed by its real runs); "
-                f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart")
-    return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
-            f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")

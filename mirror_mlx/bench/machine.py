@@ -10,20 +10,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import __version__
+from .. import __version__
 
 
 def machine() -> dict:
     """What the numbers depend on: CPU, cores, load, versions, BLAS threads."""
     import mlx_lm
 
-    from .blas import status
+    from ..blas import cpu_name, status
 
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()

@@ -1,0 +1,161 @@
+"""`mirror-mlx generate` and `cache-prompt`: mlx_lm.generate's and mlx_lm.cache_prompt's flags."""
+
+import json
+from pathlib import Path
+
+import click
+
+from mirror_mlx import text
+from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, read_prompt, template_config, usage_error)
+
+
+def add_eos_tokens(tokenizer, tokens) -> None:
+    for token in tokens:  # mlx-lm would take an unknown string as the unknown-token id; refuse it instead
+        try:
+            if not token.isdigit() and token not in tokenizer.get_vocab():
+                raise ValueError(token)
+            tokenizer.add_eos_token(token)
+        except ValueError:
+            raise click.UsageError(f"--extra-eos-token {token!r} is not a token of this tokenizer: give a token "
+                                   "string from its vocabulary or an id")
+
+
+def read_prompt_cache(path: str, model, decode: dict):
+    """--prompt-cache-file: the loaded cache, the model to load and its tokenizer config, as mlx_lm.generate
+    takes them from the file's metadata; a file without token ids (mlx_lm.cache_prompt's) turns auto into ar."""
+    from mirror_mlx import demo_pair
+    from mirror_mlx.prompt_cache import read
+
+    try:
+        cache = read(path)
+    except ValueError as e:
+        raise click.UsageError(f"--prompt-cache-file: {e}")
+    made_with = cache.metadata.get("model")
+    if model is not None and made_with is not None and not same_model(model, made_with):
+        raise click.UsageError(f"--model {model} is not the model that made --prompt-cache-file ({made_with}): "
+                               "drop --model (the file names its model) or make the file again with this one")
+    if model is None and made_with is not None and not same_model(made_with, demo_pair.TARGET):
+        model = made_with  # as mlx-lm: the file names its model (the demo target: the demo pair, as no --model)
+    if cache.tokens is None:
+        if decode["mode"] in ("sd", "mirror"):
+            raise click.UsageError(
+                f"--mode {decode['mode']} needs the cached prompt's token ids (the draft reads them), and "
+                f"--prompt-cache-file {path} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
+                "cache-prompt` (mlx-lm's format plus the ids), or use --mode ar")
+        if decode["mode"] == "auto":  # the Pipeline runs ar (stats.why says so)
+            click.echo(f"mirror-mlx: {path} holds no prompt token ids (mlx_lm.cache_prompt's file), which the draft "
+                       "needs: running --mode ar (`mirror-mlx cache-prompt` makes a file every mode can use)", err=True)
+    if decode["max_kv_size"] is not None:
+        click.echo("mirror-mlx: --max-kv-size has no effect with --prompt-cache-file (as in mlx-lm): the file's "
+                   "cache is used as it is", err=True)
+        decode["max_kv_size"] = None
+    try:
+        tokenizer_config = json.loads(cache.metadata.get("tokenizer_config", "{}"))
+    except ValueError:
+        raise click.UsageError(f"--prompt-cache-file {path}: its tokenizer_config is not JSON") from None
+    return cache, model, tokenizer_config
+
+
+def same_model(a, b) -> bool:
+    """Two --model values naming the same model: equal, or the same local folder."""
+    if str(a) == str(b):
+        return True
+    pa, pb = Path(str(a)).expanduser(), Path(str(b)).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+@click.command("generate")
+@model_options
+@mlx_lm_load_options
+@click.option("--prompt", "-p", default="Once upon a time", show_default=True, help="Prompt text ('-' reads stdin).")
+@click.option("--system-prompt", default=None, help="A system message before the prompt (with a chat template).")
+@click.option("--ignore-chat-template", is_flag=True, help="Use the prompt text as is, without the chat template.")
+@click.option("--use-default-chat-template", is_flag=True,
+              help="Accepted as mlx-lm 0.32 accepts it: it has no effect there either.")
+@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@click.option("--extra-eos-token", multiple=True, help="Another token that ends generation (repeatable).")
+@click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None,
+              help="Continue a cached prompt prefix (mirror-mlx cache-prompt's file: every mode; "
+                   "mlx_lm.cache_prompt's: --mode ar, which auto then picks).")
+@decode_options(max_tokens=100, seed=None)
+@click.option("--verbose/--quiet", default=True, show_default=True,
+              help="Stream the text, then the timing and Mirror-SD stats on stderr; --quiet prints the text only.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
+def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, prompt, system_prompt,
+                 ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
+                 prompt_cache_file, verbose, as_json, **decode) -> None:
+    """Generate from a prompt; prints the text as it is committed, then the stats on stderr."""
+    from mirror_mlx.blas import status
+
+    cache, tokenizer_config = None, None
+    if prompt_cache_file is not None:
+        cache, model, tokenizer_config = read_prompt_cache(prompt_cache_file, model, decode)
+    template_kwargs = template_config(chat_template_config)
+    prompt = read_prompt(prompt)
+    ar_only = cache is not None and cache.tokens is None  # then no draft is needed
+    pipe = load_pipeline(model, draft_model, exit_adapter, "ar" if ar_only else decode["mode"], adapter_path,
+                         trust_remote_code, tokenizer_config)
+    kwargs = generation_kwargs(**decode)
+    try:
+        add_eos_tokens(pipe.tokenizer, extra_eos_token)
+        if use_default_chat_template:
+            click.echo("mirror-mlx: --use-default-chat-template has no effect (as in mlx-lm 0.32)", err=True)
+        use_template = not ignore_chat_template and pipe.tokenizer.has_chat_template
+        if system_prompt is not None and not use_template:
+            click.echo("mirror-mlx: no chat template in use: --system-prompt is ignored (as mlx-lm does)", err=True)
+        ids = text.cli_prompt(pipe.tokenizer, prompt, system_prompt, use_template, template_kwargs,
+                              cached=cache is not None)
+        if as_json:
+            result = pipe.generate(ids, prompt_cache=cache, **kwargs)
+            click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
+            return
+        last, said = None, []
+        for last in pipe.stream(ids, prompt_cache=cache, **kwargs):
+            said.append(last.text)
+            if verbose:
+                click.echo(last.text, nl=False)
+        click.echo("" if verbose else "".join(said))  # --quiet: as mlx-lm, the whole text at the end
+    except (ValueError, TypeError) as e:
+        raise usage_error(e)
+    finally:
+        pipe.close()
+    if verbose and last is not None:
+        click.secho(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec\n"
+                    f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec\n"
+                    f"Peak memory: {last.peak_memory:.3f} GB\n" + pipe.stats.summary() + f" | {status()}",
+                    dim=True, err=True)
+
+
+@click.command("cache-prompt")
+@click.option("--model", default=None, help="Target: model folder or Hugging Face id [default: the embedded demo target].")
+@mlx_lm_load_options
+@click.option("--eos-token", default=None, help="End-of-sequence token for the tokenizer (as mlx_lm.cache_prompt).")
+@click.option("--prompt-cache-file", required=True, type=click.Path(dir_okay=False), help="The file to write.")
+@click.option("--prompt", "-p", required=True, help="The prefix to cache ('-' reads stdin).")
+def cache_prompt_cmd(model, adapter_path, trust_remote_code, eos_token, prompt_cache_file, prompt) -> None:
+    """mlx_lm.cache_prompt, plus the prompt's token ids: `generate --prompt-cache-file` then works in every mode."""
+    from mirror_mlx import demo_pair, prompt_cache
+    from mirror_mlx.loading import load_model
+    from mirror_mlx.pipeline import check_adapter_path
+
+    prompt = read_prompt(prompt)
+    tokenizer_config = {"trust_remote_code": trust_remote_code}
+    if eos_token is not None:
+        tokenizer_config["eos_token"] = eos_token
+    model = str(demo_pair.TARGET) if model is None else model
+    try:
+        check_adapter_path(adapter_path)
+        target, tokenizer = load_model(model, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
+                                       trust_remote_code=trust_remote_code)
+        ids = text.cache_prefix(tokenizer, prompt)
+        saved = prompt_cache.write(prompt_cache_file, target, ids,
+                                   {"model": model, "tokenizer_config": json.dumps(tokenizer_config)})
+    except ValueError as e:
+        raise usage_error(e)
+    except (OSError, RuntimeError) as e:  # MLX reports an unwritable path as a RuntimeError
+        raise click.UsageError(f"cannot write --prompt-cache-file {prompt_cache_file}: {e}")
+    click.echo(f"wrote {prompt_cache_file}: {saved.length} prompt tokens (mlx_lm.cache_prompt's format plus their "
+               "ids: `generate --prompt-cache-file` takes it in every --mode)")
+
+

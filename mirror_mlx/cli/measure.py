@@ -1,0 +1,120 @@
+"""`mirror-mlx tune`, `bench` and `omega`: measuring the pair on this machine (defaults from TuneConfig
+and BenchConfig)."""
+
+from pathlib import Path
+
+import click
+
+from mirror_mlx.bench.run import BenchConfig
+from mirror_mlx.cli import load_pipeline, model_options
+from mirror_mlx.tune.calibrate import TuneConfig
+
+TUNE = TuneConfig()
+BENCH = BenchConfig()
+
+
+@click.command("tune")
+@model_options
+@click.option("--prompts", "prompts_file", default=None,
+              help="Calibration prompts: FILE.jsonl (a 'prompt' or 'turns' field per line) or a prompt set name "
+                   "[default: held-out TinyStories openings].")
+@click.option("--limit", type=click.IntRange(min=1), default=TUNE.prompts, show_default=True, help="Calibration prompts.")
+@click.option("--max-tokens", "-m", type=click.IntRange(min=4), default=TUNE.max_tokens, show_default=True,
+              help="Greedy tokens per calibration prompt.")
+@click.option("--confirm", type=click.IntRange(min=1), default=TUNE.confirm, show_default=True,
+              help="Top predictions to measure end to end.")
+@click.option("--min-seconds", type=click.FloatRange(min=0), default=TUNE.min_seconds, show_default=True,
+              help="Each configuration run for real goes round its prompts until it has decoded this long.")
+@click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
+@click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another, as "
+              "`bench --pin` does (Linux; set OPENBLAS_NUM_THREADS=1 too): calibrate as the bench runs.")
+def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
+             pin) -> None:
+    """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses."""
+    from mirror_mlx.bench.machine import pin_threads
+    from mirror_mlx.compute_plan import report as compute_plan_report
+    from mirror_mlx.tune import profile, report
+    from mirror_mlx.tune.calibrate import calibrate
+    from mirror_mlx.tune.choose import describe
+
+    pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
+    if pin:
+        pinning = pin_threads(pipe)
+        click.echo(f"pinning: {pinning}", err=True)
+    cfg = TuneConfig.quick() if quick else TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm,
+                                                      min_seconds=min_seconds)
+    if quick:
+        cfg.progress = True
+    try:
+        prof = calibrate(pipe, cfg, prompts_file)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    finally:
+        pipe.close()
+    path = profile.save(prof)
+    click.echo(report.format_table(prof))
+    for line in (report.contention(prof), report.acceptance_line(prof), compute_plan_report(draft_model)):
+        if line:
+            click.echo(line)
+    click.echo(f"chose {describe(prof)}: {prof.why}")
+    split = ", ".join(f"{k} {v:.0f} s" for k, v in prof.calibration.get("phases", {}).items())
+    click.echo(f"calibrated in {prof.calibration['seconds']:.0f} s ({split}) on {prof.key['machine']}; wrote {path}")
+
+
+@click.command("omega")
+@click.option("--model", default=None, help="Target model [default: the embedded demo target].")
+@click.option("--draft-model", default=None, help="Draft whose greedy token each row excludes [default: demo draft].")
+@click.option("--exit-adapter", "exit_adapters", multiple=True, type=click.Path(dir_okay=False),
+              help="An adapter from train-exit (repeat for several layers).")
+@click.option("--prompts", type=int, default=50, show_default=True, help="Held-out TinyStories openings.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Greedy tokens per opening.")
+@click.option("--exit-layer", "layers", type=int, multiple=True, help="Layers to measure [default: all].")
+def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[str, ...], prompts: int,
+              max_tokens: int, layers: tuple[int, ...]) -> None:
+    """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
+    from mirror_mlx.omega import run_omega
+
+    try:
+        click.echo(run_omega(model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
+    except ValueError as e:
+        raise click.UsageError(str(e))
+
+
+@click.command("bench")
+@model_options
+@click.option("--prompts", default=BENCH.prompts, show_default=True,
+              help="tinystories, spec_bench, mt_bench or FILE.jsonl (a 'prompt' or 'turns' field per line).")
+@click.option("--limit", type=click.IntRange(min=1), default=BENCH.limit, show_default=True, help="Prompts to run.")
+@click.option("--skip", type=click.IntRange(min=0), default=BENCH.skip, show_default=True,
+              help="Leave out the first N prompts (e.g. those a sweep chose the knobs on).")
+@click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=BENCH.max_tokens, show_default=True)
+@click.option("--modes", default=",".join(BENCH.modes), show_default=True,
+              help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own), auto (the tuned choice); "
+                   "ar always runs as reference.")
+@click.option("--temp", type=float, default=BENCH.temp, show_default=True, help="Sampling temperature.")
+@click.option("--kappa", type=int, default=BENCH.kappa, show_default=True, help="Top-κ width at the early exit.")
+@click.option("--gamma", type=int, default=BENCH.gamma, show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--exit-layer", type=int, default=BENCH.exit_layer,
+              help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2].")
+@click.option("--seed", type=int, default=BENCH.seed, show_default=True, help="Seed of prompt i is seed + i.")
+@click.option("--sweep", default=None,
+              help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '
+                   'exit=N/4,N/2,3N/4".')
+@click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another "
+              "(Linux; set OPENBLAS_NUM_THREADS=1 too).")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for results.json, results.md and the plots.")
+def bench_cmd(**kwargs) -> None:
+    """Mirror-SD against mlx-lm's generate_step and speculative decoding, same prompts, one process."""
+    from mirror_mlx.bench.run import Mismatch, bench
+
+    try:
+        report = bench(BenchConfig(**kwargs))
+    except Mismatch as e:
+        raise click.ClickException(f"{e} (partial results in {kwargs['out']}/results.json)")
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    click.echo((kwargs["out"] / "results.md").read_text())
+    if report.get("best"):
+        click.echo(f"best sweep point: {report['best']['name']}")

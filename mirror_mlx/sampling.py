@@ -1,0 +1,53 @@
+"""The target's choice at each row, exactly as mlx-lm's generate_step would make it, and seeds keyed by
+absolute position so that ar, sd and mirror sample the same tokens."""
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
+
+
+def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
+    """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
+
+    Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
+    `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
+    """
+    if processors:
+        rows = []
+        for j in range(logits.shape[0]):
+            row = logits[j : j + 1]
+            tokens = mx.array(list(history) + list(window[:j]))
+            for p in processors:
+                row = p(tokens, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sampler(logprobs, len(history))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for (seed, absolute position) (splitmix64): independent draws per position."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
+    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
+
+    With a seed, the draw for position p is keyed by (seed, p), not by how many draws came before,
+    so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
+    """
+    if seed is None or sampler is greedy_sampler:
+        return lambda logprobs, first: sampler(logprobs).tolist()
+
+    def sample(logprobs: mx.array, first: int) -> list[int]:
+        rows = []
+        for j in range(logprobs.shape[0]):
+            mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
+            rows.append(sampler(logprobs[j : j + 1]))
+        return mx.concatenate(rows).tolist()
+
+    return sample

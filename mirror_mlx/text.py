@@ -1,0 +1,183 @@
+"""Text → token ids, every way a prompt comes in, written once.
+
+- `plain`: the tokenizer's own encoding (mlx_lm.generate without a template, /v1/completions);
+- `as_is`: mlx-lm's stream_generate rule (a BOS unless the text has one; mirror_mlx.stream_generate);
+- `api_prompt`: `Pipeline.generate("text")`: one user message through the chat template, unless the
+  caller templated it already;
+- `after_cache`: what follows a cached prefix (no template, no BOS);
+- `cli_prompt`: mlx_lm.generate's --prompt / --system-prompt / --prompt-cache-file rules;
+- `cache_prefix`: mlx_lm.cache_prompt's open user message;
+- `conversation`: a chat's messages, keeping the ids of the turns the caches already hold.
+
+Nothing here validates ids or options: the Pipeline does that once per call.
+"""
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from . import validate
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "has_chat_template", False))
+
+
+def plain(tokenizer: Any, text: str) -> list[int]:
+    """The tokenizer's own encoding, special tokens as it adds them."""
+    return list(tokenizer.encode(text))
+
+
+def as_is(tokenizer: Any, text: str) -> list[int]:
+    """Text as is (no template), as mlx-lm's stream_generate encodes it: a BOS unless the text has one."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
+def after_cache(tokenizer: Any, text: str) -> list[int]:
+    """Text that continues a cached prefix: no template, no BOS."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def template_opening(tokenizer: Any, **template_kwargs: Any) -> str:
+    """What the chat template puts before a user message's content ("" without a template)."""
+    if not has_chat_template(tokenizer):
+        return ""
+    marker = "\x00mirror-mlx\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                         tokenize=False, **template_kwargs)
+    return text[: text.index(marker)] if marker in text else ""
+
+
+def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None) -> list[int]:
+    """Text goes through the chat template as one user message when the tokenizer has one, unless the text
+    already starts with the template's own opening (templated by the caller, as mlx-lm's README does): then
+    it is encoded as is, never templated twice."""
+    template_kwargs = template_kwargs or {}
+    if not has_chat_template(tokenizer):
+        return as_is(tokenizer, text)
+    opening = template_opening(tokenizer, **template_kwargs)
+    if opening and text.startswith(opening):  # the caller templated it already
+        return as_is(tokenizer, text)
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              **template_kwargs))
+
+
+def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_template: bool,
+               template_kwargs: dict, cached: bool = False) -> list[int]:
+    """The prompt as mlx_lm.generate builds it: through the chat template if `use_template`, else plain.
+
+    `cached` (--prompt-cache-file): as mlx-lm, only the templated text from the user message's content
+    on, since the cached prefix (mlx_lm.cache_prompt's open user message) holds what precedes it.
+    """
+    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if not use_template:
+        return plain(tokenizer, prompt)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": prompt})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except Exception as e:  # a template raises for roles it does not know (say, no system role)
+        raise ValueError(f"the model's chat template refused the prompt ({e}): drop --system-prompt or "
+                         "use --ignore-chat-template") from None
+    if cached:  # mlx-lm's rule, template variables left out of the probe as mlx-lm leaves them
+        probe = tokenizer.apply_chat_template(messages[:-1] + [{"role": "user", "content": "<query>"}],
+                                              tokenize=False, add_generation_prompt=True)
+        text = text[probe.index("<query>"):]
+    return after_cache(tokenizer, text)
+
+
+def cache_prefix(tokenizer: Any, prompt: str) -> list[int]:
+    """The prefix as mlx_lm.cache_prompt encodes it: an open user message of the chat template (the
+    generate prompt continues it), else the plain text."""
+    if has_chat_template(tokenizer):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=False,
+                                                  continue_final_message=True))
+    return plain(tokenizer, prompt)
+
+
+# --- conversations --------------------------------------------------------------------------------
+#
+# The engine reuses the target's and the draft's caches by longest common prefix, so a turn is cheap
+# only if the token ids of the earlier turns stay exactly as the engine saw them. Re-encoding the whole
+# conversation would not guarantee that (a reply's generated ids need not be how the tokenizer would
+# encode its text), so the pipeline remembers the ids it ran (prompt + every committed reply token)
+# and a new turn appends the new messages' ids to them.
+
+
+@dataclass
+class Conversation:
+    """The messages the engine has seen and the exact ids it ran for them."""
+
+    messages: list[Message] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stop_token: Optional[int] = None  # the end-of-sequence token that ended the last reply, if any
+
+
+def clean_message(m: Any) -> Message:
+    """A copy of one message whose text is valid UTF-8 (undecodable bytes replaced, with one warning)."""
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+        raise TypeError(f"each message must be a dict with a str 'content', not {m!r:.60}")
+    content, replaced = validate.clean_text(m["content"])
+    if replaced:
+        warnings.warn(validate.REPLACED, stacklevel=3)
+    return dict(m, content=content)
+
+
+def _same(a: Sequence[Message], b: Sequence[Message]) -> bool:
+    return len(a) == len(b) and all(x.get("role") == y.get("role") and x.get("content") == y.get("content")
+                                    for x, y in zip(a, b))
+
+
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, **template_kwargs: Any) -> str:
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
+                                             tokenize=False, **template_kwargs)
+    except Exception as e:  # templates raise for roles or orders they do not support
+        raise ValueError(f"the model's chat template refused the conversation: {e}") from None
+
+
+def _turns(tokenizer: Any, messages: Sequence[Message], first: bool) -> list[int]:
+    """Plain continuation: the turns' texts one after another (a BOS only at the very start)."""
+    ids: list[int] = []
+    for i, m in enumerate(messages):
+        ids += tokenizer.encode(m["content"], add_special_tokens=first and i == 0)
+    return ids
+
+
+def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwargs: Any) -> Optional[list[int]]:
+    """The ids that follow `conv.tokens` in the rendered `full` text, or None when it cannot tell.
+
+    The text so far is rendered without a generation prompt; it must end with the last reply plus the
+    template's closing text (say "<|im_end|>\\n"), and what follows the reply in `full` is encoded.
+    When the reply ended on a stop token, that token's text is encoded along and its id dropped, so
+    the boundary tokenizes as it would in one piece (SentencePiece would add a space otherwise).
+    """
+    reply = conv.messages[-1]["content"]
+    prev = _render(tokenizer, conv.messages, False, **template_kwargs)
+    at = prev.rfind(reply) if reply else -1
+    if at < 0 or not full.startswith(prev[: at + len(reply)]):
+        return None
+    ids = after_cache(tokenizer, full[at + len(reply):])
+    if conv.stop_token is not None and ids[:1] == [conv.stop_token]:
+        return ids[1:]
+    return ids
+
+
+def conversation(tokenizer: Any, conv: Conversation, messages: Sequence[Message],
+                 template_kwargs: Optional[dict] = None) -> list[int]:
+    """The ids to run for `messages` plus the assistant's turn; the remembered ids (`conv`) stay a prefix
+    whenever `messages` extend the remembered conversation (its last reply included)."""
+    template_kwargs = template_kwargs or {}
+    n = len(conv.messages)
+    extends = n > 0 and len(messages) > n and _same(messages[:n], conv.messages)
+    if not has_chat_template(tokenizer):
+        return conv.tokens + _turns(tokenizer, messages[n:], False) if extends else _turns(tokenizer, messages, True)
+    full = _render(tokenizer, messages, True, **template_kwargs)
+    ids = after_cache(tokenizer, full)
+    if not extends or ids[: len(conv.tokens)] == conv.tokens:
+        return ids
+    tail = _template_tail(tokenizer, conv, full, **template_kwargs)
+    return ids if tail is None else conv.tokens + tail

@@ -1,0 +1,265 @@
+"""mode="auto" at run time: resolve each call's mode and knobs from the pair's profile (loaded, or
+calibrated on first use), adapt them across calls to what auto's own runs have seen (`adapt`), and
+within a call leave the draft once the text at hand defeats it (`leave_draft`, run by the engine
+after each step through `AutoRun`).
+
+At temperature 0 the draft's acceptance seen in auto's own generations moves every confirmed
+configuration's tokens per step (a more predictable text favours longer windows); their measured
+step times stay.
+"""
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+from ..options import PAPER_KNOBS, DecodeOptions
+from . import profile as profiles
+from .choose import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
+
+PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
+PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
+# Within one generation (`leave_draft`) the text at hand counts for more: a prompt unlike any before
+# (an extraction after stories) defeats the draft from its first steps.
+WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS = 8, 4
+WITHIN_MIN_JUDGED = 16  # draft tokens judged in a generation before auto may leave the draft in it
+
+Counts = list  # [draft tokens accepted, rejecting steps, steps that reused a branch, fallbacks]
+ConfigKey = tuple  # (mode, κ, γ, ℓe) of a speculative configuration, None where the mode has no such knob
+
+
+@dataclass
+class AutoState:
+    """One pipeline's mode auto: its profile (None until first needed), the profile's key, and what auto's
+    runs have seen, per sampling setting (DecodeOptions.sampling) and configuration (`ConfigKey`)."""
+
+    profile: Optional[profiles.Profile] = None
+    key: Optional[dict] = None
+    seen: dict[tuple, dict[ConfigKey, Counts]] = field(default_factory=dict)
+
+
+@dataclass
+class AutoRun:
+    """Mode auto's watch over one generation: called by the engine after each step (why to go on with the
+    target alone, or None), then `done` with the generation's stats (what `adapt` learns from)."""
+
+    state: AutoState
+    sampling: Optional[tuple]
+    config: ConfigKey
+    test: Optional[Callable[[Counts], Optional[str]]] = None
+    counts: Counts = field(default_factory=lambda: [0, 0, 0, 0])
+
+    def __call__(self, step: Any) -> Optional[str]:
+        for i, n in enumerate((step.accepted, step.offered > step.accepted, step.reused, step.fallback)):
+            self.counts[i] += int(n)
+        return self.test(list(self.counts)) if self.test is not None else None
+
+    def done(self, stats: Any) -> None:
+        if self.sampling is None or not stats.proposed:  # a custom sampler: nothing to key it by
+            return
+        seen = self.state.seen.setdefault(self.sampling, {}).setdefault(self.config, [0, 0, 0, 0])
+        for i, n in enumerate((stats.accepted, stats.rejections, stats.reuses, stats.fallbacks)):
+            seen[i] += n
+
+
+def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> ConfigKey:
+    mirror = mode == "mirror"
+    return (mode, kappa if mirror else None, gamma, exit_layer if mirror else None)
+
+
+def pipe_key(pipe: Any) -> dict:
+    if pipe.auto.key is None:
+        pipe.auto.key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+    return pipe.auto.key
+
+
+_calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
+
+
+def profile_for(pipe: Any) -> profiles.Profile:
+    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr)."""
+    if pipe.auto.profile is not None:
+        return pipe.auto.profile
+    with _calibrating:
+        if pipe.auto.profile is None:
+            pipe.auto.profile = _load_or_calibrate(pipe)
+        return pipe.auto.profile
+
+
+def _load_or_calibrate(pipe: Any) -> profiles.Profile:
+    from .calibrate import OutOfTime, TuneConfig, calibrate
+
+    key = pipe_key(pipe)
+    try:
+        prof = profiles.load(key)
+    except profiles.ProfileError as e:
+        print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
+        prof = None
+    if prof is not None:
+        return prof
+    t0 = time.perf_counter()
+    cfg = TuneConfig.quick()
+    try:
+        prof = calibrate(pipe, cfg, key=key)
+    except OutOfTime:  # the safe rule: plain generation is never slower than itself
+        prof = profiles.Profile(key=key, mode="ar", why=(
+            f"quick calibration ran out of its {cfg.budget_s:g} s budget (MIRROR_MLX_QUICK_BUDGET), "
+            "so ar, the safe rule"))
+        print(f"mirror-mlx: mode auto: {prof.why}; not saved (`mirror-mlx tune` measures without a budget)",
+              file=sys.stderr)
+    except Exception as e:  # a draft that fails here would fail in generation too: plain, visibly
+        prof = profiles.Profile(key=key, mode="ar", why=f"quick calibration failed ({e!r}), so ar")
+        print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)
+    else:
+        prof.why = "quick " + prof.why
+        path = profiles.save(prof)
+        print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
+              f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
+              "(`mirror-mlx tune` measures more)", file=sys.stderr)
+    return prof
+
+
+def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tuple[float, int]:
+    """(the weighted mean of seen / expected, how many seen): `counts` holds (expected rate, hits, misses)
+    per group; each group's rate is pooled with its expected one, which weighs as `prior_weight` hits and
+    misses (the user's text need not be like the calibration's, so it soon outweighs it)."""
+    num = n = 0
+    for expected, hits, misses in counts:
+        if expected <= 0 or not hits + misses:
+            continue
+        pooled = (expected * prior_weight + hits) / (prior_weight + hits + misses)
+        num += (hits + misses) * pooled / expected
+        n += hits + misses
+    return (num / n if n else 1.0), n
+
+
+def observed(prof: profiles.Profile, seen: dict[tuple, list[int]], prior_tokens: int = PRIOR_TOKENS,
+             prior_steps: int = PRIOR_STEPS) -> Optional[Seen]:
+    """`Seen` from auto's runs at one sampling setting (AutoState.seen[setting]): per γ, the draft's α
+    (accepted / (accepted + rejections)) against the calibration traces replayed at that γ (pooled with
+    them at PRIOR_TOKENS); per Mirror-SD configuration, its branch reuse against the table's prediction
+    (pooled at PRIOR_STEPS). None before anything was seen, or for a profile without acceptance counts
+    (a quick one that fell back to ar)."""
+    prior = prof.calibration.get("acceptance")
+    if not prior or not seen:
+        return None
+    alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
+    per_gamma: dict[int, list[int]] = {}
+    for (_, _, g, _), (a, r, *_) in seen.items():
+        per_gamma.setdefault(g, [0, 0])
+        per_gamma[g][0] += a
+        per_gamma[g][1] += r
+    acceptance, tokens = pooled_ratio([(alphas.get(g, 0.0), a, r) for g, (a, r) in per_gamma.items()],
+                                      prior_tokens)
+    rows = {(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]): r for r in prof.table}
+    reuse, steps = pooled_ratio([(rows[c].get("reuse") or 0.0, v[2], v[3]) for c, v in seen.items()
+                                 if c[0] == "mirror" and c in rows], prior_steps)
+    window = prof.calibration.get("timings", {}).get("window", {})
+    return Seen(alphas, {int(g): 1e3 * s for g, s in window.items()}, acceptance, reuse, tokens, steps)
+
+
+def adapt(prof: profiles.Profile, seen: dict[tuple, list[int]], setting: str = "temperature 0") -> Optional[Choice]:
+    """The profile's choice on the text auto has served at one sampling setting: every confirmed row
+    re-scored (`expected_rate`) at the acceptance and reuse seen there (`observed`), its measured step time
+    kept. None before anything was seen."""
+    s = observed(prof, seen)
+    if s is None or not s.tokens or not any(r.get("confirmed") for r in prof.table):
+        return None
+    tuned = next((r for r in prof.table if r.get("confirmed") and describe(row_config(r)) == describe(prof)), None)
+    best, _, margin = choose(prof.table, s, incumbent=tuned)
+    reuse = (f", its branches reused {s.reuse:.2f}x as often as predicted ({s.steps} steps)"
+             if s.steps else "")
+    why = (f"adapted: at {setting} the draft is right {s.acceptance:.2f}x as often in auto's runs "
+           f"({s.tokens} draft tokens judged) as in calibration{reuse}, "
+           f"{expected_rate(best, s):.0f} tok/s expected{margin}")
+    return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
+                  best["exit_layer"], why)
+
+
+def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[Counts], Optional[str]]]:
+    """For auto's speculative choice `c`: a test the engine runs after each step of a generation with this
+    generation's `Counts` so far. It says why to go on with ar once
+    the text at hand (its counts pooled with the calibration's at WITHIN_PRIOR_*) makes ar's measured rate
+    AR_MARGIN above the choice's (`expected_rate`); `adapt` learns across generations, this within one.
+    None where there is nothing to compare (ar, no confirmed row for `c`, a profile without counts)."""
+    rows = [r for r in prof.table if r.get("confirmed") and r.get("measured_step_ms")]
+    here = next((r for r in rows if r["mode"] != "ar" and describe(row_config(r)) == describe(c)), None)
+    ar = next((r for r in rows if r["mode"] == "ar"), None)
+    if c.mode == "ar" or here is None or ar is None or not prof.calibration.get("acceptance"):
+        return None
+    config = config_key(c.mode, c.kappa, c.gamma, c.exit_layer)
+
+    def test(counts: list) -> Optional[str]:
+        if counts[0] + counts[1] < WITHIN_MIN_JUDGED:
+            return None
+        s = observed(prof, {config: counts}, WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS)
+        rate, plain = expected_rate(here, s), expected_rate(ar, s)
+        if plain < AR_MARGIN * rate:
+            return None
+        reuse = f", its branches reused {s.reuse:.2f}x as often as predicted" if s.steps else ""
+        return (f"the draft is right {s.acceptance:.2f}x as often in this text ({s.tokens} draft tokens judged) "
+                f"as in calibration{reuse}: {rate:.0f} tok/s expected, ar {plain:.0f}")
+
+    return test
+
+
+def setting_name(sampling: tuple) -> str:
+    """DecodeOptions.sampling in words, for `why`."""
+    if sampling[0] == 0:
+        words = ["temperature 0"]
+    else:
+        t, top_p, top_k, min_p = sampling[:4]
+        words = [f"temperature {t:g}"] + ([f"top_p {top_p:g}"] if top_p < 1 else []) + \
+            ([f"top_k {top_k}"] if top_k else []) + ([f"min_p {min_p:g}"] if min_p else [])
+    return " ".join(words + ([f"repetition_penalty {sampling[-1]:g}"] if sampling[-1] is not None else []))
+
+
+def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
+           sampling: Optional[tuple] = None) -> tuple[Choice, Optional[Callable[[Counts], Optional[str]]]]:
+    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
+    adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`);
+    with auto's test within the generation (`leave_draft`) where it has one."""
+
+    def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> tuple:
+        return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why), None
+
+    if mode != "auto":
+        return knobs(kappa, gamma, exit_layer, f"mode {mode} as asked", mode)
+    if pipe.draft is None:
+        return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
+    if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
+        return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
+    prof = profile_for(pipe)
+    asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
+    if not asked:
+        # a copy (dict() is one step under the GIL): a generation on another thread may add to it meanwhile
+        seen = {c: list(v) for c, v in dict(pipe.auto.seen.get(sampling) or {}).items()} \
+            if sampling is not None else None
+        adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
+        if adapted is not None:
+            c = replace(adapted, why="auto: " + adapted.why)
+        else:
+            c, _ = knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
+        return c, leave_draft(prof, c)
+    # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
+    need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
+    rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)
+            and all(r.get(k) == v for k, v in asked.items())]
+    if not rows:
+        return knobs(kappa, gamma, exit_layer, "auto with knobs outside the profile's grid: mirror with them")
+    r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
+    why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
+    return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
+                 r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
+
+
+def resolve(pipe: Any, opts: DecodeOptions) -> tuple[DecodeOptions, Optional[AutoRun]]:
+    """A concrete mode and knobs for one call: explicit ones win, mode="auto" gets the tuned ones (the first
+    call without a profile runs a bounded quick calibration) and an `AutoRun` to watch the generation."""
+    c, test = choice(pipe, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling)
+    out = replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why)
+    if opts.mode != "auto":
+        return out, None
+    layer = pipe.engine.exit_layer(out) if c.mode == "mirror" else None
+    return out, AutoRun(pipe.auto, opts.sampling, config_key(c.mode, c.kappa, c.gamma, layer), test)

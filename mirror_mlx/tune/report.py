@@ -1,0 +1,45 @@
+"""What `mirror-mlx tune` prints: predicted against measured, the calibration's acceptance, and how far
+suffix ‖ rollout run together falls from Eq. 10's ideal."""
+
+from .choose import describe
+from .cost_model import Config
+from .profile import Profile
+
+
+def format_table(prof: Profile, top: int = 10) -> str:
+    """Predicted vs measured tokens/s: the top predictions and every measured configuration."""
+    rows = [r for i, r in enumerate(prof.table) if i < top or r.get("measured") is not None]
+    lines = [f"{'configuration':<38} {'tok/step':>8} {'reuse':>6} {'step ms':>8} {'predicted':>10} {'measured':>9} "
+             f"{'error':>7}"]
+    for r in rows:
+        m = r.get("measured")
+        err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
+        note = " (probe)" if r.get("confirmed", True) else " (probe, 1 prompt)"
+        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (note if r.get("probe") else "")
+        predicted = ("≤" if r.get("bound") else "") + f"{r['predicted']:.1f}"  # ≤: suffix ‖ rollout not measured
+        lines.append(f"{name:<38} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
+                     f"{predicted:>10} {m if m is not None else float('nan'):>9.1f} {err:>7}")
+    return "\n".join(lines)
+
+
+def acceptance_line(prof: Profile) -> str:
+    """The calibration's draft acceptance per γ, as `stats.acceptance_rate` reads it (what auto adapts from)."""
+    acc = prof.calibration.get("acceptance") or {}
+    return ("draft acceptance α per γ on the calibration text (auto compares stats.acceptance_rate with it): "
+            + ", ".join(f"γ={g} {a / max(a + r, 1):.2f}" for g, (a, r) in acc.items())) if acc else ""
+
+
+def contention(prof: Profile) -> str:
+    """For the chosen mirror point: suffix ‖ rollout measured together against Eq. 10's ideal max()."""
+    if prof.mode != "mirror":
+        return ""
+    t = prof.calibration["timings"]
+    k, g, e = prof.kappa, prof.gamma, prof.exit_layer
+    suffix = t["suffix"][str((e, g + 1))]
+    rollout = t["rollout"][str((k * (g + 1), g))]
+    together = t["parallel"].get(str((e, k, g)))
+    if together is None:  # chosen from its real runs; its prediction used the floor (confirmed past the top: pick_confirm)
+        return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: not timed together (confirmed by its real runs); "
+                f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart")
+    return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
+            f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")

@@ -1,0 +1,98 @@
+"""The package's shape: no import circle between its modules, and the engine knows nothing of what sits
+above it (mode auto, benchmarks, the server, the command line, chat)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"mirror_mlx": ROOT / "mirror_mlx", "mirror_mlx.convert": ROOT / "convert",
+           "mirror_mlx.ane_draft": ROOT / "ane_draft"}  # as pyproject.toml installs them
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            if package == "mirror_mlx" and path.parts[len(folder.parts)] in ("demo", "data"):
+                continue
+            rel = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package,) + rel)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports, at the top or inside a function."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            # `from pkg import module` names the module; `from m import f`, m
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):  # (a module's own packages are imported anyway)
+                out.add(t)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_no_module_imports_itself_through_others():
+    g = graph()
+    done: set[str] = set()
+
+    def visit(m: str, stack: list[str]) -> None:
+        if m in stack:
+            cycle = stack[stack.index(m):] + [m]
+            if not all(a.startswith(b + ".") for a, b in zip(cycle[1:], cycle)):  # a package's own __init__
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            return
+        if m in done:
+            return
+        for n in sorted(g[m]):
+            visit(n, stack + [m])
+        done.add(m)
+
+    for m in sorted(g):
+        visit(m, [])
+
+
+def test_the_engine_imports_nothing_from_the_layers_above_it():
+    g = graph()
+    above = ("mirror_mlx.tune", "mirror_mlx.bench", "mirror_mlx.server", "mirror_mlx.cli", "mirror_mlx.pipeline",
+             "mirror_mlx.mlx_lm_api", "mirror_mlx.convert")
+    reached, todo = set(), ["mirror_mlx.engine"]
+    while todo:  # everything the engine imports, directly or not
+        for n in g[todo.pop()] - reached:
+            reached.add(n)
+            todo.append(n)
+    assert not [m for m in reached if m.startswith(above)], sorted(reached)
+
+
+def test_the_runtime_never_imports_the_builders_or_the_command_line():
+    g = graph()
+    runtime = ["mirror_mlx.pipeline", "mirror_mlx.server", "mirror_mlx.mlx_lm_api"]
+    for m in runtime:
+        top = {n for n in g[m]}
+        assert not [n for n in top if n.startswith(("mirror_mlx.convert", "mirror_mlx.cli"))], (m, top)
+
+
+def test_the_graph_sees_the_imports_it_checks():
+    """(The tests above can fail: the graph finds the engine's real imports, relative and absolute.)"""
+    g = graph()
+    assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.ane_draft.host"} <= g["mirror_mlx.engine"]
+    assert "mirror_mlx.ane_draft.ring" in g["mirror_mlx.ane_draft.host"]
+    assert "mirror_mlx.tune.policy" in g["mirror_mlx.pipeline"]
