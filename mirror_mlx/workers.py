@@ -8,28 +8,57 @@ compute at the same time inside one process, DESIGN §4: the draft runs in its o
 import asyncio
 import atexit
 import os
+import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Optional
+from concurrent.futures import Future, wait
+from typing import Any, Callable
 
 import mlx.core as mx
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
-def wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
-    """`join` returns before the OS thread runs MLX's thread-local destructors, which take the GIL;
-    if the interpreter finalizes meanwhile, the process aborts. On Linux, wait for the task to go."""
-    task = f"/proc/self/task/{native_id}"
-    end = time.monotonic() + cap
-    while native_id is not None and os.path.exists(task) and time.monotonic() < end:
-        time.sleep(0.002)
+class _MLXThread:
+    """A daemon OS thread that runs MLX jobs and never exits: when its Worker closes it parks, to serve the next.
+
+    Why it never exits: MLX keeps per-thread state (the `mx.compile` cache) whose destructor, run when
+    the OS thread ends, takes the GIL. A thread ending while the interpreter finalizes is stopped
+    inside that destructor by CPython, and C++ calls std::terminate: SIGABRT at exit ("terminate called
+    without an active exception"). A parked thread never runs it: the process ends around it.
+    """
+
+    def __init__(self):
+        self.jobs: "queue.SimpleQueue[tuple[Future, Callable]]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="mirror-mlx", daemon=True)
+        self.thread.start()
+        self.stream = self.do(lambda: mx.new_stream(mx.default_device())).result()  # this thread's, for good
+
+    def do(self, fn: Callable) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn = self.jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller's to handle, as a ThreadPoolExecutor does
+                future.set_exception(e)
+            del future, fn
+
+
+_idle: list[_MLXThread] = []  # parked, for the next Worker
+_idle_lock = threading.Lock()
+os.register_at_fork(after_in_child=_idle.clear)  # (a forked child has none of these threads)
 
 
 def _close_all() -> None:
-    """Stop worker threads while the interpreter is still whole (else MLX aborts at exit)."""
+    """At exit: let every job still running end while the interpreter is whole (then its thread parks)."""
     for worker in list(_live):
         worker.close()
 
@@ -38,20 +67,34 @@ atexit.register(_close_all)
 
 
 class Worker:
-    """One OS thread with its own MLX stream; jobs run there one at a time, in order."""
+    """One OS thread with its own MLX stream; jobs run there one at a time, in order.
+
+    The thread and its stream are reused by later Workers once this one closes (see _MLXThread).
+    """
 
     def __init__(self, name: str):
         self.name = name
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mirror-{name}")
-        self.stream = self._pool.submit(lambda: mx.new_stream(mx.default_device())).result()
+        with _idle_lock:
+            self._mlx = _idle.pop() if _idle else None
+        if self._mlx is None:
+            self._mlx = _MLXThread()
+        self._mlx.thread.name = f"mirror-{name}"
+        self.thread, self.stream = self._mlx.thread, self._mlx.stream
+        self._pending: "weakref.WeakSet[Future]" = weakref.WeakSet()
+        self._closed = False
         _live.add(self)
 
     def submit(self, fn: Callable, *args: Any) -> Future:
+        if self._closed:
+            raise RuntimeError(f"worker {self.name!r} is closed")
+
         def job():
             with mx.stream(self.stream):
                 return fn(*args)
 
-        return self._pool.submit(job)
+        future = self._mlx.do(job)
+        self._pending.add(future)
+        return future
 
     def call(self, fn: Callable, *args: Any) -> Any:
         """Run `fn(*args)` on the worker thread and wait for it."""
@@ -68,12 +111,17 @@ class Worker:
         return await asyncio.wrap_future(self.submit(timed))
 
     def close(self, join_timeout: float = 10.0) -> None:
-        """Stop the thread; wait up to `join_timeout` s for a job still running (a stalled draft)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for thread in list(getattr(self._pool, "_threads", ())):
-            thread.join(join_timeout)
-            wait_os_thread_gone(thread.native_id)
+        """Cancel queued jobs, wait up to `join_timeout` s for one still running (a stalled draft), then
+        park the thread for reuse. A thread still busy after that is left to finish and park on its own."""
+        if self._closed:
+            return
+        self._closed = True
         _live.discard(self)
+        for future in list(self._pending):
+            future.cancel()
+        if wait([self._mlx.do(lambda: None)], join_timeout).done:
+            with _idle_lock:
+                _idle.append(self._mlx)
 
 
 async def _boxed(coro) -> tuple[bool, Any]:
