@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, wait
+from functools import partial
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -57,6 +58,16 @@ _idle_lock = threading.Lock()
 os.register_at_fork(after_in_child=_idle.clear)  # (a forked child has none of these threads)
 
 
+def _park(mlx: _MLXThread) -> None:
+    with _idle_lock:
+        _idle.append(mlx)
+
+
+def _park_when_idle(mlx: _MLXThread) -> None:
+    """A Worker dropped without close: its thread parks once the jobs queued before this are done."""
+    mlx.do(partial(_park, mlx))
+
+
 def _close_all() -> None:
     """At exit: let every job still running end while the interpreter is whole (then its thread parks)."""
     for worker in list(_live):
@@ -82,6 +93,8 @@ class Worker:
         self.thread, self.stream = self._mlx.thread, self._mlx.stream
         self._pending: "weakref.WeakSet[Future]" = weakref.WeakSet()
         self._closed = False
+        self._dropped = weakref.finalize(self, _park_when_idle, self._mlx)
+        self._dropped.atexit = False  # at exit a parked thread must stay parked: a job then could end it
         _live.add(self)
 
     def submit(self, fn: Callable, *args: Any) -> Future:
@@ -116,12 +129,12 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        self._dropped.detach()
         _live.discard(self)
         for future in list(self._pending):
             future.cancel()
         if wait([self._mlx.do(lambda: None)], join_timeout).done:
-            with _idle_lock:
-                _idle.append(self._mlx)
+            _park(self._mlx)
 
 
 async def _boxed(coro) -> tuple[bool, Any]:
@@ -138,6 +151,7 @@ class LoopThread:
 
     `run(coro)` blocks the calling thread until the coroutine is done, so the synchronous API works
     even from inside another running event loop (an async app); one loop, not one per generation.
+    It never computes with MLX (the workers do), so it may end at any time, exit included (_MLXThread).
     """
 
     def __init__(self, name: str):
