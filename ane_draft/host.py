@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Callable, Optional, Sequence, Union
 from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.ane_draft.ring import TokenRing
-from mirror_mlx.workers import wait_os_thread_gone
+from mirror_mlx.workers import Worker
 
 # request kinds (engine → host)
 CONTEXT, SYNC, ROLLOUT, BRANCHES, RESET, STOP = 1, 2, 3, 4, 5, 6
@@ -266,7 +267,9 @@ class DraftHost:
                             "define the DraftRecipe's builder in an importable module")
         self.draft = draft
         self.proc: Optional[subprocess.Popen] = None
-        self.thread: Optional[threading.Thread] = None
+        self.thread: Optional[threading.Thread] = None  # an in-process host's thread (a Worker's)
+        self._worker: Optional[Worker] = None
+        self._served: Optional[Future] = None  # the in-process host's loop: done once it has ended
         self.held: list[int] = []  # the context the host holds (what deltas are taken against)
         self.step = 0
         rings = [TokenRing(capacity=RING_SLOTS, max_ints=SLOT_INTS, max_floats=2) for _ in range(2)]
@@ -304,18 +307,17 @@ class DraftHost:
         self._theirs = []
 
         def run() -> None:
-            import mlx.core as mx
-
             build = partial(draft.build, *draft.args) if isinstance(draft, DraftRecipe) else lambda: draft
             try:
-                with mx.stream(mx.new_stream(mx.default_device())):
-                    host(build, Channel(self.req.ring, req_r), Channel(self.rep.ring, rep_w))
+                host(build, Channel(self.req.ring, req_r), Channel(self.rep.ring, rep_w))
             finally:
                 os.close(req_r)
                 os.close(rep_w)
 
-        self.thread = threading.Thread(target=run, name="mirror-draft-host", daemon=True)
-        self.thread.start()
+        # a Worker's thread, not a thread of its own: MLX threads must not end at interpreter exit (workers.py)
+        self._worker = Worker("draft-host")
+        self.thread = self._worker.thread
+        self._served = self._worker.submit(run)
 
     @property
     def pid(self) -> Optional[int]:
@@ -402,16 +404,17 @@ class DraftHost:
             pass
         if self.proc is not None:
             _end_process(self.proc, grace)
-        if self.thread is not None:
-            self.thread.join(grace)  # a stalled draft thread cannot be killed: it is a daemon, left behind
-            if not self.thread.is_alive():
-                wait_os_thread_gone(self.thread.native_id)
+        stalled = False
+        if self._worker is not None:
+            # a stalled draft thread cannot be killed: it is left to finish (then it parks, see workers.py)
+            stalled = not wait([self._served], grace).done
+            self._worker.close(join_timeout=0.0 if stalled else 5.0)
         for fd in [self.req.fd, self.rep.fd] + self._theirs:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        if self.thread is None or not self.thread.is_alive():
+        if not stalled:
             self.req.ring.close()
             self.rep.ring.close()
         else:  # the stalled thread still maps them: unlink the names, keep the mappings

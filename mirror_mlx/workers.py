@@ -8,28 +8,68 @@ compute at the same time inside one process, docs/design.md §4: the draft runs 
 import asyncio
 import atexit
 import os
+import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Optional
+from concurrent.futures import Future, wait
+from functools import partial
+from typing import Any, Callable
 
 import mlx.core as mx
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
-def wait_os_thread_gone(native_id: Optional[int], cap: float = 2.0) -> None:
-    """`join` returns before the OS thread runs MLX's thread-local destructors, which take the GIL;
-    if the interpreter finalizes meanwhile, the process aborts. On Linux, wait for the task to go."""
-    task = f"/proc/self/task/{native_id}"
-    end = time.monotonic() + cap
-    while native_id is not None and os.path.exists(task) and time.monotonic() < end:
-        time.sleep(0.002)
+class _MLXThread:
+    """A daemon OS thread that runs MLX jobs and never exits: when its Worker closes it parks, to serve the next.
+
+    Why it never exits: MLX keeps per-thread state (the `mx.compile` cache) whose destructor, run when
+    the OS thread ends, takes the GIL. A thread ending while the interpreter finalizes is stopped
+    inside that destructor by CPython, and C++ calls std::terminate: SIGABRT at exit ("terminate called
+    without an active exception"). A parked thread never runs it: the process ends around it.
+    """
+
+    def __init__(self):
+        self.jobs: "queue.SimpleQueue[tuple[Future, Callable]]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="mirror-mlx", daemon=True)
+        self.thread.start()
+        self.stream = self.do(lambda: mx.new_stream(mx.default_device())).result()  # this thread's, for good
+
+    def do(self, fn: Callable) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn = self.jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller's to handle, as a ThreadPoolExecutor does
+                future.set_exception(e)
+            del future, fn
+
+
+_idle: list[_MLXThread] = []  # parked, for the next Worker
+_idle_lock = threading.Lock()
+os.register_at_fork(after_in_child=_idle.clear)  # (a forked child has none of these threads)
+
+
+def _park(mlx: _MLXThread) -> None:
+    with _idle_lock:
+        _idle.append(mlx)
+
+
+def _park_when_idle(mlx: _MLXThread) -> None:
+    """A Worker dropped without close: its thread parks once the jobs queued before this are done."""
+    mlx.do(partial(_park, mlx))
 
 
 def _close_all() -> None:
-    """Stop worker threads while the interpreter is still whole (else MLX aborts at exit)."""
+    """At exit: let every job still running end while the interpreter is whole (then its thread parks)."""
     for worker in list(_live):
         worker.close()
 
@@ -38,24 +78,36 @@ atexit.register(_close_all)
 
 
 class Worker:
-    """One OS thread with its own MLX stream; jobs run there one at a time, in order."""
+    """One OS thread with its own MLX stream; jobs run there one at a time, in order.
+
+    The thread and its stream are reused by later Workers once this one closes (see _MLXThread).
+    """
 
     def __init__(self, name: str):
         self.name = name
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mirror-{name}")
-        self.stream = self._pool.submit(lambda: mx.new_stream(mx.default_device())).result()
+        with _idle_lock:
+            self._mlx = _idle.pop() if _idle else None
+        if self._mlx is None:
+            self._mlx = _MLXThread()
+        self._mlx.thread.name = f"mirror-{name}"
+        self.thread, self.stream = self._mlx.thread, self._mlx.stream
+        self._pending: "weakref.WeakSet[Future]" = weakref.WeakSet()
+        self._closed = False
+        self._dropped = weakref.finalize(self, _park_when_idle, self._mlx)
+        self._dropped.atexit = False  # at exit a parked thread must stay parked: a job then could end it
         _live.add(self)
 
     def submit(self, fn: Callable, *args: Any) -> Future:
-        return self._pool.submit(self._job, fn, args, False)
+        if self._closed:
+            raise RuntimeError(f"worker {self.name!r} is closed")
 
-    def _job(self, fn: Callable, args: tuple, timed: bool) -> Any:
-        with mx.stream(self.stream):
-            if not timed:
+        def job():
+            with mx.stream(self.stream):
                 return fn(*args)
-            t0 = time.perf_counter()
-            out = fn(*args)
-            return out, t0, time.perf_counter()
+
+        future = self._mlx.do(job)
+        self._pending.add(future)
+        return future
 
     def call(self, fn: Callable, *args: Any) -> Any:
         """Run `fn(*args)` on the worker thread and wait for it."""
@@ -63,15 +115,26 @@ class Worker:
 
     async def run(self, fn: Callable, *args: Any) -> tuple[Any, float, float]:
         """Await `fn(*args)` on the worker; returns (result, start, end) perf_counter timestamps."""
-        return await asyncio.wrap_future(self._pool.submit(self._job, fn, args, True))
+
+        def timed():
+            t0 = time.perf_counter()
+            out = fn(*args)
+            return out, t0, time.perf_counter()
+
+        return await asyncio.wrap_future(self.submit(timed))
 
     def close(self, join_timeout: float = 10.0) -> None:
-        """Stop the thread; wait up to `join_timeout` s for a job still running (a stalled draft)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for thread in list(getattr(self._pool, "_threads", ())):
-            thread.join(join_timeout)
-            wait_os_thread_gone(thread.native_id)
+        """Cancel queued jobs, wait up to `join_timeout` s for one still running (a stalled draft), then
+        park the thread for reuse. A thread still busy after that is left to finish and park on its own."""
+        if self._closed:
+            return
+        self._closed = True
+        self._dropped.detach()
         _live.discard(self)
+        for future in list(self._pending):
+            future.cancel()
+        if wait([self._mlx.do(lambda: None)], join_timeout).done:
+            _park(self._mlx)
 
 
 async def _boxed(coro) -> tuple[bool, Any]:
@@ -88,6 +151,7 @@ class LoopThread:
 
     `run(coro)` blocks the calling thread until the coroutine is done, so the synchronous API works
     even from inside another running event loop (an async app); one loop, not one per generation.
+    It never computes with MLX (the workers do), so it may end at any time, exit included (_MLXThread).
     """
 
     def __init__(self, name: str):

@@ -63,20 +63,11 @@ echo "== tune (calibration prompts: held-out openings, disjoint from the headlin
 mkdir -p "$OUT"
 "$MM" tune "${MODELS[@]}" --pin | tee "$OUT/tune.txt"  # pinned as the headline runs
 
-# One run into $1. A run that wrote its results and then died at interpreter exit (SIGABRT, rc 134:
-# "terminate called without an active exception", seen after mirror-mode generations) still counts.
+# One run into $1.
 bench() {
-  local out=$1 rc=0
+  local out=$1
   shift
-  rm -f "$out/results.md"
-  "$MM" bench "${PAIR[@]}" --out "$out" "$@" >/dev/null || rc=$?
-  if [ "$rc" -ne 0 ]; then
-    if [ "$rc" -eq 134 ] && [ -s "$out/results.md" ]; then
-      echo "warning: $out: exit $rc after writing its results (abort at interpreter exit)" >&2
-    else
-      exit "$rc"
-    fi
-  fi
+  "$MM" bench "${PAIR[@]}" --out "$out" "$@" >/dev/null
 }
 
 echo "== sweep ($SWEEP) on $SWEEP_LIMIT held-out openings x $SWEEP_TOKENS tokens"
