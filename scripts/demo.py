@@ -51,7 +51,8 @@ def widened(build: Path) -> tuple[Path, Path, list[Path]]:
     return out[0], out[1], adapters
 
 
-UNCALIBRATED = {"sd": dict(gamma=3), "mirror": dict(kappa=1, gamma=3, exit_layer=4)}  # when the profile has no row
+# When the profile has no row of a mode; layer 4 is the first that the widened layer-2 adapter is exact at.
+UNCALIBRATED = {"sd": dict(gamma=3), "mirror": dict(kappa=1, gamma=3, exit_layer=4)}
 
 
 def best_knobs(profile, mode: str) -> dict:
