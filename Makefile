@@ -19,7 +19,7 @@ $(RUNTIME_STAMP): pyproject.toml
 	touch $(RUNTIME_STAMP)
 
 demo: setup-runtime  # the demo pair widened to a realistic cost (build/), mode auto, and ar / sd / mirror / auto compared
-	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 64
+	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 48
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15 tests

@@ -1,7 +1,7 @@
 """Widen a llama-family mlx-lm model without changing its function, so it costs what a bigger model costs.
 
 Our real models are tiny (width 64), so their per-token time is dispatch overhead, not the
-memory-bound regime that speculative decoding is about (DESIGN.md §7). A widened copy computes the
+memory-bound regime that speculative decoding is about (docs/design.md §7). A widened copy computes the
 very same logits while every forward does the work of the widened shape:
 
 - widths are zero-padded: the residual stream lives in the first d of D dims, the rest stay 0;
@@ -12,7 +12,10 @@ very same logits while every forward does the work of the widened shape:
 - qwen3's per-head q/k norms share the config ε, so q/k projections are scaled by √(d/D) too
   (x·s / √(s²·ms + s²·ε) is the original);
 - new layers copy the previous original block with zero o_proj and down_proj: identities,
-  spread evenly (original block i sits at layer ⌊i·L/n⌋).
+  spread evenly (original block i sits at layer ⌊i·L/n⌋);
+- a Speculative-Streaming draft (ss_llama) keeps its stream rows too: its stream embeddings are
+  zero-padded and its stream layers become every layer from the one holding the original spawn
+  block up (`widen_ss`), so main and stream logits are both unchanged.
 
 Headline shapes (vocab stays 512, so the parameters are in the layers; counts from `param_count`):
 
@@ -195,7 +198,7 @@ def widen_weights(weights: dict[str, mx.array], config: dict, new: Shape) -> dic
             out[key] = _pad(x * s, (D,))
         else:
             raise WidenError(f"unexpected weight {key!r}: this model is not plain llama-family")
-    slots = {i * new.layers // old.layers: i for i in range(old.layers)}
+    slots = {block_slot(i, old.layers, new.layers): i for i in range(old.layers)}
     prev: dict[str, mx.array] = {}
     for slot in range(new.layers):
         if slot in slots:
@@ -220,11 +223,41 @@ def widened_config(config: dict, new: Shape) -> dict:
     return c
 
 
+def block_slot(block: int, old_layers: int, new_layers: int) -> int:
+    """The widened layer that holds original block `block` (identity layers fill the gaps)."""
+    return block * new_layers // old_layers
+
+
+def widen_ss(weights: dict[str, mx.array], config: dict, new: Shape) -> tuple[dict[str, mx.array], dict]:
+    """A Speculative-Streaming draft's weights and config in the shape `new`, main and stream rows exact.
+
+    The llama part widens as any llama; the stream embeddings are zero-padded like the residual
+    stream they are added to. Stream rows spawn at the input of the original first stream layer;
+    the widened model holds that block at `block_slot`, after the very same residual state (earlier
+    blocks and identities), so every layer from that slot up becomes a stream layer. Identity layers
+    among them add nothing to stream rows either (their output projections are zero).
+    """
+    llama_config = {k: v for k, v in config.items() if k not in ("num_streams", "stream_layers")}
+    llama_config["model_type"] = "llama"
+    weights = dict(weights)
+    se = weights.pop("stream_embeddings", None)
+    if se is None:
+        raise WidenError("the SS draft has no stream_embeddings weight: it is not a Speculative-Streaming draft")
+    out = widen_weights(weights, llama_config, new)
+    out["stream_embeddings"] = _pad(se, (se.shape[0], new.hidden))
+    old = Shape.of(config)
+    spawn = block_slot(old.layers - config.get("stream_layers", 2), old.layers, new.layers)
+    c = widened_config(config, new)
+    c["stream_layers"] = new.layers - spawn
+    return out, c
+
+
 def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
           kv_heads: Optional[int] = None) -> Path:
     """Write a function-preserving widened copy of the mlx-lm model folder `model_dir` to `out`.
 
-    kv_heads defaults to keeping the model's heads/kv-heads ratio.
+    kv_heads defaults to keeping the model's heads/kv-heads ratio. An SS draft folder (model_type
+    ss_llama) widens with its stream rows exact too (`widen_ss`).
     """
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
@@ -235,6 +268,7 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     if out.resolve() == model_dir.resolve():
         raise WidenError("--out must differ from --model: widen writes a new folder")
     config = json.loads((model_dir / "config.json").read_text())
+    ss = config.get("model_type") == "ss_llama"
     old = Shape.of(config)
     if kv_heads is None:
         if (heads * old.kv_heads) % old.heads:
@@ -242,15 +276,21 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
                              f"{old.kv_heads} kv heads: give --kv-heads")
         kv_heads = heads * old.kv_heads // old.heads
     new = Shape(hidden, heads, kv_heads, intermediate, layers, old.head_dim)
-    check_shape(config, new)  # before reading any weights
-    model, _ = load_model(model_dir, lazy=True)
-    weights = widen_weights(dict(tree_flatten(model.parameters())), config, new)
+    check_shape(dict(config, model_type="llama") if ss else config, new)  # before reading any weights
+    if ss:
+        from mirror_mlx.ane_draft.ss_model import load_ss_draft
+
+        model, _ = load_ss_draft(model_dir, with_tokenizer=False)
+        weights, new_config = widen_ss(dict(tree_flatten(model.parameters())), config, new)
+    else:
+        model, _ = load_model(model_dir, lazy=True)
+        weights, new_config = widen_weights(dict(tree_flatten(model.parameters())), config, new), widened_config(config, new)
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
             shutil.copyfile(f, out / f.name)  # tokenizer files, generation config, licence, ...
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(widened_config(config, new), indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -260,7 +300,7 @@ def exact_exit_layers(exit_layer: int, old_layers: int, new_layers: int) -> list
     Original block ℓ−1 sits at slot ⌊(ℓ−1)·L/n⌋ and identities follow it up to original block ℓ,
     so exiting after any of those layers sees the very same residual stream.
     """
-    first = (exit_layer - 1) * new_layers // old_layers + 1
+    first = block_slot(exit_layer - 1, old_layers, new_layers) + 1
     last = exit_layer * new_layers // old_layers if exit_layer < old_layers else new_layers
     return list(range(first, last + 1))
 

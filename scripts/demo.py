@@ -1,80 +1,146 @@
-"""`make demo`: the demo pair made cost-realistic, generated with mode="auto", and one comparison line.
+"""`make demo`: the demo pair made cost-realistic, every mode on one prompt, two comparison lines.
 
 The embedded pair is tiny (a 260K-parameter target), so speculation cannot pay off on it. `widen`
-makes a copy that computes exactly the same logits at a realistic cost (98M target, 8M draft) into
-build/. mode="auto" then calibrates it on first use (one line on stderr; the profile is cached) and
-the same prompt runs in ar, sd, mirror (each at its best knobs in the profile) and auto. Every mode
-must give the same text: that is checked and printed too.
+makes copies that compute exactly the same logits at a realistic cost into build/: the target
+(98M), the Speculative-Streaming draft (8M, stream rows kept exact) and the target's shipped exit
+adapters (layers 1, 2, 3 of the small target; exact at layers 1-3, 4-6, 7-9 of the widened one).
+mode="auto" calibrates the pair on first use (one line on stderr; the profile is cached), then the
+same prompt runs in ar, mlx-lm's own speculative decoding (the same draft's main stream, at its best
+number of draft tokens measured here), sd and mirror (each at its best knobs in the profile) and auto.
+
+Two lines, each measured in this run:
+- this machine's defaults: every thread free to run on any core;
+- Mac analog: the target side on one core and the draft on another, one BLAS thread each (as
+  `mirror-mlx bench --pin`), the way a Mac runs the target on the GPU and the draft on the Neural
+  Engine; auto calibrates again under it (a profile of its own).
+Every mode must give the same text: that is checked and printed too.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "mirror_mlx" / "demo"
-WIDE = {  # as scripts/bench.sh: the bench's widened pair
-    "stories-98M": (DEMO / "stories260K", dict(hidden=768, heads=96, kv_heads=48, intermediate=2064, layers=15)),
-    "llama2xs-8M": (DEMO / "llama2xs", dict(hidden=256, heads=32, kv_heads=16, intermediate=768, layers=10)),
-}
+TARGET = ("stories-98M", DEMO / "stories260K", dict(hidden=768, heads=96, kv_heads=48, intermediate=2064, layers=15))
+DRAFT = ("ss-8M", DEMO / "ss_draft", dict(hidden=256, heads=32, kv_heads=16, intermediate=768, layers=10))
+EXIT_LAYERS = (1, 2, 3)  # shipped adapters of the small target: mirror_mlx/demo/stories260K_exit{L}.safetensors
+MLX_SD_KS = (2, 3, 4)  # mlx-lm's num_draft_tokens tried; the best is reported
 
 
-def widened(build: Path) -> tuple[Path, Path]:
-    from mirror_mlx.convert.widen import widen
+def widened(build: Path) -> tuple[Path, Path, list[Path]]:
+    """The widened target, draft and exit adapters (built once into `build`)."""
+    from mirror_mlx.convert.widen import widen, widen_adapter
 
     out = []
-    for name, (src, size) in WIDE.items():
+    for name, src, size in (TARGET, DRAFT):
         path = build / name
         if not (path / "model.safetensors").exists():
             print(f"demo: widening {src.name} -> {path} (same logits, realistic cost)", file=sys.stderr)
             widen(src, path, size["hidden"], size["heads"], size["intermediate"], size["layers"], size["kv_heads"])
         out.append(path)
-    return out[0], out[1]
+    adapters = []
+    for layer in EXIT_LAYERS:
+        small = DEMO / f"stories260K_exit{layer}.safetensors"
+        wide = build / f"{TARGET[0]}-exit{layer}.safetensors"
+        if not wide.exists():
+            widen_adapter(small, TARGET[1], out[0], wide)
+        adapters.append(wide)
+    return out[0], out[1], adapters
+
+
+# When the profile has no row of a mode; layer 4 is the first that the widened layer-2 adapter is exact at.
+UNCALIBRATED = {"sd": dict(gamma=3), "mirror": dict(kappa=1, gamma=3, exit_layer=4)}
 
 
 def best_knobs(profile, mode: str) -> dict:
-    """The fastest measured (else predicted) point of `mode` in the profile's table."""
+    """The fastest measured (else predicted) point of `mode` in the profile's table; without one (a quick
+    calibration that ran out of time) UNCALIBRATED's knobs, small ones a CPU runs fast (the paper's
+    κ=8 γ=7 verify 64 rows a step), marked as such in the line."""
     rows = [r for r in profile.table if r["mode"] == mode]
     if not rows:
-        return {}
+        return dict(UNCALIBRATED.get(mode, {}), uncalibrated=True) if mode in UNCALIBRATED else {}
     r = max(rows, key=lambda r: (r["measured"] is not None, r["measured"] or r["predicted"]))
     return {k: r[k] for k in ("kappa", "gamma", "exit_layer") if r[k] is not None}
+
+
+def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, max_tokens: int, pin: bool) -> tuple[str, bool, str]:
+    """Every mode on `prompt` in one pipeline; (the line, whether every text is the same, auto's text)."""
+    from mirror_mlx import tune
+    from mirror_mlx.ane_draft.ss_model import load_ss_draft
+    from mirror_mlx.bench.baselines import best_mlx_sd
+    from mirror_mlx.pipeline import load
+
+    pipe = load(target, draft, exit_adapter=",".join(map(str, adapters)))
+    try:
+        if pin:
+            from mirror_mlx.bench.machine import pin_threads
+
+            pinning = pin_threads(pipe)
+            if not pinning["pinned"]:
+                return f"Mac analog: not measured ({pinning['why']})", True, ""
+        t0 = time.perf_counter()
+        profile = tune.profile_for(pipe)  # mode auto's first-use calibration, before any timed run
+        t1 = time.perf_counter()
+        auto = pipe.generate(prompt, max_tokens=max_tokens)
+        results = {}
+        for mode in ("ar", "sd", "mirror"):  # (the calibration ran every mode: all are warm)
+            knobs = best_knobs(profile, mode)
+            r = pipe.generate(prompt, max_tokens=max_tokens, mode=mode, **{k: v for k, v in knobs.items() if k != "uncalibrated"})
+            results[mode] = (r.tokens, r.stats.tokens_per_second, knobs)
+        main_stream, _ = load_ss_draft(draft, with_tokenizer=False)  # mlx-lm drives the draft's main rows
+        sweep = best_mlx_sd(pipe.model, main_stream, [pipe.encode(prompt)], max_tokens, ks=MLX_SD_KS)
+        run = sweep.runs[sweep.best_k][0]
+        results["mlx_sd"] = (run.tokens[: len(auto.tokens)], run.tokens_per_s, {"k": sweep.best_k})
+        print(f"demo: calibration {t1 - t0:.0f} s, runs {time.perf_counter() - t1:.0f} s", file=sys.stderr)
+    finally:
+        pipe.close()
+    same = all(tokens == auto.tokens for tokens, _, _ in results.values())
+    ar = results["ar"][1]
+
+    def part(mode: str) -> str:
+        _, tps, knobs = results[mode]
+        words = [f"{k}={v}" for k, v in knobs.items() if k != "uncalibrated"] + (["uncalibrated"] if knobs.get("uncalibrated") else [])
+        return f"{mode} {tps:.1f}" + (f" ({' '.join(words)})" if words else "")
+
+    s = auto.stats
+    why = f", {s.why}" if s.chosen_mode == "ar" or s.left_draft else ""
+    left = f", left the draft {s.left_draft}" if s.left_draft else ""
+    line = (f"{part('ar')} | {part('mlx_sd')} [draft {draft.name}] | {part('sd')} | {part('mirror')} | "
+            f"auto {s.tokens_per_second:.1f} ({tune.describe(s)}, {s.tokens_per_second / ar:.2f}x ar{why}{left}) "
+            f"| same text: {'yes' if same else 'NO'}")
+    return line, same, auto.text
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", default="Once upon a time")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--build", type=Path, default=ROOT / "build")
     args = ap.parse_args()
 
-    from mirror_mlx import tune
-    from mirror_mlx.pipeline import load
-
     t0 = time.perf_counter()
-    target, draft = widened(args.build)
-    pipe = load(target, draft)
-    try:
-        auto = pipe.generate(args.prompt, max_tokens=args.max_tokens)  # calibrates on first use
-        print(args.prompt + auto.text)
-        profile = tune.profile_for(pipe)
-        results = {}
-        for mode in ("ar", "sd", "mirror"):  # (the calibration ran every mode: all are warm, auto's run too)
-            knobs = best_knobs(profile, mode)
-            results[mode] = (pipe.generate(args.prompt, max_tokens=args.max_tokens, mode=mode, **knobs), knobs)
-    finally:
-        pipe.close()
-    same = all(r.tokens == auto.tokens for r, _ in results.values())
-    ar = results["ar"][0].stats.tokens_per_second
-    parts = [f"{mode} {r.stats.tokens_per_second:.1f} tok/s" + (f" ({' '.join(f'{k}={v}' for k, v in kn.items())})"
-                                                              if kn else "") for mode, (r, kn) in results.items()]
-    s = auto.stats
-    parts.append(f"auto -> {tune.describe(s)} {s.tokens_per_second:.1f} tok/s ({s.tokens_per_second / ar:.2f}x ar)")
-    load_avg = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "n/a"
-    print(" | ".join(parts) + f" | same text: {'yes' if same else 'NO'} | load {load_avg} | "
-          f"{time.perf_counter() - t0:.0f} s in all")
-    return 0 if same else 1
+    target, draft, adapters = widened(args.build)
+    print(f"demo: widened pair ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    line, same, text = one_line(target, draft, adapters, args.prompt, args.max_tokens, pin=False)
+    print(args.prompt + text)
+    load_avg = lambda: Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "n/a"  # noqa: E731
+    print(f"this machine (defaults, load {load_avg()}), tok/s: {line}", flush=True)
+
+    # Mac analog: one BLAS thread per process (the draft host inherits the variable) and pinned cores;
+    # its own profile, since auto's choice depends on how the two sides share the machine.
+    from mirror_mlx.blas import single_threaded
+    from mirror_mlx.tune.profile import cache_dir
+
+    single_threaded()  # this process's OpenBLAS (a no-op when OPENBLAS_NUM_THREADS is set already)
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    os.environ["MIRROR_MLX_CACHE"] = str(cache_dir() / "mac-analog")
+    pinned, same_pinned, _ = one_line(target, draft, adapters, args.prompt, args.max_tokens, pin=True)
+    print(f"Mac analog (target side on one core, draft on the other, one BLAS thread each; load {load_avg()}), tok/s: "
+          f"{pinned} | {time.perf_counter() - t0:.0f} s in all", flush=True)
+    return 0 if same and same_pinned else 1
 
 
 if __name__ == "__main__":

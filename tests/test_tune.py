@@ -342,6 +342,8 @@ def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeyp
         cfg = calibrate.TuneConfig(prompts=1, max_tokens=8, kappas=(1,), gammas=(2,), reps=1, confirm=1, min_seconds=0,
                               progress=False)
         assert calibrate.exit_layer_candidates(two, cfg) == [1, 2]  # N = 5: N/4 = N/3 = 1, N/2 = 2; 3N/4 = 3 has none
+        assert calibrate.exit_layer_candidates(two, calibrate.TuneConfig.quick()) == [1, 2]  # N/2 and each adapter's layer
+        assert calibrate.exit_layer_candidates(pipe, calibrate.TuneConfig.quick()) == [2]  # one adapter, at N/2
         prof = calibrate.calibrate(two, cfg)
         assert {r["exit_layer"] for r in prof.table if r["mode"] == "mirror"} == {1, 2}
         out = two.generate(PROMPT, max_tokens=12, mode="mirror", kappa=2, gamma=2, exit_layer=1)

@@ -77,7 +77,7 @@ class TuneConfig:
     @classmethod
     def quick(cls) -> "TuneConfig":
         """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e
-        only, one probe per mode, capped."""
+        (and each exit adapter's first exact layer), one probe per mode, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
                    confirm_prompts=1, min_seconds=0.5, min_timed_s=0.15, probe_two_windows=False, exact_top=2,
                    progress=False, budget_s=quick_budget())
@@ -113,9 +113,12 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
 
 def exit_layer_candidates(pipe: Any, cfg: TuneConfig) -> list[int]:
     n = pipe.engine.n_layers
-    quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 only
+    quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 and the adapters' layers
     layers = cfg.exit_layers or ((n // 2,) if quick else (n // 4, n // 3, n // 2, 3 * n // 4))
     covered = adapter_layers(pipe.engine.exit_adapter)
+    if covered and quick:  # and each adapter's shallowest exact layer: its state with the fewest layers to it
+        ad = pipe.engine.exit_adapter
+        layers = (*layers, *{min(e for e in covered if adapter_for(ad, e) is adapter_for(ad, c)) for c in covered})
     if covered:  # an adapter only maps the state of the layers it is exact at: the candidates among them
         return sorted({e for e in layers if e in covered}) or [pipe.engine.exit_adapter.exit_layer]
     return sorted({min(max(1, e), n - 1) for e in layers})
