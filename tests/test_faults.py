@@ -167,3 +167,71 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
         time.sleep(0.05)
     assert not [p for p in kids if Path(f"/proc/{p}").exists()], "an orphan process outlived the server"
     assert shm and not [name for name in shm if os.path.exists(name)]
+
+
+# --- the API: knobs, the tuning cache, profiles ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = mirror_mlx.load()
+    yield p
+    p.close()
+
+
+def test_kappa_gamma_beyond_the_draft_host_are_a_value_error_and_the_draft_stays_on(pipe):
+    with pytest.raises(ValueError, match=r"kappa\*\(gamma\+1\) = 8704 draft branches.*limit is 256"):
+        pipe.generate("Once upon a time", max_tokens=8, mode="mirror", kappa=512, gamma=16)
+    out = pipe.generate("Once upon a time", max_tokens=8, mode="mirror", kappa=16, gamma=15)  # exactly 256
+    assert out.stats.mode == "mirror" and out.stats.draft_failure is None
+
+
+def fresh_auto(pipe) -> None:
+    """Forget the pipeline's profile so the next mode="auto" call looks for one again."""
+    pipe._profile = None
+
+
+def test_an_unwritable_cache_keeps_the_calibration_in_memory(pipe, tmp_path, monkeypatch, capfd):
+    not_a_folder = tmp_path / "cache-file"
+    not_a_folder.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(not_a_folder))
+    fresh_auto(pipe)
+    reference = pipe.generate("Once upon a time", max_tokens=12, mode="ar").text
+    assert pipe.generate("Once upon a time", max_tokens=12).text == reference  # mode auto: calibrates
+    assert pipe.generate("Once upon a time", max_tokens=12).text == reference  # from memory
+    err = capfd.readouterr().err
+    assert err.count("cannot write the tuning profile") == 1 and "kept in memory" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_failed_profile_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    prof = profiles.Profile(key={"target": "t", "draft": "d", "adapter": "none", "machine": "m"}, mode="ar")
+    profiles.path_for(prof.key).mkdir()  # the rename onto it fails after the temporary file is written
+    with pytest.raises(profiles.ProfileError, match="cannot write the tuning profile"):
+        profiles.save(prof)
+    assert [p.name for p in tmp_path.iterdir()] == [profiles.path_for(prof.key).name]
+
+
+@pytest.mark.parametrize("knobs,named", [(dict(kappa=0, gamma=300), "kappa: 0"),
+                                         (dict(kappa=8, gamma=300), "gamma: 300")])
+def test_an_out_of_range_profile_names_its_path_and_the_fix(tmp_path, monkeypatch, knobs, named):
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    key = {"target": "t", "draft": "d", "adapter": "none", "machine": "m"}
+    profiles.save(profiles.Profile(key=key, mode="mirror", exit_layer=2, **knobs))
+    with pytest.raises(profiles.ProfileError) as e:
+        profiles.load(key)
+    message = str(e.value)
+    assert str(profiles.path_for(key)) in message and named in message and "run `mirror-mlx tune` again" in message
+
+
+def test_a_tampered_profile_is_recalibrated_with_a_warning(pipe, tmp_path, monkeypatch, capfd):
+    from mirror_mlx.tune import pipe_key
+
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    path = profiles.save(profiles.Profile(key=pipe_key(pipe), mode="mirror", kappa=0, gamma=300, exit_layer=2))
+    fresh_auto(pipe)
+    reference = pipe.generate("Once upon a time", max_tokens=12, mode="ar").text
+    assert pipe.generate("Once upon a time", max_tokens=12).text == reference
+    err = capfd.readouterr().err
+    assert f"the tuning profile {path} holds kappa: 0" in err and "recalibrating" in err, err
