@@ -235,3 +235,22 @@ def test_a_tampered_profile_is_recalibrated_with_a_warning(pipe, tmp_path, monke
     assert pipe.generate("Once upon a time", max_tokens=12).text == reference
     err = capfd.readouterr().err
     assert f"the tuning profile {path} holds kappa: 0" in err and "recalibrating" in err, err
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_load(tmp_path):
+    import shutil
+
+    from tests.models import TARGET_PATH
+
+    folder = tmp_path / "mismatched"
+    shutil.copytree(TARGET_PATH, folder)
+    (folder / "tokenizer.model").unlink()  # the fast tokenizer reads tokenizer.json
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab.update({f"extra{i}": len(vocab) + i for i in range(151_936 - len(vocab))})
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"tokenizer has 151936 token ids but the model's vocabulary is 512"):
+        mirror_mlx.load(str(folder))
