@@ -28,7 +28,9 @@ class OneLineErrors(click.Group):
         except click.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except click.Abort:
+        except click.Abort as e:
+            if isinstance(e.__cause__, KeyboardInterrupt):  # Ctrl-C: the shell's convention, 128 + SIGINT
+                sys.exit(130)
             click.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -38,6 +40,34 @@ class OneLineErrors(click.Group):
 @click.version_option(mirror_mlx.__version__, prog_name="mirror-mlx")
 def main() -> None:
     """Mirror Speculative Decoding: an MLX target and a draft that run at the same time."""
+
+
+def exit_on_terminate() -> None:
+    """SIGTERM and SIGHUP (the terminal closed) end the command through its `finally`, so the pipeline
+    stops its draft host and unlinks its shared memory itself: a hang-up reaches the whole process
+    group, multiprocessing's resource tracker included, which would otherwise leave them behind."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    tracker_ignores_hangup()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def tracker_ignores_hangup() -> None:
+    """Start multiprocessing's resource tracker with SIGHUP ignored (it inherits that, as it already
+    ignores SIGINT and SIGTERM): a hang-up of the process group must leave it there to see the shared
+    memory unlinked. Call before anything makes shared memory."""
+    import signal
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def model_options(f):
@@ -358,6 +388,7 @@ def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, 
     from mirror_mlx.chat import run_chat
 
     template_kwargs = template_config(chat_template_config)
+    exit_on_terminate()
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
     pipe.chat_template_kwargs = template_kwargs
     kwargs = generation_kwargs(**decode)
@@ -382,6 +413,7 @@ def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_token
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
     from mirror_mlx.server import serve
 
+    tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")

@@ -158,7 +158,7 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     idle = socket.create_connection((host, int(port)))
     time.sleep(0.5)
     t0 = time.monotonic()
-    proc.send_signal(sig)
+    os.killpg(proc.pid, sig) if sig == signal.SIGHUP else proc.send_signal(sig)  # a hang-up reaches the group
     assert proc.wait(timeout=20) == 0, log.read_text()
     assert time.monotonic() - t0 < 10, "shutdown waited on the idle connection"  # was Handler.timeout, 30 s
     idle.close()
@@ -254,3 +254,48 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_load(tmp_path):
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match=r"tokenizer has 151936 token ids but the model's vocabulary is 512"):
         mirror_mlx.load(str(folder))
+
+
+# --- signals --------------------------------------------------------------------------------------
+
+
+def shm_of(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
+
+
+def gone(pids: list[int], shm: set[str]) -> None:
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once it sees its parent go
+    while [p for p in pids if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "an orphan process outlived the command"
+    assert not [name for name in shm if os.path.exists(name)], "a shared-memory segment was left behind"
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_a_hang_up_during_chat_closes_the_draft_host_and_its_shared_memory(tmp_path):
+    """The terminal closing sends SIGHUP to the whole process group: the chat ends as on SIGTERM."""
+    err = open(tmp_path / "chat.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "chat", "--mode", "mirror", "-m", "300"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+    proc.stdin.write(b"Tell me a story\n")
+    proc.stdin.flush()
+    assert proc.stdout.read(20)  # the reply is streaming
+    shm, kids = shm_of(proc.pid), children(proc.pid)
+    assert shm and kids
+    os.killpg(proc.pid, signal.SIGHUP)
+    assert proc.wait(timeout=30) == 128 + signal.SIGHUP, (tmp_path / "chat.log").read_text()
+    gone(kids, shm)
+    assert "Traceback" not in (tmp_path / "chat.log").read_text()
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_ctrl_c_on_generate_exits_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "generate", "-p", "-"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not Path(f"/proc/{proc.pid}/syscall").read_text().startswith("0 0x0 "):  # read(0, ...): the prompt
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and b"Aborted" not in err and b"Traceback" not in err, err
