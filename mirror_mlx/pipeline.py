@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import weakref
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -136,6 +137,9 @@ class Pipeline:
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter)
+        # a Pipeline dropped without close() still stops its draft host and unlinks its shared memory
+        self._finalizer = weakref.finalize(self, Engine.close, self.engine)
+        self._finalizer.atexit = False  # at exit the hosts' and workers' own atexit hooks stop them
         self.conversation: Any = None  # chat.Conversation: the turns the caches hold (chat.py keeps it)
         self.told_plain = False  # chat.py warned once that the tokenizer has no chat template
         self._lock = threading.Lock()  # one generation at a time (see the class docstring)
@@ -317,7 +321,7 @@ class Pipeline:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.engine.close()
+                self._finalizer()  # Engine.close, once
 
 
 def check_adapter_path(adapter_path: Optional[Union[str, Path]]) -> None:

@@ -299,3 +299,35 @@ def test_ctrl_c_on_generate_exits_130(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and b"Aborted" not in err and b"Traceback" not in err, err
+
+
+# --- a Pipeline dropped without close() ---------------------------------------------------------
+
+
+def host_pids() -> set[int]:
+    """This process's draft host children (the resource tracker is a child too, and stays)."""
+    out = set()
+    for pid in children(os.getpid()):
+        try:
+            if b"host" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.add(pid)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_a_dropped_pipeline_stops_its_draft_host_and_unlinks_its_rings(shm_made):
+    before = host_pids()
+    for _ in range(2):
+        p = mirror_mlx.load()
+        p.generate("Once upon a time", max_tokens=8, mode="mirror")
+        hosts = host_pids() - before
+        assert hosts and shm_made
+        p = None
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while host_pids() - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not host_pids() - before, "the draft host outlived its dropped Pipeline"
+        assert not [name for name in shm_made if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
