@@ -72,8 +72,12 @@ def _number(body: dict, name: str, integer: bool = False) -> Optional[float]:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
-    if not math.isfinite(value):  # JSON's Infinity / NaN, which Python's parser accepts
-        raise APIError(400, f"'{name}' must be a finite number, got {value!r}", name)
+    try:
+        finite = integer or math.isfinite(value)  # JSON's Infinity / NaN, which Python's parser accepts
+    except OverflowError:  # an integer beyond any float
+        finite = False
+    if not finite:
+        raise APIError(400, f"'{name}' must be a finite number, got {value!r:.40}", name)
     return value
 
 

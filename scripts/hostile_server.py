@@ -144,7 +144,7 @@ def known_faults(host: str, port: int) -> None:
     check(set(statuses) <= {200, 429}, f"50 connections at once: {counts} (200 or 429 each, no reset)")
 
 
-POOL = [None, True, False, 0, -1, 1, 7, 2**70, 1.5, -0.0, float("inf"), float("nan"), "x", "", "\ud800", "auto",
+POOL = [None, True, False, 0, -1, 1, 7, 2**70, 10**400, 1.5, -0.0, float("inf"), float("nan"), "x", "", "\ud800", "auto",
         "mirror", "sd", "ar", [], {}, [1, 2], {"a": 1}, ["x"], [{"type": "text", "text": "hi"}]]
 FIELDS = ["model", "prompt", "messages", "stream", "stream_options", "n", "stop", "max_tokens",
           "max_completion_tokens", "temperature", "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa",

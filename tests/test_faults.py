@@ -106,6 +106,7 @@ def test_chunked_bodies_and_bad_content_length_are_named(server):
 
 @pytest.mark.parametrize("raw,param", [(b'{"prompt": "x", "temperature": Infinity}', "temperature"),
                                        (b'{"prompt": "x", "top_p": NaN}', "top_p"),
+                                       (b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature"),
                                        (b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}',
                                         "stream_options.include_usage")])
 def test_non_finite_numbers_and_non_boolean_flags_name_the_field(server, raw, param):
