@@ -130,8 +130,9 @@ def save(profile: Profile) -> Path:
     return path
 
 
-def load(key: dict) -> Optional[Profile]:
-    """The profile for `key`, None if there is none; ProfileError if the file is unreadable."""
+def load(key: dict, engine: Any = None) -> Optional[Profile]:
+    """The profile for `key`, None if there is none; ProfileError if the file is unreadable, or holds
+    knobs out of range (for `engine`'s target and draft when given)."""
     path = path_for(key)
     if not path.is_file():
         return None
@@ -147,11 +148,25 @@ def load(key: dict) -> Optional[Profile]:
     if profile.version != VERSION or profile.key != key or profile.mode not in ("mirror", "sd", "ar"):
         raise ProfileError(f"the tuning profile {path} does not match this model pair, machine or version: "
                            "delete it or run `mirror-mlx tune` again")
-    bad = _out_of_range(profile)
+    bad = _out_of_range(profile) or (engine is not None and _unusable(profile, engine))
     if bad:
         raise ProfileError(f"the tuning profile {path} holds {bad}, out of range: "
                            "delete it or run `mirror-mlx tune` again")
     return profile
+
+
+def _unusable(profile: Profile, engine: Any) -> str:
+    """Why the engine would refuse the profile's choice (γ beyond the draft's context, ℓe beyond the
+    target's layers), or ""."""
+    from .options import DecodeOptions
+    from .validate import decode_options
+
+    opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer)
+    try:
+        decode_options(opts, ("mirror", "sd", "ar"), engine.vocab_size, engine.n_layers, engine.draft_context)
+    except (TypeError, ValueError) as e:
+        return f"a choice this model pair cannot run ({e})"
+    return ""
 
 
 def _out_of_range(profile: Profile) -> str:

@@ -636,7 +636,7 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
         return prof
     key = pipe_key(pipe)
     try:
-        prof = profiles.load(key)
+        prof = profiles.load(key, pipe.engine)
     except profiles.ProfileError as e:
         print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
         prof = None

@@ -226,16 +226,19 @@ def test_an_out_of_range_profile_names_its_path_and_the_fix(tmp_path, monkeypatc
     assert str(profiles.path_for(key)) in message and named in message and "run `mirror-mlx tune` again" in message
 
 
-def test_a_tampered_profile_is_recalibrated_with_a_warning(pipe, tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("knobs,named", [(dict(mode="mirror", kappa=0, gamma=300, exit_layer=2), "kappa: 0"),
+                                         (dict(mode="sd", gamma=300), "gamma must be at most 256"),
+                                         (dict(mode="mirror", kappa=2, gamma=3, exit_layer=9), "exit")])
+def test_a_tampered_profile_is_recalibrated_with_a_warning(pipe, tmp_path, monkeypatch, capfd, knobs, named):
     from mirror_mlx.tune import pipe_key
 
     monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
-    path = profiles.save(profiles.Profile(key=pipe_key(pipe), mode="mirror", kappa=0, gamma=300, exit_layer=2))
+    path = profiles.save(profiles.Profile(key=pipe_key(pipe), **knobs))
     fresh_auto(pipe)
     reference = pipe.generate("Once upon a time", max_tokens=12, mode="ar").text
     assert pipe.generate("Once upon a time", max_tokens=12).text == reference
     err = capfd.readouterr().err
-    assert f"the tuning profile {path} holds kappa: 0" in err and "recalibrating" in err, err
+    assert f"the tuning profile {path} holds" in err and named in err and "recalibrating" in err, err
 
 
 # --- loading --------------------------------------------------------------------------------------
