@@ -213,7 +213,8 @@ def _attach(name: str) -> TokenRing:
 
 def main(argv: Sequence[str]) -> None:
     """Host process: `python -m mirror_mlx.ane_draft.host REQ_RING REQ_FD REP_RING REP_FD SPEC`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it then stops us
+    for sig in (signal.SIGINT, signal.SIGHUP):  # Ctrl-C and a hang-up are the engine's to handle; it then stops us
+        signal.signal(sig, signal.SIG_IGN)
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
     import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)

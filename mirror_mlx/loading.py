@@ -47,9 +47,26 @@ def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.
     if is_ss_draft(folder):
         return load_ss_draft(folder)
     try:
-        return mlx_load(str(folder), **mlx_lm_options)
+        model, tokenizer = mlx_load(str(folder), **mlx_lm_options)
     except Exception as e:
         raise ValueError(f"cannot load model {path_or_id}: {type(e).__name__}: {e}") from None
+    check_vocabulary(model, tokenizer, folder)
+    return model, tokenizer
+
+
+def check_vocabulary(model: nn.Module, tokenizer: Any, folder: Path) -> None:
+    """Refuse a tokenizer that can produce ids the model has no embedding for: such a pair decodes
+    junk (or reads past the embedding) instead of failing. A model larger than its tokenizer is fine
+    (Qwen pads its embedding)."""
+    from .target import vocab_size
+
+    size = vocab_size(model)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids = max(vocab.values(), default=-1) + 1
+    if size and ids > size:
+        raise ValueError(f"{folder}: the tokenizer has {ids} token ids but the model's vocabulary is {size} "
+                         "(config.json vocab_size): the tokenizer belongs to another model; use the tokenizer "
+                         "files that came with these weights")
 
 
 def tokenizer_mismatch(target_tok: Any, draft_tok: Any) -> Optional[str]:

@@ -7,6 +7,7 @@ is given, yields a `Step` per step that becomes a `Chunk` of text.
 
 import asyncio
 import threading
+import weakref
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -140,6 +141,9 @@ class Pipeline:
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter)
+        # a Pipeline dropped without close() still stops its draft host and unlinks its shared memory
+        self._finalizer = weakref.finalize(self, Engine.close, self.engine)
+        self._finalizer.atexit = False  # at exit the hosts' and workers' own atexit hooks stop them
         self._auto: Optional[AutoState] = None
         self.conversation = Conversation()  # the turns the caches hold (`chat`)
         self.stats = Stats()  # the last generation's
@@ -356,7 +360,7 @@ class Pipeline:
         with self.lock:
             if not self._closed:
                 self._closed = True
-                self.engine.close()
+                self._finalizer()  # Engine.close, once
 
 
 def check_adapter_path(adapter_path: Optional[Union[str, Path]]) -> None:

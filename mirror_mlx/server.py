@@ -25,9 +25,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from . import text
+from . import text, validate
 from .stats import Stats
-from .options import CHOICES
+from .options import CHOICES, PAPER_KNOBS
 from .pipeline import Pipeline
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
@@ -72,7 +72,18 @@ def _number(body: dict, name: str, integer: bool = False) -> Optional[float]:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    try:
+        finite = integer or math.isfinite(value)  # JSON's Infinity / NaN, which Python's parser accepts
+    except OverflowError:  # an integer beyond any float
+        finite = False
+    if not finite:
+        raise APIError(400, f"'{name}' must be a finite number, got {value!r:.40}", name)
     return value
+
+
+def _text(value: str) -> str:
+    """Text as valid UTF-8: a lone surrogate (JSON allows "\\ud800") becomes U+FFFD, as the API does."""
+    return validate.clean_text(value)[0]
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
@@ -84,23 +95,27 @@ def _content(message: dict, i: int) -> str:
     """A message's text: a string, or a list of {"type": "text", "text": ...} parts (as OpenAI sends)."""
     content = message.get("content")
     if isinstance(content, str):
-        return content
+        return _text(content)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _text("".join(p["text"] for p in content))
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
 def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_size: int,
-                  defaults: dict) -> Request:
+                  defaults: dict, max_prompt_bytes: Optional[int] = None, context: Optional[int] = None) -> Request:
     """Validate a request body; every problem is an APIError naming the field and the fix.
 
     `defaults` are the server's decode settings (the `serve` flags); request fields override them.
+    A prompt longer than `max_prompt_bytes` (text) or `context` (token ids) cannot fit the context:
+    it is refused here, before it queues, rather than tokenized while the engine waits on it.
     """
     try:
         body = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}): send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply to parse: send a flat JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -118,6 +133,7 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
                 raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
                                f"messages[{i}]")
             req.messages.append({"role": m["role"], "content": _content(m, i)})
+        _fits(sum(len(m["content"].encode()) for m in req.messages), max_prompt_bytes, "messages")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -129,20 +145,28 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
                                 "per request)", "prompt")
         if ids and not all(0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"'prompt' holds a token id outside the vocabulary [0, {vocab_size})", "prompt")
+        if ids and context and len(prompt) >= context:
+            raise APIError(400, f"the prompt is {len(prompt)} tokens but the model's context is {context} tokens: "
+                                "shorten the prompt", "prompt", "context_length_exceeded")
+        if isinstance(prompt, str):
+            prompt = _text(prompt)
+            _fits(len(prompt.encode()), max_prompt_bytes, "prompt")
         req.prompt = prompt
     stream = body.get("stream", False)
     _check(isinstance(stream, bool), "stream", "true or false", stream)
     req.stream = stream
     stream_options = body.get("stream_options") or {}
     _check(isinstance(stream_options, dict), "stream_options", "an object", stream_options)
-    req.include_usage = bool(stream_options.get("include_usage", False))
+    include_usage = stream_options.get("include_usage", False)
+    _check(isinstance(include_usage, bool), "stream_options.include_usage", "true or false", include_usage)
+    req.include_usage = include_usage
     n = _number(body, "n", integer=True)
     _check(n in (None, 1), "n", "1 (one choice per request)", n)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
     _check(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop), "stop",
            "a non-empty string or a list of them", body.get("stop"))
-    req.stop = stop
+    req.stop = [_text(s) for s in stop]
 
     max_tokens = _number(body, "max_completion_tokens", integer=True)
     name = "max_completion_tokens"
@@ -173,10 +197,30 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     seed = opts.get("seed")
     _check(seed is None or 0 <= seed < 2**63, "seed", "an integer in [0, 2**63)", seed)
     mode = body.get("mode", opts["mode"])
-    _check(mode in CHOICES, "mode", f"one of {', '.join(CHOICES)}", mode)
+    _check(isinstance(mode, str) and mode in CHOICES, "mode", f"one of {', '.join(CHOICES)}", mode)
     opts["mode"] = mode
+    if mode == "mirror" or (mode == "auto" and kappa is not None and gamma is not None):
+        try:  # refused here, before it queues: the draft host could not hold it (validate.MAX_BRANCHES)
+            validate.branches(kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"])
+        except ValueError as e:
+            raise APIError(400, str(e), "kappa" if "kappa" in body else "gamma") from None
     req.options = opts
     return req
+
+
+def _fits(n_bytes: int, limit: Optional[int], param: str) -> None:
+    if limit and n_bytes > limit:
+        raise APIError(413, f"the prompt is {n_bytes} bytes; no prompt over {limit} bytes fits the model's "
+                            "context: shorten it", param, "context_length_exceeded")
+
+
+def max_prompt_bytes(tokenizer: Any, context: Optional[int]) -> Optional[int]:
+    """An upper bound on the UTF-8 bytes of a prompt that fits `context` tokens: context × the longest
+    token's bytes (each token covers at most that much text), doubled for normalization's slack."""
+    if not context:
+        return None
+    longest = max((len(str(k).encode("utf-8", "replace")) for k in tokenizer.get_vocab()), default=16)
+    return 2 * context * max(longest, 4)
 
 
 # --- stop strings ---------------------------------------------------------------------------------
@@ -345,6 +389,9 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
                  max_tokens: int = 256, max_queue: int = 32, log: Any = sys.stderr):
+        self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
+        self.reading: set = set()  # connections still sending their request: closed at once on shutdown
+        self._reading_lock = threading.Lock()
         super().__init__(address, Handler)
         self.pipe, self.model_id, self.defaults, self.max_tokens = pipe, model_id, defaults, max_tokens
         self.model_ids = tuple(dict.fromkeys([model_id, pipe.name]))
@@ -353,6 +400,25 @@ class Server(ThreadingHTTPServer):
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
         self._count_lock = threading.Lock()
+        self.context = pipe.engine.context_length
+        self.max_prompt_bytes = max_prompt_bytes(pipe.tokenizer, self.context)
+
+    def reading_done(self, sock: socket.socket, reading: bool) -> None:
+        with self._reading_lock:
+            if reading and self.stopping.is_set():
+                raise ClientGone("the server is shutting down")
+            (self.reading.add if reading else self.reading.discard)(sock)
+
+    def drop_idle(self) -> None:
+        """Shut the connections still sending a request (a browser's preconnect, a slow client): their
+        handler threads wake at once, so shutdown never waits out Handler.timeout on them."""
+        with self._reading_lock:
+            for sock in self.reading:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self.reading.clear()
 
     def count(self, name: str) -> None:
         with self._count_lock:
@@ -371,8 +437,14 @@ class Server(ThreadingHTTPServer):
 
     def stop(self) -> None:
         """Refuse new work, end in-flight streams after their current step, stop accepting."""
-        self.stopping.set()
+        again = self.stopping.is_set()
+        with self._reading_lock:
+            self.stopping.set()
         self.gate.close()
+        self.drop_idle()
+        if again:
+            self.note("already stopping: waiting for the step in flight, then the engine closes")
+            return
         threading.Thread(target=self.shutdown, name="serve-shutdown").start()  # not on serve_forever's thread
 
 
@@ -386,6 +458,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         self.server.note(f"{self.address_string()} {format % args}")
+
+    def handle(self) -> None:
+        """One request; while it is being sent the server may shut the socket (Server.drop_idle)."""
+        try:
+            self.server.reading_done(self.connection, True)
+        except ClientGone:
+            return
+        try:
+            super().handle()
+        finally:
+            self.server.reading_done(self.connection, False)
 
     # --- responses
 
@@ -421,11 +504,18 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone(repr(e)) from None
 
     def read_body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raise APIError(411, "Transfer-Encoding: chunked request bodies are not supported: send the body "
+                                "with a Content-Length header", code="length_required")
+        header = self.headers.get("Content-Length")
         try:
-            length = int(self.headers.get("Content-Length") or 0)
+            length = int(header or 0)
         except ValueError:
-            raise APIError(400, "the Content-Length header is not a number") from None
-        if not 0 <= length <= MAX_BODY:
+            length = -1
+        if length < 0:
+            raise APIError(400, f"the Content-Length header is invalid ({header!r}): give the body's size in "
+                                "bytes, a non-negative integer", code="invalid_content_length")
+        if length > MAX_BODY:
             raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY}", code="too_large")
         try:
             return self.rfile.read(length)
@@ -459,7 +549,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         s.count("requests")
         try:
-            req = parse_request(self.read_body(), path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults)
+            raw = self.read_body()
+            s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
+            req = parse_request(raw, path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults,
+                                s.max_prompt_bytes, s.context)
             s.gate.enter()
         except APIError as e:
             s.count("rejected")
@@ -625,7 +718,8 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes."""
     defaults = defaults or {}
     server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue)
-    previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+    previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
     server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
                 f"(queue {max_queue}); Ctrl-C stops")

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 SEED_RANGE = 2**64  # mx.random.seed takes a uint64; any Python int is mapped into it
+# Mirror-SD rolls out κ(γ+1) branches a step, each a row of the draft's cache in the draft host, and
+# sends back κ(γ+1)·γ tokens in one ring message (docs/design.md §4). 256 rows keeps the host's memory
+# bounded and the reply (at most 256·511 ints for γ < 512) within a ring slot; tune searches at most 8·8.
+MAX_BRANCHES = 256
 
 
 def _kind(value: Any) -> str:
@@ -43,6 +47,16 @@ def as_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bo
             f"{'above' if lo_open else 'at least'} {lo:g} and finite")
         raise ValueError(f"{name} must be {span} (got {value}){fix and ': ' + fix}")
     return value
+
+
+def branches(kappa: int, gamma: int) -> int:
+    """κ(γ+1), Mirror-SD's branches a step; ValueError naming the limit when the draft host cannot hold them."""
+    n = kappa * (gamma + 1)
+    if n > MAX_BRANCHES or gamma >= 512:
+        raise ValueError(f"kappa={kappa}, gamma={gamma} asks for kappa*(gamma+1) = {n} draft branches a step; "
+                         f"the draft host's limit is {MAX_BRANCHES} (its memory budget and ring slot): "
+                         f"lower kappa or gamma (e.g. kappa=8, gamma=7)")
+    return n
 
 
 def generator_seed(seed: Any) -> Optional[int]:
@@ -125,7 +139,7 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
                    gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
     vocab_hint = f"at most the vocabulary size {vocab_size}" if vocab_size else ""
     gamma_hint = f"the draft's context is {draft_context} tokens" if draft_context else ""
-    return replace(
+    opts = replace(
         opts,
         max_tokens=as_int("max_tokens", opts.max_tokens, 1),
         kappa=as_int("kappa", opts.kappa, 1, vocab_size, vocab_hint and f"use a width {vocab_hint}"),
@@ -140,6 +154,9 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
         seed=generator_seed(opts.seed),
         draft_timeout=as_float("draft_timeout", opts.draft_timeout, 0.0, lo_open=True),
     )
+    if opts.mode == "mirror":
+        branches(opts.kappa, opts.gamma)
+    return opts
 
 
 def model_folder(path: Path) -> Path:

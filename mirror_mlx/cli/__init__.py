@@ -54,7 +54,9 @@ class Verbs(click.Group):
         except click.ClickException as e:
             e.show()
             sys.exit(e.exit_code)
-        except click.Abort:
+        except click.Abort as e:
+            if isinstance(e.__cause__, KeyboardInterrupt):  # Ctrl-C: the shell's convention, 128 + SIGINT
+                sys.exit(130)
             click.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -64,6 +66,34 @@ class Verbs(click.Group):
 @click.version_option(mirror_mlx.__version__, prog_name="mirror-mlx")
 def main() -> None:
     """Mirror Speculative Decoding: an MLX target and a draft that run at the same time."""
+
+
+def exit_on_terminate() -> None:
+    """SIGTERM and SIGHUP (the terminal closed) end the command through its `finally`, so the pipeline
+    stops its draft host and unlinks its shared memory itself: a hang-up reaches the whole process
+    group, multiprocessing's resource tracker included, which would otherwise leave them behind."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    tracker_ignores_hangup()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def tracker_ignores_hangup() -> None:
+    """Start multiprocessing's resource tracker with SIGHUP ignored (it inherits that, as it already
+    ignores SIGINT and SIGTERM): a hang-up of the process group must leave it there to see the shared
+    memory unlinked. Call before anything makes shared memory."""
+    import signal
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 DEFAULTS = DecodeOptions()  # the one source of every decoding default

@@ -10,7 +10,7 @@ from typing import Any, Optional, TextIO
 import click
 
 from mirror_mlx import validate
-from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+from mirror_mlx.cli import (exit_on_terminate, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, template_config, usage_error)
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
@@ -215,6 +215,7 @@ def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, 
              **decode) -> None:
     """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands."""
     template_kwargs = template_config(chat_template_config)
+    exit_on_terminate()
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
     pipe.chat_template_kwargs = template_kwargs
     kwargs = generation_kwargs(**decode)

@@ -51,7 +51,10 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         raise click.UsageError(str(e))
     finally:
         pipe.close()
-    path = profile.save(prof)
+    try:
+        path = profile.save(prof)
+    except profile.ProfileError as e:  # an unwritable cache: the table below is still worth reading
+        path = f"nothing ({e})"
     click.echo(report.format_table(prof))
     for line in (report.contention(prof), report.acceptance_line(prof), compute_plan_report(draft_model)):
         if line:

@@ -2,7 +2,8 @@
 
 import click
 
-from mirror_mlx.cli import DEFAULTS, decode_options, generation_kwargs, load_pipeline, model_options
+from mirror_mlx.cli import (DEFAULTS, decode_options, generation_kwargs, load_pipeline, model_options,
+                            tracker_ignores_hangup)
 
 
 @click.command("serve")
@@ -16,6 +17,7 @@ def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_token
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
     from mirror_mlx.server import serve
 
+    tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")

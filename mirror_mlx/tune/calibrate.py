@@ -539,5 +539,3 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     key = key or profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
     return profiles.Profile(key=key, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
                             why=why, table=table, calibration=calibration)
-
-

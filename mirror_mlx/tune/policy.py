@@ -92,7 +92,7 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
 
     key = pipe_key(pipe)
     try:
-        prof = profiles.load(key)
+        prof = profiles.load(key, pipe.engine)
     except profiles.ProfileError as e:
         print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
         prof = None
@@ -113,9 +113,12 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
         print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)
     else:
         prof.why = "quick " + prof.why
-        path = profiles.save(prof)
+        try:
+            saved = f"saved {profiles.save(prof)}"
+        except profiles.ProfileError as e:  # an unwritable cache: this process keeps it in memory
+            saved = f"warning: {e}"
         print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
-              f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; saved {path} "
+              f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; {saved} "
               "(`mirror-mlx tune` measures more)", file=sys.stderr)
     return prof
 

@@ -104,26 +104,77 @@ def path_for(key: dict) -> Path:
 
 
 def save(profile: Profile) -> Path:
+    """Write the profile; ProfileError (and no leftover file) when the cache cannot be written.
+
+    A read-only home, a full disk or MIRROR_MLX_CACHE naming a file must not stop a generation: the
+    caller keeps the profile in memory and says once that it was not saved."""
     path = path_for(profile.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(profile), indent=1, default=str))
-    tmp.replace(path)  # atomic: a reader never sees half a profile
+    data = json.dumps(asdict(profile), indent=1, default=str)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(data)
+        tmp.replace(path)  # atomic: a reader never sees half a profile
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise ProfileError(f"cannot write the tuning profile to {path.parent} "
+                           f"({e.strerror or type(e).__name__}): kept in memory for this process only; "
+                           "set MIRROR_MLX_CACHE to a writable folder to keep it") from None
     return path
 
 
-def load(key: dict) -> Optional[Profile]:
-    """The profile for `key`, None if there is none; ProfileError if the file is unreadable."""
+def load(key: dict, engine: Any = None) -> Optional[Profile]:
+    """The profile for `key`, None if there is none; ProfileError if the file is unreadable, or holds
+    knobs out of range (for `engine`'s target and draft when given)."""
     path = path_for(key)
-    if not path.exists():
+    if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
         profile = Profile(**data)
+    except OSError as e:
+        raise ProfileError(f"the tuning profile {path} cannot be read ({e.strerror or type(e).__name__}): "
+                           "fix its permissions, delete it or run `mirror-mlx tune` again") from None
     except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
         raise ProfileError(f"the tuning profile {path} is corrupt ({type(e).__name__}): "
                            "delete it or run `mirror-mlx tune` again") from None
     if profile.version != VERSION or profile.key != key or profile.mode not in ("mirror", "sd", "ar"):
         raise ProfileError(f"the tuning profile {path} does not match this model pair, machine or version: "
                            "delete it or run `mirror-mlx tune` again")
+    bad = _out_of_range(profile) or (engine is not None and _unusable(profile, engine))
+    if bad:
+        raise ProfileError(f"the tuning profile {path} holds {bad}, out of range: "
+                           "delete it or run `mirror-mlx tune` again")
     return profile
+
+
+def _unusable(profile: Profile, engine: Any) -> str:
+    """Why the engine would refuse the profile's choice (γ beyond the draft's context, ℓe beyond the
+    target's layers), or ""."""
+    from .options import DecodeOptions
+    from .validate import decode_options
+
+    opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer)
+    try:
+        decode_options(opts, ("mirror", "sd", "ar"), engine.vocab_size, engine.n_layers, engine.draft_context)
+    except (TypeError, ValueError) as e:
+        return f"a choice this model pair cannot run ({e})"
+    return ""
+
+
+def _out_of_range(profile: Profile) -> str:
+    """What in a profile's choice no run could use ("" when nothing): an edited or damaged file."""
+    from .validate import MAX_BRANCHES
+
+    knobs = {"kappa": profile.kappa, "gamma": profile.gamma, "exit_layer": profile.exit_layer}
+    for name, value in knobs.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"{name}: {value!r} (must be an int of at least 1)"
+    if profile.mode == "mirror" and None not in (profile.kappa, profile.gamma) and (
+            profile.kappa * (profile.gamma + 1) > MAX_BRANCHES or profile.gamma >= 512):
+        return (f"kappa: {profile.kappa}, gamma: {profile.gamma} (kappa*(gamma+1) must be at most "
+                f"{MAX_BRANCHES})")
+    return ""
