@@ -171,8 +171,10 @@ def tiny_package_runs() -> None:
 def compute_plan_lines(package: Optional[str]) -> list[str]:
     from . import compute_plan
 
-    if package is None or not str(package).endswith(".mlpackage"):
+    if package is None:
         return ["Core ML compute plan: skipped (give --draft-model DRAFT.mlpackage to see where its ops run)"]
+    if not str(package).endswith(".mlpackage"):
+        return [f"Core ML compute plan: skipped ({package} is an MLX draft, not a Core ML package)"]
     try:
         return compute_plan.report(package).splitlines()
     except Exception as e:
