@@ -103,13 +103,17 @@ def mlx_lines() -> list[str]:
     import importlib.metadata as md
 
     line = f"MLX: {md.version('mlx')}, default device {mx.default_device()}"
+    try:  # mx.device_info (MLX >= 0.30) describes the default device; older MLX has only the Metal one
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    except Exception as e:  # the rest of the report still holds
+        info = {"device_name": f"no details: {type(e).__name__}"}
+    name = info.get("device_name") or info.get("architecture")
+    if name:
+        line += f" ({name})"
     if mx.metal.is_available():
-        try:
-            info = mx.metal.device_info()
-            line += (f", Metal {info.get('architecture', '?')}, "
-                     f"{info.get('max_recommended_working_set_size', 0) / 2**30:.1f} GiB recommended working set")
-        except Exception as e:  # an older MLX without device_info: the rest of the line still holds
-            line += f", Metal available ({type(e).__name__} reading its details)"
+        line += f", Metal {info.get('architecture', '?')}"
+        if info.get("max_recommended_working_set_size"):
+            line += f", {int(info['max_recommended_working_set_size']) / 2**30:.1f} GiB recommended working set"
     else:
         line += f", no Metal GPU ({blas.status()})"
     return [line]
