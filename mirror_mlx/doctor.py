@@ -289,7 +289,8 @@ def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: flo
             return ["overlap probe: skipped (no draft model)"]
         loaded = time.perf_counter() - t0
         o = probe_overlap(pipe, seconds)
-        pair = "the demo pair" if model is None else f"{model} + {draft_model}"
+        pair = ("the demo pair" if model is None and draft_model is None
+                else f"{model or 'the demo target'} + {draft_model or 'the demo draft'}")
         ms = lambda s: f"{1e3 * s:.2f} ms"  # noqa: E731
         where = ("target on the GPU, draft in its own process" if sys.platform == "darwin"
                  else "CPU analog: both on the CPU, draft in its own process")
