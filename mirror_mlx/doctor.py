@@ -10,6 +10,8 @@ same probe runs on the CPU, and the report says what only a Mac can check.
 The macOS parts run only on macOS; their parsing (`sw_vers`, `sysctl`) is plain functions of text.
 """
 
+import contextlib
+import io
 import os
 import platform
 import re
@@ -165,8 +167,9 @@ def tiny_package_runs() -> None:
     def prog(x):
         return mb.add(x=x, y=1.0)
 
-    model = ct.convert(prog, convert_to="mlprogram", compute_units=ct.ComputeUnit.CPU_AND_NE,
-                       minimum_deployment_target=ct.target.macOS14)
+    with contextlib.redirect_stderr(io.StringIO()):  # the converter's progress bars
+        model = ct.convert(prog, convert_to="mlprogram", compute_units=ct.ComputeUnit.CPU_AND_NE,
+                           minimum_deployment_target=ct.target.macOS14)
     out = next(iter(model.predict({"x": np.zeros((1, 4), np.float32)}).values()))
     if not np.allclose(out, 1.0):
         raise RuntimeError(f"x + 1 at x = 0 gave {out}")
