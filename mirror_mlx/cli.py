@@ -631,7 +631,7 @@ def bench_cmd(**kwargs) -> None:
 @main.command("doctor")
 @click.option("--model", default=None, help="Target for the overlap probe [default: the embedded demo pair].")
 @click.option("--draft-model", default=None, help="Draft; a .mlpackage also gets its Core ML compute plan.")
-@click.option("--seconds", type=click.FloatRange(min=0.5), default=3.0, show_default=True, help="Overlap probe length.")
+@click.option("--seconds", type=click.FloatRange(min=0.5), default=2.0, show_default=True, help="Overlap probe length.")
 def doctor_cmd(model: str | None, draft_model: str | None, seconds: float) -> None:
     """What this machine can do: OS, chip, Python, MLX, Core ML, and a target ‖ draft overlap probe."""
     from mirror_mlx.doctor import report

@@ -209,7 +209,7 @@ class Overlap:
         return (self.target_s + self.draft_s) / max(self.target_s, self.draft_s)
 
 
-def probe_overlap(pipe, seconds: float = 3.0, kappa: int = 4, gamma: int = 3, min_rounds: int = 5) -> Overlap:
+def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, min_rounds: int = 5) -> Overlap:
     """Time a target forward (on the target's worker thread, in this process) and a draft rollout (in
     the draft host, its own process) apart and together, in interleaved rounds so a burst of other load
     hits all three alike; medians."""
@@ -315,7 +315,7 @@ def not_checked_lines() -> list[str]:
             "Neural Engine placement, and the GPU ‖ Neural Engine overlap the product is built for"]
 
 
-def report(model: Optional[str] = None, draft_model: Optional[str] = None, seconds: float = 3.0) -> Iterator[str]:
+def report(model: Optional[str] = None, draft_model: Optional[str] = None, seconds: float = 2.0) -> Iterator[str]:
     """The doctor's lines, cheap ones first (each is yielded as soon as it is known)."""
     yield f"mirror-mlx {_version()} doctor"
     yield from machine_lines()
