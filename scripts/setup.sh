@@ -83,23 +83,24 @@ fi
 
 VENV=${1:-.venv}
 EXTRAS=${2:+[$2]}
+
+PY=""
+if [ -x "$VENV/bin/python" ]; then
+  ver=$(py_version "$VENV/bin/python" || echo "a Python that does not run")
+  if ! [[ $ver =~ ^[0-9] ]] || ! suitable "$ver"; then
+    echo "setup: $VENV holds ${ver/#[0-9]/Python &}; mirror-mlx needs Python >= 3.$MIN_MINOR: remove $VENV (make clean) and run again" >&2
+    exit 1
+  fi
+else
+  PY=$(choose_python)
+fi
 if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null \
    && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
   echo "setup: installing libopenblas0-pthread (apt)"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) \
     || echo "setup: could not install OpenBLAS; MLX will use its slow reference BLAS"
 fi
-
-if [ -x "$VENV/bin/python" ]; then
-  ver=$(py_version "$VENV/bin/python" || echo "unknown")
-  if [ "$ver" = unknown ] || ! suitable "$ver"; then
-    echo "setup: $VENV holds Python $ver; mirror-mlx needs >= 3.$MIN_MINOR: remove it (make clean) and run again" >&2
-    exit 1
-  fi
-else
-  PY=$(choose_python)
-  "$PY" -m venv "$VENV"
-fi
+[ -z "$PY" ] || "$PY" -m venv "$VENV"
 
 # pip's and setuptools' chatter (pages of build warnings) goes to a log; on failure its tail is shown.
 LOG="$VENV/setup.log"

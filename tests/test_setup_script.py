@@ -83,3 +83,25 @@ def test_python_env_var_is_used_when_new_enough(tmp_path):
     r = which_python(tmp_path, [tmp_path / "brew"], PYTHON=str(py312))
     assert r.returncode == 0
     assert r.stderr.strip() == f"setup: using Python 3.12.4 ({py312}, from PYTHON)"
+
+
+def test_homebrew_python_is_found_through_brew(tmp_path):
+    fake_python(tmp_path / "bin", "python3", "Python 3.9.6")
+    py313 = fake_python(tmp_path / "homebrew" / "bin", "python3.13", "Python 3.13.1")
+    brew = tmp_path / "bin" / "brew"
+    brew.write_text(f'#!/bin/sh\n[ "$1" = "--prefix" ] && echo {tmp_path / "homebrew"}\n')
+    brew.chmod(0o755)
+    r = which_python(tmp_path, [tmp_path / "bin"])
+    assert (r.returncode, r.stdout.strip()) == (0, str(py313))
+
+
+def test_a_venv_made_by_an_old_python_is_refused_before_any_install(tmp_path):
+    venv = tmp_path / "venv"
+    fake_python(venv / "bin", "python", "Python 3.9.6")
+    fake_python(tmp_path / "brew", "python3.12", "Python 3.12.4")
+    r = subprocess.run([BASH, str(SETUP), str(venv)], capture_output=True, text=True, timeout=30,
+                       env={"PATH": str(tmp_path / "brew"), "HOME": str(tmp_path)})
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"setup: {venv} holds Python 3.9.6; mirror-mlx needs Python >= 3.10: "
+                                f"remove {venv} (make clean) and run again")
+    assert not (venv / "setup.log").exists()
