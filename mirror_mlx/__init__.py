@@ -1,8 +1,15 @@
 """mirror-mlx: Mirror Speculative Decoding with an MLX target and an (ANE) draft."""
 
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Union
 
 from .blas import preload_openblas
+
+if TYPE_CHECKING:  # the real import is deferred: `import mirror_mlx` stays cheap
+    from .pipeline import Pipeline
+
+__all__ = ["__version__", "generate", "load", "stream_generate"]
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
 
@@ -11,11 +18,15 @@ preload_openblas()  # before anything imports mlx.core
 __version__ = "0.1.0"
 
 
-def load(*args, **kwargs):
-    """Load a target (and draft): see `mirror_mlx.pipeline.load`."""
+def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
+         exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False) -> "Pipeline":
+    """Load a target and its draft; with no model, the embedded demo pair (offline). See
+    `mirror_mlx.pipeline.load`."""
     from .pipeline import load as _load
 
-    return _load(*args, **kwargs)
+    return _load(model, draft_model, exit_adapter, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
+                 trust_remote_code=trust_remote_code)
 
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):

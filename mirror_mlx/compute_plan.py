@@ -1,4 +1,4 @@
-"""Where a Core ML draft's ops run (MLComputePlan, macOS 14.4+), for `mirror-mlx tune`.
+"""Where a Core ML draft's ops run (MLComputePlan, macOS 14.4+), for `mirror-mlx tune` and `doctor`.
 
 The draft hides behind the target only if its `rollout` function stays on the Neural Engine; Core
 ML silently moves ops it cannot place there to the GPU (which the target is using) or the CPU.
@@ -8,28 +8,49 @@ Off macOS, or for an MLX draft, `report` says why there is nothing to report.
 import platform
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 
+DEVICE_NAMES = {"MLNeuralEngineComputeDevice": "ANE", "MLGPUComputeDevice": "GPU", "MLCPUComputeDevice": "CPU"}
+
+
 def device_counts(package: Path) -> dict[str, Counter]:
     """Per function of the package: how many ops Core ML prefers on each device (ANE, GPU, CPU)."""
+    return {name: Counter(op.device for op in ops) for name, ops in op_devices(load_plan(package)).items()}
+
+
+def load_plan(package: Path) -> Any:
+    """The package's MLComputePlan for CPU and Neural Engine (macOS 14.4+; compiles the package)."""
     import coremltools as ct
-    from coremltools.models.compute_device import MLCPUComputeDevice, MLGPUComputeDevice, MLNeuralEngineComputeDevice
     from coremltools.models.compute_plan import MLComputePlan
 
-    names = {MLNeuralEngineComputeDevice: "ANE", MLGPUComputeDevice: "GPU", MLCPUComputeDevice: "CPU"}
     compiled = ct.models.utils.compile_model(str(package))
-    plan = MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+    return MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+
+
+@dataclass(frozen=True)
+class PlannedOp:
+    name: str  # the operator, e.g. "conv"
+    device: str  # ANE, GPU, CPU (or "other")
+    cost: Optional[float]  # Core ML's estimated share of the function's work, if it gave one
+
+
+def op_devices(plan: Any) -> dict[str, list[PlannedOp]]:
+    """Per function of a loaded MLComputePlan, every op that runs somewhere (constants run nowhere and
+    are left out) with its preferred device, named by its coremltools class."""
     out = {}
     for name, function in plan.model_structure.program.functions.items():
-        counts: Counter = Counter()
+        ops = []
         for op in function.block.operations:
             usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
-            if usage is None:  # constants and other ops that run nowhere
+            if usage is None:
                 continue
-            counts[next((v for k, v in names.items() if isinstance(usage.preferred_compute_device, k)), "other")] += 1
-        out[name] = counts
+            cost = plan.get_estimated_cost_for_mlprogram_operation(op)
+            ops.append(PlannedOp(op.operator_name, DEVICE_NAMES.get(type(usage.preferred_compute_device).__name__, "other"),
+                                 None if cost is None else float(cost.weight)))
+        out[name] = ops
     return out
 
 
@@ -54,11 +75,25 @@ def report(package: Any) -> str:
     reason = unavailable_reason(package)
     if reason is not None:
         return f"Core ML compute plan: skipped ({reason})"
+    return format_plan(op_devices(load_plan(Path(package))))
+
+
+def format_plan(ops: dict[str, list[PlannedOp]]) -> str:
+    """One line per function (op counts per device, the Neural Engine's share of the estimated cost,
+    which kinds of op left it), and a warning if `rollout` left it: those ops compete with the target."""
     lines = []
-    for name, counts in device_counts(Path(package)).items():
+    for name, planned in ops.items():
+        counts = Counter(op.device for op in planned)
         total = sum(counts.values()) or 1
-        lines.append(f"Core ML compute plan, {name}: " +
-                     ", ".join(f"{dev} {n} ops ({100 * n / total:.0f}%)" for dev, n in counts.most_common()))
+        off = Counter(op.name for op in planned if op.device != "ANE")
+        line = f"Core ML compute plan, {name}: " + ", ".join(
+            f"{dev} {n} ops ({100 * n / total:.0f}%)" for dev, n in counts.most_common())
+        costs = [op.cost for op in planned]
+        if costs and None not in costs and sum(costs) > 0:
+            line += f"; ANE {100 * sum(op.cost for op in planned if op.device == 'ANE') / sum(costs):.0f}% of the estimated cost"
+        if off:
+            line += "; off the Neural Engine: " + ", ".join(f"{op} x{n}" for op, n in off.most_common())
+        lines.append(line)
         if name == "rollout" and counts.get("ANE", 0) < total:
             lines.append(f"warning: {total - counts.get('ANE', 0)} of {total} ops of the rollout function fell off "
                          "the Neural Engine: the draft will compete with the target (convert with static shapes, "

@@ -147,6 +147,14 @@ def test_commands_and_bad_input(pipe):
     assert (p3, n3) == (p1, n1)
 
 
+def test_mlx_lm_chat_short_commands_quit_reset_and_help(pipe):
+    code, out, err = run_lines(pipe, ["h", TURNS[0], " r ", TURNS[0], "q", "never read"], mode="ar")
+    assert code == 0
+    replies = out.splitlines()
+    assert len(replies) == 2 and replies[1] == replies[0]  # `r` started over; `q` quit before "never read"
+    assert chat_mod.HELP in err and "conversation and caches cleared" in err
+
+
 def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
     """Ctrl-C (SIGINT) after the second chunk: the reply stops there, the next turn continues after it."""
     real = pipe.chat_stream

@@ -20,6 +20,7 @@ VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "tune": "mirror_mlx.cli.measure:tune_cmd",
     "bench": "mirror_mlx.cli.measure:bench_cmd",
     "omega": "mirror_mlx.cli.measure:omega_cmd",
+    "doctor": "mirror_mlx.cli.measure:doctor_cmd",
     "import-llama2c": "mirror_mlx.cli.build:import_llama2c_cmd",
     "widen": "mirror_mlx.cli.build:widen_cmd",
     "widen-exit": "mirror_mlx.cli.build:widen_exit_cmd",

@@ -21,7 +21,10 @@ HELP = """\
 /reset  forget the conversation and clear the caches
 /stats  totals since the chat started
 /help   this list
-/quit   quit (Ctrl-D too); Ctrl-C stops a reply and keeps what it wrote"""
+/quit   quit (Ctrl-D too); Ctrl-C stops a reply and keeps what it wrote
+q, r, h  alone on a line: /quit, /reset, /help, as in mlx_lm.chat"""
+
+SHORT_COMMANDS = {"q": "/quit", "r": "/reset", "h": "/help"}  # mlx_lm.chat's, so its users' habits work
 
 
 
@@ -193,7 +196,7 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
             line = read_line(interactive, stdin)
             if line is None:
                 return 0
-            line = line.strip()
+            line = SHORT_COMMANDS.get(line.strip(), line.strip())
             if line.startswith("/"):
                 if not session.command(line):
                     return 0

@@ -1,4 +1,4 @@
-"""`mirror-mlx tune`, `bench` and `omega`: measuring the pair on this machine (defaults from TuneConfig
+"""`mirror-mlx tune`, `bench`, `omega` and `doctor`: measuring the pair and this machine (defaults from TuneConfig
 and BenchConfig)."""
 
 from pathlib import Path
@@ -121,3 +121,15 @@ def bench_cmd(**kwargs) -> None:
     click.echo((kwargs["out"] / "results.md").read_text())
     if report.get("best"):
         click.echo(f"best sweep point: {report['best']['name']}")
+
+
+@click.command("doctor")
+@click.option("--model", default=None, help="Target for the overlap probe [default: the embedded demo pair].")
+@click.option("--draft-model", default=None, help="Draft; a .mlpackage also gets its Core ML compute plan.")
+@click.option("--seconds", type=click.FloatRange(min=0.5), default=2.0, show_default=True, help="Overlap probe length.")
+def doctor_cmd(model: str | None, draft_model: str | None, seconds: float) -> None:
+    """What this machine can do: OS, chip, Python, MLX, Core ML, and a target ‖ draft overlap probe."""
+    from mirror_mlx.doctor import report
+
+    for line in report(model, draft_model, seconds):
+        click.echo(line)
