@@ -4,13 +4,13 @@ sample of the target's processed distribution given the tokens before it.
 An 8-token vocabulary makes the target's processed distribution q(· | prefix) exact at every position
 of every generation: one forward of the target over the prompt and the generated tokens gives all of
 them, processed by mlx-lm's own logits processors and sampling filters. Each committed token is one
-draw; its row in its step (0: the target's own token at the pending row, 1..γ-1: after accepted draft
-tokens, γ: the bonus token) is decided by the tokens before it, so q stays its distribution within
-each row. Per row, the counts of each token id, and of each rank under q, are compared with their
-expectation Σ q through the exact covariance Σ (diag q - q qᵀ) (a martingale chi-square, pooled over
-contexts; with one context it is Pearson's). The draft is the target itself, in its own host process,
-so that windows are often accepted whole (bonus tokens), and κ = 2 of 8 tokens makes mirror both
-reuse and fall back.
+draw from its q, also within any group of tokens picked by what came before the draw: its row in its
+step (0: the target's own token at the pending row, 1..γ-1: after accepted draft tokens, γ: the
+bonus token), or the token before it. `conditional_test` compares the counts with their expectation
+Σ q through the exact covariance Σ (diag q - q qᵀ) (a martingale chi-square, pooled over contexts;
+with one context it is Pearson's). The draft is the target itself, in its own host process, so that
+windows are often accepted whole (bonus tokens), and κ = 2 of 8 tokens makes mirror both reuse a
+branch and fall back; every test asserts that each of these happened.
 """
 
 import mlx.core as mx
