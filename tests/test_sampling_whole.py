@@ -181,13 +181,14 @@ def sample(target, pipe, mode: str, settings: dict, seeds, expect: dict = None) 
     outputs, rows = [], []
     seen = dict(reuses=0, fallbacks=0, rejections=0, draft_failures=0)
     for seed in seeds:
-        out = pipe.generate(PROMPT, max_tokens=TOKENS, seed=seed, mode=mode, stop=False, **KNOBS, **settings)
-        assert len(out.tokens) == TOKENS and out.stats.mode == mode
-        outputs.append(out.tokens)
-        rows.append(rows_in_step(out.stats.from_draft))
+        chunks = list(pipe.stream(PROMPT, max_tokens=TOKENS, seed=seed, mode=mode, stop=False, **KNOBS, **settings))
+        stats, tokens = pipe.stats, [t for c in chunks for t in c.tokens]
+        assert len(tokens) == TOKENS and stats.mode == mode
+        outputs.append(tokens)
+        rows.append(rows_in_step([d for c in chunks for d in c.from_draft]))
         for k in ("reuses", "fallbacks", "rejections"):
-            seen[k] += getattr(out.stats, k)
-        seen["draft_failures"] += out.stats.draft_failure is not None
+            seen[k] += getattr(stats, k)
+        seen["draft_failures"] += stats.draft_failure is not None
     outputs, rows = np.array(outputs), np.array(rows)
     probs = processed_probs(target, outputs, **(expect or settings))
     previous = np.concatenate([np.full((len(outputs), 1), PROMPT[-1]), outputs[:, :-1]], axis=1)
