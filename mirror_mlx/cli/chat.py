@@ -219,7 +219,10 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @refused_options("chat")
 def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, system_prompt, chat_template_config,
              xtc_probability, xtc_threshold, **decode) -> None:
-    """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands."""
+    """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands.
+
+    mlx_lm.chat's --pipeline is refused, with its reason (docs/mlx-lm-flags.md has every flag).
+    """
     template_kwargs = template_config(chat_template_config)
     exit_on_terminate()
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)

@@ -123,7 +123,11 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
                  quiet, kv_group_size, quantized_kv_start, as_json, **decode) -> None:
-    """Generate from a prompt; prints the text as it is committed, then the stats on stderr."""
+    """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
+
+    mlx_lm.generate's --kv-bits, --image and --quantize-activations are refused, each with its reason
+    (docs/mlx-lm-flags.md has every flag).
+    """
     from mirror_mlx.blas import status
 
     verbose = str2bool(verbose) and not quiet

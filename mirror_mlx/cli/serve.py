@@ -18,7 +18,11 @@ from mirror_mlx.cli.refused import refused_options
 @refused_options("serve")
 def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, adapter_path, trust_remote_code, max_tokens, temp,
               **decode) -> None:
-    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it.
+
+    mlx_lm.server's other flags (--kv-bits, --decode-concurrency, --chat-template, ...) are refused, each with
+    its reason (docs/mlx-lm-flags.md has every flag).
+    """
     from mirror_mlx.server import serve
 
     tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
