@@ -315,7 +315,7 @@ class Engine:
         try:
             if mode != "ar":  # the draft prefills beside the target
                 _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
+            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size)
             if mode != "ar":
                 try:
                     if failed:

@@ -2,8 +2,9 @@
 
 import click
 
-from mirror_mlx.cli import (DEFAULTS, decode_options, generation_kwargs, load_pipeline, model_options,
-                            tracker_ignores_hangup)
+from mirror_mlx.cli import (DEFAULTS, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, tracker_ignores_hangup)
+from mirror_mlx.cli.refused import refused_options
 
 
 @click.command("serve")
@@ -12,13 +13,20 @@ from mirror_mlx.cli import (DEFAULTS, decode_options, generation_kwargs, load_pi
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
               help="Requests that may wait while one decodes; more get 429.")
+@mlx_lm_load_options
 @decode_options(max_tokens=DEFAULTS.max_tokens, seed=None)
-def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_tokens, temp, **decode) -> None:
-    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
+@refused_options("serve")
+def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, adapter_path, trust_remote_code, max_tokens, temp,
+              **decode) -> None:
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it.
+
+    mlx_lm.server's other flags (--kv-bits, --decode-concurrency, --chat-template, ...) are refused, each with
+    its reason (docs/mlx-lm-flags.md has every flag).
+    """
     from mirror_mlx.server import serve
 
     tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
-    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")
     try:
