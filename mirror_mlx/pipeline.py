@@ -66,6 +66,10 @@ class Chunk:
     peak_memory: float = 0.0  # GB, so far
     token_texts: list[str] = field(default_factory=list, repr=False)  # the text each token completed
     stop_from_draft: bool = False  # the end-of-sequence token (if any) was the draft's proposal
+    # per token (and for stop_token): the target's log-probabilities over the vocabulary, as mlx-lm's
+    # GenerationResponse.logprobs (the processed distribution the token was chosen from)
+    logprobs: list = field(default_factory=list, repr=False)
+    stop_logprobs: Any = field(default=None, repr=False)
 
     def __str__(self) -> str:
         return self.text
@@ -83,6 +87,7 @@ class Detokenizer:
         new, s, detok = step.tokens, step.stats, self.detok
         self.produced += len(new)
         stop = next((t for t in new if t in self.opts.stop_tokens), None)
+        rows = [None] * len(new) if step.logprobs is None else [step.logprobs[i] for i in range(len(new))]
         shown = [(t, d) for t, d in zip(new, step.from_draft) if t != stop]
         texts = []
         for t, _ in shown:
@@ -98,7 +103,8 @@ class Detokenizer:
         return Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
                      s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
                      self.produced, self.produced / s.decode_seconds if s.decode_seconds else 0.0,
-                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False)
+                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False,
+                     [r for t, r in zip(new, rows) if t != stop], rows[-1] if stop is not None else None)
 
 
 def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
