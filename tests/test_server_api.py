@@ -300,3 +300,24 @@ def test_a_prefix_seen_two_conversations_earlier_is_not_prefilled_again(pipe):
         fresh.close()
     with serving(pipe, prompt_cache_size=0) as (_, _, client):  # one slot: the document is prefilled again
         assert conversations(client)[-1].usage.prompt_tokens_details.cached_tokens < doc_ids // 4
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+
+def test_serve_has_mlx_lm_servers_flags_and_refuses_bad_ones_before_loading():
+    from click.testing import CliRunner
+
+    from mirror_mlx.cli import main
+
+    help_text = CliRunner().invoke(main, ["serve", "--help"]).output
+    for flag in ("--adapter-path", "--trust-remote-code", "--chat-template-args", "--log-level", "--allowed-origins",
+                 "--prompt-cache-size"):
+        assert flag in help_text
+    assert "512" in help_text.split("--max-tokens")[1].split("\n")[0]  # mlx_lm.server's default
+    for args, words in ((["--chat-template-args", "{nope"], "--chat-template-args is not valid JSON"),
+                        (["--chat-template-args", "[1]"], "must be a JSON object"),
+                        (["--allowed-origins", " , "], "--allowed-origins is empty"),
+                        (["--log-level", "LOUD"], "--log-level")):
+        r = CliRunner().invoke(main, ["serve", *args])
+        assert r.exit_code == 2 and words in r.output, r.output
