@@ -8,6 +8,10 @@ stops the generation after the step in flight, when the engine's caches are cons
 
 Chat requests go through `Pipeline.chat_stream`, which remembers the token ids of the last
 conversation: a request that extends it prefills only the new turn (`cached_tokens` in `usage`).
+Across conversations, `PrefixCache` keeps the target's caches of recent requests (mlx-lm's
+LRUPromptCache). As in mlx_lm.server: tools go to the chat template and tool calls are parsed with the
+tokenizer's own tool parser (`ToolText`); `logprobs` are the target's (Step.logprobs); browser pages
+from other origins than the allowed ones (`--allowed-origins`, by default this machine's) get 403.
 """
 
 import copy
