@@ -536,10 +536,11 @@ class PrefixCache:
 
     KEY = "target"
 
-    def __init__(self, engine: Any, size: int):
+    def __init__(self, engine: Any, size: int, max_bytes: Optional[int] = None):
         from mlx_lm.models.cache import LRUPromptCache
 
-        self.engine, self.lru = engine, LRUPromptCache(size) if size > 0 else None
+        self.engine = engine
+        self.lru = LRUPromptCache(size, max_bytes if max_bytes is not None else 1 << 63) if size > 0 else None
 
     def restore(self, ids: list[int]) -> int:
         """Before a request: start the target from the stored cache nearest `ids`; how many tokens it holds
@@ -651,7 +652,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
                  max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
                  allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
-                 prompt_cache_size: int = 10):
+                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None):
         self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
         self.reading: set = set()  # connections still sending their request: closed at once on shutdown
         self._reading_lock = threading.Lock()
@@ -661,7 +662,7 @@ class Server(ThreadingHTTPServer):
         self.gate = Gate(max_queue)
         self.allowed_origins = allowed_origins  # None: local pages only (origin_allowed)
         self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
-        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size)  # the target's caches of recent prompts
+        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
         self.stopping = threading.Event()
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
@@ -1039,12 +1040,14 @@ def model_id(name: str) -> str:
 
 def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: Optional[dict] = None,
           max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
-          log_level: int = logging.INFO, prompt_cache_size: int = 10) -> None:
+          log_level: int = logging.INFO, prompt_cache_size: int = 10,
+          prompt_cache_bytes: Optional[int] = None) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
     `allowed_origins`: the browser origins that may use it (None: pages on this machine only)."""
     defaults = defaults or {}
     server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
-                    allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size)
+                    allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
+                    prompt_cache_bytes=prompt_cache_bytes)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
     previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]

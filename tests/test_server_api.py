@@ -5,6 +5,7 @@ loopback port, the real `openai` client), so a logits processor can force what t
 import contextlib
 import io
 import json
+import logging
 import shutil
 import threading
 import urllib.error
@@ -309,6 +310,7 @@ def test_serve_has_mlx_lm_servers_flags_and_refuses_bad_ones_before_loading():
     from click.testing import CliRunner
 
     from mirror_mlx.cli import main
+    from mirror_mlx.cli.serve import size
 
     help_text = CliRunner().invoke(main, ["serve", "--help"]).output
     for flag in ("--adapter-path", "--trust-remote-code", "--chat-template-args", "--log-level", "--allowed-origins",
@@ -318,6 +320,16 @@ def test_serve_has_mlx_lm_servers_flags_and_refuses_bad_ones_before_loading():
     for args, words in ((["--chat-template-args", "{nope"], "--chat-template-args is not valid JSON"),
                         (["--chat-template-args", "[1]"], "must be a JSON object"),
                         (["--allowed-origins", " , "], "--allowed-origins is empty"),
-                        (["--log-level", "LOUD"], "--log-level")):
+                        (["--log-level", "LOUD"], "--log-level"),
+                        (["--prompt-cache-bytes", "lots"], "is not a size")):
         r = CliRunner().invoke(main, ["serve", *args])
         assert r.exit_code == 2 and words in r.output, r.output
+    assert [size(t) for t in ("512MB", "4G", "1.5GB", "1000")] == [512 << 20, 4 << 30, 3 << 29, 1000]
+
+
+def test_log_level_warning_leaves_out_the_access_log(pipe):
+    for level, lines in ((logging.INFO, 1), (logging.WARNING, 0)):
+        log = io.StringIO()
+        with serving(pipe, log, log_level=level) as (_, _, client):
+            client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2)
+        assert log.getvalue().count('"POST /v1/completions') == lines
