@@ -107,6 +107,12 @@ class Detokenizer:
                      [r for t, r in zip(new, rows) if t != stop], rows[-1] if stop is not None else None)
 
 
+def _kept(chunk: Chunk) -> Chunk:
+    """A chunk as a whole generation keeps it: without its vocabulary-sized logprobs rows (a Result has
+    none, and a long generation would hold a row per token)."""
+    return replace(chunk, logprobs=[], stop_logprobs=None)
+
+
 def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
     """One generation's chunks as a Result."""
     return Result("".join(c.text for c in parts), [t for c in parts for t in c.tokens], stats, finish_reason,
@@ -302,7 +308,7 @@ class Pipeline:
         """
         tokens, opts, run = self.prepare(prompt, prompt_cache, **options)
         with self._turn():
-            parts = list(self._chunks(tokens, opts, run, prompt_cache))
+            parts = [_kept(c) for c in self._chunks(tokens, opts, run, prompt_cache)]
             stats = self.stats
         return result(parts, stats, parts[-1].finish_reason if parts else "length")
 
@@ -350,7 +356,7 @@ class Pipeline:
         if not text.has_chat_template(self.tokenizer) and not self._told_plain:
             self._told_plain = True
             warnings.warn(NO_TEMPLATE, stacklevel=2)
-        parts = list(self.chat_stream(messages, **kwargs))
+        parts = [_kept(c) for c in self.chat_stream(messages, **kwargs)]
         return result(parts, self.stats, "stop" if self.conversation.stop_token is not None else "length")
 
     def reset(self) -> None:

@@ -410,7 +410,7 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: Optional[str] = None
     _chunks: Any = None
-    scored: list = field(default_factory=list)  # (token id, its log-probabilities row), not yet answered
+    scored: list = field(default_factory=list)  # scored tokens (`score`), not yet answered
     prefixes: Optional["PrefixCache"] = None
     restored: int = 0  # prompt tokens the target started with from the prefix cache (PrefixCache.restore)
 
@@ -460,10 +460,11 @@ class Generation:
         shown = 0
         for chunk in self._chunks:
             shown += len(chunk.tokens)
-            if self.req.logprobs:  # (the end-of-sequence token too, as mlx_lm.server reports it)
+            if self.req.logprobs:  # (the end-of-sequence token too, as mlx_lm.server reports it); scored now,
+                # so no vocabulary-sized row is kept per token
                 ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
-                self.scored += zip(ids, chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None
-                                                          else []))
+                rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
+                self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs) for t, r in zip(ids, rows)]
             self.completion_tokens = self.pipe.stats.generation_tokens
             text, hit = stop.feed(chunk.text)
             yield text
@@ -487,7 +488,7 @@ class Generation:
         """The scored tokens not yet answered, as [{id, token, logprob, top_logprobs}] (None: not asked)."""
         if not self.req.logprobs:
             return None
-        out, self.scored = [score(self.pipe.tokenizer, t, row, self.req.top_logprobs) for t, row in self.scored], []
+        out, self.scored = self.scored, []
         return out
 
     def usage(self) -> dict:
