@@ -80,6 +80,7 @@ class TargetSide:
         self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
+        self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
 
     def set_exit_layer(self, exit_layer: int) -> None:
         if self.tapped is None or self.tapped.exit_layer != exit_layer:
@@ -153,7 +154,8 @@ class TargetSide:
 
     def _verify(self, logits, history, window, sampler, processors):
         logits = logits[0]
-        ys = sample_rows(logits, history, window, sampler, processors)
+        ys, self.logprobs = sample_rows(logits, history, window, sampler, processors)
+        mx.eval(self.logprobs)  # (computed along with ys) kept for the committed tokens' Step.logprobs
         a = accept(window, ys)
         trim_prompt_cache(self.cache, len(window) - a)
         self.cached = list(history) + window[:a]
@@ -359,7 +361,7 @@ class Engine:
                 stats.generation_tokens = produced
                 after = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
                 step = Step(new, [i < drafted for i in range(len(new))], after[0] - before[0], after[1] - before[1],
-                            after[2] > before[2], after[3] > before[3], stats)
+                            after[2] > before[2], after[3] > before[3], stats, self.target.logprobs[: len(new)])
                 if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
                     why = leave_draft(step)
                     if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone

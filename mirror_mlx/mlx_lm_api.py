@@ -58,7 +58,8 @@ _held_ids: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictiona
 class Response(GenerationResponse):
     """mlx-lm's GenerationResponse (one token, its text segment, speeds, finish_reason) and our stats.
 
-    `logprobs` is None: the engine does not keep the target's full distribution per committed token.
+    `logprobs` is the target's log-probabilities over the vocabulary at that token (its processed
+    distribution, after the logits processors), as mlx-lm's.
     """
 
     stats: Optional[Stats] = None
@@ -192,18 +193,20 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
             last = len(chunk.tokens) - 1
             stats = pipe.stats if chunk.finish_reason else None
             done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
-            common = dict(logprobs=None, prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
+            common = dict(prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
                           generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
-            for i, (token, text, drafted) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft)):
+            for i, (token, text, drafted, logprobs) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft,
+                                                                      chunk.logprobs)):
                 final = chunk.finish_reason == "length" and i == last
                 yielded.append(token)
                 yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
-                               token=token, from_draft=drafted, generation_tokens=done + i + 1,
+                               token=token, logprobs=logprobs, from_draft=drafted, generation_tokens=done + i + 1,
                                finish_reason="length" if final else None, stats=stats if final else None, **common)
             if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
                 yielded.append(chunk.stop_token)
                 yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
-                               from_draft=chunk.stop_from_draft, generation_tokens=chunk.generation_tokens,
+                               logprobs=chunk.stop_logprobs, from_draft=chunk.stop_from_draft,
+                               generation_tokens=chunk.generation_tokens,
                                finish_reason="stop", stats=stats, **common)
     finally:  # (also when the caller stops early: the cache keeps what was yielded, as mlx-lm's does)
         chunks.close()  # the engine hands the prompt cache back, holding every committed token

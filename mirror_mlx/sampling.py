@@ -7,8 +7,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 
-def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
-    """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
+def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler,
+                processors) -> tuple[list[int], mx.array]:
+    """The target's token at every row, exactly as mlx-lm's generate_step would choose it, and the rows'
+    log-probabilities (after the logits processors, before the sampler: what mlx-lm reports as `logprobs`).
 
     Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
     `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
@@ -23,7 +25,7 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs, len(history))
+    return sampler(logprobs, len(history)), logprobs
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -11,8 +11,6 @@ PIPELINE = ("mlx-lm's pipeline parallelism across machines (mx.distributed) is n
             "one machine beside its draft; drop the flag")
 CONCURRENCY = ("one request decodes at a time (the engine holds one target and draft cache pair), the rest wait "
                "in a FIFO of --max-queue; drop the flag")
-PROMPT_CACHE = ("the server keeps one prompt cache, the last conversation (a request that extends it prefills only "
-                "the new turn); drop the flag")
 
 # command -> flag -> (takes a value, why it is refused)
 REFUSED = {
@@ -27,19 +25,11 @@ REFUSED = {
         "--pipeline": (False, PIPELINE),
     },
     "serve": {
-        "--allowed-origins": (True, "responses allow any origin (mlx_lm.server's default, '*'); a narrower "
-                                    "list is not supported, drop the flag"),
-        "--log-level": (True, "the server writes one line per request and its errors to stderr, with no levels; "
-                              "drop the flag"),
         "--chat-template": (True, "the model's own chat template is used (its tokenizer_config.json); edit it "
                                   "there, or send /v1/completions with the templated text"),
         "--use-default-chat-template": (False, "it has no effect in mlx-lm 0.32 either; drop the flag"),
-        "--chat-template-args": (True, "template variables per server are not supported; send /v1/completions "
-                                       "with the templated text"),
         "--decode-concurrency": (True, CONCURRENCY),
         "--prompt-concurrency": (True, CONCURRENCY),
-        "--prompt-cache-size": (True, PROMPT_CACHE),
-        "--prompt-cache-bytes": (True, PROMPT_CACHE),
         "--kv-bits": (True, KV_BITS),
         "--kv-group-size": (True, "only with --kv-bits: " + KV_BITS),
         "--quantized-kv-start": (True, "only with --kv-bits: " + KV_BITS),
