@@ -22,6 +22,7 @@ import mirror_mlx.text
 from mirror_mlx.mlx_lm_api import stream_generate
 from mirror_mlx.server import Server, ToolText, origin_allowed
 from tests.models import DEMO, TARGET_PATH
+from tests.test_server import pipe  # noqa: F401  (a fixture: the demo pair, once per module)
 
 PROMPT = "Once upon a time"
 TOOL_TEMPLATE = (  # a Qwen-like chat template with tools: mlx-lm recognizes its <tool_call> markers (json_tools)
@@ -76,13 +77,6 @@ def call(url: str, method: str = "GET", body=None, headers=None) -> tuple[int, d
             return r.status, dict(r.headers), json.loads(data) if data else {}
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    p = mirror_mlx.load()
-    yield p
-    p.close()
 
 
 # --- tool calls -------------------------------------------------------------------------------------

@@ -233,8 +233,8 @@ def xtc_sampler(tokenizer, kwargs: dict, xtc_probability: float, xtc_threshold: 
                                      xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
 
 
-def template_config(text):
-    """--chat-template-config: a JSON object of extra template variables."""
+def template_config(text, flag: str = "--chat-template-config"):
+    """--chat-template-config (serve: --chat-template-args): a JSON object of extra template variables."""
     import json
 
     if text is None:
@@ -242,10 +242,10 @@ def template_config(text):
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
-        raise click.UsageError(f"--chat-template-config is not valid JSON ({e.msg}): give an object like "
+        raise click.UsageError(f"{flag} is not valid JSON ({e.msg}): give an object like "
                                '\'{"enable_thinking": false}\'')
     if not isinstance(config, dict):
-        raise click.UsageError('--chat-template-config must be a JSON object, like \'{"enable_thinking": false}\'')
+        raise click.UsageError(f'{flag} must be a JSON object, like \'{{"enable_thinking": false}}\'')
     return config
 
 

@@ -3,7 +3,7 @@
 import click
 
 from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, tracker_ignores_hangup)
+                            model_options, template_config, tracker_ignores_hangup)
 from mirror_mlx.cli.refused import refused_options
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -17,20 +17,6 @@ def origins(text):
     if not listed:
         raise click.UsageError("--allowed-origins is empty: give origins like http://localhost:3000, or '*'")
     return listed
-
-
-def template_args(text):
-    """--chat-template-args: a JSON object passed to the chat template (every request)."""
-    import json
-
-    try:
-        config = json.loads(text) if text is not None else {}
-    except json.JSONDecodeError as e:
-        raise click.UsageError(f"--chat-template-args is not valid JSON ({e.msg}): give an object like "
-                               '\'{"enable_thinking": false}\'')
-    if not isinstance(config, dict):
-        raise click.UsageError('--chat-template-args must be a JSON object, like \'{"enable_thinking": false}\'')
-    return config
 
 
 UNITS = {"": 1, "B": 1, **{u + b: 1 << (10 * (i + 1)) for i, u in enumerate("KMGT") for b in ("", "B")}}
@@ -77,7 +63,7 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
     from mirror_mlx.server import serve
 
     allowed = origins(allowed_origins)
-    template_kwargs = template_args(chat_template_args)
+    template_kwargs = template_config(chat_template_args, "--chat-template-args")
     cache_bytes = size(prompt_cache_bytes)
     tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path=adapter_path,
