@@ -1,16 +1,17 @@
 """Shared-memory leak checks that hold on macOS too (it has no /dev/shm to look in).
 
-A segment is looked for by name: opening it with `SharedMemory(name=...)` raises FileNotFoundError once
-it is unlinked. The names come from the product's own record: `host.req.ring.name`, the conftest's
+A segment is looked for by name: opening it (as `SharedMemory(name=...)` does) raises FileNotFoundError
+once it is unlinked. The names come from the product's own record: `host.req.ring.name`, the conftest's
 `shm_made` spy in this process, or, for a subprocess, its stderr with MIRROR_MLX_TRACE_SHM set (each
 TokenRing made is named there). On Linux `/proc/PID/maps` also shows every segment a process has mapped,
 whoever made it (`mapped`).
 """
 
+import os
 import re
 import sys
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from pathlib import Path
 
 from mirror_mlx.ane_draft.ring import TRACE_ENV
@@ -23,13 +24,22 @@ __all__ = ["TRACE_ENV", "exists", "leaked", "wait_unlinked", "made_in", "mapped"
 
 def exists(name: str) -> bool:
     """Whether the segment `name` can still be opened (not unlinked yet)."""
+    name = name.lstrip("/")
+    if sys.version_info >= (3, 13):
+        try:
+            _SharedMemory(name=name, track=False).close()
+        except FileNotFoundError:
+            return False
+        return True
+    # before 3.13 SharedMemory(name=...) registers the segment with this process's resource tracker, which
+    # would then unlink it at exit (or complain when its maker unlinks it): open it as SharedMemory does
+    import _posixshmem
+
     try:
-        shm = _SharedMemory(name=name.lstrip("/"))
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
     except FileNotFoundError:
         return False
-    if sys.version_info < (3, 13):  # attaching registers it with our tracker, which would unlink it at exit
-        resource_tracker.unregister(shm._name, "shared_memory")
-    shm.close()
+    os.close(fd)
     return True
 
 
