@@ -15,7 +15,8 @@ import pytest
 
 import mirror_mlx
 from mirror_mlx.tune import profile as profiles
-from tests.test_server import children, start_server
+from tests import leaks
+from tests.test_server import children, orphans, start_server
 
 LINUX = sys.platform.startswith("linux")
 
@@ -145,7 +146,6 @@ def test_a_burst_of_connections_is_answered_not_reset(server):
         assert int(listen[2]) >= 50, listen  # ss: a listening socket's Send-Q is its backlog
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     """A browser's preconnect sends nothing; SIGINT (or SIGHUP: the terminal closed) stops at once,
@@ -155,7 +155,7 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     host, port = url.split("//")[1].split("/")[0].split(":")
     speculates(url.removesuffix("/v1"))
     kids = children(proc.pid)
-    shm = {line.split()[-1] for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
+    shm = leaks.mapped(proc.pid) | set(leaks.made_in(log.read_text()))
     idle = socket.create_connection((host, int(port)))
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -163,11 +163,8 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     assert proc.wait(timeout=20) == 0, log.read_text()
     assert time.monotonic() - t0 < 10, "shutdown waited on the idle connection"  # was Handler.timeout, 30 s
     idle.close()
-    deadline = time.monotonic() + 10
-    while [p for p in kids if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in kids if Path(f"/proc/{p}").exists()], "an orphan process outlived the server"
-    assert shm and not [name for name in shm if os.path.exists(name)]
+    assert not orphans(kids), "an orphan process outlived the server"
+    assert shm and leaks.wait_unlinked(shm) == [], "the server left a shared-memory segment behind"
 
 
 # --- the API: knobs, the tuning cache, profiles ---------------------------------------------------
@@ -263,28 +260,21 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_load(tmp_path):
 # --- signals --------------------------------------------------------------------------------------
 
 
-def shm_of(pid: int) -> set[str]:
-    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
-
-
 def gone(pids: list[int], shm: set[str]) -> None:
-    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once it sees its parent go
-    while [p for p in pids if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "an orphan process outlived the command"
-    assert not [name for name in shm if os.path.exists(name)], "a shared-memory segment was left behind"
+    assert not orphans(pids), "an orphan process outlived the command"
+    assert leaks.wait_unlinked(shm) == [], "a shared-memory segment was left behind"
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
 def test_a_hang_up_during_chat_closes_the_draft_host_and_its_shared_memory(tmp_path):
     """The terminal closing sends SIGHUP to the whole process group: the chat ends as on SIGTERM."""
     err = open(tmp_path / "chat.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "chat", "--mode", "mirror", "-m", "300"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                            env=dict(os.environ, **{leaks.TRACE_ENV: "1"}))
     proc.stdin.write(b"Tell me a story\n")
     proc.stdin.flush()
     assert proc.stdout.read(20)  # the reply is streaming
-    shm, kids = shm_of(proc.pid), children(proc.pid)
+    shm, kids = leaks.mapped(proc.pid) | set(leaks.made_in((tmp_path / "chat.log").read_text())), children(proc.pid)
     assert shm and kids
     os.killpg(proc.pid, signal.SIGHUP)
     assert proc.wait(timeout=30) == 128 + signal.SIGHUP, (tmp_path / "chat.log").read_text()
@@ -334,4 +324,4 @@ def test_a_dropped_pipeline_stops_its_draft_host_and_unlinks_its_rings(shm_made)
         while host_pids() - before and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not host_pids() - before, "the draft host outlived its dropped Pipeline"
-        assert not [name for name in shm_made if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
+        assert leaks.leaked(shm_made) == [], "the dropped Pipeline left its rings behind"
