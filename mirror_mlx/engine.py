@@ -394,8 +394,13 @@ class Engine:
         post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed) \
             if branches else _no_post
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
-        (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
-                                                              processors)
+        try:
+            (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
+                                                                  processors)
+        except BaseException:  # a user's sampler or logits processor raised: to the caller, the draft kept in step
+            if branches and not failed:
+                await self._drain_branches(opts, gamma)
+            raise
         new = window[:a] + [ys[a]]
         windows, r0, r1 = None, s1, s1
         if branches:
@@ -425,6 +430,13 @@ class Engine:
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):
             return new, None  # no window after this step could be used
         return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
+
+    async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
+        """Take the reply to branches posted in a step that failed, so the host's next answer is the next step's."""
+        try:
+            await asyncio.wait_for(self.host.windows(gamma), opts.draft_timeout)
+        except Exception as e:  # noqa: BLE001 - the draft failed too: dropped, visibly, as in a step
+            self._drop_draft(e, Stats())
 
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mirror_mlx
@@ -325,3 +326,46 @@ def test_a_dropped_pipeline_stops_its_draft_host_and_unlinks_its_rings(shm_made)
             time.sleep(0.05)
         assert not host_pids() - before, "the draft host outlived its dropped Pipeline"
         assert leaks.leaked(shm_made) == [], "the dropped Pipeline left its rings behind"
+
+
+# --- user callbacks -------------------------------------------------------------------------------
+
+
+class Boom(Exception):
+    """What a user's callback raised."""
+
+
+@pytest.mark.parametrize("mode", ["mirror", "sd", "ar"])
+def test_a_user_callback_that_raises_reaches_the_caller_and_the_draft_stays_in_step(pipe, mode):
+    calls = [0]
+
+    def fails_on_the_third_step(tokens, logits):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise Boom("the user's processor failed")
+        return logits
+
+    knobs = dict(kappa=2, gamma=3, exit_layer=2) if mode == "mirror" else dict(gamma=3) if mode == "sd" else {}
+    reference = pipe.generate("Once upon a time", max_tokens=24, mode="ar").tokens
+    with pytest.raises(Boom):
+        pipe.generate("Once upon a time", max_tokens=24, mode=mode, logits_processors=[fails_on_the_third_step], **knobs)
+    for again in ("mirror", "sd"):  # the draft answers the next calls in step: no failure, no fallback to ar
+        out = pipe.generate("Once upon a time", max_tokens=24, mode=again,
+                            **(dict(kappa=2, gamma=3, exit_layer=2) if again == "mirror" else dict(gamma=3)))
+        assert out.tokens == reference and out.stats.draft_failure is None and out.stats.mode == again
+
+
+@pytest.mark.parametrize("sampler,named", [
+    (lambda logprobs: mx.full((logprobs.shape[0],), -1, mx.int32), "each in [0, 512)"),
+    (lambda logprobs: mx.zeros((logprobs.shape[0] + 1,), mx.int32), "one token id per row"),
+    (lambda logprobs: 7, "the sampler returned a int"),
+    (lambda logprobs: mx.argmax(logprobs, axis=-1).astype(mx.float32) + 0.5, "one token id per row"),
+])
+@pytest.mark.parametrize("mode", ["mirror", "ar"])
+def test_a_sampler_that_returns_no_token_ids_is_named_and_the_draft_stays_in_step(pipe, mode, sampler, named):
+    knobs = dict(kappa=2, gamma=3, exit_layer=2) if mode == "mirror" else {}
+    with pytest.raises(ValueError, match="sampler") as e:
+        pipe.generate("Once upon a time", max_tokens=16, mode=mode, sampler=sampler, **knobs)
+    assert named in str(e.value)
+    out = pipe.generate("Once upon a time", max_tokens=16, mode="mirror", kappa=2, gamma=3, exit_layer=2)
+    assert out.stats.draft_failure is None and out.stats.mode == "mirror"
