@@ -110,8 +110,10 @@ class TargetSide:
         """A fresh, empty cache of our own."""
         self.cache, self.cached, self.base, self.adopted = trimmable_cache(self.model), [], 0, False
 
-    def hold(self, tokens: Sequence[int], step_size: int = 2048) -> int:
-        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run."""
+    def hold(self, tokens: Sequence[int], step_size: int = 2048,
+             progress: Optional[Callable[[int, int], None]] = None) -> int:
+        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
+        len(new))` after each chunk of the new ones."""
         tokens = list(tokens)
         keep = common_prefix(self.cached, tokens)
         if keep < len(self.cached):
@@ -120,12 +122,15 @@ class TargetSide:
         for i in range(0, len(new), step_size):
             self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
+            if progress is not None:
+                progress(min(i + step_size, len(new)), len(new))
         self.cached = tokens
         return len(new)
 
-    def start(self, prompt: Sequence[int], step_size: int = 2048) -> int:
+    def start(self, prompt: Sequence[int], step_size: int = 2048,
+              progress: Optional[Callable[[int, int], None]] = None) -> int:
         """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
-        return self.hold(prompt[:-1], step_size)
+        return self.hold(prompt[:-1], step_size, progress)
 
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
                post: Callable[[list[list[int]]], None]) -> list[list[int]]:
@@ -193,6 +198,14 @@ def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
             except (OSError, ValueError):
                 return None
     return None
+
+
+def prefill_progress(callback: Optional[Callable[[int, int], None]], given: int):
+    """mlx-lm's prompt_progress_callback(done, total) over the `given` prompt tokens, from the prefill's chunks
+    of the new ones (the rest came from a cache; the last is the pending token, done with the first step)."""
+    if callback is None:
+        return None
+    return lambda done, new: callback(max(0, given - 1 - new + done), given)
 
 
 class Engine:
@@ -317,7 +330,8 @@ class Engine:
         try:
             if mode != "ar":  # the draft prefills beside the target
                 _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size)
+            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
+                                                           prefill_progress(opts.prompt_progress_callback, given))
             if mode != "ar":
                 try:
                     if failed:

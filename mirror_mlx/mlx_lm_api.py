@@ -142,9 +142,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     temperature, top_p, top_k, min_p, repetition_penalty, prefill_step_size (mlx-lm's, the prompt tokens
     per target forward) (`sampler=` replaces the sampling settings: mlx-lm's make_sampler with xtc works).
 
-    `prompt_progress_callback(processed, total)` is called as mlx-lm calls it, with (0, total) before the
-    prefill and (total, total) after it; the counts in between are not reported (the prefill runs in one
-    call on the target's worker). `kv_bits` is refused (see KV_BITS); `kv_group_size` and
+    `prompt_progress_callback(processed, total)` is called as mlx-lm calls it: (0, total) before the prefill,
+    after each chunk of `prefill_step_size` tokens (from the target's worker thread), and (total, total) once
+    the first token is out. `kv_bits` is refused (see KV_BITS); `kv_group_size` and
     `quantized_kv_start` only matter with it, as in mlx-lm.
 
     `prompt_cache`: make_prompt_cache(model)'s list, extended in place as mlx-lm does: afterwards it holds
@@ -180,7 +180,8 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
         max_tokens = max(1, (pipe.context_length or start + len(ids) + 2 ** 20) - start - len(ids))
     mode = mode or ("mirror" if draft_model is not None else "ar")
     chunks = pipe.stream(ids, prompt_cache=given, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
-                         logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs)
+                         logits_processors=logits_processors or (), max_kv_size=max_kv_size,
+                         prompt_progress_callback=prompt_progress_callback, **knobs)
     yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
     progress = prompt_progress_callback or (lambda *_: None)
     progress(0, len(ids))

@@ -40,6 +40,7 @@ class DecodeOptions:
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
     prefill_step_size: int = 2048  # prompt tokens per target forward in the prefill (mlx-lm's, same default)
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None  # mlx-lm's: (prompt tokens done, total)
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 

@@ -155,17 +155,19 @@ def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
 
 def test_mlx_lm_s_prefill_and_kv_arguments_are_taken_as_scripts_pass_them(pair):
     """prefill_step_size (prompt tokens per forward), kv_group_size / quantized_kv_start (no effect without
-    kv_bits, as in mlx-lm) and prompt_progress_callback (mlx-lm's (processed, total) calls) change no token."""
+    kv_bits, as in mlx-lm) change no token, and prompt_progress_callback is called as mlx-lm calls it, chunk by chunk."""
     model, tokenizer, draft = pair
     prompt = "Once upon a time, Tom and Lily went to the park"
-    expected = [r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    theirs = []
+    expected = [r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=12, prefill_step_size=3,
+                                                     prompt_progress_callback=lambda *c: theirs.append(c))]
     calls = []
     got = [r.token for r in mirror_mlx.stream_generate(
         model, tokenizer, prompt, max_tokens=12, draft_model=draft, kappa=4, gamma=4, prefill_step_size=3,
         kv_group_size=32, quantized_kv_start=4, prompt_progress_callback=lambda done, total: calls.append((done, total)))]
     assert got == expected
     n = len(tokenizer.encode(prompt))
-    assert calls == [(0, n), (n, n)]
+    assert calls == theirs and calls[0] == (0, n) and calls[-1] == (n, n) and len(calls) > 3  # every chunk
     with pytest.raises(ValueError, match="prefill_step_size must be at least 1"):
         next(mirror_mlx.stream_generate(model, tokenizer, prompt, draft_model=draft, prefill_step_size=0))
 
