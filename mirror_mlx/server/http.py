@@ -1,0 +1,515 @@
+"""HTTP: the server, its FIFO of requests, origins, and each connection's handler."""
+
+import json
+import logging
+import math
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+from typing import Any, Optional, Union
+
+
+from ..pipeline import Pipeline
+from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
+                      parse_request)
+from .prefix_cache import PrefixCache
+from .reply import Generation, ToolText, openai_logprobs
+
+# --- the queue ------------------------------------------------------------------------------------
+
+
+class Gate:
+    """One request decodes at a time; up to `max_queue` more wait in arrival order; more get 429."""
+
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        self._next = self._serving = 0
+        self._closed = False
+        self._seconds = 1.0  # running mean of a request's decode time, for Retry-After
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self._next - self._serving - 1)
+
+    def enter(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+            if self._next - self._serving > self.max_queue:
+                retry = max(1, math.ceil(self._seconds * (self.waiting + 1)))
+                raise APIError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {retry} s",
+                               kind="rate_limit_error", code="queue_full", retry_after=retry)
+            ticket, self._next = self._next, self._next + 1
+            while ticket != self._serving and not self._closed:
+                self._cond.wait()
+            if self._closed and ticket != self._serving:
+                raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+
+    def leave(self, seconds: float) -> None:
+        with self._cond:
+            self._seconds = 0.8 * self._seconds + 0.2 * seconds
+            self._serving += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+# --- HTTP -----------------------------------------------------------------------------------------
+
+
+def origin_allowed(origin: str, allowed: Optional[tuple[str, ...]]) -> bool:
+    """Whether a page from `origin` may use the server: listed in `allowed` ("*": any), or with
+    `allowed` None, served from this machine (http(s)://localhost, 127.0.0.1 or [::1], any port)."""
+    if allowed is not None:
+        return "*" in allowed or origin.rstrip("/") in allowed
+    try:
+        parts = urlsplit(origin)
+        host = parts.hostname
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and host is not None and \
+        (host if ":" not in host else f"[{host}]") in LOCAL_HOSTS
+
+
+def peer_gone(sock: socket.socket) -> bool:
+    """True when the client closed its end (readable with nothing to read) or reset it."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server plus what its handlers share: the pipeline, the queue and the counters."""
+
+    daemon_threads = False  # server_close() joins the handlers, so in-flight streams end first
+    block_on_close = True
+
+    def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
+                 max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
+                 allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
+                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None):
+        self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
+        self.reading: set = set()  # connections still sending their request: closed at once on shutdown
+        self._reading_lock = threading.Lock()
+        super().__init__(address, Handler)
+        self.pipe, self.model_id, self.defaults, self.max_tokens = pipe, model_id, defaults, max_tokens
+        self.model_ids = tuple(dict.fromkeys([model_id, pipe.name]))
+        self.gate = Gate(max_queue)
+        self.allowed_origins = allowed_origins  # None: local pages only (origin_allowed)
+        self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
+        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
+        self.stopping = threading.Event()
+        self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
+        self.log = log
+        self._count_lock = threading.Lock()
+        self.context = pipe.engine.context_length
+        self.max_prompt_bytes = max_prompt_bytes(pipe.tokenizer, self.context)
+
+    def reading_done(self, sock: socket.socket, reading: bool) -> None:
+        with self._reading_lock:
+            if reading and self.stopping.is_set():
+                raise ClientGone("the server is shutting down")
+            (self.reading.add if reading else self.reading.discard)(sock)
+
+    def drop_idle(self) -> None:
+        """Shut the connections still sending a request (a browser's preconnect, a slow client): their
+        handler threads wake at once, so shutdown never waits out Handler.timeout on them."""
+        with self._reading_lock:
+            for sock in self.reading:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self.reading.clear()
+
+    def count(self, name: str) -> None:
+        with self._count_lock:
+            self.counts[name] += 1
+
+    def note(self, text: str) -> None:
+        print(f"mirror-mlx serve: {text}", file=self.log, flush=True)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line for a client that went away; the traceback only for a bug of ours."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ClientGone, OSError)):
+            self.note(f"{client_address[0]}: connection lost ({error})")
+        else:
+            self.note(f"{client_address[0]}: {traceback.format_exc().rstrip()}")
+
+    def stop(self) -> None:
+        """Refuse new work, end in-flight streams after their current step, stop accepting."""
+        again = self.stopping.is_set()
+        with self._reading_lock:
+            self.stopping.set()
+        self.gate.close()
+        self.drop_idle()
+        if again:
+            self.note("already stopping: waiting for the step in flight, then the engine closes")
+            return
+        threading.Thread(target=self.shutdown, name="serve-shutdown").start()  # not on serve_forever's thread
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    protocol_version = "HTTP/1.0"  # one request per connection: shutdown never waits on an idle keep-alive
+    timeout = 30  # seconds to send a request
+    error_content_type = "application/json"
+    error_message_format = ('{"error": {"message": "%(message)s: %(explain)s", "type": "invalid_request_error", '
+                            '"param": null, "code": "%(code)d"}}')
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """One line per request (the access log): at --log-level INFO or DEBUG only."""
+        if self.server.log_level > logging.INFO:
+            return
+        self.server.note(f"{self.address_string()} {format % args}")
+
+    def handle(self) -> None:
+        """One request; while it is being sent the server may shut the socket (Server.drop_idle)."""
+        try:
+            self.server.reading_done(self.connection, True)
+        except ClientGone:
+            return
+        try:
+            super().handle()
+        finally:
+            self.server.reading_done(self.connection, False)
+
+    # --- responses
+
+    def send_head(self, status: int, headers: dict) -> None:
+        try:
+            self.send_response(status)
+            origin = self.headers.get("Origin") if self.headers else None
+            if origin and origin_allowed(origin, self.server.allowed_origins):  # a browser page it may serve
+                allowed = self.server.allowed_origins
+                self.send_header("Access-Control-Allow-Origin", "*" if allowed and "*" in allowed else origin)
+                self.send_header("Vary", "Origin")
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
+
+    def send_json(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_head(status, {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                                **(headers or {})})
+        try:
+            self.wfile.write(data)
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
+
+    def send_api_error(self, e: APIError) -> None:
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+        self.send_json(e.status, e.body(), headers)
+
+    def send_event(self, body: Union[dict, str]) -> None:
+        data = body if isinstance(body, str) else json.dumps(body)
+        try:
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
+
+    def read_body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raise APIError(411, "Transfer-Encoding: chunked request bodies are not supported: send the body "
+                                "with a Content-Length header", code="length_required")
+        header = self.headers.get("Content-Length")
+        try:
+            length = int(header or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise APIError(400, f"the Content-Length header is invalid ({header!r}): give the body's size in "
+                                "bytes, a non-negative integer", code="invalid_content_length")
+        if length > MAX_BODY:
+            raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY}", code="too_large")
+        try:
+            return self.rfile.read(length)
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
+
+    # --- routes
+
+    def foreign(self) -> bool:
+        """A browser page from an origin not allowed (--allowed-origins) gets 403, its request not run."""
+        origin = self.headers.get("Origin")
+        if not origin or origin_allowed(origin, self.server.allowed_origins):
+            return False
+        self.send_api_error(APIError(403, f"requests from pages at {origin!r} are not allowed: start the server "
+                                          f"with --allowed-origins {origin} to allow them", code="origin_not_allowed",
+                                     kind="permission_error"))
+        return True
+
+    def do_OPTIONS(self) -> None:
+        """CORS preflight, as mlx_lm.server answers it (for the allowed origins only)."""
+        if self.foreign():
+            return
+        self.send_head(204, {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                             "Access-Control-Allow-Headers": "Content-Type, Authorization"})
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0].rstrip("/")
+        if self.foreign():
+            return
+        model = {"id": self.server.model_id, "object": "model", "created": 0, "owned_by": "mirror-mlx"}
+        if path == "/health":
+            s = self.server
+            self.send_json(200, {"status": "stopping" if s.stopping.is_set() else "ok", "model": s.model_id,
+                                 "waiting": s.gate.waiting, **s.counts})
+        elif path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [model]})
+        elif path.startswith("/v1/models/"):
+            name = unquote(path[len("/v1/models/"):])
+            if name in self.server.model_ids + (DEFAULT_MODEL,):
+                self.send_json(200, model)
+            else:
+                self.send_api_error(APIError(404, f"model {name!r} is not served here: GET /v1/models lists "
+                                                  f"{self.server.model_id!r}", "model", "model_not_found"))
+        else:
+            self.send_api_error(APIError(404, f"no route GET {path}: try /v1/models or /health", code="not_found"))
+
+    def do_POST(self) -> None:
+        s = self.server
+        path = self.path.split("?")[0].rstrip("/")
+        if self.foreign():
+            return
+        if path not in (CHAT, COMPLETION):
+            self.send_api_error(APIError(404, f"no route POST {path}: use {CHAT} or {COMPLETION}", code="not_found"))
+            return
+        s.count("requests")
+        try:
+            raw = self.read_body()
+            s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
+            req = parse_request(raw, path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults,
+                                s.max_prompt_bytes, s.context)
+            s.gate.enter()
+        except APIError as e:
+            s.count("rejected")
+            self.send_api_error(e)
+            return
+        except ClientGone:
+            s.count("disconnected")
+            return
+        t0 = time.perf_counter()
+        try:
+            self.serve_one(req)
+        finally:
+            s.gate.leave(time.perf_counter() - t0)
+
+    def serve_one(self, req: Request) -> None:
+        """Run one admitted request; holds the engine until it returns."""
+        s = self.server
+        gen = Generation(s.pipe, req, s.max_tokens, prefixes=s.prefixes)
+        if peer_gone(self.connection):  # went away while it waited in the queue
+            s.count("disconnected")
+            return
+        try:
+            gen.start()
+        except APIError as e:
+            s.count("rejected")
+            self.send_api_error(e)
+            return
+        except Exception as e:
+            self.engine_failed(e, gen, sent=False)
+            return
+        reply = Reply(req, s.model_id)
+        tools = ToolText(s.pipe.tokenizer, req.tools, s.note)
+        text: list[str] = []
+        calls: list[dict] = []
+        try:
+            if req.stream:
+                self.send_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                if req.messages is not None:
+                    self.send_event(reply.chunk({"role": "assistant", "content": ""}))
+            for piece in gen:
+                piece, made = tools.feed(piece)
+                if req.stream and (piece or made):
+                    self.send_event(reply.chunk(reply.delta(piece, made), logprobs=gen.take_logprobs()))
+                else:
+                    text.append(piece)
+                    calls += made
+                if peer_gone(self.connection):
+                    raise ClientGone("closed")
+                if s.stopping.is_set():
+                    raise Shutdown
+            piece, made = tools.flush()
+            text.append(piece)
+            calls += made
+        except ClientGone:
+            gen.close()
+            s.count("disconnected")
+            s.note(f"client went away after {gen.stats.generation_tokens} tokens: generation stopped")
+            return
+        except Shutdown:
+            gen.close()
+            self.cut_short(req, gen, APIError(503, f"the server is shutting down: the reply was cut after "
+                                                   f"{gen.stats.generation_tokens} tokens",
+                                              kind="server_error", code="shutting_down"))
+            return
+        except Exception as e:
+            self.engine_failed(e, gen, sent=req.stream)
+            return
+        finally:
+            gen.close()
+        s.count("completed")
+        if s.prefixes is not None:
+            s.prefixes.store()
+        if gen.restored:
+            s.note(f"prefix cache: the target started from a stored cache of {gen.restored} prompt tokens "
+                   "(the draft re-syncs from its own cache)")
+        finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.stats.as_dict(), prefix_cache_tokens=gen.restored)}
+        try:
+            if not req.stream:
+                self.send_json(200, reply.whole("".join(text), finish, extra, calls, gen.take_logprobs()))
+                return
+            rest = "".join(text)
+            final = reply.chunk(reply.delta(rest, calls) if rest or calls else
+                                ({} if req.messages is not None else ""), finish, gen.take_logprobs())
+            final["x_mirror"] = extra["x_mirror"]
+            self.send_event(final)
+            if req.include_usage:
+                self.send_event(dict(reply.chunk(None), choices=[], usage=extra["usage"]))
+            self.send_event("[DONE]")
+        except (ClientGone, OSError):
+            s.count("disconnected")
+
+    def cut_short(self, req: Request, gen: Generation, error: APIError) -> None:
+        try:
+            if req.stream:
+                self.send_event(error.body())
+                self.send_event("[DONE]")
+            else:
+                self.send_api_error(error)
+        except (ClientGone, OSError):
+            pass
+
+    def engine_failed(self, e: Exception, gen: Generation, sent: bool) -> None:
+        """500 with a one-line error; clear the caches (a step may have been cut) and keep serving."""
+        s = self.server
+        s.count("errors")
+        s.note(f"request failed inside the engine: {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}")
+        gen.close()
+        try:
+            s.pipe.reset()
+        except Exception as e2:  # the next request will show it too; the server stays up
+            s.note(f"could not clear the caches after the failure: {e2!r}")
+        line = " ".join(f"{type(e).__name__}: {e}".split())
+        error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
+        if sent:
+            self.cut_short(gen.req, gen, error)
+        else:
+            try:
+                self.send_api_error(error)
+            except OSError:
+                pass
+
+
+class Shutdown(Exception):
+    """SIGINT/SIGTERM arrived while a request was decoding."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection, reset it, or stopped reading for `Handler.timeout` seconds."""
+
+
+@dataclass
+class Reply:
+    """The response bodies of one request, in the OpenAI shapes."""
+
+    req: Request
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def chat(self) -> bool:
+        return self.req.messages is not None
+
+    def head(self, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+                "model": self.model, "system_fingerprint": "mirror-mlx"}
+
+    def delta(self, text: str, calls: list[dict]) -> Union[dict, str]:
+        """A stream event's new text (and, in a chat, the tool calls it completed)."""
+        if not self.chat:
+            return text
+        out: dict = {"content": text} if text else {}
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+    def chunk(self, delta: Union[dict, str, None], finish_reason: Optional[str] = None,
+              logprobs: Optional[list[dict]] = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
+        if self.chat:
+            choice["delta"] = delta or {}
+        else:
+            choice["text"] = delta or ""
+        return dict(self.head(stream=True), choices=[choice])
+
+    def whole(self, text: str, finish_reason: Optional[str], extra: dict, calls: Optional[list[dict]] = None,
+              logprobs: Optional[list[dict]] = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:  # (a whole reply's calls carry no stream index)
+                choice["message"]["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        else:
+            choice["text"] = text
+        return dict(self.head(stream=False), choices=[choice], **extra)
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def model_id(name: str) -> str:
+    """What /v1/models calls the target: a local folder's name, or the Hugging Face id as given."""
+    path = Path(name)
+    return path.name if path.exists() else name
+
+
+def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: Optional[dict] = None,
+          max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
+          log_level: int = logging.INFO, prompt_cache_size: int = 10,
+          prompt_cache_bytes: Optional[int] = None) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
+    `allowed_origins`: the browser origins that may use it (None: pages on this machine only)."""
+    defaults = defaults or {}
+    server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
+                    allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
+                    prompt_cache_bytes=prompt_cache_bytes)
+    signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+    previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
+    host_, port_ = server.server_address[:2]
+    server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
+                f"(queue {max_queue}); Ctrl-C stops")
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.stopping.set()
+        server.gate.close()
+        server.server_close()  # joins the handler threads
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.note("stopped")

@@ -1,0 +1,54 @@
+"""The target's caches of recent requests, so a prefix sent again is not prefilled again."""
+
+import copy
+from typing import Any, Optional
+
+
+# --- the prefix cache across requests ---------------------------------------------------------------
+
+
+class PrefixCache:
+    """The target's caches of recent requests, in mlx-lm's LRUPromptCache (mlx_lm.server's
+    --prompt-cache-size): a prompt that shares a longer prefix with one of them than with the engine's
+    own cache (the last request's) starts from a copy of it, so a system prompt or a document sent
+    again is not prefilled again. Only the target's cache is stored: the draft keeps its one cache and
+    re-prefills from its common prefix with the prompt (a small model: cheap). Entries are exact (the
+    target's own keys and values for those tokens), so the output is what a fresh run gives."""
+
+    KEY = "target"
+
+    def __init__(self, engine: Any, size: int, max_bytes: Optional[int] = None):
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.engine = engine
+        self.lru = LRUPromptCache(size, max_bytes if max_bytes is not None else 1 << 63) if size > 0 else None
+
+    def restore(self, ids: list[int]) -> int:
+        """Before a request: start the target from the stored cache nearest `ids`; how many tokens it holds
+        (0: the engine's own cache was as good)."""
+        if self.lru is None:
+            return 0
+        return self.engine.target_worker.call(self._restore, ids[:-1])  # (the last token runs in the first step)
+
+    def _restore(self, ids: list[int]) -> int:
+        from ..draft import common_prefix
+
+        target = self.engine.target
+        if target.adopted or target.base:
+            return 0
+        cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
+        held = len(ids) - len(rest)
+        if cache is None or held <= common_prefix(target.cached, ids):
+            return 0
+        target.cache, target.cached = cache, list(ids[:held])
+        return held
+
+    def store(self) -> None:
+        """After a request: keep a copy of the target's cache, keyed by the tokens it holds."""
+        if self.lru is not None:
+            self.engine.target_worker.call(self._store)
+
+    def _store(self) -> None:
+        target = self.engine.target
+        if target.cached and not target.adopted and not target.base:
+            self.lru.insert_cache(self.KEY, list(target.cached), copy.deepcopy(target.cache))

@@ -1,0 +1,229 @@
+"""Replies: stop strings, tool calls, the target's logprobs and the OpenAI records of one generation."""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+
+from .. import text
+from ..stats import Stats
+from ..pipeline import Pipeline
+from .request import APIError, Request
+from .prefix_cache import PrefixCache
+
+# --- stop strings ---------------------------------------------------------------------------------
+
+
+class StopText:
+    """Cut the text at the first stop string; hold back a tail that could be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held = stops, ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string was found)."""
+        text = self.held + text
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[: min(hits)], True
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if s.startswith(text[-k:])), default=0)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return text
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could begin `marker` (held back until the next text)."""
+    return max((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), default=0)
+
+
+class ToolText:
+    """Generated text split into plain text and tool calls, between the tokenizer's markers
+    (TokenizerWrapper.tool_call_start / tool_call_end, as mlx_lm.server); each call's text goes through
+    the tokenizer's own `tool_parser`. A call whose text does not parse stays in the text, with a note."""
+
+    def __init__(self, tokenizer: Any, tools: Optional[list[dict]], note: Any):
+        self.on = bool(tools) and tokenizer.has_tool_calling
+        self.start, self.end = (tokenizer.tool_call_start, tokenizer.tool_call_end) if self.on else ("", "")
+        self.parser, self.tools, self.note = tokenizer.tool_parser if self.on else None, tools, note
+        self.held, self.inside, self.made = "", False, 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(plain text safe to send, the tool calls completed by this text)."""
+        if not self.on:
+            return text, []
+        self.held += text
+        plain, calls = "", []
+        while True:
+            if self.inside:
+                at = self.held.find(self.end) if self.end else -1
+                if at < 0:
+                    return plain, calls
+                body, self.held, self.inside = self.held[:at], self.held[at + len(self.end):], False
+                parsed = self.parse(body)
+                plain += self.start + body + self.end if parsed is None else ""
+                calls += parsed or []
+            else:
+                at = self.held.find(self.start)
+                if at < 0:
+                    keep = held_prefix(self.held, self.start)
+                    plain, self.held = plain + self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+                    return plain, calls
+                plain, self.held, self.inside = plain + self.held[:at], self.held[at + len(self.start):], True
+
+    def flush(self) -> tuple[str, list[dict]]:
+        """At the end: a call still open is parsed as it stands (a format with no end marker ends here)."""
+        held, inside, self.held, self.inside = self.held, self.inside, "", False
+        if not inside:
+            return held, []
+        parsed = self.parse(held)
+        return (self.start + held, []) if parsed is None else ("", parsed)
+
+    def parse(self, body: str) -> Optional[list[dict]]:
+        try:
+            parsed = self.parser(body, self.tools)
+        except Exception as e:  # (mlx_lm.server drops such a call; here it stays visible in the text)
+            self.note(f"a tool call did not parse ({type(e).__name__}: {e}): it is answered as text")
+            return None
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            call = dict(call)
+            arguments = call.get("arguments", {})
+            calls.append({"index": self.made, "id": call.pop("id", None) or f"call_{uuid.uuid4().hex[:24]}",
+                          "type": "function", "function": {"name": call.get("name"), "arguments": arguments
+                                                           if isinstance(arguments, str) else
+                                                           json.dumps(arguments, ensure_ascii=False)}})
+            self.made += 1
+        return calls
+
+
+@dataclass
+class Generation:
+    """One request's decode: iterate for the text of each step ("" when a step shows nothing yet)."""
+
+    pipe: Pipeline
+    req: Request
+    default_max_tokens: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: Optional[str] = None
+    _chunks: Any = None
+    scored: list = field(default_factory=list)  # scored tokens (`score`), not yet answered
+    prefixes: Optional["PrefixCache"] = None
+    restored: int = 0  # prompt tokens the target started with from the prefix cache (PrefixCache.restore)
+
+    def start(self) -> None:
+        """Tokenize and check (ValueError → 400) before anything is sent."""
+        pipe, req = self.pipe, self.req
+        if req.messages is not None:
+            if req.tools and not pipe.tokenizer.has_tool_calling:
+                raise APIError(400, "this model's tokenizer has no tool-call format mlx-lm recognizes (its chat "
+                                    "template names no tool-call markers): leave out 'tools'", "tools")
+            kwargs = dict(pipe.chat_template_kwargs, **req.template_kwargs)
+            if req.tools:
+                kwargs["tools"] = req.tools
+            try:
+                ids = text.conversation(pipe.tokenizer, pipe.conversation, req.messages, kwargs)
+            except ValueError as e:  # the chat template refused the conversation
+                raise APIError(400, str(e), "messages") from None
+        elif isinstance(req.prompt, str):
+            ids = text.plain(pipe.tokenizer, req.prompt)
+        else:
+            ids = list(req.prompt)
+        self.prompt_tokens = len(ids)
+        context = pipe.context_length
+        param = "messages" if req.messages is not None else "prompt"
+        if context and len(ids) >= context:
+            raise APIError(400, f"the prompt is {len(ids)} tokens but the model's context is {context} tokens: "
+                                "shorten the prompt", param, "context_length_exceeded")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, context - len(ids)) if context else self.default_max_tokens
+        kwargs = dict(req.options, max_tokens=max_tokens)
+        if self.prefixes is not None:
+            self.restored = self.prefixes.restore(ids)
+        try:
+            if req.messages is not None:
+                self._chunks = pipe.chat_stream(req.messages, ids=ids, **kwargs)
+            else:
+                self._chunks = pipe.stream(ids, **kwargs)
+        except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
+            message = str(e)
+            code = "context_length_exceeded" if "context" in message else None
+            param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else None
+            raise APIError(400, message, param, code) from None
+
+    def __iter__(self) -> Iterator[str]:
+        stop = StopText(self.req.stop)
+        shown = 0
+        for chunk in self._chunks:
+            shown += len(chunk.tokens)
+            if self.req.logprobs:  # (the end-of-sequence token too, as mlx_lm.server reports it); scored now,
+                # so no vocabulary-sized row is kept per token
+                ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
+                rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
+                self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs) for t, r in zip(ids, rows)]
+            self.completion_tokens = self.pipe.stats.generation_tokens
+            text, hit = stop.feed(chunk.text)
+            yield text
+            if hit:
+                self.finish_reason = "stop"
+                return
+        yield stop.flush()
+        self.completion_tokens = self.pipe.stats.generation_tokens
+        self.finish_reason = "stop" if self.completion_tokens > shown else "length"
+
+    def close(self) -> None:
+        """Stop decoding after the step in flight (the engine's caches stay consistent)."""
+        if self._chunks is not None:
+            self._chunks.close()
+
+    @property
+    def stats(self) -> Stats:
+        return self.pipe.stats
+
+    def take_logprobs(self) -> Optional[list[dict]]:
+        """The scored tokens not yet answered, as [{id, token, logprob, top_logprobs}] (None: not asked)."""
+        if not self.req.logprobs:
+            return None
+        out, self.scored = self.scored, []
+        return out
+
+    def usage(self) -> dict:
+        s = self.stats
+        cached = max(0, s.prompt_tokens - 1 - s.prefill_tokens)  # the last prompt token runs in the first step
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:
+    """One token's log-probability and the `top` likeliest at its position (as mlx_lm.server, sorted)."""
+    names = tokenizer.convert_ids_to_tokens
+    entry = {"id": token, "token": names(token), "logprob": row[token].item()}
+    if top:
+        ids = mx.argpartition(-row, kth=top - 1)[:top]
+        values = row[ids]
+        order = mx.argsort(-values)
+        ids, values = ids[order].tolist(), values[order].tolist()
+        entry["top_logprobs"] = [{"id": i, "token": n, "logprob": v} for i, n, v in zip(ids, names(ids), values)]
+    else:
+        entry["top_logprobs"] = []
+    return entry
+
+
+def openai_logprobs(scored: Optional[list[dict]], chat: bool) -> Optional[dict]:
+    """Scored tokens in OpenAI's shape: chat {"content": [...]}, completions {tokens, token_logprobs, top_logprobs}."""
+    if scored is None:
+        return None
+    if chat:
+        return {"content": scored}
+    return {"tokens": [e["token"] for e in scored], "token_logprobs": [e["logprob"] for e in scored],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in scored]}
