@@ -154,8 +154,8 @@ def load(key: dict, engine: Any = None) -> Optional[Profile]:
 def _unusable(profile: Profile, engine: Any) -> str:
     """Why the engine would refuse the profile's choice (γ beyond the draft's context, ℓe beyond the
     target's layers), or ""."""
-    from .options import DecodeOptions
-    from .validate import decode_options
+    from ..options import DecodeOptions
+    from ..validate import decode_options
 
     opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer)
     try:
@@ -167,7 +167,7 @@ def _unusable(profile: Profile, engine: Any) -> str:
 
 def _out_of_range(profile: Profile) -> str:
     """What in a profile's choice no run could use ("" when nothing): an edited or damaged file."""
-    from .validate import MAX_BRANCHES
+    from ..validate import MAX_BRANCHES
 
     knobs = {"kappa": profile.kappa, "gamma": profile.gamma, "exit_layer": profile.exit_layer}
     for name, value in knobs.items():
