@@ -301,6 +301,15 @@ def test_an_explicit_mode_without_a_calibrated_row_runs_small_knobs_and_says_unc
         fresh.close()
 
 
+def test_sd_is_calibrated_as_it_runs_drafting_in_process(pipe):
+    """auto's sd candidate is the in-process one: its window is timed on the target's thread, and its
+    confirmed runs are real sd generations, which draft there."""
+    prof = policy.profile_for(pipe)
+    timings = prof.calibration["timings"]
+    assert set(timings["local_window"]) == set(timings["window"]) and all(v > 0 for v in timings["local_window"].values())
+    assert pipe.generate(PROMPT, max_tokens=8, mode="sd", gamma=2).stats.draft_host == "in-process"
+
+
 def test_cli_mode_flag_wins_and_auto_is_the_default():
     def run(*a):  # the --json line (the first auto call of a process also says its quick calibration on stderr)
         out = CliRunner().invoke(main, ["generate", "--max-tokens", "12", "--json", *a]).output

@@ -303,6 +303,19 @@ class _Bench:
         self.engine.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
         return time.perf_counter() - t0
 
+    def local_rollout(self, gamma: int) -> float:
+        """sd's window where it drafts in-process: on the target's thread, after two newly committed
+        tokens, as in a real sd step (no ring)."""
+        engine, ctx = self.engine, self.context[:-1]
+
+        def once() -> float:
+            engine._local_sync(ctx[:-2])
+            t0 = time.perf_counter()
+            engine.local_draft.rollout(ctx, [[self.context[-1]]], gamma)
+            return time.perf_counter() - t0
+
+        return engine.target_worker.call(once)
+
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
         """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
         seconds until both are done."""
@@ -332,6 +345,8 @@ def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], ti
     timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
     t.verify = timed({n: partial(b.verify, n) for n in sorted({1} | {g + 1 for g in cfg.gammas})})
     t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
+    if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
+        t.local_window = timed({g: partial(b.local_rollout, g) for g in cfg.gammas})
     # the rollout alone does not depend on ℓ_e
     t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g) for g in cfg.gammas for k in cfg.kappas})
     halves = timed({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas})
@@ -468,7 +483,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     probes = probe_configs(cfg, layers)
     top = max(cfg.confirm, cfg.exact_top)  # the predictions that decide what is confirmed are all measured ones
     total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(cfg.kappas))
-             + len(cfg.gammas) * len(layers) + 1 + len(probes) + top + cfg.confirm)  # the parallel points: a guess
+             + len(cfg.gammas) * len(layers) + 1 + len(probes) + top + cfg.confirm
+             + len(cfg.gammas) * (pipe.engine.local_build is not None))  # the parallel points: a guess
     bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
     phases: dict[str, float] = {}
     lap = [time.perf_counter()]
