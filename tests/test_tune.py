@@ -301,6 +301,25 @@ def test_an_explicit_mode_without_a_calibrated_row_runs_small_knobs_and_says_unc
         fresh.close()
 
 
+def test_a_quick_calibration_out_of_budget_is_ar_under_auto_and_small_uncalibrated_knobs_when_asked(
+        pipe, tmp_path, monkeypatch, capfd):
+    """Never below the target alone: auto runs ar (mlx-lm's own loop's text, at its cost); an explicit mode
+    runs small knobs and says why."""
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    monkeypatch.setenv("MIRROR_MLX_QUICK_BUDGET", "0.001")
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    ref = mlx_greedy(model, tokenizer.encode(PROMPT), 16)
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    try:
+        auto = fresh.generate(PROMPT, max_tokens=16, stop=False)
+        assert auto.tokens == ref and auto.stats.mode == "ar" and "ran out of its 0.001 s budget" in auto.stats.why
+        assert "not saved" in capfd.readouterr().err and not list(tmp_path.iterdir())
+        asked = fresh.generate(PROMPT, max_tokens=16, mode="mirror", stop=False).stats
+        assert (asked.mode, asked.kappa, asked.gamma) == ("mirror", 1, 3) and "uncalibrated" in asked.why
+    finally:
+        fresh.close()
+
+
 def test_sd_is_calibrated_as_it_runs_drafting_in_process(pipe):
     """auto's sd candidate is the in-process one: its window is timed on the target's thread, and its
     confirmed runs are real sd generations, which draft there."""
