@@ -24,8 +24,8 @@ demo: setup-runtime  # the demo pair widened to a realistic cost (build/), mode 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15 tests
 
-fuzz: setup  # many more random inputs than `make test` runs (MIRROR_MLX_FUZZ_EXAMPLES=500 by default)
-	MIRROR_MLX_FUZZ=fuzz $(PY) -m pytest -q tests/test_fuzz.py
+fuzz: setup  # a random search with many more inputs than `make test`'s fixed ones (MIRROR_MLX_FUZZ_EXAMPLES=500 by default)
+	MIRROR_MLX_FUZZ=fuzz $(PY) -m pytest -q --timeout 7200 --hypothesis-show-statistics tests/test_fuzz.py
 
 bench: setup
 	bash scripts/bench.sh

@@ -12,6 +12,7 @@ a few hundred bytes: early-exit top-κ sets going to the draft host, windows com
 from dataclasses import dataclass
 import mmap
 import os
+import sys
 from multiprocessing import shared_memory
 from typing import Optional
 
@@ -19,6 +20,7 @@ import numpy as np
 
 HEADER_INTS = 5
 BUSY = -1
+TRACE_ENV = "MIRROR_MLX_TRACE_SHM"  # set: each ring made is named on stderr
 
 class _Attached:
     """A segment mapped by name without registering it with this process's resource tracker."""
@@ -72,6 +74,8 @@ class TokenRing:
             self.shm = _Attached(name)
         self._words = np.ndarray((2 + capacity * self.slot_words,), dtype=np.int64, buffer=self.shm.buf)
         if create:
+            if os.environ.get(TRACE_ENV):  # leak checks without /dev/shm (macOS): the names to look for afterwards
+                print(f"mirror-mlx: shared memory made: {self.shm.name}", file=sys.stderr, flush=True)
             self._words[:] = 0
             self._words[2:].reshape(capacity, self.slot_words)[:, 0] = BUSY
         self._slots = self._words[2:].reshape(capacity, self.slot_words)

@@ -172,7 +172,10 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
         )
     from mirror_mlx.loading import load_model
 
-    model, tokenizer = load_model(path)
+    try:
+        model, tokenizer = load_model(path)  # refuses a tokenizer with ids beyond the model's vocabulary
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
     check_tokenizer(tokenizer, int(getattr(model.args, "vocab_size", 0) or config.get("vocab_size", 0)), path)
     return spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
 

@@ -253,8 +253,10 @@ def widen_ss(weights: dict[str, mx.array], config: dict, new: Shape) -> tuple[di
 
 
 def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
-          kv_heads: Optional[int] = None) -> Path:
+          kv_heads: Optional[int] = None, progress: bool = False) -> Path:
     """Write a function-preserving widened copy of the mlx-lm model folder `model_dir` to `out`.
+
+    `progress`: a bar over the widened tensors as they are computed (the seconds a big copy takes), on stderr.
 
     kv_heads defaults to keeping the model's heads/kv-heads ratio. An SS draft folder (model_type
     ss_llama) widens with its stream rows exact too (`widen_ss`).
@@ -285,6 +287,13 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     else:
         model, _ = load_model(model_dir, lazy=True)
         weights, new_config = widen_weights(dict(tree_flatten(model.parameters())), config, new), widened_config(config, new)
+    if progress:  # the weights are lazy until here: compute them one by one, then the save only writes
+        import sys
+
+        from tqdm import tqdm
+
+        for name in tqdm(list(weights), desc=f"widen {model_dir.name}", unit="tensor", file=sys.stderr):
+            mx.eval(weights[name])
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):

@@ -91,6 +91,7 @@ def greedy_continuations(
     eos: Iterable[int] = (),
     batch_size: int = 32,  # MLX on CPU: larger batches get slower per token
     progress: bool = False,
+    desc: str = "greedy text",  # the progress bar's label
 ) -> list[list[int]]:
     """The model's greedy continuation of each prompt, cut after the first EOS.
 
@@ -102,7 +103,7 @@ def greedy_continuations(
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
     batches = [idx[j : j + batch_size] for _, idx in sorted(by_len.items()) for j in range(0, len(idx), batch_size)]
-    for idx in tqdm(batches, desc="greedy text", unit="batch", disable=not progress):
+    for idx in tqdm(batches, desc=desc, unit="batch", disable=not progress):
         cache = make_prompt_cache(model)
         y = mx.array([prompts[i] for i in idx])
         steps = []

@@ -100,7 +100,10 @@ class MLXDraft:
             return self._window(context, stems[0], gamma)
         spine = spine_of(stems)
         fed = self.sync(context, extra=spine)  # new context and the shared spine in one forward
-        rows = self._branch_rows(len(context), [len(s) - 1 for s in stems], gamma)
+        if self.cached:
+            rows = self._branch_rows(len(context), [len(s) - 1 for s in stems], gamma)
+        else:  # nothing before the stems (a one-token prompt): the branches share no slot, a fresh batched cache
+            rows = trimmable_cache(self.model)
         self._trim_to(len(context))  # the draft's own cache keeps committed tokens only
         y = mx.array([[s[-1]] for s in stems], dtype=mx.int32)
         out = []

@@ -13,8 +13,8 @@ distribution) given the committed prefix, so every mode returns what the target 
 The draft lives behind a DraftHost (ane_draft/host.py): the scheduler posts requests on the ring
 and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
 drafts in this process, on the target's own thread (a copy of the draft built there): a serial window
-hides nothing, so the ring's round trip per window would only add to it. The scheduler is one asyncio loop on its own
-thread, so the synchronous API also works from inside a running event loop.
+hides nothing, so the ring's round trip per window would only add to it. The scheduler is one
+asyncio loop on its own thread, so the synchronous API also works from inside a running event loop.
 """
 
 import asyncio
@@ -82,6 +82,7 @@ class TargetSide:
         self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
+        self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
 
     def set_exit_layer(self, exit_layer: int) -> None:
         if self.tapped is None or self.tapped.exit_layer != exit_layer:
@@ -155,7 +156,8 @@ class TargetSide:
 
     def _verify(self, logits, history, window, sampler, processors):
         logits = logits[0]
-        ys = sample_rows(logits, history, window, sampler, processors)
+        ys, self.logprobs = sample_rows(logits, history, window, sampler, processors)
+        mx.eval(self.logprobs)  # (computed along with ys) kept for the committed tokens' Step.logprobs
         a = accept(window, ys)
         trim_prompt_cache(self.cache, len(window) - a)
         self.cached = list(history) + window[:a]
@@ -353,7 +355,7 @@ class Engine:
         try:
             if mode != "ar" and not local:  # the draft prefills beside the target
                 _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt)
+            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size)
             if mode != "ar":
                 try:
                     if failed:
@@ -400,7 +402,7 @@ class Engine:
                 stats.generation_tokens = produced
                 after = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
                 step = Step(new, [i < drafted for i in range(len(new))], after[0] - before[0], after[1] - before[1],
-                            after[2] > before[2], after[3] > before[3], stats)
+                            after[2] > before[2], after[3] > before[3], stats, self.target.logprobs[: len(new)])
                 if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
                     why = leave_draft(step)
                     if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
@@ -433,8 +435,13 @@ class Engine:
         post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed) \
             if branches else _no_post
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
-        (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
-                                                              processors)
+        try:
+            (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
+                                                                  processors)
+        except BaseException:  # a user's sampler or logits processor raised: to the caller, the draft kept in step
+            if branches and not failed:
+                await self._drain_branches(opts, gamma)
+            raise
         new = window[:a] + [ys[a]]
         windows, r0, r1 = None, s1, s1
         if branches:
@@ -464,6 +471,13 @@ class Engine:
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):
             return new, None  # no window after this step could be used
         return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
+
+    async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
+        """Take the reply to branches posted in a step that failed, so the host's next answer is the next step's."""
+        try:
+            await asyncio.wait_for(self.host.windows(gamma), opts.draft_timeout)
+        except Exception as e:  # noqa: BLE001 - the draft failed too: dropped, visibly, as in a step
+            self._drop_draft(e, Stats())
 
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))

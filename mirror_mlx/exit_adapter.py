@@ -103,14 +103,14 @@ def _capture() -> tuple[list, Any]:
 
 
 def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts: list[int],
-                batch_size: int = 8, progress: bool = False) -> ExitData:
+                batch_size: int = 8, progress: bool = False, label: str = "") -> ExitData:
     """Early and final normalised states at the rows of `seqs` from `starts[i]` on (right-padded batches)."""
     got, capture = _capture()
     target = EarlyExitTarget(model, exit_layer, adapter=capture)
     inner = text_model(model).model
     xe, xf = [], []
     try:
-        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}", unit="batch",
+        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}{label}", unit="batch",
                                      total=-(-len(seqs) // batch_size), disable=not progress):
             got.clear()
             target.forward(tokens, cache=None)  # only the captured early state is evaluated: blocks 1..ℓ_e
@@ -128,10 +128,11 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
 
 
 def greedy_rows(model: nn.Module, tokenizer, texts: list[str], max_tokens: int,
-                max_prompt_tokens: int = 32, progress: bool = False) -> tuple[list[list[int]], list[int]]:
+                max_prompt_tokens: int = 32, progress: bool = False, label: str = "") -> tuple[list[list[int]], list[int]]:
     """(sequences, starts): each opening plus the target's greedy continuation; rows from the last prompt token."""
     prompts = [tokenizer.encode(s)[:max_prompt_tokens] for s in texts]
-    gens = greedy_continuations(model, prompts, max_tokens, eos_ids(tokenizer), progress=progress)
+    gens = greedy_continuations(model, prompts, max_tokens, eos_ids(tokenizer), progress=progress,
+                                desc=f"greedy text{label}")
     keep = [(p, g) for p, g in zip(prompts, gens) if g]
     return [p + g for p, g in keep], [len(p) - 1 for p, _ in keep]
 
@@ -170,10 +171,11 @@ class TrainReport:
 
 
 def exit_data(model: nn.Module, tokenizer, exit_layer: int, texts: list[str], max_tokens: int = 64,
-              progress: bool = False) -> ExitData:
-    """Training rows: the target's greedy continuation of each opening, states at `exit_layer` and at the end."""
-    seqs, starts = greedy_rows(model, tokenizer, texts, max_tokens, progress=progress)
-    return exit_states(model, exit_layer, seqs, starts, progress=progress)
+              progress: bool = False, label: str = "") -> ExitData:
+    """Training rows: the target's greedy continuation of each opening, states at `exit_layer` and at the end.
+    `label` tells the progress bars of two calls apart (" (train)", " (held-out)")."""
+    seqs, starts = greedy_rows(model, tokenizer, texts, max_tokens, progress=progress, label=label)
+    return exit_states(model, exit_layer, seqs, starts, progress=progress, label=label)
 
 
 def fit_adapter(model: nn.Module, train: ExitData, rank: int, steps: int, seed: int = 0, mlp: bool = True,
@@ -247,8 +249,8 @@ def train_exit_adapter(
     held_txt = held_txt[:held_out_openings]
     if not train_txt or not held_txt:
         raise ValueError("the corpus has too few openings (sentences in paragraphs separated by blank lines)")
-    train = exit_data(model, tokenizer, exit_layer, train_txt, max_tokens, progress)
-    held = exit_data(model, tokenizer, exit_layer, held_txt, max_tokens, progress)
+    train = exit_data(model, tokenizer, exit_layer, train_txt, max_tokens, progress, " (train)")
+    held = exit_data(model, tokenizer, exit_layer, held_txt, max_tokens, progress, " (held-out)")
     adapter = fit_adapter(model, train, rank, steps, seed, mlp, lr, batch_size, progress, f"train-exit L{exit_layer}")
     report = TrainReport(exit_layer, rank, mlp, steps, seed, train.x_early.shape[0], held.x_early.shape[0],
                          kl(model, None, held), kl(model, adapter, held), time.perf_counter() - t0)

@@ -41,6 +41,14 @@ from .text import as_is
 from .prompt_cache import PromptCache
 
 KEEP = 2
+# mlx-lm's QuantizedKVCache does trim (rejected draft rows could be rolled back); what it cannot give is
+# mlx-lm's tokens: mlx-lm quantizes the whole cache after the forward that reaches quantized_kv_start, so
+# which positions saw full-precision keys depends on how many tokens each forward held, and a verify
+# forward of γ+1 rows crosses that point where mlx-lm's one-token forwards do not.
+KV_BITS = ("a quantized KV cache is not supported: mlx-lm quantizes the cache after the forward that reaches "
+           "quantized_kv_start, and a speculative step's forward of several tokens crosses that point where "
+           "mlx-lm's one-token forwards do not, so the tokens would differ from mlx-lm's; leave kv_bits unset "
+           "(a model quantized in its weights, e.g. mlx-community's -4bit, works in every mode)")
 _pipelines: dict = {}  # (id(model), id(draft_model), id(tokenizer)) -> (model, draft_model, tokenizer, Pipeline)
 # a prompt_cache's first layer -> the ids our calls left in it (the draft needs them; mlx-lm keeps none)
 _held_ids: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
@@ -50,7 +58,8 @@ _held_ids: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictiona
 class Response(GenerationResponse):
     """mlx-lm's GenerationResponse (one token, its text segment, speeds, finish_reason) and our stats.
 
-    `logprobs` is None: the engine does not keep the target's full distribution per committed token.
+    `logprobs` is the target's log-probabilities over the vocabulary at that token (its processed
+    distribution, after the logits processors), as mlx-lm's.
     """
 
     stats: Optional[Stats] = None
@@ -123,12 +132,20 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
                     sampler: Optional[Callable[[mx.array], mx.array]] = None,
                     logits_processors: Optional[Sequence[Callable]] = None, prompt_cache: Any = None,
                     max_kv_size: Optional[int] = None, num_draft_tokens: Optional[int] = None,
+                    kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 5000,
+                    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
                     mode: Optional[str] = None, seed: Optional[int] = None, **knobs: Any) -> Iterator[Response]:
     """mlx_lm.stream_generate, one record per committed token; `mode` defaults to mirror with a draft.
 
     `seed` makes sampling mode-invariant (the draw for each position is keyed by (seed, position));
     `num_draft_tokens` (mlx-lm's window) is γ; `knobs` are Pipeline.generate's: kappa, gamma, exit_layer,
-    temperature, top_p, top_k, min_p, repetition_penalty (`sampler=` replaces the sampling settings).
+    temperature, top_p, top_k, min_p, repetition_penalty, prefill_step_size (mlx-lm's, the prompt tokens
+    per target forward) (`sampler=` replaces the sampling settings: mlx-lm's make_sampler with xtc works).
+
+    `prompt_progress_callback(processed, total)` is called as mlx-lm calls it, with (0, total) before the
+    prefill and (total, total) after it; the counts in between are not reported (the prefill runs in one
+    call on the target's worker). `kv_bits` is refused (see KV_BITS); `kv_group_size` and
+    `quantized_kv_start` only matter with it, as in mlx-lm.
 
     `prompt_cache`: make_prompt_cache(model)'s list, extended in place as mlx-lm does: afterwards it holds
     what it held, the prompt and every token yielded (the last, and an end-of-sequence token, included),
@@ -142,8 +159,11 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     unknown = sorted(set(knobs) - set(OPTION_NAMES) - {"stop_tokens"})
     if unknown:
         raise TypeError(f"stream_generate() does not take {', '.join(unknown)}: mirror-mlx takes mlx-lm's "
-                        "max_tokens, draft_model, sampler, logits_processors, max_kv_size, num_draft_tokens and "
-                        "its own mode, seed, kappa, gamma, exit_layer")
+                        "max_tokens, draft_model, sampler, logits_processors, max_kv_size, num_draft_tokens, "
+                        "prefill_step_size, prompt_progress_callback, kv_bits (refused), kv_group_size, "
+                        "quantized_kv_start and its own mode, seed, kappa, gamma, exit_layer")
+    if kv_bits is not None:
+        raise ValueError(f"kv_bits={kv_bits}: {KV_BITS}")
     if num_draft_tokens is not None:
         knobs["gamma"] = num_draft_tokens
     if max_tokens == 0 or max_tokens < -1:
@@ -162,23 +182,31 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     chunks = pipe.stream(ids, prompt_cache=given, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
                          logits_processors=logits_processors or (), max_kv_size=max_kv_size, **knobs)
     yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
+    progress = prompt_progress_callback or (lambda *_: None)
+    progress(0, len(ids))
+    prefilled = False
     try:
         for chunk in chunks:
+            if not prefilled:
+                prefilled = True
+                progress(len(ids), len(ids))
             last = len(chunk.tokens) - 1
             stats = pipe.stats if chunk.finish_reason else None
             done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
-            common = dict(logprobs=None, prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
+            common = dict(prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
                           generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
-            for i, (token, text, drafted) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft)):
+            for i, (token, text, drafted, logprobs) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft,
+                                                                      chunk.logprobs)):
                 final = chunk.finish_reason == "length" and i == last
                 yielded.append(token)
                 yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
-                               token=token, from_draft=drafted, generation_tokens=done + i + 1,
+                               token=token, logprobs=logprobs, from_draft=drafted, generation_tokens=done + i + 1,
                                finish_reason="length" if final else None, stats=stats if final else None, **common)
             if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
                 yielded.append(chunk.stop_token)
                 yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
-                               from_draft=chunk.stop_from_draft, generation_tokens=chunk.generation_tokens,
+                               logprobs=chunk.stop_logprobs, from_draft=chunk.stop_from_draft,
+                               generation_tokens=chunk.generation_tokens,
                                finish_reason="stop", stats=stats, **common)
     finally:  # (also when the caller stops early: the cache keeps what was yielded, as mlx-lm's does)
         chunks.close()  # the engine hands the prompt cache back, holding every committed token

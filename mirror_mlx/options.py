@@ -39,6 +39,7 @@ class DecodeOptions:
     sampler: Optional[Callable[[Any], Any]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
+    prefill_step_size: int = 2048  # prompt tokens per target forward in the prefill (mlx-lm's, same default)
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 

@@ -66,6 +66,10 @@ class Chunk:
     peak_memory: float = 0.0  # GB, so far
     token_texts: list[str] = field(default_factory=list, repr=False)  # the text each token completed
     stop_from_draft: bool = False  # the end-of-sequence token (if any) was the draft's proposal
+    # per token (and for stop_token): the target's log-probabilities over the vocabulary, as mlx-lm's
+    # GenerationResponse.logprobs (the processed distribution the token was chosen from)
+    logprobs: list = field(default_factory=list, repr=False)
+    stop_logprobs: Any = field(default=None, repr=False)
 
     def __str__(self) -> str:
         return self.text
@@ -83,6 +87,7 @@ class Detokenizer:
         new, s, detok = step.tokens, step.stats, self.detok
         self.produced += len(new)
         stop = next((t for t in new if t in self.opts.stop_tokens), None)
+        rows = [None] * len(new) if step.logprobs is None else [step.logprobs[i] for i in range(len(new))]
         shown = [(t, d) for t, d in zip(new, step.from_draft) if t != stop]
         texts = []
         for t, _ in shown:
@@ -98,7 +103,14 @@ class Detokenizer:
         return Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
                      s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
                      self.produced, self.produced / s.decode_seconds if s.decode_seconds else 0.0,
-                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False)
+                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False,
+                     [r for t, r in zip(new, rows) if t != stop], rows[-1] if stop is not None else None)
+
+
+def _kept(chunk: Chunk) -> Chunk:
+    """A chunk as a whole generation keeps it: without its vocabulary-sized logprobs rows (a Result has
+    none, and a long generation would hold a row per token)."""
+    return replace(chunk, logprobs=[], stop_logprobs=None)
 
 
 def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
@@ -301,7 +313,7 @@ class Pipeline:
         """
         tokens, opts, run = self.prepare(prompt, prompt_cache, **options)
         with self._turn():
-            parts = list(self._chunks(tokens, opts, run, prompt_cache))
+            parts = [_kept(c) for c in self._chunks(tokens, opts, run, prompt_cache)]
             stats = self.stats
         return result(parts, stats, parts[-1].finish_reason if parts else "length")
 
@@ -349,7 +361,7 @@ class Pipeline:
         if not text.has_chat_template(self.tokenizer) and not self._told_plain:
             self._told_plain = True
             warnings.warn(NO_TEMPLATE, stacklevel=2)
-        parts = list(self.chat_stream(messages, **kwargs))
+        parts = [_kept(c) for c in self.chat_stream(messages, **kwargs)]
         return result(parts, self.stats, "stop" if self.conversation.stop_token is not None else "length")
 
     def reset(self) -> None:

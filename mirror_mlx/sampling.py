@@ -7,8 +7,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
 
-def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler, processors) -> list[int]:
-    """The target's token at every row, exactly as mlx-lm's generate_step would choose it.
+def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler,
+                processors) -> tuple[list[int], mx.array]:
+    """The target's token at every row, exactly as mlx-lm's generate_step would choose it, and the rows'
+    log-probabilities (after the logits processors, before the sampler: what mlx-lm reports as `logprobs`).
 
     Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
     `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
@@ -23,7 +25,17 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs, len(history))
+    return checked(sampler(logprobs, len(history)), logprobs.shape), logprobs
+
+
+def checked(ys: list, shape: tuple[int, int]) -> list[int]:
+    """The sampler's tokens, one int id in [0, vocab) per row; anything else names the sampler (a wrong id
+    would be committed as if the target had chosen it)."""
+    rows, vocab = shape
+    if not isinstance(ys, list) or len(ys) != rows or not all(isinstance(y, int) and 0 <= y < vocab for y in ys):
+        raise ValueError(f"the sampler returned {str(ys)[:80]} for {rows} rows of log-probabilities: a sampler "
+                         f"maps an array (rows, {vocab}) to one token id per row, each in [0, {vocab})")
+    return ys
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -34,6 +46,19 @@ def position_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+def token_ids(outs: list) -> list:
+    """The sampler's outputs (mx.arrays of token ids) as one list; `checked` then checks each row's id."""
+    if not all(isinstance(o, mx.array) for o in outs):
+        bad = next(o for o in outs if not isinstance(o, mx.array))
+        raise ValueError(f"the sampler returned a {type(bad).__name__}: a sampler returns an mx.array of token ids, "
+                         "one per row of the log-probabilities it is given")
+    try:
+        return mx.concatenate([o.reshape(-1) for o in outs]).tolist()
+    except ValueError as e:
+        raise ValueError(f"the sampler's output could not be read as token ids ({e}): a sampler returns an mx.array "
+                         "of token ids, one per row") from None
+
+
 def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
     """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
 
@@ -41,13 +66,13 @@ def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) ->
     so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
     """
     if seed is None or sampler is greedy_sampler:
-        return lambda logprobs, first: sampler(logprobs).tolist()
+        return lambda logprobs, first: token_ids([sampler(logprobs)])
 
     def sample(logprobs: mx.array, first: int) -> list[int]:
         rows = []
         for j in range(logprobs.shape[0]):
             mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
             rows.append(sampler(logprobs[j : j + 1]))
-        return mx.concatenate(rows).tolist()
+        return token_ids(rows)
 
     return sample

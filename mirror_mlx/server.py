@@ -8,9 +8,15 @@ stops the generation after the step in flight, when the engine's caches are cons
 
 Chat requests go through `Pipeline.chat_stream`, which remembers the token ids of the last
 conversation: a request that extends it prefills only the new turn (`cached_tokens` in `usage`).
+Across conversations, `PrefixCache` keeps the target's caches of recent requests (mlx-lm's
+LRUPromptCache). As in mlx_lm.server: tools go to the chat template and tool calls are parsed with the
+tokenizer's own tool parser (`ToolText`); `logprobs` are the target's (Step.logprobs); browser pages
+from other origins than the allowed ones (`--allowed-origins`, by default this machine's) get 403.
 """
 
+import copy
 import json
+import logging
 import math
 import select
 import signal
@@ -23,7 +29,10 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 from typing import Any, Iterator, Optional, Union
+
+import mlx.core as mx
 
 from . import text, validate
 from .stats import Stats
@@ -32,7 +41,17 @@ from .pipeline import Pipeline
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_BODY = 16 << 20  # bytes; a prompt this long is far beyond any context anyway
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+DEFAULT_MODEL = "default_model"  # what mlx_lm.server calls the model it was started with
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # --allowed-origins' default: pages served from this machine
+# what a request may hold; a field outside these gets a 400 naming it (nothing is ignored in silence)
+COMMON = ("model", "stream", "stream_options", "n", "stop", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer", "mode",
+          "logprobs", "top_logprobs", "user")
+FIELDS = {"/v1/chat/completions": COMMON + ("messages", "tools", "tool_choice", "parallel_tool_calls",
+                                            "chat_template_kwargs"),
+          "/v1/completions": COMMON + ("prompt",)}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "xtc_probability": 0, "logit_bias": {}}  # off: accepted
 
 
 class APIError(Exception):
@@ -62,6 +81,10 @@ class Request:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     max_tokens: Optional[int] = None  # None: the server's default, capped at what the context leaves
+    tools: Optional[list[dict]] = None  # chat: the functions the model may call (given to the chat template)
+    template_kwargs: dict = field(default_factory=dict)  # chat: the request's chat_template_kwargs
+    logprobs: bool = False  # answer each token's log-probability under the target
+    top_logprobs: int = 0  # and this many of the likeliest tokens at each position
     options: dict = field(default_factory=dict)  # Pipeline.stream / chat_stream keyword arguments
 
 
@@ -102,6 +125,66 @@ def _content(message: dict, i: int) -> str:
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
+def _message(m: Any, i: int) -> dict:
+    """One chat message as the chat template takes it: "developer" is "system" (as OpenAI treats it); an
+    assistant's tool_calls keep their arguments as objects (templates iterate them, as mlx_lm.server)."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
+                       f"messages[{i}]")
+    role = "system" if m["role"] == "developer" else m["role"]
+    calls = m.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        _check(isinstance(calls, list), f"messages[{i}].tool_calls", "a list of tool calls", calls)
+        out = {"role": role, "content": "" if m.get("content") is None else _content(m, i), "tool_calls": []}
+        for j, call in enumerate(calls):
+            where = f"messages[{i}].tool_calls[{j}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                                    f"\"arguments\"}}}}", where)
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError as e:
+                    raise APIError(400, f"{where}.function.arguments is not valid JSON ({e})",
+                                   f"{where}.function.arguments") from None
+            out["tool_calls"].append(dict(call, function=dict(fn, arguments=args)))
+        return out
+    extra = {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)}
+    return {"role": role, "content": _content(m, i), **extra}
+
+
+def _tools(body: dict) -> tuple[Optional[list[dict]], dict]:
+    """The request's tools (or None: none, or tool_choice "none") and its chat template arguments."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    _check(tools is None or (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)), "tools",
+           "a list of tool objects ({\"type\": \"function\", \"function\": {...}})", tools)
+    _check(choice in (None, "auto", "none"), "tool_choice", "\"auto\" or \"none\" (this server cannot force "
+           "a call: the model decides)", choice)
+    kwargs = body.get("chat_template_kwargs") or {}
+    _check(isinstance(kwargs, dict), "chat_template_kwargs", "an object", kwargs)
+    return (tools or None) if choice != "none" else None, kwargs
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+
+def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
+    """(logprobs wanted, how many top alternatives): chat's `logprobs` is true/false with `top_logprobs`;
+    completions' `logprobs` may also be the legacy count of alternatives (0..5)."""
+    wanted, top = body.get("logprobs"), _number(body, "top_logprobs", integer=True)
+    if endpoint == COMPLETION and isinstance(wanted, int) and not isinstance(wanted, bool):
+        _check(0 <= wanted <= 5, "logprobs", "true, false or a count of alternatives in [0, 5]", wanted)
+        wanted, top = True, wanted if top is None else top
+    _check(wanted is None or isinstance(wanted, bool), "logprobs", "true or false", wanted)
+    _check(top is None or 0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs", f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+           top)
+    if top and not wanted:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return bool(wanted), int(top or 0)
+
+
 def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_size: int,
                   defaults: dict, max_prompt_bytes: Optional[int] = None, context: Optional[int] = None) -> Request:
     """Validate a request body; every problem is an APIError naming the field and the fix.
@@ -118,8 +201,12 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
         raise APIError(400, "the request body nests too deeply to parse: send a flat JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key not in FIELDS[endpoint] and value is not None and not (key in NEUTRAL and value == NEUTRAL[key]):
+            raise APIError(400, f"'{key}' is not supported by this server: leave it out (supported: "
+                                f"{', '.join(sorted(FIELDS[endpoint]))})", key, "unsupported_parameter")
     model = body.get("model")
-    if model is not None and model not in model_ids:
+    if model is not None and model not in model_ids + (DEFAULT_MODEL,):
         raise APIError(404, f"model {model!r} is not served here: use {model_ids[0]!r} (GET /v1/models lists it)",
                        "model", "model_not_found")
     req = Request(endpoint)
@@ -127,13 +214,10 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects", "messages")
-        req.messages = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
-                               f"messages[{i}]")
-            req.messages.append({"role": m["role"], "content": _content(m, i)})
-        _fits(sum(len(m["content"].encode()) for m in req.messages), max_prompt_bytes, "messages")
+        req.messages = [_message(m, i) for i, m in enumerate(messages)]
+        req.tools, req.template_kwargs = _tools(body)
+        _fits(sum(len(m["content"].encode()) + len(json.dumps(m.get("tool_calls", ""))) for m in req.messages)
+              + len(json.dumps(req.tools or "")), max_prompt_bytes, "messages")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -168,6 +252,9 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
            "a non-empty string or a list of them", body.get("stop"))
     req.stop = [_text(s) for s in stop]
 
+    parallel = body.get("parallel_tool_calls")
+    _check(parallel in (None, True), "parallel_tool_calls", "true (a reply may hold several calls)", parallel)
+    req.logprobs, req.top_logprobs = _logprobs(body, endpoint)
     max_tokens = _number(body, "max_completion_tokens", integer=True)
     name = "max_completion_tokens"
     if max_tokens is None:
@@ -194,8 +281,6 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     _check(kappa is None or kappa >= 1, "kappa", "at least 1", kappa)
     _check(kappa is None or kappa <= vocab_size, "kappa", f"at most the vocabulary size {vocab_size}", kappa)
     _check(gamma is None or gamma >= 1, "gamma", "at least 1", gamma)
-    seed = opts.get("seed")
-    _check(seed is None or 0 <= seed < 2**63, "seed", "an integer in [0, 2**63)", seed)
     mode = body.get("mode", opts["mode"])
     _check(isinstance(mode, str) and mode in CHOICES, "mode", f"one of {', '.join(CHOICES)}", mode)
     opts["mode"] = mode
@@ -249,6 +334,71 @@ class StopText:
         return text
 
 
+def held_prefix(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could begin `marker` (held back until the next text)."""
+    return max((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), default=0)
+
+
+class ToolText:
+    """Generated text split into plain text and tool calls, between the tokenizer's markers
+    (TokenizerWrapper.tool_call_start / tool_call_end, as mlx_lm.server); each call's text goes through
+    the tokenizer's own `tool_parser`. A call whose text does not parse stays in the text, with a note."""
+
+    def __init__(self, tokenizer: Any, tools: Optional[list[dict]], note: Any):
+        self.on = bool(tools) and tokenizer.has_tool_calling
+        self.start, self.end = (tokenizer.tool_call_start, tokenizer.tool_call_end) if self.on else ("", "")
+        self.parser, self.tools, self.note = tokenizer.tool_parser if self.on else None, tools, note
+        self.held, self.inside, self.made = "", False, 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(plain text safe to send, the tool calls completed by this text)."""
+        if not self.on:
+            return text, []
+        self.held += text
+        plain, calls = "", []
+        while True:
+            if self.inside:
+                at = self.held.find(self.end) if self.end else -1
+                if at < 0:
+                    return plain, calls
+                body, self.held, self.inside = self.held[:at], self.held[at + len(self.end):], False
+                parsed = self.parse(body)
+                plain += self.start + body + self.end if parsed is None else ""
+                calls += parsed or []
+            else:
+                at = self.held.find(self.start)
+                if at < 0:
+                    keep = held_prefix(self.held, self.start)
+                    plain, self.held = plain + self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+                    return plain, calls
+                plain, self.held, self.inside = plain + self.held[:at], self.held[at + len(self.start):], True
+
+    def flush(self) -> tuple[str, list[dict]]:
+        """At the end: a call still open is parsed as it stands (a format with no end marker ends here)."""
+        held, inside, self.held, self.inside = self.held, self.inside, "", False
+        if not inside:
+            return held, []
+        parsed = self.parse(held)
+        return (self.start + held, []) if parsed is None else ("", parsed)
+
+    def parse(self, body: str) -> Optional[list[dict]]:
+        try:
+            parsed = self.parser(body, self.tools)
+        except Exception as e:  # (mlx_lm.server drops such a call; here it stays visible in the text)
+            self.note(f"a tool call did not parse ({type(e).__name__}: {e}): it is answered as text")
+            return None
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            call = dict(call)
+            arguments = call.get("arguments", {})
+            calls.append({"index": self.made, "id": call.pop("id", None) or f"call_{uuid.uuid4().hex[:24]}",
+                          "type": "function", "function": {"name": call.get("name"), "arguments": arguments
+                                                           if isinstance(arguments, str) else
+                                                           json.dumps(arguments, ensure_ascii=False)}})
+            self.made += 1
+        return calls
+
+
 @dataclass
 class Generation:
     """One request's decode: iterate for the text of each step ("" when a step shows nothing yet)."""
@@ -260,13 +410,22 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: Optional[str] = None
     _chunks: Any = None
+    scored: list = field(default_factory=list)  # scored tokens (`score`), not yet answered
+    prefixes: Optional["PrefixCache"] = None
+    restored: int = 0  # prompt tokens the target started with from the prefix cache (PrefixCache.restore)
 
     def start(self) -> None:
         """Tokenize and check (ValueError → 400) before anything is sent."""
         pipe, req = self.pipe, self.req
         if req.messages is not None:
+            if req.tools and not pipe.tokenizer.has_tool_calling:
+                raise APIError(400, "this model's tokenizer has no tool-call format mlx-lm recognizes (its chat "
+                                    "template names no tool-call markers): leave out 'tools'", "tools")
+            kwargs = dict(pipe.chat_template_kwargs, **req.template_kwargs)
+            if req.tools:
+                kwargs["tools"] = req.tools
             try:
-                ids = pipe.chat_ids(req.messages)
+                ids = text.conversation(pipe.tokenizer, pipe.conversation, req.messages, kwargs)
             except ValueError as e:  # the chat template refused the conversation
                 raise APIError(400, str(e), "messages") from None
         elif isinstance(req.prompt, str):
@@ -283,6 +442,8 @@ class Generation:
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, context - len(ids)) if context else self.default_max_tokens
         kwargs = dict(req.options, max_tokens=max_tokens)
+        if self.prefixes is not None:
+            self.restored = self.prefixes.restore(ids)
         try:
             if req.messages is not None:
                 self._chunks = pipe.chat_stream(req.messages, ids=ids, **kwargs)
@@ -299,6 +460,11 @@ class Generation:
         shown = 0
         for chunk in self._chunks:
             shown += len(chunk.tokens)
+            if self.req.logprobs:  # (the end-of-sequence token too, as mlx_lm.server reports it); scored now,
+                # so no vocabulary-sized row is kept per token
+                ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
+                rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
+                self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs) for t, r in zip(ids, rows)]
             self.completion_tokens = self.pipe.stats.generation_tokens
             text, hit = stop.feed(chunk.text)
             yield text
@@ -318,12 +484,94 @@ class Generation:
     def stats(self) -> Stats:
         return self.pipe.stats
 
+    def take_logprobs(self) -> Optional[list[dict]]:
+        """The scored tokens not yet answered, as [{id, token, logprob, top_logprobs}] (None: not asked)."""
+        if not self.req.logprobs:
+            return None
+        out, self.scored = self.scored, []
+        return out
+
     def usage(self) -> dict:
         s = self.stats
         cached = max(0, s.prompt_tokens - 1 - s.prefill_tokens)  # the last prompt token runs in the first step
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:
+    """One token's log-probability and the `top` likeliest at its position (as mlx_lm.server, sorted)."""
+    names = tokenizer.convert_ids_to_tokens
+    entry = {"id": token, "token": names(token), "logprob": row[token].item()}
+    if top:
+        ids = mx.argpartition(-row, kth=top - 1)[:top]
+        values = row[ids]
+        order = mx.argsort(-values)
+        ids, values = ids[order].tolist(), values[order].tolist()
+        entry["top_logprobs"] = [{"id": i, "token": n, "logprob": v} for i, n, v in zip(ids, names(ids), values)]
+    else:
+        entry["top_logprobs"] = []
+    return entry
+
+
+def openai_logprobs(scored: Optional[list[dict]], chat: bool) -> Optional[dict]:
+    """Scored tokens in OpenAI's shape: chat {"content": [...]}, completions {tokens, token_logprobs, top_logprobs}."""
+    if scored is None:
+        return None
+    if chat:
+        return {"content": scored}
+    return {"tokens": [e["token"] for e in scored], "token_logprobs": [e["logprob"] for e in scored],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in scored]}
+
+
+# --- the prefix cache across requests ---------------------------------------------------------------
+
+
+class PrefixCache:
+    """The target's caches of recent requests, in mlx-lm's LRUPromptCache (mlx_lm.server's
+    --prompt-cache-size): a prompt that shares a longer prefix with one of them than with the engine's
+    own cache (the last request's) starts from a copy of it, so a system prompt or a document sent
+    again is not prefilled again. Only the target's cache is stored: the draft keeps its one cache and
+    re-prefills from its common prefix with the prompt (a small model: cheap). Entries are exact (the
+    target's own keys and values for those tokens), so the output is what a fresh run gives."""
+
+    KEY = "target"
+
+    def __init__(self, engine: Any, size: int, max_bytes: Optional[int] = None):
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.engine = engine
+        self.lru = LRUPromptCache(size, max_bytes if max_bytes is not None else 1 << 63) if size > 0 else None
+
+    def restore(self, ids: list[int]) -> int:
+        """Before a request: start the target from the stored cache nearest `ids`; how many tokens it holds
+        (0: the engine's own cache was as good)."""
+        if self.lru is None:
+            return 0
+        return self.engine.target_worker.call(self._restore, ids[:-1])  # (the last token runs in the first step)
+
+    def _restore(self, ids: list[int]) -> int:
+        from .draft import common_prefix
+
+        target = self.engine.target
+        if target.adopted or target.base:
+            return 0
+        cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
+        held = len(ids) - len(rest)
+        if cache is None or held <= common_prefix(target.cached, ids):
+            return 0
+        target.cache, target.cached = cache, list(ids[:held])
+        return held
+
+    def store(self) -> None:
+        """After a request: keep a copy of the target's cache, keyed by the tokens it holds."""
+        if self.lru is not None:
+            self.engine.target_worker.call(self._store)
+
+    def _store(self) -> None:
+        target = self.engine.target
+        if target.cached and not target.adopted and not target.base:
+            self.lru.insert_cache(self.KEY, list(target.cached), copy.deepcopy(target.cache))
 
 
 # --- the queue ------------------------------------------------------------------------------------
@@ -372,6 +620,21 @@ class Gate:
 # --- HTTP -----------------------------------------------------------------------------------------
 
 
+def origin_allowed(origin: str, allowed: Optional[tuple[str, ...]]) -> bool:
+    """Whether a page from `origin` may use the server: listed in `allowed` ("*": any), or with
+    `allowed` None, served from this machine (http(s)://localhost, 127.0.0.1 or [::1], any port)."""
+    if allowed is not None:
+        return "*" in allowed or origin.rstrip("/") in allowed
+    try:
+        parts = urlsplit(origin)
+        host = parts.hostname
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and host is not None and \
+        (host if ":" not in host else f"[{host}]") in LOCAL_HOSTS
+
+
 def peer_gone(sock: socket.socket) -> bool:
     """True when the client closed its end (readable with nothing to read) or reset it."""
     try:
@@ -388,7 +651,9 @@ class Server(ThreadingHTTPServer):
     block_on_close = True
 
     def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
-                 max_tokens: int = 256, max_queue: int = 32, log: Any = sys.stderr):
+                 max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
+                 allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
+                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None):
         self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
         self.reading: set = set()  # connections still sending their request: closed at once on shutdown
         self._reading_lock = threading.Lock()
@@ -396,6 +661,9 @@ class Server(ThreadingHTTPServer):
         self.pipe, self.model_id, self.defaults, self.max_tokens = pipe, model_id, defaults, max_tokens
         self.model_ids = tuple(dict.fromkeys([model_id, pipe.name]))
         self.gate = Gate(max_queue)
+        self.allowed_origins = allowed_origins  # None: local pages only (origin_allowed)
+        self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
+        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
         self.stopping = threading.Event()
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
@@ -457,6 +725,9 @@ class Handler(BaseHTTPRequestHandler):
                             '"param": null, "code": "%(code)d"}}')
 
     def log_message(self, format: str, *args: Any) -> None:
+        """One line per request (the access log): at --log-level INFO or DEBUG only."""
+        if self.server.log_level > logging.INFO:
+            return
         self.server.note(f"{self.address_string()} {format % args}")
 
     def handle(self) -> None:
@@ -475,7 +746,11 @@ class Handler(BaseHTTPRequestHandler):
     def send_head(self, status: int, headers: dict) -> None:
         try:
             self.send_response(status)
-            self.send_header("Access-Control-Allow-Origin", "*")  # browser front-ends on another port
+            origin = self.headers.get("Origin") if self.headers else None
+            if origin and origin_allowed(origin, self.server.allowed_origins):  # a browser page it may serve
+                allowed = self.server.allowed_origins
+                self.send_header("Access-Control-Allow-Origin", "*" if allowed and "*" in allowed else origin)
+                self.send_header("Vary", "Origin")
             for k, v in headers.items():
                 self.send_header(k, v)
             self.end_headers()
@@ -524,26 +799,49 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- routes
 
+    def foreign(self) -> bool:
+        """A browser page from an origin not allowed (--allowed-origins) gets 403, its request not run."""
+        origin = self.headers.get("Origin")
+        if not origin or origin_allowed(origin, self.server.allowed_origins):
+            return False
+        self.send_api_error(APIError(403, f"requests from pages at {origin!r} are not allowed: start the server "
+                                          f"with --allowed-origins {origin} to allow them", code="origin_not_allowed",
+                                     kind="permission_error"))
+        return True
+
     def do_OPTIONS(self) -> None:
-        """CORS preflight, as mlx_lm.server answers it."""
+        """CORS preflight, as mlx_lm.server answers it (for the allowed origins only)."""
+        if self.foreign():
+            return
         self.send_head(204, {"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                              "Access-Control-Allow-Headers": "Content-Type, Authorization"})
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0].rstrip("/")
+        if self.foreign():
+            return
+        model = {"id": self.server.model_id, "object": "model", "created": 0, "owned_by": "mirror-mlx"}
         if path == "/health":
             s = self.server
             self.send_json(200, {"status": "stopping" if s.stopping.is_set() else "ok", "model": s.model_id,
                                  "waiting": s.gate.waiting, **s.counts})
         elif path == "/v1/models":
-            self.send_json(200, {"object": "list", "data": [
-                {"id": self.server.model_id, "object": "model", "created": 0, "owned_by": "mirror-mlx"}]})
+            self.send_json(200, {"object": "list", "data": [model]})
+        elif path.startswith("/v1/models/"):
+            name = unquote(path[len("/v1/models/"):])
+            if name in self.server.model_ids + (DEFAULT_MODEL,):
+                self.send_json(200, model)
+            else:
+                self.send_api_error(APIError(404, f"model {name!r} is not served here: GET /v1/models lists "
+                                                  f"{self.server.model_id!r}", "model", "model_not_found"))
         else:
             self.send_api_error(APIError(404, f"no route GET {path}: try /v1/models or /health", code="not_found"))
 
     def do_POST(self) -> None:
         s = self.server
         path = self.path.split("?")[0].rstrip("/")
+        if self.foreign():
+            return
         if path not in (CHAT, COMPLETION):
             self.send_api_error(APIError(404, f"no route POST {path}: use {CHAT} or {COMPLETION}", code="not_found"))
             return
@@ -570,7 +868,7 @@ class Handler(BaseHTTPRequestHandler):
     def serve_one(self, req: Request) -> None:
         """Run one admitted request; holds the engine until it returns."""
         s = self.server
-        gen = Generation(s.pipe, req, s.max_tokens)
+        gen = Generation(s.pipe, req, s.max_tokens, prefixes=s.prefixes)
         if peer_gone(self.connection):  # went away while it waited in the queue
             s.count("disconnected")
             return
@@ -584,21 +882,28 @@ class Handler(BaseHTTPRequestHandler):
             self.engine_failed(e, gen, sent=False)
             return
         reply = Reply(req, s.model_id)
+        tools = ToolText(s.pipe.tokenizer, req.tools, s.note)
+        text: list[str] = []
+        calls: list[dict] = []
         try:
             if req.stream:
                 self.send_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 if req.messages is not None:
                     self.send_event(reply.chunk({"role": "assistant", "content": ""}))
-            text = []
             for piece in gen:
-                if req.stream and piece:
-                    self.send_event(reply.chunk({"content": piece} if req.messages is not None else piece))
+                piece, made = tools.feed(piece)
+                if req.stream and (piece or made):
+                    self.send_event(reply.chunk(reply.delta(piece, made), logprobs=gen.take_logprobs()))
                 else:
                     text.append(piece)
+                    calls += made
                 if peer_gone(self.connection):
                     raise ClientGone("closed")
                 if s.stopping.is_set():
                     raise Shutdown
+            piece, made = tools.flush()
+            text.append(piece)
+            calls += made
         except ClientGone:
             gen.close()
             s.count("disconnected")
@@ -616,12 +921,20 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             gen.close()
         s.count("completed")
-        extra = {"usage": gen.usage(), "x_mirror": gen.stats.as_dict()}
+        if s.prefixes is not None:
+            s.prefixes.store()
+        if gen.restored:
+            s.note(f"prefix cache: the target started from a stored cache of {gen.restored} prompt tokens "
+                   "(the draft re-syncs from its own cache)")
+        finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.stats.as_dict(), prefix_cache_tokens=gen.restored)}
         try:
             if not req.stream:
-                self.send_json(200, reply.whole("".join(text), gen.finish_reason, extra))
+                self.send_json(200, reply.whole("".join(text), finish, extra, calls, gen.take_logprobs()))
                 return
-            final = reply.chunk({} if req.messages is not None else "", gen.finish_reason)
+            rest = "".join(text)
+            final = reply.chunk(reply.delta(rest, calls) if rest or calls else
+                                ({} if req.messages is not None else ""), finish, gen.take_logprobs())
             final["x_mirror"] = extra["x_mirror"]
             self.send_event(final)
             if req.include_usage:
@@ -687,18 +1000,31 @@ class Reply:
         return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
                 "model": self.model, "system_fingerprint": "mirror-mlx"}
 
-    def chunk(self, delta: Union[dict, str, None], finish_reason: Optional[str] = None) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def delta(self, text: str, calls: list[dict]) -> Union[dict, str]:
+        """A stream event's new text (and, in a chat, the tool calls it completed)."""
+        if not self.chat:
+            return text
+        out: dict = {"content": text} if text else {}
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+    def chunk(self, delta: Union[dict, str, None], finish_reason: Optional[str] = None,
+              logprobs: Optional[list[dict]] = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
         if self.chat:
             choice["delta"] = delta or {}
         else:
             choice["text"] = delta or ""
         return dict(self.head(stream=True), choices=[choice])
 
-    def whole(self, text: str, finish_reason: Optional[str], extra: dict) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    def whole(self, text: str, finish_reason: Optional[str], extra: dict, calls: Optional[list[dict]] = None,
+              logprobs: Optional[list[dict]] = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:  # (a whole reply's calls carry no stream index)
+                choice["message"]["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         else:
             choice["text"] = text
         return dict(self.head(stream=False), choices=[choice], **extra)
@@ -714,10 +1040,15 @@ def model_id(name: str) -> str:
 
 
 def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: Optional[dict] = None,
-          max_tokens: int = 256, max_queue: int = 32) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes."""
+          max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
+          log_level: int = logging.INFO, prompt_cache_size: int = 10,
+          prompt_cache_bytes: Optional[int] = None) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
+    `allowed_origins`: the browser origins that may use it (None: pages on this machine only)."""
     defaults = defaults or {}
-    server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue)
+    server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
+                    allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
+                    prompt_cache_bytes=prompt_cache_bytes)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
     previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]

@@ -2,7 +2,7 @@
 speculative_generate_step yields them) and the generation's `Stats` (what `--json` prints)."""
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -110,3 +110,5 @@ class Step:
     reused: bool = False  # mirror: the next window was a branch already rolled out
     fallback: bool = False  # mirror: it was not (a serial rollout, or none)
     stats: Stats = field(default_factory=Stats, repr=False)
+    # row i: the target's log-probabilities (its processed distribution, as mlx-lm reports them) at tokens[i]
+    logprobs: Optional[Any] = field(default=None, repr=False)

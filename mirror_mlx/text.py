@@ -66,10 +66,11 @@ def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None
 
 
 def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_template: bool,
-               template_kwargs: dict, cached: bool = False) -> list[int]:
+               template_kwargs: dict, cached: bool = False, prefill_response: Optional[str] = None) -> list[int]:
     """The prompt as mlx_lm.generate builds it: through the chat template if `use_template`, else plain.
 
-    `cached` (--prompt-cache-file): as mlx-lm, only the templated text from the user message's content
+    `prefill_response` (--prefill-response): the reply's start, an open assistant message the model continues.
+    `cached` (--prompt-cache-file): as mlx-lm, only the templated text from the last message's content
     on, since the cached prefix (mlx_lm.cache_prompt's open user message) holds what precedes it.
     """
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -77,14 +78,19 @@ def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_te
         return plain(tokenizer, prompt)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": prompt})
+    prefill = prefill_response is not None
+    if prefill:
+        messages.append({"role": "assistant", "content": prefill_response})
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill, **template_kwargs)
     except Exception as e:  # a template raises for roles it does not know (say, no system role)
         raise ValueError(f"the model's chat template refused the prompt ({e}): drop --system-prompt or "
-                         "use --ignore-chat-template") from None
+                         "--prefill-response, or use --ignore-chat-template") from None
     if cached:  # mlx-lm's rule, template variables left out of the probe as mlx-lm leaves them
-        probe = tokenizer.apply_chat_template(messages[:-1] + [{"role": "user", "content": "<query>"}],
-                                              tokenize=False, add_generation_prompt=True)
+        probe = tokenizer.apply_chat_template(messages[:-1] + [dict(messages[-1], content="<query>")],
+                                              tokenize=False, add_generation_prompt=not prefill,
+                                              continue_final_message=prefill)
         text = text[probe.index("<query>"):]
     return after_cache(tokenizer, text)
 

@@ -153,6 +153,7 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
             "repetition_penalty", opts.repetition_penalty, 0.0, lo_open=True, fix="use None (or 1.0) to turn it off"),
         seed=generator_seed(opts.seed),
         draft_timeout=as_float("draft_timeout", opts.draft_timeout, 0.0, lo_open=True),
+        prefill_step_size=as_int("prefill_step_size", opts.prefill_step_size, 1),
     )
     if opts.mode == "mirror":
         branches(opts.kappa, opts.gamma)

@@ -235,6 +235,30 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.master, text.encode())
 
+    def wait_for_keys(self, timeout: float = 60.0) -> None:
+        """Block until the chat waits in readline for the next key (its main thread in select() on stdin).
+
+        Python's readline notices a signal only when it interrupts that select(): a Ctrl-C that lands while
+        readline still handles the previous key (or draws the prompt) waits for the next key. A user's
+        keys come far apart; the test's come microseconds after the echo, so it waits for this first.
+        Linux reads /proc/PID/syscall; elsewhere a pause stands in."""
+        path = Path(f"/proc/{self.proc.pid}/syscall")
+        if not path.exists():
+            time.sleep(0.5)
+            return
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                fields = path.read_text().split()
+            except OSError:
+                fields = []
+            # select / pselect6 (x86_64: 23, 270; arm64: 72) on 1 descriptor: stdin (fd 0)
+            if len(fields) > 1 and fields[0] in ("23", "270", "72") and fields[1] == "0x1":
+                return
+            assert self.proc.poll() is None, f"the chat exited: {self.log[-2000:]!r}"
+            assert time.monotonic() < end, f"the chat never waited for a key: {self.log[-2000:]!r}"
+            time.sleep(0.02)
+
     def expect(self, pattern: str, timeout: float = 120.0, required: bool = True) -> Optional[re.Match]:
         """Read until `pattern` shows up in the output after what was matched before (hang guard only)."""
         end = time.monotonic() + timeout
@@ -269,14 +293,9 @@ def test_terminal_ctrl_c_mid_reply_then_ctrl_d():
         term.expect(r">> ")
         term.type("abc")
         term.expect(r"abc")
-        for _ in range(5):  # Ctrl-C at the prompt drops the line: a fresh prompt
-            term.type("\x03")
-            # Python's readline loop only sees a signal that interrupts its select(); one that lands while
-            # it is still handling the last key waits for the next signal (or Enter)
-            if term.expect(r">> ", timeout=2, required=False):
-                break
-        else:
-            pytest.fail(f"Ctrl-C at the prompt gave no fresh prompt: {term.log[-500:]!r}")
+        term.wait_for_keys()
+        term.type("\x03")  # Ctrl-C at the prompt drops the line: a fresh prompt, at the first press
+        assert term.expect(r">> ", timeout=30, required=False), f"Ctrl-C at the prompt gave no fresh prompt: {term.log[-500:]!r}"
         term.type(TURNS[0] + "\r")
         term.expect(re.escape(TURNS[0]) + r"\r?\n\W*\w")  # the reply has started streaming
         term.type("\x03")

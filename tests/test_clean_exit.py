@@ -12,6 +12,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 RUNS = 20
 
 # mlx-lm's API with an in-process draft: two library threads compute with MLX here (the target's
@@ -31,6 +33,7 @@ print("generated")
 """
 
 
+@pytest.mark.timeout(1200)  # twenty processes in turn, on a loaded box
 def test_a_script_that_generates_in_every_mode_and_returns_exits_0_twenty_times(tmp_path, tuning_cache):
     script = tmp_path / "generate_and_return.py"
     script.write_text(SCRIPT)

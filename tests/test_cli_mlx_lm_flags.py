@@ -73,8 +73,9 @@ def cache_files(templated, tmp_path_factory):
 
 
 def ours(*args, mode="mirror"):
-    return CliRunner().invoke(main, ["generate", *args, "--quiet", "--mode", mode, "--draft-model", str(DRAFT_PATH),
-                                     "--kappa", "4", "--gamma", "4"])
+    knobs = [] if "--num-draft-tokens" in args else ["--gamma", "4"]
+    return CliRunner().invoke(main, ["generate", "--mode", mode, "--draft-model", str(DRAFT_PATH), "--kappa", "4",
+                                     *knobs, *args, "--verbose", "False"])
 
 
 ROWS = {  # flag: (the model, extra flags); the prompt and --max-tokens 24 are added to both
@@ -86,6 +87,13 @@ ROWS = {  # flag: (the model, extra flags); the prompt and --max-tokens 24 are a
     "--max-kv-size": ("plain", ["--max-kv-size", "256"]),
     "--trust-remote-code": ("plain", ["--trust-remote-code"]),
     "--top-k 1 at --temp 2": ("plain", ["--temp", "2.0", "--top-k", "1"]),
+    "--extra-eos-token a b (argparse's nargs)": ("plain", ["--extra-eos-token", "▁in", "."]),
+    "--prefill-response": ("templated", ["--prefill-response", "Once upon a time"]),
+    "--prefill-step-size": ("plain", ["--prefill-step-size", "2"]),
+    "--num-draft-tokens": ("plain", ["--num-draft-tokens", "2"]),
+    "--kv-group-size / --quantized-kv-start (no effect without --kv-bits, as in mlx-lm)":
+        ("plain", ["--kv-group-size", "32", "--quantized-kv-start", "8"]),
+    "--xtc-probability at --temp 0 (greedy, as in mlx-lm)": ("plain", ["--xtc-probability", "1.0"]),
     # mlx-lm's file has no token ids for the draft: auto runs ar (said on stderr), as mlx-lm's generate
     "--prompt-cache-file (mlx_lm.cache_prompt's file)": ("templated", ["--prompt-cache-file", "<mlx-lm>"]),
     # ours adds the ids: the draft reads them, and mirror prints what mlx-lm's generate prints with it
@@ -112,8 +120,11 @@ def test_the_template_flags_change_the_prompt(templated):
     """The rows above would pass vacuously if a flag changed nothing: each one changes mlx-lm's output."""
     base = ["--model", str(templated), "--prompt", "Tom and Lily", "--max-tokens", "24"]
     plain = mlx_lm_prints(*base)
-    for flag in ("--system-prompt", "--ignore-chat-template", "--chat-template-config"):
+    for flag in ("--system-prompt", "--ignore-chat-template", "--chat-template-config", "--prefill-response"):
         assert mlx_lm_prints(*base, *ROWS[flag][1]) != plain, flag
+    plain_model = ["--model", str(TARGET_PATH), "--prompt", "Tom and Lily", "--max-tokens", "24"]
+    one_eos = mlx_lm_prints(*plain_model, "--extra-eos-token", ".")
+    assert mlx_lm_prints(*plain_model, *ROWS["--extra-eos-token a b (argparse's nargs)"][1]) != one_eos
     assert mlx_lm_prints("--model", str(TARGET_PATH), "--prompt", "Tom and Lily", "--max-tokens", "24",
                          "--extra-eos-token", ".").count(" ") < 12  # it stopped at the first full stop
 
@@ -160,6 +171,44 @@ def test_min_p_keeps_only_tokens_above_min_p_times_the_top_probability():
     assert not within_min_p([], 0.5)  # without the flag, some are not
 
 
+def within_xtc(flags, threshold):
+    """Run `generate --json` at --temp 5; is every token one that mlx-lm's XTC (probability 1) leaves in its row?"""
+    from mlx_lm.sample_utils import apply_xtc
+
+    result = CliRunner().invoke(main, ["generate", "--model", str(TARGET_PATH), "--prompt", "Tom and Lily", "--json",
+                                       "--mode", "ar", "--temp", "5", "--seed", "1", "--max-tokens", "24", *flags])
+    assert result.exit_code == 0, result.output
+    tokens = json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    prompt = tokenizer.encode("Tom and Lily")
+    logits = model(mx.array([prompt + tokens]))[0, len(prompt) - 1 : -1]
+    special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+    allowed = apply_xtc(logits - mx.logsumexp(logits, axis=-1, keepdims=True), 1.0, threshold, special) > -float("inf")
+    return all(allowed[i, t].item() for i, t in enumerate(tokens))
+
+
+def test_xtc_removes_the_likely_tokens_as_mlx_lm_s_sampler_does():
+    assert within_xtc(["--xtc-probability", "1.0", "--xtc-threshold", "0.01"], 0.01)
+    assert not within_xtc([], 0.01)  # without the flag, some tokens are ones XTC removes
+
+
+def test_xtc_samples_the_same_text_in_every_mode():
+    """XTC is part of the target's processed distribution: with a seed every mode commits the same tokens."""
+    flags = ["--model", str(TARGET_PATH), "--prompt", "Tom and Lily", "--temp", "1.0", "--seed", "3",
+             "--max-tokens", "32", "--xtc-probability", "0.5", "--xtc-threshold", "0.05"]
+    texts = {mode: ours(*flags, mode=mode).stdout for mode in ("ar", "sd", "mirror")}
+    assert texts["ar"] == texts["sd"] == texts["mirror"] != ours(*flags[:-4], mode="ar").stdout
+
+
+@pytest.mark.parametrize("value, prints_stats", [("False", False), ("F", False), ("false", False),
+                                                 ("True", True), ("T", True), ("yes", True)])
+def test_verbose_takes_mlx_lm_s_values(value, prints_stats):
+    """mlx-lm's str2bool: 'false' or 'f' (any case) is False, anything else True; the text is on stdout either way."""
+    result = CliRunner().invoke(main, ["generate", "--prompt", "Tom and Lily", "--max-tokens", "8", "--verbose", value])
+    assert result.exit_code == 0, result.output
+    assert ("Generation: 8 tokens" in result.stderr) == prints_stats and result.stdout.strip()
+
+
 def test_seed_gives_the_same_text_in_every_mode():
     texts = {mode: ours("--model", str(TARGET_PATH), "--prompt", "Tom and Lily", "--temp", "0.8", "--seed", "3",
                         "--max-tokens", "32", mode=mode).stdout for mode in ("ar", "sd", "mirror")}
@@ -179,6 +228,11 @@ def test_verbose_prints_mlx_lm_s_timing_lines_on_stderr():
     (["--chat-template-config", "{enable"], "--chat-template-config is not valid JSON"),
     (["--extra-eos-token", "no-such-token"], "--extra-eos-token 'no-such-token' is not a token"),
     (["--adapter-path", "/no/such/adapter"], "--adapter-path '/no/such/adapter' is not a folder"),
+    (["--kv-bits", "4"], "--kv-bits is refused: a quantized KV cache is not supported"),
+    (["--image", "a.png", "b.png"], "--image is refused: mirror-mlx runs text models only"),
+    (["--quantize-activations"], "--quantize-activations is refused"),
+    (["--xtc-threshold", "0.7"], "--xtc-threshold must be in [0, 0.5]"),
+    (["--prefill-step-size", "0"], "--prefill-step-size must be at least 1"),
 ])
 def test_refusals_are_one_line_naming_the_flag(args, message):
     result = ours("--model", str(TARGET_PATH), "--prompt", "Tom and Lily", "--max-tokens", "24", *args)

@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mirror_mlx
 from mirror_mlx.tune import profile as profiles
-from tests.test_server import children, start_server
+from tests import leaks
+from tests.test_server import children, orphans, start_server
 
 LINUX = sys.platform.startswith("linux")
 
@@ -145,7 +147,6 @@ def test_a_burst_of_connections_is_answered_not_reset(server):
         assert int(listen[2]) >= 50, listen  # ss: a listening socket's Send-Q is its backlog
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     """A browser's preconnect sends nothing; SIGINT (or SIGHUP: the terminal closed) stops at once,
@@ -155,7 +156,7 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     host, port = url.split("//")[1].split("/")[0].split(":")
     speculates(url.removesuffix("/v1"))
     kids = children(proc.pid)
-    shm = {line.split()[-1] for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
+    shm = leaks.mapped(proc.pid) | set(leaks.made_in(log.read_text()))
     idle = socket.create_connection((host, int(port)))
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -163,11 +164,8 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     assert proc.wait(timeout=20) == 0, log.read_text()
     assert time.monotonic() - t0 < 10, "shutdown waited on the idle connection"  # was Handler.timeout, 30 s
     idle.close()
-    deadline = time.monotonic() + 10
-    while [p for p in kids if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in kids if Path(f"/proc/{p}").exists()], "an orphan process outlived the server"
-    assert shm and not [name for name in shm if os.path.exists(name)]
+    assert not orphans(kids), "an orphan process outlived the server"
+    assert shm and leaks.wait_unlinked(shm) == [], "the server left a shared-memory segment behind"
 
 
 # --- the API: knobs, the tuning cache, profiles ---------------------------------------------------
@@ -263,28 +261,21 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_load(tmp_path):
 # --- signals --------------------------------------------------------------------------------------
 
 
-def shm_of(pid: int) -> set[str]:
-    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
-
-
 def gone(pids: list[int], shm: set[str]) -> None:
-    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once it sees its parent go
-    while [p for p in pids if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "an orphan process outlived the command"
-    assert not [name for name in shm if os.path.exists(name)], "a shared-memory segment was left behind"
+    assert not orphans(pids), "an orphan process outlived the command"
+    assert leaks.wait_unlinked(shm) == [], "a shared-memory segment was left behind"
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
 def test_a_hang_up_during_chat_closes_the_draft_host_and_its_shared_memory(tmp_path):
     """The terminal closing sends SIGHUP to the whole process group: the chat ends as on SIGTERM."""
     err = open(tmp_path / "chat.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "chat", "--mode", "mirror", "-m", "300"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                            env=dict(os.environ, **{leaks.TRACE_ENV: "1"}))
     proc.stdin.write(b"Tell me a story\n")
     proc.stdin.flush()
     assert proc.stdout.read(20)  # the reply is streaming
-    shm, kids = shm_of(proc.pid), children(proc.pid)
+    shm, kids = leaks.mapped(proc.pid) | set(leaks.made_in((tmp_path / "chat.log").read_text())), children(proc.pid)
     assert shm and kids
     os.killpg(proc.pid, signal.SIGHUP)
     assert proc.wait(timeout=30) == 128 + signal.SIGHUP, (tmp_path / "chat.log").read_text()
@@ -334,4 +325,47 @@ def test_a_dropped_pipeline_stops_its_draft_host_and_unlinks_its_rings(shm_made)
         while host_pids() - before and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not host_pids() - before, "the draft host outlived its dropped Pipeline"
-        assert not [name for name in shm_made if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
+        assert leaks.leaked(shm_made) == [], "the dropped Pipeline left its rings behind"
+
+
+# --- user callbacks -------------------------------------------------------------------------------
+
+
+class Boom(Exception):
+    """What a user's callback raised."""
+
+
+@pytest.mark.parametrize("mode", ["mirror", "sd", "ar"])
+def test_a_user_callback_that_raises_reaches_the_caller_and_the_draft_stays_in_step(pipe, mode):
+    calls = [0]
+
+    def fails_on_the_third_step(tokens, logits):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise Boom("the user's processor failed")
+        return logits
+
+    knobs = dict(kappa=2, gamma=3, exit_layer=2) if mode == "mirror" else dict(gamma=3) if mode == "sd" else {}
+    reference = pipe.generate("Once upon a time", max_tokens=24, mode="ar").tokens
+    with pytest.raises(Boom):
+        pipe.generate("Once upon a time", max_tokens=24, mode=mode, logits_processors=[fails_on_the_third_step], **knobs)
+    for again in ("mirror", "sd"):  # the draft answers the next calls in step: no failure, no fallback to ar
+        out = pipe.generate("Once upon a time", max_tokens=24, mode=again,
+                            **(dict(kappa=2, gamma=3, exit_layer=2) if again == "mirror" else dict(gamma=3)))
+        assert out.tokens == reference and out.stats.draft_failure is None and out.stats.mode == again
+
+
+@pytest.mark.parametrize("sampler,named", [
+    (lambda logprobs: mx.full((logprobs.shape[0],), -1, mx.int32), "each in [0, 512)"),
+    (lambda logprobs: mx.zeros((logprobs.shape[0] + 1,), mx.int32), "one token id per row"),
+    (lambda logprobs: 7, "the sampler returned a int"),
+    (lambda logprobs: mx.argmax(logprobs, axis=-1).astype(mx.float32) + 0.5, "one token id per row"),
+])
+@pytest.mark.parametrize("mode", ["mirror", "ar"])
+def test_a_sampler_that_returns_no_token_ids_is_named_and_the_draft_stays_in_step(pipe, mode, sampler, named):
+    knobs = dict(kappa=2, gamma=3, exit_layer=2) if mode == "mirror" else {}
+    with pytest.raises(ValueError, match="sampler") as e:
+        pipe.generate("Once upon a time", max_tokens=16, mode=mode, sampler=sampler, **knobs)
+    assert named in str(e.value)
+    out = pipe.generate("Once upon a time", max_tokens=16, mode="mirror", kappa=2, gamma=3, exit_layer=2)
+    assert out.stats.draft_failure is None and out.stats.mode == "mirror"

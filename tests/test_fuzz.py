@@ -2,8 +2,10 @@
 
 Every case ends in a ValueError/TypeError (exit 2 with one line for the CLI) or in output that equals
 `mode="ar"` greedy at temperature 0 (in-range tokens, at most max_tokens, otherwise); never a crash,
-a hang, a traceback or a ring left in /dev/shm. `make test` runs a few dozen examples; `make fuzz`
-(MIRROR_MLX_FUZZ=fuzz) runs many more.
+a hang, a traceback or a shared-memory segment left behind. The same goes for streaming (`Pipeline.stream`,
+stopped anywhere), chat (`Pipeline.chat`), stop strings, and HTTP bodies sent to a live `mirror-mlx serve`
+(a 400 naming the problem, or the pipeline's own text). `make test` runs a few dozen fixed examples;
+`make fuzz` (MIRROR_MLX_FUZZ=fuzz) searches with many more, random ones.
 """
 
 import json
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import leftover
+from tests import leaks
 from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -27,12 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB, DRAFT_CONTEXT = 512, 256  # the demo pair
 
 common = dict(deadline=None, suppress_health_check=list(HealthCheck))
-settings.register_profile("quick", max_examples=25, **common)
+# `make test`: the same examples every run (a failure reproduces; a pass is not luck); `make fuzz` searches
+settings.register_profile("quick", max_examples=25, derandomize=True, database=None, **common)
 settings.register_profile("fuzz", max_examples=int(os.environ.get("MIRROR_MLX_FUZZ_EXAMPLES", "500")), **common)
 PROFILE = os.environ.get("MIRROR_MLX_FUZZ", "quick")
 FUZZ = settings(settings.get_profile(PROFILE))
 CLI_FUZZ = settings(FUZZ, max_examples=max(10, FUZZ.max_examples // 3))
 SUBPROCESS_FUZZ = settings(FUZZ, max_examples=1 if PROFILE == "quick" else 20)  # a process start costs seconds
+FEW = settings(FUZZ, max_examples=max(10, FUZZ.max_examples // 4))  # a few generations per example
 
 # --- strategies: every knob is sometimes fine, sometimes nonsense -------------------------------------
 
@@ -164,3 +169,181 @@ def test_a_real_process_reads_random_bytes_and_ends_cleanly(pipe, data, kwargs):
     stderr = proc.stderr.decode("utf-8", "replace")
     assert "leaked shared_memory" not in stderr  # multiprocessing's resource tracker reports unlinked rings
     check_cli(proc.returncode, proc.stdout.decode(), stderr, pipe, data.decode("utf-8", "replace"), kwargs)
+
+
+# --- streaming, chat, stop strings ---------------------------------------------------------------
+
+
+@FEW
+@given(case=cases, cut=st.integers(0, 8))
+def test_stream_refuses_at_the_call_or_yields_what_generate_returns_and_stops_anywhere(pipe, shm_made, case, cut):
+    """Bad input raises at the call; a stream read to the end is `generate`'s result (greedy: ar's);
+    one closed after `cut` chunks leaves the pipeline free and lossless for the next call."""
+    prompt, kwargs = case
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            chunks = pipe.stream(prompt, stop=False, **kwargs)
+        except (ValueError, TypeError) as e:
+            assert str(e) and "\n" not in str(e)
+            return
+        got = []
+        for i, chunk in enumerate(chunks):
+            if i == cut:
+                break
+            got.append(chunk)
+        chunks.close()
+        event("stopped early" if len(got) == cut else "read to the end")
+        tokens = [t for c in got for t in c.tokens]
+        assert len(tokens) <= kwargs["max_tokens"] and all(0 <= t < VOCAB for t in tokens)
+        if greedy(kwargs.get("temperature", 0.0)):
+            ref = pipe.generate(prompt, mode="ar", max_tokens=kwargs["max_tokens"], stop=False)
+            assert tokens == ref.tokens[: len(tokens)]  # the stopped stream's prefix, and the next call works
+            if len(got) < cut:  # read to the end
+                assert tokens == ref.tokens and "".join(c.text for c in got) == ref.text
+    assert leftover(shm_made) == []
+
+
+roles = st.sampled_from(["user", "assistant", "system", "tool", "", "USER"])
+messages = st.one_of(
+    st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": texts}), min_size=1, max_size=2),
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]), "content": texts}),
+             min_size=1, max_size=3),
+    st.lists(st.one_of(st.fixed_dictionaries({"role": roles, "content": st.one_of(texts, junk)}),
+                       st.dictionaries(st.text(max_size=5), junk, max_size=2), junk, texts), max_size=3),
+)
+
+
+@FEW
+@given(msgs=messages, kwargs=st.one_of(valid_knobs, knobs))
+def test_chat_refuses_clearly_or_replies_with_ar_greedy(pipe, shm_made, msgs, kwargs):
+    """`Pipeline.chat` on any messages: a one-line ValueError/TypeError, or a reply; greedy, the reply is
+    ar's greedy continuation of the ids the chat ran."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no chat template in the demo pair
+        try:
+            out = pipe.chat(msgs, stop=False, **kwargs)
+        except (ValueError, TypeError) as e:
+            event(f"refused: {type(e).__name__}")
+            assert str(e) and "\n" not in str(e)
+            return
+        event(f"replied ({out.stats.mode})")
+        assert len(out.tokens) == kwargs["max_tokens"] and all(0 <= t < VOCAB for t in out.tokens)
+        ids, reply = pipe.conversation.tokens[: -len(out.tokens)], pipe.conversation.tokens[-len(out.tokens):]
+        assert reply == out.tokens  # the conversation ran `ids` and remembers the reply
+        if greedy(kwargs.get("temperature", 0.0)):
+            assert out.tokens == pipe.generate(ids, mode="ar", max_tokens=kwargs["max_tokens"], stop=False).tokens
+    assert leftover(shm_made) == []
+
+
+@FUZZ
+@given(text=st.text("abc ", max_size=30), stops=st.lists(st.text("abc", min_size=1, max_size=3), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_stop_strings_cut_at_the_first_whatever_the_pieces(text, stops, cuts):
+    """The server's StopText, fed the text in any pieces: what it sends is the text up to the first stop
+    string (all of it when there is none), and it never sends a character it must later take back."""
+    from mirror_mlx.server import StopText
+
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    s, sent, hit = StopText(stops), "", False
+    for lo, hi in zip(bounds, bounds[1:]):
+        piece, hit = s.feed(text[lo:hi])
+        sent += piece
+        if hit:
+            break
+    if not hit:
+        sent += s.flush()
+    first = min((i for i in (text.find(x) for x in stops) if i >= 0), default=None)
+    assert sent == (text if first is None else text[:first])
+    assert hit == (first is not None)
+
+
+# --- HTTP bodies, against a live server -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """One `mirror-mlx serve` for the module; it must stop on Ctrl-C and leave no segment behind."""
+    from tests.test_server import start_server, stop_server
+    import signal
+
+    log = tmp_path_factory.mktemp("fuzz-serve") / "server.log"
+    proc, url = start_server(log, "--mode", "mirror")
+    yield url
+    assert stop_server(proc, signal.SIGINT) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text and "leaked" not in text, text[-3000:]
+    assert leaks.wait_unlinked(leaks.made_in(text)) == []
+
+
+def send(url: str, path: str, raw: bytes) -> tuple[int, str, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, raw, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+stop_field = st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3), junk)
+http_common = {"temperature": st.one_of(st.just(0), junk),
+               "stop": stop_field, "stream": st.one_of(st.booleans(), junk), "mode": st.sampled_from(["mirror", "sd", "ar", "x"]),
+               "kappa": st.one_of(st.integers(1, 4), junk), "gamma": st.one_of(st.integers(1, 4), junk),
+               "model": st.sampled_from(["stories260K", "nope"])}
+http_tokens = st.one_of(st.integers(1, 6), st.integers(1, 6), junk)  # always given: the default, 256, is slow
+completion_bodies = st.fixed_dictionaries({"prompt": st.one_of(texts, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)),
+                                           "max_tokens": http_tokens},
+                                          optional=dict(http_common, prompt2=junk))
+chat_bodies = st.fixed_dictionaries({"messages": messages, "max_tokens": http_tokens}, optional=http_common)
+valid_stop = st.one_of(st.text("abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=3),
+                       st.lists(st.text("abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=3), max_size=3))
+valid_http = {"temperature": st.just(0), "stop": valid_stop, "stream": st.booleans(),
+              "mode": st.sampled_from(["mirror", "sd", "ar"]), "kappa": st.integers(1, 4), "gamma": st.integers(1, 4)}
+valid_completion = st.fixed_dictionaries({"prompt": valid_prompts, "max_tokens": st.integers(1, 6)}, optional=valid_http)
+valid_chat = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": texts}),
+                                                         min_size=1, max_size=2),
+                                    "max_tokens": st.integers(1, 6)}, optional=valid_http)
+bodies = st.one_of(st.tuples(st.just("/completions"), valid_completion), st.tuples(st.just("/chat/completions"), valid_chat),
+                   st.tuples(st.just("/completions"), completion_bodies), st.tuples(st.just("/chat/completions"), chat_bodies),
+                   st.tuples(st.sampled_from(["/completions", "/chat/completions"]),
+                             st.one_of(st.dictionaries(st.text(max_size=6), junk, max_size=3), junk)))
+
+
+def expected_text(ref: str, stop) -> str:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    first = min((i for i in (ref.find(x) for x in stops) if i >= 0), default=None)
+    return ref if first is None else ref[:first]
+
+
+@FEW
+@given(case=bodies, raw=st.one_of(st.none(), st.none(), st.binary(max_size=20)))
+def test_any_http_body_is_a_400_naming_the_problem_or_the_pipelines_text(live, pipe, case, raw):
+    """A JSON body of any shape (or any bytes) gets a 400 with one-line error JSON, or a 200 whose text
+    is `Pipeline.generate`'s greedy text cut at the first stop string, streamed or not; never a 500."""
+    path, body = case
+    data = raw if raw is not None else json.dumps(body, allow_nan=True).encode()
+    status, kind, text = send(live, path, data)
+    event(f"{path} {status}")
+    assert status in (200, 400, 404, 413), (status, text[:500])
+    if status != 200:
+        error = json.loads(text)["error"]
+        assert error["message"] and "\n" not in error["message"] and "Traceback" not in text
+        return
+    if "text/event-stream" in kind:
+        events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", text[-500:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c], text[-500:]
+        pieces = [ch.get("text") or ch.get("delta", {}).get("content") or "" for c in chunks for ch in c.get("choices", [])]
+        got = "".join(pieces)
+    else:
+        choice = json.loads(text)["choices"][0]
+        got = choice["text"] if path == "/completions" else choice["message"]["content"]
+    if path == "/completions" and body.get("temperature", 0) == 0 and body.get("mode") in ("mirror", "sd", "ar", None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = pipe.generate(body["prompt"], max_tokens=body["max_tokens"], mode="ar").text
+        assert got == expected_text(ref, body.get("stop")), (body, got, ref)

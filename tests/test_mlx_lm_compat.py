@@ -143,12 +143,41 @@ def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
         next(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft, max_kv_size=8))
     assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=10, draft_model=draft,
                                                max_kv_size=64))) == 10
-    with pytest.raises(TypeError, match="does not take kv_bits"):
+    with pytest.raises(ValueError, match="kv_bits=4: a quantized KV cache is not supported"):
         next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=draft, kv_bits=4))
+    with pytest.raises(TypeError, match="does not take kv_bitz"):
+        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=draft, kv_bitz=4))
     assert len(list(mirror_mlx.stream_generate(model, tokenizer, "Hi", max_tokens=6, draft_model=draft,
                                                num_draft_tokens=2))) == 6  # mlx-lm's window is γ
     with pytest.raises(TypeError, match="mlx-lm model"):
         next(mirror_mlx.stream_generate(str(TARGET_PATH), tokenizer, "Hi"))
+
+
+def test_mlx_lm_s_prefill_and_kv_arguments_are_taken_as_scripts_pass_them(pair):
+    """prefill_step_size (prompt tokens per forward), kv_group_size / quantized_kv_start (no effect without
+    kv_bits, as in mlx-lm) and prompt_progress_callback (mlx-lm's (processed, total) calls) change no token."""
+    model, tokenizer, draft = pair
+    prompt = "Once upon a time, Tom and Lily went to the park"
+    expected = [r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    calls = []
+    got = [r.token for r in mirror_mlx.stream_generate(
+        model, tokenizer, prompt, max_tokens=12, draft_model=draft, kappa=4, gamma=4, prefill_step_size=3,
+        kv_group_size=32, quantized_kv_start=4, prompt_progress_callback=lambda done, total: calls.append((done, total)))]
+    assert got == expected
+    n = len(tokenizer.encode(prompt))
+    assert calls == [(0, n), (n, n)]
+    with pytest.raises(ValueError, match="prefill_step_size must be at least 1"):
+        next(mirror_mlx.stream_generate(model, tokenizer, prompt, draft_model=draft, prefill_step_size=0))
+
+
+def test_an_xtc_sampler_from_make_sampler_samples_the_same_tokens_in_every_mode(pair):
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer, draft = pair
+    runs = {mode: [r.token for r in mirror_mlx.stream_generate(
+        model, tokenizer, "Once upon a time", max_tokens=24, draft_model=draft, mode=mode, seed=5, kappa=4, gamma=4,
+        sampler=make_sampler(1.0, xtc_probability=0.5, xtc_threshold=0.05))] for mode in ("ar", "sd", "mirror")}
+    assert runs["ar"] == runs["sd"] == runs["mirror"]
 
 
 # --- prompt_cache=: mlx-lm's make_prompt_cache list, extended in place ------------------------------

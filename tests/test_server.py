@@ -19,6 +19,7 @@ import pytest
 
 import mirror_mlx
 from mirror_mlx.server import Server, StopText
+from tests import leaks
 from tests.models import templated_target
 
 PROMPT = "Once upon a time"
@@ -26,10 +27,11 @@ USER = [{"role": "user", "content": PROMPT}]
 
 
 def start_server(log: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """`python -m mirror_mlx serve --port 0` with the demo pair; returns it and its base URL."""
+    """`python -m mirror_mlx serve --port 0` with the demo pair; returns it and its base URL. The log
+    names each shared-memory segment the server makes (`leaks.made_in`)."""
     out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args],
-                            stdout=out, stderr=out, start_new_session=True)
+                            stdout=out, stderr=out, start_new_session=True, env=dict(os.environ, **{leaks.TRACE_ENV: "1"}))
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
@@ -43,7 +45,7 @@ def start_server(log: Path, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def stop_server(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     try:
         return proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -58,6 +60,8 @@ def server(tmp_path_factory):
     yield url, log
     assert stop_server(proc, signal.SIGINT) == 0, log.read_text()  # Ctrl-C; SIGTERM mid-stream is tested below
     assert log.read_text().rstrip().endswith("stopped")
+    made = leaks.made_in(log.read_text())
+    assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +115,10 @@ def post(url: str, raw: bytes) -> tuple[int, dict]:
 def test_models_and_health(server, client, model):
     assert model == "stories260K"
     assert health(server[0])["status"] == "ok"
-    preflight = urllib.request.Request(server[0] + "/chat/completions", method="OPTIONS")
-    with urllib.request.urlopen(preflight, timeout=30) as r:  # a browser front-end on another origin
-        assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "*"
+    preflight = urllib.request.Request(server[0] + "/chat/completions", method="OPTIONS",
+                                       headers={"Origin": "http://localhost:5173"})
+    with urllib.request.urlopen(preflight, timeout=30) as r:  # a browser front-end on another local port
+        assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "http://localhost:5173"
         assert "POST" in r.headers["Access-Control-Allow-Methods"]
 
 
@@ -235,7 +240,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "kappa": 0}, 400, "kappa"),
     ("/v1/completions", {"prompt": "x", "gamma": 2.5}, 400, "gamma"),
     ("/v1/completions", {"prompt": "x", "mode": "fast"}, 400, "mode"),
-    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "exit_layer": 99}, 400, "exit_layer"),
     ("/v1/completions", {"prompt": "x", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -373,6 +379,9 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
 
 
 def children(pid: int) -> list[int]:
+    if not Path("/proc").is_dir():  # macOS
+        ps = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+        return [int(p) for p in ps.stdout.split()]
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -384,12 +393,33 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def shm_mapped(pid: int) -> set[str]:
-    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return {line.split()[-1] for line in maps if "/dev/shm/" in line}
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie counts as ended)."""
+    out = []
+    for p in pids:
+        try:
+            os.kill(p, 0)
+        except ProcessLookupError:
+            continue
+        stat = Path(f"/proc/{p}/stat")
+        try:
+            if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+        except OSError:
+            continue
+        out.append(p)
+    return out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def orphans(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Those of `pids` still running after up to `timeout` s (multiprocessing's resource tracker exits once
+    it sees its parent go)."""
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
 def test_sigterm_mid_stream_shuts_down_cleanly(tmp_path):
     log = tmp_path / "server.log"
     proc, url = start_server(log)
@@ -397,16 +427,13 @@ def test_sigterm_mid_stream_shuts_down_cleanly(tmp_path):
     stream = c.chat.completions.create(messages=USER, model="stories260K", max_tokens=400, stream=True)
     chunks = iter(stream)
     next(chunks), next(chunks)
-    shm, kids = shm_mapped(proc.pid), children(proc.pid)
-    assert shm, "a mirror-mode decode maps its token rings"
+    shm, kids = leaks.mapped(proc.pid) | set(leaks.made_in(log.read_text())), children(proc.pid)
+    assert shm and kids, "a mirror-mode decode maps its token rings, made by the server, for its draft host"
     proc.send_signal(signal.SIGTERM)
     with pytest.raises(openai.APIError, match="shutting down"):
         for _ in chunks:  # the in-flight stream ends with an error event, not a hang
             pass
     assert proc.wait(timeout=30) == 0, log.read_text()
-    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once it sees its parent go
-    while [p for p in kids if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in kids if Path(f"/proc/{p}").exists()], "an orphan process outlived the server"
+    assert not orphans(kids), "an orphan process outlived the server"
     assert "stopped" in log.read_text() and "leaked" not in log.read_text()  # the tracker reports leaks there
-    assert not [name for name in shm if os.path.exists(name)]
+    assert leaks.wait_unlinked(shm) == [], "the server left a shared-memory segment behind"

@@ -394,20 +394,16 @@ def test_terminal_double_ctrl_c_then_ctrl_d_exits_cleanly():
         term.type("\x03")  # the second one raises inside the step (or is spent on the stopped reply)
         term.expect(r"\[interrupted: kept \d+ tokens")
         term.expect(r">> ")
-        # A second Ctrl-C that comes late (a loaded box can hold this process back between the two) lands at
-        # the prompt instead: a fresh prompt, and readline drops the keys typed meanwhile. So Ctrl-D again
-        # until the chat quits, as a user would.
-        for _ in range(5):
-            try:
-                term.type("\x04")
-            except OSError:  # it quit meanwhile: the terminal is closed
-                pass
-            try:
-                code = term.proc.wait(timeout=12)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
+        term.wait_for_keys()
+        # A second Ctrl-C that came late (a loaded box can hold this process back between the two) landed at
+        # the prompt: a fresh prompt. Wait for it to be drawn and for the chat to wait for a key again; then
+        # the first Ctrl-D has to quit.
+        if term.expect(r">> ", timeout=1, required=False):
+            term.wait_for_keys()
+        term.type("\x04")
+        try:
+            code = term.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             pytest.fail(f"Ctrl-D does not quit: {term.log[-500:]!r}")
         assert code == 0, term.log[-500:]
         while select.select([term.master], [], [], 0.5)[0]:  # what it printed while exiting

@@ -126,8 +126,9 @@ def knob_options(gamma_help: str) -> list:
         click.option("--kappa", type=int, default=DEFAULTS.kappa,
                      help="Top-κ width at the early exit [default: the pair's profile's (auto's choice, or the "
                           "best for --mode; uncalibrated: 1)]."),
-        click.option("--gamma", type=int, default=DEFAULTS.gamma,
-                     help=f"{gamma_help} [default: the pair's profile's, as --kappa; uncalibrated: 3]"),
+        click.option("--gamma", "--num-draft-tokens", "gamma", type=int, default=DEFAULTS.gamma,
+                     help=f"{gamma_help} --num-draft-tokens is mlx-lm's name for it "
+                          "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
         click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
                      help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
     ]
@@ -147,6 +148,8 @@ def decode_options(max_tokens: int, seed: Optional[int]):
         click.option("--max-kv-size", type=int, default=DEFAULTS.max_kv_size,
                      help="As mlx-lm's, but a rotating cache cannot roll back draft tokens: taken only when "
                           "prompt + --max-tokens fit in it (then exact), else refused."),
+        click.option("--prefill-step-size", type=int, default=DEFAULTS.prefill_step_size, show_default=True,
+                     help="Prompt tokens per target forward in the prefill (as mlx-lm)."),
         *knob_options("Window length γ."),
         click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
                      help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
@@ -161,7 +164,7 @@ def mlx_lm_load_options(f):
     return f
 
 
-FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+FLAGS = {"prefill_step_size": "--prefill-step-size", "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
          "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer",
          "max_kv_size": "--max-kv-size", "adapter_path": "--adapter-path", "draft_model=...": "--draft-model",
          "mode='ar'": "--mode ar"}
@@ -193,14 +196,46 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
         raise usage_error(e)
 
 
-def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, kappa, gamma, exit_layer,
-                      mode) -> dict:
+def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, prefill_step_size, kappa, gamma,
+                      exit_layer, mode) -> dict:
     return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
-                max_kv_size=max_kv_size, kappa=kappa, gamma=gamma, exit_layer=exit_layer, mode=mode)
+                max_kv_size=max_kv_size, prefill_step_size=prefill_step_size, kappa=kappa, gamma=gamma,
+                exit_layer=exit_layer, mode=mode)
 
 
-def template_config(text):
-    """--chat-template-config: a JSON object of extra template variables."""
+def xtc_options(min_tokens_to_keep: bool):
+    """mlx-lm's XTC flags (generate, chat) and generate's --min-tokens-to-keep: mlx-lm's make_sampler builds the
+    sampler from them, a function of the target's distribution like top-p, so every mode stays lossless."""
+    opts = [click.option("--xtc-probability", type=float, default=0.0, show_default=True,
+                         help="Probability of XTC sampling at each token (as mlx-lm; at --temp > 0)."),
+            click.option("--xtc-threshold", type=float, default=0.1, show_default=True,
+                         help="XTC removes the tokens above this probability but the least likely of them.")]
+    if min_tokens_to_keep:
+        opts.append(click.option("--min-tokens-to-keep", type=int, default=1, show_default=True,
+                                 help="Minimum tokens min-p sampling keeps (as mlx-lm)."))
+    return with_options(opts)
+
+
+def xtc_sampler(tokenizer, kwargs: dict, xtc_probability: float, xtc_threshold: float, min_tokens_to_keep: int = 1):
+    """Put mlx-lm's sampler into `kwargs` when XTC or --min-tokens-to-keep change it (at --temp 0 mlx-lm's is greedy,
+    whatever they say); the sampler is mlx_lm.generate's own make_sampler call."""
+    from mlx_lm.sample_utils import make_sampler
+
+    if not 0.0 <= xtc_probability <= 1.0:
+        raise click.UsageError(f"--xtc-probability must be in [0, 1] (got {xtc_probability}): 0 turns XTC off")
+    if not 0.0 <= xtc_threshold <= 0.5:
+        raise click.UsageError(f"--xtc-threshold must be in [0, 0.5] (got {xtc_threshold}), as mlx-lm's XTC requires")
+    if min_tokens_to_keep < 1:
+        raise click.UsageError(f"--min-tokens-to-keep must be at least 1 (got {min_tokens_to_keep})")
+    if kwargs["temperature"] == 0 or (xtc_probability == 0 and min_tokens_to_keep == 1):
+        return
+    kwargs["sampler"] = make_sampler(kwargs["temperature"], kwargs["top_p"], kwargs["min_p"], min_tokens_to_keep,
+                                     kwargs["top_k"], xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                     xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+
+
+def template_config(text, flag: str = "--chat-template-config"):
+    """--chat-template-config (serve: --chat-template-args): a JSON object of extra template variables."""
     import json
 
     if text is None:
@@ -208,10 +243,10 @@ def template_config(text):
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
-        raise click.UsageError(f"--chat-template-config is not valid JSON ({e.msg}): give an object like "
+        raise click.UsageError(f"{flag} is not valid JSON ({e.msg}): give an object like "
                                '\'{"enable_thinking": false}\'')
     if not isinstance(config, dict):
-        raise click.UsageError('--chat-template-config must be a JSON object, like \'{"enable_thinking": false}\'')
+        raise click.UsageError(f'{flag} must be a JSON object, like \'{{"enable_thinking": false}}\'')
     return config
 
 

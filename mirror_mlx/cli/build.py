@@ -47,7 +47,7 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
     """Write a wider, deeper copy of a model that computes the same logits (for cost-realistic benchmarks)."""
     from mirror_mlx.convert.widen import WidenError, widen
 
-    refusing(WidenError, widen, model_dir, out, hidden, heads, intermediate, layers, kv_heads)
+    refusing(WidenError, widen, model_dir, out, hidden, heads, intermediate, layers, kv_heads, True)  # with a bar
     click.echo(f"wrote {out}")
 
 

@@ -11,7 +11,8 @@ import click
 
 from mirror_mlx import validate
 from mirror_mlx.cli import (exit_on_terminate, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, template_config, usage_error)
+                            model_options, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import NO_TEMPLATE, Pipeline
@@ -214,15 +215,21 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
 @click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @decode_options(max_tokens=256, seed=0)
+@xtc_options(min_tokens_to_keep=False)
+@refused_options("chat")
 def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, system_prompt, chat_template_config,
-             **decode) -> None:
-    """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands."""
+             xtc_probability, xtc_threshold, **decode) -> None:
+    """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands.
+
+    mlx_lm.chat's --pipeline is refused, with its reason (docs/mlx-lm-flags.md has every flag).
+    """
     template_kwargs = template_config(chat_template_config)
     exit_on_terminate()
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
     pipe.chat_template_kwargs = template_kwargs
     kwargs = generation_kwargs(**decode)
     try:
+        xtc_sampler(pipe.tokenizer, kwargs, xtc_probability, xtc_threshold)
         pipe.check([0], **dict(kwargs, max_tokens=min(kwargs["max_tokens"], 1)))  # a turn's length is capped
         code = run_chat(pipe, kwargs, system_prompt)
     except (ValueError, TypeError) as e:

@@ -7,7 +7,33 @@ import click
 
 from mirror_mlx import text
 from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, read_prompt, template_config, usage_error)
+                            model_options, read_prompt, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli.refused import refused_options
+
+def str2bool(text: str) -> bool:
+    """mlx_lm.generate's --verbose parser: anything but 'false' or 'f' (any case) is True."""
+    return text.lower() not in ("false", "f")
+
+
+class TakesLists(click.Command):
+    """argparse's nargs="+" for the options in LISTS: `--extra-eos-token a b` is `--extra-eos-token a
+    --extra-eos-token b` (values run up to the next argument that starts with '-', as argparse reads them)."""
+
+    LISTS = ("--extra-eos-token", "--image")
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        out, current = [], None
+        for arg in args:
+            if arg in self.LISTS:
+                current = arg
+                out.append(arg)
+                continue
+            if current is not None and out[-1] != current and not arg.startswith("-"):
+                out.append(current)  # a further value of the same list
+            elif arg.startswith("-"):
+                current = None
+            out.append(arg)
+        return super().parse_args(ctx, out)
 
 
 def add_eos_tokens(tokenizer, tokens) -> None:
@@ -65,7 +91,7 @@ def same_model(a, b) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-@click.command("generate")
+@click.command("generate", cls=TakesLists)
 @model_options
 @mlx_lm_load_options
 @click.option("--prompt", "-p", default="Once upon a time", show_default=True, help="Prompt text ('-' reads stdin).")
@@ -74,20 +100,37 @@ def same_model(a, b) -> bool:
 @click.option("--use-default-chat-template", is_flag=True,
               help="Accepted as mlx-lm 0.32 accepts it: it has no effect there either.")
 @click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
-@click.option("--extra-eos-token", multiple=True, help="Another token that ends generation (repeatable).")
+@click.option("--extra-eos-token", multiple=True,
+              help="Further tokens that end generation: `--extra-eos-token a b`, as mlx-lm (repeatable too).")
+@click.option("--prefill-response", default=None,
+              help="The reply's start: the chat template's assistant message, which the model continues.")
 @click.option("--prompt-cache-file", type=click.Path(dir_okay=False), default=None,
               help="Continue a cached prompt prefix (mirror-mlx cache-prompt's file: every mode; "
                    "mlx_lm.cache_prompt's: --mode ar, which auto then picks).")
 @decode_options(max_tokens=100, seed=None)
-@click.option("--verbose/--quiet", default=True, show_default=True,
-              help="Stream the text, then the timing and Mirror-SD stats on stderr; --quiet prints the text only.")
+@xtc_options(min_tokens_to_keep=True)
+@click.option("--verbose", default="True", show_default=True, is_flag=False, flag_value="True", metavar="BOOL",
+              help="As mlx-lm: 'False' or 'F' prints the text only, anything else streams it and then the timing "
+                   "and Mirror-SD stats on stderr.")
+@click.option("--quiet", is_flag=True, help="Same as --verbose False.")
+@click.option("--kv-group-size", type=int, default=64, show_default=True,
+              help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
+@click.option("--quantized-kv-start", type=int, default=5000, show_default=True,
+              help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
+@refused_options("generate")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
 def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, prompt, system_prompt,
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
-                 prompt_cache_file, verbose, as_json, **decode) -> None:
-    """Generate from a prompt; prints the text as it is committed, then the stats on stderr."""
+                 prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
+                 quiet, kv_group_size, quantized_kv_start, as_json, **decode) -> None:
+    """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
+
+    mlx_lm.generate's --kv-bits, --image and --quantize-activations are refused, each with its reason
+    (docs/mlx-lm-flags.md has every flag).
+    """
     from mirror_mlx.blas import status
 
+    verbose = str2bool(verbose) and not quiet
     cache, tokenizer_config = None, None
     if prompt_cache_file is not None:
         cache, model, tokenizer_config = read_prompt_cache(prompt_cache_file, model, decode)
@@ -98,6 +141,7 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
                          trust_remote_code, tokenizer_config)
     kwargs = generation_kwargs(**decode)
     try:
+        xtc_sampler(pipe.tokenizer, kwargs, xtc_probability, xtc_threshold, min_tokens_to_keep)
         add_eos_tokens(pipe.tokenizer, extra_eos_token)
         if use_default_chat_template:
             click.echo("mirror-mlx: --use-default-chat-template has no effect (as in mlx-lm 0.32)", err=True)
@@ -105,7 +149,7 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
         if system_prompt is not None and not use_template:
             click.echo("mirror-mlx: no chat template in use: --system-prompt is ignored (as mlx-lm does)", err=True)
         ids = text.cli_prompt(pipe.tokenizer, prompt, system_prompt, use_template, template_kwargs,
-                              cached=cache is not None)
+                              cached=cache is not None, prefill_response=prefill_response)
         if as_json:
             result = pipe.generate(ids, prompt_cache=cache, **kwargs)
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))

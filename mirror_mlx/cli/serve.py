@@ -2,28 +2,80 @@
 
 import click
 
-from mirror_mlx.cli import (DEFAULTS, decode_options, generation_kwargs, load_pipeline, model_options,
-                            tracker_ignores_hangup)
+from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, template_config, tracker_ignores_hangup)
+from mirror_mlx.cli.refused import refused_options
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def origins(text):
+    """--allowed-origins: comma-separated origins, '*' for any; None (not given): pages on this machine."""
+    if text is None:
+        return None
+    listed = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    if not listed:
+        raise click.UsageError("--allowed-origins is empty: give origins like http://localhost:3000, or '*'")
+    return listed
+
+
+UNITS = {"": 1, "B": 1, **{u + b: 1 << (10 * (i + 1)) for i, u in enumerate("KMGT") for b in ("", "B")}}
+
+
+def size(text):
+    """--prompt-cache-bytes: a byte count with an optional unit (KB, MB, GB, TB: powers of 1024)."""
+    if text is None:
+        return None
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", text.upper())
+    if not m or m.group(2) not in UNITS:
+        raise click.UsageError(f"--prompt-cache-bytes {text!r} is not a size: give bytes or e.g. 512MB, 4GB")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
 @click.command("serve")
 @model_options
+@mlx_lm_load_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
               help="Requests that may wait while one decodes; more get 429.")
-@decode_options(max_tokens=DEFAULTS.max_tokens, seed=None)
-def serve_cmd(model, draft_model, exit_adapter, host, port, max_queue, max_tokens, temp, **decode) -> None:
+@click.option("--allowed-origins", default=None,
+              help="Browser origins that may call the server, comma-separated ('*': any) [default: pages on this "
+                   "machine only: http(s)://localhost, 127.0.0.1, [::1], any port].")
+@click.option("--chat-template-args", default=None,
+              help='A JSON object of chat template arguments, e.g. \'{"enable_thinking": false}\' (as mlx_lm.server).')
+@click.option("--prompt-cache-size", type=click.IntRange(min=0), default=10, show_default=True,
+              help="Target caches of recent prompts kept, so a prefix sent again is not prefilled again (0: off).")
+@click.option("--prompt-cache-bytes", default=None,
+              help="At most this much memory for those caches, e.g. 4GB or 512MB (as mlx_lm.server) [default: no limit].")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True,
+              help="WARNING and above: no line per request.")
+@decode_options(max_tokens=512, seed=None)
+@refused_options("serve")
+def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, host, port, max_queue,
+              allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, log_level, max_tokens,
+              temp, **decode) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
+    import logging
+
     from mirror_mlx.server import serve
 
+    allowed = origins(allowed_origins)
+    template_kwargs = template_config(chat_template_args, "--chat-template-args")
+    cache_bytes = size(prompt_cache_bytes)
     tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
-    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"])
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path=adapter_path,
+                         trust_remote_code=trust_remote_code)
+    pipe.chat_template_kwargs = template_kwargs
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")
     try:
         pipe.check([0], **dict(defaults, max_tokens=1))
-        serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue)
+        serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,
+              log_level=getattr(logging, log_level.upper()), prompt_cache_size=prompt_cache_size,
+              prompt_cache_bytes=cache_bytes)
     except ValueError as e:
         raise click.UsageError(str(e))
     except OSError as e:

@@ -482,15 +482,19 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     configs = grid(cfg.kappas, cfg.gammas, layers)
     probes = probe_configs(cfg, layers)
     top = max(cfg.confirm, cfg.exact_top)  # the predictions that decide what is confirmed are all measured ones
-    total = (len(prompts) + len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas) * (1 + len(cfg.kappas))
-             + len(cfg.gammas) * len(layers) + 1 + len(probes) + top + cfg.confirm
-             + len(cfg.gammas) * (pipe.engine.local_build is not None))  # the parallel points: a guess
-    bar = tqdm(total=total, desc="tune", unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
+    bars: list = []  # one bar per phase, each with its true total (None where the rounds are not known ahead)
+
+    def phase(name: str, total: Optional[int]) -> None:
+        if bars:
+            bars[-1].close()
+        bars.append(tqdm(total=total, desc=f"tune: {name}", unit="step", disable=not cfg.progress, file=sys.stderr,
+                         dynamic_ncols=True))
+
     phases: dict[str, float] = {}
     lap = [time.perf_counter()]
 
     def tick() -> None:
-        bar.update(1)
+        bars[-1].update(1)
         check()
 
     def done(phase: str) -> None:
@@ -500,6 +504,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
 
     try:
         traces = []
+        phase("traces", len(prompts))
         with pipe.lock:  # direct use of the target and the host: no generation of another thread meanwhile
             for p, text in zip(prompts, greedy_texts(pipe, prompts, cfg.max_tokens)):
                 traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas), text=text))
@@ -507,14 +512,20 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             acc = Acceptance([tr for tr, _ in traces])
             done("traces")
             bench = _Bench(pipe, traces[0][1])  # over a prompt and its greedy text
+            # measure_timings' pieces: the verify widths, the windows, the rollouts, the split forwards
+            phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas)
+                  + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas)
+                  + len(cfg.gammas) * (pipe.engine.local_build is not None))  # sd's in-process windows
             t = measure_timings(pipe, bench, cfg, layers, tick)
         mirror_probes = [c for c in probes if c.mode == "mirror"]
+        phase("suffix ‖ rollout", None)  # rounds until the top is measured: not known ahead
         measure_parallel(pipe, bench, t, mirror_probes, acc, len(mirror_probes), cfg.reps, tick, cfg.min_timed_s)
         done("timings")
+        phase("probes", len(probes))
         probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, check)
-        for _ in probes:
-            tick()
+        bars[-1].update(len(probes))
         done("probes")
+        phase("suffix ‖ rollout", None)
         n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s)
         done("parallel")
         ranked = rank(configs, t, acc)
@@ -524,9 +535,11 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         confirm += [Config("ar")] if Config("ar") not in confirm else []
         measured = {c: r for c, r in probe_runs.items()}
         own = {c: prompts[1 if c in probes else 0: cfg.confirm_prompts] for c in confirm}
+        phase("confirm", len(confirm))
         measured.update(run_configs(pipe, confirm, own, cfg.max_tokens, warm_up=False, check=check,
                                     min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()}))
-        bar.update(cfg.confirm)
+        bars[-1].update(len(confirm))
+        phase("suffix ‖ rollout", None)
         # The probes' overheads again from all their runs, the confirmation's too: on a ms-scale pair the
         # machine's speed moves 10-20 % between the probe runs and the confirmation seconds later, and a
         # fit to twice the runs follows the calibration's whole span (the table's predictions use it).
@@ -535,7 +548,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         ranked = rank(configs, t, acc)
         done("confirm")
     finally:
-        bar.close()
+        if bars:
+            bars[-1].close()
     counts = {g: acc.window_counts(g) for g in cfg.gammas}
     table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"],
                   measured=measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None,

@@ -1,0 +1,99 @@
+"""Greedy losslessness end to end in every family the early exit supports: mirror and sd return
+token for token what mlx-lm's own greedy generation of the same target returns.
+
+Tiny random targets of each family (tests/models.py CONFIGS: llama with a tied head, mistral (mlx-lm
+runs it as llama, here with its own head), qwen2, qwen3, gemma3 with sliding-window layers) decode a
+few prompts, the longest past gemma3's sliding window. Two drafts per family, each in its own host
+process: the target itself (every window accepted whole: bonus tokens, reuse of the bonus row's
+branches, and γ = 6 windows) and a random model of the same family with half its layers (windows
+rejected early: fallbacks).
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
+from mirror_mlx.draft import MLXDraft
+from mirror_mlx.pipeline import Pipeline
+from tests.models import CONFIGS, save_tiny_model, tiny_model
+from tests.test_engine import _FakeTokenizer
+
+TOKENS = 24
+VOCAB = CONFIGS["llama_tied"]["vocab_size"]
+PROMPTS = [[7, 30], [5, 61, 2, 88, 13, 40], [90, 3, 3, 17, 52, 8, 71, 29, 64, 11, 6]]
+FAMILIES = ["gemma3_text", "llama_tied", "mistral", "qwen2", "qwen3"]  # (llama_untied: mistral as built here)
+KNOBS = {  # (κ, γ, ℓe) per draft: the random draft's windows are rejected early, long ones add nothing
+    "self": [(1, 1, 3), (3, 4, 2), (8, 6, 1)],
+    "random": [(1, 1, 3), (3, 4, 2)],
+}
+CASES = [(family, draft, knobs) for family in FAMILIES for draft in KNOBS for knobs in KNOBS[draft]]
+
+
+def mlx_greedy(model, prompt: list[int], n: int) -> list[int]:
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory):
+    """One pipeline per family and draft, shared by its knob settings (the last one open at a time)."""
+    made: dict = {}
+
+    def get(family: str, draft: str):
+        if (family, draft) not in made:
+            for old in made.values():
+                old[-1].close()
+            made.clear()
+            made[family, draft] = build(family, draft, tmp_path_factory)
+        return made[family, draft]
+
+    yield get
+    for old in made.values():
+        old[-1].close()
+
+
+def build(family: str, draft: str, tmp_path_factory):
+    """mlx-lm's greedy references and a pipeline, for one family and draft."""
+    target = tiny_model(family, seed=21)
+    folder = tmp_path_factory.mktemp(f"{family}-{draft}")
+    if draft == "self":
+        save_tiny_model(folder, family, seed=21)
+    else:
+        save_tiny_model(folder, family, seed=22, num_hidden_layers=CONFIGS[family]["num_hidden_layers"] // 2)
+    refs = [mlx_greedy(target, p, TOKENS) for p in PROMPTS]
+    pipe = Pipeline(target, _FakeTokenizer(VOCAB), DraftRecipe(mlx_draft, (str(folder),)))
+    assert pipe.engine.host.process
+    return refs, pipe
+
+
+@pytest.mark.parametrize("family,draft,knobs", CASES, ids=[f"{f}-{d}-k{k}g{g}e{e}" for f, d, (k, g, e) in CASES])
+def test_mirror_and_sd_equal_mlx_lm_greedy_in_every_family(pipelines, family, draft, knobs):
+    kappa, gamma, exit_layer = knobs
+    refs, pipe = pipelines(family, draft)
+    for mode in ("mirror", "sd"):
+        accepted = proposed = reuses = fallbacks = 0
+        for prompt, ref in zip(PROMPTS, refs):
+            out = pipe.generate(prompt, max_tokens=TOKENS, mode=mode, kappa=kappa, gamma=gamma,
+                                exit_layer=exit_layer, stop=False)
+            assert out.stats.mode == mode and out.stats.draft_failure is None
+            assert out.tokens == ref, (f"{family}, {draft} draft, {mode} κ={kappa} γ={gamma} ℓe={exit_layer}: "
+                                       f"prompt {prompt} gave {out.tokens}, mlx-lm {ref}")
+            accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
+            reuses, fallbacks = reuses + out.stats.reuses, fallbacks + out.stats.fallbacks
+        if draft == "self":  # the draft's greedy windows are the target's own: every path of a step ran
+            assert accepted >= 0.9 * proposed, f"{family} {mode}: the target as draft got {accepted}/{proposed}"
+        if mode == "mirror":
+            assert reuses > 0 and (fallbacks > 0 or draft == "self"), (family, draft, reuses, fallbacks)
+
+
+def test_a_one_token_prompt_keeps_the_draft():
+    """A one-token prompt leaves the draft nothing to prefill; its windows still come, from the pending token."""
+    target = tiny_model("llama_tied", seed=21)
+    pipe = Pipeline(target, _FakeTokenizer(VOCAB), MLXDraft(tiny_model("llama_tied", seed=21)))
+    try:
+        for mode in ("mirror", "sd"):
+            out = pipe.generate([7], max_tokens=8, mode=mode, stop=False)
+            assert out.tokens == mlx_greedy(target, [7], 8)  # lossless either way (ar after a dropped draft)
+            assert out.stats.draft_failure is None and out.stats.mode == mode, out.stats.draft_failure
+    finally:
+        pipe.close()
