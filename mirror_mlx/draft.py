@@ -95,6 +95,9 @@ class MLXDraft:
         return -(-len(tokens) // self.prefill_step_size)
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
+        if len(stems) == 1 and gamma > 0:
+            check_stems(stems)
+            return self._window(context, stems[0], gamma)
         spine = spine_of(stems)
         fed = self.sync(context, extra=spine)  # new context and the shared spine in one forward
         if self.cached:
@@ -110,6 +113,27 @@ class MLXDraft:
             out.append(y)
         windows = mx.concatenate(out, axis=1).tolist() if out else [[] for _ in stems]
         return Rollout(windows=windows, forwards=gamma + fed, tokens=gamma)
+
+    def _window(self, context: Sequence[int], stem: Sequence[int], gamma: int) -> Rollout:
+        """One window (sd's, a fallback's) as mlx-lm's speculative decoding drafts it: what is new in the
+        context and the stem in the first of γ forwards on the draft's own cache, then trimmed back to
+        the context (no branch scratch, no extra forward for the new tokens)."""
+        keep = common_prefix(self.cached, context)
+        self._trim_to(keep)
+        new = list(context[keep:])
+        head = new[: max(0, len(new) - self.prefill_step_size)]  # a long context: its head in chunks first
+        fed = self._feed(head)
+        rest = new[len(head):]
+        y = mx.argmax(self.model(mx.array([rest + list(stem)]), cache=self.cache)[:, -1, :], axis=-1, keepdims=True)
+        out = [y]
+        for _ in range(gamma - 1):  # lazy: each forward takes the previous argmax unevaluated
+            mx.async_eval(y)
+            y = mx.argmax(self.model(y.astype(mx.int32), cache=self.cache)[:, -1, :], axis=-1, keepdims=True)
+            out.append(y)
+        window = mx.concatenate(out, axis=1)[0].tolist()
+        trim_prompt_cache(self.cache, len(stem) + gamma - 1)  # the draft's cache keeps committed tokens only
+        self.cached.extend(rest)
+        return Rollout(windows=[window], forwards=fed + gamma, tokens=gamma)
 
     def _branch_rows(self, n: int, spine_used: list[int], gamma: int) -> list["BranchRows"]:
         """The branch rows over the cache (context + spine), refreshing only the slots that changed."""

@@ -11,8 +11,10 @@ Every committed token is the target's own choice (argmax, or a sample of its pro
 distribution) given the committed prefix, so every mode returns what the target alone would.
 
 The draft lives behind a DraftHost (ane_draft/host.py): the scheduler posts requests on the ring
-and awaits the windows; it never calls the draft. The scheduler is one asyncio loop on its own
-thread, so the synchronous API also works from inside a running event loop.
+and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
+drafts in this process, on the target's own thread (a copy of the draft built there): a serial window
+hides nothing, so the ring's round trip per window would only add to it. The scheduler is one
+asyncio loop on its own thread, so the synchronous API also works from inside a running event loop.
 """
 
 import asyncio
@@ -28,8 +30,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .ane_draft.host import DraftHost, DraftRecipe
-from .draft import common_prefix
+from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
+from .draft import MLXDraft, common_prefix
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
@@ -208,6 +210,17 @@ def prefill_progress(callback: Optional[Callable[[int, int], None]], given: int)
     return lambda done, new: callback(max(0, given - 1 - new + done), given)
 
 
+def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[], Draft]]:
+    """How sd builds its in-process copy of the draft (on the target's thread), or None where sd keeps the
+    host: MLX drafts only (a plain mlx-lm model or an SS draft; a Core ML package runs in its host), and of
+    a draft object only a plain MLXDraft (a copy with its own cache over the same weights)."""
+    if isinstance(draft, DraftRecipe):
+        return partial(draft.build, *draft.args) if draft.build in (mlx_draft, ss_draft) else None
+    if type(draft) is MLXDraft:
+        return partial(MLXDraft, draft.model, draft.prefill_step_size)
+    return None
+
+
 class Engine:
     """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
 
@@ -234,12 +247,15 @@ class Engine:
             self.close()
             raise
         self.draft_failure: Optional[str] = None
+        self.local_build = local_build(draft)  # sd's in-process draft, built on its first generation
+        self.local_draft: Optional[Draft] = None
 
     def close(self) -> None:
         if self.host is not None:
             self.host.close()
         self.loop.close()
         self.target_worker.call(self.target.close)
+        self.local_draft = None
         self.target_worker.close()
 
     def reset(self) -> None:
@@ -253,6 +269,27 @@ class Engine:
 
     def _reset_target(self) -> None:
         self.target.reset()
+        if self.local_draft is not None:
+            self.local_draft.reset()
+
+    def _local_sync(self, context: list[int]) -> None:
+        """sd's in-process draft (built on the first call, on the target's thread) holds `context`."""
+        if self.local_draft is None:
+            self.local_draft = self.local_build()
+        if hasattr(self.local_draft, "sync"):
+            self.local_draft.sync(context)
+
+    def _local_sd(self, committed: list[int], gamma: int, sampler, processors) -> tuple:
+        """sd's step on the target's thread: the in-process draft's window, then the target verifies it.
+        Returns (the draft's error or None, Rollout, r0, r1, ys, a, s1)."""
+        r0 = time.perf_counter()
+        try:
+            out = self.local_draft.rollout(committed[:-1], [[committed[-1]]], gamma)
+        except Exception as e:  # noqa: BLE001 - the scheduler drops the draft, visibly
+            return e, None, r0, r0, None, 0, r0
+        r1 = time.perf_counter()
+        ys, a = self.target.verify(committed, out.windows[0], sampler, processors)
+        return None, out, r0, r1, ys, a, time.perf_counter()
 
     def check(self, prompt: Sequence[int], opts: DecodeOptions,
               prompt_cache: Optional[PromptCache] = None) -> tuple[list[int], DecodeOptions]:
@@ -309,8 +346,9 @@ class Engine:
         stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
         stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
         stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
+        local = mode == "sd" and self.local_build is not None
         if mode != "ar":
-            stats.draft_host = "process" if self.host.process else "thread"
+            stats.draft_host = "in-process" if local else "process" if self.host.process else "thread"
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
@@ -328,7 +366,7 @@ class Engine:
         if prompt_cache is not None:
             self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
         try:
-            if mode != "ar":  # the draft prefills beside the target
+            if mode != "ar" and not local:  # the draft prefills beside the target
                 _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
             stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
                                                            prefill_progress(opts.prompt_progress_callback, given))
@@ -336,7 +374,10 @@ class Engine:
                 try:
                     if failed:
                         raise failed[0]
-                    self.host.wait_done(opts.draft_timeout)
+                    if local:  # after the target, on its thread
+                        self.target_worker.call(self._local_sync, prompt[:-1])
+                    else:
+                        self.host.wait_done(opts.draft_timeout)
                 except Exception as e:  # the draft cannot even prefill: the target alone, visibly
                     self._drop_draft(e, stats)
                     mode = stats.mode = "ar"
@@ -456,6 +497,20 @@ class Engine:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
 
     async def _sd_step(self, committed, opts, sampler, processors, stats):
+        if self.local_build is not None:
+            (failed, out, r0, r1, ys, a, s1), _, _ = await self.target_worker.run(
+                self._local_sd, committed, opts.gamma, sampler, processors)
+            if failed is not None:
+                self._drop_draft(failed, stats)
+                (ys, _), _, _ = await self.target_worker.run(self.target.verify, committed, [], sampler, processors)
+                return ys[:1]
+            stats.draft_seconds += r1 - r0
+            stats.draft_forwards += out.forwards
+            stats.draft_tokens += out.tokens
+            stats.rollouts += 1
+            stats.suffix_seconds += s1 - r1
+            note_window(stats, len(out.windows[0]), a)
+            return out.windows[0][:a] + [ys[a]]
         window = await self._timed_rollout(committed, opts, stats)
         if window is None:
             (ys, _), _, _ = await self.target_worker.run(self.target.verify, committed, [], sampler, processors)

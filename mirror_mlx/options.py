@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 MODES = ("mirror", "sd", "ar")  # what the engine runs
 CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune.policy)
-PAPER_KNOBS = dict(kappa=8, gamma=7)  # κ, γ of an explicit mode when not given (auto: the tuned ones)
+PAPER_KNOBS = dict(kappa=8, gamma=7)  # the paper's κ, γ: what bad input is checked against before knobs are chosen
 DRAFT_TIMEOUT_S = 60.0  # a draft (host) that answers no request in this long is dropped, visibly
 
 
@@ -25,8 +25,8 @@ class DecodeOptions:
 
     mode: str = "auto"  # Pipeline.prepare resolves "auto" (mirror_mlx.tune) before the engine sees it
     max_tokens: int = 256
-    kappa: Optional[int] = None  # None: auto's choice, else PAPER_KNOBS (8)
-    gamma: Optional[int] = None  # None: auto's choice, else PAPER_KNOBS (7)
+    kappa: Optional[int] = None  # None: the pair's profile's (auto's choice, or its best for an explicit mode)
+    gamma: Optional[int] = None  # None: as kappa (mirror_mlx.tune.policy.explicit)
     exit_layer: Optional[int] = None  # None: the exit adapter's layer, else default_exit_layer (N/2)
     temperature: float = 0.0
     top_p: float = 1.0

@@ -28,7 +28,7 @@ from .loading import check_same_tokenizer, load_model, resolve_model
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
-from .tune.policy import AutoRun, AutoState, resolve
+from .tune.policy import AutoRun, AutoState, explicit, needs_knobs, resolve
 
 Prompt = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
@@ -259,8 +259,13 @@ class Pipeline:
             prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
         ids, checked = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
-        if opts.mode != "auto":
+        if opts.mode != "auto" and not needs_knobs(opts.mode, opts.kappa, opts.gamma):
             return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
+        if opts.mode != "auto":  # the knobs left out come from the pair's profile (tune.policy.explicit)
+            self._check_not_iterating()  # a first call may calibrate, which needs the pipeline
+            c = explicit(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
+            picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why)
+            return (*self.engine.check(ids, picked, prompt_cache), None)
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
                         gamma=None if opts.gamma is None else checked.gamma)

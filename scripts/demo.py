@@ -6,7 +6,8 @@ makes copies that compute exactly the same logits at a realistic cost into build
 adapters (layers 1, 2, 3 of the small target; exact at layers 1-3, 4-6, 7-9 of the widened one).
 mode="auto" calibrates the pair on first use (one line on stderr; the profile is cached), then the
 same prompt runs in ar, mlx-lm's own speculative decoding (the same draft's main stream, at its best
-number of draft tokens measured here), sd and mirror (each at its best knobs in the profile) and auto.
+number of draft tokens measured here), sd and mirror (asked for by mode alone: each runs its best knobs
+in the profile, which stats.why names) and auto.
 
 Two lines, each measured in this run:
 - this machine's defaults: every thread free to run on any core;
@@ -51,19 +52,11 @@ def widened(build: Path) -> tuple[Path, Path, list[Path]]:
     return out[0], out[1], adapters
 
 
-# When the profile has no row of a mode; layer 4 is the first that the widened layer-2 adapter is exact at.
-UNCALIBRATED = {"sd": dict(gamma=3), "mirror": dict(kappa=1, gamma=3, exit_layer=4)}
-
-
-def best_knobs(profile, mode: str) -> dict:
-    """The fastest measured (else predicted) point of `mode` in the profile's table; without one (a quick
-    calibration that ran out of time) UNCALIBRATED's knobs, small ones a CPU runs fast (the paper's
-    κ=8 γ=7 verify 64 rows a step), marked as such in the line."""
-    rows = [r for r in profile.table if r["mode"] == mode]
-    if not rows:
-        return dict(UNCALIBRATED.get(mode, {}), uncalibrated=True) if mode in UNCALIBRATED else {}
-    r = max(rows, key=lambda r: (r["measured"] is not None, r["measured"] or r["predicted"]))
-    return {k: r[k] for k in ("kappa", "gamma", "exit_layer") if r[k] is not None}
+def knobs_run(stats, mode: str) -> dict:
+    """The knobs a mode ran with: an explicit mode without knobs runs its best point in the pair's profile
+    (or small safe ones, "uncalibrated" in stats.why, when the profile has no row for it)."""
+    names = {"sd": ("gamma",), "mirror": ("kappa", "gamma", "exit_layer")}.get(mode, ())
+    return dict({k: getattr(stats, k) for k in names}, **({"uncalibrated": True} if "uncalibrated" in stats.why else {}))
 
 
 def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, max_tokens: int, pin: bool) -> tuple[str, bool, str]:
@@ -82,14 +75,13 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, max_t
             if not pinning["pinned"]:
                 return f"Mac analog: not measured ({pinning['why']})", True, ""
         t0 = time.perf_counter()
-        profile = tune.profile_for(pipe)  # mode auto's first-use calibration, before any timed run
+        tune.profile_for(pipe)  # mode auto's first-use calibration, before any timed run
         t1 = time.perf_counter()
         auto = pipe.generate(prompt, max_tokens=max_tokens)
         results = {}
         for mode in ("ar", "sd", "mirror"):  # (the calibration ran every mode: all are warm)
-            knobs = best_knobs(profile, mode)
-            r = pipe.generate(prompt, max_tokens=max_tokens, mode=mode, **{k: v for k, v in knobs.items() if k != "uncalibrated"})
-            results[mode] = (r.tokens, r.stats.tokens_per_second, knobs)
+            r = pipe.generate(prompt, max_tokens=max_tokens, mode=mode)  # knobs: the profile's best for the mode
+            results[mode] = (r.tokens, r.stats.tokens_per_second, knobs_run(r.stats, mode))
         main_stream, _ = load_ss_draft(draft, with_tokenizer=False)  # mlx-lm drives the draft's main rows
         sweep = best_mlx_sd(pipe.model, main_stream, [pipe.encode(prompt)], max_tokens, ks=MLX_SD_KS)
         run = sweep.runs[sweep.best_k][0]

@@ -87,12 +87,12 @@ def _pipe(target, recipe):
 def test_a_host_that_raises_stalls_or_dies_is_a_visible_switch_to_ar(target, reference, capsys, how, says, mode):
     pipe, pid, rings = _pipe(target, DraftRecipe(broken_draft, (str(DRAFT_PATH), 3, how)))
     prompt, ref = reference
-    out = pipe.generate(prompt, max_tokens=64, mode=mode, stop=False, draft_timeout=1.0 if how == "stall" else 30.0)
+    out = pipe.generate(prompt, max_tokens=64, mode=mode, kappa=8, gamma=7, stop=False, draft_timeout=1.0 if how == "stall" else 30.0)
     assert out.tokens == ref and out.stats.draft_host == "process"
     assert out.stats.draft_failure and says in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     assert _gone(pid, rings), "the dropped host left a process or a shared-memory segment"
-    again = pipe.generate(prompt, max_tokens=16, mode=mode, stop=False)  # the pipeline stays usable, in ar
+    again = pipe.generate(prompt, max_tokens=16, mode=mode, kappa=8, gamma=7, stop=False)  # the pipeline stays usable, in ar
     assert again.tokens == ref[:16] and again.stats.mode == "ar"
     t0 = time.perf_counter()
     pipe.close()
@@ -106,7 +106,7 @@ def test_a_host_killed_from_outside(target, reference, capsys, when):
     if when == "between generations":
         os.kill(pid, signal.SIGKILL)
     tokens = []
-    for i, chunk in enumerate(pipe.stream(prompt, max_tokens=64, stop=False, mode="mirror")):  # auto may pick ar
+    for i, chunk in enumerate(pipe.stream(prompt, max_tokens=64, stop=False, mode="mirror", kappa=8, gamma=7)):  # auto may pick ar
         tokens += chunk.tokens
         if i == 1 and when == "mid-generation":
             os.kill(pid, signal.SIGKILL)
@@ -178,7 +178,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     pipe = mirror_mlx.load()
     host = pipe.engine.host
     print(host.pid, host.req.ring.name, host.rep.ring.name)
-    out = pipe.generate("Once upon a time", max_tokens=8, draft_timeout=1e-4, stop=False, mode="mirror")
+    out = pipe.generate("Once upon a time", max_tokens=8, draft_timeout=1e-4, stop=False, mode="mirror", kappa=8, gamma=7)
     assert out.stats.draft_failure and "timed out" in out.stats.draft_failure, out.stats.draft_failure
     print(time.time(), flush=True)
 """)  # no close(): the interpreter's exit must clean up on its own

@@ -205,7 +205,7 @@ def test_reuse_picks_the_branch_of_the_correction_or_signals_fallback():
 
 def test_cache_rollback_leaves_exactly_the_committed_prefix(demo):
     prompt = demo.tokenizer.encode("Tom and Lily went to the park")
-    demo.generate(prompt, max_tokens=37, stop=False, mode="mirror")
+    demo.generate(prompt, max_tokens=37, stop=False, mode="mirror", kappa=8, gamma=7)
     side = demo.engine.target
     # the cache may hold accepted tokens past max_tokens (trimmed at the next start), never others
     committed = prompt + mlx_greedy(demo.model, prompt, 37 + 8)
@@ -237,10 +237,44 @@ def test_rollout_overlaps_the_target_suffix_in_threads():
 def test_the_draft_prefills_beside_the_target(request, host):
     pipe = request.getfixturevalue("demo" if host == "process" else "demo_thread")
     prompt = pipe.tokenizer.encode("Once upon a time, there was a little dog who liked to run")
-    out = pipe.generate(prompt, max_tokens=2, gamma=5, mode="sd", stop=False)  # one window (see below)
+    out = pipe.generate(prompt, max_tokens=2, kappa=1, gamma=5, mode="mirror", stop=False)  # one window (see below)
     assert out.stats.rollouts == 1 and out.stats.draft_forwards == 5  # no prompt forward on the decode clock
     if host == "thread":
         assert pipe.draft.cached == prompt[:-1]  # the prompt came in during prefill
+
+
+def test_sd_with_an_mlx_draft_drafts_in_process_and_stays_lossless(demo, demo_thread, greedy_refs):
+    """sd's serial window costs no round trip to the host: an MLX draft (a recipe, or a plain MLXDraft
+    object) drafts on the target's own thread; mirror keeps its host. Greedy and seeded text unchanged."""
+    seeded = dict(max_tokens=32, temperature=1.0, seed=5, stop=False)
+    for pipe, host in ((demo, "process"), (demo_thread, "thread")):
+        for prompt, ref in greedy_refs[:2]:
+            out = pipe.generate(prompt, max_tokens=48, mode="sd", gamma=3, stop=False)
+            assert out.tokens == ref[:48] and out.stats.draft_host == "in-process" and out.stats.accepted > 0
+            assert pipe.generate(prompt, mode="sd", gamma=3, **seeded).tokens == \
+                pipe.generate(prompt, mode="ar", **seeded).tokens
+        assert pipe.engine.local_draft is not None and pipe.engine.local_draft is not pipe.draft
+        mirror = pipe.generate(prompt, max_tokens=16, mode="mirror", kappa=2, gamma=3, stop=False)
+        assert mirror.tokens == ref[:16] and mirror.stats.draft_host == host and mirror.stats.rollouts > 0
+
+
+def test_a_failing_in_process_draft_switches_visibly_to_ar(greedy_refs, capsys):
+    target, tokenizer = load(str(TARGET_PATH))
+    draft, _ = load(str(DRAFT_PATH))
+    pipe = Pipeline(target, tokenizer, MLXDraft(draft))
+    prompt, ref = greedy_refs[0]
+    try:
+        pipe.generate(prompt, max_tokens=4, mode="sd", gamma=3)
+
+        def exploded(*args):
+            raise RuntimeError("draft exploded")
+
+        pipe.engine.local_draft.rollout = exploded
+        out = pipe.generate(prompt, max_tokens=32, mode="sd", gamma=3, stop=False)
+        assert out.tokens == ref[:32] and "exploded" in out.stats.draft_failure
+        assert "continuing with the target alone" in capsys.readouterr().err
+    finally:
+        pipe.close()
 
 
 # --- failure and bad input --------------------------------------------------------------------------
@@ -267,7 +301,7 @@ def test_failing_or_stalling_draft_switches_visibly_to_ar(greedy_refs, capsys, s
     pipe = Pipeline(target, tokenizer, _BrokenDraft(draft, fail_after=3, stall=stall))
     prompt, ref = greedy_refs[0]
     out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5 if stall else 30.0,  # 30 s: a busy box
-                        mode="mirror")
+                        mode="mirror", kappa=8, gamma=7)
     assert out.tokens == ref
     assert out.stats.draft_failure and ("timed out" if stall else "exploded") in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
@@ -284,7 +318,7 @@ def test_a_draft_that_cannot_prefill_switches_visibly_to_ar(greedy_refs, capsys)
     draft, _ = load(str(DRAFT_PATH))
     pipe = Pipeline(target, tokenizer, _NoPrefillDraft(draft))
     prompt, ref = greedy_refs[0]
-    out = pipe.generate(prompt, max_tokens=32, stop=False, mode="mirror")
+    out = pipe.generate(prompt, max_tokens=32, stop=False, mode="mirror", kappa=8, gamma=7)
     assert out.tokens == ref[:32] and out.stats.mode == "ar" and "cannot prefill" in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     pipe.close()

@@ -99,7 +99,7 @@ def test_seeded_samples_are_the_same_in_every_mode(pair):
         return logits.at[:, ban].add(-1e9)
 
     runs = {mode: [r.token for r in mirror_mlx.stream_generate(
-        model, tokenizer, "Once upon a time", max_tokens=32, draft_model=draft, mode=mode, seed=7,
+        model, tokenizer, "Once upon a time", max_tokens=32, draft_model=draft, mode=mode, seed=7, kappa=4, gamma=4,
         sampler=make_sampler(0.9, top_k=30), logits_processors=[no_lily])] for mode in ("ar", "sd", "mirror")}
     assert runs["ar"] == runs["sd"] == runs["mirror"]
     assert ban not in runs["ar"]
@@ -225,7 +225,7 @@ def test_a_prompt_cache_carries_a_conversation_exactly_as_in_mlx_lm(pair, mlx_lm
         assert mx.allclose(k, tk, atol=1e-4) and mx.allclose(v, tv, atol=1e-4)
     # the draft read the cached turns' ids (they were ours): it still proposes tokens
     last = list(mirror_mlx.stream_generate(model, tokenizer, " and", max_tokens=12, draft_model=draft, mode=mode,
-                                           prompt_cache=cache))
+                                           kappa=4, gamma=4, prompt_cache=cache))
     assert any(r.from_draft for r in last) == (mode != "ar")
     assert last[0].prompt_tokens == len(tokenizer.encode(" and"))  # mlx-lm's count: the new text only
 
@@ -367,7 +367,8 @@ def test_adapter_path_applies_lora_to_the_target_as_mlx_lm_does(tmp_path):
     pipe = load(TARGET_PATH, DRAFT_PATH, adapter_path=adapter)
     try:
         for mode in ("ar", "mirror"):
-            assert pipe.generate("Once upon a time", max_tokens=24, mode=mode, stop=False).tokens == theirs
+            assert pipe.generate("Once upon a time", max_tokens=24, mode=mode, kappa=4, gamma=4,
+                                 stop=False).tokens == theirs
     finally:
         pipe.close()
     with pytest.raises(ValueError, match="adapter_path .* is not a folder"):

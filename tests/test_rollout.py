@@ -67,3 +67,16 @@ def test_rows_are_reused_across_rollouts_and_follow_a_rewound_context():
     assert draft.rows[0].keys.shape[2] > keys.shape[2]
     draft.reset()
     assert draft.rows == [] and draft.rows_valid == 0
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_a_single_window_drafts_like_mlx_lm_in_gamma_forwards_on_the_drafts_own_cache(family):
+    """sd's window (and a fallback's): the new context and the stem in the first of γ forwards, no scratch."""
+    model = tiny_model(family)
+    draft = MLXDraft(model, prefill_step_size=8)  # a context longer than a prefill step: its head in chunks
+    vocab = draft.vocab_size
+    context = [(31 * i + 3) % vocab for i in range(21)]
+    for ctx, gamma in ((context, 4), (context + [4, 8], 3), (context[:12] + [5], 5), (context + [9] * 10, 1)):
+        check_windows(model, draft, ctx, [[7]], gamma)
+        assert draft.rows == []  # no branch scratch for one window
+        assert draft.rollout(ctx, [[7]], gamma).forwards == gamma  # nothing new: γ forwards, as mlx-lm's

@@ -254,13 +254,79 @@ def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_
     assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2]))  # the demo adapter pins ℓe = 2
 
 
-def test_explicit_mode_and_knobs_win_over_the_profile(pipe):
-    policy.profile_for(pipe)
-    assert pipe.generate(PROMPT, max_tokens=8, mode="sd").stats.chosen_mode == "sd"
-    s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", gamma=3).stats
-    assert (s.mode, s.kappa, s.gamma) == ("mirror", 8, 3)
+def best_row(prof, mode, **given):
+    rows = [r for r in prof.table if r["mode"] == mode and all(r[k] == v for k, v in given.items())]
+    return max(rows, key=lambda r: (r["measured"] is not None, r["measured"] or r["predicted"]))
+
+
+def test_an_explicit_mode_without_knobs_runs_the_profiles_best_row_for_it_and_is_lossless(pipe):
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    ref = mlx_greedy(model, tokenizer.encode(PROMPT), 24)
+    prof = policy.profile_for(pipe)
+    for mode, names in (("mirror", ("kappa", "gamma", "exit_layer")), ("sd", ("gamma",))):
+        out = pipe.generate(PROMPT, max_tokens=24, mode=mode, stop=False)
+        s, best = out.stats, best_row(prof, mode)
+        assert out.tokens == ref and s.mode == s.chosen_mode == mode and s.proposed > 0
+        assert tuple(getattr(s, k) for k in names) == tuple(best[k] for k in names)
+        picked = " ".join(f"{k}={best[k]}" for k in names)
+        assert s.why == f"mode {mode} as asked; {picked} from the profile (quick calibration)"
+
+
+def test_explicit_knobs_win_over_the_profile_and_fill_the_rest_from_it(pipe):
+    prof = policy.profile_for(pipe)
+    s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", kappa=8, gamma=7).stats
+    assert (s.mode, s.kappa, s.gamma, s.why) == ("mirror", 8, 7, "mode mirror as asked")
+    s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", gamma=2).stats  # κ and ℓe from the best γ=2 row
+    best = best_row(prof, "mirror", gamma=2)
+    assert (s.kappa, s.gamma, s.exit_layer) == (best["kappa"], 2, best["exit_layer"])
+    assert s.why == f"mode mirror as asked; kappa={best['kappa']} exit_layer={best['exit_layer']} from the profile " \
+                    "(quick calibration)"
+    assert pipe.generate(PROMPT, max_tokens=8, mode="sd", gamma=5).stats.why == "mode sd as asked"
     s = pipe.generate(PROMPT, max_tokens=8, kappa=2).stats  # κ only means mirror; γ from the profile's grid
     assert (s.chosen_mode, s.kappa) == ("mirror", 2) and "kappa=2" in s.why
+
+
+def test_an_explicit_mode_without_a_calibrated_row_runs_small_knobs_and_says_uncalibrated(pipe):
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    why = "quick calibration ran out of its 20 s budget (MIRROR_MLX_QUICK_BUDGET), so ar, the safe rule"
+    fresh.auto.profile = profiles.Profile(key=policy.pipe_key(fresh), mode="ar", why=why)
+    try:
+        out = fresh.generate(PROMPT, max_tokens=24, mode="mirror", stop=False)
+        s = out.stats
+        assert (s.kappa, s.gamma, s.exit_layer) == (1, 3, 2)  # ℓe: the demo's exit adapter's layer
+        assert "uncalibrated" in s.why and why in s.why and out.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 24)
+        assert fresh.generate(PROMPT, max_tokens=8, mode="sd").stats.gamma == 3
+    finally:
+        fresh.close()
+
+
+def test_a_quick_calibration_out_of_budget_is_ar_under_auto_and_small_uncalibrated_knobs_when_asked(
+        pipe, tmp_path, monkeypatch, capfd):
+    """Never below the target alone: auto runs ar (mlx-lm's own loop's text, at its cost); an explicit mode
+    runs small knobs and says why."""
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    monkeypatch.setenv("MIRROR_MLX_QUICK_BUDGET", "0.001")
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    ref = mlx_greedy(model, tokenizer.encode(PROMPT), 16)
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    try:
+        auto = fresh.generate(PROMPT, max_tokens=16, stop=False)
+        assert auto.tokens == ref and auto.stats.mode == "ar" and "ran out of its 0.001 s budget" in auto.stats.why
+        assert "not saved" in capfd.readouterr().err and not list(tmp_path.iterdir())
+        asked = fresh.generate(PROMPT, max_tokens=16, mode="mirror", stop=False).stats
+        assert (asked.mode, asked.kappa, asked.gamma) == ("mirror", 1, 3) and "uncalibrated" in asked.why
+    finally:
+        fresh.close()
+
+
+def test_sd_is_calibrated_as_it_runs_drafting_in_process(pipe):
+    """auto's sd candidate is the in-process one: its window is timed on the target's thread, and its
+    confirmed runs are real sd generations, which draft there."""
+    prof = policy.profile_for(pipe)
+    timings = prof.calibration["timings"]
+    assert set(timings["local_window"]) == set(timings["window"]) and all(v > 0 for v in timings["local_window"].values())
+    assert pipe.generate(PROMPT, max_tokens=8, mode="sd", gamma=2).stats.draft_host == "in-process"
 
 
 def test_cli_mode_flag_wins_and_auto_is_the_default():
@@ -268,8 +334,10 @@ def test_cli_mode_flag_wins_and_auto_is_the_default():
         out = CliRunner().invoke(main, ["generate", "--max-tokens", "12", "--json", *a]).output
         return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
 
-    explicit = run("--mode", "sd")["stats"]
+    explicit = run("--mode", "sd", "--gamma", "2")["stats"]
     assert (explicit["chosen_mode"], explicit["mode"], explicit["why"]) == ("sd", "sd", "mode sd as asked")
+    picked = run("--mode", "sd")["stats"]  # no γ: the profile's
+    assert picked["chosen_mode"] == "sd" and picked["why"].startswith("mode sd as asked; gamma=")
     auto = run()["stats"]
     assert auto["why"].startswith("auto: ") and auto["chosen_mode"] in ("mirror", "sd", "ar")
 

@@ -39,6 +39,9 @@ def pipe():
 
 
 
+KNOBS = dict(kappa=4, gamma=4)  # explicit: no quick calibration inside a test that breaks a step on purpose
+
+
 # --- a shared Pipeline --------------------------------------------------------------------------
 
 CALLS = [
@@ -367,11 +370,11 @@ def test_an_interrupt_inside_a_step_leaves_no_task_pending_and_the_next_call_los
 
     monkeypatch.setattr(engine, "sample_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        pipe.generate(prompt, mode=mode, max_tokens=12, stop=False)
+        pipe.generate(prompt, mode=mode, max_tokens=12, stop=False, **KNOBS)  # (no calibration in this step)
     monkeypatch.setattr(engine, "sample_rows", real)
     gc.collect()
     assert "Task was destroyed" not in caplog.text
-    assert pipe.generate(prompt, mode=mode, max_tokens=12, stop=False).tokens == ref
+    assert pipe.generate(prompt, mode=mode, max_tokens=12, stop=False, **KNOBS).tokens == ref
 
 
 def test_terminal_double_ctrl_c_then_ctrl_d_exits_cleanly():

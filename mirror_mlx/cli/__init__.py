@@ -10,7 +10,7 @@ from typing import Optional
 import click
 
 import mirror_mlx
-from mirror_mlx.options import CHOICES, PAPER_KNOBS, DecodeOptions
+from mirror_mlx.options import CHOICES, DecodeOptions
 
 VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "generate": "mirror_mlx.cli.generate:generate_cmd",
@@ -124,12 +124,13 @@ def knob_options(gamma_help: str) -> list:
     """--kappa / --gamma / --exit-layer, Mirror-SD's knobs (generate, chat, bench)."""
     return [
         click.option("--kappa", type=int, default=DEFAULTS.kappa,
-                     help=f"Top-κ width at the early exit [default: auto's, else {PAPER_KNOBS['kappa']}]."),
+                     help="Top-κ width at the early exit [default: the pair's profile's (auto's choice, or the "
+                          "best for --mode; uncalibrated: 1)]."),
         click.option("--gamma", "--num-draft-tokens", "gamma", type=int, default=DEFAULTS.gamma,
                      help=f"{gamma_help} --num-draft-tokens is mlx-lm's name for it "
-                          f"[default: auto's, else {PAPER_KNOBS['gamma']}]"),
+                          "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
         click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
-                     help="Early-exit layer ℓ_e [default: auto's, else the exit adapter's, else N/2]."),
+                     help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
     ]
 
 

@@ -303,6 +303,19 @@ class _Bench:
         self.engine.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
         return time.perf_counter() - t0
 
+    def local_rollout(self, gamma: int) -> float:
+        """sd's window where it drafts in-process: on the target's thread, after two newly committed
+        tokens, as in a real sd step (no ring)."""
+        engine, ctx = self.engine, self.context[:-1]
+
+        def once() -> float:
+            engine._local_sync(ctx[:-2])
+            t0 = time.perf_counter()
+            engine.local_draft.rollout(ctx, [[self.context[-1]]], gamma)
+            return time.perf_counter() - t0
+
+        return engine.target_worker.call(once)
+
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
         """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
         seconds until both are done."""
@@ -332,6 +345,8 @@ def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], ti
     timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
     t.verify = timed({n: partial(b.verify, n) for n in sorted({1} | {g + 1 for g in cfg.gammas})})
     t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
+    if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
+        t.local_window = timed({g: partial(b.local_rollout, g) for g in cfg.gammas})
     # the rollout alone does not depend on ℓ_e
     t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g) for g in cfg.gammas for k in cfg.kappas})
     halves = timed({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas})
@@ -499,7 +514,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             bench = _Bench(pipe, traces[0][1])  # over a prompt and its greedy text
             # measure_timings' pieces: the verify widths, the windows, the rollouts, the split forwards
             phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas)
-                  + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas))
+                  + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas)
+                  + len(cfg.gammas) * (pipe.engine.local_build is not None))  # sd's in-process windows
             t = measure_timings(pipe, bench, cfg, layers, tick)
         mirror_probes = [c for c in probes if c.mode == "mirror"]
         phase("suffix ‖ rollout", None)  # rounds until the top is measured: not known ahead

@@ -117,7 +117,9 @@ class Timings:
 
     verify[rows]: a plain target forward over `rows` new tokens (ar: 1, sd: γ + 1).
     prefix[(ℓ_e, rows)], suffix[(ℓ_e, rows)]: the two halves of the target forward split at ℓ_e.
-    window[γ]: a 1-row draft rollout of depth γ (sd's window and mirror's fallback).
+    window[γ]: a 1-row draft rollout of depth γ through the draft host (mirror's fallback; sd's too
+      unless `local_window` has it).
+    local_window[γ]: sd's window where sd drafts in-process, on the target's thread (an MLX draft).
     parallel[(ℓ_e, κ, γ)]: the target suffix and the κ(γ+1)-row rollout, run at the same time (tune
       measures it only where it can change the top of the ranking: `parallel_time`).
     rollout[(rows, γ)]: the rollout alone (its floor, and reported next to `parallel` to show the contention).
@@ -129,6 +131,7 @@ class Timings:
     prefix: dict = field(default_factory=dict)
     suffix: dict = field(default_factory=dict)
     window: dict = field(default_factory=dict)
+    local_window: dict = field(default_factory=dict)
     parallel: dict = field(default_factory=dict)
     rollout: dict = field(default_factory=dict)
     overhead: dict = field(default_factory=dict)
@@ -140,7 +143,7 @@ def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
         return t.verify[1]
     g = cfg.gamma
     if cfg.mode == "sd":
-        return t.window[g] + t.verify[g + 1]
+        return (t.local_window or t.window)[g] + t.verify[g + 1]
     rows = g + 1
     return t.prefix[(cfg.exit_layer, rows)] + parallel_time(cfg, t) + (1 - reuse) * t.window[g]
 

@@ -228,7 +228,7 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
         return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why), None
 
     if mode != "auto":
-        return knobs(kappa, gamma, exit_layer, f"mode {mode} as asked", mode)
+        return explicit(pipe, mode, kappa, gamma, exit_layer), None
     if pipe.draft is None:
         return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
     if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
@@ -255,6 +255,45 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
     why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
     return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
                  r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
+
+
+SAFE_KNOBS = dict(kappa=1, gamma=3)  # an explicit mode's knobs when no profile has a row for it: small, cheap
+
+
+def needs_knobs(mode: str, kappa: Optional[int], gamma: Optional[int]) -> bool:
+    """An explicit speculative mode with knobs left out: the profile picks them (`explicit`)."""
+    return (mode == "sd" and gamma is None) or (mode == "mirror" and (kappa is None or gamma is None))
+
+
+def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> Choice:
+    """An explicit mode: the knobs given win; the rest come from the pair's profile (the saved `tune`
+    profile, else auto's quick calibration), its best row for `mode` that has the given ones. Without such
+    a row (the quick calibration ran out of budget), small safe knobs (SAFE_KNOBS, ℓ_e the exit adapter's
+    layer or N/2), said to be uncalibrated: never the paper's κ=8, γ=7 blindly (they cost a CPU pair 3x)."""
+    asked = f"mode {mode} as asked"
+    if not needs_knobs(mode, kappa, gamma):
+        return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
+                      PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, asked)
+    prof = profile_for(pipe)
+    given = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items()
+             if v is not None and (mode == "mirror" or k == "gamma")}
+    rows = [r for r in prof.table if r["mode"] == mode]
+    fits = [r for r in rows if all(r.get(k) == v for k, v in given.items())]
+    if not fits:  # an exit layer outside the grid: the best κ, γ of the grid at any layer
+        fits = [r for r in rows if all(r.get(k) == v for k, v in given.items() if k != "exit_layer")]
+    names = ("kappa", "gamma", "exit_layer") if mode == "mirror" else ("gamma",)
+    if fits:  # measured rows first (the confirmed ones), then the best prediction
+        best = max(fits, key=lambda r: (r.get("measured") is not None, r.get("measured") or r["predicted"]))
+        got = {k: given.get(k, best[k]) for k in names}
+        source = "the profile (quick calibration)" if prof.why.startswith("quick") else "the tuned profile"
+    else:
+        got = {k: given.get(k, SAFE_KNOBS.get(k)) for k in names}
+        if mode == "mirror" and got["exit_layer"] is None:
+            got["exit_layer"] = pipe.engine.exit_layer(DecodeOptions())
+        source = f"small safe defaults, uncalibrated (the profile has no {mode} row: {prof.why})"
+    picked = " ".join(f"{k}={v}" for k, v in got.items() if k not in given)
+    return Choice(mode, got.get("kappa", PAPER_KNOBS["kappa"]), got["gamma"], got.get("exit_layer", exit_layer),
+                  f"{asked}; {picked} from {source}")
 
 
 def resolve(pipe: Any, opts: DecodeOptions) -> tuple[DecodeOptions, Optional[AutoRun]]:
