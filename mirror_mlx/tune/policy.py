@@ -282,8 +282,10 @@ def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], e
     if not fits:  # an exit layer outside the grid: the best κ, γ of the grid at any layer
         fits = [r for r in rows if all(r.get(k) == v for k, v in given.items() if k != "exit_layer")]
     names = ("kappa", "gamma", "exit_layer") if mode == "mirror" else ("gamma",)
-    if fits:  # measured rows first (the confirmed ones), then the best prediction
-        best = max(fits, key=lambda r: (r.get("measured") is not None, r.get("measured") or r["predicted"]))
+    if fits:  # the confirmed rows scored as auto scores them (`choose`), then measured probes, then the best prediction
+        best = max(fits, key=lambda r: (bool(r.get("confirmed") and r.get("measured_step_ms")),
+                                        expected_rate(r) if r.get("confirmed") and r.get("measured_step_ms")
+                                        else 0.0, r.get("measured") is not None, r.get("measured") or r["predicted"]))
         got = {k: given.get(k, best[k]) for k in names}
         source = "the profile (quick calibration)" if prof.why.startswith("quick") else "the tuned profile"
     else:
