@@ -53,7 +53,7 @@ def token_ids(outs: list) -> list:
         raise ValueError(f"the sampler returned a {type(bad).__name__}: a sampler returns an mx.array of token ids, "
                          "one per row of the log-probabilities it is given")
     try:
-        return mx.concatenate([o.reshape(-1) for o in outs]).tolist()
+        return (outs[0].reshape(-1) if len(outs) == 1 else mx.concatenate([o.reshape(-1) for o in outs])).tolist()
     except ValueError as e:
         raise ValueError(f"the sampler's output could not be read as token ids ({e}): a sampler returns an mx.array "
                          "of token ids, one per row") from None

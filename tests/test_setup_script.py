@@ -49,12 +49,16 @@ def test_a_broken_shim_is_skipped(tmp_path):
     assert (r.returncode, r.stdout.strip()) == (0, str(py310))
 
 
+def fake_command(path: Path, test: str, answer) -> None:
+    """A stand-in for a tool (uv, brew) that prints `answer` when its arguments pass the shell `test`."""
+    path.write_text(f"#!/bin/sh\n[ {test} ] && echo {answer}\n")
+    path.chmod(0o755)
+
+
 def test_uv_managed_python_is_found(tmp_path):
     fake_python(tmp_path / "bin", "python3", "Python 3.9.6")
     managed = fake_python(tmp_path / "uv-python", "python3.12", "Python 3.12.8")
-    uv = tmp_path / "bin" / "uv"
-    uv.write_text(f'#!/bin/sh\n[ "$1 $2" = "python find" ] && echo {managed}\n')
-    uv.chmod(0o755)
+    fake_command(tmp_path / "bin" / "uv", '"$1 $2" = "python find"', managed)
     r = which_python(tmp_path, [tmp_path / "bin"])
     assert (r.returncode, r.stdout.strip()) == (0, str(managed))
 
@@ -88,9 +92,7 @@ def test_python_env_var_is_used_when_new_enough(tmp_path):
 def test_homebrew_python_is_found_through_brew(tmp_path):
     fake_python(tmp_path / "bin", "python3", "Python 3.9.6")
     py313 = fake_python(tmp_path / "homebrew" / "bin", "python3.13", "Python 3.13.1")
-    brew = tmp_path / "bin" / "brew"
-    brew.write_text(f'#!/bin/sh\n[ "$1" = "--prefix" ] && echo {tmp_path / "homebrew"}\n')
-    brew.chmod(0o755)
+    fake_command(tmp_path / "bin" / "brew", '"$1" = "--prefix"', tmp_path / "homebrew")
     r = which_python(tmp_path, [tmp_path / "bin"])
     assert (r.returncode, r.stdout.strip()) == (0, str(py313))
 
