@@ -180,9 +180,19 @@ def usage_error(e: Exception) -> click.UsageError:
 
 def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False,
                   tokenizer_config=None):
-    """Load for the CLI: bad paths and mismatched pairs become one-line usage errors."""
+    """Load for the CLI: bad paths and mismatched pairs become one-line usage errors. Under mlx.launch
+    (more than one rank), every rank loads its shard of the target (mirror_mlx/distributed.py)."""
+    from mirror_mlx import distributed
     from mirror_mlx.pipeline import load
 
+    if distributed.group() is not None:
+        distributed.quiet_other_ranks()
+        load = distributed.load
+        if model is None:  # the demo pair, as below
+            from mirror_mlx import demo_pair
+
+            model, draft_model = demo_pair.TARGET, demo_pair.DRAFT if draft_model is None else draft_model
+            exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
     if model is None and draft_model is None:
         click.echo("mirror-mlx: no --model given: using the embedded demo pair (stories260K + llama2xs)", err=True)
     elif model is None:

@@ -1,0 +1,399 @@
+"""Across Macs: the target sharded over MLX distributed (`mlx.launch`), the draft beside rank 0.
+
+Every rank runs the same engine over its shard of the target (mlx-lm's `sharded_load`: tensor parallel
+through `model.shard(group)` where the family has it, else mlx-lm's pipeline split), so every rank runs
+the same forwards and, from the same reduced logits, decides the same tokens (the ring backend's
+`all_sum` gives every rank the same bits; a rank that disagrees is stopped, see `MirrorHost`). Only rank 0
+runs a draft host. Its answers reach the other ranks through one small collective per request: an
+`all_sum` of an int32 array that only rank 0 fills (`SharedHost` sends, `MirrorHost` receives: the same
+interface as ane_draft/host.py's DraftHost, so the engine does not know it is distributed).
+
+Faults: a rank that dies makes MLX's ring raise on the others ("connection to a peer was lost"), and
+`mlx.launch` stops every rank once one exits with an error; a rank that stalls is ended by the watchdog
+(`MIRROR_MLX_DIST_TIMEOUT` seconds without a step, 120 by default). Either way each rank ends its draft
+host, unlinks its shared memory and exits with one line on stderr.
+"""
+
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .ane_draft.host import DraftHost, DraftHostError, _close_all
+from .draft_api import Rollout
+from .options import PAPER_KNOBS
+from .pipeline import Pipeline, check_adapter_path, load_draft
+
+OK, FAILED = 1, 2  # a reply's first word
+HEAD = 5  # [status, len(context), context[-1], forwards, tokens] before the windows
+TIMEOUT_ENV = "MIRROR_MLX_DIST_TIMEOUT"
+LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # set by mlx.launch (ring, jaccl) and by mpirun
+
+_group: Optional[mx.distributed.Group] = None
+
+
+def launched() -> bool:
+    """Whether this process was started by a launcher (mlx.launch or mpirun)."""
+    return any(name in os.environ for name in LAUNCHER_ENV)
+
+
+def group() -> Optional[mx.distributed.Group]:
+    """The launcher's group when it has more than one rank, else None (a single process: nothing changes)."""
+    global _group
+    if not launched():
+        return None
+    if _group is None:
+        _group = mx.distributed.init()
+    return _group if _group.size() > 1 else None
+
+
+def share(values: Sequence[int], size: int, g: mx.distributed.Group) -> list[int]:
+    """Rank 0's `values` (padded to `size`) on every rank: an all_sum that only rank 0 fills."""
+    buf = [0] * size
+    if g.rank() == 0:
+        buf[: len(values)] = values
+    out = mx.distributed.all_sum(mx.array(buf, dtype=mx.int32), group=g, stream=mx.cpu)
+    return out.tolist()
+
+
+def _tail(context: Sequence[int]) -> list[int]:
+    return [len(context), context[-1] if len(context) else -1]
+
+
+class SharedHost:
+    """Rank 0: the real draft host; each answer the engine waits for is also shared with the other ranks.
+
+    A request that fails to post is held and raised at its answer, so every rank sees the failure at the
+    same collective (and drops the draft together, as one process would)."""
+
+    def __init__(self, host: DraftHost, g: mx.distributed.Group, watchdog: "Watchdog"):
+        self.host, self.group, self.watchdog = host, g, watchdog
+        self.process, self.vocab_size, self.kind = host.process, host.vocab_size, host.kind
+        self.failed: Optional[BaseException] = None
+        self.n, self.tail = 1, [0, -1]
+
+    def _post(self, fn, context, *args) -> None:
+        self.tail = _tail(context)
+        try:
+            fn(context, *args)
+        except Exception as e:  # noqa: BLE001 - raised at the answer, on every rank alike
+            self.failed = e
+
+    def post_sync(self, context: Sequence[int]) -> None:
+        self._post(self.host.post_sync, context)
+
+    def post_rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> None:
+        self.n = len(stems)
+        self._post(self.host.post_rollout, context, stems, gamma)
+
+    def post_branches(self, context: Sequence[int], window: Sequence[int], cand: list[list[int]]) -> None:
+        self.n = len(cand) * len(cand[0])
+        self._post(self.host.post_branches, context, window, cand)
+
+    def _status(self, size: int, values: Sequence[int]) -> None:
+        with self.watchdog.waiting("rank 0's draft answer"):
+            share(values, size, self.group)
+
+    def _answer(self, wait, size: int):
+        try:
+            if self.failed is not None:
+                failed, self.failed = self.failed, None
+                raise failed
+            out = wait()
+        except BaseException:
+            self._status(size, [FAILED])
+            raise
+        return out
+
+    def wait_done(self, timeout: Optional[float]) -> None:
+        self._answer(lambda: self.host.wait_done(timeout), HEAD)
+        self._status(HEAD, [OK] + self.tail)
+
+    def reset(self, timeout: Optional[float] = None) -> None:
+        self.tail = [0, -1]
+        self._answer(lambda: self.host.reset(timeout), HEAD)
+        self._status(HEAD, [OK] + self.tail)
+
+    async def windows(self, gamma: int) -> tuple[Rollout, float, float]:
+        size = HEAD + self.n * gamma
+        try:
+            if self.failed is not None:
+                failed, self.failed = self.failed, None
+                raise failed
+            out, r0, r1 = await self.host.windows(gamma)
+            flat = [t for w in out.windows for t in w]
+            if len(flat) != self.n * gamma:
+                raise DraftHostError(f"the draft answered {len(flat)} tokens for {self.n} windows of {gamma}")
+        except BaseException:  # (a timeout's cancellation too: the other ranks must hear of it)
+            self._status(size, [FAILED])
+            raise
+        self._status(size, [OK] + self.tail + [out.forwards, out.tokens] + flat)
+        return out, r0, r1
+
+    def close(self, grace: float = 2.0) -> None:
+        self.host.close(grace)
+
+    def kill(self) -> None:
+        self.host.kill()
+
+
+class MirrorHost:
+    """Ranks > 0: the draft's stand-in. It posts nothing; each answer is rank 0's, received through the
+    same collective. A context that differs from rank 0's means the ranks decided different tokens: that
+    rank stops the run (`Diverged`), it never goes on with other text."""
+
+    process = False
+    kind = "rank 0's draft"
+
+    def __init__(self, g: mx.distributed.Group, vocab_size: int, watchdog: "Watchdog"):
+        self.group, self.vocab_size, self.watchdog = g, vocab_size, watchdog
+        self.n, self.tail = 1, [0, -1]
+
+    def post_sync(self, context: Sequence[int]) -> None:
+        self.tail = _tail(context)
+
+    def post_rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> None:
+        self.n, self.tail = len(stems), _tail(context)
+
+    def post_branches(self, context: Sequence[int], window: Sequence[int], cand: list[list[int]]) -> None:
+        self.n, self.tail = len(cand) * len(cand[0]), _tail(context)
+
+    def _receive(self, size: int) -> list[int]:
+        with self.watchdog.waiting("rank 0's draft answer"):
+            got = share([], size, self.group)
+        if got[0] != OK:
+            raise DraftHostError("the draft on rank 0 failed")
+        if got[1:3] != self.tail:
+            raise Diverged(f"rank {self.group.rank()} holds {self.tail[0]} tokens ending in {self.tail[1]}, "
+                           f"rank 0 holds {got[1]} ending in {got[2]}")
+        return got
+
+    def wait_done(self, timeout: Optional[float]) -> None:
+        self._receive(HEAD)
+
+    def reset(self, timeout: Optional[float] = None) -> None:
+        self.tail = [0, -1]
+        self._receive(HEAD)
+
+    async def windows(self, gamma: int) -> tuple[Rollout, float, float]:
+        t0 = time.perf_counter()
+        got = self._receive(HEAD + self.n * gamma)
+        flat = got[HEAD:]
+        windows = [flat[i : i + gamma] for i in range(0, len(flat), gamma)]
+        return Rollout(windows, got[3], got[4]), t0, time.perf_counter()
+
+    def close(self, grace: float = 2.0) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+class Diverged(RuntimeError):
+    """Two ranks hold different committed tokens (never expected: the ranks reduce to the same bits)."""
+
+
+# ------------------------------------------------------------------ faults
+
+
+def die(message: str, code: int = 1) -> None:
+    """One line on stderr, every draft host of this process ended and its shared memory unlinked, exit.
+    (os._exit: a thread blocked in a collective would keep a normal exit waiting forever.)"""
+    rank = _group.rank() if _group is not None else 0
+    try:
+        os.write(2, f"mirror-mlx: rank {rank}: {message}\n".encode())
+        _close_all()
+    finally:
+        os._exit(code)
+
+
+class Watchdog:
+    """Ends the process when a collective waits longer than `timeout` s: MLX's collectives block, and a
+    peer that stalls (alive, but not answering) would otherwise hang every rank."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.what: Optional[str] = None
+        self.since = 0.0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._watch, name="mirror-watchdog", daemon=True).start()
+
+    def waiting(self, what: str) -> "_Waiting":
+        return _Waiting(self, what)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            with self.lock:
+                late = self.what is not None and time.monotonic() - self.since > self.timeout
+                what = self.what
+            if late:
+                die(f"no answer from the other ranks in {self.timeout:g} s while waiting for {what} "
+                    f"(a rank stalled or its host is unreachable; {TIMEOUT_ENV} sets the limit): stopping")
+
+
+    def beat(self) -> None:
+        """Progress (a prefill chunk done): the wait in course starts over."""
+        with self.lock:
+            self.since = time.monotonic()
+
+
+class _Waiting:
+    """A wait the watchdog times; nested ones restore the outer wait, its clock started over."""
+
+    def __init__(self, dog: Watchdog, what: str):
+        self.dog, self.what, self.outer = dog, what, None
+
+    def __enter__(self) -> None:
+        with self.dog.lock:
+            self.outer = self.dog.what
+            self.dog.what, self.dog.since = self.what, time.monotonic()
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.dog.lock:
+            self.dog.what, self.dog.since = self.outer, time.monotonic()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    die(f"stopped by {signal.Signals(signum).name} (mlx.launch stops every rank once one has failed)", 128 + signum)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """MLX's error when a collective's peer is gone (its ring backend says "[ring] ...")."""
+    return isinstance(e, RuntimeError) and "[ring]" in str(e) or isinstance(e, Diverged)
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+class DistributedPipeline(Pipeline):
+    """A Pipeline whose calls run on every rank of the group, in step.
+
+    Mode auto's calibration measures one process, so here `auto` runs mirror (ar without a draft) and knobs
+    not given are the paper's (κ=8, γ=7, ℓ_e = the adapter's layer or N/2), said in `stats.why`. An
+    unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
+
+    group: mx.distributed.Group
+    watchdog: Watchdog
+
+    def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
+        mode = kwargs.get("mode", "auto")
+        why = []
+        if mode == "auto":
+            mode = kwargs["mode"] = "mirror" if self.draft is not None else "ar"
+            why.append(f"auto: {mode} (across ranks auto does not calibrate)")
+        if mode in ("mirror", "sd"):
+            for knob, value in PAPER_KNOBS.items():
+                if kwargs.get(knob) is None:
+                    kwargs[knob] = value
+                    why.append(f"{knob} {value} (the paper's)")
+        if kwargs.get("seed") is None and (kwargs.get("temperature") or kwargs.get("sampler") is not None):
+            with self.watchdog.waiting("rank 0's seed"):
+                kwargs["seed"] = share([random.getrandbits(31)], 1, self.group)[0]
+        given = kwargs.get("prompt_progress_callback")
+
+        def progress(done: int, total: int) -> None:  # a long prefill is progress, not a stall
+            self.watchdog.beat()
+            if given is not None:
+                given(done, total)
+
+        kwargs["prompt_progress_callback"] = progress
+        ids, opts, run = super().prepare(prompt, prompt_cache, **kwargs)
+        if why:
+            opts = replace(opts, why="; ".join(why))
+        return ids, opts, run
+
+    def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
+        """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
+        steps = super()._chunks(*args, **kwargs)
+        try:
+            while True:
+                with self.watchdog.waiting("a step of the other ranks"):
+                    try:
+                        chunk = next(steps)
+                    except StopIteration:
+                        return
+                yield chunk
+        except BaseException as e:
+            if lost_peer(e):
+                die(f"lost a rank of the group ({e}): stopping")
+            raise
+        finally:
+            steps.close()
+
+
+def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None,
+         exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False,
+         g: Optional[mx.distributed.Group] = None) -> DistributedPipeline:
+    """`mirror_mlx.load` on every rank of the launcher's group: this rank's shard of the target (mlx-lm's
+    `sharded_load`), the draft host on rank 0 only. Every rank must then make the same calls."""
+    from mlx_lm.utils import sharded_load
+
+    from .loading import check_vocabulary, resolve_model
+
+    g = g or group()
+    if g is None:
+        raise ValueError("no distributed group: start every rank with mlx.launch (e.g. `mlx.launch -n 2 "
+                         "--backend ring -- python -m mirror_mlx generate ...`)")
+    if adapter_path is not None:
+        check_adapter_path(adapter_path)
+        raise ValueError("adapter_path is not supported across ranks (as mlx-lm's sharded loading): fuse the "
+                         "adapter into the model first (mlx_lm.fuse)")
+    if str(exit_adapter).lower() == "none":
+        exit_adapter = None
+    folder = resolve_model(model)
+    config = dict(tokenizer_config or {}, trust_remote_code=trust_remote_code)
+    try:
+        target, tokenizer = sharded_load(str(folder), tokenizer_config=config, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"cannot shard {model} over {g.size()} ranks: {e}") from None
+    check_vocabulary(target, tokenizer, folder)
+    draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
+    adapter = None
+    if exit_adapter is not None:
+        from mlx_lm.utils import load_model
+
+        from .exit_adapter import load_adapters
+
+        # checked against the whole model's fingerprint (a shard's shapes differ); lazy: only what it reads
+        adapter = load_adapters(exit_adapter, load_model(folder, lazy=True, strict=False)[0])
+    watchdog = Watchdog(float(os.environ.get(TIMEOUT_ENV, "120")))
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # mlx.launch stops the others with SIGTERM when one fails
+        signal.signal(sig, _on_signal)
+    rank = g.rank()
+    pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
+    pipe.group, pipe.watchdog = g, watchdog
+    engine = pipe.engine
+    engine.local_build = None  # sd drafts through the host too: rank 0's window must reach every rank
+    if draft is not None:
+        if rank == 0:
+            engine.host = SharedHost(engine.host, g, watchdog)
+        else:
+            from .engine import draft_context
+
+            pipe.draft = engine.draft = draft
+            engine.draft_context = draft_context(draft)
+            engine.host = MirrorHost(g, engine.vocab_size, watchdog)
+    return pipe
+
+
+def quiet_other_ranks() -> None:
+    """The command line on ranks > 0: nothing on stdout or stderr but `die`'s line (rank 0 prints and serves)."""
+    g = group()
+    if g is None or g.rank() == 0:
+        return
+    devnull = open(os.devnull, "w")
+    sys.stdout = sys.stderr = devnull
+
+    def hook(kind, value, tb) -> None:
+        os.write(2, f"mirror-mlx: rank {g.rank()}: {kind.__name__}: {value}\n".encode())
+
+    sys.excepthook = hook
