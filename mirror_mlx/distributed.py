@@ -282,13 +282,17 @@ class DistributedPipeline(Pipeline):
 
     group: mx.distributed.Group
     watchdog: Watchdog
+    split = "tensor"  # or "pipeline": mlx-lm's split by layers, for families without model.shard
 
     def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
         mode = kwargs.get("mode", "auto")
         why = []
         if mode == "auto":
-            mode = kwargs["mode"] = "mirror" if self.draft is not None else "ar"
+            mode = kwargs["mode"] = "ar" if self.draft is None else "sd" if self.split == "pipeline" else "mirror"
             why.append(f"auto: {mode} (across ranks auto does not calibrate)")
+        if mode == "mirror" and self.split == "pipeline":
+            raise ValueError("mode 'mirror' needs the early exit on every rank, and this family is split by layers "
+                             "across ranks (mlx-lm's pipeline: the exit layer lives on one rank): use mode='sd'")
         if mode in ("mirror", "sd"):
             for knob, value in PAPER_KNOBS.items():
                 if kwargs.get(knob) is None:
@@ -371,6 +375,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     rank = g.rank()
     pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
     pipe.group, pipe.watchdog = g, watchdog
+    pipe.split = "tensor" if hasattr(target, "shard") else "pipeline"  # (sharded_load's own preference)
     engine = pipe.engine
     engine.local_build = None  # sd drafts through the host too: rank 0's window must reach every rank
     if draft is not None:
