@@ -155,11 +155,11 @@ def rank_pid(pids: list[int], rank: int) -> int:
     raise AssertionError(f"no rank {rank} among {pids}")
 
 
-def started_generating(tmp: Path) -> subprocess.Popen:
+def started_generating(tmp: Path, **env: str) -> subprocess.Popen:
     """`mirror-mlx generate` of the demo pair on 2 ranks, once rank 0 has printed its first text."""
     import select
 
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1", **env)
     proc = subprocess.Popen(LAUNCH + ["--", sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", "400",
                                       "--mode", "mirror", "--kappa", "4", "--gamma", "3", "--exit-layer", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True,
@@ -171,27 +171,36 @@ def started_generating(tmp: Path) -> subprocess.Popen:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
-@pytest.mark.parametrize("how", ["rank 1 killed", "Ctrl-C"])
-def test_a_rank_lost_or_ctrl_c_ends_every_rank_leaving_no_process_and_no_segment(tmp_path, how):
-    proc = started_generating(tmp_path)
+@pytest.mark.parametrize("how", ["rank 1 killed", "rank 1 stalled", "Ctrl-C"])
+def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and_no_segment(tmp_path, how):
+    proc = started_generating(tmp_path, MIRROR_MLX_DIST_TIMEOUT="5")
     procs = descendants(proc.pid)
+    rank0, rank1 = rank_pid(procs, 0), rank_pid(procs, 1)
     t0 = time.monotonic()
-    if how == "Ctrl-C":  # as a terminal sends it: to the launcher's whole process group
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        os.kill(rank_pid(procs, 1), signal.SIGKILL)
     try:
+        if how == "Ctrl-C":  # as a terminal sends it: to the launcher's whole process group
+            os.killpg(proc.pid, signal.SIGINT)
+        elif how == "rank 1 killed":
+            os.kill(rank1, signal.SIGKILL)
+        else:  # alive but silent: rank 0's watchdog ends it, then rank 1 (resumed) ends on its own
+            os.kill(rank1, signal.SIGSTOP)
+            while alive(rank0) and time.monotonic() - t0 < 30:
+                time.sleep(0.1)
+            os.kill(rank1, signal.SIGCONT)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
             os.killpg(proc.pid, signal.SIGKILL)
     assert time.monotonic() - t0 < 30, err  # (mlx.launch itself exits 0 when it stopped the ranks)
     if how == "Ctrl-C":  # each rank ends as one process does on Ctrl-C (130), or on its lost peer (one line)
         assert "rank 0 exited with code" in err and "rank 1 exited with code" in err, err
         assert "Traceback" not in err.split("KeyboardInterrupt")[-1], err  # (mlx.launch's own comes first)
-    else:  # rank 0 ends on the lost peer, or on the launcher's SIGTERM, whichever comes first: one line
+    else:  # rank 0 ends on the lost peer, the launcher's SIGTERM or its watchdog, whichever comes first: one line
         said = [line for line in err.splitlines() if line.startswith("mirror-mlx: rank 0: ")]
         assert len(said) == 1, err
+        if how == "rank 1 stalled":
+            assert "no answer from the other ranks in 5 s" in said[0], err
     deadline = time.monotonic() + 10
     while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
