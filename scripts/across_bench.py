@@ -1,0 +1,103 @@
+"""Across Macs on loopback: ar, sd and mirror in one process and on 2 ranks (mlx.launch --backend ring), in
+one run, plus T_comm: the ring's all_sum of a forward's rows (rows × hidden float32) by row count.
+
+`python scripts/across_bench.py [--tokens 64] [--prompts 3]` prints a markdown table (BENCHMARKS.md). It runs
+the single-process half, then itself under `mlx.launch -n 2 --backend ring`. Timings on a shared box
+are noisy: the load average is printed beside them.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mirror_mlx import distributed  # noqa: E402
+from mirror_mlx.demo_pair import DRAFT, EXIT_ADAPTER, TARGET  # noqa: E402
+
+MODES = {"ar": {}, "sd": dict(gamma=3), "mirror": dict(kappa=4, gamma=3, exit_layer=2)}
+
+
+def measure(pipe, prompts: list[str], tokens: int) -> dict:
+    out = {}
+    for mode, knobs in MODES.items():
+        pipe.generate(prompts[0], max_tokens=8, mode=mode, stop=False, **knobs)  # warm
+        n, t, fwd = 0, 0.0, 0
+        for p in prompts:
+            r = pipe.generate(p, max_tokens=tokens, mode=mode, stop=False, **knobs)
+            n, t, fwd = n + len(r.tokens), t + r.stats.decode_seconds, fwd + r.stats.target_forwards
+        out[mode] = dict(tok_s=n / t, ms_per_forward=1e3 * t / fwd, tokens_per_forward=n / fwd)
+    return out
+
+
+def t_comm(hidden: int, rows=(1, 4, 8, 16, 32), reps: int = 30) -> dict:
+    import mlx.core as mx
+
+    out = {}
+    for r in rows:
+        x = mx.ones((r, hidden))
+        mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
+        out[r] = 1e3 * (time.perf_counter() - t0) / reps
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=3)
+    args = ap.parse_args()
+    from mirror_mlx.prompts import tinystories
+
+    prompts = [p.text for p in tinystories()[: args.prompts]]
+    if distributed.group() is not None:  # a rank
+        pipe = distributed.load(TARGET, DRAFT, EXIT_ADAPTER)
+        try:
+            got = measure(pipe, prompts, args.tokens)
+        finally:
+            pipe.close()
+        comm = t_comm(pipe.model.args.hidden_size)
+        if distributed.group().rank() == 0:
+            print(json.dumps(dict(modes=got, t_comm_ms=comm, layers=len(pipe.model.layers))), flush=True)
+        return
+    import mirror_mlx
+
+    load0 = os.getloadavg()
+    pipe = mirror_mlx.load()
+    try:
+        single = measure(pipe, prompts, args.tokens)
+    finally:
+        pipe.close()
+    run = subprocess.run([str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring", "--",
+                          sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)],
+                         capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("{")), None)
+    if line is None:
+        sys.exit(f"the 2-rank run printed no result:\n{run.stderr[-2000:]}")
+    dist = json.loads(line)
+    load1 = os.getloadavg()
+    print(f"demo pair (stories260K + llama2xs, exit adapter ℓe=2), {len(prompts)} openings × {args.tokens} tokens, "
+          f"greedy; load average {load0[0]:.2f} before, {load1[0]:.2f} after\n")
+    print("| mode | 1 process tok/s | 2 ranks tok/s | 1 process ms/forward | 2 ranks ms/forward | tokens/forward |")
+    print("|---|---|---|---|---|---|")
+    for mode in MODES:
+        a, b = single[mode], dist["modes"][mode]
+        print(f"| {mode} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | {a['ms_per_forward']:.1f} | {b['ms_per_forward']:.1f} "
+              f"| {b['tokens_per_forward']:.2f} |")
+    print("\nT_comm, one all_sum of rows × hidden float32 on 2 ranks (a forward makes 2 per layer, "
+          f"{dist['layers']} layers):\n")
+    print("| rows | " + " | ".join(dist["t_comm_ms"]) + " |")
+    print("|---|" + "---|" * len(dist["t_comm_ms"]))
+    print("| ms | " + " | ".join(f"{v:.2f}" for v in dist["t_comm_ms"].values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
