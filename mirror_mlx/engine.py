@@ -343,12 +343,16 @@ class Engine:
         mode = opts.mode if self.draft_failure is None else "ar"
         # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
         given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
-        stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
-        stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
-        stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
+        exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         local = mode == "sd" and self.local_build is not None
-        if mode != "ar":
-            stats.draft_host = "in-process" if local else "process" if self.host.process else "thread"
+        host = "" if mode == "ar" else "in-process" if local else "process" if self.host.process else "thread"
+        ran, left = mode, ""  # what Stats calls the mode (ar only if the draft never ran), why it was left
+
+        def record() -> Stats:
+            """A fresh record for the next step's facts, with what describes the generation as it stands."""
+            return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
+                         why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left)
+
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
@@ -357,9 +361,11 @@ class Engine:
         mx.reset_peak_memory()
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
-        t0 = t_decode = time.perf_counter()
+        t0 = mark = time.perf_counter()
+        stats = record()  # the first step's record carries the prefill
+        stats.prompt_tokens = given
         failed: list[BaseException] = []
-        committed, produced = list(prompt), 0
+        committed, produced, steps = list(prompt), 0, 0
         run = self.loop.run
         # in a prefill or a step: the target's cache may hold rows that `cached` does not list yet
         stepping = True
@@ -380,18 +386,17 @@ class Engine:
                         self.host.wait_done(opts.draft_timeout)
                 except Exception as e:  # the draft cannot even prefill: the target alone, visibly
                     self._drop_draft(e, stats)
-                    mode = stats.mode = "ar"
+                    mode = ran = stats.mode = "ar"
             stats.prefill_seconds = time.perf_counter() - t0
-            t_decode = time.perf_counter()
+            mark = time.perf_counter()
             stepping = False
             window = None
             if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
                 window = run(self._timed_rollout(committed, opts, stats)) if opts.max_tokens > 1 else []
                 if window is None:
-                    mode = stats.mode = "ar"
+                    mode = ran = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
-                before = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
                 budget = opts.max_tokens - produced
                 if mode == "mirror" and self.draft_failure is None:
                     if budget == 1:  # the step commits the pending row's token whatever the window proposes
@@ -404,8 +409,8 @@ class Engine:
                     ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
                     stats.suffix_seconds += time.perf_counter() - s0
                     new = ys[:1]
-                stats.target_forwards += 1
-                stats.steps += 1
+                stats.target_forwards = stats.steps = 1
+                steps += 1
                 drafted = len(new) - 1  # every step commits accepted draft tokens, then one of the target's
                 new = new[: opts.max_tokens - produced]
                 stop = next((i for i, t in enumerate(new) if t in opts.stop_tokens), None)
@@ -413,26 +418,27 @@ class Engine:
                     new = new[: stop + 1]
                 committed += new
                 produced += len(new)
-                stats.generation_tokens = produced
-                after = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
-                step = Step(new, [i < drafted for i in range(len(new))], after[0] - before[0], after[1] - before[1],
-                            after[2] > before[2], after[3] > before[3], stats, self.target.logprobs[: len(new)])
+                stats.generation_tokens = len(new)
+                step = Step(new, [i < drafted for i in range(len(new))], stats.proposed, stats.accepted,
+                            stats.reuses > 0, stats.fallbacks > 0, stats, self.target.logprobs[: len(new)])
                 if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
                     why = leave_draft(step)
                     if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
-                        mode, stats.left_draft = "ar", f"after step {stats.steps}: {why}"
-                stats.decode_seconds = time.perf_counter() - t_decode
+                        mode, left = "ar", f"after step {steps}: {why}"
+                        stats.left_draft = left
+                now = time.perf_counter()
+                stats.decode_seconds, mark = now - mark, now
+                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
                 stepping = False
                 yield step
                 if stop is not None:
                     break
+                stats = record()
         finally:
             if prompt_cache is not None:  # back to the caller: every committed token, or (cut) the rows known right
                 self.target_worker.call(self.target.release, None if stepping else committed)
             elif stepping:  # a prefill or step was cut (an error, a KeyboardInterrupt in a worker): forget the cache
                 self.target_worker.call(self._reset_target)
-            stats.decode_seconds = time.perf_counter() - t_decode
-            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     # --- steps -------------------------------------------------------------------------------------
 
