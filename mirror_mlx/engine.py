@@ -27,28 +27,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
-from .draft import MLXDraft, common_prefix
+from .draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
-from .sampling import row_sampler, sample_rows
+from .sampling import row_sampler
 from .stats import Stats, Step
-from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
+from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
-
-
-def accept(window: Sequence[int], ys: Sequence[int]) -> int:
-    """A: the longest prefix of the window that equals the target's own tokens."""
-    a = 0
-    while a < len(window) and window[a] == ys[a]:
-        a += 1
-    return a
 
 
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
@@ -67,111 +58,6 @@ def note_window(stats: Stats, offered: int, accepted: int) -> None:
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
-
-
-class TargetSide:
-    """The target's state; every method runs on the target worker thread."""
-
-    def __init__(self, model: nn.Module, adapter: Optional[Callable] = None):
-        self.model = model
-        self.adapter = adapter
-        self.tapped: Optional[EarlyExitTarget] = None
-        self.cache: list[Any] = trimmable_cache(model)
-        self.cached: list[int] = []  # tokens whose keys/values the cache holds (after `base` rows)
-        self.base = 0  # rows before `cached`: a given prompt cache's prefix of unknown tokens
-        self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
-        self._final: Optional[mx.array] = None
-        self._ids: Optional[mx.array] = None
-        self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
-
-    def set_exit_layer(self, exit_layer: int) -> None:
-        if self.tapped is None or self.tapped.exit_layer != exit_layer:
-            if self.tapped is not None:
-                self.tapped.remove()
-            self.tapped = EarlyExitTarget(self.model, exit_layer, adapter_for(self.adapter, exit_layer))
-
-    def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
-        """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
-        (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
-        self.cache, self.cached, self.adopted = cache, list(tokens or []), True
-        self.base = int(cache[0].offset) - len(self.cached)
-
-    def release(self, tokens: Optional[list[int]]) -> None:
-        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
-        last committed token too, which no step ran); with None (a step was cut), only the rows known to be
-        right. Then take a fresh cache: no later call touches the caller's."""
-        for c in self.cache:  # rows a cut forward added and no verify trimmed
-            if c.offset > self.base + len(self.cached):
-                c.trim(c.offset - self.base - len(self.cached))
-        if tokens is not None:
-            self.hold(tokens)
-        mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
-        self.reset()
-
-    def reset(self) -> None:
-        """A fresh, empty cache of our own."""
-        self.cache, self.cached, self.base, self.adopted = trimmable_cache(self.model), [], 0, False
-
-    def hold(self, tokens: Sequence[int], step_size: int = 2048,
-             progress: Optional[Callable[[int, int], None]] = None) -> int:
-        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
-        len(new))` after each chunk of the new ones."""
-        tokens = list(tokens)
-        keep = common_prefix(self.cached, tokens)
-        if keep < len(self.cached):
-            trim_prompt_cache(self.cache, len(self.cached) - keep)
-        new = tokens[keep:]
-        for i in range(0, len(new), step_size):
-            self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            if progress is not None:
-                progress(min(i + step_size, len(new)), len(new))
-        self.cached = tokens
-        return len(new)
-
-    def start(self, prompt: Sequence[int], step_size: int = 2048,
-              progress: Optional[Callable[[int, int], None]] = None) -> int:
-        """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
-        return self.hold(prompt[:-1], step_size, progress)
-
-    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
-               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
-        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once, returns them."""
-        early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
-        ids, _ = top_k(early[0], kappa, exclude)
-        mx.eval(ids)
-        self._ids = ids
-        cand = ids.tolist()
-        post(cand)
-        return cand
-
-    def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
-        """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
-        ys, a, logits = self._verify(self._final, history, window, sampler, processors)
-        probs = mx.softmax(logits[a].astype(mx.float32), axis=-1)
-        omega = mx.take(probs, self._ids[a]).sum().item()
-        self._final = self._ids = None
-        return ys, a, omega
-
-    def verify(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int]:
-        """One plain forward over [pending, window], then verify (sd and ar)."""
-        logits = self.model(mx.array([[history[-1]] + window]), cache=self.cache)
-        ys, a, _ = self._verify(logits, history, window, sampler, processors)
-        return ys, a
-
-    def _verify(self, logits, history, window, sampler, processors):
-        logits = logits[0]
-        ys, self.logprobs = sample_rows(logits, history, window, sampler, processors)
-        mx.eval(self.logprobs)  # (computed along with ys) kept for the committed tokens' Step.logprobs
-        a = accept(window, ys)
-        trim_prompt_cache(self.cache, len(window) - a)
-        self.cached = list(history) + window[:a]
-        return ys, a, logits
-
-    def close(self) -> None:
-        if self.tapped is not None:
-            self.tapped.remove()
-            self.tapped = None
 
 
 def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
@@ -238,7 +124,7 @@ class Engine:
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
-        self.target = self.target_worker.call(TargetSide, target_model, exit_adapter)
+        self.target = self.target_worker.call(TargetSide, target_model)
         self.loop = LoopThread("mirror-scheduler")
         self.host: Optional[DraftHost] = None
         try:
@@ -360,7 +246,8 @@ class Engine:
             self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
         if mode == "mirror":
-            self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
+            self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts),
+                                    adapter_for(self.exit_adapter, self.exit_layer(opts)))
         t0 = mark = time.perf_counter()
         stats = record()  # the first step's record carries the prefill
         stats.prompt_tokens = given

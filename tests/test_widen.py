@@ -223,8 +223,8 @@ def test_widen_exit_refuses_an_adapter_of_another_model(pair, tmp_path):
 
 def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(pair, tmp_path):
     """`--exit-adapter a,b`: a widened adapter (exact at 2, 3) and one for layer 5; ℓ_e picks its own."""
-    from mirror_mlx.engine import TargetSide
-    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
+    from mirror_mlx.exit_adapter import ExitAdapter, adapter_for, adapter_meta, load_adapters, save_adapter
+    from mirror_mlx.target import TargetSide
 
     model, _, wide, _, out = pair
     a = tmp_path / "exit2.safetensors"
@@ -239,9 +239,9 @@ def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(p
         check_layer(both, layer)
     with pytest.raises(ValueError, match="exit layer"):
         check_layer(both, 4)
-    side = TargetSide(wide, both)
+    side = TargetSide(wide)
     for layer, want in ((3, both.for_layer(2)), (5, both.for_layer(5))):
-        side.set_exit_layer(layer)
+        side.set_exit_layer(layer, adapter_for(both, layer))
         assert side.tapped.adapter is want
     side.tapped.remove()
     with pytest.raises(ValueError, match="two exit adapters"):
