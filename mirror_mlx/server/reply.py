@@ -154,7 +154,7 @@ class Generation:
             param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else None
             raise APIError(400, message, param, code) from None
         messages = [text.clean_message(m) for m in req.messages] if req.messages is not None else None
-        self.job = Job(ids, kwargs, messages)
+        self.job = Job(ids, kwargs, messages, logprobs=req.logprobs)
         return self.job
 
     def __iter__(self) -> Iterator[str]:

@@ -43,6 +43,7 @@ class Job:
     ids: list[int]
     kwargs: dict  # Pipeline.stream options, max_tokens included
     messages: Optional[list] = None  # chat: remembered as the pipeline's conversation when it ends
+    logprobs: bool = False  # the handler scores each token's row (else no row is kept)
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)  # committed tokens, an end-of-sequence token included
@@ -200,22 +201,29 @@ class Scheduler:
                 self._inbox.clear()
                 closed = self._closed
             if closed:
-                for job in list(self.waiting) + ([self.solo] if self.solo else []) + list(self.batch.values()):
-                    self._end(job, APIError(503, "the server is shutting down", kind="server_error",
-                                            code="shutting_down"))
-                self.waiting.clear()
-                self.solo, self.batch = None, {}
-                self._close_batch()
+                self._abandon(APIError(503, "the server is shutting down", kind="server_error", code="shutting_down"))
                 return
             try:
                 self._tick()
             except Exception as e:  # a bug of ours: every job in flight gets it, the server keeps serving
                 self.note(f"scheduler failed: {traceback.format_exc().rstrip()}")
-                for job in ([self.solo] if self.solo else []) + list(self.batch.values()):
-                    self._end(job, e)
-                self.solo, self.batch = None, {}
-                self._close_batch()
+                self._abandon(e, waiting=False)
                 self._reset_engine()
+
+    def _abandon(self, error: BaseException, waiting: bool = True) -> None:
+        """End the jobs in flight (and those waiting) with `error`; the pipeline's stream is closed first."""
+        if self.solo is not None and self.solo.stream is not None:
+            try:
+                self.solo.stream.close()
+            except Exception:  # noqa: BLE001 - it failed already; the job gets `error`
+                pass
+        jobs = ([self.solo] if self.solo else []) + list(self.batch.values()) + (list(self.waiting) if waiting else [])
+        for job in jobs:
+            self._end(job, error)
+        if waiting:
+            self.waiting.clear()
+        self.solo, self.batch = None, {}
+        self._close_batch()
 
     def _tick(self) -> None:
         self._drop_cancelled()
@@ -460,6 +468,10 @@ class Scheduler:
     def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int]) -> None:
         """Committed tokens as a Chunk for the handler, detokenized in the job's own detokenizer."""
         job.generated += ids
+        if job.logprobs:
+            mx.eval(rows)  # (made on this thread: the handler's thread cannot evaluate this thread's graph)
+        else:
+            rows = [None] * len(ids)
         shown = [(t, d, r) for t, d, r in zip(ids, from_draft, rows) if t != stop]
         texts = []
         for t, _, _ in shown:
