@@ -102,7 +102,7 @@ def test_a_request_joins_a_running_batch(server, client, alone):
 
 def test_a_speculating_request_moves_into_the_batch_and_back(server, client, alone):
     want = [alone(PROMPTS[0], 200), alone(PROMPTS[3], 20)]
-    events, first = stream_first(client, PROMPTS[0], 120)
+    events, first = stream_first(client, PROMPTS[0], 200)
     parts = [first] + [next(iter(events)).choices[0].text for _ in range(2)]  # speculating alone meanwhile
     h = health(server[0])["scheduler"]
     other = client.completions.create(model="stories260K", prompt=PROMPTS[3], max_tokens=20)
