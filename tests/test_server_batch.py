@@ -31,14 +31,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def alone(client):
-    """Each request's text run alone (nothing else active), computed once per (prompt, max_tokens, extra)."""
+    """Each request's text run alone (nothing else active; the target alone, mode ar, which every mode equals
+    token for token), computed once per (prompt, max_tokens, extra)."""
     done: dict = {}
 
     def text(prompt: str, max_tokens: int, **extra) -> str:
         key = (prompt, max_tokens, tuple(sorted(extra.items())))
         if key not in done:
-            r = client.completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens, **extra)
-            assert r.model_extra["x_mirror"]["regimes"] == ["mirror"], r.model_extra["x_mirror"]  # it ran alone
+            r = client.completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens,
+                                          extra_body={"mode": "ar"}, **extra)
+            assert r.model_extra["x_mirror"]["regimes"] == ["ar"], r.model_extra["x_mirror"]  # it ran alone
             done[key] = r.choices[0].text
         return done[key]
 
@@ -89,9 +91,9 @@ def test_concurrent_requests_are_batched_and_equal_their_texts_alone(server, cli
 
 
 def test_a_request_joins_a_running_batch(server, client, alone):
-    want = [alone(PROMPTS[0], 120), alone(PROMPTS[1], 120), alone(PROMPTS[2], 24)]
-    a, a0 = stream_first(client, PROMPTS[0], 120)
-    b, b0 = stream_first(client, PROMPTS[1], 120)
+    want = [alone(PROMPTS[0], 300), alone(PROMPTS[1], 300), alone(PROMPTS[2], 24)]
+    a, a0 = stream_first(client, PROMPTS[0], 300)
+    b, b0 = stream_first(client, PROMPTS[1], 300)
     wait_for(lambda: health(server[0])["regime"] == "batch" and health(server[0])["active"] == 2)
     joins = health(server[0])["scheduler"]["joins"]
     r = client.completions.create(model="stories260K", prompt=PROMPTS[2], max_tokens=24)
@@ -101,28 +103,29 @@ def test_a_request_joins_a_running_batch(server, client, alone):
 
 
 def test_a_speculating_request_moves_into_the_batch_and_back(server, client, alone):
-    want = [alone(PROMPTS[0], 200), alone(PROMPTS[3], 20)]
-    events, first = stream_first(client, PROMPTS[0], 200)
+    want = [alone(PROMPTS[0], 300), alone(PROMPTS[3], 20)]
+    events, first = stream_first(client, PROMPTS[0], 300)
     parts = [first] + [next(iter(events)).choices[0].text for _ in range(2)]  # speculating alone meanwhile
     h = health(server[0])["scheduler"]
     other = client.completions.create(model="stories260K", prompt=PROMPTS[3], max_tokens=20)
     assert other.model_extra["x_mirror"]["regimes"] == ["batch"]
     text, stats = rest(events, parts)
     assert stats["regimes"] == ["mirror", "batch", "mirror"], stats["regimes"]  # into the batch, and back
-    assert 0 < stats["batched_tokens"] < 200 and stats["mode"] == "mirror"
+    assert 0 < stats["batched_tokens"] < 300 and stats["mode"] == "mirror"
     after = health(server[0])["scheduler"]
     assert after["moves_in"] == h["moves_in"] + 1 and after["moves_out"] == h["moves_out"] + 1
     assert [text, other.choices[0].text] == want
 
 
 def test_a_client_that_disconnects_mid_batch_frees_its_slot(server, client, alone):
-    want = alone(PROMPTS[1], 120)
-    keep, k0 = stream_first(client, PROMPTS[1], 120)
+    want = alone(PROMPTS[1], 300)
+    keep, k0 = stream_first(client, PROMPTS[1], 300)
     gone, _ = stream_first(client, PROMPTS[2], 400)
     wait_for(lambda: health(server[0])["active"] == 2 and health(server[0])["regime"] == "batch")
     before = health(server[0])
     gone.close()  # the client goes away mid-batch
     wait_for(lambda: health(server[0])["scheduler"]["freed"] == before["scheduler"]["freed"] + 1)
     h = health(server[0])
+    assert h["scheduler"]["freed_in_batch"] == before["scheduler"]["freed_in_batch"] + 1  # freed from the batch
     assert h["disconnected"] == before["disconnected"] + 1 and h["active"] <= 1
     assert rest(keep, [k0])[0] == want  # the other request is not disturbed

@@ -1,4 +1,4 @@
-"""HTTP: the server, its FIFO of requests, origins, and each connection's handler."""
+"""HTTP: the server, origins, and each connection's handler (the scheduler decodes: scheduler.py)."""
 
 import json
 import logging

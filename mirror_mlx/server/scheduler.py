@@ -58,6 +58,7 @@ class Job:
     detok: Any = None
     said: list[str] = field(default_factory=list)  # the text so far
     t0: float = field(default_factory=time.perf_counter)
+    t_decode: Optional[float] = None  # when it began decoding (alone or batched)
 
     @property
     def max_tokens(self) -> int:
@@ -68,14 +69,18 @@ class Job:
         return self.kwargs.get("mode", "auto") != "auto"
 
     def note(self, regime: str) -> None:
+        if self.t_decode is None:
+            self.t_decode = time.perf_counter()
         if not self.regimes or self.regimes[-1] != regime:
             self.regimes.append(regime)
 
     def x_stats(self) -> dict:
         """What the reply's x_mirror says: the last run alone's stats (if any) and the regimes."""
-        base = (self.stats or Stats(mode="batch")).as_dict()
-        return dict(base, generation_tokens=len(self.generated), regimes=list(self.regimes),
-                    batched_tokens=self.batched_tokens)
+        out = dict((self.stats or Stats(mode="batch")).as_dict(), generation_tokens=len(self.generated),
+                   regimes=list(self.regimes), batched_tokens=self.batched_tokens)
+        if self.batched_tokens and self.t_decode is not None:  # its own rate over both regimes
+            out["tokens_per_second"] = len(self.generated) / max(1e-9, time.perf_counter() - self.t_decode)
+        return out
 
 
 class Costs:
@@ -144,7 +149,7 @@ class Scheduler:
         self.prompt_concurrency, self.prefill_step_size = prompt_concurrency, prefill_step_size
         self.costs = Costs()
         self.counts = {"solo_steps": 0, "batch_steps": 0, "max_batch": 0, "joins": 0, "moves_in": 0,
-                       "moves_out": 0, "freed": 0}
+                       "moves_out": 0, "freed": 0, "freed_in_batch": 0}
         self.regime = "idle"
         self._cond = threading.Condition()
         self._inbox: deque = deque()
@@ -384,7 +389,8 @@ class Scheduler:
         committed = job.ids + job.generated if committed is None else committed
         held = len(committed) - 1 if cache is not None else 0
         if cache is None and self.prefixes is not None and self.prefixes.lru is not None and not job.generated:
-            cache, rest = self.prefixes.lru.fetch_nearest_cache(self.prefixes.KEY, committed[:-1])
+            cache, rest = self.pipe.engine.target_worker.call(  # (its copy is made on the target's thread)
+                self.prefixes.lru.fetch_nearest_cache, self.prefixes.KEY, committed[:-1])
             held = len(committed) - 1 - len(rest) if cache is not None else 0
             job.cached = job.restored = held
         base = opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
@@ -458,6 +464,7 @@ class Scheduler:
             self.pipe.engine.target_worker.call(self._gen.remove, gone)
             for uid in gone:
                 self.counts["freed"] += 1
+                self.counts["freed_in_batch"] += 1
                 self._end(self.batch.pop(uid))
         for job in [j for j in self.waiting if j.cancelled.is_set()]:
             self.waiting.remove(job)
