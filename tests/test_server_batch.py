@@ -114,6 +114,7 @@ def test_a_speculating_request_moves_into_the_batch_and_back(server, client, alo
     assert 0 < stats["batched_tokens"] < 300 and stats["mode"] == "mirror"
     after = health(server[0])["scheduler"]
     assert after["moves_in"] == h["moves_in"] + 1 and after["moves_out"] == h["moves_out"] + 1
+    assert after["moves_prefilled"] == 0  # each move carried the target's cache over: nothing prefilled again
     assert [text, other.choices[0].text] == want
 
 

@@ -59,6 +59,7 @@ class Job:
     said: list[str] = field(default_factory=list)  # the text so far
     t0: float = field(default_factory=time.perf_counter)
     t_decode: Optional[float] = None  # when it began decoding (alone or batched)
+    told: int = 0  # the scheduler logged that batching `told` requests did not pay
 
     @property
     def max_tokens(self) -> int:
@@ -149,7 +150,8 @@ class Scheduler:
         self.prompt_concurrency, self.prefill_step_size = prompt_concurrency, prefill_step_size
         self.costs = Costs()
         self.counts = {"solo_steps": 0, "batch_steps": 0, "max_batch": 0, "joins": 0, "moves_in": 0,
-                       "moves_out": 0, "freed": 0, "freed_in_batch": 0}
+                       "moves_out": 0, "freed": 0, "freed_in_batch": 0,
+                       "moves_prefilled": 0}  # moves whose cache could not be carried over (none expected)
         self.regime = "idle"
         self._cond = threading.Condition()
         self._inbox: deque = deque()
@@ -251,6 +253,9 @@ class Scheduler:
                     if job.stats and job.stats.decode_seconds else self.costs.solo_rate
                 n = min(1 + len(self.waiting), self.decode_concurrency)
                 pays, why = self.costs.batch_pays(n, rate)
+                if not pays and job.told != n:  # (once per count of waiting requests, not every step)
+                    job.told = n
+                    self.note(f"scheduler: {why}: the others wait for the request decoding alone")
                 if pays:
                     self.note(f"scheduler: {why}: the request decoding alone moves into the batch")
                     self._solo_to_batch(job)
@@ -340,6 +345,7 @@ class Scheduler:
         cache = self.pipe.engine.target_worker.call(self._take_target_cache, committed[:-1])
         self.counts["moves_in"] += 1
         if cache is None:
+            self.counts["moves_prefilled"] += 1
             self.note("scheduler: the engine's cache did not hold the committed tokens: the batch prefills them")
         self._insert(job, cache, committed)
 
@@ -354,20 +360,26 @@ class Scheduler:
     def _batch_to_solo(self, job: Job) -> None:
         """The last request in the batch leaves with its cache; the draft catches up on its tokens."""
         committed = job.ids + job.generated
-        self.pipe.engine.target_worker.call(self._cache_from_batch, job.uid, committed[:-1])
+        if not self.pipe.engine.target_worker.call(self._cache_from_batch, job.uid, committed[:-1]):
+            self.counts["moves_prefilled"] += 1
+            self.note("scheduler: the batch's cache did not hold the committed tokens: the target prefills them")
         del self.batch[job.uid]
         job.uid = None
         self.counts["moves_out"] += 1
         self._start_solo(job, resumed=True)
 
-    def _cache_from_batch(self, uid: int, held: list[int]) -> None:
+    def _cache_from_batch(self, uid: int, held: list[int]) -> bool:
+        """The engine's target cache becomes the batch row's, trimmed to `held` (it holds every committed token:
+        the pending one is the engine's to run). Whether it could."""
         [(cache, tokens)] = self._gen.remove([uid], return_prompt_caches=True).values()
         target = self.pipe.engine.target
         target.reset()
-        if len(tokens) >= len(held) and list(tokens[: len(held)]) == held and all(c.offset == len(tokens) for c in cache):
-            for c in cache:
-                c.trim(c.offset - len(held))
-            target.cache, target.cached = cache, list(held)
+        if len(tokens) < len(held) or list(tokens[: len(held)]) != held or any(c.offset != len(tokens) for c in cache):
+            return False
+        for c in cache:
+            c.trim(c.offset - len(held))
+        target.cache, target.cached = cache, list(held)
+        return True
 
     # --- batched
 
