@@ -37,6 +37,7 @@ TIMEOUT_ENV = "MIRROR_MLX_DIST_TIMEOUT"
 LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # set by mlx.launch (ring, jaccl) and by mpirun
 
 _group: Optional[mx.distributed.Group] = None
+_dying = threading.Lock()
 
 
 def launched() -> bool:
@@ -206,6 +207,8 @@ class Diverged(RuntimeError):
 def die(message: str, code: int = 1) -> None:
     """One line on stderr, every draft host of this process ended and its shared memory unlinked, exit.
     (os._exit: a thread blocked in a collective would keep a normal exit waiting forever.)"""
+    if not _dying.acquire(blocking=False):  # already ending (say, SIGTERM while a lost peer is said): one line
+        return
     rank = _group.rank() if _group is not None else 0
     try:
         os.write(2, f"mirror-mlx: rank {rank}: {message}\n".encode())
@@ -387,6 +390,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
             pipe.draft = engine.draft = draft
             engine.draft_context = draft_context(draft)
             engine.host = MirrorHost(g, engine.vocab_size, watchdog)
+    share([1], 1, g)  # every rank loaded (rank 0 started its draft host): the watchdog times steps from here
     return pipe
 
 
@@ -394,6 +398,8 @@ def quiet_other_ranks() -> None:
     """The command line on ranks > 0: nothing on stdout or stderr but `die`'s line (rank 0 prints and serves)."""
     g = group()
     if g is None or g.rank() == 0:
+        return
+    if os.environ.get("MIRROR_MLX_DIST_VERBOSE") == "1":  # (debugging: every rank prints)
         return
     devnull = open(os.devnull, "w")
     sys.stdout = sys.stderr = devnull

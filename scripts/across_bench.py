@@ -76,7 +76,8 @@ def main() -> None:
         single = measure(pipe, prompts, args.tokens)
     finally:
         pipe.close()
-    run = subprocess.run([str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring", "--",
+    run = subprocess.run([str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
+                          "--starting-port", str(32323 + os.getpid() % 20000), "--",
                           sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)],
                          capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("{")), None)

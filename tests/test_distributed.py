@@ -32,7 +32,25 @@ from tests.leaks import made_in, wait_unlinked
 from tests.models import CONFIGS, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring"]
+
+
+def free_port() -> int:
+    """A port for rank 0 (rank 1 takes the next): each launch its own, as tests run side by side."""
+    import socket
+
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            try:
+                b.bind(("127.0.0.1", a.getsockname()[1] + 1))
+            except OSError:
+                continue
+            return a.getsockname()[1]
+
+
+def launcher() -> list[str]:
+    return [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
+            "--starting-port", str(free_port())]
 TOKENS = 64
 SEEDS = [0]
 KNOBS = {"llama": [(2, 3, 2), (4, 5, 1), (8, 7, 4)], "qwen3": [(1, 2, 2), (3, 4, 1), (8, 6, 2)]}
@@ -40,7 +58,7 @@ KNOBS = {"llama": [(2, 3, 2), (4, 5, 1), (8, 7, 4)], "qwen3": [(1, 2, 2), (3, 4,
 
 def launch(command: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    run = subprocess.run(LAUNCH + ["--"] + command, capture_output=True, text=True, timeout=timeout, env=env,
+    run = subprocess.run(launcher() + ["--"] + command, capture_output=True, text=True, timeout=timeout, env=env,
                          cwd=cwd, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
@@ -160,7 +178,7 @@ def started_generating(tmp: Path, **env: str) -> subprocess.Popen:
     import select
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1", **env)
-    proc = subprocess.Popen(LAUNCH + ["--", sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", "400",
+    proc = subprocess.Popen(launcher() + ["--", sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", "400",
                                       "--mode", "mirror", "--kappa", "4", "--gamma", "3", "--exit-layer", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True,
                             cwd=tmp, start_new_session=True)
@@ -173,7 +191,7 @@ def started_generating(tmp: Path, **env: str) -> subprocess.Popen:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
 @pytest.mark.parametrize("how", ["rank 1 killed", "rank 1 stalled", "Ctrl-C"])
 def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and_no_segment(tmp_path, how):
-    proc = started_generating(tmp_path, MIRROR_MLX_DIST_TIMEOUT="5")
+    proc = started_generating(tmp_path, MIRROR_MLX_DIST_TIMEOUT="10")
     procs = descendants(proc.pid)
     rank0, rank1 = rank_pid(procs, 0), rank_pid(procs, 1)
     t0 = time.monotonic()
@@ -200,7 +218,7 @@ def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and
         said = [line for line in err.splitlines() if line.startswith("mirror-mlx: rank 0: ")]
         assert len(said) == 1, err
         if how == "rank 1 stalled":
-            assert "no answer from the other ranks in 5 s" in said[0], err
+            assert "no answer from the other ranks in 10 s" in said[0], err
     deadline = time.monotonic() + 10
     while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
