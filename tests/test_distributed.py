@@ -173,12 +173,12 @@ def rank_pid(pids: list[int], rank: int) -> int:
     raise AssertionError(f"no rank {rank} among {pids}")
 
 
-def started_generating(tmp: Path, **env: str) -> subprocess.Popen:
+def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.Popen:
     """`mirror-mlx generate` of the demo pair on 2 ranks, once rank 0 has printed its first text."""
     import select
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1", **env)
-    proc = subprocess.Popen(launcher() + ["--", sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", "400",
+    proc = subprocess.Popen(launcher() + ["--", sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", str(tokens),
                                       "--mode", "mirror", "--kappa", "4", "--gamma", "3", "--exit-layer", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True,
                             cwd=tmp, start_new_session=True)
@@ -223,5 +223,28 @@ def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and
     while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"still running: {left}"
+    made = made_in(err)
+    assert made and not wait_unlinked(made), err
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the draft host through /proc")
+def test_a_draft_host_that_dies_is_dropped_on_every_rank_and_the_text_is_still_the_targets(tmp_path):
+    import mirror_mlx
+
+    proc = started_generating(tmp_path, tokens=120)
+    host = next(p for p in descendants(proc.pid) if b"ane_draft.host" in Path(f"/proc/{p}/cmdline").read_bytes())
+    os.kill(host, signal.SIGKILL)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "continuing with the target alone" in err and "exited with code" not in err, err
+    pipe = mirror_mlx.load()
+    try:
+        ref = pipe.generate("Once upon a time", max_tokens=120, mode="ar").text
+    finally:
+        pipe.close()
+    assert out.strip() == ref.strip()
     made = made_in(err)
     assert made and not wait_unlinked(made), err
