@@ -178,10 +178,10 @@ def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.P
     import select
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1", **env)
-    proc = subprocess.Popen(launcher() + ["--", sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", str(tokens),
-                                      "--mode", "mirror", "--kappa", "4", "--gamma", "3", "--exit-layer", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True,
-                            cwd=tmp, start_new_session=True)
+    command = [sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", str(tokens), "--mode", "mirror",
+               "--kappa", "4", "--gamma", "3", "--exit-layer", "2"]
+    proc = subprocess.Popen(launcher() + ["--"] + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, env=env, text=True, cwd=tmp, start_new_session=True)
     if not select.select([proc.stdout], [], [], 180)[0]:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("no text from rank 0 in 180 s")
