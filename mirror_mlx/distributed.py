@@ -288,6 +288,9 @@ class DistributedPipeline(Pipeline):
     split = "tensor"  # or "pipeline": mlx-lm's split by layers, for families without model.shard
 
     def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
+        if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
+            raise ValueError("a prompt cache file cannot be continued across ranks: each rank's cache holds its "
+                             "shard of the keys and values; run without it")
         mode = kwargs.get("mode", "auto")
         why = []
         if mode == "auto":
@@ -373,8 +376,9 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
         # checked against the whole model's fingerprint (a shard's shapes differ); lazy: only what it reads
         adapter = load_adapters(exit_adapter, load_model(folder, lazy=True, strict=False)[0])
     watchdog = Watchdog(float(os.environ.get(TIMEOUT_ENV, "120")))
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # mlx.launch stops the others with SIGTERM when one fails
-        signal.signal(sig, _on_signal)
+    if threading.current_thread() is threading.main_thread():  # (only the main thread may set handlers)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # mlx.launch stops the others with SIGTERM when one fails
+            signal.signal(sig, _on_signal)
     rank = g.rank()
     pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
     pipe.group, pipe.watchdog = g, watchdog
