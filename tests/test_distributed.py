@@ -4,7 +4,7 @@ sharded llama (the demo pair) and a sharded qwen3 (tiny random weights), 8 openi
 (κ, γ, ℓe) settings each; a seeded sample equals the single-process one; both ranks commit the same
 tokens; a rank killed mid-generation ends the run with one line, no process and no shared memory left.
 
-Both families run in one launcher run (tests/distributed_run.py runs every case on every rank). The ring's
+Each family is one launcher run (tests/distributed_run.py runs every case on every rank). The ring's
 collectives cost tens of milliseconds each on a loaded 2-core box (ten per forward of the demo target), so
 each opening runs once, under one of the 3 settings, in mirror or sd by turns; MIRROR_MLX_DIST_FULL=1 runs
 every opening under every setting in both modes.
@@ -93,34 +93,28 @@ def qwen3_pair(tmp: Path) -> tuple[Path, Path]:
     return folders[0], folders[1]
 
 
-@pytest.fixture(scope="module")
-def across(tmp_path_factory):
-    """Both families' cases on 2 ranks, in one launcher run: rank 0's results, checked equal to rank 1's."""
-    tmp = tmp_path_factory.mktemp("across")
-    qwen_target, qwen_draft = qwen3_pair(tmp)
-    families = {"llama": (TARGET, DRAFT, tinystories()[:8]), "qwen3": (qwen_target, qwen_draft, tinystories()[8:16])}
-    spec, refs = {}, {}
-    for family, (target, draft, openings) in families.items():
-        model, tokenizer = load(str(target))
-        prompts = [tokenizer.encode(p.text) for p in openings]
-        spec[family] = dict(target=str(target), draft=str(draft), prompts=prompts, tokens=TOKENS,
-                            cases=cases(family), seeded=SEEDS, unseeded=family == "llama")
-        refs[family] = (model, tokenizer, prompts)
+def across(family: str, tmp: Path) -> tuple:
+    """One family's cases on 2 ranks, in one launcher run: rank 0's results (checked equal to rank 1's), and
+    the single-process model, tokenizer and prompt ids."""
+    if family == "llama":
+        target, draft, openings = TARGET, DRAFT, tinystories()[:8]
+    else:
+        (target, draft), openings = qwen3_pair(tmp), tinystories()[8:16]
+    model, tokenizer = load(str(target))
+    prompts = [tokenizer.encode(p.text) for p in openings]
+    spec = {family: dict(target=str(target), draft=str(draft), prompts=prompts, tokens=TOKENS, cases=cases(family),
+                         seeded=SEEDS, unseeded=family == "llama")}
     (tmp / "spec.json").write_text(json.dumps(spec))
     launch([sys.executable, str(ROOT / "tests" / "distributed_run.py"), str(tmp / "spec.json"), str(tmp)], tmp)
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for family in families:
-        a, b = ranks[0][family], ranks[1][family]
-        assert a["greedy"] == b["greedy"], f"{family}: the ranks committed different tokens"
-        assert a["seeded"] == b["seeded"] and a.get("unseeded") == b.get("unseeded"), family
-    return ranks[0], refs
+    a, b = [json.loads((tmp / f"rank{r}.json").read_text())[family] for r in (0, 1)]
+    assert a["greedy"] == b["greedy"], f"{family}: the ranks committed different tokens"
+    assert a["seeded"] == b["seeded"] and a.get("unseeded") == b.get("unseeded"), family
+    return a, model, tokenizer, prompts
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_sharded_target_mirror_and_sd_equal_mlx_lm_greedy_and_one_process_seeded_sample(across, family):
-    got, refs = across
-    model, tokenizer, prompts = refs[family]
-    got = got[family]
+def test_sharded_target_mirror_and_sd_equal_mlx_lm_greedy_and_one_process_seeded_sample(tmp_path, family):
+    got, model, tokenizer, prompts = across(family, tmp_path)
     for (mode, kappa, gamma, exit_layer, i), out, stats in zip(cases(family), got["greedy"], got["stats"]):
         assert stats[0] == mode and stats[1] is None, stats
         ref = [t for t, _ in generate_step(mx.array(prompts[i]), model, max_tokens=TOKENS)]
