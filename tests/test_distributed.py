@@ -106,7 +106,9 @@ def across(family: str, tmp: Path) -> tuple:
                          seeded=SEEDS, unseeded=family == "llama")}
     (tmp / "spec.json").write_text(json.dumps(spec))
     launch([sys.executable, str(ROOT / "tests" / "distributed_run.py"), str(tmp / "spec.json"), str(tmp)], tmp)
-    a, b = [json.loads((tmp / f"rank{r}.json").read_text())[family] for r in (0, 1)]
+    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["all_sum"] == ranks[1]["all_sum"]  # the ring's sum is the same bits on every rank
+    a, b = ranks[0][family], ranks[1][family]
     assert a["greedy"] == b["greedy"], f"{family}: the ranks committed different tokens"
     assert a["seeded"] == b["seeded"] and a.get("unseeded") == b.get("unseeded"), family
     return a, model, tokenizer, prompts
