@@ -64,6 +64,25 @@ def share(values: Sequence[int], size: int, g: mx.distributed.Group) -> list[int
     return out.tolist()
 
 
+def comm_per_forward(model: Any, g: mx.distributed.Group, rows: Sequence[int] = (1, 4, 8, 16, 32),
+                     reps: int = 20) -> dict[int, float]:
+    """T_comm by row count: seconds of the all_sums one tensor-parallel forward of `rows` rows makes (2 per layer,
+    each rows × hidden), measured alone. Every rank must call it (a collective)."""
+    from .target import text_model
+
+    inner = text_model(model)
+    hidden, layers = inner.args.hidden_size, len(inner.layers)
+    out = {}
+    for r in rows:
+        x = mx.zeros((r, hidden))
+        mx.eval(mx.distributed.all_sum(x, group=g, stream=mx.cpu))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(mx.distributed.all_sum(x, group=g, stream=mx.cpu))
+        out[r] = 2 * layers * (time.perf_counter() - t0) / reps
+    return out
+
+
 def _tail(context: Sequence[int]) -> list[int]:
     return [len(context), context[-1] if len(context) else -1]
 

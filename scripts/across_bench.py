@@ -1,5 +1,5 @@
 """Across Macs on loopback: ar, sd and mirror in one process and on 2 ranks (mlx.launch --backend ring), in
-one run, plus T_comm: the ring's all_sum of a forward's rows (rows × hidden float32) by row count.
+one run, plus T_comm per forward by row count (mirror_mlx.distributed.comm_per_forward).
 
 `python scripts/across_bench.py [--tokens 64] [--prompts 3]` prints a markdown table (BENCHMARKS.md). It runs
 the single-process half, then itself under `mlx.launch -n 2 --backend ring`. Timings on a shared box
@@ -36,20 +36,6 @@ def measure(pipe, prompts: list[str], tokens: int) -> dict:
     return out
 
 
-def t_comm(hidden: int, rows=(1, 4, 8, 16, 32), reps: int = 30) -> dict:
-    import mlx.core as mx
-
-    out = {}
-    for r in rows:
-        x = mx.ones((r, hidden))
-        mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            mx.eval(mx.distributed.all_sum(x, stream=mx.cpu))
-        out[r] = 1e3 * (time.perf_counter() - t0) / reps
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
@@ -64,9 +50,9 @@ def main() -> None:
             got = measure(pipe, prompts, args.tokens)
         finally:
             pipe.close()
-        comm = t_comm(pipe.model.args.hidden_size)
+        comm = {r: 1e3 * t for r, t in distributed.comm_per_forward(pipe.model, distributed.group()).items()}
         if distributed.group().rank() == 0:
-            print(json.dumps(dict(modes=got, t_comm_ms=comm, layers=len(pipe.model.layers))), flush=True)
+            print(json.dumps(dict(modes=got, t_comm_ms=comm)), flush=True)
         return
     import mirror_mlx
 
@@ -93,8 +79,8 @@ def main() -> None:
         a, b = single[mode], dist["modes"][mode]
         print(f"| {mode} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | {a['ms_per_forward']:.1f} | {b['ms_per_forward']:.1f} "
               f"| {b['tokens_per_forward']:.2f} |")
-    print("\nT_comm, one all_sum of rows × hidden float32 on 2 ranks (a forward makes 2 per layer, "
-          f"{dist['layers']} layers):\n")
+    print("\nT_comm per forward by row count: the all_sums of one forward (2 per layer, rows × hidden float32), "
+          "timed alone on 2 ranks:\n")
     print("| rows | " + " | ".join(dist["t_comm_ms"]) + " |")
     print("|---|" + "---|" * len(dist["t_comm_ms"]))
     print("| ms | " + " | ".join(f"{v:.2f}" for v in dist["t_comm_ms"].values()) + " |")

@@ -66,7 +66,8 @@ def launch(command: list[str], cwd: Path, timeout: float = 600) -> subprocess.Co
 
 def cases(family: str) -> list:
     """(mode, κ, γ, ℓe, opening): opening i under setting i mod 3, mirror and sd by turns, so every setting runs
-    both modes; with MIRROR_MLX_DIST_FULL=1, every opening under every setting in both modes (48 runs)."""
+    both modes; with MIRROR_MLX_DIST_FULL=1, every opening under every setting in both modes (48 runs: give
+    pytest --timeout 1800)."""
     knobs = KNOBS[family]
     if os.environ.get("MIRROR_MLX_DIST_FULL") == "1":
         return [(mode, *k, i) for k in knobs for mode in ("mirror", "sd") for i in range(8)]
