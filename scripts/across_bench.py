@@ -52,7 +52,7 @@ def main() -> None:
             pipe.close()
         comm = {r: 1e3 * t for r, t in distributed.comm_per_forward(pipe.model, distributed.group()).items()}
         if distributed.group().rank() == 0:
-            print(json.dumps(dict(modes=got, t_comm_ms=comm)), flush=True)
+            print(json.dumps(dict(modes=got, t_comm_ms=comm, layers=len(pipe.model.layers))), flush=True)
         return
     import mirror_mlx
 
@@ -83,7 +83,9 @@ def main() -> None:
           "timed alone on 2 ranks:\n")
     print("| rows | " + " | ".join(dist["t_comm_ms"]) + " |")
     print("|---|" + "---|" * len(dist["t_comm_ms"]))
-    print("| ms | " + " | ".join(f"{v:.2f}" for v in dist["t_comm_ms"].values()) + " |")
+    print("| ms, one all_sum | " + " | ".join(f"{v / (2 * dist['layers']):.2f}" for v in dist["t_comm_ms"].values())
+          + " |")
+    print("| ms, per forward | " + " | ".join(f"{v:.1f}" for v in dist["t_comm_ms"].values()) + " |")
 
 
 if __name__ == "__main__":
