@@ -346,6 +346,7 @@ class Engine:
         stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
         stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
         stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
+        stats.placement = opts.placement
         local = mode == "sd" and self.local_build is not None
         if mode != "ar":
             stats.draft_host = "in-process" if local else "process" if self.host.process else "thread"

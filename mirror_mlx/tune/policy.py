@@ -37,6 +37,8 @@ class AutoState:
     profile: Optional[profiles.Profile] = None
     key: Optional[dict] = None
     seen: dict[tuple, dict[ConfigKey, Counts]] = field(default_factory=dict)
+    placement_held: str = ""  # a caller pins threads itself (how, in words): placement.py leaves them alone
+    placement_forced: Optional[str] = None  # tune's runs: every generation in this placement (placement.py)
 
 
 @dataclass
