@@ -53,7 +53,7 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "overhead", "draft_hidden", "ideal"}
     assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
     md = (out / "results.md").read_text()
-    assert "| mirror |" in md and "| mlx_sd (k=" in md and "Latency per step" in md
+    assert "| mirror [llama2xs (demo)] (" in md and "| mlx_sd [llama2xs (demo)] (k=" in md and "Latency per step" in md
 
 
 def test_a_wrong_token_fails_the_run_and_names_the_prompt(tmp_path, monkeypatch):

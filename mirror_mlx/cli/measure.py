@@ -99,10 +99,12 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own), auto (the tuned choice); "
                    "ar always runs as reference.")
 @click.option("--temp", type=float, default=BENCH.temp, show_default=True, help="Sampling temperature.")
-@click.option("--kappa", type=int, default=BENCH.kappa, show_default=True, help="Top-κ width at the early exit.")
-@click.option("--gamma", type=int, default=BENCH.gamma, show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--kappa", type=int, default=BENCH.kappa,
+              help="Top-κ width at the early exit [default: mirror's best row in the pair's profile, from tune].")
+@click.option("--gamma", type=int, default=BENCH.gamma,
+              help="Window length γ (mirror and sd) [default: each mode's best row in the pair's profile].")
 @click.option("--exit-layer", type=int, default=BENCH.exit_layer,
-              help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2].")
+              help="Early-exit layer ℓ_e [default: mirror's best row in the profile; the sweep: the adapter's, else N/2].")
 @click.option("--seed", type=int, default=BENCH.seed, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '
