@@ -35,7 +35,7 @@ from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid
 from .placement import candidates
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
-QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
+QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 # Each piece is timed at least `reps` times and at least `min_timed_s` (MIN_TIMED_S; the quick calibration
 # 0.15 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
 # machine (a piece of 100 ms or more costs no extra time).
