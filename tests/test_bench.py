@@ -168,7 +168,7 @@ def test_headline_names_each_rows_draft_and_compares_with_mlx_sds_best_over_draf
 
     md = headline([("defaults", run("llama2xs-8M", 20.0, 25.0, True)), ("defaults", run("ss-8M", 25.0, 30.0, False))])
     lines = md.splitlines()[2:]
-    assert len(lines) == 5  # ar once, mirror and mlx_sd per draft
+    assert len(lines) == 6  # mirror, mlx_sd and ar per draft's run
     mirror_plain = next(x for x in lines if "mirror [llama2xs-8M] (κ=1 γ=3 ℓe=3, cores split)" in x)
     assert "| 25.00 | 1.00 | 2.50 | 1.25 |" in mirror_plain  # against mlx_sd's best (the SS draft's 25), ar 10
     assert any("**mlx_sd [ss-8M] (k=4)** (best)" in x for x in lines)

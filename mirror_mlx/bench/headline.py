@@ -2,7 +2,8 @@
 
 Each row names its setting, its draft, its mode and the knobs and placement it ran; the baseline of a
 (setting, prompt set, temperature) group is mlx-lm's speculative decoding at its best over the drafts
-and k, so "× best mlx_sd" is against the best a user of mlx-lm could pick.
+and k, so "× best mlx_sd" is against the best a user of mlx-lm could pick. "× ar" is against the ar of
+the same run (each run interleaves its modes per prompt, so they share the machine's minutes).
 
     python -m mirror_mlx.bench.headline "Mac analog=bench_out/mac-llama2xs-8M/tinystories-t0" ...
 """
@@ -31,16 +32,13 @@ def headline(runs: list[tuple[str, dict]]) -> str:
     for (setting, prompts, temp), reps in groups.items():
         sds = [(r["summary"]["all"]["mlx_sd"]["tokens_per_s"], r) for r in reps if "mlx_sd" in r["summary"].get("all", {})]
         best_sd, best_rep = max(sds, key=lambda x: x[0]) if sds else (None, None)
-        ars = [r["summary"]["all"]["ar"]["tokens_per_s"] for r in reps if "ar" in r["summary"].get("all", {})]
-        ar = sum(ars) / len(ars) if ars else None
         for rep in reps:
             rows = rep["summary"]["all"]
+            ar = rows["ar"]["tokens_per_s"] if "ar" in rows else None  # this run's own: the same minutes
             load_ = rep["machine"].get("loadavg_start")
             load_s = f"{load_[0]:.1f}" if load_ else "n/a"
             for mode, row in rows.items():
-                if mode == "ar" and rep is not reps[0]:
-                    continue
-                name = label(mode, rep) if mode != "ar" else "ar (mlx-lm)"
+                name = label(mode, rep) if mode != "ar" else f"ar (mlx-lm; run with {rep.get('draft', 'draft')})"
                 if mode == "mlx_sd" and rep is best_rep:
                     name = f"**{name}** (best)"
                 tps = row["tokens_per_s"]
