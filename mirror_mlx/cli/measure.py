@@ -27,7 +27,8 @@ BENCH = BenchConfig()
               help="Each configuration run for real goes round its prompts until it has decoded this long.")
 @click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
 @click.option("--pin", is_flag=True, help="The Mac analog, as `bench --pin`: the target side on one core in every "
-              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too; use its own MIRROR_MLX_CACHE). "
+              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart from the "
+              "unpinned one. "
               "Without it tune measures mirror unpinned and split (target side and draft host on cores of their "
               "own) and auto runs the faster.")
 def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,

@@ -143,5 +143,7 @@ def placed(pipe: Any, opts: Any) -> Iterator[Any]:
 
 
 def hold(pipe: Any, what: str) -> None:
-    """A caller pins threads itself (`what` says how): placement leaves every thread alone from now on."""
+    """A caller pins threads itself (`what` says how): placement leaves every thread alone from now on, and
+    the pair's profile is the one calibrated so (its key says how: policy.pipe_key)."""
     pipe.auto.placement_held = what
+    pipe.auto.key, pipe.auto.profile = None, None

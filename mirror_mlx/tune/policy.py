@@ -71,8 +71,12 @@ def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer
 
 
 def pipe_key(pipe: Any) -> dict:
+    """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
+    profile calibrated pinned never serves generations that are not, nor the other way round."""
     if pipe.auto.key is None:
         pipe.auto.key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+        if pipe.auto.placement_held:
+            pipe.auto.key["placement"] = pipe.auto.placement_held
     return pipe.auto.key
 
 
