@@ -1,6 +1,6 @@
 """The Core ML draft on macOS 15+: the package runs on the Neural Engine inside the draft host.
 
-`MLModel.predict` holds the GIL for the whole call (ecosystem.md §3.6), so the package lives in the
+`MLModel.predict` holds the GIL for the whole call, so the package lives in the
 draft host process (ane_draft/host.py), behind the same ring protocol and host loop as every other
 draft. There the platform-free host code (package_host.PackageDraft) drives the package's `extend` and
 `rollout` functions, loaded with compute units CPU_AND_NE and one shared `make_state()` KV cache.

@@ -15,16 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 
 from .draft_api import Rollout
-from .target import text_model, trimmable_cache
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from .target import common_prefix, text_model, trimmable_cache
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:

@@ -27,28 +27,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
-from .draft import MLXDraft, common_prefix
+from .draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
-from .sampling import row_sampler, sample_rows
+from .sampling import row_sampler
 from .stats import Stats, Step
-from .target import EarlyExitTarget, check_exit_layer, text_model, top_k, trimmable_cache, vocab_size
+from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
-
-
-def accept(window: Sequence[int], ys: Sequence[int]) -> int:
-    """A: the longest prefix of the window that equals the target's own tokens."""
-    a = 0
-    while a < len(window) and window[a] == ys[a]:
-        a += 1
-    return a
 
 
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
@@ -67,111 +58,6 @@ def note_window(stats: Stats, offered: int, accepted: int) -> None:
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
-
-
-class TargetSide:
-    """The target's state; every method runs on the target worker thread."""
-
-    def __init__(self, model: nn.Module, adapter: Optional[Callable] = None):
-        self.model = model
-        self.adapter = adapter
-        self.tapped: Optional[EarlyExitTarget] = None
-        self.cache: list[Any] = trimmable_cache(model)
-        self.cached: list[int] = []  # tokens whose keys/values the cache holds (after `base` rows)
-        self.base = 0  # rows before `cached`: a given prompt cache's prefix of unknown tokens
-        self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
-        self._final: Optional[mx.array] = None
-        self._ids: Optional[mx.array] = None
-        self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
-
-    def set_exit_layer(self, exit_layer: int) -> None:
-        if self.tapped is None or self.tapped.exit_layer != exit_layer:
-            if self.tapped is not None:
-                self.tapped.remove()
-            self.tapped = EarlyExitTarget(self.model, exit_layer, adapter_for(self.adapter, exit_layer))
-
-    def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
-        """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
-        (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
-        self.cache, self.cached, self.adopted = cache, list(tokens or []), True
-        self.base = int(cache[0].offset) - len(self.cached)
-
-    def release(self, tokens: Optional[list[int]]) -> None:
-        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
-        last committed token too, which no step ran); with None (a step was cut), only the rows known to be
-        right. Then take a fresh cache: no later call touches the caller's."""
-        for c in self.cache:  # rows a cut forward added and no verify trimmed
-            if c.offset > self.base + len(self.cached):
-                c.trim(c.offset - self.base - len(self.cached))
-        if tokens is not None:
-            self.hold(tokens)
-        mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
-        self.reset()
-
-    def reset(self) -> None:
-        """A fresh, empty cache of our own."""
-        self.cache, self.cached, self.base, self.adopted = trimmable_cache(self.model), [], 0, False
-
-    def hold(self, tokens: Sequence[int], step_size: int = 2048,
-             progress: Optional[Callable[[int, int], None]] = None) -> int:
-        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
-        len(new))` after each chunk of the new ones."""
-        tokens = list(tokens)
-        keep = common_prefix(self.cached, tokens)
-        if keep < len(self.cached):
-            trim_prompt_cache(self.cache, len(self.cached) - keep)
-        new = tokens[keep:]
-        for i in range(0, len(new), step_size):
-            self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            if progress is not None:
-                progress(min(i + step_size, len(new)), len(new))
-        self.cached = tokens
-        return len(new)
-
-    def start(self, prompt: Sequence[int], step_size: int = 2048,
-              progress: Optional[Callable[[int, int], None]] = None) -> int:
-        """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
-        return self.hold(prompt[:-1], step_size, progress)
-
-    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
-               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
-        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once, returns them."""
-        early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
-        ids, _ = top_k(early[0], kappa, exclude)
-        mx.eval(ids)
-        self._ids = ids
-        cand = ids.tolist()
-        post(cand)
-        return cand
-
-    def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
-        """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
-        ys, a, logits = self._verify(self._final, history, window, sampler, processors)
-        probs = mx.softmax(logits[a].astype(mx.float32), axis=-1)
-        omega = mx.take(probs, self._ids[a]).sum().item()
-        self._final = self._ids = None
-        return ys, a, omega
-
-    def verify(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int]:
-        """One plain forward over [pending, window], then verify (sd and ar)."""
-        logits = self.model(mx.array([[history[-1]] + window]), cache=self.cache)
-        ys, a, _ = self._verify(logits, history, window, sampler, processors)
-        return ys, a
-
-    def _verify(self, logits, history, window, sampler, processors):
-        logits = logits[0]
-        ys, self.logprobs = sample_rows(logits, history, window, sampler, processors)
-        mx.eval(self.logprobs)  # (computed along with ys) kept for the committed tokens' Step.logprobs
-        a = accept(window, ys)
-        trim_prompt_cache(self.cache, len(window) - a)
-        self.cached = list(history) + window[:a]
-        return ys, a, logits
-
-    def close(self) -> None:
-        if self.tapped is not None:
-            self.tapped.remove()
-            self.tapped = None
 
 
 def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
@@ -238,7 +124,7 @@ class Engine:
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
-        self.target = self.target_worker.call(TargetSide, target_model, exit_adapter)
+        self.target = self.target_worker.call(TargetSide, target_model)
         self.loop = LoopThread("mirror-scheduler")
         self.host: Optional[DraftHost] = None
         try:
@@ -343,13 +229,17 @@ class Engine:
         mode = opts.mode if self.draft_failure is None else "ar"
         # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
         given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
-        stats = Stats(mode=mode, prompt_tokens=given, draft_failure=self.draft_failure)
-        stats.chosen_mode, stats.kappa, stats.gamma, stats.why = opts.mode, opts.kappa, opts.gamma, opts.why
-        stats.exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
-        stats.placement = opts.placement
+        exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         local = mode == "sd" and self.local_build is not None
-        if mode != "ar":
-            stats.draft_host = "in-process" if local else "process" if self.host.process else "thread"
+        host = "" if mode == "ar" else "in-process" if local else "process" if self.host.process else "thread"
+        ran, left = mode, ""  # what Stats calls the mode (ar only if the draft never ran), why it was left
+
+        def record() -> Stats:
+            """A fresh record for the next step's facts, with what describes the generation as it stands."""
+            return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
+                         why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
+                         placement=opts.placement)
+
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
@@ -357,10 +247,13 @@ class Engine:
             self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
         if mode == "mirror":
-            self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts))
-        t0 = t_decode = time.perf_counter()
+            self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts),
+                                    adapter_for(self.exit_adapter, self.exit_layer(opts)))
+        t0 = mark = time.perf_counter()
+        stats = record()  # the first step's record carries the prefill
+        stats.prompt_tokens = given
         failed: list[BaseException] = []
-        committed, produced = list(prompt), 0
+        committed, produced, steps = list(prompt), 0, 0
         run = self.loop.run
         # in a prefill or a step: the target's cache may hold rows that `cached` does not list yet
         stepping = True
@@ -381,18 +274,17 @@ class Engine:
                         self.host.wait_done(opts.draft_timeout)
                 except Exception as e:  # the draft cannot even prefill: the target alone, visibly
                     self._drop_draft(e, stats)
-                    mode = stats.mode = "ar"
+                    mode = ran = stats.mode = "ar"
             stats.prefill_seconds = time.perf_counter() - t0
-            t_decode = time.perf_counter()
+            mark = time.perf_counter()
             stepping = False
             window = None
             if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
                 window = run(self._timed_rollout(committed, opts, stats)) if opts.max_tokens > 1 else []
                 if window is None:
-                    mode = stats.mode = "ar"
+                    mode = ran = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
-                before = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
                 budget = opts.max_tokens - produced
                 if mode == "mirror" and self.draft_failure is None:
                     if budget == 1:  # the step commits the pending row's token whatever the window proposes
@@ -405,8 +297,8 @@ class Engine:
                     ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
                     stats.suffix_seconds += time.perf_counter() - s0
                     new = ys[:1]
-                stats.target_forwards += 1
-                stats.steps += 1
+                stats.target_forwards = stats.steps = 1
+                steps += 1
                 drafted = len(new) - 1  # every step commits accepted draft tokens, then one of the target's
                 new = new[: opts.max_tokens - produced]
                 stop = next((i for i, t in enumerate(new) if t in opts.stop_tokens), None)
@@ -414,26 +306,27 @@ class Engine:
                     new = new[: stop + 1]
                 committed += new
                 produced += len(new)
-                stats.generation_tokens = produced
-                after = (stats.proposed, stats.accepted, stats.reuses, stats.fallbacks)
-                step = Step(new, [i < drafted for i in range(len(new))], after[0] - before[0], after[1] - before[1],
-                            after[2] > before[2], after[3] > before[3], stats, self.target.logprobs[: len(new)])
+                stats.generation_tokens = len(new)
+                step = Step(new, [i < drafted for i in range(len(new))], stats.proposed, stats.accepted,
+                            stats.reuses > 0, stats.fallbacks > 0, stats, self.target.logprobs[: len(new)])
                 if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
                     why = leave_draft(step)
                     if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
-                        mode, stats.left_draft = "ar", f"after step {stats.steps}: {why}"
-                stats.decode_seconds = time.perf_counter() - t_decode
+                        mode, left = "ar", f"after step {steps}: {why}"
+                        stats.left_draft = left
+                now = time.perf_counter()
+                stats.decode_seconds, mark = now - mark, now
+                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
                 stepping = False
                 yield step
                 if stop is not None:
                     break
+                stats = record()
         finally:
             if prompt_cache is not None:  # back to the caller: every committed token, or (cut) the rows known right
                 self.target_worker.call(self.target.release, None if stepping else committed)
             elif stepping:  # a prefill or step was cut (an error, a KeyboardInterrupt in a worker): forget the cache
                 self.target_worker.call(self._reset_target)
-            stats.decode_seconds = time.perf_counter() - t_decode
-            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     # --- steps -------------------------------------------------------------------------------------
 

@@ -84,8 +84,9 @@ class Detokenizer:
         self.detok, self.opts, self.produced = tokenizer.detokenizer, opts, 0
         self.detok.reset()
 
-    def chunk(self, step: Step) -> Chunk:
-        new, s, detok = step.tokens, step.stats, self.detok
+    def chunk(self, step: Step, s: Stats) -> Chunk:
+        """`s`: the generation's stats so far, this step's included."""
+        new, detok = step.tokens, self.detok
         self.produced += len(new)
         stop = next((t for t in new if t in self.opts.stop_tokens), None)
         rows = [None] * len(new) if step.logprobs is None else [step.logprobs[i] for i in range(len(new))]
@@ -286,14 +287,15 @@ class Pipeline:
     def _chunks(self, tokens: list[int], opts: DecodeOptions, run: Optional[AutoRun],
                 prompt_cache: Optional[PromptCache] = None, hold: bool = False) -> Iterator[Chunk]:
         """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
-        the caller holds it). `stats` is this generation's from its first step on."""
+        the caller holds it). `stats` is the sum of this generation's step records so far."""
         with self._turn() if hold else nullcontext(), placed(self, opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
             detok = Detokenizer(self.tokenizer, opts)
+            self.stats = Stats(mode=opts.mode)
             try:
                 for step in steps:
-                    self.stats = step.stats
-                    yield detok.chunk(step)
+                    self.stats = self.stats + step.stats
+                    yield detok.chunk(step, self.stats)
             finally:
                 steps.close()
                 if run is not None:

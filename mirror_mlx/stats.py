@@ -104,7 +104,8 @@ _LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft", "
 class Step:
     """What one step committed, with its facts (as mlx-lm's speculative_generate_step yields each token with
     `from_draft`): the tokens, which of them the draft proposed, and how the step's window fared.
-    `stats` is this generation's running totals (its own object: nothing is shared between generations)."""
+    `stats` holds this step's own counts and seconds (the first step's also the prefill's) and what describes
+    the generation as it stands; a generation's Stats is the sum of its steps' (`Stats.__add__`)."""
 
     tokens: list[int]
     from_draft: list[bool]

@@ -1,18 +1,20 @@
-"""The target with an early-exit tap: one forward gives the logits at layer ℓ_e and at layer N.
+"""The target side: an early-exit tap (one forward gives the logits at layer ℓ_e and at layer N), top-κ,
+and `TargetSide`, the target's cache and the forwards of a step, run on the target's thread.
 
 No per-architecture code. Block ℓ_e's class is swapped for a subclass that records its output, and
 the early head reuses the model's own final norm + head code by calling the outer model with an
-inner model whose `__call__` only normalises the recorded state (ecosystem.md §1.3). Tied or
+inner model whose `__call__` only normalises the recorded state. Tied or
 untied heads, logit soft-caps and logit scaling all come along for free.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
 from .options import default_exit_layer
+from .sampling import sample_rows
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -146,3 +148,125 @@ def top_k(logits: mx.array, k: int, exclude: Optional[list[int]] = None) -> tupl
     order = mx.argsort(-mx.take_along_axis(scores, ids, axis=-1), axis=-1)
     ids = mx.take_along_axis(ids, order, axis=-1)
     return ids, mx.take_along_axis(logprobs, ids, axis=-1)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def accept(window: Sequence[int], ys: Sequence[int]) -> int:
+    """A: the longest prefix of the window that equals the target's own tokens."""
+    a = 0
+    while a < len(window) and window[a] == ys[a]:
+        a += 1
+    return a
+
+
+class TargetSide:
+    """The target's state; every method runs on the target worker thread."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.tapped: Optional[EarlyExitTarget] = None
+        self.cache: list[Any] = trimmable_cache(model)
+        self.cached: list[int] = []  # tokens whose keys/values the cache holds (after `base` rows)
+        self.base = 0  # rows before `cached`: a given prompt cache's prefix of unknown tokens
+        self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
+        self._final: Optional[mx.array] = None
+        self._ids: Optional[mx.array] = None
+        self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
+
+    def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
+        """Tap block ℓ_e, with `head` (the exit adapter's, for that layer) before the model's own head."""
+        if self.tapped is None or self.tapped.exit_layer != exit_layer or self.tapped.adapter is not head:
+            if self.tapped is not None:
+                self.tapped.remove()
+            self.tapped = EarlyExitTarget(self.model, exit_layer, head)
+
+    def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
+        """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
+        (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
+        self.cache, self.cached, self.adopted = cache, list(tokens or []), True
+        self.base = int(cache[0].offset) - len(self.cached)
+
+    def release(self, tokens: Optional[list[int]]) -> None:
+        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
+        last committed token too, which no step ran); with None (a step was cut), only the rows known to be
+        right. Then take a fresh cache: no later call touches the caller's."""
+        for c in self.cache:  # rows a cut forward added and no verify trimmed
+            if c.offset > self.base + len(self.cached):
+                c.trim(c.offset - self.base - len(self.cached))
+        if tokens is not None:
+            self.hold(tokens)
+        mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh, empty cache of our own."""
+        self.cache, self.cached, self.base, self.adopted = trimmable_cache(self.model), [], 0, False
+
+    def hold(self, tokens: Sequence[int], step_size: int = 2048,
+             progress: Optional[Callable[[int, int], None]] = None) -> int:
+        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
+        len(new))` after each chunk of the new ones."""
+        tokens = list(tokens)
+        keep = common_prefix(self.cached, tokens)
+        if keep < len(self.cached):
+            trim_prompt_cache(self.cache, len(self.cached) - keep)
+        new = tokens[keep:]
+        for i in range(0, len(new), step_size):
+            self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            if progress is not None:
+                progress(min(i + step_size, len(new)), len(new))
+        self.cached = tokens
+        return len(new)
+
+    def start(self, prompt: Sequence[int], step_size: int = 2048,
+              progress: Optional[Callable[[int, int], None]] = None) -> int:
+        """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
+        return self.hold(prompt[:-1], step_size, progress)
+
+    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
+               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
+        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once, returns them."""
+        early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
+        ids, _ = top_k(early[0], kappa, exclude)
+        mx.eval(ids)
+        self._ids = ids
+        cand = ids.tolist()
+        post(cand)
+        return cand
+
+    def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
+        """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
+        ys, a, logits = self._verify(self._final, history, window, sampler, processors)
+        probs = mx.softmax(logits[a].astype(mx.float32), axis=-1)
+        omega = mx.take(probs, self._ids[a]).sum().item()
+        self._final = self._ids = None
+        return ys, a, omega
+
+    def verify(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int]:
+        """One plain forward over [pending, window], then verify (sd and ar)."""
+        logits = self.model(mx.array([[history[-1]] + window]), cache=self.cache)
+        ys, a, _ = self._verify(logits, history, window, sampler, processors)
+        return ys, a
+
+    def _verify(self, logits, history, window, sampler, processors):
+        logits = logits[0]
+        ys, self.logprobs = sample_rows(logits, history, window, sampler, processors)
+        mx.eval(self.logprobs)  # (computed along with ys) kept for the committed tokens' Step.logprobs
+        a = accept(window, ys)
+        trim_prompt_cache(self.cache, len(window) - a)
+        self.cached = list(history) + window[:a]
+        return ys, a, logits
+
+    def close(self) -> None:
+        if self.tapped is not None:
+            self.tapped.remove()
+            self.tapped = None

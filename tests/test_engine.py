@@ -10,7 +10,8 @@ from mlx_lm.generate import generate_step
 
 from mirror_mlx.draft import MLXDraft
 from mirror_mlx.draft_api import Rollout
-from mirror_mlx.engine import accept, reuse_window
+from mirror_mlx.engine import reuse_window
+from mirror_mlx.target import accept
 from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.lanes import LANES, in_lanes
 from tests.models import DATA, DRAFT_PATH, TARGET_PATH, tiny_model

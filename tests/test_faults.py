@@ -17,7 +17,7 @@ import pytest
 import mirror_mlx
 from mirror_mlx.tune import profile as profiles
 from tests import leaks
-from tests.test_server import children, orphans, start_server
+from tests.test_server import children, orphans, running
 
 LINUX = sys.platform.startswith("linux")
 
@@ -55,11 +55,11 @@ def one_line_error(status: int, body: dict, expected: int) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, url = start_server(log, "--mode", "mirror", "--max-queue", "4")
-    yield proc, url.removesuffix("/v1"), log
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    with running(log, "--mode", "mirror", "--max-queue", "4") as (proc, url):
+        yield proc, url.removesuffix("/v1"), log
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
 
 
 def speculates(url: str) -> dict:
@@ -152,7 +152,11 @@ def test_an_idle_connection_does_not_delay_shutdown(tmp_path, sig):
     """A browser's preconnect sends nothing; SIGINT (or SIGHUP: the terminal closed) stops at once,
     and the draft host and its shared memory go with the server."""
     log = tmp_path / "server.log"
-    proc, url = start_server(log, "--mode", "mirror")
+    with running(log, "--mode", "mirror") as (proc, url):
+        idle_connection_does_not_delay(proc, url, log, sig)
+
+
+def idle_connection_does_not_delay(proc, url: str, log, sig: int) -> None:
     host, port = url.split("//")[1].split("/")[0].split(":")
     speculates(url.removesuffix("/v1"))
     kids = children(proc.pid)

@@ -264,16 +264,16 @@ def test_stop_strings_cut_at_the_first_whatever_the_pieces(text, stops, cuts):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """One `mirror-mlx serve` for the module; it must stop on Ctrl-C and leave no segment behind."""
-    from tests.test_server import start_server, stop_server
+    from tests.test_server import running, stop_server
     import signal
 
     log = tmp_path_factory.mktemp("fuzz-serve") / "server.log"
-    proc, url = start_server(log, "--mode", "mirror")
-    yield url
-    assert stop_server(proc, signal.SIGINT) == 0, log.read_text()[-3000:]
-    text = log.read_text()
-    assert "Traceback" not in text and "leaked" not in text, text[-3000:]
-    assert leaks.wait_unlinked(leaks.made_in(text)) == []
+    with running(log, "--mode", "mirror") as (proc, url):
+        yield url
+        assert stop_server(proc, signal.SIGINT) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "Traceback" not in text and "leaked" not in text, text[-3000:]
+        assert leaks.wait_unlinked(leaks.made_in(text)) == []
 
 
 def send(url: str, path: str, raw: bytes) -> tuple[int, str, str]:

@@ -49,19 +49,43 @@ def stop_server(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
     try:
         return proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_group(proc)
         raise
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """The server and what it started (its draft host, the resource tracker: its session), whatever a test
+    did: a teardown always leaves nothing running."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # (start_new_session: the group is the server's pid)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@contextlib.contextmanager
+def running(log: Path, *args: str):
+    """A server for the block; stopped (and its whole session killed) however the block ends."""
+    proc, url = start_server(log, *args)
+    try:
+        yield proc, url
+    finally:
+        kill_group(proc)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, url = start_server(log, "--max-queue", "1")
-    yield url, log
-    assert stop_server(proc, signal.SIGINT) == 0, log.read_text()  # Ctrl-C; SIGTERM mid-stream is tested below
-    assert log.read_text().rstrip().endswith("stopped")
-    made = leaks.made_in(log.read_text())
-    assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
+    # one request at a time here (the queue and its 429); the batch regime: tests/test_server_batch.py
+    with running(log, "--max-queue", "1", "--decode-concurrency", "1") as (proc, url):
+        yield url, log
+        assert stop_server(proc, signal.SIGINT) == 0, log.read_text()  # Ctrl-C; SIGTERM mid-stream is below
+        assert log.read_text().rstrip().endswith("stopped")
+        made = leaks.made_in(log.read_text())
+        assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +446,11 @@ def orphans(pids: list[int], timeout: float = 10.0) -> list[int]:
 
 def test_sigterm_mid_stream_shuts_down_cleanly(tmp_path):
     log = tmp_path / "server.log"
-    proc, url = start_server(log)
+    with running(log) as (proc, url):
+        sigterm_mid_stream(proc, url, log)
+
+
+def sigterm_mid_stream(proc: subprocess.Popen, url: str, log: Path) -> None:
     c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
     stream = c.chat.completions.create(messages=USER, model="stories260K", max_tokens=400, stream=True)
     chunks = iter(stream)

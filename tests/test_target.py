@@ -38,7 +38,7 @@ def test_early_logits_equal_truncated_model_for_every_family(name):
     tokens = mx.array([[1, 5, 9, 3, 7, 2, 8, 11, 4, 6]])
     for exit_layer in (1, 2, len(model.layers) - 1):
         if name == "gemma3_text" and exit_layer < 3:
-            continue  # the truncation oracle needs the first global layer (ecosystem.md §1.3)
+            continue  # the truncation oracle needs the first global layer
         check_two_logits(model, tokens, exit_layer)
 
 

@@ -255,7 +255,12 @@ def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_
 
 
 def best_row(prof, mode, **given):
+    """A mode's best row as auto ranks rows: confirmed ones by their expected rate, then measured probes,
+    then the best prediction."""
     rows = [r for r in prof.table if r["mode"] == mode and all(r[k] == v for k, v in given.items())]
+    confirmed = [r for r in rows if r.get("confirmed") and r.get("measured_step_ms")]
+    if confirmed:
+        return max(confirmed, key=choose.expected_rate)
     return max(rows, key=lambda r: (r["measured"] is not None, r["measured"] or r["predicted"]))
 
 

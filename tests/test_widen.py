@@ -22,11 +22,17 @@ PROMPT = "Once upon a time, there was a little girl named Lily. She loved to pla
 SHAPE = ["--hidden", "256", "--heads", "32", "--kv-heads", "16", "--intermediate", "688", "--layers", "8"]
 
 
+def widened(tmp_path_factory, source, shape):
+    """`mirror-mlx widen` of `source` to `shape`, into a fresh folder."""
+    out = tmp_path_factory.mktemp("wide") / "widened"
+    r = CliRunner().invoke(main, ["widen", "--model", str(source), "--out", str(out), *shape])
+    assert r.exit_code == 0, r.output
+    return out
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wide") / "stories-wide"
-    r = CliRunner().invoke(main, ["widen", "--model", str(TARGET_PATH), "--out", str(out), *SHAPE])
-    assert r.exit_code == 0, r.output
+    out = widened(tmp_path_factory, TARGET_PATH, SHAPE)
     model, tok = load(str(TARGET_PATH))
     wide, wide_tok = load(str(out))
     return model, tok, wide, wide_tok, out
@@ -189,14 +195,19 @@ def test_exact_exit_layers_follow_the_original_block():
     assert exact_exit_layers(5, 5, 15) == [13, 14, 15]
 
 
+def widened_exit(widened_model, out_file):
+    """`mirror-mlx widen-exit` of the demo's exit adapter to `widened_model`: its output."""
+    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(TARGET_PATH),
+                                  "--widened", str(widened_model), "--out", str(out_file)])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
 def test_widened_exit_adapter_gives_the_small_pairs_early_logits(pair, tmp_path):
     """A widened adapter is exact: at every layer holding the original exit state, same early logits."""
     model, tok, wide, _, out = pair
     adapter_out = tmp_path / "wide_exit.safetensors"
-    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(TARGET_PATH),
-                                  "--widened", str(out), "--out", str(adapter_out)])
-    assert r.exit_code == 0, r.output
-    assert "exact at exit layers 2, 3" in r.output
+    assert "exact at exit layers 2, 3" in widened_exit(out, adapter_out)
     tokens = mx.array([tok.encode(PROMPT)])
     small = EarlyExitTarget(model, 2, load_adapter(DEMO_EXIT_ADAPTER, model, 2))
     want = small.forward(tokens, cache=None)[0]
@@ -223,14 +234,12 @@ def test_widen_exit_refuses_an_adapter_of_another_model(pair, tmp_path):
 
 def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(pair, tmp_path):
     """`--exit-adapter a,b`: a widened adapter (exact at 2, 3) and one for layer 5; ℓ_e picks its own."""
-    from mirror_mlx.engine import TargetSide
-    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
+    from mirror_mlx.exit_adapter import ExitAdapter, adapter_for, adapter_meta, load_adapters, save_adapter
+    from mirror_mlx.target import TargetSide
 
     model, _, wide, _, out = pair
     a = tmp_path / "exit2.safetensors"
-    r = CliRunner().invoke(main, ["widen-exit", "--exit-adapter", str(DEMO_EXIT_ADAPTER), "--model", str(TARGET_PATH),
-                                  "--widened", str(out), "--out", str(a)])
-    assert r.exit_code == 0, r.output
+    widened_exit(out, a)
     b = tmp_path / "exit5.safetensors"
     save_adapter(b, ExitAdapter(256, 8), adapter_meta(wide, 5))
     both = load_adapters(f"{a},{b}", wide)
@@ -239,9 +248,9 @@ def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(p
         check_layer(both, layer)
     with pytest.raises(ValueError, match="exit layer"):
         check_layer(both, 4)
-    side = TargetSide(wide, both)
+    side = TargetSide(wide)
     for layer, want in ((3, both.for_layer(2)), (5, both.for_layer(5))):
-        side.set_exit_layer(layer)
+        side.set_exit_layer(layer, adapter_for(both, layer))
         assert side.tapped.adapter is want
     side.tapped.remove()
     with pytest.raises(ValueError, match="two exit adapters"):
@@ -256,9 +265,7 @@ def ss_pair(tmp_path_factory):
     from mirror_mlx.ane_draft.ss_model import load_ss_draft
     from mirror_mlx.demo_pair import SS_DRAFT
 
-    out = tmp_path_factory.mktemp("wide_ss") / "ss-wide"
-    r = CliRunner().invoke(main, ["widen", "--model", str(SS_DRAFT), "--out", str(out), *SS_SHAPE])
-    assert r.exit_code == 0, r.output
+    out = widened(tmp_path_factory, SS_DRAFT, SS_SHAPE)
     return load_ss_draft(SS_DRAFT)[0], load_ss_draft(out, with_tokenizer=False)[0], out
 
 

@@ -9,8 +9,6 @@ KV_BITS = ("a quantized KV cache is not supported: mlx-lm quantizes the cache af
            "quantized in its weights, e.g. mlx-community's -4bit, works in every mode)")
 PIPELINE = ("mlx-lm's pipeline parallelism across machines (mx.distributed) is not supported: the target runs on "
             "one machine beside its draft; drop the flag")
-CONCURRENCY = ("one request decodes at a time (the engine holds one target and draft cache pair), the rest wait "
-               "in a FIFO of --max-queue; drop the flag")
 
 # command -> flag -> (takes a value, why it is refused)
 REFUSED = {
@@ -28,8 +26,6 @@ REFUSED = {
         "--chat-template": (True, "the model's own chat template is used (its tokenizer_config.json); edit it "
                                   "there, or send /v1/completions with the templated text"),
         "--use-default-chat-template": (False, "it has no effect in mlx-lm 0.32 either; drop the flag"),
-        "--decode-concurrency": (True, CONCURRENCY),
-        "--prompt-concurrency": (True, CONCURRENCY),
         "--kv-bits": (True, KV_BITS),
         "--kv-group-size": (True, "only with --kv-bits: " + KV_BITS),
         "--quantized-kv-start": (True, "only with --kv-bits: " + KV_BITS),

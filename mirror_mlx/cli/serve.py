@@ -40,7 +40,7 @@ def size(text):
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=32, show_default=True,
-              help="Requests that may wait while one decodes; more get 429.")
+              help="Requests that may wait while others decode; more get 429.")
 @click.option("--allowed-origins", default=None,
               help="Browser origins that may call the server, comma-separated ('*': any) [default: pages on this "
                    "machine only: http(s)://localhost, 127.0.0.1, [::1], any port].")
@@ -50,12 +50,17 @@ def size(text):
               help="Target caches of recent prompts kept, so a prefix sent again is not prefilled again (0: off).")
 @click.option("--prompt-cache-bytes", default=None,
               help="At most this much memory for those caches, e.g. 4GB or 512MB (as mlx_lm.server) [default: no limit].")
+@click.option("--decode-concurrency", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests that decode together in one batch (as mlx_lm.server); 1: one at a time.")
+@click.option("--prompt-concurrency", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Prompts prefilled together when requests join the batch (as mlx_lm.server).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True,
               help="WARNING and above: no line per request.")
 @decode_options(max_tokens=512, seed=None)
 @refused_options("serve")
 def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, host, port, max_queue,
-              allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, log_level, max_tokens,
+              allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
+              prompt_concurrency, log_level, max_tokens,
               temp, **decode) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
     import logging
@@ -75,7 +80,8 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
         pipe.check([0], **dict(defaults, max_tokens=1))
         serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,
               log_level=getattr(logging, log_level.upper()), prompt_cache_size=prompt_cache_size,
-              prompt_cache_bytes=cache_bytes)
+              prompt_cache_bytes=cache_bytes, decode_concurrency=decode_concurrency,
+              prompt_concurrency=prompt_concurrency)
     except ValueError as e:
         raise click.UsageError(str(e))
     except OSError as e:

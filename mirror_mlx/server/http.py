@@ -1,8 +1,7 @@
-"""HTTP: the server, its FIFO of requests, origins, and each connection's handler."""
+"""HTTP: the server, origins, and each connection's handler (the scheduler decodes: scheduler.py)."""
 
 import json
 import logging
-import math
 import select
 import signal
 import socket
@@ -23,49 +22,7 @@ from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, AP
                       parse_request)
 from .prefix_cache import PrefixCache
 from .reply import Generation, ToolText, openai_logprobs
-
-# --- the queue ------------------------------------------------------------------------------------
-
-
-class Gate:
-    """One request decodes at a time; up to `max_queue` more wait in arrival order; more get 429."""
-
-    def __init__(self, max_queue: int):
-        self.max_queue = max_queue
-        self._cond = threading.Condition()
-        self._next = self._serving = 0
-        self._closed = False
-        self._seconds = 1.0  # running mean of a request's decode time, for Retry-After
-
-    @property
-    def waiting(self) -> int:
-        return max(0, self._next - self._serving - 1)
-
-    def enter(self) -> None:
-        with self._cond:
-            if self._closed:
-                raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
-            if self._next - self._serving > self.max_queue:
-                retry = max(1, math.ceil(self._seconds * (self.waiting + 1)))
-                raise APIError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {retry} s",
-                               kind="rate_limit_error", code="queue_full", retry_after=retry)
-            ticket, self._next = self._next, self._next + 1
-            while ticket != self._serving and not self._closed:
-                self._cond.wait()
-            if self._closed and ticket != self._serving:
-                raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
-
-    def leave(self, seconds: float) -> None:
-        with self._cond:
-            self._seconds = 0.8 * self._seconds + 0.2 * seconds
-            self._serving += 1
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
+from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
 
 # --- HTTP -----------------------------------------------------------------------------------------
 
@@ -103,17 +60,19 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
                  max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
                  allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
-                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None):
+                 prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
+                 decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY):
         self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
         self.reading: set = set()  # connections still sending their request: closed at once on shutdown
         self._reading_lock = threading.Lock()
         super().__init__(address, Handler)
         self.pipe, self.model_id, self.defaults, self.max_tokens = pipe, model_id, defaults, max_tokens
         self.model_ids = tuple(dict.fromkeys([model_id, pipe.name]))
-        self.gate = Gate(max_queue)
         self.allowed_origins = allowed_origins  # None: local pages only (origin_allowed)
         self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
         self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
+        self.scheduler = Scheduler(pipe, self.prefixes, self.note, max_queue, decode_concurrency, prompt_concurrency,
+                                   defaults.get("prefill_step_size") or 2048)
         self.stopping = threading.Event()
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
@@ -145,6 +104,11 @@ class Server(ThreadingHTTPServer):
     def note(self, text: str) -> None:
         print(f"mirror-mlx serve: {text}", file=self.log, flush=True)
 
+    def server_close(self) -> None:
+        """Join the handlers, then stop the scheduler (before the caller closes the pipeline)."""
+        super().server_close()
+        self.scheduler.close()
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """One line for a client that went away; the traceback only for a bug of ours."""
         error = sys.exc_info()[1]
@@ -158,7 +122,6 @@ class Server(ThreadingHTTPServer):
         again = self.stopping.is_set()
         with self._reading_lock:
             self.stopping.set()
-        self.gate.close()
         self.drop_idle()
         if again:
             self.note("already stopping: waiting for the step in flight, then the engine closes")
@@ -274,7 +237,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             s = self.server
             self.send_json(200, {"status": "stopping" if s.stopping.is_set() else "ok", "model": s.model_id,
-                                 "waiting": s.gate.waiting, **s.counts})
+                                 "waiting": s.scheduler.queued, **s.counts, **s.scheduler.health()})
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [model]})
         elif path.startswith("/v1/models/"):
@@ -301,7 +264,8 @@ class Handler(BaseHTTPRequestHandler):
             s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
             req = parse_request(raw, path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults,
                                 s.max_prompt_bytes, s.context)
-            s.gate.enter()
+            gen = Generation(s.pipe, req, s.max_tokens)
+            s.scheduler.submit(gen.start())
         except APIError as e:
             s.count("rejected")
             self.send_api_error(e)
@@ -309,28 +273,14 @@ class Handler(BaseHTTPRequestHandler):
         except ClientGone:
             s.count("disconnected")
             return
-        t0 = time.perf_counter()
         try:
-            self.serve_one(req)
+            self.serve_one(req, gen)
         finally:
-            s.gate.leave(time.perf_counter() - t0)
+            gen.close()
 
-    def serve_one(self, req: Request) -> None:
-        """Run one admitted request; holds the engine until it returns."""
+    def serve_one(self, req: Request, gen: Generation) -> None:
+        """Answer one admitted request as the scheduler decodes it."""
         s = self.server
-        gen = Generation(s.pipe, req, s.max_tokens, prefixes=s.prefixes)
-        if peer_gone(self.connection):  # went away while it waited in the queue
-            s.count("disconnected")
-            return
-        try:
-            gen.start()
-        except APIError as e:
-            s.count("rejected")
-            self.send_api_error(e)
-            return
-        except Exception as e:
-            self.engine_failed(e, gen, sent=False)
-            return
         reply = Reply(req, s.model_id)
         tools = ToolText(s.pipe.tokenizer, req.tools, s.note)
         text: list[str] = []
@@ -357,13 +307,18 @@ class Handler(BaseHTTPRequestHandler):
         except ClientGone:
             gen.close()
             s.count("disconnected")
-            s.note(f"client went away after {gen.stats.generation_tokens} tokens: generation stopped")
+            s.note(f"client went away after {gen.completion_tokens} tokens: generation stopped (its slot is freed "
+                   "at the next step)")
             return
         except Shutdown:
             gen.close()
             self.cut_short(req, gen, APIError(503, f"the server is shutting down: the reply was cut after "
-                                                   f"{gen.stats.generation_tokens} tokens",
+                                                   f"{gen.completion_tokens} tokens",
                                               kind="server_error", code="shutting_down"))
+            return
+        except APIError as e:  # the scheduler's: shutting down before it ran
+            s.count("rejected")
+            self.cut_short(req, gen, e) if req.stream else self.send_api_error(e)
             return
         except Exception as e:
             self.engine_failed(e, gen, sent=req.stream)
@@ -371,13 +326,11 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             gen.close()
         s.count("completed")
-        if s.prefixes is not None:
-            s.prefixes.store()
         if gen.restored:
             s.note(f"prefix cache: the target started from a stored cache of {gen.restored} prompt tokens "
                    "(the draft re-syncs from its own cache)")
         finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
-        extra = {"usage": gen.usage(), "x_mirror": dict(gen.stats.as_dict(), prefix_cache_tokens=gen.restored)}
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.stats(), prefix_cache_tokens=gen.restored)}
         try:
             if not req.stream:
                 self.send_json(200, reply.whole("".join(text), finish, extra, calls, gen.take_logprobs()))
@@ -404,15 +357,12 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def engine_failed(self, e: Exception, gen: Generation, sent: bool) -> None:
-        """500 with a one-line error; clear the caches (a step may have been cut) and keep serving."""
+        """500 with a one-line error (the scheduler cleared the caches: a step may have been cut); keep serving."""
         s = self.server
         s.count("errors")
-        s.note(f"request failed inside the engine: {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}")
+        s.note(f"request failed inside the engine: {type(e).__name__}: {e}\n"
+               f"{''.join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()}")
         gen.close()
-        try:
-            s.pipe.reset()
-        except Exception as e2:  # the next request will show it too; the server stays up
-            s.note(f"could not clear the caches after the failure: {e2!r}")
         line = " ".join(f"{type(e).__name__}: {e}".split())
         error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
         if sent:
@@ -492,24 +442,26 @@ def model_id(name: str) -> str:
 def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: Optional[dict] = None,
           max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
           log_level: int = logging.INFO, prompt_cache_size: int = 10,
-          prompt_cache_bytes: Optional[int] = None) -> None:
+          prompt_cache_bytes: Optional[int] = None, decode_concurrency: int = DECODE_CONCURRENCY,
+          prompt_concurrency: int = PROMPT_CONCURRENCY) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
     `allowed_origins`: the browser origins that may use it (None: pages on this machine only)."""
     defaults = defaults or {}
     server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
                     allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
-                    prompt_cache_bytes=prompt_cache_bytes)
+                    prompt_cache_bytes=prompt_cache_bytes, decode_concurrency=decode_concurrency,
+                    prompt_concurrency=prompt_concurrency)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
     previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
     server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
-                f"(queue {max_queue}); Ctrl-C stops")
+                f"(queue {max_queue}, decode concurrency {decode_concurrency}, prompt concurrency {prompt_concurrency}); "
+                "Ctrl-C stops")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.stopping.set()
-        server.gate.close()
-        server.server_close()  # joins the handler threads
+        server.server_close()  # joins the handler threads, then the scheduler  # joins the handler threads
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.note("stopped")

@@ -31,7 +31,7 @@ class PrefixCache:
         return self.engine.target_worker.call(self._restore, ids[:-1])  # (the last token runs in the first step)
 
     def _restore(self, ids: list[int]) -> int:
-        from ..draft import common_prefix
+        from ..target import common_prefix
 
         target = self.engine.target
         if target.adopted or target.base:

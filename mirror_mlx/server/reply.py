@@ -1,6 +1,7 @@
 """Replies: stop strings, tool calls, the target's logprobs and the OpenAI records of one generation."""
 
 import json
+import queue
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -8,10 +9,9 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 
 from .. import text
-from ..stats import Stats
 from ..pipeline import Pipeline
 from .request import APIError, Request
-from .prefix_cache import PrefixCache
+from .scheduler import Job
 
 # --- stop strings ---------------------------------------------------------------------------------
 
@@ -106,7 +106,8 @@ class ToolText:
 
 @dataclass
 class Generation:
-    """One request's decode: iterate for the text of each step ("" when a step shows nothing yet)."""
+    """One request's decode: iterate for the text of each step ("" when a step shows nothing yet, or while
+    it waits its turn: the handler then looks at its socket). The scheduler runs it (`Job`)."""
 
     pipe: Pipeline
     req: Request
@@ -114,13 +115,11 @@ class Generation:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: Optional[str] = None
-    _chunks: Any = None
+    job: Optional[Job] = None
     scored: list = field(default_factory=list)  # scored tokens (`score`), not yet answered
-    prefixes: Optional["PrefixCache"] = None
-    restored: int = 0  # prompt tokens the target started with from the prefix cache (PrefixCache.restore)
 
-    def start(self) -> None:
-        """Tokenize and check (ValueError → 400) before anything is sent."""
+    def start(self) -> Job:
+        """Tokenize and check (ValueError → 400) before anything is sent; the job to submit."""
         pipe, req = self.pipe, self.req
         if req.messages is not None:
             if req.tools and not pipe.tokenizer.has_tool_calling:
@@ -147,47 +146,55 @@ class Generation:
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, context - len(ids)) if context else self.default_max_tokens
         kwargs = dict(req.options, max_tokens=max_tokens)
-        if self.prefixes is not None:
-            self.restored = self.prefixes.restore(ids)
         try:
-            if req.messages is not None:
-                self._chunks = pipe.chat_stream(req.messages, ids=ids, **kwargs)
-            else:
-                self._chunks = pipe.stream(ids, **kwargs)
+            pipe.check(ids, **kwargs)
         except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
             message = str(e)
             code = "context_length_exceeded" if "context" in message else None
             param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else None
             raise APIError(400, message, param, code) from None
+        messages = [text.clean_message(m) for m in req.messages] if req.messages is not None else None
+        self.job = Job(ids, kwargs, messages, logprobs=req.logprobs)
+        return self.job
 
     def __iter__(self) -> Iterator[str]:
         stop = StopText(self.req.stop)
-        shown = 0
-        for chunk in self._chunks:
-            shown += len(chunk.tokens)
+        while True:
+            try:
+                chunk = self.job.events.get(timeout=0.2)
+            except queue.Empty:
+                yield ""
+                continue
+            if chunk is None:
+                break
+            if isinstance(chunk, BaseException):
+                raise chunk
             if self.req.logprobs:  # (the end-of-sequence token too, as mlx_lm.server reports it); scored now,
                 # so no vocabulary-sized row is kept per token
                 ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
                 rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
                 self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs) for t, r in zip(ids, rows)]
-            self.completion_tokens = self.pipe.stats.generation_tokens
+            self.completion_tokens = chunk.generation_tokens
             text, hit = stop.feed(chunk.text)
             yield text
             if hit:
                 self.finish_reason = "stop"
+                self.close()
                 return
         yield stop.flush()
-        self.completion_tokens = self.pipe.stats.generation_tokens
-        self.finish_reason = "stop" if self.completion_tokens > shown else "length"
+        self.finish_reason = self.job.finish_reason or "length"
 
     def close(self) -> None:
-        """Stop decoding after the step in flight (the engine's caches stay consistent)."""
-        if self._chunks is not None:
-            self._chunks.close()
+        """Stop decoding at the next step boundary (the scheduler frees its slot)."""
+        if self.job is not None:
+            self.job.cancelled.set()
 
     @property
-    def stats(self) -> Stats:
-        return self.pipe.stats
+    def restored(self) -> int:
+        return self.job.restored if self.job is not None else 0
+
+    def stats(self) -> dict:
+        return self.job.x_stats() if self.job is not None else {}
 
     def take_logprobs(self) -> Optional[list[dict]]:
         """The scored tokens not yet answered, as [{id, token, logprob, top_logprobs}] (None: not asked)."""
@@ -197,11 +204,9 @@ class Generation:
         return out
 
     def usage(self) -> dict:
-        s = self.stats
-        cached = max(0, s.prompt_tokens - 1 - s.prefill_tokens)  # the last prompt token runs in the first step
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": self.job.cached if self.job is not None else 0}}
 
 
 def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:

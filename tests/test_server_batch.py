@@ -1,0 +1,132 @@
+"""`mirror-mlx serve` under concurrent requests: a request alone speculates; several decode together in
+mlx-lm's BatchGenerator, joining and leaving at step boundaries, each with the text it gets alone.
+A real server in a subprocess (the demo pair, speculating: mode mirror), the real `openai` client;
+/health and each reply's x_mirror say which regime ran, so every test sees that the batch happened."""
+
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.test_server import health, running, stop_server
+
+PROMPTS = ["Once upon a time", "The dog barked.", "Tom and Lily", "One day, a little bird"]
+SPECULATE = ("--mode", "mirror", "--kappa", "4", "--gamma", "4")  # (knobs given: no calibration at start)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-batch") / "server.log"
+    with running(log, *SPECULATE) as (proc, url):
+        yield url, log
+        assert stop_server(proc) == 0, log.read_text()[-3000:]
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0], api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def alone(client):
+    """Each request's text run alone (nothing else active; the target alone, mode ar, which every mode equals
+    token for token), computed once per (prompt, max_tokens, extra)."""
+    done: dict = {}
+
+    def text(prompt: str, max_tokens: int, **extra) -> str:
+        key = (prompt, max_tokens, tuple(sorted(extra.items())))
+        if key not in done:
+            r = client.completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens,
+                                          extra_body={"mode": "ar"}, **extra)
+            assert r.model_extra["x_mirror"]["regimes"] == ["ar"], r.model_extra["x_mirror"]  # it ran alone
+            done[key] = r.choices[0].text
+        return done[key]
+
+    return text
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def stream_first(client, prompt: str, max_tokens: int, **extra):
+    """A streamed completion that has started decoding: (the stream, the text of its first event)."""
+    stream = client.completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens, stream=True, **extra)
+    return stream, next(iter(stream)).choices[0].text
+
+
+def rest(events, parts: list[str]) -> tuple[str, dict]:
+    last = None
+    for e in events:
+        parts.append(e.choices[0].text if e.choices else "")
+        last = e
+    return "".join(parts), last.model_extra["x_mirror"]
+
+
+def test_concurrent_requests_are_batched_and_equal_their_texts_alone(server, client, alone):
+    seeded = {"temperature": 0.8, "seed": 11}
+    want = [alone(p, 96, **(seeded if i == 3 else {})) for i, p in enumerate(PROMPTS)]
+    before = health(server[0])["scheduler"]["batch_steps"]
+    got: list = [None] * 4
+    go = threading.Barrier(4)
+
+    def one(i: int) -> None:
+        go.wait()
+        r = client.completions.create(model="stories260K", prompt=PROMPTS[i], max_tokens=96,
+                                      **(seeded if i == 3 else {}))
+        got[i] = (r.choices[0].text, r.model_extra["x_mirror"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert [g[0] for g in got] == want  # greedy ones token for token; the seeded one draws the same tokens
+    assert all("batch" in g[1]["regimes"] and g[1]["batched_tokens"] > 0 for g in got), [g[1]["regimes"] for g in got]
+    h = health(server[0])["scheduler"]
+    assert h["batch_steps"] > before and h["max_batch"] >= 3, h
+
+
+def test_a_request_joins_a_running_batch(server, client, alone):
+    want = [alone(PROMPTS[0], 300), alone(PROMPTS[1], 300), alone(PROMPTS[2], 24)]
+    a, a0 = stream_first(client, PROMPTS[0], 300)
+    b, b0 = stream_first(client, PROMPTS[1], 300)
+    wait_for(lambda: health(server[0])["regime"] == "batch" and health(server[0])["active"] == 2)
+    joins = health(server[0])["scheduler"]["joins"]
+    r = client.completions.create(model="stories260K", prompt=PROMPTS[2], max_tokens=24)
+    assert r.model_extra["x_mirror"]["regimes"] == ["batch"]  # it never decoded alone
+    assert health(server[0])["scheduler"]["joins"] == joins + 1
+    assert [r.choices[0].text, rest(a, [a0])[0], rest(b, [b0])[0]] == [want[2], want[0], want[1]]
+
+
+def test_a_speculating_request_moves_into_the_batch_and_back(server, client, alone):
+    want = [alone(PROMPTS[0], 300), alone(PROMPTS[3], 20)]
+    events, first = stream_first(client, PROMPTS[0], 300)
+    parts = [first] + [next(iter(events)).choices[0].text for _ in range(2)]  # speculating alone meanwhile
+    h = health(server[0])["scheduler"]
+    other = client.completions.create(model="stories260K", prompt=PROMPTS[3], max_tokens=20)
+    assert other.model_extra["x_mirror"]["regimes"] == ["batch"]
+    text, stats = rest(events, parts)
+    assert stats["regimes"] == ["mirror", "batch", "mirror"], stats["regimes"]  # into the batch, and back
+    assert 0 < stats["batched_tokens"] < 300 and stats["mode"] == "mirror"
+    after = health(server[0])["scheduler"]
+    assert after["moves_in"] == h["moves_in"] + 1 and after["moves_out"] == h["moves_out"] + 1
+    assert after["moves_prefilled"] == 0  # each move carried the target's cache over: nothing prefilled again
+    assert [text, other.choices[0].text] == want
+
+
+def test_a_client_that_disconnects_mid_batch_frees_its_slot(server, client, alone):
+    want = alone(PROMPTS[1], 300)
+    keep, k0 = stream_first(client, PROMPTS[1], 300)
+    gone, _ = stream_first(client, PROMPTS[2], 400)
+    wait_for(lambda: health(server[0])["active"] == 2 and health(server[0])["regime"] == "batch")
+    before = health(server[0])
+    gone.close()  # the client goes away mid-batch
+    wait_for(lambda: health(server[0])["scheduler"]["freed"] == before["scheduler"]["freed"] + 1)
+    h = health(server[0])
+    assert h["scheduler"]["freed_in_batch"] == before["scheduler"]["freed_in_batch"] + 1  # freed from the batch
+    assert h["disconnected"] == before["disconnected"] + 1 and h["active"] <= 1
+    assert rest(keep, [k0])[0] == want  # the other request is not disturbed
