@@ -58,9 +58,12 @@ def _profile(pipe: Any) -> Optional[profiles.Profile]:
     from .policy import pipe_key
 
     try:
-        return profiles.load(pipe_key(pipe), pipe.engine)
-    except profiles.ProfileError:
+        prof = profiles.load(pipe_key(pipe), pipe.engine)
+    except profiles.ProfileError:  # auto says so when it needs the profile; placement then stays unpinned
         return None
+    if prof is not None:
+        pipe.auto.profile = prof  # read once: the same profile auto would load
+    return prof
 
 
 def choose(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
