@@ -506,9 +506,10 @@ class Scheduler:
                 texts.append(tail)
             job.finish_reason = finish
         job.said.append("".join(texts))
-        job.events.put(Chunk("".join(texts), [t for t, _, _ in shown], [d for _, d, _ in shown], finish, stop,
-                             len(job.ids), 0.0, len(job.generated), 0.0, 0.0, texts, False,
-                             [r for _, _, r in shown], rows[-1] if stop is not None else None))
+        job.events.put(Chunk("".join(texts), tokens=[t for t, _, _ in shown], from_draft=[d for _, d, _ in shown],
+                             finish_reason=finish, stop_token=stop, prompt_tokens=len(job.ids),
+                             generation_tokens=len(job.generated), token_texts=texts,
+                             logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None))
 
     def _end(self, job: Job, error: Optional[BaseException] = None) -> None:
         if error is None and job.messages is not None:
