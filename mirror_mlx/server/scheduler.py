@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
+from .. import validate
 from ..pipeline import Chunk, Pipeline
 from ..sampling import position_seed
 from ..stats import Stats
@@ -407,7 +408,8 @@ class Scheduler:
             job.cached = job.restored = held
         base = opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                             min_p=opts.min_p, top_k=opts.top_k)  # as Engine.generate
-        sampler = base if opts.seed is None or base is greedy_sampler else keyed(base, opts.seed, len(committed))
+        seed = validate.generator_seed(opts.seed)  # (as the engine maps it)
+        sampler = base if seed is None or base is greedy_sampler else keyed(base, seed, len(committed))
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
         from mlx_lm.generate import StopSequences
 
