@@ -178,8 +178,8 @@ class Scheduler:
             if self._closed:
                 raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
             queued = len(self._inbox) + len(self.waiting)
-            busy = self.solo is not None or self.batch
-            if busy and queued >= self.max_queue:
+            active = (self.solo is not None) + len(self.batch)
+            if active + queued >= self.decode_concurrency + self.max_queue:  # (memory: bounded by both)
                 retry = max(1, int(self._seconds * (queued + 1) / max(1, len(self.batch) or 1) + 0.999))
                 raise APIError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {retry} s",
                                kind="rate_limit_error", code="queue_full", retry_after=retry)
