@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 import mirror_mlx
-from mirror_mlx.tune import placement, policy
+from mirror_mlx.tune import placement
+from mirror_mlx.tune import profile as profiles
 from mirror_mlx.tune.calibrate import place_row
 from mirror_mlx.tune.profile import Profile
 
@@ -92,9 +93,9 @@ def test_mirror_point_without_a_measured_placement_runs_unpinned_and_says_so(pip
 def test_a_callers_own_pinning_is_held():
     p = mirror_mlx.load()
     try:
-        unheld = dict(policy.pipe_key(p))
+        unheld = dict(profiles.pipe_key(p))
         placement.hold(p, "Mac analog (test)")
-        assert policy.pipe_key(p) == dict(unheld, placement="Mac analog (test)")  # a profile of its own
+        assert profiles.pipe_key(p) == dict(unheld, placement="Mac analog (test)")  # a profile of its own
         with_profile(p, mirror_row("split", split=20.0, unpinned=10.0))
         before = affinities()
         r = p.generate("Once upon a time", max_tokens=8, mode="mirror", **KNOBS)

@@ -604,8 +604,6 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
     log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
     if key is None:
-        from .policy import pipe_key
-
-        key = pipe_key(pipe)
+        key = profiles.pipe_key(pipe)
     return profiles.Profile(key=key, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
                             why=why, table=table, calibration=calibration)

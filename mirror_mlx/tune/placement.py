@@ -55,10 +55,9 @@ def _profile(pipe: Any) -> Optional[profiles.Profile]:
     """The pair's profile if this process has one or the cache holds one (never calibrates for placement)."""
     if pipe.auto.profile is not None:
         return pipe.auto.profile
-    from .policy import pipe_key
 
     try:
-        prof = profiles.load(pipe_key(pipe), pipe.engine)
+        prof = profiles.load(profiles.pipe_key(pipe), pipe.engine)
     except profiles.ProfileError:  # auto says so when it needs the profile; placement then stays unpinned
         return None
     if prof is not None:
@@ -147,6 +146,6 @@ def placed(pipe: Any, opts: Any) -> Iterator[Any]:
 
 def hold(pipe: Any, what: str) -> None:
     """A caller pins threads itself (`what` says how): placement leaves every thread alone from now on, and
-    the pair's profile is the one calibrated so (its key says how: policy.pipe_key)."""
+    the pair's profile is the one calibrated so (its key says how: profile.pipe_key)."""
     pipe.auto.placement_held = what
     pipe.auto.key, pipe.auto.profile = None, None

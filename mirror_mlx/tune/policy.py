@@ -70,16 +70,6 @@ def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer
     return (mode, kappa if mirror else None, gamma, exit_layer if mirror else None)
 
 
-def pipe_key(pipe: Any) -> dict:
-    """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
-    profile calibrated pinned never serves generations that are not, nor the other way round."""
-    if pipe.auto.key is None:
-        pipe.auto.key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
-        if pipe.auto.placement_held:
-            pipe.auto.key["placement"] = pipe.auto.placement_held
-    return pipe.auto.key
-
-
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
 
 
@@ -96,7 +86,7 @@ def profile_for(pipe: Any) -> profiles.Profile:
 def _load_or_calibrate(pipe: Any) -> profiles.Profile:
     from .calibrate import OutOfTime, TuneConfig, calibrate
 
-    key = pipe_key(pipe)
+    key = profiles.pipe_key(pipe)
     try:
         prof = profiles.load(key, pipe.engine)
     except profiles.ProfileError as e:
