@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from mirror_mlx.blas import follow_affinity
 from mirror_mlx.draft import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.ane_draft.ring import TokenRing
@@ -45,6 +46,7 @@ READY, DONE, WINDOWS, ERROR = 11, 12, 13, 14
 
 SLOT_INTS = 1 << 17  # ints per message (1 MiB); longer contexts travel in several CONTEXT messages
 RING_SLOTS = 4
+_own_process = False  # this interpreter is a draft host process (`main`): its BLAS threads are its own to set
 
 
 class DraftHostError(RuntimeError):
@@ -175,6 +177,8 @@ def serve(draft: Draft, req: Channel, rep: Channel) -> None:
             return  # the engine is gone
         if msg.kind == STOP:
             return
+        if _own_process:  # the cores its parent placed it on (tune/placement.py): as many BLAS threads
+            follow_affinity()
         t0 = time.perf_counter()
         try:
             ints = msg.ints.tolist()
@@ -215,6 +219,8 @@ def main(argv: Sequence[str]) -> None:
     """Host process: `python -m mirror_mlx.ane_draft.host REQ_RING REQ_FD REP_RING REP_FD SPEC`."""
     for sig in (signal.SIGINT, signal.SIGHUP):  # Ctrl-C and a hang-up are the engine's to handle; it then stops us
         signal.signal(sig, signal.SIG_IGN)
+    global _own_process
+    _own_process = True
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
     import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)

@@ -91,3 +91,67 @@ def cpu_name() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
+
+
+_SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
+_GETTERS = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
+_initial: dict[str, int] = {}  # each OpenBLAS's thread count when first seen here: what `set_threads` caps at
+_libs: list = []  # (path, library) of every OpenBLAS found, looked up once
+_followed = [0]  # the core count `follow_affinity` last set threads for
+
+
+def _openblas_libs() -> list[tuple[str, ctypes.CDLL]]:
+    """Every OpenBLAS mapped into this process (the one preloaded for MLX, numpy's own), found once."""
+    if _libs or not sys.platform.startswith("linux"):
+        return _libs
+    out = _libs
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line and ".so" in line}
+    for path in sorted(paths):
+        try:
+            out.append((path, ctypes.CDLL(path)))
+        except OSError:
+            continue
+    return out
+
+
+def threads() -> dict[str, int]:
+    """{library: its OpenBLAS thread count now}."""
+    out = {}
+    for path, lib in _openblas_libs():
+        get = next((getattr(lib, n) for n in _GETTERS if hasattr(lib, n)), None)
+        if get is not None:
+            out[path] = int(get())
+            _initial.setdefault(path, out[path])
+    return out
+
+
+def set_threads(n: "int | dict[str, int]") -> dict[str, int]:
+    """Run every OpenBLAS of this process on `n` threads at most (never above the count it started with,
+    its pool's size), or each on its own count ({library: n}, as `threads()` gave); returns {library:
+    threads set}. OpenBLAS reads OPENBLAS_NUM_THREADS only when it loads: this changes it at run time, for
+    the core placement of a generation (tune/placement.py)."""
+    out = {}
+    now = threads()
+    for path, lib in _openblas_libs():
+        fn = next((getattr(lib, name) for name in _SETTERS if hasattr(lib, name)), None)
+        if fn is None or path not in now or (isinstance(n, dict) and path not in n):
+            continue
+        want = max(1, min(n[path] if isinstance(n, dict) else n, _initial[path]))
+        if now[path] != want:
+            fn(want)
+        out[path] = want
+    return out
+
+
+def follow_affinity() -> dict[str, int]:
+    """OpenBLAS threads = the cores this thread may run on (at most the count it started with): a
+    process confined to one core runs one BLAS thread, not two that take turns on it. The draft host
+    calls it before each request, so the placement its parent gives it (tune/placement.py) sets both."""
+    if not hasattr(os, "sched_getaffinity") or not sys.platform.startswith("linux"):
+        return {}
+    n = len(os.sched_getaffinity(0))
+    if n == _followed[0]:
+        return {}
+    _followed[0] = n
+    return set_threads(n)

@@ -237,7 +237,8 @@ class Engine:
         def record() -> Stats:
             """A fresh record for the next step's facts, with what describes the generation as it stands."""
             return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
-                         why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left)
+                         why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
+                         placement=opts.placement)
 
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)

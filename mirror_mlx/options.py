@@ -42,6 +42,7 @@ class DecodeOptions:
     prefill_step_size: int = 2048  # prompt tokens per target forward in the prefill (mlx-lm's, same default)
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None  # mlx-lm's: (prompt tokens done, total)
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
+    placement: str = ""  # where the threads ran and why (set by the Pipeline: tune/placement.py, shown in Stats)
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property
@@ -57,4 +58,4 @@ class DecodeOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
-CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why"))  # set by the Pipeline
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "placement"))  # set by the Pipeline

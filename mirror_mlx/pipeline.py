@@ -28,6 +28,7 @@ from .loading import check_same_tokenizer, load_model, resolve_model
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
+from .tune.placement import placed
 from .tune.policy import AutoRun, AutoState, explicit, needs_knobs, resolve
 
 Prompt = Union[str, Sequence[int]]
@@ -287,7 +288,7 @@ class Pipeline:
                 prompt_cache: Optional[PromptCache] = None, hold: bool = False) -> Iterator[Chunk]:
         """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
         the caller holds it). `stats` is the sum of this generation's step records so far."""
-        with self._turn() if hold else nullcontext():
+        with self._turn() if hold else nullcontext(), placed(self, opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
             detok = Detokenizer(self.tokenizer, opts)
             self.stats = Stats(mode=opts.mode)

@@ -37,6 +37,7 @@ class Stats:
     hidden_draft_seconds: float = 0.0  # draft time that overlapped the target's suffix
     draft_failure: Optional[str] = None
     left_draft: str = ""  # after which step and why it went on with the target alone (the caller's `leave_draft`)
+    placement: str = ""  # where the threads ran, and why (tune/placement.py): "unpinned (...)", "split: ..."
     draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
     peak_memory_gb: float = 0.0
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
@@ -87,6 +88,8 @@ class Stats:
         if self.mode == "mirror":
             line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
                      f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
+            if self.placement.startswith("split"):
+                line += " | cores split"
         if self.left_draft:
             line += f" | left the draft {self.left_draft}"
         if self.draft_failure:
@@ -94,7 +97,7 @@ class Stats:
         return line
 
 
-_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft")  # Stats fields a total keeps the latest of
+_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft", "placement")  # Stats fields a total keeps the latest of
 
 
 @dataclass

@@ -48,7 +48,8 @@ def main() -> None:
     openings = [p.text for p in tinystories()][: args.limit]
     prompts = [pipe.encode(t) for t in openings]
     alone = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        print(f"alone {i + 1}/{len(prompts)}", end="\r", flush=True)
         alone.append(pipe.generate(p, max_tokens=args.max_tokens, mode="ar").tokens)  # (end-of-sequence left out)
     together = pipe.engine.target_worker.call(batched, pipe, prompts, args.batch, args.max_tokens, 3)
     flips = []

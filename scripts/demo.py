@@ -10,7 +10,9 @@ number of draft tokens measured here), sd and mirror (asked for by mode alone: e
 in the profile, which stats.why names) and auto.
 
 Two lines, each measured in this run:
-- this machine's defaults: every thread free to run on any core;
+- this machine's defaults: mlx-lm with its own thread settings; our modes in the core placement the
+  product picks (ar and sd on every core; mirror split between the target side and the draft host
+  where the calibration measured that faster: "cores split");
 - Mac analog: the target side on one core and the draft on another, one BLAS thread each (as
   `mirror-mlx bench --pin`), the way a Mac runs the target on the GPU and the draft on the Neural
   Engine; auto calibrates again under it (a profile of its own).
@@ -28,7 +30,7 @@ DEMO = ROOT / "mirror_mlx" / "demo"
 TARGET = ("stories-98M", DEMO / "stories260K", dict(hidden=768, heads=96, kv_heads=48, intermediate=2064, layers=15))
 DRAFT = ("ss-8M", DEMO / "ss_draft", dict(hidden=256, heads=32, kv_heads=16, intermediate=768, layers=10))
 EXIT_LAYERS = (1, 2, 3)  # shipped adapters of the small target: mirror_mlx/demo/stories260K_exit{L}.safetensors
-MLX_SD_KS = (2, 3, 4)  # mlx-lm's num_draft_tokens tried; the best is reported
+MLX_SD_KS = (2, 3, 4, 5)  # mlx-lm's num_draft_tokens tried (as the quick calibration's γ): the best is reported
 
 
 def widened(build: Path) -> tuple[Path, Path, list[Path]]:
@@ -56,7 +58,8 @@ def knobs_run(stats, mode: str) -> dict:
     """The knobs a mode ran with: an explicit mode without knobs runs its best point in the pair's profile
     (or small safe ones, "uncalibrated" in stats.why, when the profile has no row for it)."""
     names = {"sd": ("gamma",), "mirror": ("kappa", "gamma", "exit_layer")}.get(mode, ())
-    return dict({k: getattr(stats, k) for k in names}, **({"uncalibrated": True} if "uncalibrated" in stats.why else {}))
+    flags = {"uncalibrated": "uncalibrated" in stats.why, "cores split": stats.placement.startswith("split")}
+    return dict({k: getattr(stats, k) for k in names}, **{k: True for k, v in flags.items() if v})
 
 
 def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, max_tokens: int, pin: bool) -> tuple[str, bool, str]:
@@ -94,11 +97,12 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, max_t
 
     def part(mode: str) -> str:
         _, tps, knobs = results[mode]
-        words = [f"{k}={v}" for k, v in knobs.items() if k != "uncalibrated"] + (["uncalibrated"] if knobs.get("uncalibrated") else [])
+        words = [f"{k}={v}" if v is not True else k for k, v in knobs.items()]
         return f"{mode} {tps:.1f}" + (f" ({' '.join(words)})" if words else "")
 
     s = auto.stats
     why = f", {s.why}" if s.chosen_mode == "ar" or s.left_draft else ""
+    why += ", cores split" if s.placement.startswith("split") else ""
     left = f", left the draft {s.left_draft}" if s.left_draft else ""
     line = (f"{part('ar')} | {part('mlx_sd')} [draft {draft.name}] | {part('sd')} | {part('mirror')} | "
             f"auto {s.tokens_per_second:.1f} ({tune.describe(s)}, {s.tokens_per_second / ar:.2f}x ar{why}{left}) "
@@ -113,6 +117,9 @@ def main() -> int:
     ap.add_argument("--build", type=Path, default=ROOT / "build")
     args = ap.parse_args()
 
+    # auto's quick calibration is capped (30 s by default, then ar); the demo's pair has three exit adapters
+    # and a shared machine slows it (unpinned, its multi-row forwards most): the demo gives it 90 s.
+    os.environ.setdefault("MIRROR_MLX_QUICK_BUDGET", "90")
     t0 = time.perf_counter()
     target, draft, adapters = widened(args.build)
     print(f"demo: widened pair ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

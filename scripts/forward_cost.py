@@ -3,7 +3,7 @@
 Shows what a verify of γ+1 rows costs next to ar's one-row forward, and, for a small draft, whether
 its forward is bound by its parameters or by per-op dispatch (compare two models' ms per layer).
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/forward_cost.py build/stories-98M build/llama2xs-8M
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/forward_cost.py build/stories-98M build/llama2xs-8M [--rows 1,2,4,8]
 """
 
 import statistics
@@ -30,11 +30,16 @@ def forward_ms(model, prompt: mx.array, rows: int, reps: int = 15) -> float:
 
 
 def main() -> None:
-    for path in sys.argv[1:]:
+    args = sys.argv[1:]
+    rows = (1, 2, 4, 8)
+    if "--rows" in args:  # e.g. --rows 1,2,3,4,5,6: γ+1 rows for γ = 1..5
+        i = args.index("--rows")
+        rows, args = tuple(int(r) for r in args[i + 1].split(",")), args[:i] + args[i + 2:]
+    for path in args:
         model, tok = load(path)
         prompt = mx.array([tok.encode("Once upon a time, there was a little girl named Lily. She loved to play")])
         n_layers = len(model.layers)
-        cells = {rows: forward_ms(model, prompt, rows) for rows in (1, 2, 4, 8)}
+        cells = {r: forward_ms(model, prompt, r) for r in rows}
         print(f"{path}: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in cells.items())
               + f" | {cells[1] / n_layers:.2f} ms per layer at 1 row ({n_layers} layers)")
 

@@ -53,7 +53,7 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "overhead", "draft_hidden", "ideal"}
     assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
     md = (out / "results.md").read_text()
-    assert "| mirror |" in md and "| mlx_sd (k=" in md and "Latency per step" in md
+    assert "| mirror [llama2xs (demo)] (" in md and "| mlx_sd [llama2xs (demo)] (k=" in md and "Latency per step" in md
 
 
 def test_a_wrong_token_fails_the_run_and_names_the_prompt(tmp_path, monkeypatch):
@@ -153,3 +153,23 @@ def test_paired_speedup_compares_each_prompt_with_its_own_ar():
     rows = table(samples, ["x", "ar"])["all"]
     assert rows["x"]["paired_speedup_vs_ar"] == pytest.approx(2.0)  # ratios 2, 2, 1.25
     assert rows["x"]["speedup_vs_ar"] == pytest.approx(5.0 / 4.0)  # ratio of medians: drift leaks in
+
+
+def test_headline_names_each_rows_draft_and_compares_with_mlx_sds_best_over_drafts():
+    from mirror_mlx.bench.headline import headline
+
+    def run(draft: str, mlx_sd: float, mirror: float, split: bool) -> dict:
+        rows = {m: dict(tokens_per_s=v, mean_accepted=2.0, paired_speedup_vs_mlx_sd=v / mlx_sd)
+                for m, v in (("mirror", mirror), ("mlx_sd", mlx_sd), ("ar", 10.0))}
+        ran = {"mirror": {"knobs": "mirror κ=1 γ=3 ℓe=3", "placement": "split" if split else "unpinned"},
+               "mlx_sd": {"knobs": "k=4"}, "ar": {"knobs": ""}}
+        return {"config": {"prompts": "tinystories", "temp": 0.0}, "draft": draft, "ran": ran,
+                "summary": {"all": rows}, "machine": {"loadavg_start": [1.5, 1.0, 1.0]}}
+
+    md = headline([("defaults", run("llama2xs-8M", 20.0, 25.0, True)), ("defaults", run("ss-8M", 25.0, 30.0, False))])
+    lines = md.splitlines()[2:]
+    assert len(lines) == 6  # mirror, mlx_sd and ar per draft's run
+    mirror_plain = next(x for x in lines if "mirror [llama2xs-8M] (κ=1 γ=3 ℓe=3, cores split)" in x)
+    assert "| 25.00 | 1.00 | 2.50 | 1.25 |" in mirror_plain  # against mlx_sd's best (the SS draft's 25), ar 10
+    assert any("**mlx_sd [ss-8M] (k=4)** (best)" in x for x in lines)
+    assert any("mirror [ss-8M] (κ=1 γ=3 ℓe=3) | 30.00 | 1.20 | 3.00 |" in x for x in lines)

@@ -232,7 +232,7 @@ def test_an_out_of_range_profile_names_its_path_and_the_fix(tmp_path, monkeypatc
                                          (dict(mode="sd", gamma=300), "gamma must be at most 256"),
                                          (dict(mode="mirror", kappa=2, gamma=3, exit_layer=9), "exit")])
 def test_a_tampered_profile_is_recalibrated_with_a_warning(pipe, tmp_path, monkeypatch, capfd, knobs, named):
-    from mirror_mlx.tune.policy import pipe_key
+    from mirror_mlx.tune.profile import pipe_key
 
     monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
     path = profiles.save(profiles.Profile(key=pipe_key(pipe), **knobs))

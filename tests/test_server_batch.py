@@ -130,3 +130,25 @@ def test_a_client_that_disconnects_mid_batch_frees_its_slot(server, client, alon
     assert h["scheduler"]["freed_in_batch"] == before["scheduler"]["freed_in_batch"] + 1  # freed from the batch
     assert h["disconnected"] == before["disconnected"] + 1 and h["active"] <= 1
     assert rest(keep, [k0])[0] == want  # the other request is not disturbed
+
+
+def test_each_switch_follows_the_measured_costs():
+    """Batching pays when n rows per measured batched step beat the rate measured alone; the last request
+    leaves the batch when alone measured faster than a batch of one; both say why, with the numbers."""
+    from mirror_mlx.server.scheduler import Costs
+    from mirror_mlx.stats import Stats
+
+    costs = Costs()
+    assert costs.batch_pays(2, None)[0]  # nothing measured alone yet: batch (mlx_lm.server's choice)
+    costs.note_solo(Stats(generation_tokens=100, decode_seconds=0.5, target_forwards=50, suffix_seconds=0.4))
+    assert costs.solo_rate == pytest.approx(200) and costs.solo_forward == pytest.approx(0.008)
+    pays, why = costs.batch_pays(2, costs.solo_rate)  # no batched step measured: one forward alone's time
+    assert pays and "250 tok/s vs 200 tok/s alone" in why and "one forward alone's" in why
+    costs.note_batch(2, 0.02)  # measured: 100 tok/s batched, slower than alone
+    assert not costs.batch_pays(2, costs.solo_rate)[0]
+    assert costs.batch_pays(4, 100)[1].endswith("(4 rows / 20.00 ms per step (as measured at 2 rows) = 200 tok/s "
+                                                 "vs 100 tok/s alone)")
+    assert costs.solo_pays()[0]  # (batch of one not measured: alone, as a request alone runs)
+    costs.note_batch(1, 0.001)  # 1000 tok/s as a batch of one
+    assert costs.solo_pays() == (False, "one request: stays batched (200 tok/s alone vs 1000 tok/s as a batch "
+                                        "of one)")

@@ -206,7 +206,7 @@ def test_a_saved_profile_loads_back_and_is_not_reused_for_another_pair(tmp_path,
 
 
 def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
-    key = policy.pipe_key(pipe)
+    key = profiles.pipe_key(pipe)
     path = profiles.path_for(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"key": {"target": ')
@@ -295,7 +295,7 @@ def test_an_explicit_mode_without_a_calibrated_row_runs_small_knobs_and_says_unc
     model, tokenizer = mlx_load(str(TARGET_PATH))
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
     why = "quick calibration ran out of its 20 s budget (MIRROR_MLX_QUICK_BUDGET), so ar, the safe rule"
-    fresh.auto.profile = profiles.Profile(key=policy.pipe_key(fresh), mode="ar", why=why)
+    fresh.auto.profile = profiles.Profile(key=profiles.pipe_key(fresh), mode="ar", why=why)
     try:
         out = fresh.generate(PROMPT, max_tokens=24, mode="mirror", stop=False)
         s = out.stats
@@ -366,7 +366,7 @@ def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
     assert "draft acceptance α per γ on the calibration text" in result.output and "γ=3 0." in result.output
     p = load(str(TARGET_PATH), str(DRAFT_PATH))
     try:
-        assert profiles.load(policy.pipe_key(p)) is not None  # the next auto run uses it
+        assert profiles.load(profiles.pipe_key(p)) is not None  # the next auto run uses it
     finally:
         p.close()
 
@@ -554,7 +554,7 @@ def test_auto_counts_the_serial_windows_of_branches_it_could_not_reuse():
 def test_auto_adapts_per_sampling_setting_stays_lossless_and_learns_only_from_its_own_runs(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh.auto.profile = profiles.Profile(**{**ADAPTING.__dict__, "key": policy.pipe_key(fresh)})
+    fresh.auto.profile = profiles.Profile(**{**ADAPTING.__dict__, "key": profiles.pipe_key(fresh)})
     try:
         fresh.auto.seen[GREEDY] = {SD1: [900, 100, 0, 0]}
         sampled = fresh.generate(PROMPT, max_tokens=8, temperature=1.0, seed=0).stats
@@ -603,7 +603,7 @@ def test_auto_leaves_the_draft_within_a_generation_once_the_text_at_hand_defeats
 def test_auto_goes_on_with_ar_mid_generation_losslessly_and_says_so(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh.auto.profile = profiles.Profile(**{**LEAVING.__dict__, "key": policy.pipe_key(fresh)})
+    fresh.auto.profile = profiles.Profile(**{**LEAVING.__dict__, "key": profiles.pipe_key(fresh)})
     try:
         result = fresh.generate(PROMPT, max_tokens=48)
         s = result.stats

@@ -356,11 +356,11 @@ def test_an_interrupt_inside_a_step_leaves_no_task_pending_and_the_next_call_los
     trimmed the cache. The step's tasks are cancelled and the target's cache forgotten."""
     import gc
 
-    import mirror_mlx.engine as engine
+    import mirror_mlx.target as target
 
     prompt = pipe.tokenizer.encode("Once upon a time")
     ref = pipe.generate(prompt, mode="ar", max_tokens=12, stop=False).tokens
-    real, calls = engine.sample_rows, []
+    real, calls = target.sample_rows, []
 
     def interrupted(*args):
         calls.append(1)
@@ -368,10 +368,10 @@ def test_an_interrupt_inside_a_step_leaves_no_task_pending_and_the_next_call_los
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(engine, "sample_rows", interrupted)
+    monkeypatch.setattr(target, "sample_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         pipe.generate(prompt, mode=mode, max_tokens=12, stop=False, **KNOBS)  # (no calibration in this step)
-    monkeypatch.setattr(engine, "sample_rows", real)
+    monkeypatch.setattr(target, "sample_rows", real)
     gc.collect()
     assert "Task was destroyed" not in caplog.text
     assert pipe.generate(prompt, mode=mode, max_tokens=12, stop=False, **KNOBS).tokens == ref

@@ -38,7 +38,9 @@ def _tids() -> list[int]:
 
 
 def pin_threads(pipe: Any) -> dict:
-    """Target side (and mlx-lm baselines) on one core, the draft host on another.
+    """The Mac analog, a labelled bench setting: target side (and mlx-lm baselines) on one core in every
+    mode, the draft host on another. The pipeline's own core placement (tune/placement.py) is then held:
+    stats.placement says "held by the caller".
 
     MLX starts one CPU thread per stream on its first task, from the thread that submits it, and a
     new thread inherits its creator's affinity. So: pin every thread alive now (main, the default
@@ -60,6 +62,9 @@ def pin_threads(pipe: Any) -> dict:
         for tid in tids:
             os.sched_setaffinity(tid, {b})
         out["draft_host_tids"] = tids
+    from ..tune.placement import hold
+
+    hold(pipe, f"Mac analog: target side on core {a} in every mode, draft host on core {b}")
     return out
 
 

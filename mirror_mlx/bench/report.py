@@ -26,12 +26,27 @@ def _pct(x: Optional[float]) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
-def mode_table(rows: dict) -> list[str]:
+def label(mode: str, report: dict) -> str:
+    """A table row's name: the mode, the draft it ran with, its knobs and placement (mlx_sd: its k)."""
+    if mode == "ar":
+        return "ar"
+    ran = report.get("ran", {}).get(mode, {})
+    knobs = ran.get("knobs", "")
+    if mode != "mlx_sd" and knobs.startswith(mode):
+        knobs = knobs[len(mode):].strip()
+    inner = ", ".join(x for x in (knobs, "cores split" if ran.get("placement") == "split" else "") if x)
+    return f"{mode} [{report.get('draft', 'draft')}]" + (f" ({inner})" if inner else "")
+
+
+def mode_table(rows: dict, report: Optional[dict] = None) -> list[str]:
     lines = ["| mode | tok/s | × ar | × ar (paired) | × mlx_sd | × mlx_sd (paired) | accepted / target fwd | ms / step "
              "| fallback | reuse | Ω_κ | hidden draft | peak GB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, r in rows.items():
-        name = mode + (f" (k={','.join(map(str, r['num_draft_tokens']))})" if r.get("num_draft_tokens") else "")
+        if report is not None and report.get("ran"):
+            name = label(mode, report)
+        else:
+            name = mode + (f" (k={','.join(map(str, r['num_draft_tokens']))})" if r.get("num_draft_tokens") else "")
         if r.get("ran_as"):
             name += f" [ran as {','.join(r['ran_as'])}]"
         lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {_f(r['speedup_vs_ar'])} "
@@ -43,7 +58,7 @@ def mode_table(rows: dict) -> list[str]:
     return lines
 
 
-def breakdown_table(rows: dict) -> list[str]:
+def breakdown_table(rows: dict, report: Optional[dict] = None) -> list[str]:
     lines = ["| mode | target prefix | target suffix / verify | rollout past suffix | serial draft | overhead "
              "| (draft hidden) | mlx-lm step (not split) | ideal (Eq. 10) | step / ideal |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -52,7 +67,8 @@ def breakdown_table(rows: dict) -> list[str]:
         cells = [_f(b.get(k), "{:.1f}") for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead",
                                                     "draft_hidden", "unsplit", "ideal")]
         cells.append(_f(r["ms_per_step"] / b["ideal"]) if b.get("ideal") else "–")
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        name = label(mode, report) if report is not None and report.get("ran") else mode
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -78,8 +94,12 @@ def markdown(report: dict) -> str:
         out += sweep_table(report)
         return "\n".join(out) + "\n"
     k = report["knobs"]
-    out.append(f"Mirror-SD knobs: κ={k['kappa']}, γ={k['gamma']}, ℓ_e={k['exit_layer']} (sd uses the same γ). "
-               "× ar and × mlx_sd are ratios of the median tokens/s; (paired) is the median over prompts of "
+    if k.get("kappa") is not None or k.get("gamma") is not None:
+        out.append(f"Knobs given: κ={k['kappa']}, γ={k['gamma']}, ℓ_e={k['exit_layer']}.")
+    for mode, ran in report.get("ran", {}).items():
+        if mode not in ("ar", "mlx_sd"):
+            out.append(f"- {mode}: {ran['knobs']} ({ran.get('why', '')}); placement {ran.get('placement_why', '')}")
+    out.append("× ar and × mlx_sd are ratios of the median tokens/s; (paired) is the median over prompts of "
                "the ratio on the same prompt, run next to each other, which drift on a shared machine moves less.")
     sd = report.get("mlx_sd_sweep")
     if sd:
@@ -88,7 +108,7 @@ def markdown(report: dict) -> str:
                    f"(median tok/s {tps}).")
     out.append("")
     for cat, rows in report["summary"].items():
-        out += [f"## {cat}", ""] + mode_table(rows) + [""]
+        out += [f"## {cat}", ""] + mode_table(rows, report) + [""]
     out += ["## Latency per step (ms, all prompts)", "",
             "A step is one target forward; the columns before (draft hidden) add up to it. Mirror: the "
             "target's prefix, then its suffix while the draft rolls out every branch (the hidden part); a "
@@ -98,7 +118,7 @@ def markdown(report: dict) -> str:
             "forward. Ideal (Eq. 10): per mirror step prefix + max(suffix, rollout) with the durations "
             "measured in this run, plus the serial fallback windows; step / ideal is what the scheduler, "
             "the ring and the target's waits add.", ""]
-    out += breakdown_table(report["summary"]["all"]) + [""]
+    out += breakdown_table(report["summary"]["all"], report) + [""]
     return "\n".join(out) + "\n"
 
 

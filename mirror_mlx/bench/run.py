@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 from ..ane_draft.host import DraftRecipe
 from ..ane_draft.host import mlx_draft as host_mlx_draft
-from ..ane_draft.host import mlx_draft_model
+from ..ane_draft.host import mlx_draft_model, ss_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
@@ -52,8 +52,8 @@ class BenchConfig:
     max_tokens: int = 64
     modes: Sequence[str] = DEFAULT_MODES
     temp: float = 0.0
-    kappa: int = PAPER_KNOBS["kappa"]
-    gamma: int = PAPER_KNOBS["gamma"]
+    kappa: Optional[int] = None  # None: each mode's best row in the pair's profile (`tune`), as a user gets it
+    gamma: Optional[int] = None
     exit_layer: Optional[int] = DecodeOptions.exit_layer
     out: Path = Path("bench_out")
     sweep: Optional[str] = None
@@ -121,14 +121,24 @@ def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int
 
 
 def mlx_draft(pipe: Any) -> Any:
-    """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding."""
+    """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding. An SS draft's
+    forward over plain tokens is a plain llama's (its main rows), so mlx-lm drives it as a plain draft."""
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
         return mlx_draft_model(*pipe.draft.args)
+    if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:
+        from ..ane_draft.ss_model import load_ss_draft
+
+        return load_ss_draft(*pipe.draft.args, with_tokenizer=False)[0]
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
         raise ValueError("mode mlx_sd needs a plain mlx-lm draft model (mlx-lm cannot drive this draft): "
                          "drop mlx_sd from --modes or pass an mlx-lm model folder as --draft-model")
     return model
+
+
+def draft_name(cfg: BenchConfig) -> str:
+    """The draft's folder name (what the tables call it)."""
+    return Path(cfg.draft_model).name if cfg.draft_model else "llama2xs (demo)"
 
 
 def check_equal(samples: Sequence[Sample], ref: Sample, p: PromptIds, what: str = "mode") -> None:
@@ -154,8 +164,7 @@ def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
     modes = list(cfg.modes)
     if "ar" not in modes:  # ar is the reference for the equality check and the speedups
         modes.append("ar")
-    exit_layer = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
-    knobs = dict(kappa=cfg.kappa, gamma=cfg.gamma, exit_layer=exit_layer)
+    knobs = dict(kappa=cfg.kappa, gamma=cfg.gamma, exit_layer=cfg.exit_layer)  # None: the profile's, per mode
     sd_prompts = prompts[: max(1, cfg.sd_sweep_prompts)]
     bar = progress_bar(len(modes) + len(prompts) * len(modes) +
                        ("mlx_sd" in modes) * len(cfg.sd_ks) * len(sd_prompts), "bench", cfg.progress)
@@ -188,6 +197,24 @@ def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
     finally:
         bar.close()
     result["equality_checked"] = cfg.temp == 0
+    result["ran"] = ran_with([s for s in result["samples"]], k_best)
+
+
+def ran_with(samples: Sequence[Sample], k_best: Optional[int]) -> dict:
+    """{mode: its knobs, placement and why, in words}, from the last generation of each mode: what the
+    table names beside each mode (the fixed modes' knobs come from the profile unless given)."""
+    out = {}
+    for s in samples:
+        st = s.stats
+        if s.mode == "mlx_sd":
+            out[s.mode] = {"knobs": f"k={k_best}", "placement": "mlx-lm's own threads"}
+        elif s.mode == "ar":
+            out[s.mode] = {"knobs": "", "placement": "mlx-lm's own threads"}
+        else:
+            knobs = describe(st) if st.mode != "ar" or s.mode == "auto" else "ar"
+            out[s.mode] = {"knobs": knobs, "placement": st.placement.split(" (")[0].split(":")[0], "why": st.why,
+                           "placement_why": st.placement}
+    return out
 
 
 def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs: dict, max_tokens: int,
@@ -203,7 +230,8 @@ def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs:
 def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dict) -> None:
     """Mirror mode over the (κ, γ, ℓ_e) grid, with `ar` on each prompt as reference and baseline."""
     default_exit = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
-    grid = parse_sweep(cfg.sweep, pipe.engine.n_layers, cfg.kappa, cfg.gamma, default_exit)
+    grid = parse_sweep(cfg.sweep, pipe.engine.n_layers, cfg.kappa or PAPER_KNOBS["kappa"],
+                       cfg.gamma or PAPER_KNOBS["gamma"], default_exit)
     points = [dict(kappa=k, gamma=g, exit_layer=e) for e, g, k in product(grid["exit"], grid["gamma"], grid["kappa"])]
     bar = progress_bar(2 + len(prompts) * (len(points) + 2), "sweep", cfg.progress)
     result.update(grid=grid, points=points)
@@ -256,6 +284,7 @@ def bench(cfg: BenchConfig) -> dict:
         report["prompts"] = [{"category": p.category, "text": p.text, "tokens": len(p.ids), "truncated": p.truncated}
                              for p in prompts]
         report["target_layers"] = pipe.engine.n_layers
+        report["draft"] = draft_name(cfg)
         report["pinning"] = pin_threads(pipe) if cfg.pin else {"pinned": False}
         run: dict = {"samples": []}
         try:

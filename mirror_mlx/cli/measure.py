@@ -26,8 +26,11 @@ BENCH = BenchConfig()
 @click.option("--min-seconds", type=click.FloatRange(min=0), default=TUNE.min_seconds, show_default=True,
               help="Each configuration run for real goes round its prompts until it has decoded this long.")
 @click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
-@click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another, as "
-              "`bench --pin` does (Linux; set OPENBLAS_NUM_THREADS=1 too): calibrate as the bench runs.")
+@click.option("--pin", is_flag=True, help="The Mac analog, as `bench --pin`: the target side on one core in every "
+              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart from the "
+              "unpinned one. "
+              "Without it tune measures mirror unpinned and split (target side and draft host on cores of their "
+              "own) and auto runs the faster.")
 def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
              pin) -> None:
     """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses."""
@@ -56,7 +59,8 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
     except profile.ProfileError as e:  # an unwritable cache: the table below is still worth reading
         path = f"nothing ({e})"
     click.echo(report.format_table(prof))
-    for line in (report.contention(prof), report.acceptance_line(prof), compute_plan_report(draft_model)):
+    for line in (report.contention(prof), report.placement_line(prof), report.acceptance_line(prof),
+                 compute_plan_report(draft_model)):
         if line:
             click.echo(line)
     click.echo(f"chose {describe(prof)}: {prof.why}")
@@ -96,16 +100,19 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Comma-separated: mirror, sd (ours), mlx_sd, ar (mlx-lm's own), auto (the tuned choice); "
                    "ar always runs as reference.")
 @click.option("--temp", type=float, default=BENCH.temp, show_default=True, help="Sampling temperature.")
-@click.option("--kappa", type=int, default=BENCH.kappa, show_default=True, help="Top-κ width at the early exit.")
-@click.option("--gamma", type=int, default=BENCH.gamma, show_default=True, help="Window length γ (mirror and sd).")
+@click.option("--kappa", type=int, default=BENCH.kappa,
+              help="Top-κ width at the early exit [default: mirror's best row in the pair's profile, from tune].")
+@click.option("--gamma", type=int, default=BENCH.gamma,
+              help="Window length γ (mirror and sd) [default: each mode's best row in the pair's profile].")
 @click.option("--exit-layer", type=int, default=BENCH.exit_layer,
-              help="Early-exit layer ℓ_e [default: the exit adapter's, else N/2].")
+              help="Early-exit layer ℓ_e [default: mirror's best row in the profile; the sweep: the adapter's, else N/2].")
 @click.option("--seed", type=int, default=BENCH.seed, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '
                    'exit=N/4,N/2,3N/4".')
-@click.option("--pin", is_flag=True, help="Pin the target side to one core and the draft to another "
-              "(Linux; set OPENBLAS_NUM_THREADS=1 too).")
+@click.option("--pin", is_flag=True, help="The Mac analog: the target side and mlx-lm's baselines on one core in "
+              "every mode, the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too). Without it every mode "
+              "runs in the placement the product picks (tune's profile; mlx-lm with its defaults).")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for results.json, results.md and the plots.")
 def bench_cmd(**kwargs) -> None:

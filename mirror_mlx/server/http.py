@@ -259,6 +259,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_api_error(APIError(404, f"no route POST {path}: use {CHAT} or {COMPLETION}", code="not_found"))
             return
         s.count("requests")
+        gen: Optional[Generation] = None
         try:
             raw = self.read_body()
             s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
@@ -272,6 +273,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         except ClientGone:
             s.count("disconnected")
+            return
+        except Exception as e:  # tokenizing or checking failed in a way no field explains: a 500, not a hang-up
+            self.engine_failed(e, gen, sent=False)
             return
         try:
             self.serve_one(req, gen)
@@ -356,13 +360,14 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, OSError):
             pass
 
-    def engine_failed(self, e: Exception, gen: Generation, sent: bool) -> None:
+    def engine_failed(self, e: Exception, gen: Optional[Generation], sent: bool) -> None:
         """500 with a one-line error (the scheduler cleared the caches: a step may have been cut); keep serving."""
         s = self.server
         s.count("errors")
         s.note(f"request failed inside the engine: {type(e).__name__}: {e}\n"
                f"{''.join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()}")
-        gen.close()
+        if gen is not None:
+            gen.close()
         line = " ".join(f"{type(e).__name__}: {e}".split())
         error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
         if sent:

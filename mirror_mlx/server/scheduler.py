@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
+from .. import validate
 from ..pipeline import Chunk, Pipeline
 from ..sampling import position_seed
 from ..stats import Stats
@@ -177,8 +178,8 @@ class Scheduler:
             if self._closed:
                 raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down")
             queued = len(self._inbox) + len(self.waiting)
-            busy = self.solo is not None or self.batch
-            if busy and queued >= self.max_queue:
+            active = (self.solo is not None) + len(self.batch)
+            if active + queued >= self.decode_concurrency + self.max_queue:  # (memory: bounded by both)
                 retry = max(1, int(self._seconds * (queued + 1) / max(1, len(self.batch) or 1) + 0.999))
                 raise APIError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {retry} s",
                                kind="rate_limit_error", code="queue_full", retry_after=retry)
@@ -407,7 +408,8 @@ class Scheduler:
             job.cached = job.restored = held
         base = opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
                                             min_p=opts.min_p, top_k=opts.top_k)  # as Engine.generate
-        sampler = base if opts.seed is None or base is greedy_sampler else keyed(base, opts.seed, len(committed))
+        seed = validate.generator_seed(opts.seed)  # (as the engine maps it)
+        sampler = base if seed is None or base is greedy_sampler else keyed(base, seed, len(committed))
         processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
         from mlx_lm.generate import StopSequences
 
@@ -506,9 +508,10 @@ class Scheduler:
                 texts.append(tail)
             job.finish_reason = finish
         job.said.append("".join(texts))
-        job.events.put(Chunk("".join(texts), [t for t, _, _ in shown], [d for _, d, _ in shown], finish, stop,
-                             len(job.ids), 0.0, len(job.generated), 0.0, 0.0, texts, False,
-                             [r for _, _, r in shown], rows[-1] if stop is not None else None))
+        job.events.put(Chunk("".join(texts), tokens=[t for t, _, _ in shown], from_draft=[d for _, d, _ in shown],
+                             finish_reason=finish, stop_token=stop, prompt_tokens=len(job.ids),
+                             generation_tokens=len(job.generated), token_texts=texts,
+                             logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None))
 
     def _end(self, job: Job, error: Optional[BaseException] = None) -> None:
         if error is None and job.messages is not None:

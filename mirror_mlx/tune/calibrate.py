@@ -18,7 +18,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -32,9 +32,10 @@ from ..target import EarlyExitTarget, top_k, trimmable_cache
 from . import profile as profiles
 from .choose import choose, expected_rate, row_config
 from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
+from .placement import candidates
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
-QUICK_BUDGET_S = 20.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
+QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 # Each piece is timed at least `reps` times and at least `min_timed_s` (MIN_TIMED_S; the quick calibration
 # 0.15 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
 # machine (a piece of 100 ms or more costs no extra time).
@@ -76,9 +77,9 @@ class TuneConfig:
 
     @classmethod
     def quick(cls) -> "TuneConfig":
-        """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,2,3}, the middle ℓ_e
+        """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,...,5}, the middle ℓ_e
         (and each exit adapter's first exact layer), one probe per mode, capped."""
-        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3), reps=2, confirm=2,
+        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), reps=2, confirm=2,
                    confirm_prompts=1, min_seconds=0.5, min_timed_s=0.15, probe_two_windows=False, exact_top=2,
                    progress=False, budget_s=quick_budget())
 
@@ -399,12 +400,15 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
 
 
 def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
-                warm_up: bool = True, check: Callable[[], None] = lambda: None, sums: Optional[dict] = None,
-                min_seconds: float = 0.0) -> dict:
+                warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
+                sums: Optional[dict] = None, min_seconds: float = 0.0) -> dict:
     """Real greedy generations of every config on its prompts, interleaved (in rounds: each config runs its
     next prompt, so a load change on a shared machine hits all configs alike). {config: tokens/s, step_s,
     reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums` (a previous call's, per
     config) are added in: runs of other prompts.
+
+    `warm_up`: a short run of every config first (True), of none (False), or of these. Each config runs in
+    its own placement (Config.placement, tune/placement.py).
 
     `min_seconds`: a config's prompts are gone through again until it has decoded this long (a small
     model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here).
@@ -412,10 +416,18 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
     own = prompts if isinstance(prompts, dict) else {c: prompts for c in configs}
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer) for c in configs}
+
+    def generate(c: Config, prompt: list[int], **kw: Any) -> Any:
+        pipe.auto.placement_forced = c.placement  # each config in its own placement (tune/placement.py)
+        try:
+            return pipe.generate(prompt, **dict(knobs[c], **kw))
+        finally:
+            pipe.auto.placement_forced = None
+
     if warm_up:
-        for c in configs:
+        for c in configs if warm_up is True else warm_up:
             check()
-            pipe.generate(own[c][0], **dict(knobs[c], max_tokens=4))
+            generate(c, own[c][0], max_tokens=4)
     sums = {c: list((sums or {}).get(c, (0, 0, 0, 0.0))) for c in configs}  # tokens, steps, reuses, seconds
     todo, r = [c for c in configs if own[c]], 0
     while todo:
@@ -423,7 +435,7 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
         # fall on the same next configuration
         for c in random.Random(r).sample(todo, len(todo)):
             check()
-            s = pipe.generate(own[c][r % len(own[c])], **knobs[c]).stats
+            s = generate(c, own[c][r % len(own[c])]).stats
             for i, v in enumerate((s.generation_tokens, s.steps, s.reuses, s.decode_seconds)):
                 sums[c][i] += v
         r += 1
@@ -461,6 +473,20 @@ def fit_overheads(t: Timings, runs: dict) -> None:
         t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
 
 
+def place_row(row: dict, runs: dict) -> None:
+    """A table row's placement: where its point was measured in more than one (`runs`: {placement: its run
+    or None}), the faster one's run becomes the row's measurement, row["placements"] keeps each one's
+    tokens/s. The other rows (and ar and sd, which always run unpinned) say "unpinned"."""
+    runs = {p: run for p, run in runs.items() if run is not None}
+    row["placement"] = "unpinned"
+    if len(runs) < 2:
+        return
+    row["placements"] = {p: run["tokens_per_second"] for p, run in runs.items()}
+    win = max(runs, key=lambda p: runs[p]["tokens_per_second"])
+    row["placement"] = win
+    row["measured"], row["measured_step_ms"] = runs[win]["tokens_per_second"], 1e3 * runs[win]["step_s"]
+
+
 def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
               log: Callable[[str], None] = lambda s: None, key: Optional[dict] = None) -> profiles.Profile:
     """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration.
@@ -478,6 +504,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             raise OutOfTime(f"calibration passed its {cfg.budget_s:g} s budget")
 
     prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
+    placements = candidates(pipe)  # mirror's confirmed points run in each (tune/placement.py)
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
     probes = probe_configs(cfg, layers)
@@ -533,12 +560,19 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         # to their runs on the first; the probes outside stay measured on one prompt and are not candidates.
         confirm = pick_confirm(ranked, cfg.confirm)
         confirm += [Config("ar")] if Config("ar") not in confirm else []
+        splits = []
+        if "split" in placements:  # mirror's points in both placements: the best mirror prediction at least
+            if not any(c.mode == "mirror" for c in confirm):
+                confirm += [next(r["config"] for r in ranked if r["config"].mode == "mirror")]
+            splits = [replace(c, placement="split") for c in confirm if c.mode == "mirror"]
         measured = {c: r for c, r in probe_runs.items()}
         own = {c: prompts[1 if c in probes else 0: cfg.confirm_prompts] for c in confirm}
-        phase("confirm", len(confirm))
-        measured.update(run_configs(pipe, confirm, own, cfg.max_tokens, warm_up=False, check=check,
+        own.update({c: prompts[: cfg.confirm_prompts] for c in splits})  # the prompts its unpinned twin covers
+        confirm_runs = confirm + splits
+        phase("confirm", len(confirm_runs))
+        measured.update(run_configs(pipe, confirm_runs, own, cfg.max_tokens, warm_up=splits, check=check,
                                     min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()}))
-        bars[-1].update(len(confirm))
+        bars[-1].update(len(confirm_runs))
         phase("suffix ‖ rollout", None)
         # The probes' overheads again from all their runs, the confirmation's too: on a ms-scale pair the
         # machine's speed moves 10-20 % between the probe runs and the confirmation seconds later, and a
@@ -556,9 +590,12 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                   measured_step_ms=1e3 * measured[r["config"]]["step_s"] if r["config"] in measured else None,
                   probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
                   tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"]) for r in ranked]
+    for row, r in zip(table, ranked):
+        place_row(row, {p: measured.get(replace(r["config"], placement=p)) for p in placements})
     best, ar, margin = choose(table)
     c = row_config(best)
-    why = (f"tuned: {expected_rate(best):.0f} tok/s expected vs ar {expected_rate(ar):.0f}"
+    placed = f", placement {best['placement']}" if best["mode"] == "mirror" else ""
+    why = (f"tuned: {expected_rate(best):.0f} tok/s expected{placed} vs ar {expected_rate(ar):.0f}"
            f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(confirm)} confirmed, "
            f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - started, "phases": phases, "prompts": len(prompts),
@@ -566,6 +603,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                    "acceptance": {str(g): list(v) for g, v in counts.items()},  # γ: [accepted, rejections]
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
     log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
-    key = key or profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+    if key is None:
+        key = profiles.pipe_key(pipe)
     return profiles.Profile(key=key, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
                             why=why, table=table, calibration=calibration)

@@ -26,6 +26,7 @@ class Config:
     kappa: Optional[int] = None
     gamma: Optional[int] = None
     exit_layer: Optional[int] = None
+    placement: str = "unpinned"  # where its threads run (tune/placement.py); only mirror is measured split
 
     @property
     def name(self) -> str:

@@ -37,6 +37,8 @@ class AutoState:
     profile: Optional[profiles.Profile] = None
     key: Optional[dict] = None
     seen: dict[tuple, dict[ConfigKey, Counts]] = field(default_factory=dict)
+    placement_held: str = ""  # a caller pins threads itself (how, in words): placement.py leaves them alone
+    placement_forced: Optional[str] = None  # tune's runs: every generation in this placement (placement.py)
 
 
 @dataclass
@@ -68,12 +70,6 @@ def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer
     return (mode, kappa if mirror else None, gamma, exit_layer if mirror else None)
 
 
-def pipe_key(pipe: Any) -> dict:
-    if pipe.auto.key is None:
-        pipe.auto.key = profiles.key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
-    return pipe.auto.key
-
-
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
 
 
@@ -90,7 +86,7 @@ def profile_for(pipe: Any) -> profiles.Profile:
 def _load_or_calibrate(pipe: Any) -> profiles.Profile:
     from .calibrate import OutOfTime, TuneConfig, calibrate
 
-    key = pipe_key(pipe)
+    key = profiles.pipe_key(pipe)
     try:
         prof = profiles.load(key, pipe.engine)
     except profiles.ProfileError as e:

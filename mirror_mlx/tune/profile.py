@@ -178,3 +178,13 @@ def _out_of_range(profile: Profile) -> str:
         return (f"kappa: {profile.kappa}, gamma: {profile.gamma} (kappa*(gamma+1) must be at most "
                 f"{MAX_BRANCHES})")
     return ""
+
+
+def pipe_key(pipe: Any) -> dict:
+    """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
+    profile calibrated pinned never serves generations that are not, nor the other way round."""
+    if pipe.auto.key is None:
+        pipe.auto.key = key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
+        if pipe.auto.placement_held:
+            pipe.auto.key["placement"] = pipe.auto.placement_held
+    return pipe.auto.key

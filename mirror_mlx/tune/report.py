@@ -16,10 +16,21 @@ def format_table(prof: Profile, top: int = 10) -> str:
         err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
         note = " (probe)" if r.get("confirmed", True) else " (probe, 1 prompt)"
         name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (note if r.get("probe") else "")
+        name += " split" if r.get("placement") == "split" else ""
         predicted = ("≤" if r.get("bound") else "") + f"{r['predicted']:.1f}"  # ≤: suffix ‖ rollout not measured
         lines.append(f"{name:<38} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
                      f"{predicted:>10} {m if m is not None else float('nan'):>9.1f} {err:>7}")
     return "\n".join(lines)
+
+
+def placement_line(prof: Profile) -> str:
+    """Mirror's points measured in both core placements (tune/placement.py): tokens/s in each."""
+    rows = [r for r in prof.table if r.get("placements")]
+    if not rows:
+        return ""
+    return ("core placement, mirror (tok/s; the faster is the row's, auto and --mode mirror run it): " + "; ".join(
+        describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + " "
+        + ", ".join(f"{p} {v:.1f}" for p, v in r["placements"].items()) for r in rows))
 
 
 def acceptance_line(prof: Profile) -> str:

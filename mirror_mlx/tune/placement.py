@@ -1,0 +1,151 @@
+"""Core placement, the product's own choice per mode (docs/design.md §4, "Placement").
+
+On a CPU the target and the draft host share the cores. Two placements:
+- "unpinned": nothing is touched; every thread may run anywhere, OpenBLAS on its default threads.
+  ar and sd always run so (they use one model at a time: every core serves it).
+- "split": for mirror, the draft host's process on the last allowed core and every thread of this
+  process (the target side) on the others, each side with as many OpenBLAS threads as it has cores
+  (one each on two cores). Mirror's target suffix and branch rollout then truly run at once instead
+  of taking each other's cores.
+
+`tune` measures mirror's confirmed points in both and records the winner per row (row["placement"]);
+a generation in mirror runs its row's winner, and the placement shows in `stats.placement`. A split
+lasts one generation: afterwards every thread gets back the cores it had and OpenBLAS its threads, so
+a caller's process is never left pinned. A caller that pins threads itself (`bench --pin`, the Mac
+analog) sets `hold`: placement is then the caller's and left alone.
+"""
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Iterator, Optional
+
+from .. import blas
+from . import profile as profiles
+
+PLACEMENTS = ("unpinned", "split")
+
+
+def split_unavailable() -> str:
+    """Why this machine cannot split (not Linux, fewer than two allowed cores), or ""."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
+        return "core placement is Linux-only (a Mac runs the draft on its own engine)"
+    n = len(os.sched_getaffinity(0))
+    return "" if n >= 2 else f"only {n} core allowed"
+
+
+def candidates(pipe: Any) -> tuple[str, ...]:
+    """The placements `tune` measures for mirror here: both, unless split is unavailable or held."""
+    if pipe.auto.placement_held or split_unavailable() or pipe.engine.host is None or pipe.engine.host.pid is None:
+        return ("unpinned",)
+    return PLACEMENTS
+
+
+def row_for(prof: Optional[profiles.Profile], mode: str, kappa: Optional[int], gamma: Optional[int],
+            exit_layer: Optional[int]) -> Optional[dict]:
+    """The profile's row for this point, or None."""
+    if prof is None:
+        return None
+    return next((r for r in prof.table if r["mode"] == mode and r.get("kappa") == kappa and r.get("gamma") == gamma
+                 and r.get("exit_layer") == exit_layer), None)
+
+
+def _profile(pipe: Any) -> Optional[profiles.Profile]:
+    """The pair's profile if this process has one or the cache holds one (never calibrates for placement)."""
+    if pipe.auto.profile is not None:
+        return pipe.auto.profile
+
+    try:
+        prof = profiles.load(profiles.pipe_key(pipe), pipe.engine)
+    except profiles.ProfileError:  # auto says so when it needs the profile; placement then stays unpinned
+        return None
+    if prof is not None:
+        pipe.auto.profile = prof  # read once: the same profile auto would load
+    return prof
+
+
+def choose(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
+           ) -> tuple[str, str]:
+    """(placement, why) for one generation: a caller's hold, tune's forced one, else unpinned for ar and sd
+    and mirror's row's measured winner (unpinned where no row measured one)."""
+    held, forced = pipe.auto.placement_held, pipe.auto.placement_forced
+    if held:
+        return "held", f"held by the caller: {held}"
+    if forced:
+        return forced, "tune measuring it"
+    if mode != "mirror":
+        return "unpinned", f"{mode} uses every core"
+    why_not = split_unavailable() or ("" if pipe.engine.host is not None and pipe.engine.host.pid is not None
+                                      else "the draft host is not a process of its own")
+    if why_not:
+        return "unpinned", why_not
+    row = row_for(_profile(pipe), mode, kappa, gamma, exit_layer)
+    if row is None or not row.get("placements"):
+        return "unpinned", "no profile row measured a placement for this point (`mirror-mlx tune`)"
+    rates = " vs ".join(f"{p} {v:.1f}" for p, v in sorted(row["placements"].items(), key=lambda kv: -kv[1]))
+    return row.get("placement", "unpinned"), f"tune measured {rates} tok/s"
+
+
+def _tids(pid: Optional[int] = None) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid or 'self'}/task"))
+    except OSError:
+        return []
+
+
+def _set(tid: int, cpus: set) -> None:
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except OSError:  # a thread that ended meanwhile
+        pass
+
+
+@contextmanager
+def split(pipe: Any) -> Iterator[str]:
+    """Pin for one generation (see the module docstring); yields where each side runs, and undoes it."""
+    own = sorted(os.sched_getaffinity(0))
+    target_cpus, draft_cpu = set(own[:-1]), own[-1]
+    host_pid = pipe.engine.host.pid
+    before = {tid: os.sched_getaffinity(tid) for tid in _tids()}
+    host_before = {}
+    for tid in _tids(host_pid):
+        try:
+            host_before[tid] = os.sched_getaffinity(tid)
+        except OSError:
+            pass
+    threads_before = blas.threads()
+    try:
+        for tid in _tids():
+            _set(tid, target_cpus)
+        for tid in _tids(host_pid):
+            _set(tid, {draft_cpu})  # the host sets its BLAS threads to its cores on its next request
+        blas.set_threads(len(target_cpus))
+        yield (f"split: target side on core{'s' if len(target_cpus) > 1 else ''} "
+               f"{','.join(map(str, sorted(target_cpus)))} ({len(target_cpus)} BLAS thread"
+               f"{'s' if len(target_cpus) > 1 else ''}), draft host on core {draft_cpu} (1 BLAS thread)")
+    finally:
+        for tid in _tids():
+            _set(tid, before.get(tid, set(own)))
+        for tid in _tids(host_pid):
+            _set(tid, host_before.get(tid, set(own)))
+        blas.set_threads(threads_before)
+
+
+@contextmanager
+def placed(pipe: Any, opts: Any) -> Iterator[Any]:
+    """Run one generation in its placement: yields `opts` with `placement` saying which and why."""
+    name, why = choose(pipe, opts.mode, opts.kappa, opts.gamma,
+                       pipe.engine.exit_layer(opts) if opts.mode == "mirror" else opts.exit_layer)
+    if name != "split":
+        yield replace(opts, placement=f"{name} ({why})")
+        return
+    with split(pipe) as where:
+        yield replace(opts, placement=f"{where} ({why})")
+
+
+def hold(pipe: Any, what: str) -> None:
+    """A caller pins threads itself (`what` says how): placement leaves every thread alone from now on, and
+    the pair's profile is the one calibrated so (its key says how: profile.pipe_key)."""
+    pipe.auto.placement_held = what
+    pipe.auto.key, pipe.auto.profile = None, None
