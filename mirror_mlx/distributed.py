@@ -98,6 +98,9 @@ class SharedHost:
         self.process, self.vocab_size, self.kind = host.process, host.vocab_size, host.kind
         self.failed: Optional[BaseException] = None
         self.n, self.tail = 1, [0, -1]
+        # no pid: the cores stay unpinned (tune/placement.py), as on every rank; a profile's placement was
+        # measured in one process
+        self.pid: Optional[int] = None
 
     def _post(self, fn, context, *args) -> None:
         self.tail = _tail(context)
@@ -171,6 +174,7 @@ class MirrorHost:
 
     process = False
     kind = "rank 0's draft"
+    pid: Optional[int] = None  # (tune/placement.py: unpinned)
 
     def __init__(self, g: mx.distributed.Group, vocab_size: int, watchdog: "Watchdog"):
         self.group, self.vocab_size, self.watchdog = g, vocab_size, watchdog
