@@ -28,8 +28,8 @@ import mlx.core as mx
 
 from .ane_draft.host import DraftHost, DraftHostError, _close_all
 from .draft_api import Rollout
-from .options import PAPER_KNOBS
 from .pipeline import Pipeline, check_adapter_path, load_draft
+from .tune.policy import SAFE_KNOBS
 
 OK, FAILED = 1, 2  # a reply's first word
 HEAD = 5  # [status, len(context), context[-1], forwards, tokens] before the windows
@@ -303,7 +303,8 @@ class DistributedPipeline(Pipeline):
     """A Pipeline whose calls run on every rank of the group, in step.
 
     Mode auto's calibration measures one process, so here `auto` runs mirror (ar without a draft) and knobs
-    not given are the paper's (κ=8, γ=7, ℓ_e = the adapter's layer or N/2), said in `stats.why`. An
+    not given are the small safe ones an uncalibrated explicit mode runs (κ=1, γ=3, ℓ_e = the adapter's
+    layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An
     unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
 
     group: mx.distributed.Group
@@ -323,10 +324,10 @@ class DistributedPipeline(Pipeline):
             raise ValueError("mode 'mirror' needs the early exit on every rank, and this family is split by layers "
                              "across ranks (mlx-lm's pipeline: the exit layer lives on one rank): use mode='sd'")
         if mode in ("mirror", "sd"):
-            for knob, value in PAPER_KNOBS.items():
+            for knob, value in SAFE_KNOBS.items():
                 if kwargs.get(knob) is None:
                     kwargs[knob] = value
-                    why.append(f"{knob} {value} (the paper's)")
+                    why.append(f"{knob} {value} (small safe default, uncalibrated)")
         if kwargs.get("seed") is None and (kwargs.get("temperature") or kwargs.get("sampler") is not None):
             with self.watchdog.waiting("rank 0's seed"):
                 kwargs["seed"] = share([random.getrandbits(31)], 1, self.group)[0]
