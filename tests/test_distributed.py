@@ -178,7 +178,9 @@ def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.P
     command = [sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", str(tokens), "--mode", "mirror",
                "--kappa", "4", "--gamma", "3", "--exit-layer", "2"]
     proc = subprocess.Popen(launcher() + ["--"] + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=env, text=True, cwd=tmp, start_new_session=True)
+                            stdin=subprocess.DEVNULL, env=env, text=True, cwd=tmp, start_new_session=True,
+                            # a runner that started us in the background ignores SIGINT; Ctrl-C needs it back
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if not select.select([proc.stdout], [], [], 180)[0]:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("no text from rank 0 in 180 s")
@@ -190,9 +192,9 @@ def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.P
 def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and_no_segment(tmp_path, how):
     proc = started_generating(tmp_path, MIRROR_MLX_DIST_TIMEOUT="10")
     procs = descendants(proc.pid)
-    rank0, rank1 = rank_pid(procs, 0), rank_pid(procs, 1)
     t0 = time.monotonic()
     try:
+        rank0, rank1 = rank_pid(procs, 0), rank_pid(procs, 1)
         if how == "Ctrl-C":  # as a terminal sends it: to the launcher's whole process group
             os.killpg(proc.pid, signal.SIGINT)
         elif how == "rank 1 killed":

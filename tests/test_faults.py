@@ -289,8 +289,10 @@ def test_a_hang_up_during_chat_closes_the_draft_host_and_its_shared_memory(tmp_p
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
 def test_ctrl_c_on_generate_exits_130(tmp_path):
+    # a runner that started us in the background ignores SIGINT, and that survives exec: give it back
     proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "generate", "-p", "-"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not Path(f"/proc/{proc.pid}/syscall").read_text().startswith("0 0x0 "):  # read(0, ...): the prompt
         assert time.monotonic() < deadline and proc.poll() is None
