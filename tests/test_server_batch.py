@@ -132,6 +132,21 @@ def test_a_client_that_disconnects_mid_batch_frees_its_slot(server, client, alon
     assert rest(keep, [k0])[0] == want  # the other request is not disturbed
 
 
+def test_under_the_byte_limit_stored_prompt_caches_give_way_to_the_active_batch(tmp_path):
+    """--prompt-cache-bytes bounds the stored caches and the active batch's caches together (as mlx_lm.server)."""
+    with running(tmp_path / "server.log", *SPECULATE, "--prompt-cache-bytes", "400KB") as (_, url):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        client.completions.create(model="stories260K", prompt="A bird sang.", max_tokens=8)  # alone: stored
+        stored = health(url)["prefix_cache"]
+        assert stored["entries"] == 1 and stored["bytes"] <= stored["max_bytes"] < 2 * stored["bytes"], stored
+        a, a0 = stream_first(client, PROMPTS[0], 200)
+        b, b0 = stream_first(client, PROMPTS[1], 200)
+        wait_for(lambda: health(url)["regime"] == "batch" and health(url)["active"] == 2)
+        during = health(url)["prefix_cache"]  # two rows' caches leave no room for the stored one
+        assert during["dropped_for_batch"] == 1 and during["entries"] == 0, during
+        rest(a, [a0]), rest(b, [b0])
+
+
 def test_each_switch_follows_the_measured_costs():
     """Batching pays when n rows per measured batched step beat the rate measured alone; the last request
     leaves the batch when alone measured faster than a batch of one; both say why, with the numbers."""

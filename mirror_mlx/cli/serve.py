@@ -49,7 +49,8 @@ def size(text):
 @click.option("--prompt-cache-size", type=click.IntRange(min=0), default=10, show_default=True,
               help="Target caches of recent prompts kept, so a prefix sent again is not prefilled again (0: off).")
 @click.option("--prompt-cache-bytes", default=None,
-              help="At most this much memory for those caches, e.g. 4GB or 512MB (as mlx_lm.server) [default: no limit].")
+              help="At most this much memory for those caches and the active batch's together, e.g. 4GB or 512MB "
+                   "(as mlx_lm.server) [default: no limit].")
 @click.option("--decode-concurrency", type=click.IntRange(min=1), default=32, show_default=True,
               help="Requests that decode together in one batch (as mlx_lm.server); 1: one at a time.")
 @click.option("--prompt-concurrency", type=click.IntRange(min=1), default=8, show_default=True,

@@ -237,7 +237,8 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             s = self.server
             self.send_json(200, {"status": "stopping" if s.stopping.is_set() else "ok", "model": s.model_id,
-                                 "waiting": s.scheduler.queued, **s.counts, **s.scheduler.health()})
+                                 "waiting": s.scheduler.queued, **s.counts, **s.scheduler.health(),
+                                 "prefix_cache": s.prefixes.health()})
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [model]})
         elif path.startswith("/v1/models/"):

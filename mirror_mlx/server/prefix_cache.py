@@ -21,7 +21,22 @@ class PrefixCache:
         from mlx_lm.models.cache import LRUPromptCache
 
         self.engine = engine
+        self.max_bytes = max_bytes
         self.lru = LRUPromptCache(size, max_bytes if max_bytes is not None else 1 << 63) if size > 0 else None
+        self.dropped_for_batch = 0  # stored caches dropped to leave room for the active batch's
+
+    def give_way(self, active_bytes: int) -> None:
+        """Under --prompt-cache-bytes the stored caches and the active batch's share the limit (as
+        mlx_lm.server): drop the oldest stored ones until both fit. Call on the target's thread."""
+        if self.lru is not None and self.max_bytes is not None:
+            held = len(self.lru)
+            self.lru.trim_to(n_bytes=self.max_bytes - active_bytes)
+            self.dropped_for_batch += held - len(self.lru)
+
+    def health(self) -> dict:
+        return {"entries": len(self.lru) if self.lru is not None else 0,
+                "bytes": self.lru.nbytes if self.lru is not None else 0, "max_bytes": self.max_bytes,
+                "dropped_for_batch": self.dropped_for_batch}
 
     def restore(self, ids: list[int]) -> int:
         """Before a request: start the target from the stored cache nearest `ids`; how many tokens it holds

@@ -421,6 +421,8 @@ class Scheduler:
                                              caches=[cache] if cache is not None else None,
                                              all_tokens=[committed[:held]], samplers=[sampler],
                                              logits_processors=[processors], stop_sequences=[stops])
+            if self.prefixes is not None:
+                self.prefixes.give_way(self._gen.prompt_cache_nbytes)
             return uid
 
         job.uid = self.pipe.engine.target_worker.call(insert)
