@@ -14,6 +14,7 @@ Faults: a rank that dies makes MLX's ring raise on the others ("connection to a 
 host, unlinks its shared memory and exits with one line on stderr.
 """
 
+import json
 import os
 import random
 import signal
@@ -298,6 +299,9 @@ def lost_peer(e: BaseException) -> bool:
 
 # ------------------------------------------------------------------ the pipeline
 
+NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each rank's cache holds its shard of the "
+                   "keys and values; run without it")
+
 
 class DistributedPipeline(Pipeline):
     """A Pipeline whose calls run on every rank of the group, in step.
@@ -310,11 +314,11 @@ class DistributedPipeline(Pipeline):
     group: mx.distributed.Group
     watchdog: Watchdog
     split = "tensor"  # or "pipeline": mlx-lm's split by layers, for families without model.shard
+    leading = False  # rank 0 of a server: its streams and resets are told to the other ranks (`follow`)
 
     def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
         if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
-            raise ValueError("a prompt cache file cannot be continued across ranks: each rank's cache holds its "
-                             "shard of the keys and values; run without it")
+            raise ValueError(NO_PROMPT_CACHE)
         mode = kwargs.get("mode", "auto")
         why = []
         if mode == "auto":
@@ -361,6 +365,178 @@ class DistributedPipeline(Pipeline):
             raise
         finally:
             steps.close()
+
+
+    # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
+
+    def stream(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any) -> Iterator:
+        """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
+        before it runs, so every rank runs the same generation step by step."""
+        if not self.leading:
+            return super().stream(prompt, prompt_cache, **kwargs)
+        if prompt_cache is not None:
+            raise ValueError(NO_PROMPT_CACHE)
+        if isinstance(prompt, str):
+            from .validate import clean_text
+
+            prompt = self.encode(clean_text(prompt)[0])
+        ids = [int(t) for t in prompt]
+        try:
+            options = json.dumps(kwargs).encode()
+        except TypeError as e:
+            raise ValueError(f"these options cannot be sent to the other ranks ({e}): give plain values") from None
+        self._tell(START, len(ids), len(options))
+        with self.watchdog.waiting("the other ranks to take the request"):
+            self._collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
+        return self._lead(super().stream(ids, **kwargs))
+
+    def _lead(self, chunks: Iterator) -> Iterator:
+        ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
+        try:
+            while True:
+                self._tell(STEP)
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    ended = True
+                    return
+                ended = chunk.finish_reason is not None
+                yield chunk
+                if ended:
+                    return
+        finally:
+            if not ended:  # closed early (a client went away, a stop string, shutdown) or failed
+                self._tell(STOP)
+            chunks.close()
+
+    def reset(self) -> None:
+        if self.leading:
+            self._tell(RESET)
+        super().reset()
+
+    def close(self) -> None:
+        if self.leading and not self._closed:
+            self.leading = False
+            self._tell(QUIT)
+        super().close()
+
+    def _tell(self, kind: int, *args: int) -> None:
+        with self.watchdog.waiting("the other ranks to follow"):
+            self._collective(lambda: share([kind, *args], MESSAGE, self.group))
+
+    @staticmethod
+    def _collective(fn: Any) -> Any:
+        try:
+            return fn()
+        except BaseException as e:
+            if lost_peer(e):
+                die(f"lost a rank of the group ({e}): stopping")
+            raise
+
+
+START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, a, b]
+MESSAGE = 3
+GRACE_S = 10.0  # a follower told to stop waits this long for rank 0 to end the run
+
+
+def follow(pipe: DistributedPipeline) -> None:
+    """Ranks > 0 of a server: run what rank 0 (`DistributedPipeline.leading`) runs, step by step, until it
+    ends. Waiting for the next request is no stall (no watchdog); within a request rank 0 is timed."""
+    g = pipe.group
+    stream: Optional[Iterator] = None
+    failed: Optional[BaseException] = None
+
+    def receive(size: int, what: Optional[str]) -> list[int]:
+        if what is None:
+            return pipe._collective(lambda: share([], size, g))
+        with pipe.watchdog.waiting(what):
+            return pipe._collective(lambda: share([], size, g))
+
+    def end() -> None:
+        nonlocal stream
+        if stream is not None:
+            stream, s = None, stream
+            s.close()
+
+    while True:
+        kind, a, b = receive(MESSAGE, None if stream is None else "rank 0's next step")
+        if kind == QUIT:
+            end()
+            return
+        if kind == START:
+            if stream is not None:
+                die("rank 0 started a request while this rank was still in one: stopping")
+            got = receive(a + b, "rank 0's request")
+            failed = None
+            try:
+                stream = pipe.stream(got[:a], **json.loads(bytes(got[a:])))
+            except Exception as e:  # noqa: BLE001 - rank 0 refuses it alike (the same check on the same input)
+                failed = e
+        elif kind == STEP:
+            if stream is None:
+                die(f"rank 0 runs a request this rank could not start ({failed!r}): stopping")
+            try:
+                chunk = next(stream, None)
+            except Exception as e:  # noqa: BLE001 - rank 0's step fails alike; it says STOP, then RESET
+                stream, failed = None, e
+                continue
+            if chunk is None or chunk.finish_reason is not None:
+                end()
+        elif kind == STOP:
+            end()
+        elif kind == RESET:
+            end()
+            pipe.reset()
+        else:
+            die(f"rank 0 sent {[kind, a, b]}, no message a server's rank knows (a different mirror-mlx on each "
+                "rank?): stopping")
+
+
+def serve_follower(pipe: DistributedPipeline) -> None:
+    """`mirror-mlx serve` on ranks > 0: no server, only `follow`. SIGINT/SIGTERM/SIGHUP or the launcher
+    gone: rank 0 got it too and ends the run (QUIT); if it has not in GRACE_S s, this rank ends alone."""
+    def told(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        timer = threading.Timer(GRACE_S, die, (f"stopped by {name}; rank 0 did not end the run in {GRACE_S:g} s",
+                                               128 + signum))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, told)
+    end_with_launcher()
+
+    def run() -> None:
+        try:
+            follow(pipe)
+        except BaseException as e:  # noqa: BLE001 - this rank cannot go on in step with rank 0
+            die(f"{type(e).__name__}: {e}: stopping")
+
+    thread = threading.Thread(target=run, name="mirror-follower", daemon=True)
+    thread.start()
+    while thread.is_alive():  # (the main thread stays free for the signal handlers)
+        thread.join(0.5)
+
+
+def end_with_launcher(interval: float = 0.5) -> None:
+    """A rank whose launcher is gone (killed: mlx.launch passes no SIGTERM on) stops as on SIGTERM. Its
+    output, which no one reads now, goes to /dev/null (a write would fail)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        rank = _group.rank() if _group is not None else 0
+        try:
+            os.write(2, f"mirror-mlx: rank {rank}: the launcher is gone: stopping\n".encode())
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="mirror-launcher-watch", daemon=True).start()
 
 
 def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None,

@@ -5,6 +5,7 @@ import click
 from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, template_config, tracker_ignores_hangup)
 from mirror_mlx.cli.refused import refused_options
+from mirror_mlx import distributed
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -32,6 +33,15 @@ def size(text):
     if not m or m.group(2) not in UNITS:
         raise click.UsageError(f"--prompt-cache-bytes {text!r} is not a size: give bytes or e.g. 512MB, 4GB")
     return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def across_ranks(ranks: int) -> dict:
+    """What /health and the start line say of a server across ranks: what it runs differently, and why."""
+    return {"ranks": ranks,
+            "batching": "off across ranks: one request decodes at a time, the others wait in the queue "
+                        "(mlx-lm's BatchGenerator runs in one process)",
+            "prefix_cache_across_requests": "off across ranks (each rank would restore its own shard's copy); "
+                                            "the engine's own cache still serves the last request's prefix"}
 
 
 @click.command("serve")
@@ -77,12 +87,20 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
     pipe.chat_template_kwargs = template_kwargs
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")
+    g, across = distributed.group(), None
     try:
         pipe.check([0], **dict(defaults, max_tokens=1))
+        if g is not None:  # under mlx.launch: rank 0 serves, the other ranks follow it step by step
+            if g.rank() > 0:
+                distributed.serve_follower(pipe)
+                return
+            pipe.leading = True
+            distributed.end_with_launcher()
+            decode_concurrency, prompt_cache_size, across = 1, 0, across_ranks(g.size())
         serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,
               log_level=getattr(logging, log_level.upper()), prompt_cache_size=prompt_cache_size,
               prompt_cache_bytes=cache_bytes, decode_concurrency=decode_concurrency,
-              prompt_concurrency=prompt_concurrency)
+              prompt_concurrency=prompt_concurrency, across=across)
     except ValueError as e:
         raise click.UsageError(str(e))
     except OSError as e:

@@ -61,7 +61,9 @@ class Server(ThreadingHTTPServer):
                  max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
                  allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
                  prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
-                 decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY):
+                 decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY,
+                 across: Optional[dict] = None):
+        self.across = across or {}  # across ranks (mlx.launch): {"ranks": N, what runs differently and why}
         self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
         self.reading: set = set()  # connections still sending their request: closed at once on shutdown
         self._reading_lock = threading.Lock()
@@ -238,7 +240,7 @@ class Handler(BaseHTTPRequestHandler):
             s = self.server
             self.send_json(200, {"status": "stopping" if s.stopping.is_set() else "ok", "model": s.model_id,
                                  "waiting": s.scheduler.queued, **s.counts, **s.scheduler.health(),
-                                 "prefix_cache": s.prefixes.health()})
+                                 "prefix_cache": s.prefixes.health(), **s.across})
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [model]})
         elif path.startswith("/v1/models/"):
@@ -449,17 +451,21 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
           max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
           log_level: int = logging.INFO, prompt_cache_size: int = 10,
           prompt_cache_bytes: Optional[int] = None, decode_concurrency: int = DECODE_CONCURRENCY,
-          prompt_concurrency: int = PROMPT_CONCURRENCY) -> None:
+          prompt_concurrency: int = PROMPT_CONCURRENCY, across: Optional[dict] = None) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
-    `allowed_origins`: the browser origins that may use it (None: pages on this machine only)."""
+    `allowed_origins`: the browser origins that may use it (None: pages on this machine only). `across`:
+    rank 0 of a run across ranks, what it runs differently (said at start and in /health)."""
     defaults = defaults or {}
     server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
                     allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
                     prompt_cache_bytes=prompt_cache_bytes, decode_concurrency=decode_concurrency,
-                    prompt_concurrency=prompt_concurrency)
+                    prompt_concurrency=prompt_concurrency, across=across)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
     previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
+    if across:
+        server.note(f"across {across['ranks']} ranks: batching {across['batching']}; prefix cache "
+                    f"{across['prefix_cache_across_requests']}")
     server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
                 f"(queue {max_queue}, decode concurrency {decode_concurrency}, prompt concurrency {prompt_concurrency}); "
                 "Ctrl-C stops")

@@ -1,0 +1,120 @@
+"""`mirror-mlx serve` across ranks, on loopback: `mlx.launch -n 2 --backend ring` starts it, rank 0 serves
+HTTP and the other rank runs every request's steps with it (mirror_mlx/distributed.py `follow`). Through the
+real `openai` client: greedy completions and chats in mirror and ar equal the single-process target's text, a
+stream the client drops stops on every rank and the next request is still right, /health says why the batch
+regime is off; SIGTERM to the launcher (which passes nothing on) ends every rank, no process and no
+shared-memory segment left.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+import mirror_mlx
+from tests.leaks import made_in, wait_unlinked
+from tests.test_distributed import ROOT, alive, descendants, launcher
+
+PROMPT = "Once upon a time"
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+
+
+def started_serving(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
+    """`mirror-mlx serve --port 0` of the demo pair on 2 ranks; the launcher, rank 0's base URL and the log."""
+    log = tmp / "serve.log"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1")
+    command = [sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launcher() + ["--"] + command, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                env=env, cwd=tmp, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if " on http://" in line:
+                return proc, line.split(" on ")[1].split()[0], log
+        if proc.poll() is not None:
+            raise AssertionError(f"the launcher exited: {log.read_text()}")
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"rank 0 did not start serving in 180 s: {log.read_text()}")
+
+
+def ranks(pids: list[int]) -> dict[int, int]:
+    """rank → pid of the serving ranks among `pids`."""
+    out = {}
+    for pid in pids:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        for r in (0, 1):
+            if f"MLX_RANK={r}".encode() in env and b"serve" in cmd and b"ane_draft" not in cmd:
+                out[r] = pid
+    return out
+
+
+def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tmp_path):
+    proc, url, log = started_serving(tmp_path, "--mode", "mirror", "--kappa", "4", "--gamma", "3",
+                                     "--exit-layer", "2")
+    procs = descendants(proc.pid)
+    try:
+        assert set(ranks(procs)) == {0, 1}, procs
+        pipe = mirror_mlx.load()  # the reference: one process, the target alone
+        try:
+            ref = {(p, n): pipe.generate(p, max_tokens=n, mode="ar").text
+                   for p, n in ((PROMPT, 40), ("The dog", 24))}
+        finally:
+            pipe.close()
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
+        assert r.choices[0].text == ref[PROMPT, 40]
+        assert r.model_extra["x_mirror"]["mode"] == "mirror" and r.model_extra["x_mirror"]["accepted"] > 0
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=40, temperature=0)
+        assert r.choices[0].message.content == ref[PROMPT, 40]
+        r = client.completions.create(model=model, prompt="The dog", max_tokens=24, temperature=0,
+                                      extra_body={"mode": "ar"})
+        assert r.choices[0].text == ref["The dog", 24] and r.model_extra["x_mirror"]["mode"] == "ar"
+
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
+        seen = 0
+        for chunk in stream:
+            seen += bool(chunk.choices and chunk.choices[0].text)
+            if seen == 2:
+                break
+        stream.close()  # every rank stops that generation at the same step, else the next one would hang
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "The dog"}],
+                                           max_tokens=24, temperature=0, extra_body={"mode": "mirror"})
+        assert r.choices[0].message.content == ref["The dog", 24]
+        cut = [line for line in log.read_text().splitlines() if "client went away after" in line]
+        assert cut and int(cut[-1].split("after ")[1].split()[0]) < 100, log.read_text()
+
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as h:
+            health = json.loads(h.read())
+        assert health["ranks"] == 2 and "one request decodes at a time" in health["batching"], health
+        assert health["scheduler"]["decode_concurrency"] == 1 and health["scheduler"]["batch_steps"] == 0
+        assert health["completed"] == 4 and health["disconnected"] == 1, health
+        assert "across 2 ranks: batching off" in log.read_text()
+
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: it dies and passes nothing on to the ranks
+        proc.wait(timeout=10)
+        while (left := [p for p in procs if alive(p)]) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        assert not left, f"still running 30 s after the launcher ended: {left}"
+    finally:  # whatever failed: nothing left running
+        for p in [proc.pid] + procs:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+    made = made_in(log.read_text())
+    assert made and not wait_unlinked(made), log.read_text()
