@@ -492,18 +492,31 @@ def follow(pipe: DistributedPipeline) -> None:
                 "rank?): stopping")
 
 
+_grace: list = []
+
+
+def stop_within_grace(signum: int, frame: Any = None) -> None:
+    """A server's rank asked to stop (SIGINT/SIGTERM/SIGHUP, or its launcher gone) ends within GRACE_S s:
+    rank 0 stops as one process does (the step in course ends, the other ranks are told QUIT); a step that
+    cannot end (a rank lost or stalled: the ring may wait for it forever) or a rank 0 that never says QUIT
+    ends this rank with one line instead."""
+    if _grace:
+        return
+    name = signal.Signals(signum).name
+    waited = "the step in course did not end" if _group is not None and _group.rank() == 0 else \
+        "rank 0 did not end the run"
+    timer = threading.Timer(GRACE_S, die, (f"stopped by {name}; {waited} in {GRACE_S:g} s (a rank lost or "
+                                           "stalled?)", 128 + signum))
+    timer.daemon = True
+    timer.start()
+    _grace.append(timer)
+
+
 def serve_follower(pipe: DistributedPipeline) -> None:
     """`mirror-mlx serve` on ranks > 0: no server, only `follow`. SIGINT/SIGTERM/SIGHUP or the launcher
     gone: rank 0 got it too and ends the run (QUIT); if it has not in GRACE_S s, this rank ends alone."""
-    def told(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        timer = threading.Timer(GRACE_S, die, (f"stopped by {name}; rank 0 did not end the run in {GRACE_S:g} s",
-                                               128 + signum))
-        timer.daemon = True
-        timer.start()
-
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, told)
+        signal.signal(sig, stop_within_grace)
     end_with_launcher()
 
     def run() -> None:

@@ -26,10 +26,14 @@ PROMPT = "Once upon a time"
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
 
 
+IDLE_TIMEOUT = 8  # MIRROR_MLX_DIST_TIMEOUT here: a server idle for longer is still up (waiting is no stall)
+
+
 def started_serving(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
     """`mirror-mlx serve --port 0` of the demo pair on 2 ranks; the launcher, rank 0's base URL and the log."""
     log = tmp / "serve.log"
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1",
+               MIRROR_MLX_DIST_TIMEOUT=str(IDLE_TIMEOUT))
     command = [sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(launcher() + ["--"] + command, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
@@ -52,11 +56,11 @@ def ranks(pids: list[int]) -> dict[int, int]:
     for pid in pids:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         for r in (0, 1):
-            if f"MLX_RANK={r}".encode() in env and b"serve" in cmd and b"ane_draft" not in cmd:
+            if f"MLX_RANK={r}".encode() in env and args[1:4] == [b"-m", b"mirror_mlx", b"serve"]:
                 out[r] = pid
     return out
 
@@ -65,6 +69,7 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
     proc, url, log = started_serving(tmp_path, "--mode", "mirror", "--kappa", "4", "--gamma", "3",
                                      "--exit-layer", "2")
     procs = descendants(proc.pid)
+    idle = time.monotonic()
     try:
         assert set(ranks(procs)) == {0, 1}, procs
         pipe = mirror_mlx.load()  # the reference: one process, the target alone
@@ -73,6 +78,7 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
                    for p, n in ((PROMPT, 40), ("The dog", 24))}
         finally:
             pipe.close()
+        time.sleep(max(0.0, idle + IDLE_TIMEOUT + 2 - time.monotonic()))  # idle past the watchdog's limit
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
 
@@ -116,5 +122,47 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         for p in [proc.pid] + procs:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+    made = made_in(log.read_text())
+    assert made and not wait_unlinked(made), log.read_text()
+
+
+def test_a_rank_killed_while_serving_ends_every_rank_with_one_line_leaving_nothing(tmp_path):
+    import threading
+
+    proc, url, log = started_serving(tmp_path, "--mode", "mirror", "--kappa", "4", "--gamma", "3",
+                                     "--exit-layer", "2")
+    procs = descendants(proc.pid)
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    got: list = []
+
+    def ask() -> None:  # a long stream, cut when its server goes
+        try:
+            for chunk in client.completions.create(model="default_model", prompt=PROMPT, max_tokens=400,
+                                                   temperature=0, stream=True):
+                got.append(chunk)
+        except Exception as e:  # noqa: BLE001 - expected: the server went away
+            got.append(e)
+
+    try:
+        rank = ranks(procs)
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        deadline = time.monotonic() + 60
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(got) >= 3, log.read_text()  # decoding on both ranks
+        t0 = time.monotonic()
+        os.kill(rank[1], signal.SIGKILL)
+        proc.wait(timeout=60)  # mlx.launch stops rank 0 (SIGTERM) once rank 1 failed; rank 0 ends in bounded time
+        assert time.monotonic() - t0 < 30, log.read_text()
+        while (left := [p for p in procs if alive(p)]) and time.monotonic() - t0 < 40:
+            time.sleep(0.1)
+        assert not left, f"still running: {left}"
+    finally:
+        for p in [proc.pid] + procs:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+    said = [line for line in log.read_text().splitlines() if line.startswith("mirror-mlx: rank 0: ")]
+    assert len(said) == 1, log.read_text()
     made = made_in(log.read_text())
     assert made and not wait_unlinked(made), log.read_text()

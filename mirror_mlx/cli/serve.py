@@ -87,7 +87,7 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
     pipe.chat_template_kwargs = template_kwargs
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")
-    g, across = distributed.group(), None
+    g, across, on_signal = distributed.group(), None, None
     try:
         pipe.check([0], **dict(defaults, max_tokens=1))
         if g is not None:  # under mlx.launch: rank 0 serves, the other ranks follow it step by step
@@ -97,10 +97,11 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
             pipe.leading = True
             distributed.end_with_launcher()
             decode_concurrency, prompt_cache_size, across = 1, 0, across_ranks(g.size())
+            on_signal = distributed.stop_within_grace
         serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,
               log_level=getattr(logging, log_level.upper()), prompt_cache_size=prompt_cache_size,
               prompt_cache_bytes=cache_bytes, decode_concurrency=decode_concurrency,
-              prompt_concurrency=prompt_concurrency, across=across)
+              prompt_concurrency=prompt_concurrency, across=across, on_signal=on_signal)
     except ValueError as e:
         raise click.UsageError(str(e))
     except OSError as e:

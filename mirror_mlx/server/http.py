@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 
 from ..pipeline import Pipeline
@@ -451,17 +451,24 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
           max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
           log_level: int = logging.INFO, prompt_cache_size: int = 10,
           prompt_cache_bytes: Optional[int] = None, decode_concurrency: int = DECODE_CONCURRENCY,
-          prompt_concurrency: int = PROMPT_CONCURRENCY, across: Optional[dict] = None) -> None:
+          prompt_concurrency: int = PROMPT_CONCURRENCY, across: Optional[dict] = None,
+          on_signal: Optional[Callable[[int], None]] = None) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
     `allowed_origins`: the browser origins that may use it (None: pages on this machine only). `across`:
-    rank 0 of a run across ranks, what it runs differently (said at start and in /health)."""
+    rank 0 of a run across ranks, what it runs differently (said at start and in /health); `on_signal`
+    is called first on each of those signals (across ranks: it bounds the stop)."""
     defaults = defaults or {}
     server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
                     allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
                     prompt_cache_bytes=prompt_cache_bytes, decode_concurrency=decode_concurrency,
                     prompt_concurrency=prompt_concurrency, across=across)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
-    previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in signals}  # SIGHUP: the terminal closed
+    def stop(signum: int, frame: Any) -> None:
+        if on_signal is not None:
+            on_signal(signum)
+        server.stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
     if across:
         server.note(f"across {across['ranks']} ranks: batching {across['batching']}; prefix cache "
