@@ -7,8 +7,8 @@ KV_BITS = ("a quantized KV cache is not supported: mlx-lm quantizes the cache af
            "--quantized-kv-start, and a speculative step's forward of several tokens crosses that point where "
            "mlx-lm's one-token forwards do not, so the tokens would differ from mlx-lm's; drop it (a model "
            "quantized in its weights, e.g. mlx-community's -4bit, works in every mode)")
-PIPELINE = ("mlx-lm's pipeline parallelism across machines (mx.distributed) is not supported: the target runs on "
-            "one machine beside its draft; drop the flag")
+PIPELINE = ("under mlx.launch mirror-mlx picks the split itself, as mlx-lm's sharded_load prefers it (tensor "
+            "parallel where the family has model.shard, else its pipeline split; README, Across Macs); drop the flag")
 
 # command -> flag -> (takes a value, why it is refused)
 REFUSED = {
