@@ -436,7 +436,7 @@ class DistributedPipeline(Pipeline):
 
 START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, a, b]
 MESSAGE = 3
-GRACE_S = 10.0  # a follower told to stop waits this long for rank 0 to end the run
+GRACE_S = 10.0  # a rank of a server told to stop ends within this long (stop_within_grace)
 
 
 def follow(pipe: DistributedPipeline) -> None:
@@ -464,8 +464,7 @@ def follow(pipe: DistributedPipeline) -> None:
             end()
             return
         if kind == START:
-            if stream is not None:
-                die("rank 0 started a request while this rank was still in one: stopping")
+            end()  # (one whose start failed on rank 0 alone: no step of it ran)
             got = receive(a + b, "rank 0's request")
             failed = None
             try:

@@ -76,6 +76,7 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         try:
             ref = {(p, n): pipe.generate(p, max_tokens=n, mode="ar").text
                    for p, n in ((PROMPT, 40), ("The dog", 24))}
+            sample = pipe.generate(PROMPT, max_tokens=24, mode="ar", temperature=0.8, seed=11).text
         finally:
             pipe.close()
         time.sleep(max(0.0, idle + IDLE_TIMEOUT + 2 - time.monotonic()))  # idle past the watchdog's limit
@@ -91,6 +92,11 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         r = client.completions.create(model=model, prompt="The dog", max_tokens=24, temperature=0,
                                       extra_body={"mode": "ar"})
         assert r.choices[0].text == ref["The dog", 24] and r.model_extra["x_mirror"]["mode"] == "ar"
+
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0.8, seed=11)
+        assert r.choices[0].text == sample  # a seeded sample: the same draws as one process
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0.8)
+        assert r.usage.completion_tokens == 24  # unseeded: rank 0 draws the seed every rank samples with
 
         stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
         seen = 0
@@ -109,7 +115,7 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
             health = json.loads(h.read())
         assert health["ranks"] == 2 and "one request decodes at a time" in health["batching"], health
         assert health["scheduler"]["decode_concurrency"] == 1 and health["scheduler"]["batch_steps"] == 0
-        assert health["completed"] == 4 and health["disconnected"] == 1, health
+        assert health["completed"] == 6 and health["disconnected"] == 1, health
         assert "across 2 ranks: batching off" in log.read_text()
 
         t0 = time.monotonic()
