@@ -385,7 +385,7 @@ class DistributedPipeline(Pipeline):
             options = json.dumps(kwargs).encode()
         except TypeError as e:
             raise ValueError(f"these options cannot be sent to the other ranks ({e}): give plain values") from None
-        self._tell(START, len(ids), len(options))
+        self._tell(START, len(ids), len(options), *held(self))
         with self.watchdog.waiting("the other ranks to take the request"):
             self._collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
         return self._lead(super().stream(ids, **kwargs))
@@ -434,14 +434,24 @@ class DistributedPipeline(Pipeline):
             raise
 
 
-START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, a, b]
-MESSAGE = 3
+START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, ...]
+MESSAGE = 5  # [START, prompt ids, option bytes, tokens the target's cache holds, their checksum]; else [kind]
+
+
+def held(pipe: Pipeline) -> list[int]:
+    """What the target's cache holds before a request: its token count and a checksum. Every rank must hold
+    the same (the same requests ran, the prefix cache restored the same entry)."""
+    target = pipe.engine.target
+    cached = pipe.engine.target_worker.call(lambda: list(target.cached))
+    return [len(cached), sum((i + 1) * t for i, t in enumerate(cached)) % (1 << 31)]
 GRACE_S = 10.0  # a rank of a server told to stop ends within this long (stop_within_grace)
 
 
-def follow(pipe: DistributedPipeline) -> None:
+def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
     """Ranks > 0 of a server: run what rank 0 (`DistributedPipeline.leading`) runs, step by step, until it
-    ends. Waiting for the next request is no stall (no watchdog); within a request rank 0 is timed."""
+    ends. Waiting for the next request is no stall (no watchdog); within a request rank 0 is timed.
+    `prefixes`: this rank's PrefixCache, restored and stored where rank 0's scheduler does (before a request;
+    after one that ended by itself), so it holds what rank 0's holds, for this rank's shard."""
     g = pipe.group
     stream: Optional[Iterator] = None
     failed: Optional[BaseException] = None
@@ -459,7 +469,7 @@ def follow(pipe: DistributedPipeline) -> None:
             s.close()
 
     while True:
-        kind, a, b = receive(MESSAGE, None if stream is None else "rank 0's next step")
+        kind, a, b, *cache = receive(MESSAGE, None if stream is None else "rank 0's next step")
         if kind == QUIT:
             end()
             return
@@ -467,6 +477,11 @@ def follow(pipe: DistributedPipeline) -> None:
             end()  # (one whose start failed on rank 0 alone: no step of it ran)
             got = receive(a + b, "rank 0's request")
             failed = None
+            if prefixes is not None:
+                prefixes.restore(got[:a])
+            if held(pipe) != cache:
+                die(f"before this request rank {g.rank()}'s target cache holds {held(pipe)[0]} tokens and rank 0's "
+                    f"{cache[0]} (or other ones): the ranks diverged: stopping")
             try:
                 stream = pipe.stream(got[:a], **json.loads(bytes(got[a:])))
             except Exception as e:  # noqa: BLE001 - rank 0 refuses it alike (the same check on the same input)
@@ -481,6 +496,8 @@ def follow(pipe: DistributedPipeline) -> None:
                 continue
             if chunk is None or chunk.finish_reason is not None:
                 end()
+                if prefixes is not None:
+                    prefixes.store()
         elif kind == STOP:
             end()
         elif kind == RESET:
@@ -511,7 +528,7 @@ def stop_within_grace(signum: int, frame: Any = None) -> None:
     _grace.append(timer)
 
 
-def serve_follower(pipe: DistributedPipeline) -> None:
+def serve_follower(pipe: DistributedPipeline, prefixes: Any = None) -> None:
     """`mirror-mlx serve` on ranks > 0: no server, only `follow`. SIGINT/SIGTERM/SIGHUP or the launcher
     gone: rank 0 got it too and ends the run (QUIT); if it has not in GRACE_S s, this rank ends alone."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -520,7 +537,7 @@ def serve_follower(pipe: DistributedPipeline) -> None:
 
     def run() -> None:
         try:
-            follow(pipe)
+            follow(pipe, prefixes)
         except BaseException as e:  # noqa: BLE001 - this rank cannot go on in step with rank 0
             die(f"{type(e).__name__}: {e}: stopping")
 

@@ -1,9 +1,9 @@
 """`mirror-mlx serve` across ranks, on loopback: `mlx.launch -n 2 --backend ring` starts it, rank 0 serves
 HTTP and the other rank runs every request's steps with it (mirror_mlx/distributed.py `follow`). Through the
 real `openai` client: greedy completions and chats in mirror and ar equal the single-process target's text, a
-stream the client drops stops on every rank and the next request is still right, /health says why the batch
-regime is off; SIGTERM to the launcher (which passes nothing on) ends every rank, no process and no
-shared-memory segment left.
+stream the client drops stops on every rank and the next request is still right, every rank restores the
+same prefix-cache entry, /health says why the batch regime is off; SIGTERM to the launcher (which passes
+nothing on) ends every rank, and so does a rank killed mid-request: no process, no shared-memory segment left.
 """
 
 import json
@@ -95,6 +95,8 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
 
         r = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0.8, seed=11)
         assert r.choices[0].text == sample  # a seeded sample: the same draws as one process
+        # (the engine's cache held "The dog" here: every rank restored the first request's stored cache)
+        assert r.model_extra["x_mirror"]["prefix_cache_tokens"] > 0, r.model_extra["x_mirror"]
         r = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0.8)
         assert r.usage.completion_tokens == 24  # unseeded: rank 0 draws the seed every rank samples with
 
@@ -114,6 +116,7 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as h:
             health = json.loads(h.read())
         assert health["ranks"] == 2 and "one request decodes at a time" in health["batching"], health
+        assert health["prefix_cache_across_requests"].startswith("on") and health["prefix_cache"]["entries"] > 0
         assert health["scheduler"]["decode_concurrency"] == 1 and health["scheduler"]["batch_steps"] == 0
         assert health["completed"] == 6 and health["disconnected"] == 1, health
         assert "across 2 ranks: batching off" in log.read_text()

@@ -35,13 +35,21 @@ def size(text):
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def across_ranks(ranks: int) -> dict:
+def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict:
     """What /health and the start line say of a server across ranks: what it runs differently, and why."""
+    if prompt_cache_size == 0:
+        prefix = "off (--prompt-cache-size 0)"
+    elif prompt_cache_bytes is not None:
+        prefix = ("off across ranks under --prompt-cache-bytes: each rank would drop entries by its own shard's "
+                  "bytes, and the ranks must restore the same entry; the engine's own cache still serves the last "
+                  "request's prefix")
+    else:
+        prefix = (f"on: up to {prompt_cache_size} entries on every rank (its shard's keys and values), restored "
+                  "and stored at the same requests on every rank")
     return {"ranks": ranks,
             "batching": "off across ranks: one request decodes at a time, the others wait in the queue "
                         "(mlx-lm's BatchGenerator runs in one process)",
-            "prefix_cache_across_requests": "off across ranks (each rank would restore its own shard's copy); "
-                                            "the engine's own cache still serves the last request's prefix"}
+            "prefix_cache_across_requests": prefix}
 
 
 @click.command("serve")
@@ -91,13 +99,18 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
     try:
         pipe.check([0], **dict(defaults, max_tokens=1))
         if g is not None:  # under mlx.launch: rank 0 serves, the other ranks follow it step by step
+            across = across_ranks(g.size(), prompt_cache_size, cache_bytes)
+            if cache_bytes is not None:
+                prompt_cache_size = 0
             if g.rank() > 0:
-                distributed.serve_follower(pipe)
+                from mirror_mlx.server.prefix_cache import PrefixCache
+
+                prefixes = PrefixCache(pipe.engine, prompt_cache_size) if prompt_cache_size else None
+                distributed.serve_follower(pipe, prefixes)
                 return
             pipe.leading = True
             distributed.end_with_launcher()
-            decode_concurrency, prompt_cache_size, across = 1, 0, across_ranks(g.size())
-            on_signal = distributed.stop_within_grace
+            decode_concurrency, on_signal = 1, distributed.stop_within_grace
         serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,
               log_level=getattr(logging, log_level.upper()), prompt_cache_size=prompt_cache_size,
               prompt_cache_bytes=cache_bytes, decode_concurrency=decode_concurrency,
