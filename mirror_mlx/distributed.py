@@ -454,6 +454,7 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
     after one that ended by itself), so it holds what rank 0's holds, for this rank's shard."""
     g = pipe.group
     stream: Optional[Iterator] = None
+    stepped = False  # a step of `stream` ran
     failed: Optional[BaseException] = None
 
     def receive(size: int, what: Optional[str]) -> list[int]:
@@ -463,7 +464,8 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
             return pipe._collective(lambda: share([], size, g))
 
     def end() -> None:
-        nonlocal stream
+        nonlocal stream, stepped
+        stepped = False
         if stream is not None:
             stream, s = None, stream
             s.close()
@@ -474,6 +476,8 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
             end()
             return
         if kind == START:
+            if stepped:  # (rank 0 ends every request it stepped: the same finished chunk, or STOP)
+                die("rank 0 started a request while this rank was still in one: stopping")
             end()  # (one whose start failed on rank 0 alone: no step of it ran)
             got = receive(a + b, "rank 0's request")
             failed = None
@@ -489,10 +493,11 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
         elif kind == STEP:
             if stream is None:
                 die(f"rank 0 runs a request this rank could not start ({failed!r}): stopping")
+            stepped = True
             try:
                 chunk = next(stream, None)
             except Exception as e:  # noqa: BLE001 - rank 0's step fails alike; it says STOP, then RESET
-                stream, failed = None, e
+                stream, stepped, failed = None, False, e
                 continue
             if chunk is None or chunk.finish_reason is not None:
                 end()
