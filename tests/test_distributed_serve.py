@@ -37,7 +37,9 @@ def started_serving(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, Path]
     command = [sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(launcher() + ["--"] + command, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                env=env, cwd=tmp, start_new_session=True)
+                                env=env, cwd=tmp, start_new_session=True,
+                                # a runner that started us in the background ignores SIGINT; Ctrl-C needs it back
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():
@@ -135,7 +137,8 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
     assert made and not wait_unlinked(made), log.read_text()
 
 
-def test_a_rank_killed_while_serving_ends_every_rank_with_one_line_leaving_nothing(tmp_path):
+@pytest.mark.parametrize("how", ["rank 1 killed", "Ctrl-C"])
+def test_a_rank_killed_or_ctrl_c_while_serving_ends_every_rank_leaving_nothing(tmp_path, how):
     import threading
 
     proc, url, log = started_serving(tmp_path, "--mode", "mirror", "--kappa", "4", "--gamma", "3",
@@ -161,7 +164,10 @@ def test_a_rank_killed_while_serving_ends_every_rank_with_one_line_leaving_nothi
             time.sleep(0.05)
         assert len(got) >= 3, log.read_text()  # decoding on both ranks
         t0 = time.monotonic()
-        os.kill(rank[1], signal.SIGKILL)
+        if how == "Ctrl-C":  # as a terminal sends it: to the launcher's whole process group
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(rank[1], signal.SIGKILL)
         proc.wait(timeout=60)  # mlx.launch stops rank 0 (SIGTERM) once rank 1 failed; rank 0 ends in bounded time
         assert time.monotonic() - t0 < 30, log.read_text()
         while (left := [p for p in procs if alive(p)]) and time.monotonic() - t0 < 40:
@@ -171,7 +177,10 @@ def test_a_rank_killed_while_serving_ends_every_rank_with_one_line_leaving_nothi
         for p in [proc.pid] + procs:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
-    said = [line for line in log.read_text().splitlines() if line.startswith("mirror-mlx: rank 0: ")]
-    assert len(said) == 1, log.read_text()
+    if how == "rank 1 killed":  # rank 0 ends on the lost peer, or on mlx.launch's SIGTERM within 10 s: one line
+        said = [line for line in log.read_text().splitlines() if line.startswith("mirror-mlx: rank 0: ")]
+        assert len(said) == 1, log.read_text()
+    finished = [c for c in got if not isinstance(c, Exception) and c.choices and c.choices[0].finish_reason]
+    assert not finished, finished  # the stream was cut, not finished
     made = made_in(log.read_text())
     assert made and not wait_unlinked(made), log.read_text()
