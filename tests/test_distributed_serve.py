@@ -71,10 +71,13 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
     proc, url, log = started_serving(tmp_path, "--mode", "mirror", "--kappa", "4", "--gamma", "3",
                                      "--exit-layer", "2")
     procs = descendants(proc.pid)
-    idle = time.monotonic()
     try:
         assert set(ranks(procs)) == {0, 1}, procs
-        pipe = mirror_mlx.load()  # the reference: one process, the target alone
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        first = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
+        idle = time.monotonic()
+        pipe = mirror_mlx.load()  # the reference: one process, the target alone (the server idles meanwhile)
         try:
             ref = {(p, n): pipe.generate(p, max_tokens=n, mode="ar").text
                    for p, n in ((PROMPT, 40), ("The dog", 24))}
@@ -82,12 +85,10 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         finally:
             pipe.close()
         time.sleep(max(0.0, idle + IDLE_TIMEOUT + 2 - time.monotonic()))  # idle past the watchdog's limit
-        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
 
-        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
-        assert r.choices[0].text == ref[PROMPT, 40]
-        assert r.model_extra["x_mirror"]["mode"] == "mirror" and r.model_extra["x_mirror"]["accepted"] > 0
+        assert first.choices[0].text == ref[PROMPT, 40]
+        x = first.model_extra["x_mirror"]
+        assert x["mode"] == "mirror" and x["accepted"] > 0 and x["kappa"] == 4 and x["gamma"] == 3, x
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
                                            max_tokens=40, temperature=0)
         assert r.choices[0].message.content == ref[PROMPT, 40]
