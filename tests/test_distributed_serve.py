@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -103,6 +104,15 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         r = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0.8)
         assert r.usage.completion_tokens == 24  # unseeded: rank 0 draws the seed every rank samples with
 
+        both: dict = {}  # two at once: one decodes, the other waits in the queue (no batch across ranks)
+        asks = [threading.Thread(target=lambda p=p, n=n: both.__setitem__(p, client.completions.create(
+            model=model, prompt=p, max_tokens=n, temperature=0).choices[0].text)) for p, n in ref]
+        for t in asks:
+            t.start()
+        for t in asks:
+            t.join(120)
+        assert both == {p: text for (p, _), text in ref.items()}
+
         stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
         seen = 0
         for chunk in stream:
@@ -121,7 +131,7 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         assert health["ranks"] == 2 and "one request decodes at a time" in health["batching"], health
         assert health["prefix_cache_across_requests"].startswith("on") and health["prefix_cache"]["entries"] > 0
         assert health["scheduler"]["decode_concurrency"] == 1 and health["scheduler"]["batch_steps"] == 0
-        assert health["completed"] == 6 and health["disconnected"] == 1, health
+        assert health["completed"] == 8 and health["disconnected"] == 1, health
         assert "across 2 ranks: batching off" in log.read_text()
 
         t0 = time.monotonic()
@@ -140,8 +150,6 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
 
 @pytest.mark.parametrize("how", ["rank 1 killed", "Ctrl-C"])
 def test_a_rank_killed_or_ctrl_c_while_serving_ends_every_rank_leaving_nothing(tmp_path, how):
-    import threading
-
     proc, url, log = started_serving(tmp_path, "--mode", "mirror", "--kappa", "4", "--gamma", "3",
                                      "--exit-layer", "2")
     procs = descendants(proc.pid)
