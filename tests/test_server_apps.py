@@ -2,7 +2,7 @@
 real `openai` client. Tool calls (a tiny model trained here to write one), log-probabilities against
 mlx-lm's `generate_step`, the prefix cache within and across conversations, CORS by origin.
 
-The tool-calling target is a 2-layer llama trained from scratch in the fixture below (seeded, ~100 Adam
+The tool-calling target is a 2-layer llama trained from scratch in the fixture below (seeded, 80 Adam
 steps, a few seconds on a CPU) to write exactly `CALL` after the weather question and a fixed answer after
 each tool result; it uses the demo pair's 512-token tokenizer (mirror_mlx/demo/ATTRIBUTION.md) with a
 Qwen-like chat template whose `<tool_call>` markers mlx-lm recognizes (json_tools), so the demo draft
@@ -24,6 +24,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer, save_config, save_model
 
+from tests import leaks
 from tests.models import CONFIGS, DRAFT_PATH, TARGET_PATH, tiny_model
 from tests.test_server import running, stop_server
 from tests.test_server_api import CALL, TOOL_TEMPLATE, WEATHER
@@ -66,7 +67,7 @@ def greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
     return out
 
 
-def train_tool_target(folder, steps: int = 120, seed: int = 0):
+def train_tool_target(folder, steps: int = 80, seed: int = 0):
     """The tool-calling target: TOOL_MODEL memorizes each (prompt, reply + EOS) with Adam, loss on the
     reply only; saved as an mlx-lm folder with the demo tokenizer and TOOL_TEMPLATE."""
     shutil.copytree(TARGET_PATH, folder, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
@@ -87,7 +88,7 @@ def train_tool_target(folder, steps: int = 120, seed: int = 0):
         return (nn.losses.cross_entropy(model(x), y, reduction="none") * w).sum() / w.sum()
 
     model = tiny_model("llama_tied", seed, **TOOL_MODEL)
-    opt = optim.Adam(learning_rate=1e-2)
+    opt = optim.Adam(learning_rate=3e-3)  # (1e-2 is unstable for some seeds)
     step = nn.value_and_grad(model, loss)
     for _ in range(steps):
         _, grads = step(model)
@@ -108,6 +109,8 @@ def tool_server(tmp_path_factory):
                  "--mode", "mirror", "--kappa", "4", "--gamma", "3") as (proc, url):
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60), tok, pairs
         assert stop_server(proc) == 0
+        made = leaks.made_in((root / "server.log").read_text())
+        assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,8 @@ def demo_server(tmp_path_factory):
     with running(log, "--mode", "mirror", "--kappa", "4", "--gamma", "3") as (proc, url):
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60), url, log
         assert stop_server(proc) == 0
+        made = leaks.made_in(log.read_text())
+        assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +137,15 @@ def target():
 def test_tool_call_round_trip_with_a_model_that_writes_the_call(tool_server, mode):
     client, tok, pairs = tool_server
     kw = dict(model="tool-llama", tools=WEATHER, max_tokens=100, temperature=0, extra_body={"mode": mode})
-    r = client.chat.completions.create(messages=ASK, **kw)
+    r = client.chat.completions.create(messages=ASK, logprobs=True, **kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [tc] = choice.message.tool_calls
     assert tc.type == "function" and tc.id and tc.function.name == "get_weather"
     assert json.loads(tc.function.arguments) == {"city": "Paris"}
-    # the model wrote the call token for token: the prompt it was trained on, its reply and EOS
-    assert r.usage.prompt_tokens == len(pairs[0][0]) and r.usage.completion_tokens == len(pairs[0][1])
+    # the target's greedy tokens, one for one: the call it was trained to write after this prompt, then EOS
+    assert r.usage.prompt_tokens == len(pairs[0][0])
+    assert [c.model_extra["id"] for c in choice.logprobs.content] == pairs[0][1]
     assert r.model_extra["x_mirror"]["mode"] == mode
 
     events = list(client.chat.completions.create(messages=ASK, stream=True, **kw))
