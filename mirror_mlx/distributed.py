@@ -8,6 +8,11 @@ runs a draft host. Its answers reach the other ranks through one small collectiv
 `all_sum` of an int32 array that only rank 0 fills (`SharedHost` sends, `MirrorHost` receives: the same
 interface as ane_draft/host.py's DraftHost, so the engine does not know it is distributed).
 
+A server (`mirror-mlx serve` under the launcher): rank 0 serves HTTP with its pipeline `leading`, the other
+ranks `follow` it. Each request rank 0 starts (its ids, options and what its target cache holds) and each
+step, or an early stop, is told through the same kind of all_sum before it runs, so every rank runs the
+same generations step by step, one request at a time.
+
 Faults: a rank that dies makes MLX's ring raise on the others ("connection to a peer was lost"), and
 `mlx.launch` stops every rank once one exits with an error; a rank that stalls is ended by the watchdog
 (`MIRROR_MLX_DIST_TIMEOUT` seconds without a step, 120 by default). Either way each rank ends its draft
