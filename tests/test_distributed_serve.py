@@ -49,8 +49,19 @@ def started_serving(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, Path]
         if proc.poll() is not None:
             raise AssertionError(f"the launcher exited: {log.read_text()}")
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_all(proc, descendants(proc.pid))
     raise AssertionError(f"rank 0 did not start serving in 180 s: {log.read_text()}")
+
+
+def kill_all(proc: subprocess.Popen, procs: list[int]) -> None:
+    """Whatever failed, nothing left running: the launcher and its processes but the resource trackers, which
+    then unlink the shared memory of the processes they watched."""
+    for p in [proc.pid] + procs:
+        try:
+            if alive(p) and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes():
+                os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def ranks(pids: list[int]) -> dict[int, int]:
@@ -140,10 +151,8 @@ def test_serve_across_ranks_answers_as_one_process_and_ends_with_the_launcher(tm
         while (left := [p for p in procs if alive(p)]) and time.monotonic() - t0 < 30:
             time.sleep(0.1)
         assert not left, f"still running 30 s after the launcher ended: {left}"
-    finally:  # whatever failed: nothing left running
-        for p in [proc.pid] + procs:
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+    finally:
+        kill_all(proc, procs)
     made = made_in(log.read_text())
     assert made and not wait_unlinked(made), log.read_text()
 
@@ -183,9 +192,7 @@ def test_a_rank_killed_or_ctrl_c_while_serving_ends_every_rank_leaving_nothing(t
             time.sleep(0.1)
         assert not left, f"still running: {left}"
     finally:
-        for p in [proc.pid] + procs:
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
+        kill_all(proc, procs)
     if how == "rank 1 killed":  # rank 0 ends on the lost peer, or on mlx.launch's SIGTERM within 10 s: one line
         said = [line for line in log.read_text().splitlines() if line.startswith("mirror-mlx: rank 0: ")]
         assert len(said) == 1, log.read_text()
