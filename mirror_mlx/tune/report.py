@@ -54,3 +54,13 @@ def contention(prof: Profile) -> str:
                 f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart")
     return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
             f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")
+
+
+def comm_line(prof: Profile) -> str:
+    """Across ranks: T_comm, the collectives of one target forward by row count, measured alone (a term of
+    the step model, cost_model.comm_time)."""
+    comm = prof.calibration.get("timings", {}).get("comm") or {}
+    if not comm:
+        return ""
+    return (f"T_comm across {prof.calibration.get('ranks', '?')} ranks, one target forward's collectives by rows "
+            "(in each prediction's step): " + ", ".join(f"{n} {1e3 * v:.2f} ms" for n, v in comm.items()))
