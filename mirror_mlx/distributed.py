@@ -341,8 +341,8 @@ class DistributedPipeline(Pipeline):
                              "shard of the keys and values; run without it")
         mode = kwargs.get("mode", "auto")
         why = []
-        tuned = mode == "auto" and self.draft is not None and self.split == "tensor" and not any(
-            kwargs.get(k) is not None for k in ("kappa", "gamma", "exit_layer")) and self.tuned()
+        given = any(kwargs.get(k) is not None for k in ("kappa", "gamma", "exit_layer"))
+        tuned = mode == "auto" and self.draft is not None and self.split == "tensor" and not given and self.tuned()
         if tuned:  # (no knob given: the profile's choice as it is)
             mode, kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = tuned
             kwargs["mode"] = mode
@@ -351,8 +351,11 @@ class DistributedPipeline(Pipeline):
             why.append(f"auto: the tuned profile of {self.group.size()} ranks" + (f", {said}" if said else ""))
         elif mode == "auto":
             mode = kwargs["mode"] = "ar" if self.draft is None else "sd" if self.split == "pipeline" else "mirror"
-            why.append(f"auto: {mode} (no tuning profile across ranks: `mirror-mlx tune` under the launcher "
-                       "makes one)")
+            reason = ("no draft model" if self.draft is None else
+                      "split by layers across ranks: not tuned" if self.split == "pipeline" else
+                      "knobs given: across ranks the tuning profile serves auto without them" if given else
+                      "no tuning profile for these ranks: `mirror-mlx tune` under the launcher makes one")
+            why.append(f"auto: {mode} ({reason})")
         if mode == "mirror" and self.split == "pipeline":
             raise ValueError("mode 'mirror' needs the early exit on every rank, and this family is split by layers "
                              "across ranks (mlx-lm's pipeline: the exit layer lives on one rank): use mode='sd'")

@@ -58,6 +58,10 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         prof = calibrate(pipe, cfg, prompts_file)
     except ValueError as e:
         raise click.UsageError(str(e))
+    except RuntimeError as e:  # under mlx.launch: a rank lost (or that stopped on bad input) ends this one too
+        if distributed.group() is not None and distributed.lost_peer(e):
+            distributed.die(f"lost a rank of the group ({e}): stopping")
+        raise
     finally:
         pipe.close()
     if prof is None:  # a rank beside rank 0 under mlx.launch: rank 0 prints and saves

@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
@@ -604,6 +605,11 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             raise OutOfTime(f"calibration passed its {cfg.budget_s:g} s budget")
 
     prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
+    if step.group is not None:  # the same forwards on every rank need the same prompts (a --prompts file per host)
+        digest = zlib.crc32(repr(prompts).encode()) & 0x7FFFFFFF
+        if step.ints([digest], 1)[0] != digest:
+            raise ValueError(f"rank {step.group.rank()}'s calibration prompts differ from rank 0's: --prompts must "
+                             "name the same file on every host")
     placements = candidates(pipe)  # mirror's confirmed points run in each (tune/placement.py)
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
