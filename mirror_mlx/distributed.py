@@ -311,29 +311,6 @@ class DistributedPipeline(Pipeline):
     group: mx.distributed.Group
     watchdog: Watchdog
     split = "tensor"  # or "pipeline": mlx-lm's split by layers, for families without model.shard
-    _tuned: Optional[tuple] = None  # the profile's (mode, κ, γ, ℓ_e, why) once asked; () when there is none
-
-    def tuned(self) -> tuple:
-        """The profile's choice for this pair and rank count, as rank 0 read it (asked once, on every rank
-        alike), or () without a profile; rank 0 says on stderr why one it has cannot be read."""
-        if self._tuned is None:
-            from .tune import profile as profiles
-            from .tune.choose import describe
-
-            modes = ("ar", "sd", "mirror")
-            prof, why = None, ""
-            if self.group.rank() == 0:
-                try:
-                    prof = profiles.load(profiles.pipe_key(self), self.engine)
-                except profiles.ProfileError as e:
-                    print(f"mirror-mlx: {e}; mode auto runs the uncalibrated knobs", file=sys.stderr)
-                if prof is not None:
-                    why = f"{describe(prof)}: {prof.why}"
-            head = [1 + modes.index(prof.mode), prof.kappa or 0, prof.gamma or 0, prof.exit_layer or 0] if prof else []
-            with self.watchdog.waiting("rank 0's tuning profile"):
-                got = share(head, 4, self.group)
-            self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
-        return self._tuned
 
     def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
         if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
@@ -379,6 +356,30 @@ class DistributedPipeline(Pipeline):
         if why:
             opts = replace(opts, why="; ".join(why))
         return ids, opts, run
+
+    _tuned: Optional[tuple] = None  # the profile's (mode, κ, γ, ℓ_e, why) once asked; () when there is none
+
+    def tuned(self) -> tuple:
+        """The profile's choice for this pair and rank count, as rank 0 read it (asked once, on every rank
+        alike), or () without a profile; rank 0 says on stderr why one it has cannot be read."""
+        if self._tuned is None:
+            from .tune import profile as profiles
+            from .tune.choose import describe
+
+            modes = ("ar", "sd", "mirror")
+            prof, why = None, ""
+            if self.group.rank() == 0:
+                try:
+                    prof = profiles.load(profiles.pipe_key(self), self.engine)
+                except profiles.ProfileError as e:
+                    print(f"mirror-mlx: {e}; mode auto runs the uncalibrated knobs", file=sys.stderr)
+                if prof is not None:
+                    why = f"{describe(prof)}: {prof.why}"
+            head = [1 + modes.index(prof.mode), prof.kappa or 0, prof.gamma or 0, prof.exit_layer or 0] if prof else []
+            with self.watchdog.waiting("rank 0's tuning profile"):
+                got = share(head, 4, self.group)
+            self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
+        return self._tuned
 
     def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""

@@ -73,7 +73,8 @@ def launch(command: list[str], cache, timeout: float = 300) -> subprocess.Comple
 @pytest.mark.timeout(400)
 def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks_runs_losslessly(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    tuned = launch(["tune", "--limit", "1", "--max-tokens", "8", "--confirm", "1", "--min-seconds", "0"], cache)
+    # two prompts and --min-seconds: the real runs repeat until rank 0 has decoded long enough (its decision)
+    tuned = launch(["tune", "--limit", "2", "--max-tokens", "8", "--confirm", "2", "--min-seconds", "0.5"], cache)
     assert "chose " in tuned.stdout and "T_comm across 2 ranks" in tuned.stdout, tuned.stdout
     files = list(cache.glob("profile-*.json"))
     assert len(files) == 1, files  # rank 0's alone (rank 1's shard would key another file)

@@ -338,6 +338,27 @@ class _Bench:
 
         return self.engine.target_worker.call(once)
 
+    def comm(self, n: int, group: Any) -> float:
+        """T_comm over `n` rows across ranks: the collectives of one forward of the sharded target (two
+        all_sums of n × hidden per layer), chained in one graph as the forward chains them (an eval after
+        each would time MLX's per-eval overhead too), on the target's worker. Every rank must call it."""
+        from ..target import text_model
+
+        inner = text_model(self.engine.target_model)
+        norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype
+        dtype = norm.dtype if norm is not None else mx.float32
+
+        def once() -> float:
+            x = mx.zeros((n, inner.args.hidden_size), dtype=dtype)
+            mx.eval(x)
+            t0 = time.perf_counter()
+            for _ in range(2 * len(inner.layers)):
+                x = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
+            mx.eval(x)
+            return time.perf_counter() - t0
+
+        return self.engine.target_worker.call(once)
+
     def stems(self, kappa: int, gamma: int) -> list[list[int]]:
         spine = self.context[-gamma:]
         vocab = self.engine.host.vocab_size
@@ -399,12 +420,18 @@ def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], ti
                     step: Optional[Lockstep] = None) -> Timings:
     """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter).
     Across ranks (`step`) the target's pieces run on every rank as rank 0 decides, the draft's on rank 0
-    alone, then T_comm is measured on every rank and split off (`split_comm`)."""
+    alone, and T_comm is timed in the same rounds as the verify forwards (a burst of load hits both alike),
+    then split off the target's pieces (`split_comm`)."""
     step = step or Lockstep(None)
     t = Timings()
     timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
     rows = sorted({1} | {g + 1 for g in cfg.gammas})
-    t.verify = timed({n: partial(b.verify, n) for n in rows}, step=step)
+    if step.group is None:
+        t.verify = timed({n: partial(b.verify, n) for n in rows})
+    else:
+        both = timed({**{("verify", n): partial(b.verify, n) for n in rows},
+                      **{("comm", n): partial(b.comm, n, step.group) for n in rows}}, step=step)
+        t.verify = {n: both[("verify", n)] for n in rows}
     if b.host is not None:  # the draft: in this process, or across ranks beside rank 0 only
         t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
         if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
@@ -416,19 +443,17 @@ def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], ti
     t.prefix = {k: v[0] for k, v in halves.items()}
     t.suffix = {k: v[1] for k, v in halves.items()}
     if step.group is not None:
-        from ..distributed import comm_per_forward
-
-        comm = pipe.engine.target_worker.call(comm_per_forward, pipe.model, step.group, rows)
-        split_comm(t, comm, pipe.engine.n_layers)
+        split_comm(t, {n: both[("comm", n)] for n in rows}, pipe.engine.n_layers)
     return t
 
 
 def split_comm(t: Timings, comm: dict, n_layers: int) -> None:
-    """T_comm by row count (`comm`, one whole forward's collectives, distributed.comm_per_forward) into the
-    step model: each target piece was timed across ranks with its collectives in it, so its compute alone is
-    kept (the piece minus its share of T_comm: ℓ_e of the N layers' for a prefix, the rest for a suffix)
-    and cost_model adds T_comm back once per forward. The predictions stay those of the measured pieces;
-    T_comm is a term of its own (what another link would change)."""
+    """T_comm by row count (`comm`, one whole forward's collectives, `_Bench.comm`) into the step model: each
+    target piece was timed across ranks with its collectives in it, so its compute alone is kept (the piece
+    minus its share of T_comm: ℓ_e of the N layers' for a prefix, the rest for a suffix) and cost_model adds
+    T_comm back once per forward. The predictions stay those of the measured pieces; T_comm is a term of its
+    own (what another link would change). Under load a piece's compute can come out below 0, as an overhead
+    can (cost_model.Timings): the sum is still the measured piece."""
     t.comm = dict(comm)
     t.comm_prefix = {(e, n): comm[n] * e / n_layers for e, n in t.prefix}
     t.verify = {n: v - comm[n] for n, v in t.verify.items()}

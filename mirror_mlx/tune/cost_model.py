@@ -129,7 +129,7 @@ class Timings:
     overhead[mode]: measured step time minus the modelled components, per step, from real runs (negative
       when components timed alone cost more than inside a real step); a number, or {γ: seconds} (`overhead`).
     comm[rows]: T_comm, the collectives one whole target forward over `rows` rows makes across ranks (two
-      all_sums per sharded layer), measured alone; {} in one process (no term). verify, prefix and suffix
+      all_sums per sharded layer), timed alone; {} in one process (no term). verify, prefix and suffix
       then hold the compute alone (calibrate.split_comm), so each forward's T_comm is added once.
     comm_prefix[(ℓ_e, rows)]: the part of comm[rows] made before the exit (its ℓ_e layers of the N); the
       suffix makes the rest.
