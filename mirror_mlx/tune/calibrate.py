@@ -621,8 +621,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         raise ValueError("tune across ranks needs the target split tensor-parallel (every rank runs every layer); "
                          "this family is split by layers across ranks (mlx-lm's pipeline): run mode sd with its knobs")
     if step.group is not None and cfg.budget_s is not None:  # a budget would end the ranks at different points
-        log(f"across ranks the calibration has no time budget (the {cfg.budget_s:g} s cap would stop the ranks "
-            "at different points): it runs to the end")
+        print(f"mirror-mlx: across ranks the calibration has no time budget (the {cfg.budget_s:g} s cap would stop "
+              "the ranks at different points): it runs to the end", file=sys.stderr)
     started = time.perf_counter()
 
     def check() -> None:
