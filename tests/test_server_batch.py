@@ -134,7 +134,7 @@ def test_a_client_that_disconnects_mid_batch_frees_its_slot(server, client, alon
 
 def test_under_the_byte_limit_stored_prompt_caches_give_way_to_the_active_batch(tmp_path):
     """--prompt-cache-bytes bounds the stored caches and the active batch's caches together (as mlx_lm.server)."""
-    with running(tmp_path / "server.log", *SPECULATE, "--prompt-cache-bytes", "400KB") as (_, url):
+    with running(tmp_path / "server.log", *SPECULATE, "--prompt-cache-bytes", "400KB") as (proc, url):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         client.completions.create(model="stories260K", prompt="A bird sang.", max_tokens=8)  # alone: stored
         stored = health(url)["prefix_cache"]
@@ -145,6 +145,7 @@ def test_under_the_byte_limit_stored_prompt_caches_give_way_to_the_active_batch(
         during = health(url)["prefix_cache"]  # two rows' caches leave no room for the stored one
         assert during["dropped_for_batch"] == 1 and during["entries"] == 0, during
         rest(a, [a0]), rest(b, [b0])
+        assert stop_server(proc) == 0  # (a clean stop: the draft host closes its shared memory)
 
 
 def test_each_switch_follows_the_measured_costs():
