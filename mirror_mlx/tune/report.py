@@ -47,6 +47,8 @@ def contention(prof: Profile) -> str:
     t = prof.calibration["timings"]
     k, g, e = prof.kappa, prof.gamma, prof.exit_layer
     suffix = t["suffix"][str((e, g + 1))]
+    if t.get("comm"):  # across ranks: the suffix with its collectives, as suffix ‖ rollout was timed
+        suffix += t["comm"][str(g + 1)] - t["comm_prefix"][str((e, g + 1))]
     rollout = t["rollout"][str((k * (g + 1), g))]
     together = t["parallel"].get(str((e, k, g)))
     if together is None:  # chosen from its real runs; its prediction used the floor (confirmed past the top: pick_confirm)
@@ -57,8 +59,8 @@ def contention(prof: Profile) -> str:
 
 
 def comm_line(prof: Profile) -> str:
-    """Across ranks: T_comm, the collectives of one target forward by row count, measured alone (a term of
-    the step model, cost_model.comm_time)."""
+    """Across ranks: T_comm, the collectives of one target forward by row count, timed as a forward chains
+    them (a term of the step model, cost_model.comm_time)."""
     comm = prof.calibration.get("timings", {}).get("comm") or {}
     if not comm:
         return ""
