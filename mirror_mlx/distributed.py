@@ -311,10 +311,11 @@ NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each r
 class DistributedPipeline(Pipeline):
     """A Pipeline whose calls run on every rank of the group, in step.
 
-    Mode auto's calibration measures one process, so here `auto` runs mirror (ar without a draft) and knobs
-    not given are the small safe ones an uncalibrated explicit mode runs (κ=1, γ=3, ℓ_e = the adapter's
-    layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An
-    unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
+    Mode auto does not calibrate here: with no knob given it runs the choice of the pair's profile for this
+    rank count (`mirror-mlx tune` under the launcher wrote it; rank 0 reads it and shares the choice), else
+    mirror (ar without a draft) with the knobs given and the small safe ones an uncalibrated explicit mode
+    runs for the rest (κ=1, γ=3, ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly),
+    said in `stats.why`. An unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
 
     group: mx.distributed.Group
     watchdog: Watchdog
@@ -326,9 +327,21 @@ class DistributedPipeline(Pipeline):
             raise ValueError(NO_PROMPT_CACHE)
         mode = kwargs.get("mode", "auto")
         why = []
-        if mode == "auto":
+        given = any(kwargs.get(k) is not None for k in ("kappa", "gamma", "exit_layer"))
+        tuned = mode == "auto" and self.draft is not None and self.split == "tensor" and not given and self.tuned()
+        if tuned:  # (no knob given: the profile's choice as it is)
+            mode, kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = tuned
+            kwargs["mode"] = mode
+            kwargs["kappa"] = kwargs["kappa"] or SAFE_KNOBS["kappa"]  # (sd and ar leave κ unused)
+            kwargs["gamma"] = kwargs["gamma"] or SAFE_KNOBS["gamma"]  # (ar leaves γ unused)
+            why.append(f"auto: the tuned profile of {self.group.size()} ranks" + (f", {said}" if said else ""))
+        elif mode == "auto":
             mode = kwargs["mode"] = "ar" if self.draft is None else "sd" if self.split == "pipeline" else "mirror"
-            why.append(f"auto: {mode} (across ranks auto does not calibrate)")
+            reason = ("no draft model" if self.draft is None else
+                      "split by layers across ranks: not tuned" if self.split == "pipeline" else
+                      "knobs given: across ranks the tuning profile serves auto without them" if given else
+                      "no tuning profile for these ranks: `mirror-mlx tune` under the launcher makes one")
+            why.append(f"auto: {mode} ({reason})")
         if mode == "mirror" and self.split == "pipeline":
             raise ValueError("mode 'mirror' needs the early exit on every rank, and this family is split by layers "
                              "across ranks (mlx-lm's pipeline: the exit layer lives on one rank): use mode='sd'")
@@ -352,6 +365,30 @@ class DistributedPipeline(Pipeline):
         if why:
             opts = replace(opts, why="; ".join(why))
         return ids, opts, run
+
+    _tuned: Optional[tuple] = None  # the profile's (mode, κ, γ, ℓ_e, why) once asked; () when there is none
+
+    def tuned(self) -> tuple:
+        """The profile's choice for this pair and rank count, as rank 0 read it (asked once, on every rank
+        alike), or () without a profile; rank 0 says on stderr why one it has cannot be read."""
+        if self._tuned is None:
+            from .tune import profile as profiles
+            from .tune.choose import describe
+
+            modes = ("ar", "sd", "mirror")
+            prof, why = None, ""
+            if self.group.rank() == 0:
+                try:
+                    prof = profiles.load(profiles.pipe_key(self), self.engine)
+                except profiles.ProfileError as e:
+                    print(f"mirror-mlx: {e}; mode auto runs the uncalibrated knobs", file=sys.stderr)
+                if prof is not None:
+                    why = f"{describe(prof)}: {prof.why}"
+            head = [1 + modes.index(prof.mode), prof.kappa or 0, prof.gamma or 0, prof.exit_layer or 0] if prof else []
+            with self.watchdog.waiting("rank 0's tuning profile"):
+                got = share(head, 4, self.group)
+            self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
+        return self._tuned
 
     def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""

@@ -187,9 +187,9 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
 
     if distributed.group() is not None:
         verb = click.get_current_context().info_name
-        if verb not in ("generate", "chat", "serve"):  # tune: one process
-            raise click.UsageError(f"mirror-mlx {verb} runs in one process: under mlx.launch, generate, chat "
-                                   "and serve run; start it without the launcher")
+        if verb not in ("generate", "chat", "serve", "tune"):
+            raise click.UsageError(f"mirror-mlx {verb} runs in one process: under mlx.launch, generate, chat, "
+                                   "serve and tune run; start it without the launcher")
         distributed.quiet_other_ranks()
         load = distributed.load
         if model is None:  # the demo pair, as below

@@ -33,13 +33,19 @@ BENCH = BenchConfig()
               "own) and auto runs the faster.")
 def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
              pin) -> None:
-    """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses."""
+    """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses.
+
+    Under mlx.launch every rank measures the sharded target in step with rank 0, which times the draft,
+    prints the table and saves the profile (kept apart by rank count)."""
+    from mirror_mlx import distributed
     from mirror_mlx.bench.machine import pin_threads
     from mirror_mlx.compute_plan import report as compute_plan_report
     from mirror_mlx.tune import profile, report
     from mirror_mlx.tune.calibrate import calibrate
     from mirror_mlx.tune.choose import describe
 
+    if pin and distributed.group() is not None:
+        raise click.UsageError("--pin pins one process's threads: under mlx.launch run tune without it")
     pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
     if pin:
         pinning = pin_threads(pipe)
@@ -52,15 +58,21 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         prof = calibrate(pipe, cfg, prompts_file)
     except ValueError as e:
         raise click.UsageError(str(e))
+    except RuntimeError as e:  # under mlx.launch: a rank lost (or that stopped on bad input) ends this one too
+        if distributed.group() is not None and distributed.lost_peer(e):
+            distributed.die(f"lost a rank of the group ({e}): stopping")
+        raise
     finally:
         pipe.close()
+    if prof is None:  # a rank beside rank 0 under mlx.launch: rank 0 prints and saves
+        return
     try:
         path = profile.save(prof)
     except profile.ProfileError as e:  # an unwritable cache: the table below is still worth reading
         path = f"nothing ({e})"
     click.echo(report.format_table(prof))
     for line in (report.contention(prof), report.placement_line(prof), report.acceptance_line(prof),
-                 compute_plan_report(draft_model)):
+                 report.comm_line(prof), compute_plan_report(draft_model)):
         if line:
             click.echo(line)
     click.echo(f"chose {describe(prof)}: {prof.why}")

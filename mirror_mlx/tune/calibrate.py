@@ -11,6 +11,12 @@ and mode auto's first call).
 4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
    profile's choice is the fastest confirmed configuration by its *measured* step time and the traces'
    tokens per step, so the choice is never one that only the model believed in.
+
+Across ranks (mirror_mlx/distributed.py, under mlx.launch) every rank runs the same target forwards in the
+same order (its shard's layers all_sum inside each), so whatever a timing decides (repetitions, the points
+measured next, the configurations confirmed, when a real run has run long enough) is rank 0's decision,
+shared (`Lockstep`); the draft lives beside rank 0 and is timed there alone; T_comm (the collectives per
+target forward, by row count) is measured and kept apart in the step model; rank 0 alone gets the profile.
 """
 
 import os
@@ -18,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
@@ -45,6 +52,43 @@ MAX_REPS = 100
 
 class OutOfTime(RuntimeError):
     """The calibration's time budget ran out."""
+
+
+class Lockstep:
+    """Who decides. In one process every decision is this process's own; across ranks (a pipeline with a
+    `group`) rank 0's, shared with the others (one small all_sum), so every rank runs the same forwards."""
+
+    def __init__(self, pipe: Any):
+        self.group = getattr(pipe, "group", None)
+        self.lead = self.group is None or self.group.rank() == 0
+        self.watchdog = getattr(pipe, "watchdog", None)
+
+    def ints(self, values: Sequence[int], size: int) -> list[int]:
+        """Rank 0's `values` (at most `size`, padded with 0) on every rank."""
+        if self.group is None:
+            return list(values) + [0] * (size - len(values))
+        from ..distributed import share
+
+        with self.watchdog.waiting("rank 0's calibration"):
+            return share(values, size, self.group)
+
+    def flags(self, flags: Sequence[bool]) -> list[bool]:
+        return [bool(f) for f in self.ints([int(f) for f in flags], len(flags))]
+
+    def pick(self, chosen: Optional[Sequence[Config]], among: Sequence[Config]) -> list[Config]:
+        """Rank 0's `chosen` (configurations of `among`, the same list on every rank) on every rank."""
+        got = self.ints([len(chosen), *(among.index(c) for c in chosen)] if self.lead else [], len(among) + 1)
+        return [among[i] for i in got[1 : 1 + got[0]]]
+
+
+def local_host(engine: Any) -> Any:
+    """The draft host this process times alone: the engine's; across ranks rank 0's own (timing the draft
+    needs no other rank), None on the other ranks (the draft lives beside rank 0)."""
+    from ..distributed import MirrorHost, SharedHost
+
+    if isinstance(engine.host, SharedHost):
+        return engine.host.host
+    return None if isinstance(engine.host, MirrorHost) else engine.host
 
 
 def quick_budget() -> float:
@@ -165,11 +209,13 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
     the prompt plus the target's greedy text (`text`, else generated here).
 
     The draft side: one teacher-forced forward of `draft_model` ("auto": `plain_draft_model(pipe)`),
-    else (None) one blocking rollout per position through the draft host.
+    else (None) one blocking rollout per position through the draft host. Across ranks the draft side
+    runs on rank 0 alone; the other ranks run the target's forwards only (their trace is not used).
     """
     engine = pipe.engine
+    host = local_host(engine)
     if draft_model == "auto":
-        draft_model = plain_draft_model(pipe)
+        draft_model = plain_draft_model(pipe) if host is not None else None
     if text is None:
         text = greedy_texts(pipe, [prompt], max_tokens)[0]
     full = list(prompt) + text
@@ -178,7 +224,7 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
     def draft_runs() -> tuple[list[int], list[int]]:
         runs, first = [], []
         for i in range(n0, len(full)):
-            w = engine.host.rollout(full[: i - 1], [[full[i - 1]]], gamma_max, timeout=DRAFT_TIMEOUT_S).windows[0]
+            w = host.rollout(full[: i - 1], [[full[i - 1]]], gamma_max, timeout=DRAFT_TIMEOUT_S).windows[0]
             a = 0
             while a < len(w) and i + a < len(full) and w[a] == full[i + a]:
                 a += 1
@@ -194,7 +240,10 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
             runs[i] = min(gamma_max, runs[i + 1] + 1) if first[i] == text[i] else 0
         return runs[:-1], first
 
-    runs, first = engine.target_worker.call(teacher_forced) if draft_model is not None else draft_runs()
+    if host is None:  # a rank beside rank 0: the early exit's forwards below, nothing of the draft
+        runs, first = [0] * len(text), list(text)
+    else:
+        runs, first = engine.target_worker.call(teacher_forced) if draft_model is not None else draft_runs()
     tr = Trace(runs=runs)
 
     def ranks(layer: int) -> tuple[list[int], list[int]]:
@@ -213,11 +262,12 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
 # --- 2. component timings -------------------------------------------------------------------------
 
 
-def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None, min_s: float = MIN_TIMED_S) -> dict:
+def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None, min_s: float = MIN_TIMED_S,
+                step: Optional[Lockstep] = None) -> dict:
     """{key: median seconds} of pieces timed in rounds, one call of each per round: a burst of load on a
     shared machine then hits every piece alike, not the few timed during it (and the median of at least
     `reps` drops a slow first call). Each piece returns its own seconds (or a tuple of them, medians
-    taken per element)."""
+    taken per element). `step`: pieces that run target forwards across ranks stop when rank 0's do."""
     times: dict = {k: [] for k in pieces}
 
     def enough(k) -> bool:
@@ -230,6 +280,8 @@ def interleaved(pieces: dict, reps: int, tick: Callable = lambda: None, min_s: f
         for k in todo:
             times[k].append(pieces[k]())
         done = [k for k in todo if enough(k)]
+        if step is not None and step.group is not None:
+            done = [k for k, f in zip(todo, step.flags([k in done for k in todo])) if f]
         for _ in done:
             tick()
         todo = [k for k in todo if k not in done]
@@ -243,6 +295,7 @@ class _Bench:
 
     def __init__(self, pipe: Any, context: list[int]):
         self.engine, self.context = pipe.engine, context
+        self.host = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
         self.cache = self.engine.target_worker.call(self._prefill)
 
     def _prefill(self):
@@ -285,6 +338,27 @@ class _Bench:
 
         return self.engine.target_worker.call(once)
 
+    def comm(self, n: int, group: Any) -> float:
+        """T_comm over `n` rows across ranks: the collectives of one forward of the sharded target (two
+        all_sums of n × hidden per layer), chained in one graph as the forward chains them (an eval after
+        each would time MLX's per-eval overhead too), on the target's worker. Every rank must call it."""
+        from ..target import text_model
+
+        inner = text_model(self.engine.target_model)
+        norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype
+        dtype = norm.dtype if norm is not None else mx.float32
+
+        def once() -> float:
+            x = mx.zeros((n, inner.args.hidden_size), dtype=dtype)
+            mx.eval(x)
+            t0 = time.perf_counter()
+            for _ in range(2 * len(inner.layers)):
+                x = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
+            mx.eval(x)
+            return time.perf_counter() - t0
+
+        return self.engine.target_worker.call(once)
+
     def stems(self, kappa: int, gamma: int) -> list[list[int]]:
         spine = self.context[-gamma:]
         vocab = self.engine.host.vocab_size
@@ -292,8 +366,8 @@ class _Bench:
 
     def sync(self, context: list[int]) -> None:
         """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
-        self.engine.host.post_sync(context)
-        self.engine.host.wait_done(DRAFT_TIMEOUT_S)
+        self.host.post_sync(context)
+        self.host.wait_done(DRAFT_TIMEOUT_S)
 
     def rollout(self, stems: list[list[int]], gamma: int) -> float:
         """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
@@ -301,7 +375,7 @@ class _Bench:
         ctx = self.context[:-1]
         self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        self.engine.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
+        self.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
         return time.perf_counter() - t0
 
     def local_rollout(self, gamma: int) -> float:
@@ -330,34 +404,65 @@ class _Bench:
             return final
 
         final = engine.target_worker.call(prefix)
-        self.sync(ctx[:-2])
+        if self.host is not None:
+            self.sync(ctx[:-2])
         t0 = time.perf_counter()
         suffix = engine.target_worker.submit(mx.eval, final)
-        engine.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)  # awaited while the suffix runs
+        if self.host is not None:  # awaited while the suffix runs
+            self.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)
         suffix.result()
         elapsed = time.perf_counter() - t0
         engine.target_worker.call(trim_prompt_cache, self.cache, n)
         return elapsed
 
 
-def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable) -> Timings:
-    """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter)."""
+def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable,
+                    step: Optional[Lockstep] = None) -> Timings:
+    """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter).
+    Across ranks (`step`) the target's pieces run on every rank as rank 0 decides, the draft's on rank 0
+    alone, and T_comm is timed in the same rounds as the verify forwards (a burst of load hits both alike),
+    then split off the target's pieces (`split_comm`)."""
+    step = step or Lockstep(None)
     t = Timings()
     timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
-    t.verify = timed({n: partial(b.verify, n) for n in sorted({1} | {g + 1 for g in cfg.gammas})})
-    t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
-    if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
-        t.local_window = timed({g: partial(b.local_rollout, g) for g in cfg.gammas})
-    # the rollout alone does not depend on ℓ_e
-    t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g) for g in cfg.gammas for k in cfg.kappas})
-    halves = timed({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas})
+    rows = sorted({1} | {g + 1 for g in cfg.gammas})
+    if step.group is None:
+        t.verify = timed({n: partial(b.verify, n) for n in rows})
+    else:
+        both = timed({**{("verify", n): partial(b.verify, n) for n in rows},
+                      **{("comm", n): partial(b.comm, n, step.group) for n in rows}}, step=step)
+        t.verify = {n: both[("verify", n)] for n in rows}
+    if b.host is not None:  # the draft: in this process, or across ranks beside rank 0 only
+        t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
+        if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
+            t.local_window = timed({g: partial(b.local_rollout, g) for g in cfg.gammas})
+        # the rollout alone does not depend on ℓ_e
+        t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g)
+                           for g in cfg.gammas for k in cfg.kappas})
+    halves = timed({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas}, step=step)
     t.prefix = {k: v[0] for k, v in halves.items()}
     t.suffix = {k: v[1] for k, v in halves.items()}
+    if step.group is not None:
+        split_comm(t, {n: both[("comm", n)] for n in rows}, pipe.engine.n_layers)
     return t
 
 
+def split_comm(t: Timings, comm: dict, n_layers: int) -> None:
+    """T_comm by row count (`comm`, one whole forward's collectives, `_Bench.comm`) into the step model: each
+    target piece was timed across ranks with its collectives in it, so its compute alone is kept (the piece
+    minus its share of T_comm: ℓ_e of the N layers' for a prefix, the rest for a suffix) and cost_model adds
+    T_comm back once per forward. The predictions stay those of the measured pieces; T_comm is a term of its
+    own (what another link would change). Under load a piece's compute can come out below 0, as an overhead
+    can (cost_model.Timings): the sum is still the measured piece."""
+    t.comm = dict(comm)
+    t.comm_prefix = {(e, n): comm[n] * e / n_layers for e, n in t.prefix}
+    t.verify = {n: v - comm[n] for n, v in t.verify.items()}
+    t.prefix = {(e, n): v - t.comm_prefix[(e, n)] for (e, n), v in t.prefix.items()}
+    t.suffix = {(e, n): v - (comm[n] - t.comm_prefix[(e, n)]) for (e, n), v in t.suffix.items()}
+
+
 def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
-                     reps: int, tick: Callable, min_s: float = MIN_TIMED_S) -> int:
+                     reps: int, tick: Callable, min_s: float = MIN_TIMED_S, step: Optional[Lockstep] = None) -> int:
     """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
 
     Unmeasured points are predicted at their floor (cost_model.parallel_time), an upper bound; each round
@@ -368,10 +473,15 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
     A round after the first times the first point measured beside its new ones, and puts them on that
     point's scale (its first time / its time now): the points are compared with one another, and a
     ms-scale pair's speed moves 10-30 % between rounds seconds apart.
+
+    Across ranks (`step`) rank 0 ranks and says which points to measure (the others hold no draft timings).
     """
+    step = step or Lockstep(None)
     measured = 0
     while True:
-        todo = [r["config"] for r in rank(configs, t, acc)[:top] if r["bound"]]
+        todo = [r["config"] for r in rank(configs, t, acc)[:top] if r["bound"]] if step.lead else None
+        if step.group is not None:
+            todo = step.pick(todo, configs)
         if not todo:
             return measured
         pieces = {(c.exit_layer, c.kappa, c.gamma): partial(b.parallel, c.exit_layer, c.kappa, c.gamma) for c in todo}
@@ -379,7 +489,7 @@ def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], ac
         if ref is not None:
             pieces[ref] = partial(b.parallel, *ref)
         with pipe.lock:
-            got = interleaved(pieces, reps, tick, min_s)
+            got = interleaved(pieces, reps, tick, min_s, step)
         scale = t.parallel[ref] / got.pop(ref) if ref is not None else 1.0
         t.parallel.update({k: v * scale for k, v in got.items()})
         measured += len(todo)
@@ -401,7 +511,7 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
 
 def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
-                sums: Optional[dict] = None, min_seconds: float = 0.0) -> dict:
+                sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None) -> dict:
     """Real greedy generations of every config on its prompts, interleaved (in rounds: each config runs its
     next prompt, so a load change on a shared machine hits all configs alike). {config: tokens/s, step_s,
     reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums` (a previous call's, per
@@ -411,7 +521,8 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
     its own placement (Config.placement, tune/placement.py).
 
     `min_seconds`: a config's prompts are gone through again until it has decoded this long (a small
-    model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here).
+    model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here). Across ranks
+    (`step`) rank 0's decode seconds decide it: every rank runs the same generations.
     """
     own = prompts if isinstance(prompts, dict) else {c: prompts for c in configs}
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
@@ -440,7 +551,10 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
                 sums[c][i] += v
         r += 1
         # a config is done after whole passes over its prompts that add up to min_seconds
-        todo = [c for c in todo if r < len(own[c]) or r % len(own[c]) or sums[c][3] < min_seconds]
+        more = [r < len(own[c]) or r % len(own[c]) or sums[c][3] < min_seconds for c in todo]
+        if step is not None and step.group is not None:
+            more = step.flags(more)
+        todo = [c for c, m in zip(todo, more) if m]
     return {c: {"tokens_per_second": tok / sec if sec else 0.0, "step_s": sec / max(steps, 1),
                 "reuse": reuses / max(steps, 1), "sums": (tok, steps, reuses, sec)}
             for c, (tok, steps, reuses, sec) in sums.items()}
@@ -455,15 +569,17 @@ def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
 
 
 def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
-                      check: Callable[[], None] = lambda: None) -> dict:
+                      check: Callable[[], None] = lambda: None, step: Optional[Lockstep] = None) -> dict:
     """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages,
     sampling, Python; negative where a component timed alone costs more than inside a real step).
 
     The probes run for real on the first prompt; returns their runs (the confirmation adds the other
     prompts to them; their prediction is fitted to them: the table marks them).
     """
-    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check, min_seconds=cfg.min_seconds / 2)
-    fit_overheads(t, runs)
+    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check, min_seconds=cfg.min_seconds / 2,
+                       step=step)
+    if step is None or step.lead:  # (across ranks only rank 0 holds the draft's timings)
+        fit_overheads(t, runs)
     return runs
 
 
@@ -488,22 +604,37 @@ def place_row(row: dict, runs: dict) -> None:
 
 
 def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
-              log: Callable[[str], None] = lambda s: None, key: Optional[dict] = None) -> profiles.Profile:
+              log: Callable[[str], None] = lambda s: None, key: Optional[dict] = None) -> Optional[profiles.Profile]:
     """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration.
-    `key`: the pair's profile key (profile.key_for), computed here when not given."""
+    `key`: the pair's profile key (profile.key_for), computed here when not given.
+
+    Across ranks (a DistributedPipeline) every rank must call it: rank 0 returns the profile, the other
+    ranks None (they run the target's forwards as rank 0 decides, `Lockstep`)."""
     from tqdm import tqdm
 
     if pipe.draft is None:
         raise ValueError("tune needs a draft model (without one the only mode is ar): pass --draft-model")
     if pipe.engine.host is None:
         raise RuntimeError(f"the draft was dropped earlier ({pipe.engine.draft_failure})")
+    step = Lockstep(pipe)
+    if step.group is not None and getattr(pipe, "split", "tensor") != "tensor":
+        raise ValueError("tune across ranks needs the target split tensor-parallel (every rank runs every layer); "
+                         "this family is split by layers across ranks (mlx-lm's pipeline): run mode sd with its knobs")
+    if step.group is not None and cfg.budget_s is not None:  # a budget would end the ranks at different points
+        print(f"mirror-mlx: across ranks the calibration has no time budget (the {cfg.budget_s:g} s cap would stop "
+              "the ranks at different points): it runs to the end", file=sys.stderr)
     started = time.perf_counter()
 
     def check() -> None:
-        if cfg.budget_s is not None and time.perf_counter() - started > cfg.budget_s:
+        if step.group is None and cfg.budget_s is not None and time.perf_counter() - started > cfg.budget_s:
             raise OutOfTime(f"calibration passed its {cfg.budget_s:g} s budget")
 
     prompts = calibration_prompts(pipe, cfg.prompts, prompts_file)
+    if step.group is not None:  # the same forwards on every rank need the same prompts (a --prompts file per host)
+        digest = zlib.crc32(repr(prompts).encode()) & 0x7FFFFFFF
+        if step.ints([digest], 1)[0] != digest:
+            raise ValueError(f"rank {step.group.rank()}'s calibration prompts differ from rank 0's: --prompts must "
+                             "name the same file on every host")
     placements = candidates(pipe)  # mirror's confirmed points run in each (tune/placement.py)
     layers = exit_layer_candidates(pipe, cfg)
     configs = grid(cfg.kappas, cfg.gammas, layers)
@@ -543,53 +674,61 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas)
                   + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas)
                   + len(cfg.gammas) * (pipe.engine.local_build is not None))  # sd's in-process windows
-            t = measure_timings(pipe, bench, cfg, layers, tick)
+            t = measure_timings(pipe, bench, cfg, layers, tick, step)
         mirror_probes = [c for c in probes if c.mode == "mirror"]
         phase("suffix ‖ rollout", None)  # rounds until the top is measured: not known ahead
-        measure_parallel(pipe, bench, t, mirror_probes, acc, len(mirror_probes), cfg.reps, tick, cfg.min_timed_s)
+        measure_parallel(pipe, bench, t, mirror_probes, acc, len(mirror_probes), cfg.reps, tick, cfg.min_timed_s, step)
         done("timings")
         phase("probes", len(probes))
-        probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, check)
+        probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, check, step)
         bars[-1].update(len(probes))
         done("probes")
         phase("suffix ‖ rollout", None)
-        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s)
+        n_parallel = measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s, step)
         done("parallel")
-        ranked = rank(configs, t, acc)
         # The top predictions and ar, on the first few prompts: probes among them add the other prompts
         # to their runs on the first; the probes outside stay measured on one prompt and are not candidates.
-        confirm = pick_confirm(ranked, cfg.confirm)
-        confirm += [Config("ar")] if Config("ar") not in confirm else []
-        splits = []
-        if "split" in placements:  # mirror's points in both placements: the best mirror prediction at least
-            if not any(c.mode == "mirror" for c in confirm):
+        confirm = None
+        if step.lead:
+            ranked = rank(configs, t, acc)
+            confirm = pick_confirm(ranked, cfg.confirm)
+            confirm += [Config("ar")] if Config("ar") not in confirm else []
+            if "split" in placements and not any(c.mode == "mirror" for c in confirm):
+                # mirror's points in both placements: the best mirror prediction at least
                 confirm += [next(r["config"] for r in ranked if r["config"].mode == "mirror")]
-            splits = [replace(c, placement="split") for c in confirm if c.mode == "mirror"]
+        if step.group is not None:
+            confirm = step.pick(confirm, configs)
+        splits = [replace(c, placement="split") for c in confirm if c.mode == "mirror"] if "split" in placements else []
         measured = {c: r for c, r in probe_runs.items()}
         own = {c: prompts[1 if c in probes else 0: cfg.confirm_prompts] for c in confirm}
         own.update({c: prompts[: cfg.confirm_prompts] for c in splits})  # the prompts its unpinned twin covers
         confirm_runs = confirm + splits
         phase("confirm", len(confirm_runs))
         measured.update(run_configs(pipe, confirm_runs, own, cfg.max_tokens, warm_up=splits, check=check,
-                                    min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()}))
+                                    min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()},
+                                    step=step))
         bars[-1].update(len(confirm_runs))
         phase("suffix ‖ rollout", None)
         # The probes' overheads again from all their runs, the confirmation's too: on a ms-scale pair the
         # machine's speed moves 10-20 % between the probe runs and the confirmation seconds later, and a
         # fit to twice the runs follows the calibration's whole span (the table's predictions use it).
-        fit_overheads(t, {c: measured[c] for c in probes})
-        n_parallel += measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s)
-        ranked = rank(configs, t, acc)
+        if step.lead:
+            fit_overheads(t, {c: measured[c] for c in probes})
+        n_parallel += measure_parallel(pipe, bench, t, configs, acc, top, cfg.reps, tick, cfg.min_timed_s, step)
         done("confirm")
     finally:
         if bars:
             bars[-1].close()
+    if not step.lead:  # a rank beside rank 0: it ran the target's side; rank 0 holds the profile
+        return None
+    ranked = rank(configs, t, acc)
     counts = {g: acc.window_counts(g) for g in cfg.gammas}
     table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"],
                   measured=measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None,
                   measured_step_ms=1e3 * measured[r["config"]]["step_s"] if r["config"] in measured else None,
                   probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
-                  tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"]) for r in ranked]
+                  tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"],
+                  comm_ms=1e3 * r["comm_s"]) for r in ranked]
     for row, r in zip(table, ranked):
         place_row(row, {p: measured.get(replace(r["config"], placement=p)) for p in placements})
     best, ar, margin = choose(table)
@@ -602,6 +741,8 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                    "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
                    "acceptance": {str(g): list(v) for g, v in counts.items()},  # γ: [accepted, rejections]
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
+    if step.group is not None:
+        calibration["ranks"] = step.group.size()
     log(f"calibrated in {calibration['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + ")")
     if key is None:
         key = profiles.pipe_key(pipe)

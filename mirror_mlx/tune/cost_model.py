@@ -1,10 +1,12 @@
 """The paper's latency model (Eq. 10, docs/design.md §2) for `mirror`, `sd` and `ar`, fed only by measurements.
 
-mirror step:  T = T_prefix(ℓ_e) + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
-              T_par is max(T_suffix(ℓ_e), T_rollout(κ(γ+1) rows, γ)) when the two truly overlap; it is
-              measured with both running at once, so contention between them is in the number.
-sd step:      T = T_window(γ) + T_verify(γ + 1 rows) + T_over
-ar step:      T = T_verify(1 row) + T_over
+mirror step:  T = T_prefix(ℓ_e) + T_comm,prefix + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
+              T_par is max(T_suffix(ℓ_e) + T_comm,suffix, T_rollout(κ(γ+1) rows, γ)) when the two truly
+              overlap; it is measured with both running at once, so contention between them is in the number.
+sd step:      T = T_window(γ) + T_verify(γ + 1 rows) + T_comm(γ + 1 rows) + T_over
+ar step:      T = T_verify(1 row) + T_comm(1 row) + T_over
+T_comm is the target's collectives across ranks (the sharded layers' all_sums, mirror_mlx/distributed.py),
+by row count; 0 in one process.
 Tokens per step come from an acceptance trace (`Trace`): where the draft's greedy token agrees with
 the target's along the target's own greedy text, and the rank of the target's token among the early
 exit's candidates at every candidate ℓ_e. At temperature 0 replaying a trace is exact: it gives the
@@ -126,6 +128,11 @@ class Timings:
     rollout[(rows, γ)]: the rollout alone (its floor, and reported next to `parallel` to show the contention).
     overhead[mode]: measured step time minus the modelled components, per step, from real runs (negative
       when components timed alone cost more than inside a real step); a number, or {γ: seconds} (`overhead`).
+    comm[rows]: T_comm, the collectives one whole target forward over `rows` rows makes across ranks (two
+      all_sums per sharded layer), timed alone; {} in one process (no term). verify, prefix and suffix
+      then hold the compute alone (calibrate.split_comm), so each forward's T_comm is added once.
+    comm_prefix[(ℓ_e, rows)]: the part of comm[rows] made before the exit (its ℓ_e layers of the N); the
+      suffix makes the rest.
     """
 
     verify: dict = field(default_factory=dict)
@@ -136,27 +143,49 @@ class Timings:
     parallel: dict = field(default_factory=dict)
     rollout: dict = field(default_factory=dict)
     overhead: dict = field(default_factory=dict)
+    comm: dict = field(default_factory=dict)
+    comm_prefix: dict = field(default_factory=dict)
+
+
+def comm_time(t: Timings, rows: int, exit_layer: Optional[int] = None, part: str = "forward") -> float:
+    """T_comm of a target forward over `rows` rows: the whole forward's, or its "prefix" / "suffix" at
+    ℓ_e; 0 in one process (`t.comm` empty)."""
+    if not t.comm:
+        return 0.0
+    whole = t.comm[rows]
+    if part == "forward":
+        return whole
+    before = t.comm_prefix[(exit_layer, rows)]
+    return before if part == "prefix" else whole - before
+
+
+def step_comm(cfg: Config, t: Timings) -> float:
+    """T_comm of one step's target forwards (ar: one row; sd: the γ + 1 verified; mirror: prefix and suffix)."""
+    return comm_time(t, 1 if cfg.mode == "ar" else cfg.gamma + 1)
 
 
 def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
     """Seconds per step without the per-mode overhead."""
     if cfg.mode == "ar":
-        return t.verify[1]
+        return t.verify[1] + comm_time(t, 1)
     g = cfg.gamma
     if cfg.mode == "sd":
-        return (t.local_window or t.window)[g] + t.verify[g + 1]
+        return (t.local_window or t.window)[g] + t.verify[g + 1] + comm_time(t, g + 1)
     rows = g + 1
-    return t.prefix[(cfg.exit_layer, rows)] + parallel_time(cfg, t) + (1 - reuse) * t.window[g]
+    return (t.prefix[(cfg.exit_layer, rows)] + comm_time(t, rows, cfg.exit_layer, "prefix") + parallel_time(cfg, t)
+            + (1 - reuse) * t.window[g])
 
 
 def parallel_time(cfg: Config, t: Timings) -> float:
-    """T_par: measured when `t.parallel` has the point, else its floor max(T_suffix, T_rollout alone)
-    (running both at once only adds contention), so a prediction without it is an upper bound."""
+    """T_par: measured when `t.parallel` has the point (the suffix's collectives in it), else its floor
+    max(T_suffix + its T_comm, T_rollout alone) (running both at once only adds contention), so a
+    prediction without it is an upper bound."""
     g = cfg.gamma
     measured = t.parallel.get((cfg.exit_layer, cfg.kappa, g))
     if measured is not None:
         return measured
-    return max(t.suffix[(cfg.exit_layer, g + 1)], t.rollout[(cfg.kappa * (g + 1), g)])
+    suffix = t.suffix[(cfg.exit_layer, g + 1)] + comm_time(t, g + 1, cfg.exit_layer, "suffix")
+    return max(suffix, t.rollout[(cfg.kappa * (g + 1), g)])
 
 
 def is_bound(cfg: Config, t: Timings) -> bool:
@@ -184,7 +213,8 @@ def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
     component = component_time(cfg, t, reuse)
     step = max(component + overhead(cfg, t), component / 2)  # (a negative overhead is a correction)
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
-            "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": is_bound(cfg, t)}
+            "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": is_bound(cfg, t),
+            "comm_s": step_comm(cfg, t)}
 
 
 def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:

@@ -182,9 +182,14 @@ def _out_of_range(profile: Profile) -> str:
 
 def pipe_key(pipe: Any) -> dict:
     """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
-    profile calibrated pinned never serves generations that are not, nor the other way round."""
+    profile calibrated pinned never serves generations that are not, nor the other way round. Across ranks
+    (mirror_mlx/distributed.py) the rank count is too (and the target's fingerprint is rank 0's shard), so
+    a profile of 2 ranks never serves one process or another rank count, nor the other way round."""
     if pipe.auto.key is None:
         pipe.auto.key = key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
         if pipe.auto.placement_held:
             pipe.auto.key["placement"] = pipe.auto.placement_held
+        group = getattr(pipe, "group", None)
+        if group is not None:
+            pipe.auto.key["ranks"] = group.size()
     return pipe.auto.key

@@ -47,6 +47,8 @@ def contention(prof: Profile) -> str:
     t = prof.calibration["timings"]
     k, g, e = prof.kappa, prof.gamma, prof.exit_layer
     suffix = t["suffix"][str((e, g + 1))]
+    if t.get("comm"):  # across ranks: the suffix with its collectives, as suffix ‖ rollout was timed
+        suffix += t["comm"][str(g + 1)] - t["comm_prefix"][str((e, g + 1))]
     rollout = t["rollout"][str((k * (g + 1), g))]
     together = t["parallel"].get(str((e, k, g)))
     if together is None:  # chosen from its real runs; its prediction used the floor (confirmed past the top: pick_confirm)
@@ -54,3 +56,13 @@ def contention(prof: Profile) -> str:
                 f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart")
     return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
             f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")
+
+
+def comm_line(prof: Profile) -> str:
+    """Across ranks: T_comm, the collectives of one target forward by row count, timed as a forward chains
+    them (a term of the step model, cost_model.comm_time)."""
+    comm = prof.calibration.get("timings", {}).get("comm") or {}
+    if not comm:
+        return ""
+    return (f"T_comm across {prof.calibration.get('ranks', '?')} ranks, one target forward's collectives by rows "
+            "(in each prediction's step): " + ", ".join(f"{n} {1e3 * v:.2f} ms" for n, v in comm.items()))
