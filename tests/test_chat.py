@@ -221,8 +221,15 @@ class Terminal:
 
     def __init__(self, *args):
         import pty
+        import termios
 
         self.master, slave = pty.openpty()
+        # Ctrl-C makes a terminal discard the output not read yet (NOFLSH unset). A user's terminal reads it at
+        # once; the test reads only while it waits for something, so a second Ctrl-C would discard a note the
+        # first one printed. Keep it.
+        attrs = termios.tcgetattr(slave)
+        attrs[3] |= termios.NOFLSH
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
         # a user's terminal delivers Ctrl-C; a runner that started us in the background may ignore SIGINT,
         # and an ignored signal stays ignored across exec, so give the chat the default action back
         self.proc = subprocess.Popen(cli(*args, ctty=True), cwd=ROOT, stdin=slave, stdout=slave, stderr=slave,
