@@ -101,6 +101,7 @@ class SharedHost:
 
     def __init__(self, host: DraftHost, g: mx.distributed.Group, watchdog: "Watchdog"):
         self.host, self.group, self.watchdog = host, g, watchdog
+        self.local = host  # the host this rank can time alone (tune)
         self.process, self.vocab_size, self.kind = host.process, host.vocab_size, host.kind
         self.failed: Optional[BaseException] = None
         self.n, self.tail = 1, [0, -1]
@@ -180,6 +181,7 @@ class MirrorHost:
 
     process = False
     kind = "rank 0's draft"
+    local = None  # no draft on this rank to time alone (tune)
     pid: Optional[int] = None  # (tune/placement.py: unpinned)
 
     def __init__(self, g: mx.distributed.Group, vocab_size: int, watchdog: "Watchdog"):
@@ -321,6 +323,12 @@ class DistributedPipeline(Pipeline):
     watchdog: Watchdog
     split = "tensor"  # or "pipeline": mlx-lm's split by layers, for families without model.shard
     leading = False  # rank 0 of a server: its streams and resets are told to the other ranks (`follow`)
+
+    def agree(self, values: Sequence[int], size: int, what: str) -> list[int]:
+        """Rank 0's `values` (padded to `size`) on every rank, the watchdog naming `what` is awaited.
+        A collective: every rank calls it."""
+        with self.watchdog.waiting(what):
+            return share(values, size, self.group)
 
     def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
         if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)

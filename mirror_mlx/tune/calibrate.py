@@ -59,18 +59,15 @@ class Lockstep:
     `group`) rank 0's, shared with the others (one small all_sum), so every rank runs the same forwards."""
 
     def __init__(self, pipe: Any):
+        self.pipe = pipe
         self.group = getattr(pipe, "group", None)
         self.lead = self.group is None or self.group.rank() == 0
-        self.watchdog = getattr(pipe, "watchdog", None)
 
     def ints(self, values: Sequence[int], size: int) -> list[int]:
         """Rank 0's `values` (at most `size`, padded with 0) on every rank."""
         if self.group is None:
             return list(values) + [0] * (size - len(values))
-        from ..distributed import share
-
-        with self.watchdog.waiting("rank 0's calibration"):
-            return share(values, size, self.group)
+        return self.pipe.agree(values, size, "rank 0's calibration")
 
     def flags(self, flags: Sequence[bool]) -> list[bool]:
         return [bool(f) for f in self.ints([int(f) for f in flags], len(flags))]
@@ -84,11 +81,7 @@ class Lockstep:
 def local_host(engine: Any) -> Any:
     """The draft host this process times alone: the engine's; across ranks rank 0's own (timing the draft
     needs no other rank), None on the other ranks (the draft lives beside rank 0)."""
-    from ..distributed import MirrorHost, SharedHost
-
-    if isinstance(engine.host, SharedHost):
-        return engine.host.host
-    return None if isinstance(engine.host, MirrorHost) else engine.host
+    return getattr(engine.host, "local", engine.host)  # (a rank's stand-in names its own: distributed.py)
 
 
 def quick_budget() -> float:
