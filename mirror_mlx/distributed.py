@@ -35,7 +35,7 @@ import mlx.core as mx
 from .ane_draft.host import DraftHost, DraftHostError, _close_all
 from .draft_api import Rollout
 from .pipeline import Pipeline, check_adapter_path, load_draft
-from .tune.policy import SAFE_KNOBS
+from .tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
 
 OK, FAILED = 1, 2  # a reply's first word
 HEAD = 5  # [status, len(context), context[-1], forwards, tokens] before the windows
@@ -315,9 +315,9 @@ class DistributedPipeline(Pipeline):
 
     Mode auto does not calibrate here: with no knob given it runs the choice of the pair's profile for this
     rank count (`mirror-mlx tune` under the launcher wrote it; rank 0 reads it and shares the choice), else
-    mirror (ar without a draft) with the knobs given and the small safe ones an uncalibrated explicit mode
-    runs for the rest (κ=1, γ=3, ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly),
-    said in `stats.why`. An unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
+    mirror (ar without a draft) with the knobs given. A knob left out, in an explicit mode too, comes from that
+    profile's best row for the mode (`profile_knobs`); without a profile, the small safe ones (κ=1, γ=3,
+    ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
 
     group: mx.distributed.Group
     watchdog: Watchdog
@@ -353,6 +353,12 @@ class DistributedPipeline(Pipeline):
         if mode == "mirror" and self.split == "pipeline":
             raise ValueError("mode 'mirror' needs the early exit on every rank, and this family is split by layers "
                              "across ranks (mlx-lm's pipeline: the exit layer lives on one rank): use mode='sd'")
+        if mode in ("mirror", "sd") and not tuned and self.draft is not None and self.split == "tensor" \
+                and needs_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma")):
+            knobs = self.profile_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma"), kwargs.get("exit_layer"))
+            if knobs:
+                kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = knobs
+                why.append(said)
         if mode in ("mirror", "sd"):
             for knob, value in SAFE_KNOBS.items():
                 if kwargs.get(knob) is None:
@@ -397,6 +403,26 @@ class DistributedPipeline(Pipeline):
                 got = share(head, 4, self.group)
             self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
         return self._tuned
+
+    def profile_knobs(self, mode: str, kappa: Optional[int], gamma: Optional[int],
+                      exit_layer: Optional[int]) -> tuple:
+        """An explicit mode's missing knobs from this rank count's tuning profile, as one process takes them
+        from its own (`policy.knobs_from`), chosen by rank 0 and shared: (κ, γ, ℓ_e, why), or () without a
+        profile (then the small safe ones)."""
+        from .tune import profile as profiles
+
+        head, why = [], ""
+        if self.group.rank() == 0:
+            try:
+                prof = profiles.load(profiles.pipe_key(self), self.engine)
+            except profiles.ProfileError:
+                prof = None  # (said once by `tuned`, when auto asks)
+            if prof is not None:
+                c = knobs_from(prof, self, mode, kappa, gamma, exit_layer)
+                head, why = [1, c.kappa or 0, c.gamma or 0, c.exit_layer or 0], f"{c.why} of {self.group.size()} ranks"
+        with self.watchdog.waiting("rank 0's tuning profile"):
+            got = share(head, 4, self.group)
+        return (*(v or None for v in got[1:]), why) if got[0] else ()
 
     def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""

@@ -107,3 +107,14 @@ def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks
     ids = mirror_mlx.text.cli_prompt(tokenizer, "Once upon a time", None, tokenizer.has_chat_template, {})
     ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=24)]
     assert got["tokens"] == ref[: len(got["tokens"])] and len(got["tokens"]) == 24, (got["tokens"], ref)
+
+    # an explicit mode without its knobs takes them from the same profile, as one process takes its own
+    from mirror_mlx.tune.policy import knobs_from
+
+    expected = knobs_from(profiles.load(prof["key"]), None, "sd", None, None, None)
+    out = launch(["generate", "--mode", "sd", "--max-tokens", "24", "--json", "--prompt", "Once upon a time"], cache)
+    got = json.loads(out.stdout)
+    stats = got["stats"]
+    assert "from the tuned profile of 2 ranks" in stats["why"], stats["why"]
+    assert (stats["mode"], stats["gamma"]) == ("sd", expected.gamma), (stats, expected)
+    assert got["tokens"] == ref[:24], (got["tokens"], ref)

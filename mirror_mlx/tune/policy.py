@@ -266,11 +266,17 @@ def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], e
     profile, else auto's quick calibration), its best row for `mode` that has the given ones. Without such
     a row (the quick calibration ran out of budget), small safe knobs (SAFE_KNOBS, ℓ_e the exit adapter's
     layer or N/2), said to be uncalibrated: never the paper's κ=8, γ=7 blindly (they cost a CPU pair 3x)."""
-    asked = f"mode {mode} as asked"
     if not needs_knobs(mode, kappa, gamma):
         return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
-                      PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, asked)
-    prof = profile_for(pipe)
+                      PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, f"mode {mode} as asked")
+    return knobs_from(profile_for(pipe), pipe, mode, kappa, gamma, exit_layer)
+
+
+def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int],
+               exit_layer: Optional[int]) -> Choice:
+    """`explicit`'s knobs from a given profile: its best row for `mode` that has the knobs given, else the
+    small safe ones (also across ranks, where the profile is the one `tune` wrote for them)."""
+    asked = f"mode {mode} as asked"
     given = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items()
              if v is not None and (mode == "mirror" or k == "gamma")}
     rows = [r for r in prof.table if r["mode"] == mode]
