@@ -317,7 +317,8 @@ class DistributedPipeline(Pipeline):
     rank count (`mirror-mlx tune` under the launcher wrote it; rank 0 reads it and shares the choice), else
     mirror (ar without a draft) with the knobs given. A knob left out, in an explicit mode too, comes from that
     profile's best row for the mode (`profile_knobs`); without a profile, the small safe ones (κ=1, γ=3,
-    ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
+    ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded
+    sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
 
     group: mx.distributed.Group
     watchdog: Watchdog
@@ -365,8 +366,7 @@ class DistributedPipeline(Pipeline):
                     kwargs[knob] = value
                     why.append(f"{knob} {value} (small safe default, uncalibrated)")
         if kwargs.get("seed") is None and (kwargs.get("temperature") or kwargs.get("sampler") is not None):
-            with self.watchdog.waiting("rank 0's seed"):
-                kwargs["seed"] = share([random.getrandbits(31)], 1, self.group)[0]
+            kwargs["seed"] = self.agree([random.getrandbits(31)], 1, "rank 0's seed")[0]
         given = kwargs.get("prompt_progress_callback")
 
         def progress(done: int, total: int) -> None:  # a long prefill is progress, not a stall
@@ -381,48 +381,51 @@ class DistributedPipeline(Pipeline):
         return ids, opts, run
 
     _tuned: Optional[tuple] = None  # the profile's (mode, κ, γ, ℓ_e, why) once asked; () when there is none
+    _knobs: Optional[dict] = None  # profile_knobs' answers, by the knobs asked (the same on every rank)
+    _read: Optional[list] = None  # rank 0: [the profile for this rank count, or None], read once
+
+    def _profile(self) -> Any:
+        """Rank 0: this pair's profile for this rank count, or None; read once, a broken one said once."""
+        if self._read is None:
+            from .tune import profile as profiles
+
+            try:
+                self._read = [profiles.load(profiles.pipe_key(self), self.engine)]
+            except profiles.ProfileError as e:
+                print(f"mirror-mlx: {e}; the uncalibrated knobs run", file=sys.stderr)
+                self._read = [None]
+        return self._read[0]
 
     def tuned(self) -> tuple:
         """The profile's choice for this pair and rank count, as rank 0 read it (asked once, on every rank
-        alike), or () without a profile; rank 0 says on stderr why one it has cannot be read."""
+        alike), or () without a profile."""
         if self._tuned is None:
-            from .tune import profile as profiles
             from .tune.choose import describe
 
             modes = ("ar", "sd", "mirror")
-            prof, why = None, ""
-            if self.group.rank() == 0:
-                try:
-                    prof = profiles.load(profiles.pipe_key(self), self.engine)
-                except profiles.ProfileError as e:
-                    print(f"mirror-mlx: {e}; mode auto runs the uncalibrated knobs", file=sys.stderr)
-                if prof is not None:
-                    why = f"{describe(prof)}: {prof.why}"
+            prof = self._profile() if self.group.rank() == 0 else None
+            why = f"{describe(prof)}: {prof.why}" if prof is not None else ""
             head = [1 + modes.index(prof.mode), prof.kappa or 0, prof.gamma or 0, prof.exit_layer or 0] if prof else []
-            with self.watchdog.waiting("rank 0's tuning profile"):
-                got = share(head, 4, self.group)
+            got = self.agree(head, 4, "rank 0's tuning profile")
             self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
         return self._tuned
 
     def profile_knobs(self, mode: str, kappa: Optional[int], gamma: Optional[int],
                       exit_layer: Optional[int]) -> tuple:
         """An explicit mode's missing knobs from this rank count's tuning profile, as one process takes them
-        from its own (`policy.knobs_from`), chosen by rank 0 and shared: (κ, γ, ℓ_e, why), or () without a
-        profile (then the small safe ones)."""
-        from .tune import profile as profiles
-
-        head, why = [], ""
-        if self.group.rank() == 0:
-            try:
-                prof = profiles.load(profiles.pipe_key(self), self.engine)
-            except profiles.ProfileError:
-                prof = None  # (said once by `tuned`, when auto asks)
+        from its own (`policy.knobs_from`), chosen by rank 0 and shared (once per knobs asked): (κ, γ, ℓ_e,
+        why), or () without a profile (then the small safe ones)."""
+        self._knobs = self._knobs if self._knobs is not None else {}
+        asked = (mode, kappa, gamma, exit_layer)
+        if asked not in self._knobs:
+            prof = self._profile() if self.group.rank() == 0 else None
+            head, why = [], ""
             if prof is not None:
                 c = knobs_from(prof, self, mode, kappa, gamma, exit_layer)
                 head, why = [1, c.kappa or 0, c.gamma or 0, c.exit_layer or 0], f"{c.why} of {self.group.size()} ranks"
-        with self.watchdog.waiting("rank 0's tuning profile"):
-            got = share(head, 4, self.group)
-        return (*(v or None for v in got[1:]), why) if got[0] else ()
+            got = self.agree(head, 4, "rank 0's tuning profile")
+            self._knobs[asked] = (*(v or None for v in got[1:]), why) if got[0] else ()
+        return self._knobs[asked]
 
     def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
@@ -441,7 +444,6 @@ class DistributedPipeline(Pipeline):
             raise
         finally:
             steps.close()
-
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
@@ -520,6 +522,8 @@ def held(pipe: Pipeline) -> list[int]:
     target = pipe.engine.target
     cached = pipe.engine.target_worker.call(lambda: list(target.cached))
     return [len(cached), sum((i + 1) * t for i, t in enumerate(cached)) % (1 << 31)]
+
+
 GRACE_S = 10.0  # a rank of a server told to stop ends within this long (stop_within_grace)
 
 
