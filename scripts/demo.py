@@ -91,7 +91,7 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, openi
         knobs: dict[str, dict] = {}
         for opening in openings:  # the modes interleaved, so the machine's drift reaches each alike
             for mode in ("auto", "ar", "sd", "mirror"):  # explicit modes: the profile's best knobs for each
-                r = pipe.generate(opening, max_tokens=max_tokens, mode=mode)
+                r = pipe.generate(opening, max_tokens=max_tokens, mode=mode, stop=False)  # max_tokens each, as mlx_sd
                 texts.setdefault(mode, []).append(r.tokens)
                 totals[mode] = totals.get(mode, Stats()) + r.stats
                 knobs[mode] = knobs_run(r.stats, mode)
