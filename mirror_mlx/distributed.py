@@ -35,6 +35,7 @@ import mlx.core as mx
 from .ane_draft.host import DraftHost, DraftHostError, _close_all
 from .draft_api import Rollout
 from .pipeline import Pipeline, check_adapter_path, load_draft
+from .target import StageTargetSide, text_model
 from .tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
 
 OK, FAILED = 1, 2  # a reply's first word
@@ -345,15 +346,12 @@ class DistributedPipeline(Pipeline):
             kwargs["gamma"] = kwargs["gamma"] or SAFE_KNOBS["gamma"]  # (ar leaves γ unused)
             why.append(f"auto: the tuned profile of {self.group.size()} ranks" + (f", {said}" if said else ""))
         elif mode == "auto":
-            mode = kwargs["mode"] = "ar" if self.draft is None else "sd" if self.split == "pipeline" else "mirror"
+            mode = kwargs["mode"] = "ar" if self.draft is None else "mirror"
             reason = ("no draft model" if self.draft is None else
-                      "split by layers across ranks: not tuned" if self.split == "pipeline" else
+                      "split by layers across ranks: tune measures the tensor-parallel split only" if self.split == "pipeline" else
                       "knobs given: across ranks the tuning profile serves auto without them" if given else
                       "no tuning profile for these ranks: `mirror-mlx tune` under the launcher makes one")
             why.append(f"auto: {mode} ({reason})")
-        if mode == "mirror" and self.split == "pipeline":
-            raise ValueError("mode 'mirror' needs the early exit on every rank, and this family is split by layers "
-                             "across ranks (mlx-lm's pipeline: the exit layer lives on one rank): use mode='sd'")
         if mode in ("mirror", "sd") and not tuned and self.draft is not None and self.split == "tensor" \
                 and needs_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma")):
             knobs = self.profile_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma"), kwargs.get("exit_layer"))
@@ -655,10 +653,13 @@ def end_with_launcher(interval: float = 0.5) -> None:
 
 def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None,
          exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
-         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False,
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False, pipeline: bool = False,
          g: Optional[mx.distributed.Group] = None) -> DistributedPipeline:
     """`mirror_mlx.load` on every rank of the launcher's group: this rank's shard of the target (mlx-lm's
-    `sharded_load`), the draft host on rank 0 only. Every rank must then make the same calls."""
+    `sharded_load`), the draft host on rank 0 only. Every rank must then make the same calls.
+
+    The split is sharded_load's: tensor parallel where the family has `model.shard`, else its pipeline split
+    (layers by rank); `pipeline=True` asks for the pipeline split (mlx-lm's `--pipeline`)."""
     from mlx_lm.utils import sharded_load
 
     from .loading import check_vocabulary, resolve_model
@@ -676,7 +677,8 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     folder = resolve_model(model)
     config = dict(tokenizer_config or {}, trust_remote_code=trust_remote_code)
     try:
-        target, tokenizer = sharded_load(str(folder), tokenizer_config=config, trust_remote_code=trust_remote_code)
+        target, tokenizer = sharded_load(str(folder), g if pipeline else None, tokenizer_config=config,
+                                         trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise ValueError(f"cannot shard {model} over {g.size()} ranks: {e}") from None
     check_vocabulary(target, tokenizer, folder)
@@ -696,8 +698,12 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     rank = g.rank()
     pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
     pipe.group, pipe.watchdog = g, watchdog
-    pipe.split = "tensor" if hasattr(target, "shard") else "pipeline"  # (sharded_load's own preference)
     engine = pipe.engine
+    if getattr(text_model(target).model, "pipeline_size", 1) > 1:  # layers by rank: block ℓ_e on one stage
+        pipe.split = "pipeline"
+        engine.n_layers = share([len(text_model(target).model.layers)], 1, g)[0]  # (rank 0 holds the last block)
+        engine.target_worker.call(engine.target.close)
+        engine.target = engine.target_worker.call(StageTargetSide, target, g, engine.n_layers)
     engine.local_build = None  # sd drafts through the host too: rank 0's window must reach every rank
     if draft is not None:
         if rank == 0:

@@ -75,24 +75,28 @@ def trimmable_cache(model: nn.Module) -> list[Any]:
 
 
 class EarlyExitTarget:
-    """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit)."""
+    """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit).
 
-    def __init__(self, model: nn.Module, exit_layer: int, adapter: Optional[Callable] = None):
+    A stage of a model split by layers across ranks (mlx-lm's pipeline) holds blocks first..first+len-1 of
+    `n_layers`; the tapped block must be one of them."""
+
+    def __init__(self, model: nn.Module, exit_layer: int, adapter: Optional[Callable] = None,
+                 n_layers: Optional[int] = None, first: int = 0):
         self.model = model
         self.layers = text_model(model).layers
-        check_exit_layer(exit_layer, len(self.layers))
+        self.n_layers = n_layers or len(self.layers)
+        check_exit_layer(exit_layer, self.n_layers)
+        if not first < exit_layer <= first + len(self.layers):
+            raise ValueError(f"block {exit_layer} is not on this stage (blocks {first + 1}..{first + len(self.layers)})")
         self.exit_layer = exit_layer
         self.adapter = adapter  # maps the normalised exit state before the head; never the final logits
         self._tap = _Tap()
-        self._block_cls = _install_tap(self.layers[exit_layer - 1], self._tap)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
+        self._block = self.layers[exit_layer - 1 - first]
+        self._block_cls = _install_tap(self._block, self._tap)
 
     def remove(self) -> None:
         """Undo the class swap (the model is then exactly as loaded)."""
-        self.layers[self.exit_layer - 1].__class__ = self._block_cls
+        self._block.__class__ = self._block_cls
 
     def make_cache(self) -> list[Any]:
         return trimmable_cache(self.model)
@@ -270,3 +274,52 @@ class TargetSide:
         if self.tapped is not None:
             self.tapped.remove()
             self.tapped = None
+
+
+class StageTargetSide(TargetSide):
+    """The target split by layers across ranks (mlx-lm's pipeline split): this rank holds one stage, and block
+    ℓ_e runs on one rank only. That rank takes the early exit and top-κ and shares them with one all_sum that
+    only it fills; every rank then posts or mirrors the same sets, and the verify (after the model's own
+    all_gather) decides alike everywhere (docs/design.md §8).
+
+    The stages before the exit's (higher ranks: mlx-lm gives rank 0 the last layers) first evaluate their
+    last cache, which mlx-lm makes depend on the send of their output, so the exit's rank is never waiting on
+    a rank that waits on it."""
+
+    def __init__(self, model: nn.Module, group: Any, n_layers: int):
+        super().__init__(model)
+        inner = text_model(model).model
+        self.group, self.n_layers = group, n_layers
+        self.first, self.count = inner.start_idx, len(inner.pipeline_layers)
+        self.exit_rank = 0  # the rank whose stage holds block ℓ_e
+
+    def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
+        mine = self.first < exit_layer <= self.first + self.count
+        self.exit_rank = int(mx.distributed.all_sum(mx.array(self.group.rank() if mine else 0), group=self.group,
+                                                    stream=mx.cpu).item())
+        if self.tapped is not None and (not mine or self.tapped.exit_layer != exit_layer
+                                        or self.tapped.adapter is not head):
+            self.tapped.remove()
+            self.tapped = None
+        if mine and self.tapped is None:
+            self.tapped = EarlyExitTarget(self.model, exit_layer, head, self.n_layers, self.first)
+
+    def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
+               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
+        x, rank = mx.array([rows]), self.group.rank()
+        k = min(kappa, vocab_size(self.model) or kappa)
+        flat = mx.zeros((len(rows), k), dtype=mx.int32)
+        if rank == self.exit_rank:
+            early, self._final = self.tapped.forward(x, self.cache)
+            flat = top_k(early[0], kappa, exclude)[0].astype(mx.int32)
+            mx.eval(flat)
+        else:
+            self._final = self.model(x, cache=self.cache)
+            if rank > self.exit_rank:  # an earlier stage: its layers and its send first
+                mx.eval(self.cache[-1].state)
+        ids = mx.distributed.all_sum(flat, group=self.group, stream=mx.cpu)
+        mx.eval(ids)
+        self._ids = ids
+        cand = ids.tolist()
+        post(cand)
+        return cand

@@ -4,7 +4,7 @@ them with mlx-lm's single-process tokens, and the ranks with each other).
 
 `python tests/distributed_run.py SPEC.json OUT_DIR`; SPEC: {family: {target, draft, prompts (ids), tokens,
 cases [(mode, κ, γ, ℓe, prompt index)], seeded [seed...] (T = 0.8, mode mirror, the first prompt),
-unseeded (bool: one unseeded T = 0.8 sample, mode sd)}}.
+unseeded (bool: one unseeded T = 0.8 sample, mode sd), pipeline (bool: the split by layers)}}.
 """
 
 import json
@@ -20,8 +20,8 @@ from mirror_mlx import distributed  # noqa: E402
 
 
 def run_family(spec: dict) -> dict:
-    pipe = distributed.load(spec["target"], spec["draft"], "none")
-    got: dict = {"greedy": [], "seeded": {}, "stats": []}
+    pipe = distributed.load(spec["target"], spec["draft"], "none", pipeline=spec.get("pipeline", False))
+    got: dict = {"greedy": [], "seeded": {}, "stats": [], "split": pipe.split}
     try:
         for mode, kappa, gamma, exit_layer, i in spec["cases"]:
             r = pipe.generate(spec["prompts"][i], max_tokens=spec["tokens"], mode=mode, kappa=kappa, gamma=gamma,

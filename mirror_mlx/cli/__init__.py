@@ -5,6 +5,7 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 import importlib
 import re
 import sys
+from functools import partial
 from typing import Optional
 
 import click
@@ -164,6 +165,11 @@ def mlx_lm_load_options(f):
     return f
 
 
+pipeline_option = click.option(
+    "--pipeline", is_flag=True, help="Under mlx.launch: split the target by layers across ranks (mlx-lm's pipeline "
+    "split) where the family has both splits [default: tensor parallel where it has model.shard].")
+
+
 FLAGS = {"prefill_step_size": "--prefill-step-size", "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
          "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer",
          "max_kv_size": "--max-kv-size", "adapter_path": "--adapter-path", "draft_model=...": "--draft-model",
@@ -179,7 +185,7 @@ def usage_error(e: Exception) -> click.UsageError:
 
 
 def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False,
-                  tokenizer_config=None):
+                  tokenizer_config=None, pipeline: bool = False):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors. Under mlx.launch
     (more than one rank), every rank loads its shard of the target (mirror_mlx/distributed.py)."""
     from mirror_mlx import distributed
@@ -191,12 +197,15 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
             raise click.UsageError(f"mirror-mlx {verb} runs in one process: under mlx.launch, generate, chat, "
                                    "serve and tune run; start it without the launcher")
         distributed.quiet_other_ranks()
-        load = distributed.load
+        load = partial(distributed.load, pipeline=pipeline)
         if model is None:  # the demo pair, as below
             from mirror_mlx import demo_pair
 
             model, draft_model = demo_pair.TARGET, demo_pair.DRAFT if draft_model is None else draft_model
             exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
+    elif pipeline:
+        click.echo("mirror-mlx: --pipeline splits the target across the ranks of mlx.launch; one process has "
+                   "nothing to split: ignored", err=True)
     if model is None and draft_model is None:
         click.echo("mirror-mlx: no --model given: using the embedded demo pair (stories260K + llama2xs)", err=True)
     elif model is None:

@@ -10,7 +10,7 @@ from typing import Any, Optional, TextIO
 import click
 
 from mirror_mlx import validate
-from mirror_mlx.cli import (exit_on_terminate, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+from mirror_mlx.cli import (pipeline_option, exit_on_terminate, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, template_config, usage_error, xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
@@ -216,16 +216,18 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @decode_options(max_tokens=256, seed=0)
 @xtc_options(min_tokens_to_keep=False)
+@pipeline_option
 @refused_options("chat")
-def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, system_prompt, chat_template_config,
+def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, system_prompt, chat_template_config,
              xtc_probability, xtc_threshold, **decode) -> None:
     """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands.
 
-    mlx_lm.chat's --pipeline is refused, with its reason (docs/mlx-lm-flags.md has every flag).
+    Every flag of mlx_lm.chat is taken (docs/mlx-lm-flags.md).
     """
     template_kwargs = template_config(chat_template_config)
     exit_on_terminate()
-    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code)
+    pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code,
+                         pipeline=pipeline)
     pipe.chat_template_kwargs = template_kwargs
     kwargs = generation_kwargs(**decode)
     try:

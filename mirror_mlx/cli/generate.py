@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from mirror_mlx import text
-from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+from mirror_mlx.cli import (pipeline_option, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, read_prompt, template_config, usage_error, xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 
@@ -117,9 +117,10 @@ def same_model(a, b) -> bool:
               help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
 @click.option("--quantized-kv-start", type=int, default=5000, show_default=True,
               help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
+@pipeline_option
 @refused_options("generate")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
-def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, prompt, system_prompt,
+def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
                  quiet, kv_group_size, quantized_kv_start, as_json, **decode) -> None:
@@ -138,7 +139,7 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
     prompt = read_prompt(prompt)
     ar_only = cache is not None and cache.tokens is None  # then no draft is needed
     pipe = load_pipeline(model, draft_model, exit_adapter, "ar" if ar_only else decode["mode"], adapter_path,
-                         trust_remote_code, tokenizer_config)
+                         trust_remote_code, tokenizer_config, pipeline)
     kwargs = generation_kwargs(**decode)
     try:
         xtc_sampler(pipe.tokenizer, kwargs, xtc_probability, xtc_threshold, min_tokens_to_keep)

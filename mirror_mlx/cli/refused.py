@@ -7,9 +7,6 @@ KV_BITS = ("a quantized KV cache is not supported: mlx-lm quantizes the cache af
            "--quantized-kv-start, and a speculative step's forward of several tokens crosses that point where "
            "mlx-lm's one-token forwards do not, so the tokens would differ from mlx-lm's; drop it (a model "
            "quantized in its weights, e.g. mlx-community's -4bit, works in every mode)")
-PIPELINE = ("under mlx.launch mirror-mlx picks the split itself, as mlx-lm's sharded_load prefers it (tensor "
-            "parallel where the family has model.shard, else its pipeline split; README, Across Macs); drop the flag")
-
 # command -> flag -> (takes a value, why it is refused)
 REFUSED = {
     "generate": {
@@ -19,9 +16,7 @@ REFUSED = {
         "--quantize-activations": (False, "the target runs as mlx_lm.load gives it, and the draft's acceptance "
                                           "was never measured on quantized activations; drop the flag"),
     },
-    "chat": {
-        "--pipeline": (False, PIPELINE),
-    },
+    "chat": {},  # every flag of mlx_lm.chat is taken
     "serve": {
         "--chat-template": (True, "the model's own chat template is used (its tokenizer_config.json); edit it "
                                   "there, or send /v1/completions with the templated text"),
@@ -29,7 +24,6 @@ REFUSED = {
         "--kv-bits": (True, KV_BITS),
         "--kv-group-size": (True, "only with --kv-bits: " + KV_BITS),
         "--quantized-kv-start": (True, "only with --kv-bits: " + KV_BITS),
-        "--pipeline": (False, PIPELINE),
     },
 }
 

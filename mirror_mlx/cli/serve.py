@@ -2,7 +2,7 @@
 
 import click
 
-from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
+from mirror_mlx.cli import (pipeline_option, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, template_config, tracker_ignores_hangup)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx import distributed
@@ -76,8 +76,9 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True,
               help="WARNING and above: no line per request.")
 @decode_options(max_tokens=512, seed=None)
+@pipeline_option
 @refused_options("serve")
-def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, host, port, max_queue,
+def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port, max_queue,
               allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
               prompt_concurrency, log_level, max_tokens,
               temp, **decode) -> None:
@@ -91,7 +92,7 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
     cache_bytes = size(prompt_cache_bytes)
     tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path=adapter_path,
-                         trust_remote_code=trust_remote_code)
+                         trust_remote_code=trust_remote_code, pipeline=pipeline)
     pipe.chat_template_kwargs = template_kwargs
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")
