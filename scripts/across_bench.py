@@ -1,17 +1,16 @@
-"""Across Macs on loopback: ar, sd and mirror in one process and on 2 ranks (mlx.launch --backend ring), in
-one run, plus T_comm per forward by row count (mirror_mlx.distributed.comm_per_forward).
+"""Across Macs on loopback: ar, sd and mirror in one process and on 2 ranks of the ring backend, in one run,
+plus T_comm per forward by row count (mirror_mlx.distributed.comm_per_forward).
 
 `python scripts/across_bench.py [--tokens 64] [--prompts 3]` prints a markdown table (BENCHMARKS.md). It runs
-the single-process half, then itself under `mlx.launch -n 2 --backend ring`. Timings on a shared box
+the single-process half, then itself on 2 ranks set up as `mlx.launch -n 2 --backend ring` sets them up,
+without the launcher process, which keeps a core busy (mirror_mlx/bench/ranks.py). Timings on a shared box
 are noisy: the load average is printed beside them.
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -19,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mirror_mlx import distributed  # noqa: E402
+from mirror_mlx.bench.ranks import run_ranks  # noqa: E402
 from mirror_mlx.demo_pair import DRAFT, EXIT_ADAPTER, TARGET  # noqa: E402
 
 MODES = {"ar": {}, "sd": dict(gamma=3), "mirror": dict(kappa=4, gamma=3, exit_layer=2)}
@@ -62,13 +62,12 @@ def main() -> None:
         single = measure(pipe, prompts, args.tokens)
     finally:
         pipe.close()
-    run = subprocess.run([str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
-                          "--starting-port", str(32323 + os.getpid() % 20000), "--",
-                          sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)],
-                         capture_output=True, text=True, timeout=1800)
+    ranks = run_ranks([sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)], 2,
+                      timeout=3000)
+    run = ranks[0]
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("{")), None)
-    if line is None:
-        sys.exit(f"the 2-rank run printed no result:\n{run.stderr[-2000:]}")
+    if line is None or any(r.returncode for r in ranks):
+        sys.exit(f"the 2-rank run printed no result:\n{ranks[0].stderr[-2000:]}\n{ranks[1].stderr[-2000:]}")
     dist = json.loads(line)
     load1 = os.getloadavg()
     print(f"demo pair (stories260K + llama2xs, exit adapter ℓe=2), {len(prompts)} openings × {args.tokens} tokens, "

@@ -1,11 +1,14 @@
-"""Across Macs, on loopback: the target sharded over 2 ranks by `mlx.launch --backend ring`, the draft
-beside rank 0. Greedy mirror and sd return mlx-lm's single-process greedy tokens, token for token, for a
-sharded llama (the demo pair) and a sharded qwen3 (tiny random weights), 8 openings × 64 tokens under 3
-(κ, γ, ℓe) settings each; a seeded sample equals the single-process one; both ranks commit the same
-tokens; a rank killed mid-generation ends the run with one line, no process and no shared memory left.
+"""Across Macs, on loopback: the target sharded over 2 ranks of the ring backend, the draft beside rank 0.
+Greedy mirror and sd return mlx-lm's single-process greedy tokens, token for token, for a llama (the demo
+pair) and a qwen3 (tiny random weights) split tensor-parallel, and a qwen2 split by layers (mlx-lm's
+pipeline split, ℓe on either rank's stage), 8 openings × 64 tokens under 3 (κ, γ, ℓe) settings each; a
+seeded sample equals the single-process one; both ranks commit the same tokens. Under `mlx.launch` itself,
+a rank killed or stalled mid-generation, or Ctrl-C on the launcher, ends the run with one line, no process
+and no shared memory left.
 
-Each family is one launcher run (tests/distributed_run.py runs every case on every rank). The ring's
-collectives cost tens of milliseconds each on a loaded 2-core box (ten per forward of the demo target), so
+Each family is one run of 2 ranks set up as mlx.launch sets them up, without its launcher process
+(mirror_mlx/bench/ranks.py: it keeps a core busy); tests/distributed_run.py runs every case on every rank.
+The ring's collectives cost milliseconds each on a loaded 2-core box (ten per forward of the demo target), so
 each opening runs once, under one of the 3 settings, in mirror or sd by turns; MIRROR_MLX_DIST_FULL=1 runs
 every opening under every setting in both modes.
 """
@@ -25,6 +28,7 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load, save_config, save_model
 
+from mirror_mlx.bench.ranks import run_ranks
 from mirror_mlx.demo_pair import DRAFT, TARGET
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import tinystories
@@ -53,15 +57,19 @@ def launcher() -> list[str]:
             "--starting-port", str(free_port())]
 TOKENS = 64
 SEEDS = [0]
-KNOBS = {"llama": [(2, 3, 2), (4, 5, 1), (8, 7, 4)], "qwen3": [(1, 2, 2), (3, 4, 1), (8, 6, 2)]}
+KNOBS = {"llama": [(2, 3, 2), (4, 5, 1), (8, 7, 4)], "qwen3": [(1, 2, 2), (3, 4, 1), (8, 6, 2)],
+         "qwen2": [(2, 3, 1), (4, 4, 3), (8, 6, 2)]}  # qwen2 split by layers: rank 1 runs blocks 1-2, rank 0 blocks 3-4
+SPLIT = {"llama": "tensor", "qwen3": "tensor", "qwen2": "pipeline"}
 
 
-def launch(command: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def launch(command: list[str], cwd: Path, timeout: float = 600) -> list:
+    """2 ranks of the ring backend on loopback, as mlx.launch sets them up, without its launcher process (it
+    keeps a core busy: mirror_mlx/bench/ranks.py); the signal tests below run mlx.launch itself."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    run = subprocess.run(launcher() + ["--"] + command, capture_output=True, text=True, timeout=timeout, env=env,
-                         cwd=cwd, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    ranks = run_ranks(command, 2, timeout, env, cwd)
+    for r, got in enumerate(ranks):
+        assert got.returncode == 0, f"rank {r}: {got.stderr[-3000:]}"
+    return ranks
 
 
 def cases(family: str) -> list:
@@ -74,13 +82,13 @@ def cases(family: str) -> list:
     return [("mirror" if i % 2 == 0 else "sd", *knobs[i % 3], i) for i in range(8)]
 
 
-def qwen3_pair(tmp: Path) -> tuple[Path, Path]:
-    """A tiny random 3-layer qwen3 target with the demo tokenizer, and a draft: the target's weights plus
+def tiny_pair(tmp: Path, family: str, layers: int, vocab: int = 512) -> tuple[Path, Path]:
+    """A tiny random target of `family` with the demo tokenizer, and a draft: the target's weights plus
     noise (right often, not always)."""
-    config = dict(CONFIGS["qwen3"], vocab_size=512, num_hidden_layers=3)
+    config = dict(CONFIGS[family], vocab_size=vocab, num_hidden_layers=layers)
     folders = []
-    for name, noise in (("qwen3-target", 0.0), ("qwen3-draft", 0.3)):
-        model = tiny_model("qwen3", seed=21, **{k: config[k] for k in ("vocab_size", "num_hidden_layers")})
+    for name, noise in ((f"{family}-target", 0.0), (f"{family}-draft", 0.3)):
+        model = tiny_model(family, seed=21, **{k: config[k] for k in ("vocab_size", "num_hidden_layers")})
         folder = tmp / name
         folder.mkdir()
         for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
@@ -99,12 +107,14 @@ def across(family: str, tmp: Path) -> tuple:
     the single-process model, tokenizer and prompt ids."""
     if family == "llama":
         target, draft, openings = TARGET, DRAFT, tinystories()[:8]
+    elif family == "qwen3":
+        (target, draft), openings = tiny_pair(tmp, "qwen3", 3), tinystories()[8:16]
     else:
-        (target, draft), openings = qwen3_pair(tmp), tinystories()[8:16]
+        (target, draft), openings = tiny_pair(tmp, "qwen2", 4, 513), tinystories()[16:24]  # (mlx-lm adds <|endoftext|> to a qwen2 tokenizer)
     model, tokenizer = load(str(target))
     prompts = [tokenizer.encode(p.text) for p in openings]
     spec = {family: dict(target=str(target), draft=str(draft), prompts=prompts, tokens=TOKENS, cases=cases(family),
-                         seeded=SEEDS, unseeded=family == "llama")}
+                         seeded=SEEDS, unseeded=family == "llama", pipeline=SPLIT[family] == "pipeline")}
     (tmp / "spec.json").write_text(json.dumps(spec))
     launch([sys.executable, str(ROOT / "tests" / "distributed_run.py"), str(tmp / "spec.json"), str(tmp)], tmp)
     ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -112,10 +122,11 @@ def across(family: str, tmp: Path) -> tuple:
     a, b = ranks[0][family], ranks[1][family]
     assert a["greedy"] == b["greedy"], f"{family}: the ranks committed different tokens"
     assert a["seeded"] == b["seeded"] and a.get("unseeded") == b.get("unseeded"), family
+    assert a["split"] == SPLIT[family], a["split"]
     return a, model, tokenizer, prompts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_sharded_target_mirror_and_sd_equal_mlx_lm_greedy_and_one_process_seeded_sample(tmp_path, family):
     got, model, tokenizer, prompts = across(family, tmp_path)
     for (mode, kappa, gamma, exit_layer, i), out, stats in zip(cases(family), got["greedy"], got["stats"]):
@@ -247,3 +258,23 @@ def test_a_draft_host_that_dies_is_dropped_on_every_rank_and_the_text_is_still_t
     assert out.strip() == ref.strip()
     made = made_in(err)
     assert made and not wait_unlinked(made), err
+
+
+def test_generate_with_pipeline_splits_by_layers_and_prints_mlx_lm_s_greedy_text(tmp_path):
+    """`--pipeline` on the command line: the qwen2 pair split by layers (rank 1's stage holds ℓe = 2), mirror on
+    2 ranks; the same tokens as mlx-lm's one process. In one process the flag is said to be ignored."""
+    target, draft = tiny_pair(tmp_path, "qwen2", 4, 513)
+    model, tokenizer = load(str(target))
+    prompt = tinystories()[24].text
+    command = [sys.executable, "-m", "mirror_mlx", "generate", "--model", str(target), "--draft-model", str(draft),
+               "--exit-adapter", "none", "--mode", "mirror", "--kappa", "2", "--gamma", "3", "--exit-layer", "2",
+               "--max-tokens", "32", "--json", "--prompt", prompt, "--pipeline"]
+    got = json.loads(launch(command, tmp_path)[0].stdout)
+    ids = tokenizer.encode(prompt)
+    ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=32)]
+    eos = next((i for i, t in enumerate(ref) if t in tokenizer.eos_token_ids), len(ref))
+    assert got["tokens"] == ref[:eos + 1][:32] and got["stats"]["mode"] == "mirror", got
+    one = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert one.returncode == 0 and "nothing to split: ignored" in one.stderr, one.stderr
+    assert json.loads(one.stdout)["tokens"] == got["tokens"]

@@ -1,11 +1,10 @@
 """`mirror-mlx tune` across ranks: T_comm (the target's collectives per forward) is a term of the step model,
-and on loopback (2 ranks of `mlx.launch --backend ring`, as tests/test_distributed.py) tune completes on every
+and on loopback (2 ranks of the ring backend, set up as mlx.launch sets them up) tune completes on every
 rank, rank 0 alone writes one profile, kept apart by rank count, whose rows carry T_comm, and a following
 `generate --mode auto` on 2 ranks runs that profile's choice and returns mlx-lm's greedy tokens."""
 
 import json
 import os
-import subprocess
 import sys
 from copy import deepcopy
 from dataclasses import replace
@@ -15,10 +14,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
+from mirror_mlx.bench.ranks import RankResult, run_ranks
 from mirror_mlx.demo_pair import TARGET
 from mirror_mlx.tune.calibrate import split_comm
 from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, predict
-from tests.test_distributed import ROOT, launcher
+from tests.test_distributed import ROOT
 
 CONFIGS = [Config("ar"), Config("sd", gamma=3), Config("mirror", 1, 3, 2)]
 
@@ -62,12 +62,14 @@ def test_split_comm_keeps_the_measured_pieces_predictions_and_makes_t_comm_a_ter
         assert predict(c, split, acc)["comm_s"] > 0
 
 
-def launch(command: list[str], cache, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(command: list[str], cache, timeout: float = 300) -> RankResult:
+    """`mirror-mlx COMMAND` on 2 ranks set up as mlx.launch sets them up (mirror_mlx/bench/ranks.py); rank 0's
+    output, once every rank ended well."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_CACHE=str(cache))
-    run = subprocess.run(launcher() + ["--", sys.executable, "-m", "mirror_mlx", *command], capture_output=True,
-                         text=True, timeout=timeout, env=env, cwd=cache.parent, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and "exited with code" not in run.stderr, run.stderr[-3000:]  # every rank ended well
-    return run
+    ranks = run_ranks([sys.executable, "-m", "mirror_mlx", *command], 2, timeout, env, cache.parent)
+    for r, got in enumerate(ranks):
+        assert got.returncode == 0, f"rank {r}: {got.stderr[-3000:]}"
+    return ranks[0]
 
 
 @pytest.mark.timeout(400)

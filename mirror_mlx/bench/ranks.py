@@ -1,0 +1,82 @@
+"""Ranks of a command on this machine, set up as `mlx.launch --backend ring` sets them up (a hostfile of
+loopback ports in MLX_HOSTFILE, MLX_RANK), without the launcher process.
+
+mlx.launch relays each rank's stdin and output through select loops that never block while a rank's
+stdin pipe is open (a pipe is always writable), so the launcher keeps about a core busy for the whole
+run: `mlx.launch -n 2 --backend ring -- sleep 5` takes 6-8 s of CPU. On a 2-core box that is half the
+machine, taken from the ranks and the draft, so the measurements and the lossless tests start the ranks
+directly. Users launch with mlx.launch (README, Across Macs); the tests of its signals still do.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def free_ports(n: int) -> list[int]:
+    """n consecutive free loopback ports (one per rank)."""
+    while True:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            base = socks[0].getsockname()[1]
+            for i, s in enumerate(socks[1:], 1):
+                s.bind(("127.0.0.1", base + i))
+            return [base + i for i in range(n)]
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+@dataclass
+class RankResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_ranks(command: Sequence[str], n: int = 2, timeout: float = 600, env: Optional[dict] = None,
+              cwd: Optional[Path] = None) -> list[RankResult]:
+    """Run `command` as ranks 0..n-1 of one ring group on loopback and wait for all of them. A rank that
+    fails stops the others (SIGTERM, as mlx.launch does); past `timeout` every rank is killed and
+    TimeoutError raised. Returns each rank's exit status and output."""
+    with tempfile.TemporaryDirectory(prefix="mirror-ranks-") as tmp:
+        hostfile = Path(tmp, "hosts.json")
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+        outs = [(open(Path(tmp, f"{r}.out"), "w+"), open(Path(tmp, f"{r}.err"), "w+")) for r in range(n)]
+        base = dict(os.environ if env is None else env, MLX_HOSTFILE=str(hostfile))
+        procs = [subprocess.Popen(list(command), env=dict(base, MLX_RANK=str(r)), cwd=cwd, stdin=subprocess.DEVNULL,
+                                  stdout=o, stderr=e) for r, (o, e) in enumerate(outs)]
+        deadline, stopping = time.monotonic() + timeout, False
+        try:
+            while any(p.poll() is None for p in procs):
+                if not stopping and any(p.returncode not in (None, 0) for p in procs):
+                    stopping = True
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{' '.join(command)} ran past {timeout:g} s on {n} ranks")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        results = []
+        for p, (o, e) in zip(procs, outs):
+            o.seek(0)
+            e.seek(0)
+            results.append(RankResult(p.returncode, o.read(), e.read()))
+            o.close()
+            e.close()
+        return results
