@@ -6,7 +6,8 @@ The target is the demo's widened target (build/stories-98M, `make demo` builds i
 model, a family that has both splits in mlx-lm: the same weights, zero q/k/v biases, and one more
 embedding row (transformers' qwen2 tokenizer adds `<|endoftext|>` as id 512). Its tokenizer is the
 qwen2 one transformers builds from the same files, which splits text otherwise, so the prompts go in as
-ids of the llama tokenizer. The draft is the demo's widened SS draft (build/ss-8M).
+ids of the llama tokenizer. The draft is the demo's llama2xs, written as a qwen2 model the same way (the
+draft's tokenizer must be the target's).
 
 `python scripts/split_bench.py [--tokens 48] [--prompts 3]` prints a markdown table (BENCHMARKS.md).
 """
@@ -28,7 +29,7 @@ from mirror_mlx.bench.ranks import run_ranks  # noqa: E402
 
 BUILD = ROOT / "build"
 QWEN2 = BUILD / "stories-98M-qwen2"
-DRAFT = BUILD / "ss-8M"
+DRAFT = BUILD / "llama2xs-qwen2"
 KNOBS = {"ar": {}, "sd": dict(gamma=3), "mirror": dict(kappa=4, gamma=3, exit_layer=6)}
 
 
@@ -103,6 +104,7 @@ def main() -> None:
     spec.loader.exec_module(demo)
     target, _, _ = demo.widened(BUILD)
     as_qwen2(target, QWEN2)
+    as_qwen2(ROOT / "mirror_mlx" / "demo" / "llama2xs", DRAFT)
     prompts = openings(args.prompts)
     import mirror_mlx
 
@@ -122,7 +124,7 @@ def main() -> None:
     load1 = os.getloadavg()
     same = all(dist[s][m]["tokens"] == single["ar"]["tokens"] for s in dist for m in KNOBS) and \
         all(single[m]["tokens"] == single["ar"]["tokens"] for m in KNOBS)
-    print(f"widened demo target as qwen2 (15 layers, hidden 768) + ss-8M; {len(prompts)} held-out openings × "
+    print(f"widened demo target as qwen2 (15 layers, hidden 768) + llama2xs as qwen2; {len(prompts)} held-out openings × "
           f"{args.tokens} tokens, greedy; sd γ=3, mirror κ=4 γ=3 ℓe=6; load average {load0[0]:.2f} before, "
           f"{load1[0]:.2f} after; every text equal to one process's ar: {'yes' if same else 'NO'}\n")
     print("| mode | 1 process tok/s | 2 ranks tensor tok/s | 2 ranks pipeline tok/s | pipeline / tensor "
