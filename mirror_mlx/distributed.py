@@ -1,7 +1,8 @@
 """Across Macs: the target sharded over MLX distributed (`mlx.launch`), the draft beside rank 0.
 
 Every rank runs the same engine over its shard of the target (mlx-lm's `sharded_load`: tensor parallel
-through `model.shard(group)` where the family has it, else mlx-lm's pipeline split), so every rank runs
+through `model.shard(group)` where the family has it, else, or with `pipeline=True`, mlx-lm's split by
+layers, where the exit's stage shares its top-κ: `StageTargetSide`, docs/design.md §8), so every rank runs
 the same forwards and, from the same reduced logits, decides the same tokens (the ring backend's
 `all_sum` gives every rank the same bits; a rank that disagrees is stopped, see `MirrorHost`). Only rank 0
 runs a draft host. Its answers reach the other ranks through one small collective per request: an
@@ -323,7 +324,7 @@ class DistributedPipeline(Pipeline):
 
     group: mx.distributed.Group
     watchdog: Watchdog
-    split = "tensor"  # or "pipeline": mlx-lm's split by layers, for families without model.shard
+    split = "tensor"  # or "pipeline": mlx-lm's split by layers (--pipeline, or a family without model.shard)
     leading = False  # rank 0 of a server: its streams and resets are told to the other ranks (`follow`)
 
     def agree(self, values: Sequence[int], size: int, what: str) -> list[int]:

@@ -60,8 +60,16 @@ def as_qwen2(src: Path, dst: Path) -> Path:
     return dst
 
 
-def measure(pipe, prompts: list[str], tokens: int) -> dict:
-    out = {}
+def measure(pipe, prompts: list[list[int]], tokens: int) -> dict:
+    """Our modes, and mlx-lm's own `generate_step` on the same (sharded) model: what mlx_lm.chat and
+    mlx_lm.server run across ranks, where they take no draft."""
+    from mirror_mlx.bench.baselines import run_ar
+
+    run_ar(pipe.model, prompts[0], 8)  # warm
+    runs = [run_ar(pipe.model, p, tokens) for p in prompts]
+    out = {"mlx_lm": dict(tok_s=sum(len(r.tokens) for r in runs) / sum(r.decode_s for r in runs),
+                          ms_per_forward=1e3 * sum(r.decode_s for r in runs) / sum(r.target_forwards for r in runs),
+                          tokens_per_forward=1.0, tokens=[r.tokens for r in runs])}
     for mode, knobs in KNOBS.items():
         pipe.generate(prompts[0], max_tokens=8, mode=mode, stop=False, **knobs)  # warm
         n, t, fwd, text = 0, 0.0, 0, []
@@ -109,9 +117,17 @@ def main() -> None:
     import mirror_mlx
 
     load0 = os.getloadavg()
+    from mlx_lm.utils import load
+
+    from mirror_mlx.bench.baselines import best_mlx_sd
+
     pipe = mirror_mlx.load(QWEN2, DRAFT, exit_adapter="none")
     try:
         single = measure(pipe, prompts, args.tokens)
+        sweep = best_mlx_sd(pipe.model, load(str(DRAFT))[0], prompts, args.tokens, ks=(2, 3, 4))
+        runs = sweep.runs[sweep.best_k]
+        mlx_sd = dict(tok_s=sum(len(r.tokens) for r in runs) / sum(r.decode_s for r in runs), k=sweep.best_k,
+                      tokens=[r.tokens for r in runs])
     finally:
         pipe.close()
     ranks = run_ranks([sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)], 2,
@@ -122,18 +138,26 @@ def main() -> None:
         sys.exit(f"the 2-rank run printed no result:\n{ranks[0].stderr[-2000:]}\n{ranks[1].stderr[-2000:]}")
     dist = json.loads(line)
     load1 = os.getloadavg()
-    same = all(dist[s][m]["tokens"] == single["ar"]["tokens"] for s in dist for m in KNOBS) and \
-        all(single[m]["tokens"] == single["ar"]["tokens"] for m in KNOBS)
+    modes = ["mlx_lm", *KNOBS]
+    same = all(dist[s][m]["tokens"] == single["ar"]["tokens"] for s in dist for m in modes) and \
+        all(single[m]["tokens"] == single["ar"]["tokens"] for m in modes) and mlx_sd["tokens"] == single["ar"]["tokens"]
     print(f"widened demo target as qwen2 (15 layers, hidden 768) + llama2xs as qwen2; {len(prompts)} held-out openings × "
           f"{args.tokens} tokens, greedy; sd γ=3, mirror κ=4 γ=3 ℓe=6; load average {load0[0]:.2f} before, "
           f"{load1[0]:.2f} after; every text equal to one process's ar: {'yes' if same else 'NO'}\n")
     print("| mode | 1 process tok/s | 2 ranks tensor tok/s | 2 ranks pipeline tok/s | pipeline / tensor "
           "| tensor ms/forward | pipeline ms/forward | tokens/forward |")
     print("|---|---|---|---|---|---|---|---|")
-    for mode in KNOBS:
+    for mode in modes:
         a, t, p = single[mode], dist["tensor"][mode], dist["pipeline"][mode]
         print(f"| {mode} | {a['tok_s']:.1f} | {t['tok_s']:.1f} | {p['tok_s']:.1f} | {p['tok_s'] / t['tok_s']:.2f}x "
               f"| {t['ms_per_forward']:.1f} | {p['ms_per_forward']:.1f} | {p['tokens_per_forward']:.2f} |")
+    print(f"| mlx_sd (k={mlx_sd['k']}, one process only: mlx-lm takes no draft across ranks) | {mlx_sd['tok_s']:.1f} "
+          "| - | - | - | - | - | - |")
+    best = {s: max(dist[s][m]["tok_s"] for m in ("sd", "mirror")) for s in dist}
+    print(f"\nOur best mode on 2 ranks against mlx-lm's generation of the same sharded model: tensor "
+          f"{best['tensor'] / dist['tensor']['mlx_lm']['tok_s']:.2f}x, pipeline "
+          f"{best['pipeline'] / dist['pipeline']['mlx_lm']['tok_s']:.2f}x; against mlx-lm's best in one process "
+          f"(mlx_sd): {max(best.values()) / mlx_sd['tok_s']:.2f}x")
 
 
 if __name__ == "__main__":

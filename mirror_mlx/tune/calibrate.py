@@ -611,8 +611,9 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
         raise RuntimeError(f"the draft was dropped earlier ({pipe.engine.draft_failure})")
     step = Lockstep(pipe)
     if step.group is not None and getattr(pipe, "split", "tensor") != "tensor":
-        raise ValueError("tune across ranks needs the target split tensor-parallel (every rank runs every layer); "
-                         "this family is split by layers across ranks (mlx-lm's pipeline): run mode sd with its knobs")
+        raise ValueError("tune across ranks measures the target split tensor-parallel (every rank runs every "
+                         "layer), and this one is split by layers (mlx-lm's pipeline split): give mirror's or sd's "
+                         "knobs instead (--kappa, --gamma, --exit-layer)")
     if step.group is not None and cfg.budget_s is not None:  # a budget would end the ranks at different points
         print(f"mirror-mlx: across ranks the calibration has no time budget (the {cfg.budget_s:g} s cap would stop "
               "the ranks at different points): it runs to the end", file=sys.stderr)
