@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mirror_mlx import distributed  # noqa: E402
-from mirror_mlx.bench.ranks import run_ranks  # noqa: E402
+from mirror_mlx.bench.ranks import rank0_json  # noqa: E402
 from mirror_mlx.demo_pair import DRAFT, EXIT_ADAPTER, TARGET  # noqa: E402
 
 MODES = {"ar": {}, "sd": dict(gamma=3), "mirror": dict(kappa=4, gamma=3, exit_layer=2)}
@@ -62,13 +62,7 @@ def main() -> None:
         single = measure(pipe, prompts, args.tokens)
     finally:
         pipe.close()
-    ranks = run_ranks([sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)], 2,
-                      timeout=3000)
-    run = ranks[0]
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("{")), None)
-    if line is None or any(r.returncode for r in ranks):
-        sys.exit(f"the 2-rank run printed no result:\n{ranks[0].stderr[-2000:]}\n{ranks[1].stderr[-2000:]}")
-    dist = json.loads(line)
+    dist = rank0_json([sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)])
     load1 = os.getloadavg()
     print(f"demo pair (stories260K + llama2xs, exit adapter ℓe=2), {len(prompts)} openings × {args.tokens} tokens, "
           f"greedy; load average {load0[0]:.2f} before, {load1[0]:.2f} after\n")

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mirror_mlx import distributed  # noqa: E402
-from mirror_mlx.bench.ranks import run_ranks  # noqa: E402
+from mirror_mlx.bench.ranks import rank0_json  # noqa: E402
 
 BUILD = ROOT / "build"
 QWEN2 = BUILD / "stories-98M-qwen2"
@@ -130,13 +130,7 @@ def main() -> None:
                       tokens=[r.tokens for r in runs])
     finally:
         pipe.close()
-    ranks = run_ranks([sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)], 2,
-                      timeout=3000)
-    run = ranks[0]
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("{")), None)
-    if line is None or any(r.returncode for r in ranks):
-        sys.exit(f"the 2-rank run printed no result:\n{ranks[0].stderr[-2000:]}\n{ranks[1].stderr[-2000:]}")
-    dist = json.loads(line)
+    dist = rank0_json([sys.executable, __file__, "--tokens", str(args.tokens), "--prompts", str(args.prompts)])
     load1 = os.getloadavg()
     modes = ["mlx_lm", *KNOBS]
     same = all(dist[s][m]["tokens"] == single["ar"]["tokens"] for s in dist for m in modes) and \

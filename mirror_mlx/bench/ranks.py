@@ -80,3 +80,15 @@ def run_ranks(command: Sequence[str], n: int = 2, timeout: float = 600, env: Opt
             o.close()
             e.close()
         return results
+
+
+def rank0_json(command: Sequence[str], n: int = 2, timeout: float = 3000) -> dict:
+    """Run `command` on n ranks (`run_ranks`) and return the JSON object rank 0 printed on a line of its own:
+    how a benchmark script gets its 2-rank half. Any rank that failed, or no such line, is a RuntimeError
+    with the ranks' stderr."""
+    ranks = run_ranks(command, n, timeout)
+    line = next((ln for ln in ranks[0].stdout.splitlines() if ln.startswith("{")), None)
+    if line is None or any(r.returncode for r in ranks):
+        tails = "\n".join(f"rank {i}: {r.stderr[-2000:]}" for i, r in enumerate(ranks))
+        raise RuntimeError(f"the {n}-rank run printed no result:\n{tails}")
+    return json.loads(line)

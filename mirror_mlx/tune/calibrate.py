@@ -81,7 +81,7 @@ class Lockstep:
 def local_host(engine: Any) -> Any:
     """The draft host this process times alone: the engine's; across ranks rank 0's own (timing the draft
     needs no other rank), None on the other ranks (the draft lives beside rank 0)."""
-    return getattr(engine.host, "local", engine.host)  # (a rank's stand-in names its own: distributed.py)
+    return getattr(engine.host, "local", engine.host)  # (a rank's stand-in names its own: distributed/shared_draft.py)
 
 
 def quick_budget() -> float:

@@ -1,0 +1,318 @@
+"""`DistributedPipeline`: a Pipeline whose calls run on every rank of the group, in step, and `load`, which
+builds it on every rank (mlx-lm's `sharded_load`, the draft host beside rank 0)."""
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..pipeline import Pipeline, check_adapter_path, load_draft
+from ..target import StageTargetSide, text_model
+from ..tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
+from .faults import TIMEOUT_ENV, Watchdog, _on_signal, die, lost_peer
+from .group import group, share
+from .shared_draft import MirrorHost, SharedHost
+
+NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each rank's cache holds its shard of the "
+                   "keys and values; run without it")
+
+
+class DistributedPipeline(Pipeline):
+    """A Pipeline whose calls run on every rank of the group, in step.
+
+    Mode auto does not calibrate here: with no knob given it runs the choice of the pair's profile for this
+    rank count (`mirror-mlx tune` under the launcher wrote it; rank 0 reads it and shares the choice), else
+    mirror (ar without a draft) with the knobs given. A knob left out, in an explicit mode too, comes from that
+    profile's best row for the mode (`profile_knobs`); without a profile, the small safe ones (κ=1, γ=3,
+    ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded
+    sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
+
+    group: mx.distributed.Group
+    watchdog: Watchdog
+    split = "tensor"  # or "pipeline": mlx-lm's split by layers (--pipeline, or a family without model.shard)
+    leading = False  # rank 0 of a server: its streams and resets are told to the other ranks (`follow`)
+
+    def agree(self, values: Sequence[int], size: int, what: str) -> list[int]:
+        """Rank 0's `values` (padded to `size`) on every rank, the watchdog naming `what` is awaited.
+        A collective: every rank calls it."""
+        with self.watchdog.waiting(what):
+            return share(values, size, self.group)
+
+    def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
+        if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
+            raise ValueError(NO_PROMPT_CACHE)
+        mode = kwargs.get("mode", "auto")
+        why = []
+        given = any(kwargs.get(k) is not None for k in ("kappa", "gamma", "exit_layer"))
+        tuned = mode == "auto" and self.draft is not None and self.split == "tensor" and not given and self.tuned()
+        if tuned:  # (no knob given: the profile's choice as it is)
+            mode, kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = tuned
+            kwargs["mode"] = mode
+            kwargs["kappa"] = kwargs["kappa"] or SAFE_KNOBS["kappa"]  # (sd and ar leave κ unused)
+            kwargs["gamma"] = kwargs["gamma"] or SAFE_KNOBS["gamma"]  # (ar leaves γ unused)
+            why.append(f"auto: the tuned profile of {self.group.size()} ranks" + (f", {said}" if said else ""))
+        elif mode == "auto":
+            mode = kwargs["mode"] = "ar" if self.draft is None else "mirror"
+            reason = ("no draft model" if self.draft is None else
+                      "split by layers across ranks: tune measures the tensor-parallel split only" if self.split == "pipeline" else
+                      "knobs given: across ranks the tuning profile serves auto without them" if given else
+                      "no tuning profile for these ranks: `mirror-mlx tune` under the launcher makes one")
+            why.append(f"auto: {mode} ({reason})")
+        if mode in ("mirror", "sd") and not tuned and self.draft is not None and self.split == "tensor" \
+                and needs_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma")):
+            knobs = self.profile_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma"), kwargs.get("exit_layer"))
+            if knobs:
+                kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = knobs
+                why.append(said)
+        if mode in ("mirror", "sd"):
+            for knob, value in SAFE_KNOBS.items():
+                if kwargs.get(knob) is None:
+                    kwargs[knob] = value
+                    why.append(f"{knob} {value} (small safe default, uncalibrated)")
+        if kwargs.get("seed") is None and (kwargs.get("temperature") or kwargs.get("sampler") is not None):
+            kwargs["seed"] = self.agree([random.getrandbits(31)], 1, "rank 0's seed")[0]
+        given = kwargs.get("prompt_progress_callback")
+
+        def progress(done: int, total: int) -> None:  # a long prefill is progress, not a stall
+            self.watchdog.beat()
+            if given is not None:
+                given(done, total)
+
+        kwargs["prompt_progress_callback"] = progress
+        ids, opts, run = super().prepare(prompt, prompt_cache, **kwargs)
+        if why:
+            opts = replace(opts, why="; ".join(why))
+        return ids, opts, run
+
+    _tuned: Optional[tuple] = None  # the profile's (mode, κ, γ, ℓ_e, why) once asked; () when there is none
+    _knobs: Optional[dict] = None  # profile_knobs' answers, by the knobs asked (the same on every rank)
+    _read: Optional[list] = None  # rank 0: [the profile for this rank count, or None], read once
+
+    def _profile(self) -> Any:
+        """Rank 0: this pair's profile for this rank count, or None; read once, a broken one said once."""
+        if self._read is None:
+            from ..tune import profile as profiles
+
+            try:
+                self._read = [profiles.load(profiles.pipe_key(self), self.engine)]
+            except profiles.ProfileError as e:
+                print(f"mirror-mlx: {e}; the uncalibrated knobs run", file=sys.stderr)
+                self._read = [None]
+        return self._read[0]
+
+    def tuned(self) -> tuple:
+        """The profile's choice for this pair and rank count, as rank 0 read it (asked once, on every rank
+        alike), or () without a profile."""
+        if self._tuned is None:
+            from ..tune.choose import describe
+
+            modes = ("ar", "sd", "mirror")
+            prof = self._profile() if self.group.rank() == 0 else None
+            why = f"{describe(prof)}: {prof.why}" if prof is not None else ""
+            head = [1 + modes.index(prof.mode), prof.kappa or 0, prof.gamma or 0, prof.exit_layer or 0] if prof else []
+            got = self.agree(head, 4, "rank 0's tuning profile")
+            self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
+        return self._tuned
+
+    def profile_knobs(self, mode: str, kappa: Optional[int], gamma: Optional[int],
+                      exit_layer: Optional[int]) -> tuple:
+        """An explicit mode's missing knobs from this rank count's tuning profile, as one process takes them
+        from its own (`policy.knobs_from`), chosen by rank 0 and shared (once per knobs asked): (κ, γ, ℓ_e,
+        why), or () without a profile (then the small safe ones)."""
+        self._knobs = self._knobs if self._knobs is not None else {}
+        asked = (mode, kappa, gamma, exit_layer)
+        if asked not in self._knobs:
+            prof = self._profile() if self.group.rank() == 0 else None
+            head, why = [], ""
+            if prof is not None:
+                c = knobs_from(prof, self, mode, kappa, gamma, exit_layer)
+                head, why = [1, c.kappa or 0, c.gamma or 0, c.exit_layer or 0], f"{c.why} of {self.group.size()} ranks"
+            got = self.agree(head, 4, "rank 0's tuning profile")
+            self._knobs[asked] = (*(v or None for v in got[1:]), why) if got[0] else ()
+        return self._knobs[asked]
+
+    def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
+        """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
+        steps = super()._chunks(*args, **kwargs)
+        try:
+            while True:
+                with self.watchdog.waiting("a step of the other ranks"):
+                    try:
+                        chunk = next(steps)
+                    except StopIteration:
+                        return
+                yield chunk
+        except BaseException as e:
+            if lost_peer(e):
+                die(f"lost a rank of the group ({e}): stopping")
+            raise
+        finally:
+            steps.close()
+
+    # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
+
+    def stream(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any) -> Iterator:
+        """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
+        before it runs, so every rank runs the same generation step by step."""
+        if not self.leading:
+            return super().stream(prompt, prompt_cache, **kwargs)
+        if prompt_cache is not None:
+            raise ValueError(NO_PROMPT_CACHE)
+        if isinstance(prompt, str):
+            from ..validate import clean_text
+
+            prompt = self.encode(clean_text(prompt)[0])
+        ids = [int(t) for t in prompt]
+        try:
+            options = json.dumps(kwargs).encode()
+        except TypeError as e:
+            raise ValueError(f"these options cannot be sent to the other ranks ({e}): give plain values") from None
+        self._tell(START, len(ids), len(options), *held(self))
+        with self.watchdog.waiting("the other ranks to take the request"):
+            self._collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
+        return self._lead(super().stream(ids, **kwargs))
+
+    def _lead(self, chunks: Iterator) -> Iterator:
+        ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
+        try:
+            while True:
+                self._tell(STEP)
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    ended = True
+                    return
+                ended = chunk.finish_reason is not None
+                yield chunk
+                if ended:
+                    return
+        finally:
+            if not ended:  # closed early (a client went away, a stop string, shutdown) or failed
+                self._tell(STOP)
+            chunks.close()
+
+    def reset(self) -> None:
+        if self.leading:
+            self._tell(RESET)
+        super().reset()
+
+    def close(self) -> None:
+        if self.leading and not self._closed:
+            self.leading = False
+            self._tell(QUIT)
+        super().close()
+
+    def _tell(self, kind: int, *args: int) -> None:
+        with self.watchdog.waiting("the other ranks to follow"):
+            self._collective(lambda: share([kind, *args], MESSAGE, self.group))
+
+    @staticmethod
+    def _collective(fn: Any) -> Any:
+        try:
+            return fn()
+        except BaseException as e:
+            if lost_peer(e):
+                die(f"lost a rank of the group ({e}): stopping")
+            raise
+
+
+START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, ...]
+MESSAGE = 5  # [START, prompt ids, option bytes, tokens the target's cache holds, their checksum]; else [kind]
+
+
+def held(pipe: Pipeline) -> list[int]:
+    """What the target's cache holds before a request: its token count and a checksum. Every rank must hold
+    the same (the same requests ran, the prefix cache restored the same entry)."""
+    target = pipe.engine.target
+    cached = pipe.engine.target_worker.call(lambda: list(target.cached))
+    return [len(cached), sum((i + 1) * t for i, t in enumerate(cached)) % (1 << 31)]
+
+
+def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None,
+         exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False, pipeline: bool = False,
+         g: Optional[mx.distributed.Group] = None) -> DistributedPipeline:
+    """`mirror_mlx.load` on every rank of the launcher's group: this rank's shard of the target (mlx-lm's
+    `sharded_load`), the draft host on rank 0 only. Every rank must then make the same calls.
+
+    The split is sharded_load's: tensor parallel where the family has `model.shard`, else its pipeline split
+    (layers by rank); `pipeline=True` asks for the pipeline split (mlx-lm's `--pipeline`)."""
+    from mlx_lm.utils import sharded_load
+
+    from ..loading import check_vocabulary, resolve_model
+
+    g = g or group()
+    if g is None:
+        raise ValueError("no distributed group: start every rank with mlx.launch (e.g. `mlx.launch -n 2 "
+                         "--backend ring -- python -m mirror_mlx generate ...`)")
+    if adapter_path is not None:
+        check_adapter_path(adapter_path)
+        raise ValueError("adapter_path is not supported across ranks (as mlx-lm's sharded loading): fuse the "
+                         "adapter into the model first (mlx_lm.fuse)")
+    if str(exit_adapter).lower() == "none":
+        exit_adapter = None
+    folder = resolve_model(model)
+    config = dict(tokenizer_config or {}, trust_remote_code=trust_remote_code)
+    try:
+        target, tokenizer = sharded_load(str(folder), g if pipeline else None, tokenizer_config=config,
+                                         trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"cannot shard {model} over {g.size()} ranks: {e}") from None
+    check_vocabulary(target, tokenizer, folder)
+    draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
+    adapter = None
+    if exit_adapter is not None:
+        from mlx_lm.utils import load_model
+
+        from ..exit_adapter import load_adapters
+
+        # checked against the whole model's fingerprint (a shard's shapes differ); lazy: only what it reads
+        adapter = load_adapters(exit_adapter, load_model(folder, lazy=True, strict=False)[0])
+    watchdog = Watchdog(float(os.environ.get(TIMEOUT_ENV, "120")))
+    if threading.current_thread() is threading.main_thread():  # (only the main thread may set handlers)
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # mlx.launch stops the others with SIGTERM when one fails
+            signal.signal(sig, _on_signal)
+    rank = g.rank()
+    pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
+    pipe.group, pipe.watchdog = g, watchdog
+    engine = pipe.engine
+    if getattr(text_model(target).model, "pipeline_size", 1) > 1:  # layers by rank: block ℓ_e on one stage
+        pipe.split = "pipeline"
+        engine.n_layers = share([len(text_model(target).model.layers)], 1, g)[0]  # (rank 0 holds the last block)
+        engine.target_worker.call(engine.target.close)
+        engine.target = engine.target_worker.call(StageTargetSide, target, g, engine.n_layers)
+    engine.local_build = None  # sd drafts through the host too: rank 0's window must reach every rank
+    if draft is not None:
+        if rank == 0:
+            engine.host = SharedHost(engine.host, g, watchdog)
+        else:
+            from ..engine import draft_context
+
+            pipe.draft = engine.draft = draft
+            engine.draft_context = draft_context(draft)
+            engine.host = MirrorHost(g, engine.vocab_size, watchdog)
+    share([1], 1, g)  # every rank loaded (rank 0 started its draft host): the watchdog times steps from here
+    return pipe
+
+
+def quiet_other_ranks() -> None:
+    """The command line on ranks > 0: nothing on stdout or stderr but `die`'s line (rank 0 prints and serves)."""
+    g = group()
+    if g is None or g.rank() == 0:
+        return
+    if os.environ.get("MIRROR_MLX_DIST_VERBOSE") == "1":  # (debugging: every rank prints)
+        return
+    devnull = open(os.devnull, "w")
+    sys.stdout = sys.stderr = devnull
+
+    def hook(kind, value, tb) -> None:
+        os.write(2, f"mirror-mlx: rank {g.rank()}: {kind.__name__}: {value}\n".encode())
+
+    sys.excepthook = hook
