@@ -75,6 +75,34 @@ def test_split_generation_is_token_for_token_the_unpinned_one(pipe):
     assert split.tokens == plain.tokens == ar.tokens
 
 
+def test_threads_that_come_and_go_during_a_split_generation_are_no_error(pipe):
+    """A server starts and ends a thread per connection while a split generation pins every thread of the
+    process: a thread that ends between being listed and being pinned is skipped, not an error."""
+    import threading
+
+    with_profile(pipe, mirror_row("split", split=20.0, unpinned=10.0))
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            t = threading.Thread(target=lambda: None)
+            t.start()
+            t.join()
+
+    churners = [threading.Thread(target=churn) for _ in range(2)]
+    for t in churners:
+        t.start()
+    try:
+        for _ in range(40):
+            with placement.split(pipe):
+                pass
+        assert pipe.generate("Tom and Lily", max_tokens=8, mode="mirror", **KNOBS).stats.placement.startswith("split")
+    finally:
+        stop.set()
+        for t in churners:
+            t.join()
+
+
 def test_ar_and_sd_run_unpinned_whatever_the_mirror_rows_say(pipe):
     with_profile(pipe, mirror_row("split", split=20.0, unpinned=10.0))
     for mode, knobs in (("ar", {}), ("sd", {"gamma": 2})):

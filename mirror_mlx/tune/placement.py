@@ -94,6 +94,18 @@ def _tids(pid: Optional[int] = None) -> list[int]:
         return []
 
 
+def _affinities(pid: Optional[int] = None) -> dict[int, set]:
+    """Each thread's allowed cores, for the threads that still run when asked (a server's connection threads
+    come and go at any moment)."""
+    out = {}
+    for tid in _tids(pid):
+        try:
+            out[tid] = os.sched_getaffinity(tid)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
 def _set(tid: int, cpus: set) -> None:
     try:
         os.sched_setaffinity(tid, cpus)
@@ -107,13 +119,7 @@ def split(pipe: Any) -> Iterator[str]:
     own = sorted(os.sched_getaffinity(0))
     target_cpus, draft_cpu = set(own[:-1]), own[-1]
     host_pid = pipe.engine.host.pid
-    before = {tid: os.sched_getaffinity(tid) for tid in _tids()}
-    host_before = {}
-    for tid in _tids(host_pid):
-        try:
-            host_before[tid] = os.sched_getaffinity(tid)
-        except OSError:
-            pass
+    before, host_before = _affinities(), _affinities(host_pid)
     threads_before = blas.threads()
     try:
         for tid in _tids():
