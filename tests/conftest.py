@@ -47,3 +47,19 @@ def leftover(names):
     from tests.leaks import leaked
 
     return leaked(names)
+
+
+@pytest.fixture
+def one_group_at_a_time():
+    """A test that runs a group of ranks holds this lock (shared by pytest-xdist's workers): two groups of 2
+    ranks at once on a 2-core box, each with a draft host, starve each other's collectives past the
+    watchdog's limit that some of these tests set low on purpose."""
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), "mirror-mlx-tests-ranks.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

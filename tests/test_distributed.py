@@ -35,6 +35,8 @@ from mirror_mlx.prompts import tinystories
 from tests.leaks import made_in, wait_unlinked
 from tests.models import CONFIGS, tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_group_at_a_time")  # (conftest.py: one group of ranks at a time)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -185,7 +187,8 @@ def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.P
     """`mirror-mlx generate` of the demo pair on 2 ranks, once rank 0 has printed its first text."""
     import select
 
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1", **env)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1",
+               TMPDIR=str(tmp), **env)  # (mlx.launch leaves 2 mktemp files a rank: its pid file, the hostfile)
     command = [sys.executable, "-m", "mirror_mlx", "generate", "--max-tokens", str(tokens), "--mode", "mirror",
                "--kappa", "4", "--gamma", "3", "--exit-layer", "2"]
     proc = subprocess.Popen(launcher() + ["--"] + command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

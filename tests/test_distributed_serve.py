@@ -24,7 +24,8 @@ from tests.leaks import made_in, wait_unlinked
 from tests.test_distributed import ROOT, alive, descendants, launcher
 
 PROMPT = "Once upon a time"
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+pytestmark = [pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc"),
+              pytest.mark.usefixtures("one_group_at_a_time")]
 
 
 IDLE_TIMEOUT = 8  # MIRROR_MLX_DIST_TIMEOUT here: a server idle for longer is still up (waiting is no stall)
@@ -34,7 +35,7 @@ def started_serving(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, Path]
     """`mirror-mlx serve --port 0` of the demo pair on 2 ranks; the launcher, rank 0's base URL and the log."""
     log = tmp / "serve.log"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT), MIRROR_MLX_TRACE_SHM="1",
-               MIRROR_MLX_DIST_TIMEOUT=str(IDLE_TIMEOUT))
+               MIRROR_MLX_DIST_TIMEOUT=str(IDLE_TIMEOUT), TMPDIR=str(tmp))  # (mlx.launch leaves 2 mktemp files a rank)
     command = [sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(launcher() + ["--"] + command, stdout=out, stderr=out, stdin=subprocess.DEVNULL,

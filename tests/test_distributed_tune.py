@@ -20,6 +20,8 @@ from mirror_mlx.tune.calibrate import split_comm
 from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, predict
 from tests.test_distributed import ROOT
 
+pytestmark = pytest.mark.usefixtures("one_group_at_a_time")  # (conftest.py: one group of ranks at a time)
+
 CONFIGS = [Config("ar"), Config("sd", gamma=3), Config("mirror", 1, 3, 2)]
 
 
