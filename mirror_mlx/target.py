@@ -291,6 +291,7 @@ class StageTargetSide(TargetSide):
         inner = text_model(model).model
         self.group, self.n_layers = group, n_layers
         self.first, self.count = inner.start_idx, len(inner.pipeline_layers)
+        self.vocab = vocab_size(model)
         self.exit_rank = 0  # the rank whose stage holds block ℓ_e
 
     def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
@@ -307,7 +308,7 @@ class StageTargetSide(TargetSide):
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
                post: Callable[[list[list[int]]], None]) -> list[list[int]]:
         x, rank = mx.array([rows]), self.group.rank()
-        k = min(kappa, vocab_size(self.model) or kappa)
+        k = min(kappa, self.vocab or kappa)
         flat = mx.zeros((len(rows), k), dtype=mx.int32)
         if rank == self.exit_rank:
             early, self._final = self.tapped.forward(x, self.cache)

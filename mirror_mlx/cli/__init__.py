@@ -187,7 +187,7 @@ def usage_error(e: Exception) -> click.UsageError:
 def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False,
                   tokenizer_config=None, pipeline: bool = False):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors. Under mlx.launch
-    (more than one rank), every rank loads its shard of the target (mirror_mlx/distributed.py)."""
+    (more than one rank), every rank loads its shard of the target (mirror_mlx/distributed/)."""
     from mirror_mlx import distributed
     from mirror_mlx.pipeline import load
 

@@ -10,8 +10,8 @@ from typing import Any, Optional, TextIO
 import click
 
 from mirror_mlx import validate
-from mirror_mlx.cli import (pipeline_option, exit_on_terminate, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli import (decode_options, exit_on_terminate, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, pipeline_option, template_config, usage_error, xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
@@ -218,8 +218,8 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @xtc_options(min_tokens_to_keep=False)
 @pipeline_option
 @refused_options("chat")
-def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, system_prompt, chat_template_config,
-             xtc_probability, xtc_threshold, **decode) -> None:
+def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, system_prompt,
+             chat_template_config, xtc_probability, xtc_threshold, **decode) -> None:
     """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands.
 
     Every flag of mlx_lm.chat is taken (docs/mlx-lm-flags.md).

@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 
 from mirror_mlx import text
-from mirror_mlx.cli import (pipeline_option, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, read_prompt, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options, model_options,
+                            pipeline_option, read_prompt, template_config, usage_error, xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 
 def str2bool(text: str) -> bool:

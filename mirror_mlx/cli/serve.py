@@ -2,8 +2,8 @@
 
 import click
 
-from mirror_mlx.cli import (pipeline_option, decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, template_config, tracker_ignores_hangup)
+from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options, model_options,
+                            pipeline_option, template_config, tracker_ignores_hangup)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx import distributed
 
