@@ -4,7 +4,7 @@ Every kind of draft (plain MLX, Speculative-Streaming, a Core ML package) runs b
 read a request from the request ring, roll out every branch, post the windows on the reply ring. The
 engine posts and awaits; it never calls the draft as a function.
 
-By default the host is its own process (`python -m mirror_mlx.ane_draft.host`, a fresh interpreter:
+By default the host is its own process (`python -m mirror_mlx.ane_draft.host_process`, a fresh interpreter:
 never a fork of a process that holds MLX threads, and never a re-run of the user's `__main__` as
 multiprocessing's spawn would do). MLX serializes two threads of one process that evaluate model
 graphs (docs/design.md §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
@@ -85,6 +85,9 @@ def ss_draft(path: Union[str, Path]) -> Draft:
     from mirror_mlx.ane_draft.ss_draft import SSDraft
 
     return SSDraft.from_path(path)
+
+
+WEIGHTS_ONLY = (mlx_draft, ss_draft)  # builders whose host process needs no tokenizer (host_process.py)
 
 
 # ------------------------------------------------------------------ one direction of the channel
@@ -216,7 +219,7 @@ def _attach(name: str) -> TokenRing:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Host process: `python -m mirror_mlx.ane_draft.host REQ_RING REQ_FD REP_RING REP_FD SPEC`."""
+    """The host process's loop (started by host_process.py): REQ_RING REQ_FD REP_RING REP_FD SPEC."""
     for sig in (signal.SIGINT, signal.SIGHUP):  # Ctrl-C and a hang-up are the engine's to handle; it then stops us
         signal.signal(sig, signal.SIG_IGN)
     global _own_process
@@ -302,8 +305,9 @@ class DraftHost:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         blob = base64.b64encode(pickle.dumps(partial(spec.build, *spec.args))).decode()
         req_r, rep_w = self._theirs
+        lean = ["--weights-only"] if spec.build in WEIGHTS_ONLY else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mirror_mlx.ane_draft.host", self.req.ring.name, str(req_r),
+            [sys.executable, "-m", "mirror_mlx.ane_draft.host_process", *lean, self.req.ring.name, str(req_r),
              self.rep.ring.name, str(rep_w), blob], pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL)
         for fd in self._theirs:  # only the host holds them now: its death reads as end-of-file here
             os.close(fd)
@@ -445,6 +449,3 @@ def _end_process(proc: subprocess.Popen, grace: float) -> None:
         except subprocess.TimeoutExpired:
             continue
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from mirror_mlx.ane_draft.host import DraftHost, DraftHostError, DraftRecipe, mlx_draft
+from mirror_mlx.ane_draft.host import DraftHost, DraftHostError, DraftRecipe, mlx_draft, ss_draft
 from mirror_mlx.draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline, load_draft
 from tests import leaks
-from tests.models import DRAFT_PATH, TARGET_PATH
+from tests.models import DEMO, DRAFT_PATH, TARGET_PATH
 from tests.test_engine import mlx_greedy
 
 PROMPT_TEXT = "Once upon a time, there was a little girl named Lily"
@@ -210,6 +210,30 @@ def test_drop_the_draft_by_timeout_then_exit_20_times(tmp_path):
             assert float(handled) - float(last_token) < 5.0, "the exit waited on something"
             assert ended[p] - float(last_token) < 60.0, "the process did not end"
             assert _gone(int(pid), [req, rep])
+
+
+def _native_libraries(pid: int) -> set[str]:
+    """The site-packages distributions whose native libraries a process has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split("site-packages/")[1].split("/")[0] for line in maps if "site-packages/" in line}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc")
+def test_a_host_of_mirror_mlx_s_own_drafts_loads_no_tokenizer_and_a_builder_of_yours_keeps_mlx_lm_whole():
+    """A host needs the draft's weights, not its tokenizer (the engine's process checked it): for a model
+    folder and an SS draft the host skips transformers, a second of CPU at every start."""
+    for recipe in (DraftRecipe(mlx_draft, (str(DRAFT_PATH),)), DraftRecipe(ss_draft, (str(DEMO / "ss_draft"),))):
+        host = DraftHost(recipe)
+        try:
+            assert host.kind in ("MLXDraft", "SSDraft")
+            assert "mlx" in _native_libraries(host.pid) and "tokenizers" not in _native_libraries(host.pid)
+        finally:
+            host.close()
+    host = DraftHost(DraftRecipe(broken_draft, (str(DRAFT_PATH), 3, "raise")))  # imports mlx_lm.utils' load_model
+    try:
+        assert "tokenizers" in _native_libraries(host.pid)
+    finally:
+        host.close()
 
 
 def test_no_runtime_module_imports_the_builders():
