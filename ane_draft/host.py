@@ -251,13 +251,14 @@ def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
 _live: "weakref.WeakSet[DraftHost]" = weakref.WeakSet()
 
 
-def _close_all() -> None:
-    """At interpreter exit: stop every host still open (a script that never called close)."""
+def close_all() -> None:
+    """Stop every host of this process still open: at interpreter exit (a script that never called
+    close), and when a rank of a group ends at once (distributed.faults.die)."""
     for host in list(_live):
         host.close()
 
 
-atexit.register(_close_all)
+atexit.register(close_all)
 
 
 class DraftHost:

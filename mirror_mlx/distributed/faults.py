@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from ..ane_draft.host import _close_all
+from ..ane_draft.host import close_all
 from .group import rank
 
 TIMEOUT_ENV = "MIRROR_MLX_DIST_TIMEOUT"
@@ -28,7 +28,7 @@ def die(message: str, code: int = 1) -> None:
         return
     try:
         os.write(2, f"mirror-mlx: rank {rank()}: {message}\n".encode())
-        _close_all()
+        close_all()
     finally:
         os._exit(code)
 
@@ -80,13 +80,24 @@ class _Waiting:
             self.dog.what, self.dog.since = self.outer, time.monotonic()
 
 
-def _on_signal(signum: int, frame: Any) -> None:
+def on_stop_signal(signum: int, frame: Any) -> None:
+    """SIGTERM or SIGHUP ends this rank with one line (`die`)."""
     die(f"stopped by {signal.Signals(signum).name} (mlx.launch stops every rank once one has failed)", 128 + signum)
 
 
 def lost_peer(e: BaseException) -> bool:
     """MLX's error when a collective's peer is gone (its ring backend says "[ring] ...")."""
     return isinstance(e, RuntimeError) and "[ring]" in str(e) or isinstance(e, Diverged)
+
+
+def collective(fn: Any) -> Any:
+    """Run `fn` (a collective): a lost peer ends this rank with one line instead of an MLX traceback."""
+    try:
+        return fn()
+    except BaseException as e:
+        if lost_peer(e):
+            die(f"lost a rank of the group ({e}): stopping")
+        raise
 
 
 _grace: list = []

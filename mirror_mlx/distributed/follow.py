@@ -6,7 +6,7 @@ import signal
 import threading
 from typing import Any, Iterator, Optional
 
-from .faults import die, end_with_launcher, stop_within_grace
+from .faults import collective, die, end_with_launcher, stop_within_grace
 from .group import share
 from .pipeline import MESSAGE, QUIT, RESET, START, STEP, STOP, DistributedPipeline, held
 
@@ -22,9 +22,9 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
 
     def receive(size: int, what: Optional[str]) -> list[int]:
         if what is None:
-            return pipe._collective(lambda: share([], size, g))
+            return collective(lambda: share([], size, g))
         with pipe.watchdog.waiting(what):
-            return pipe._collective(lambda: share([], size, g))
+            return collective(lambda: share([], size, g))
 
     def end() -> None:
         nonlocal stream, stepped

@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..target import StageTargetSide, text_model
 from ..tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
-from .faults import TIMEOUT_ENV, Watchdog, _on_signal, die, lost_peer
+from .faults import TIMEOUT_ENV, Watchdog, collective, die, lost_peer, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
@@ -176,7 +176,7 @@ class DistributedPipeline(Pipeline):
             raise ValueError(f"these options cannot be sent to the other ranks ({e}): give plain values") from None
         self._tell(START, len(ids), len(options), *held(self))
         with self.watchdog.waiting("the other ranks to take the request"):
-            self._collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
+            collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
         return self._lead(super().stream(ids, **kwargs))
 
     def _lead(self, chunks: Iterator) -> Iterator:
@@ -211,16 +211,7 @@ class DistributedPipeline(Pipeline):
 
     def _tell(self, kind: int, *args: int) -> None:
         with self.watchdog.waiting("the other ranks to follow"):
-            self._collective(lambda: share([kind, *args], MESSAGE, self.group))
-
-    @staticmethod
-    def _collective(fn: Any) -> Any:
-        try:
-            return fn()
-        except BaseException as e:
-            if lost_peer(e):
-                die(f"lost a rank of the group ({e}): stopping")
-            raise
+            collective(lambda: share([kind, *args], MESSAGE, self.group))
 
 
 START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, ...]
@@ -278,7 +269,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     watchdog = Watchdog(float(os.environ.get(TIMEOUT_ENV, "120")))
     if threading.current_thread() is threading.main_thread():  # (only the main thread may set handlers)
         for sig in (signal.SIGTERM, signal.SIGHUP):  # mlx.launch stops the others with SIGTERM when one fails
-            signal.signal(sig, _on_signal)
+            signal.signal(sig, on_stop_signal)
     rank = g.rank()
     pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
     pipe.group, pipe.watchdog = g, watchdog
