@@ -222,10 +222,11 @@ def _native_libraries(pid: int) -> set[str]:
 def test_a_host_of_mirror_mlx_s_own_drafts_loads_no_tokenizer_and_a_builder_of_yours_keeps_mlx_lm_whole():
     """A host needs the draft's weights, not its tokenizer (the engine's process checked it): for a model
     folder and an SS draft the host skips transformers, a second of CPU at every start."""
-    for recipe in (DraftRecipe(mlx_draft, (str(DRAFT_PATH),)), DraftRecipe(ss_draft, (str(DEMO / "ss_draft"),))):
+    for kind, recipe in (("MLXDraft", DraftRecipe(mlx_draft, (str(DRAFT_PATH),))),
+                         ("SSDraft", DraftRecipe(ss_draft, (str(DEMO / "ss_draft"),)))):
         host = DraftHost(recipe)
         try:
-            assert host.kind in ("MLXDraft", "SSDraft")
+            assert host.kind == kind
             assert "mlx" in _native_libraries(host.pid) and "tokenizers" not in _native_libraries(host.pid)
         finally:
             host.close()
