@@ -255,13 +255,31 @@ def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_
 
 
 def best_row(prof, mode, **given):
-    """A mode's best row as auto ranks rows: confirmed ones by their expected rate, then measured probes,
-    then the best prediction."""
+    """A mode's best row as auto ranks rows: every measured one (confirmed or probe) by its expected rate,
+    else the best prediction."""
     rows = [r for r in prof.table if r["mode"] == mode and all(r[k] == v for k, v in given.items())]
-    confirmed = [r for r in rows if r.get("confirmed") and r.get("measured_step_ms")]
-    if confirmed:
-        return max(confirmed, key=choose.expected_rate)
-    return max(rows, key=lambda r: (r["measured"] is not None, r["measured"] or r["predicted"]))
+    measured = [r for r in rows if r.get("measured_step_ms")]
+    if measured:
+        return max(measured, key=choose.expected_rate)
+    return max(rows, key=lambda r: r["predicted"])
+
+
+def test_an_explicit_mode_runs_its_fastest_measured_point_even_where_that_is_a_probe():
+    """Confirming measures the top predictions; a wide κ predicted first can measure far below a probe that
+    was measured on the way (as `tune` found on the bench's pair: κ=8 γ=3 confirmed at 6.4 tok/s, a κ=1 γ=3
+    probe at 10.3): the mode runs the probe. A prediction never outranks a measurement."""
+    row = dict(mode="mirror", exit_layer=5, placement="unpinned", reuse=0.6, tokens_per_step=2.36, step_ms=130.0)
+    table = [dict(row, kappa=8, gamma=3, predicted=18.0, measured=6.4, measured_step_ms=272.0, confirmed=True),
+             dict(row, kappa=1, gamma=3, predicted=15.9, measured=10.3, measured_step_ms=149.9, confirmed=False,
+                  probe=True),
+             dict(row, kappa=2, gamma=3, predicted=30.0, measured=None, measured_step_ms=None, confirmed=False),
+             dict(row, kappa=1, gamma=5, predicted=17.0, measured=None, measured_step_ms=None, confirmed=False)]
+    prof = profiles.Profile(key={}, mode="ar", why="tuned", table=table)
+    c = policy.knobs_from(prof, None, "mirror", None, None, None)
+    assert (c.kappa, c.gamma, c.exit_layer) == (1, 3, 5)
+    assert c.why == "mode mirror as asked; kappa=1 gamma=3 exit_layer=5 from the tuned profile"
+    c = policy.knobs_from(prof, None, "mirror", None, 5, None)  # no measured γ=5 row: its best prediction
+    assert (c.kappa, c.gamma) == (1, 5)
 
 
 def test_an_explicit_mode_without_knobs_runs_the_profiles_best_row_for_it_and_is_lossless(pipe):

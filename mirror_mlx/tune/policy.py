@@ -275,7 +275,10 @@ def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], e
 def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int],
                exit_layer: Optional[int]) -> Choice:
     """`explicit`'s knobs from a given profile: its best row for `mode` that has the knobs given, else the
-    small safe ones (also across ranks, where the profile is the one `tune` wrote for them)."""
+    small safe ones (also across ranks, where the profile is the one `tune` wrote for them). A probe that
+    measured faster than a confirmed row wins: confirming tries the top predictions, which can measure far
+    below what they predicted (a wide κ whose rollout outgrows the suffix), and the mode should run the
+    fastest point measured, not the fastest one predicted."""
     asked = f"mode {mode} as asked"
     given = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items()
              if v is not None and (mode == "mirror" or k == "gamma")}
@@ -284,10 +287,9 @@ def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Opt
     if not fits:  # an exit layer outside the grid: the best κ, γ of the grid at any layer
         fits = [r for r in rows if all(r.get(k) == v for k, v in given.items() if k != "exit_layer")]
     names = ("kappa", "gamma", "exit_layer") if mode == "mirror" else ("gamma",)
-    if fits:  # the confirmed rows scored as auto scores them (`choose`), then measured probes, then the best prediction
-        best = max(fits, key=lambda r: (bool(r.get("confirmed") and r.get("measured_step_ms")),
-                                        expected_rate(r) if r.get("confirmed") and r.get("measured_step_ms")
-                                        else 0.0, r.get("measured") is not None, r.get("measured") or r["predicted"]))
+    if fits:  # every row with a measured step (confirmed or probe) scored as auto scores rows, then the best prediction
+        best = max(fits, key=lambda r: (bool(r.get("measured_step_ms")),
+                                        expected_rate(r) if r.get("measured_step_ms") else 0.0, r["predicted"]))
         got = {k: given.get(k, best[k]) for k in names}
         source = "the profile (quick calibration)" if prof.why.startswith("quick") else "the tuned profile"
     else:
