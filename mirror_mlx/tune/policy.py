@@ -247,10 +247,19 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
             and all(r.get(k) == v for k, v in asked.items())]
     if not rows:
         return knobs(kappa, gamma, exit_layer, "auto with knobs outside the profile's grid: mirror with them")
-    r = max(rows, key=lambda r: r["measured"] if r.get("measured") is not None else r["predicted"])
+    r = best_point(rows)
     why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
     return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
                  r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
+
+
+def best_point(rows: list[dict]) -> dict:
+    """The fastest of profile rows: every row with a measured step (confirmed or probe) scored as auto scores
+    rows (`expected_rate`), and only where none was measured the best prediction. A measurement beats any
+    prediction: confirming tries the top predictions, which can measure far below what they predicted (a
+    wide κ whose rollout outgrows the suffix)."""
+    return max(rows, key=lambda r: (bool(r.get("measured_step_ms")),
+                                    expected_rate(r) if r.get("measured_step_ms") else r["predicted"]))
 
 
 SAFE_KNOBS = dict(kappa=1, gamma=3)  # an explicit mode's knobs when no profile has a row for it: small, cheap
@@ -275,10 +284,7 @@ def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], e
 def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int],
                exit_layer: Optional[int]) -> Choice:
     """`explicit`'s knobs from a given profile: its best row for `mode` that has the knobs given, else the
-    small safe ones (also across ranks, where the profile is the one `tune` wrote for them). A probe that
-    measured faster than a confirmed row wins: confirming tries the top predictions, which can measure far
-    below what they predicted (a wide κ whose rollout outgrows the suffix), and the mode should run the
-    fastest point measured, not the fastest one predicted."""
+    small safe ones (also across ranks, where the profile is the one `tune` wrote for them)."""
     asked = f"mode {mode} as asked"
     given = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items()
              if v is not None and (mode == "mirror" or k == "gamma")}
@@ -287,9 +293,8 @@ def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Opt
     if not fits:  # an exit layer outside the grid: the best κ, γ of the grid at any layer
         fits = [r for r in rows if all(r.get(k) == v for k, v in given.items() if k != "exit_layer")]
     names = ("kappa", "gamma", "exit_layer") if mode == "mirror" else ("gamma",)
-    if fits:  # every row with a measured step (confirmed or probe) scored as auto scores rows, then the best prediction
-        best = max(fits, key=lambda r: (bool(r.get("measured_step_ms")),
-                                        expected_rate(r) if r.get("measured_step_ms") else 0.0, r["predicted"]))
+    if fits:
+        best = best_point(fits)
         got = {k: given.get(k, best[k]) for k in names}
         source = "the profile (quick calibration)" if prof.why.startswith("quick") else "the tuned profile"
     else:
