@@ -54,9 +54,9 @@ class MLXDraft:
 
     def __init__(self, model: nn.Module, prefill_step_size: int = 512):
         self.model = model
-        self.vocab_size = text_model(model).model.embed_tokens.weight.shape[0]
         self.prefill_step_size = prefill_step_size
-        self.reset()
+        self.reset()  # first: a model whose cache cannot roll back is refused here, saying why
+        self.vocab_size = text_model(model).model.embed_tokens.weight.shape[0]
 
     def reset(self) -> None:
         self.cache: list[Any] = trimmable_cache(self.model)

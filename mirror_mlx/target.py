@@ -68,8 +68,10 @@ def trimmable_cache(model: nn.Module) -> list[Any]:
     for c in cache:
         if not (hasattr(c, "is_trimmable") and c.is_trimmable()):
             raise ValueError(
-                f"{type(c).__name__} layers cannot be rolled back, so speculative decoding would be "
-                "wrong: models with recurrent state (SSM, linear attention) are not supported"
+                f"this model's {type(c).__name__} layers hold recurrent state (SSM or linear attention), which "
+                "cannot be rolled back, and every mode of mirror-mlx rolls its caches back (to reuse a prompt's "
+                "prefix; speculation also drops the draft's rejected tokens): as a target, generate with "
+                "mlx_lm.generate; as a draft, choose a model with attention layers only"
             )
     return cache
 

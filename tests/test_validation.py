@@ -319,6 +319,44 @@ def test_broken_model_folders_are_one_sentence_naming_the_file(tmp_path, make, a
     assert result.exit_code == 2 and message.format(p=path) in result.stderr.splitlines()[-1]
 
 
+def _recurrent(tmp_path):
+    """A tiny random mamba (mlx-lm's SSM family: ArraysCache layers) with the demo tokenizer."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    config = dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    mx.eval(model.parameters())
+    m = tmp_path / "mamba"
+    m.mkdir()
+    save_model(m, model)
+    save_config(config, m / "config.json")
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(DEMO_TARGET / name, m / name)
+    return m
+
+
+@pytest.mark.parametrize("as_draft", [False, True], ids=["target", "draft"])
+def test_a_model_with_recurrent_state_is_refused_with_the_reason_and_what_to_use_instead(tmp_path, as_draft):
+    """Every mode rolls a cache back (prefix reuse; speculation's rejected tokens), which an SSM's state cannot
+    do: refused at load, as a target or as a draft (from the draft host), in one sentence."""
+    path = _recurrent(tmp_path)
+    message = ("this model's ArraysCache layers hold recurrent state (SSM or linear attention), which cannot be "
+               "rolled back")
+    fix = "as a target, generate with mlx_lm.generate; as a draft, choose a model with attention layers only"
+    from mirror_mlx.ane_draft.host import DraftHostError
+
+    with pytest.raises(DraftHostError if as_draft else ValueError) as e:  # (the draft is built in its host)
+        load(model=DEMO_TARGET, draft_model=path) if as_draft else load(model=path)
+    assert message in str(e.value) and fix in str(e.value)
+    flag = "--draft-model" if as_draft else "--model"
+    result = CliRunner().invoke(main, prog_name="mirror-mlx", args=["generate", flag, str(path), "-m", "2"])
+    last = result.stderr.splitlines()[-1]
+    assert result.exit_code == 2 and message in last and fix in last and "Traceback" not in result.output
+
+
 def test_convert_out_in_an_unwritable_place_fails_before_building(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
