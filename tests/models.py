@@ -25,6 +25,9 @@ CONFIGS = {
                   rope_theta=10000.0),
     "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=6, sliding_window=4,
                         sliding_window_pattern=3, query_pre_attn_scalar=16),
+    "mamba": dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True,
+                  time_step_rank=4),  # recurrent state (ArraysCache): refused, never run
 }
 
 

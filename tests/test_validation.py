@@ -19,10 +19,12 @@ from conftest import leftover
 from click.testing import CliRunner
 
 from mirror_mlx import validate
+from mirror_mlx.ane_draft.host import DraftHostError
 from mirror_mlx.cli import main
 from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
 from mirror_mlx.pipeline import load
+from tests.models import save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = dict(max_tokens=6, kappa=2, gamma=3)
@@ -321,18 +323,7 @@ def test_broken_model_folders_are_one_sentence_naming_the_file(tmp_path, make, a
 
 def _recurrent(tmp_path):
     """A tiny random mamba (mlx-lm's SSM family: ArraysCache layers) with the demo tokenizer."""
-    import mlx.core as mx
-    from mlx_lm.utils import _get_classes, save_config, save_model
-
-    config = dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
-                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
-    model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))
-    mx.eval(model.parameters())
-    m = tmp_path / "mamba"
-    m.mkdir()
-    save_model(m, model)
-    save_config(config, m / "config.json")
+    m = save_tiny_model(tmp_path / "mamba", "mamba")
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(DEMO_TARGET / name, m / name)
     return m
@@ -346,8 +337,6 @@ def test_a_model_with_recurrent_state_is_refused_with_the_reason_and_what_to_use
     message = ("this model's ArraysCache layers hold recurrent state (SSM or linear attention), which cannot be "
                "rolled back")
     fix = "as a target, generate with mlx_lm.generate; as a draft, choose a model with attention layers only"
-    from mirror_mlx.ane_draft.host import DraftHostError
-
     with pytest.raises(DraftHostError if as_draft else ValueError) as e:  # (the draft is built in its host)
         load(model=DEMO_TARGET, draft_model=path) if as_draft else load(model=path)
     assert message in str(e.value) and fix in str(e.value)

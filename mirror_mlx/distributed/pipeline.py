@@ -16,7 +16,7 @@ import mlx.core as mx
 from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..target import StageTargetSide, text_model
 from ..tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
-from .faults import TIMEOUT_ENV, Watchdog, collective, die, lost_peer, on_stop_signal
+from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
@@ -145,14 +145,10 @@ class DistributedPipeline(Pipeline):
             while True:
                 with self.watchdog.waiting("a step of the other ranks"):
                     try:
-                        chunk = next(steps)
+                        chunk = collective(lambda: next(steps))
                     except StopIteration:
                         return
                 yield chunk
-        except BaseException as e:
-            if lost_peer(e):
-                die(f"lost a rank of the group ({e}): stopping")
-            raise
         finally:
             steps.close()
 
