@@ -25,15 +25,17 @@ CONFIGS = {
                   rope_theta=10000.0),
     "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=6, sliding_window=4,
                         sliding_window_pattern=3, query_pre_attn_scalar=16),
-    "mamba": dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
-                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True,
-                  time_step_rank=4),  # recurrent state (ArraysCache): refused, never run
 }
+REFUSED = {  # families mirror-mlx refuses at load (recurrent state, an ArraysCache: nothing to roll back)
+    "mamba": dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4),
+}
+FAMILIES = {**CONFIGS, **REFUSED}
 
 
 def tiny_model(name: str, seed: int = 0, **overrides):
-    """A randomly initialised float32 model of family `name` (see CONFIGS), with config overrides."""
-    config = dict(CONFIGS[name], **overrides)
+    """A randomly initialised float32 model of family `name` (see CONFIGS and REFUSED), with config overrides."""
+    config = dict(FAMILIES[name], **overrides)
     if config["model_type"] == "mistral":
         config["model_type"] = "llama"
     model_cls, args_cls = _get_classes(config)
@@ -51,7 +53,7 @@ def save_tiny_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     """`tiny_model(name, seed, **overrides)` saved as an mlx-lm folder (weights + config), e.g. for a draft host."""
     from mlx_lm.utils import save_config, save_model
 
-    config = dict(CONFIGS[name], **overrides)
+    config = dict(FAMILIES[name], **overrides)
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, tiny_model(name, seed, **overrides))
     save_config(dict(config, model_type="llama" if config["model_type"] == "mistral" else config["model_type"]),
