@@ -14,7 +14,6 @@ Each direction is a TokenRing (data) plus a pipe (one byte per message: wake-up 
 end-of-file the moment the other side dies). Contexts travel as deltas against what the host holds.
 """
 
-import asyncio
 import atexit
 import base64
 import functools
@@ -124,6 +123,8 @@ class Channel:
     async def arecv(self):
         """`recv` for the asyncio loop: waits on the pipe with the loop's selector, no thread, no spinning."""
         if not select.select([self.fd], [], [], 0)[0]:  # not there yet (a hidden rollout usually is)
+            import asyncio  # the engine's side only: the host process never needs it
+
             loop = asyncio.get_running_loop()
             ready = loop.create_future()
             loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))

@@ -1,12 +1,13 @@
 """The draft host's process: `python -m mirror_mlx.ane_draft.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
 
-`--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load a model's weights and
-never a tokenizer (the engine's process checked the draft's tokenizer against the target's). mlx-lm's
-package `__init__` and `mlx_lm.utils` import transformers for their tokenizers: about a second of CPU,
-two thirds of a host's start, on a core the target's own load wants at the same moment. With the flag,
-`mlx_lm` is registered as a bare package (its submodules import as usual; its `__init__` does not run,
-so `from mlx_lm import load` fails) and `mlx_lm.tokenizer_utils` as a module that refuses to load a
-tokenizer. A builder of your own gets the plain interpreter.
+`--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load a model's weights from
+a local folder and never a tokenizer (the engine's process resolved the folder and checked the draft's
+tokenizer against the target's). mlx-lm's package `__init__` and `mlx_lm.utils` import transformers for
+their tokenizers, and huggingface_hub for downloads: about a second of CPU, two thirds of a host's start,
+on a core the target's own load wants at the same moment. With the flag, `mlx_lm` is registered as a bare
+package (its submodules import as usual; its `__init__` does not run, so `from mlx_lm import load` fails),
+`mlx_lm.tokenizer_utils` as a module that refuses to load a tokenizer, and `huggingface_hub` as one that
+refuses to download. A builder of your own gets the plain interpreter.
 """
 
 import importlib.util
@@ -15,18 +16,24 @@ import types
 
 
 def without_tokenizers() -> None:
-    """Make `import mlx_lm.models.*` and `import mlx_lm.utils` skip transformers in this process."""
+    """Make `import mlx_lm.models.*` and `import mlx_lm.utils` skip transformers and huggingface_hub in this
+    process."""
     if "mlx_lm" in sys.modules:
         raise RuntimeError("mlx_lm is already imported: without_tokenizers() must come first")
     sys.modules["mlx_lm"] = importlib.util.module_from_spec(importlib.util.find_spec("mlx_lm"))
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("a draft host started --weights-only loads no tokenizer")
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"a draft host started --weights-only {what}")
+        return refused
 
-    stand_in = types.ModuleType("mlx_lm.tokenizer_utils", "mlx-lm's tokenizer module, refused in a weights-only host")
-    stand_in.TokenizerWrapper = type("TokenizerWrapper", (), {"__init__": refuse})
-    stand_in.load = refuse
-    sys.modules["mlx_lm.tokenizer_utils"] = stand_in
+    tokenizers = types.ModuleType("mlx_lm.tokenizer_utils", "mlx-lm's tokenizer module, refused in a weights-only host")
+    tokenizers.TokenizerWrapper = type("TokenizerWrapper", (), {"__init__": refuse("loads no tokenizer")})
+    tokenizers.load = refuse("loads no tokenizer")
+    sys.modules["mlx_lm.tokenizer_utils"] = tokenizers
+    hub = types.ModuleType("huggingface_hub", "the Hub client, refused in a weights-only host (its folder is local)")
+    hub.snapshot_download = refuse("downloads nothing (the engine passes a local folder)")
+    sys.modules.setdefault("huggingface_hub", hub)
 
 
 if __name__ == "__main__":
