@@ -3,11 +3,13 @@
     .venv/bin/python scripts/benchmarks/host_start.py [N] [--imports]
 
 For the demo pair's plain draft (llama2xs) and its SS draft, each in its own process as `load` starts
-them. `--imports` also prints the host process's slowest imports (python -X importtime) once. Prints
-the load average too: the machine may be shared, so compare rows of one run.
+them. Wall time moves with the machine's load, so each start's CPU time (the host process's user + system
+seconds, from its own start to its exit) is printed too: that holds on a shared machine. `--imports` also
+prints the host process's slowest imports (python -X importtime) once.
 """
 
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -17,12 +19,18 @@ from mirror_mlx.ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draf
 from mirror_mlx.demo_pair import DRAFT, SS_DRAFT
 
 
-def start_once(recipe: DraftRecipe) -> float:
-    t0 = time.perf_counter()
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def start_once(recipe: DraftRecipe) -> tuple[float, float]:
+    """(wall seconds to READY, the host process's CPU seconds in all: its start, READY, and its exit)."""
+    cpu, t0 = children_cpu(), time.perf_counter()
     host = DraftHost(recipe)
     dt = time.perf_counter() - t0
     host.close()
-    return dt
+    return dt, children_cpu() - cpu
 
 
 def slowest_imports(recipe: DraftRecipe, top: int = 12) -> str:
@@ -41,9 +49,11 @@ def main() -> None:
     n = int(next((a for a in sys.argv[1:] if a.isdigit()), 20))
     for recipe in (DraftRecipe(mlx_draft, (str(DRAFT),)), DraftRecipe(ss_draft, (str(SS_DRAFT),))):
         start_once(recipe)  # the page cache warm, as in a test run
-        times = [start_once(recipe) for _ in range(n)]
+        runs = [start_once(recipe) for _ in range(n)]
+        times, cpus = [w for w, _ in runs], [c for _, c in runs]
         print(f"{recipe.build.__name__}: median {statistics.median(times):.3f} s, min {min(times):.3f} s, "
-              f"max {max(times):.3f} s over {n} starts (load average {os.getloadavg()[0]:.1f})")
+              f"max {max(times):.3f} s over {n} starts; CPU median {statistics.median(cpus):.3f} s "
+              f"(load average {os.getloadavg()[0]:.1f})")
         if "--imports" in sys.argv:
             print(slowest_imports(recipe))
 
