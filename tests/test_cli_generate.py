@@ -103,13 +103,17 @@ def mlx_lm_stops(folder, max_tokens):
 
 
 def test_a_pair_listing_several_eos_ids_in_config_loads_and_stops_in_every_mode(tmp_path, capfd):
-    """As many real pairs (Llama-3.1/3.2 Instruct: [128001, 128008, 128009]), config.json lists several
-    end-of-sequence ids on both sides: a plain draft and an SS draft load silently and stop at them."""
+    """As in many real pairs (Llama-3.1/3.2 Instruct: [128001, 128008, 128009]), both sides list several
+    end-of-sequence ids: a plain draft (config.json) and an SS draft (generation_config.json, which
+    mlx-lm reads over config.json) load silently and every mode stops at them."""
     target = with_config(TARGET_PATH, tmp_path / "target", eos_token_id=[2, PERIOD])
     want, eos = mlx_lm_stops(target, 30)
     assert eos == {2, PERIOD} and 0 < len(want) < 20  # the stop is reached, before max_tokens
     for draft_folder in (DRAFT_PATH, SS_DRAFT):
-        draft = with_config(draft_folder, tmp_path / draft_folder.name, eos_token_id=[2, PERIOD])
+        ss = draft_folder == SS_DRAFT
+        draft = with_config(draft_folder, tmp_path / draft_folder.name, **({} if ss else {"eos_token_id": [2, PERIOD]}))
+        if ss:
+            (draft / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, PERIOD]}))
         pipe = load_pipeline(target, draft)
         try:
             for mode in ("ar", "sd", "mirror"):
