@@ -9,15 +9,17 @@ On Linux, `coreml_recipe` raises CoreMLUnavailable at once; the same host runs a
 MIL evaluator as backend (`coreml_recipe(package, backend="mil")`).
 """
 
+import json
 import platform
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from mirror_mlx.ane_draft.host import DraftRecipe
-from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256
+from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256, vocab_sha256
 
 MESSAGE = "Core ML runs on macOS 15+; use the MLX draft folder here"
 
@@ -86,9 +88,25 @@ def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml")
         raise CoreMLUnavailable(MESSAGE)
     package = Path(package)
     meta = read_metadata(package)
-    if tokenizer is not None and meta["tokenizer_sha256"] != tokenizer_sha256(tokenizer):
+    if tokenizer is not None:
+        check_package_tokenizer(meta, tokenizer, package)
+    return DraftRecipe(package_draft, (str(package), backend))
+
+
+def check_package_tokenizer(meta: dict[str, str], tokenizer: Any, package: Path) -> None:
+    """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another
+    vocabulary is refused; special ids that differ are said once, the target's decide. A package
+    that recorded only the whole tokenizer hash must match it exactly."""
+    from mirror_mlx.loading import note_special_difference, special_difference
+
+    whole = "vocab_sha256" not in meta  # a package that recorded only the whole hash
+    key, digest = ("tokenizer_sha256", tokenizer_sha256) if whole else ("vocab_sha256", vocab_sha256)
+    if meta[key] != digest(tokenizer):
         raise ConvertError(
             f"{package} was built for another tokenizer than the target's; "
             "convert a draft that shares the target's tokenizer"
         )
-    return DraftRecipe(package_draft, (str(package), backend))
+    if not whole:
+        recorded = SimpleNamespace(eos_token_ids=json.loads(meta["eos_token_ids"]),
+                                   bos_token_id=json.loads(meta["bos_token_id"]))
+        note_special_difference(special_difference(tokenizer, recorded), package)

@@ -59,6 +59,22 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def vocab_sha256(tokenizer: Any) -> str:
+    """A hash of the vocabulary alone (token -> id): what a target and its draft must share."""
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
+    """What a package records of its draft's tokenizer: the whole hash (checked against the draft
+    folder it was built from), and the vocabulary's hash and special ids, loaded as mlx_lm.load loads
+    them (checked against a target as mirror_mlx.loading checks a draft folder)."""
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
+    return {"tokenizer_sha256": tokenizer_sha256(tokenizer), "vocab_sha256": vocab_sha256(tokenizer),
+            "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}
+
+
 COREMLTOOLS_MISSING = ("coremltools is not installed, and building, checking or reading a Core ML draft package "
                        "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)")
 

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from mlx_lm.utils import load_config, load_model, load_tokenizer
+from mlx_lm.utils import load_config, load_model
 
 MODEL_TYPE = "ss_llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -191,7 +191,11 @@ def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
         raise ValueError(f"{path} is not a Speculative-Streaming draft folder (config.json with "
                          f'"model_type": "{MODEL_TYPE}")')
     model, _ = load_model(path, get_model_classes=lambda config: (Model, ModelArgs))
-    return model, (load_tokenizer(path) if with_tokenizer else None)
+    if not with_tokenizer:
+        return model, None
+    from mirror_mlx.loading import folder_tokenizer  # as mlx_lm.load reads a model's (config.json's eos ids)
+
+    return model, folder_tokenizer(path)
 
 
 def save_ss_draft(model: Model, path: Union[str, Path], tokenizer_from: Union[str, Path, None] = None,

@@ -25,11 +25,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _download, load, load_config, load_tokenizer
+from mlx_lm.utils import _download, load, load_config
 from tqdm import tqdm
 
 from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
-from mirror_mlx.loading import tokenizer_mismatch
+from mirror_mlx.loading import folder_tokenizer, tokenizer_mismatch
 from mirror_mlx.ane_draft.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
@@ -119,7 +119,7 @@ def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
         init_dir = Path(cfg.init_from)
         if not (init_dir / "config.json").is_file():
             raise TrainError(f"--init-from {cfg.init_from} is not a model folder (no config.json)")
-        why = tokenizer_mismatch(target_tok, load_tokenizer(init_dir))
+        why = tokenizer_mismatch(target_tok, folder_tokenizer(init_dir))
         if why is not None:
             raise TrainError(f"--init-from {cfg.init_from} does not share the target's tokenizer "
                              f"({cfg.model}: {why}); a draft must tokenize exactly like its target")

@@ -42,14 +42,14 @@ import logging
 import math
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Shapes, import_coremltools,
-                                                 tokenizer_sha256)
+                                                 tokenizer_metadata, tokenizer_sha256)
 from mirror_mlx.options import PAPER_KNOBS
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: ane_draft/ss_model.py
@@ -79,6 +79,7 @@ class DraftSpec:
     streams: int = 0  # SS drafts: stream rows per main row, carried by the top `stream_layers`
     stream_layers: int = 0
     tied: bool = False  # the head is the embedding table: the package stores it once
+    tokenizer_meta: dict[str, str] = field(default_factory=dict)  # package_format.tokenizer_metadata
 
     @property
     def groups(self) -> int:
@@ -177,7 +178,9 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
     except ValueError as e:
         raise ConvertError(str(e)) from None
     check_tokenizer(tokenizer, int(getattr(model.args, "vocab_size", 0) or config.get("vocab_size", 0)), path)
-    return spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
+    spec = spec_from_model(model, config, tokenizer_sha256(tokenizer), positions)
+    spec.tokenizer_meta = tokenizer_metadata(tokenizer)
+    return spec
 
 
 def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
@@ -557,6 +560,7 @@ def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
         "head_dim": str(spec.head_dim), "logit_outputs": str(n_heads), "quantize": quantize,
         "compute_units": "CPU_AND_NE", "stream_layers": str(spec.stream_layers),
     }
+    meta.update(spec.tokenizer_meta)
     meta.update({k: str(v) for k, v in asdict(shapes).items()})
     return {META + k: v for k, v in meta.items()}
 

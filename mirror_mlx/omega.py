@@ -106,7 +106,7 @@ def measure(
 ) -> list[OmegaRow]:
     """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
 
-    The draft must share the target's tokenizer (run_omega checks it with loading.check_same_tokenizer).
+    The draft must share the target's tokenizer (run_omega checks it with loading.check_draft_tokenizer).
     """
     n_layers = len(text_model(model).layers)
     layers = list(layers or range(1, n_layers))
@@ -161,7 +161,7 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
     from .corpus import load_split
     from .demo_pair import DRAFT, TARGET
     from .exit_adapter import load_adapter
-    from .loading import check_same_tokenizer, load_model
+    from .loading import check_draft_tokenizer, load_model
 
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")
@@ -169,7 +169,7 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
         raise ValueError("--draft-model is needed with --model (the draft's greedy tokens are the excluded ones)")
     model, tokenizer = load_model(model_path or TARGET)
     draft, draft_tokenizer = load_model(draft_path or DRAFT)
-    check_same_tokenizer(tokenizer, draft_tokenizer)
+    check_draft_tokenizer(tokenizer, draft_tokenizer, draft_path or DRAFT)
     n_layers = len(text_model(model).layers)
     for L in layers or ():
         if not 1 <= L <= n_layers - 1:

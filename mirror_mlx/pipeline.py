@@ -16,7 +16,6 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_tokenizer
 
 from . import demo_pair, text, validate
 from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
@@ -24,7 +23,7 @@ from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
 from .engine import Engine
 from .stats import Stats, Step
-from .loading import check_same_tokenizer, load_model, resolve_model
+from .loading import check_draft_tokenizer, folder_tokenizer, load_model, resolve_model
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
@@ -132,7 +131,7 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
 
         return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
-    check_same_tokenizer(target_tokenizer, load_tokenizer(folder))
+    check_draft_tokenizer(target_tokenizer, folder_tokenizer(folder), folder)
     return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),))
 
 

@@ -6,7 +6,11 @@ import shutil
 from click.testing import CliRunner
 from mlx_lm import load
 
+import pytest
+
 from mirror_mlx.cli import main
+from mirror_mlx.demo_pair import SS_DRAFT
+from mirror_mlx.pipeline import Pipeline, load_draft
 from mirror_mlx.pipeline import load as load_pipeline
 from tests.models import DRAFT_PATH, TARGET_PATH
 from tests.test_engine import mlx_greedy
@@ -54,22 +58,103 @@ def test_bad_options_are_usage_errors_without_traceback():
         assert message in result.output and "Traceback" not in result.output
 
 
-def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
-    draft = tmp_path / "draft"
-    shutil.copytree(DRAFT_PATH, draft)
-    tok = json.loads((draft / "tokenizer.json").read_text())
+def swapped_vocab(folder, to):
+    """A copy of `folder` whose tokenizer swaps two ids: same size, another vocabulary."""
+    shutil.copytree(folder, to)
+    (to / "tokenizer.model").unlink()  # transformers would rebuild the vocabulary from it
+    tok = json.loads((to / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     a, b = "▁the", "▁a"
     vocab[a], vocab[b] = vocab[b], vocab[a]
-    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    (to / "tokenizer.json").write_text(json.dumps(tok))
+    return to
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
+    draft = swapped_vocab(DRAFT_PATH, tmp_path / "draft")
     result = run("--model", str(TARGET_PATH), "--draft-model", str(draft), "--max-tokens", "5")
     assert result.exit_code == 2 and "tokenizers differ" in result.output
-    try:
+    with pytest.raises(ValueError, match="tokenizers differ .*use a draft trained with the target's tokenizer"):
         load_pipeline(TARGET_PATH, draft)
-    except ValueError as e:
-        assert "use a draft trained with the target's tokenizer" in str(e)
-    else:
-        raise AssertionError("mismatched tokenizers were accepted")
+    ss = swapped_vocab(SS_DRAFT, tmp_path / "ss")
+    with pytest.raises(ValueError, match="tokenizers differ .*use a draft trained with the target's tokenizer"):
+        load_draft(ss, load(str(TARGET_PATH))[1])
+
+
+PERIOD = 426  # "." in the demo tokenizer: the demo target's greedy text reaches it within a dozen tokens
+PROMPT = "Once upon a time"
+KNOBS = dict(kappa=2, gamma=3, exit_layer=2)  # explicit, so no calibration runs
+
+
+def with_config(folder, to, **config):
+    """A copy of model folder `folder` with `config` set in its config.json."""
+    shutil.copytree(folder, to)
+    path = to / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **config)))
+    return to
+
+
+def mlx_lm_stops(folder, max_tokens):
+    """mlx-lm's greedy tokens of PROMPT from `folder`, cut where its own end-of-sequence ids stop them."""
+    model, tokenizer = load(str(folder))
+    greedy = mlx_greedy(model, tokenizer.encode(PROMPT), max_tokens)
+    stop = next((i for i, t in enumerate(greedy) if t in tokenizer.eos_token_ids), len(greedy))
+    return greedy[:stop], tokenizer.eos_token_ids
+
+
+def test_a_pair_listing_several_eos_ids_in_config_loads_and_stops_in_every_mode(tmp_path, capfd):
+    """As in many real pairs (Llama-3.1/3.2 Instruct: [128001, 128008, 128009]), both sides list several
+    end-of-sequence ids: a plain draft (config.json) and an SS draft (generation_config.json, which
+    mlx-lm reads over config.json) load silently and every mode stops at them."""
+    target = with_config(TARGET_PATH, tmp_path / "target", eos_token_id=[2, PERIOD])
+    want, eos = mlx_lm_stops(target, 30)
+    assert eos == {2, PERIOD} and 0 < len(want) < 20  # the stop is reached, before max_tokens
+    for draft_folder in (DRAFT_PATH, SS_DRAFT):
+        ss = draft_folder == SS_DRAFT
+        draft = with_config(draft_folder, tmp_path / draft_folder.name, **({} if ss else {"eos_token_id": [2, PERIOD]}))
+        if ss:
+            (draft / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, PERIOD]}))
+        pipe = load_pipeline(target, draft)
+        try:
+            for mode in ("ar", "sd", "mirror"):
+                out = pipe.generate(PROMPT, max_tokens=30, mode=mode, **KNOBS)
+                assert out.tokens == want and out.finish_reason == "stop", (draft_folder.name, mode, out.tokens)
+        finally:
+            pipe.close()
+    assert "note:" not in capfd.readouterr().err
+
+
+def test_special_ids_that_differ_are_said_once_and_the_targets_decide(tmp_path, capfd):
+    target = with_config(TARGET_PATH, tmp_path / "target", eos_token_id=[2, PERIOD])
+    want, _ = mlx_lm_stops(target, 30)
+    # the target stops at "." though its draft would not
+    pipe = load_pipeline(target, DRAFT_PATH)
+    err = capfd.readouterr().err.splitlines()
+    notes = [line for line in err if "note:" in line]
+    assert len(notes) == 1 and "end-of-sequence ids [2, 426] in the target, [2] in the draft" in notes[0], err
+    assert "the target's decide" in notes[0]
+    try:
+        for mode in ("sd", "mirror"):
+            out = pipe.generate(PROMPT, max_tokens=30, mode=mode, **KNOBS)
+            assert out.tokens == want and out.finish_reason == "stop", (mode, out.tokens)
+    finally:
+        pipe.close()
+    # a draft that would stop at "." and begins with another bos: the target runs on past both
+    draft = with_config(DRAFT_PATH, tmp_path / "draft", eos_token_id=[2, PERIOD])
+    tok_config = draft / "tokenizer_config.json"
+    tok_config.write_text(json.dumps(dict(json.loads(tok_config.read_text()), bos_token="</s>")))
+    model, tokenizer = load(str(TARGET_PATH))
+    recipe = load_draft(draft, tokenizer)
+    notes = [line for line in capfd.readouterr().err.splitlines() if "note:" in line]
+    assert len(notes) == 1 and "[2] in the target, [2, 426] in the draft; bos id 1 in the target, 2" in notes[0]
+    pipe = Pipeline(model, tokenizer, recipe)
+    try:
+        prompt = tokenizer.encode(PROMPT)
+        for mode in ("sd", "mirror"):
+            out = pipe.generate(prompt, max_tokens=30, mode=mode, **KNOBS)
+            assert out.tokens == mlx_greedy(model, prompt, 30) and out.finish_reason == "length", mode
+    finally:
+        pipe.close()
 
 
 def test_the_demo_uses_its_exit_adapter_and_refuses_it_at_another_layer():

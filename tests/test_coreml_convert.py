@@ -25,6 +25,8 @@ from mirror_mlx.convert.coreml import convert
 from mirror_mlx.convert.mil_eval import MilRunner, load_program, op_types
 from mirror_mlx.convert.parity import PROMPTS, verify
 from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
+from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
+from tests.test_cli_generate import PERIOD, swapped_vocab, with_config
 
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
 TINY = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=4,
@@ -267,6 +269,30 @@ def test_package_from_another_draft_or_tokenizer_is_refused(tiny_llama, demo_pkg
     spec = spec_from_model(demo_model[0], {}, "0" * 64, 200)
     with pytest.raises(ConvertError, match="another tokenizer"):
         check_match(meta, spec, demo_pkg)
+
+
+def test_the_recipe_refuses_another_vocabulary_and_notes_other_special_ids(demo_pkg, tmp_path, capfd):
+    """coreml_recipe's check of a target's tokenizer against the package, as a draft folder's (loading.py):
+    it runs before the Core ML runtime is needed (backend 'mil' here)."""
+    from mirror_mlx.ane_draft.coreml_draft import check_package_tokenizer, coreml_recipe
+
+    meta = read_metadata(demo_pkg)
+    assert (meta["eos_token_ids"], meta["bos_token_id"]) == ("[2]", "1")  # llama2xs, as mlx_lm.load loads it
+    coreml_recipe(demo_pkg, load(str(DEMO_TARGET))[1], backend="mil")
+    assert "note:" not in capfd.readouterr().err
+    several = load(str(with_config(DEMO_TARGET, tmp_path / "target", eos_token_id=[2, PERIOD])))[1]
+    coreml_recipe(demo_pkg, several, backend="mil")
+    (note,) = [line for line in capfd.readouterr().err.splitlines() if "note:" in line]
+    assert "end-of-sequence ids [2, 426] in the target, [2] in the draft" in note
+    # a package that recorded only the whole hash: config.json's ids were never part of it
+    whole = {k: v for k, v in meta.items() if k not in ("vocab_sha256", "eos_token_ids", "bos_token_id")}
+    check_package_tokenizer(whole, several, demo_pkg)
+    other = load(str(swapped_vocab(DEMO_TARGET, tmp_path / "other")))[1]
+    for recorded in (meta, whole):
+        with pytest.raises(ConvertError, match="built for another tokenizer than the target's"):
+            check_package_tokenizer(recorded, other, demo_pkg)
+    with pytest.raises(ConvertError, match="built for another tokenizer than the target's"):
+        coreml_recipe(demo_pkg, other, backend="mil")
 
 
 def test_corrupt_or_truncated_package_is_refused(work, demo_pkg):
