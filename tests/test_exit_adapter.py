@@ -176,10 +176,10 @@ def test_pipeline_with_the_adapter_generates_mlx_lm_greedy_text():
 
     prompt = "Once upon a time, there was a little dog."
     outs = []
-    for adapter in (None, SHIPPED):
+    for adapter in (None, SHIPPED):  # mirror at the adapter's layer, both times (auto could choose another mode)
         pipe = load(exit_adapter=adapter)
         try:
-            outs.append(pipe.generate(prompt, max_tokens=32))
+            outs.append(pipe.generate(prompt, max_tokens=32, mode="mirror", kappa=2, gamma=3, exit_layer=2))
         finally:
             pipe.close()
     model, tokenizer = demo_target()
