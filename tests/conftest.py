@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 # One BLAS thread per process, as `make bench` runs (scripts/bench.sh). OpenBLAS (preloaded by
 # mirror_mlx/blas.py) otherwise starts a thread per core, and their spin-waits in the engine process and
@@ -13,12 +14,38 @@ from multiprocessing import shared_memory
 import pytest
 
 
+PINNED = Path(__file__).parent / "fixtures" / "demo_profile.json"  # one quick calibration of the demo pair, kept
+
+
+def pin_demo_profiles() -> None:
+    """Write PINNED's choice and table as the profile of each demo pair the tests load (either draft, with the
+    shipped exit adapter or without). A quick calibration's choice moves with the machine's load, so auto's
+    choice is then the same on every machine and run, and no test pays for a calibration it does not test:
+    the tests of calibration give it a cache of their own (test_tune.py, test_faults.py)."""
+    import json
+
+    from mlx_lm import load as mlx_load
+
+    from mirror_mlx.demo_pair import DRAFT, EXIT_ADAPTER, SS_DRAFT, TARGET
+    from mirror_mlx.exit_adapter import load_adapters
+    from mirror_mlx.pipeline import load_draft
+    from mirror_mlx.tune import profile as profiles
+
+    target, tokenizer = mlx_load(str(TARGET))
+    pinned = json.loads(PINNED.read_text())
+    for draft in (DRAFT, SS_DRAFT):
+        recipe = load_draft(draft, tokenizer)
+        for adapter in (load_adapters(EXIT_ADAPTER, target), None):
+            profiles.save(profiles.Profile(key=profiles.key_for(target, recipe, adapter), **pinned))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tuning_cache(tmp_path_factory):
-    """mode="auto" calibrates a pair once per session into a throwaway cache (never the user's)."""
+    """A throwaway tuning cache for the session (never the user's), holding the demo pairs' pinned profiles."""
     path = tmp_path_factory.mktemp("mirror-mlx-cache")
     old = os.environ.get("MIRROR_MLX_CACHE")
     os.environ["MIRROR_MLX_CACHE"] = str(path)
+    pin_demo_profiles()
     yield path
     if old is None:
         os.environ.pop("MIRROR_MLX_CACHE", None)

@@ -1,6 +1,7 @@
 """mode="auto" and `mirror-mlx tune`: the cost model, profiles, and auto staying lossless and overridable."""
 
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -19,8 +20,18 @@ from tests.test_engine import mlx_greedy
 PROMPT = "Once upon a time"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_cache(tmp_path_factory):
+    """These tests are about calibration: an empty tuning cache of their own, so the first auto call calibrates
+    for real (the session's cache holds the demo pairs' pinned profiles, conftest.py)."""
+    old = os.environ["MIRROR_MLX_CACHE"]
+    os.environ["MIRROR_MLX_CACHE"] = str(tmp_path_factory.mktemp("tune-cache"))
+    yield
+    os.environ["MIRROR_MLX_CACHE"] = old
+
+
 @pytest.fixture(scope="module")
-def pipe():
+def pipe(own_cache):
     p = load()
     yield p
     p.close()
