@@ -97,7 +97,7 @@ def check_package_tokenizer(meta: dict[str, str], tokenizer: Any, package: Path)
     """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another
     vocabulary is refused; special ids that differ are said once, the target's decide. A package
     that recorded only the whole tokenizer hash must match it exactly."""
-    from mirror_mlx.loading import note_special_difference, special_difference
+    from mirror_mlx.draft_tokenizer import note_special_difference, special_difference
 
     whole = "vocab_sha256" not in meta  # a package that recorded only the whole hash
     key, digest = ("tokenizer_sha256", tokenizer_sha256) if whole else ("vocab_sha256", vocab_sha256)

@@ -106,7 +106,7 @@ def measure(
 ) -> list[OmegaRow]:
     """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
 
-    The draft must share the target's tokenizer (run_omega checks it with loading.check_draft_tokenizer).
+    The draft must share the target's tokenizer (run_omega checks it with draft_tokenizer.check_draft_tokenizer).
     """
     n_layers = len(text_model(model).layers)
     layers = list(layers or range(1, n_layers))
@@ -161,7 +161,8 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
     from .corpus import load_split
     from .demo_pair import DRAFT, TARGET
     from .exit_adapter import load_adapter
-    from .loading import check_draft_tokenizer, load_model
+    from .draft_tokenizer import check_draft_tokenizer
+    from .loading import load_model
 
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")

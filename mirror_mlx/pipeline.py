@@ -23,7 +23,8 @@ from .ane_draft.ss_model import is_ss_draft
 from .draft_api import Draft
 from .engine import Engine
 from .stats import Stats, Step
-from .loading import check_draft_tokenizer, folder_tokenizer, load_model, resolve_model
+from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
+from .loading import load_model, resolve_model
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message

@@ -188,7 +188,11 @@ def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.P
     if not select.select([proc.stdout], [], [], 180)[0]:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("no text from rank 0 in 180 s")
-    return proc
+    try:  # readable at its end too: a launcher that exited at once says why
+        code = proc.wait(timeout=0.2)
+    except subprocess.TimeoutExpired:
+        return proc
+    raise AssertionError(f"the launcher exited ({code}) before rank 0 printed: {proc.stderr.read()[-3000:]}")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")

@@ -10,6 +10,7 @@ directly. Users launch with mlx.launch (README, Across Macs); the tests of its s
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,14 +21,26 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
+def _ephemeral_ports() -> range:
+    """The ports the system hands out for port 0 and outgoing connections (Linux's range, else IANA's)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(49152, 65536)
+
+
 def free_ports(n: int) -> list[int]:
-    """n consecutive free loopback ports (one per rank)."""
+    """n consecutive free loopback ports (one per rank), from below the ephemeral range: a port the system hands
+    out for another socket's outgoing connection cannot take one between this check and the ranks' bind."""
+    eph = _ephemeral_ports()
+    low, high = (10000, eph.start) if eph.start > 10000 + 2 * n else (eph.stop, 65536)
+    rng = random.Random()
     while True:
+        base = rng.randrange(low, high - n)
         socks = [socket.socket() for _ in range(n)]
         try:
-            socks[0].bind(("127.0.0.1", 0))
-            base = socks[0].getsockname()[1]
-            for i, s in enumerate(socks[1:], 1):
+            for i, s in enumerate(socks):
                 s.bind(("127.0.0.1", base + i))
             return [base + i for i in range(n)]
         except OSError:
