@@ -129,3 +129,20 @@ def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: i
         raise click.UsageError(str(e))
     click.echo(f"wrote {out}: layer {r.exit_layer}, held-out KL {r.kl_before:.3f} -> {r.kl_after:.3f} nats "
                f"({r.train_rows} training rows, {r.seconds:.0f} s)")
+
+
+@click.command("import-gguf")
+@click.argument("gguf", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output MLX model folder.")
+def import_gguf_cmd(gguf: Path, out: Path) -> None:
+    """Turn a llama-architecture GGUF file (F32, F16, Q4_0, Q4_1, Q8_0) into an MLX model folder that
+    mlx_lm.load reads, dequantized to this machine's dtype (float16 with Metal, else float32)."""
+    import time
+
+    from mirror_mlx.convert.gguf import GGUFError, import_gguf
+
+    start = time.perf_counter()
+    refusing(GGUFError, import_gguf, gguf, out)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    click.echo(f"wrote {out} ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
