@@ -93,9 +93,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed --layers ({cfg.layers})")
     if cfg.holdout < 0:
         raise TrainError("--holdout cannot be negative")
-    for name in ("steps", "batch_size", "samples"):
+    for name in ("steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.samples < 10:  # a tenth of them is held out to measure the draft: at least one
+        raise TrainError(f"--samples {cfg.samples} leaves none for the held-out tenth: give at least 10")
     if not 2 <= cfg.prompt_min <= cfg.prompt_max < cfg.seq_len:
         raise TrainError("need 2 <= prompt_min <= prompt_max < seq_len")
 

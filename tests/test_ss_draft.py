@@ -186,6 +186,12 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path):
         train(TrainConfig(out=str(tmp_path / "b"), **dict(kw, lr=1e-3)), progress=False)
 
 
+def test_too_few_samples_for_a_held_out_tenth_is_refused_before_any_work(tmp_path):
+    with pytest.raises(TrainError, match="--samples 8 leaves none for the held-out tenth: give at least 10"):
+        train(TrainConfig(model=str(tmp_path / "absent"), out=str(tmp_path / "o"), corpus=str(tmp_path / "c.txt"),
+                          samples=8), progress=False)
+
+
 def _cli(*args: str):
     args = args if "--holdout" in args else args + ("--holdout", "0")
     return CliRunner().invoke(cli, ["train-draft", "--model", str(TARGET), "--out", "/nonexistent/x", *args])
