@@ -96,18 +96,20 @@ class Made:
 
 
 def real_pair(out: Path, cache: Optional[Path] = None) -> list[Made]:
-    """The GGUF (fetched if absent), OUT/target imported from it and OUT/draft cut from the target;
-    each reused when already there."""
+    """OUT/target imported from the GGUF (fetched if absent) and OUT/draft cut from the target; what is
+    already there is reused (the GGUF is not needed then). Returns what it made or reused, in order."""
     from .gguf import import_gguf
 
     out, cache = Path(out), Path(cache) if cache is not None else models_dir()
-    fresh = not (cache / Path(MEMBER).name).is_file()
-    gguf = Made(fetch_smollm2(cache), fresh)
     target, draft = Made(out / "target", False), Made(out / "draft", False)
+    done = []
     if not (target.path / "config.json").is_file():  # config.json is written last
+        fresh = not (cache / Path(MEMBER).name).is_file()
+        gguf = Made(fetch_smollm2(cache), fresh)
         import_gguf(gguf.path, target.path)
         target.made = True
+        done.append(gguf)
     if target.made or not (draft.path / "config.json").is_file():
         first_layers(target.path, draft.path, DRAFT_LAYERS)
         draft.made = True
-    return [gguf, target, draft]
+    return done + [target, draft]

@@ -25,7 +25,7 @@ def smollm2():
     mlx-lm folder in this machine's dtype."""
     from mirror_mlx.convert.real_pair import real_pair
 
-    return real_pair(MODELS / "smollm2", cache=MODELS)[1].path
+    return real_pair(MODELS / "smollm2", cache=MODELS)[-2].path
 
 
 @pytest.fixture(scope="session", autouse=True)

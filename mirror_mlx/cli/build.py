@@ -157,8 +157,9 @@ def real_pair_cmd(out: Path) -> None:
     from mirror_mlx.convert.gguf import GGUFError
     from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
 
-    gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
-    click.echo(gguf.line("gguf"))
+    *gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
+    for g in gguf:
+        click.echo(g.line("gguf"))
     click.echo(target.line("target"))
     click.echo(draft.line(f"draft (the target's first {DRAFT_LAYERS} layers, its norm and tied head; untrained)"))
     click.echo(f"run: mirror-mlx generate --model {target.path} --draft-model {draft.path} "
