@@ -10,6 +10,7 @@ cannot take is refused with its reason before MLX reads any weights.
 """
 
 import json
+import math
 import mmap
 import re
 import struct
@@ -54,15 +55,12 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         _, block, size = TYPES[self.type]
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n // block * size
+        return math.prod(self.shape) // block * size
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], list[Tensor], int]:
-    """The metadata, the tensor table and the data section's offset, checked
-    against the file's size (a truncated download is named as such)."""
+    """The metadata, the tensor table and the data section's offset, checked against the file's size
+    (a truncated download is named as such) and the tensor types this import reads."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path} does not exist: give the path of a .gguf file")
