@@ -5,6 +5,7 @@ import json
 import struct
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten, tree_unflatten
@@ -13,7 +14,7 @@ from mlx_lm import load
 from mirror_mlx.cli import main
 from mirror_mlx.convert.gguf import GGUFError, import_gguf
 from tests.test_families_lossless import mlx_greedy
-from tests.gguf_files import SPECIALS, TEMPLATE, write_tiny_gguf
+from tests.gguf_files import SPECIALS, TEMPLATE, write_quantized_gguf, write_tiny_gguf
 
 IDS = mx.array([[1, 5, 9, 30, 96, 2, 40]])
 
@@ -90,3 +91,21 @@ def test_a_file_it_cannot_take_is_refused_in_one_line(tmp_path, problem):
     assert result.exit_code == 2 and sentence in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_q4_0_q4_1_and_q8_0_blocks_dequantize_to_their_values(tmp_path):
+    """Blocks written by hand in llama.cpp's layouts (tests/gguf_files.py), read by MLX and dequantized
+    here: each weight is its block's decoded value (MLX's float16 scales: to a float16 step)."""
+    from mirror_mlx.convert.gguf import hf_name, mlx_weights, read_header
+
+    rng = np.random.default_rng(0)
+    tensors = {"blk.0.attn_v.weight": ("Q4_0", rng.normal(size=(8, 64))),
+               "blk.0.ffn_up.weight": ("Q4_1", rng.normal(size=(16, 96)) + 0.5),
+               "blk.0.ffn_down.weight": ("Q8_0", rng.normal(size=(4, 128)))}
+    decoded = write_quantized_gguf(tmp_path / "q.gguf", tensors)
+    _, infos, _ = read_header(tmp_path / "q.gguf")
+    assert [(t.name, t.shape) for t in infos] == [(n, x.shape) for n, (_, x) in tensors.items()]
+    got = mlx_weights(tmp_path / "q.gguf", infos, {}, mx.float32)
+    for name, want in decoded.items():
+        w = np.array(got[hf_name(name, tmp_path / "q.gguf")])
+        assert w.shape == want.shape and np.abs(w - want).max() <= 2e-3 * np.abs(want).max(), name
