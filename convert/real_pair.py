@@ -7,7 +7,7 @@ final norm and head (an early exit, untrained): the one draft with this vocabula
 training to make.
 """
 
-import base64
+import fcntl
 import hashlib
 import json
 import shutil
@@ -98,9 +98,16 @@ class Made:
 def real_pair(out: Path, cache: Optional[Path] = None) -> list[Made]:
     """OUT/target imported from the GGUF (fetched if absent) and OUT/draft cut from the target; what is
     already there is reused (the GGUF is not needed then). Returns what it made or reused, in order."""
+    out, cache = Path(out), Path(cache) if cache is not None else models_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # two runs at once (test workers): one makes, the other reuses
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make(out, cache)
+
+
+def _make(out: Path, cache: Path) -> list[Made]:
     from .gguf import import_gguf
 
-    out, cache = Path(out), Path(cache) if cache is not None else models_dir()
     target, draft = Made(out / "target", False), Made(out / "draft", False)
     done = []
     if not (target.path / "config.json").is_file():  # config.json is written last
