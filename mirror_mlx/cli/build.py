@@ -73,7 +73,9 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
 @click.command("train-draft")
 @click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")
-@click.option("--corpus", required=True, type=click.Path(), help="UTF-8 text file; blank lines separate paragraphs.")
+@click.option("--corpus", required=True, type=click.Path(),
+              help="UTF-8 text file (blank lines separate paragraphs), or a .jsonl of chats, one "
+                   '{"messages": [...]} a line, rendered through the target\'s chat template (it writes the replies).')
 @click.option("--layers", type=int, default=None, help="Draft layers [default: --init-from's, else half the target's].")
 @click.option("--hidden", type=int, default=None, help="Draft width [default: --init-from's, else the target's].")
 @click.option("--streams", type=int, default=TrainConfig.streams, show_default=True, help="Lookahead streams (tokens per forward - 1).")
