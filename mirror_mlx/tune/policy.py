@@ -73,17 +73,18 @@ def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
 
 
-def profile_for(pipe: Any) -> profiles.Profile:
-    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr)."""
+def profile_for(pipe: Any, asking: str = "auto") -> profiles.Profile:
+    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr, naming
+    the mode `asking` for it: auto, or an explicit mode whose knobs were left out)."""
     if pipe.auto.profile is not None:
         return pipe.auto.profile
     with _calibrating:
         if pipe.auto.profile is None:
-            pipe.auto.profile = _load_or_calibrate(pipe)
+            pipe.auto.profile = _load_or_calibrate(pipe, asking)
         return pipe.auto.profile
 
 
-def _load_or_calibrate(pipe: Any) -> profiles.Profile:
+def _load_or_calibrate(pipe: Any, asking: str = "auto") -> profiles.Profile:
     from .calibrate import OutOfTime, TuneConfig, calibrate
 
     key = profiles.pipe_key(pipe)
@@ -99,24 +100,30 @@ def _load_or_calibrate(pipe: Any) -> profiles.Profile:
     try:
         prof = calibrate(pipe, cfg, key=key)
     except OutOfTime:  # the safe rule: plain generation is never slower than itself
-        prof = profiles.Profile(key=key, mode="ar", why=(
-            f"quick calibration ran out of its {cfg.budget_s:g} s budget (MIRROR_MLX_QUICK_BUDGET), "
-            "so ar, the safe rule"))
-        print(f"mirror-mlx: mode auto: {prof.why}; not saved (`mirror-mlx tune` measures without a budget)",
-              file=sys.stderr)
+        ran_out = f"quick calibration ran out of its {cfg.budget_s:g} s budget (MIRROR_MLX_QUICK_BUDGET)"
+        prof = profiles.Profile(key=key, mode="ar", why=f"{ran_out}, so ar, the safe rule")
+        print(f"mirror-mlx: mode {asking}: {ran_out}, so {_instead(asking, 'ar, the safe rule')}; not saved "
+              "(`mirror-mlx tune` measures without a budget)", file=sys.stderr)
     except Exception as e:  # a draft that fails here would fail in generation too: plain, visibly
-        prof = profiles.Profile(key=key, mode="ar", why=f"quick calibration failed ({e!r}), so ar")
-        print(f"mirror-mlx: warning: mode auto: {prof.why}; not saved", file=sys.stderr)
+        failed = f"quick calibration failed ({e!r})"
+        prof = profiles.Profile(key=key, mode="ar", why=f"{failed}, so ar")
+        print(f"mirror-mlx: warning: mode {asking}: {failed}, so {_instead(asking, 'ar')}; not saved", file=sys.stderr)
     else:
         prof.why = "quick " + prof.why
         try:
             saved = f"saved {profiles.save(prof)}"
         except profiles.ProfileError as e:  # an unwritable cache: this process keeps it in memory
             saved = f"warning: {e}"
-        print(f"mirror-mlx: mode auto: no tuning profile for this pair, quick calibration "
+        print(f"mirror-mlx: mode {asking}: no tuning profile for this pair, quick calibration "
               f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; {saved} "
               "(`mirror-mlx tune` measures more)", file=sys.stderr)
     return prof
+
+
+def _instead(asking: str, auto_runs: str) -> str:
+    """What runs without a calibrated table: auto runs `auto_runs`; an explicit mode its small safe knobs
+    (`knobs_from`)."""
+    return auto_runs if asking == "auto" else f"{asking} runs small safe knobs, uncalibrated"
 
 
 def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tuple[float, int]:
@@ -278,7 +285,7 @@ def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], e
     if not needs_knobs(mode, kappa, gamma):
         return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
                       PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, f"mode {mode} as asked")
-    return knobs_from(profile_for(pipe), pipe, mode, kappa, gamma, exit_layer)
+    return knobs_from(profile_for(pipe, mode), pipe, mode, kappa, gamma, exit_layer)
 
 
 def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int],
