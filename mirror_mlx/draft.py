@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 
 from .draft_api import Rollout
-from .target import common_prefix, text_model, trimmable_cache
+from .target import common_prefix, text_model, trimmable_cache, vocab_size
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:
@@ -56,7 +56,7 @@ class MLXDraft:
         self.model = model
         self.prefill_step_size = prefill_step_size
         self.reset()  # first: a model whose cache cannot roll back is refused here, saying why
-        self.vocab_size = text_model(model).model.embed_tokens.weight.shape[0]
+        self.vocab_size = vocab_size(model)
 
     def reset(self) -> None:
         self.cache: list[Any] = trimmable_cache(self.model)
