@@ -308,6 +308,16 @@ def layers(cache: Sequence[Any]) -> list[RecurrentCache]:
     return out
 
 
+def branches(c: RecurrentCache, points: Sequence[int]) -> ArraysCache:
+    """A batched ArraysCache whose row b holds `c`'s state after its first points[b] tokens (a branch's start)."""
+    states = {p: c.state_after(p) for p in set(points)}
+    out = ArraysCache(len(c.cache))
+    for s in range(len(c.cache)):
+        rows = [states[p][s] for p in points]
+        out[s] = None if any(r is None for r in rows) else mx.concatenate(rows, axis=0)
+    return out
+
+
 def settle(cache: Sequence[Any]) -> None:
     for c in layers(cache):
         c.settle()

@@ -52,7 +52,7 @@ RECURRENT = {  # families with recurrent state (an ArraysCache) mirror-mlx rolls
     "falcon_h1": dict(model_type="falcon_h1", vocab_size=97, hidden_size=64, intermediate_size=96, head_dim=16,
                       num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, mamba_d_ssm=64,
                       mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4,
-                      max_position_embeddings=512, rope_theta=10000.0),
+                      max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False),
 }
 REFUSED = {  # families mirror-mlx refuses at load (recurrent state that no rollback reaches)
     "mamba": dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
