@@ -32,7 +32,8 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta, ssm
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-KEEP_ROWS = 512  # rows of recent forwards a cache can drop; a longer forward (a prefill chunk) is a checkpoint
+MAX_FORWARD = 1024  # a longer forward (a prefill chunk) is a checkpoint: no earlier point can be restored
+KEEP_ROWS = 64  # rows of the forwards before the last that stay droppable (their inputs are kept in memory)
 
 # mlx-lm's recurrent updates: the function and its per-token arguments (sequence on axis 1)
 UPDATES: dict[str, tuple[Callable, tuple[str, ...]]] = {
@@ -78,7 +79,7 @@ class RecurrentCache(ArraysCache):
     def __init__(self, size: int):
         super().__init__(size)
         self._offset = 0
-        self.recent: list[_Forward] = []  # newest last, KEEP_ROWS rows at most
+        self.recent: list[_Forward] = []  # newest last: the last forward, and KEEP_ROWS rows before it
         self.frozen = False  # a stored copy (deepcopy): exact at its point, no rows to drop (is_trimmable False)
         self._open: Optional[_Forward] = None
 
@@ -124,13 +125,13 @@ class RecurrentCache(ArraysCache):
         if f is None or not f.rows:
             return
         self._offset += f.rows
-        if f.rows > KEEP_ROWS or f.set - set(f.slots):
+        if f.rows > MAX_FORWARD or f.set - set(f.slots):
             self.recent = []  # a checkpoint: nothing before it can be restored
             if f.set - set(f.slots):
                 self.recent = [f]  # (unreached slots: `unreached` names them; no trim possible)
             return
         self.recent.append(f)
-        while sum(r.rows for r in self.recent) > KEEP_ROWS:
+        while len(self.recent) > 1 and sum(r.rows for r in self.recent[:-1]) > KEEP_ROWS:
             self.recent.pop(0)
 
     def settle(self) -> None:

@@ -260,6 +260,9 @@ class TargetSide:
         tokens = list(tokens)
         keep = common_prefix(self.cached, tokens)
         if keep < len(self.cached) and not recurrent.can_drop(self.cache, len(self.cached) - keep):
+            if self.adopted:
+                raise ValueError("the prompt cache's recurrent state cannot drop its last "
+                                 f"{len(self.cached) - keep} tokens: give a prompt that extends the cached one")
             keep = 0  # recurrent state holds no earlier point than its recent forwards: the tokens again, from none
             self.cache, self.cached = trimmable_cache(self.model), []
         if keep < len(self.cached):
