@@ -98,11 +98,11 @@ class RecurrentCache(ArraysCache):
         return self._offset
 
     def __getitem__(self, idx):
-        _touched.cache, _touched.slot = self, idx
+        _touched.cache, _touched.slot, _touched.set = self, idx, False
         return self.cache[idx]
 
     def __setitem__(self, idx, value):
-        _touched.cache, _touched.slot = self, idx
+        _touched.cache, _touched.slot, _touched.set = self, idx, True
         self.cache[idx] = value
         self._forward().set.add(idx)
 
@@ -202,17 +202,18 @@ def _cut(rec: Any, keep: int) -> Any:
     return _Update(rec.fn, args, rec.per_token)
 
 
-def _take_touched() -> tuple[Optional[RecurrentCache], Any]:
-    cache, slot = getattr(_touched, "cache", None), getattr(_touched, "slot", None)
+def _take_touched() -> tuple[Optional[RecurrentCache], Any, bool]:
+    """The cache slot the model touched last on this thread (and whether it set it), once."""
+    cache, slot, was_set = (getattr(_touched, k, None) for k in ("cache", "slot", "set"))
     _touched.cache = _touched.slot = None
-    return cache, slot
+    return cache, slot, was_set
 
 
 def _noting_update(fn: Callable, per_token: tuple[str, ...]) -> Callable:
     sig = inspect.signature(fn)
 
     def update(*args, **kwargs):
-        cache, slot = _take_touched()
+        cache, slot, _ = _take_touched()
         bound = sig.bind(*args, **kwargs)
         state = bound.arguments.get("state")
         out = fn(*args, **kwargs)
@@ -231,12 +232,12 @@ _WRAPPED = {name: _noting_update(fn, per_token) for name, (fn, per_token) in UPD
 
 class _NotingConv1d(nn.Conv1d):
     def __call__(self, x):
-        cache, slot = _take_touched()
-        if cache is not None and not cache.frozen and cache.cache[slot] is not None:
-            window = cache.cache[slot]
-            n_keep = window.shape[1]
-            if x.shape[1] > n_keep and x.shape[2] == window.shape[2]:
-                cache._note(slot, _Conv(x, n_keep), x.shape[1] - n_keep)
+        # the window the layer has just set (its last rows): a slot read, or a state, is some other layer's
+        cache, slot, was_set = _take_touched()
+        window = cache.cache[slot] if cache is not None and was_set and not cache.frozen else None
+        if window is not None and window.ndim == 3 and window.shape[0] == x.shape[0] \
+                and window.shape[2] == x.shape[2] and x.shape[1] > window.shape[1]:
+            cache._note(slot, _Conv(x, window.shape[1]), x.shape[1] - window.shape[1])
         return super().__call__(x)
 
 

@@ -191,3 +191,27 @@ def test_a_conversation_in_a_prompt_cache_equals_a_fresh_run(recurrent_pipes, fa
         history += out.tokens
         cache.tokens = list(history)
         assert cache.length == len(history)
+
+
+def test_the_prefix_cache_reuses_a_stored_recurrent_state_as_an_exact_prefix_only(recurrent_pipes):
+    """The server's prefix cache across requests: a stored recurrent state is exact at its point and cannot be
+    cut back, so it serves a prompt that extends it (the output is a fresh run's), and not one that leaves it."""
+    from mirror_mlx.server.prefix_cache import PrefixCache
+
+    target, _, pipe = recurrent_pipes("qwen3_next")
+    prefix = PrefixCache(pipe.engine, size=4)
+    kw = dict(max_tokens=R_TOKENS, mode="mirror", kappa=3, gamma=4, exit_layer=2, stop=False)
+
+    def request(ids):
+        held = prefix.restore(ids)
+        out = pipe.generate(ids, **kw)
+        assert out.tokens == mlx_greedy(target, ids, R_TOKENS), ids
+        prefix.store()
+        return held, out.tokens
+
+    first = OPENINGS[7]
+    _, reply = request(first)
+    request(OPENINGS[2])  # another conversation: the engine's own cache now holds it
+    assert request(first[:-3] + [1, 2])[0] == 0  # leaves the stored point: no reuse (prefilled again)
+    held, _ = request(first + reply + [4, 5])  # extends it: starts from the stored state
+    assert held == len(first) + len(reply) - 1  # (the stored cache holds the committed tokens but the last)

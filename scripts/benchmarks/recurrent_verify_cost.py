@@ -6,7 +6,10 @@ Per update kind (gated delta: qwen3_next; SSM: mamba2; short convolution only: l
 float32 model (tests/models.py RECURRENT, widened to hidden 256) holds a 64-token prompt. "plain" is one
 forward over γ+1 rows on mlx-lm's own cache (its ArraysCache: no rollback possible); "noted" is the same
 forward on mirror-mlx's RecurrentCache, then the rollback to `keep` of the rows (the worst case keeps γ:
-the recurrence runs again over γ rows), everything evaluated. Median of REPS; ratio noted / plain.
+the recurrence runs again over γ rows), everything evaluated. "capture" is the alternative mechanism: the
+plain forward with mlx-lm's update run row by row, keeping the state after every row (what capturing per
+position inside the update costs, whatever is accepted; the short convolution needs no capture). Interleaved,
+median of REPS; ratios to plain.
 """
 
 import statistics
@@ -20,6 +23,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
 import mirror_mlx  # noqa: E402,F401 (BLAS setup)
+from mirror_mlx import recurrent  # noqa: E402
 from mirror_mlx.target import trimmable_cache  # noqa: E402
 from tests.models import RECURRENT, tiny_model  # noqa: E402
 
@@ -53,13 +57,37 @@ def restore(cache, snap, rows):
                 x.cache = v
 
 
-def median_time(fn, reps):
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def row_by_row(fn, per_token, kept):
+    """mlx-lm's update `fn` run one row at a time, each row's state appended to `kept` (capture per position)."""
+    import inspect
+
+    sig = inspect.signature(fn)
+
+    def update(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs).arguments
+        rows = bound[per_token[0]].shape[1]
+        ys = []
+        for t in range(rows):
+            one = {k: (v[:, t : t + 1] if k in per_token and v is not None else v) for k, v in bound.items()}
+            y, bound["state"] = fn(**one)
+            kept.append(bound["state"])
+            ys.append(y)
+        return mx.concatenate(ys, axis=1), bound["state"]
+
+    return update
+
+
+def median_times(fns, reps):
+    """Median seconds of each of `fns`, interleaved (one of each per round, in turn) so that a shared
+    machine's drift falls on all alike."""
+    times = [[] for _ in fns]
+    for r in range(reps):
+        for i in range(len(fns)):
+            j = (i + r) % len(fns)
+            t = time.perf_counter()
+            fns[j]()
+            times[j].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
 
 
 def main(gamma: int = 4, reps: int = 50):
@@ -88,12 +116,28 @@ def main(gamma: int = 4, reps: int = 50):
                     c.trim(keep)
             return run
 
-        for f in (plain_verify, noted_verify(gamma), noted_verify(0)):
+        module = sys.modules[type(model.layers[0]).__module__]
+        names = [n for n in recurrent.UPDATES if getattr(module, n, None) is not None]
+
+        def capture_verify():
+            kept: list = []
+            noting = {n: getattr(module, n) for n in names}
+            for n in names:
+                setattr(module, n, row_by_row(recurrent.UPDATES[n][0], recurrent.UPDATES[n][1], kept))
+            try:
+                mx.eval(model(rows, cache=plain), states(plain), kept)
+            finally:
+                for n in names:
+                    setattr(module, n, noting[n])
+            restore(plain, snap, gamma + 1)
+
+        for f in (plain_verify, noted_verify(gamma), noted_verify(0), capture_verify):
             f()  # warm-up (compilation)
-        p = median_time(plain_verify, reps)
-        worst, none = median_time(noted_verify(gamma), reps), median_time(noted_verify(0), reps)
+        p, worst, none, cap = median_times([plain_verify, noted_verify(gamma), noted_verify(0),
+                                            capture_verify if names else plain_verify], reps)
         print(f"{kind:26s} plain {1e3 * p:6.2f} ms   noted+rollback keep γ {1e3 * worst:6.2f} ms ({worst / p:4.2f}x)"
-              f"   keep 0 {1e3 * none:6.2f} ms ({none / p:4.2f}x)", flush=True)
+              f"   keep 0 {1e3 * none:6.2f} ms ({none / p:4.2f}x)   capture {1e3 * cap:6.2f} ms ({cap / p:4.2f}x)",
+              flush=True)
 
 
 if __name__ == "__main__":
