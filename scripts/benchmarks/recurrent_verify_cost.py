@@ -1,9 +1,9 @@
 """Cost of a verify forward on recurrent state that can roll back, against a plain verify forward.
 
-    .venv/bin/python scripts/benchmarks/recurrent_verify_cost.py [GAMMA] [REPS]
+    .venv/bin/python scripts/benchmarks/recurrent_verify_cost.py [GAMMA] [REPS] [WIDTH]
 
 Per update kind (gated delta: qwen3_next; SSM: mamba2; short convolution only: lfm2), a tiny random
-float32 model (tests/models.py RECURRENT, widened to hidden 256) holds a 64-token prompt. "plain" is one
+float32 model (tests/models.py RECURRENT, widened to hidden 256 × WIDTH, default 1) holds a 64-token prompt. "plain" is one
 forward over γ+1 rows on mlx-lm's own cache (its ArraysCache: no rollback possible); "noted" is the same
 forward on mirror-mlx's RecurrentCache, then the rollback to `keep` of the rows (the worst case keeps γ:
 the recurrence runs again over γ rows), everything evaluated. "capture" is the alternative mechanism: the
@@ -90,12 +90,18 @@ def median_times(fns, reps):
     return [statistics.median(t) for t in times]
 
 
-def main(gamma: int = 4, reps: int = 50):
+def widened(wide: dict, width: int) -> dict:
+    return {k: v * width if k in ("hidden_size", "intermediate_size", "block_dim", "block_ff_dim") else v
+            for k, v in wide.items()}
+
+
+def main(gamma: int = 4, reps: int = 50, width: int = 1):
     prompt = mx.array([[(7 * i) % 97 for i in range(64)]])
     rows = mx.array([[(3 * i + 1) % 97 for i in range(gamma + 1)]])
-    print(f"load average: {open('/proc/loadavg').read().split()[:3]}; γ = {gamma}, {reps} reps, median")
+    print(f"load average: {open('/proc/loadavg').read().split()[:3]}; γ = {gamma}, {reps} reps, hidden "
+          f"{256 * width}, median")
     for kind, (family, wide) in WIDE.items():
-        model = tiny_model(family, seed=0, **wide)
+        model = tiny_model(family, seed=0, **widened(wide, width))
         plain, ours = make_prompt_cache(model), trimmable_cache(model)
         for cache in (plain, ours):
             model(prompt, cache=cache)
@@ -141,4 +147,4 @@ def main(gamma: int = 4, reps: int = 50):
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    main(*(int(a) for a in sys.argv[1:4]))
