@@ -215,3 +215,20 @@ def test_the_prefix_cache_reuses_a_stored_recurrent_state_as_an_exact_prefix_onl
     assert request(first[:-3] + [1, 2])[0] == 0  # leaves the stored point: no reuse (prefilled again)
     held, _ = request(first + reply + [4, 5])  # extends it: starts from the stored state
     assert held == len(first) + len(reply) - 1  # (the stored cache holds the committed tokens but the last)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
+def test_a_prompt_cache_file_of_a_recurrent_target_serves_every_mode(recurrent_pipes, family, tmp_path):
+    """`mirror-mlx cache-prompt`'s file (mlx-lm's format: plain ArraysCache layers, plus the ids) read back
+    droppable: ar and mirror continue it as a fresh run of the whole prompt."""
+    from mirror_mlx import prompt_cache
+
+    target, _, pipe = recurrent_pipes(family)
+    path, ids, rest = str(tmp_path / "cache.safetensors"), OPENINGS[1], [7, 30]
+    prompt_cache.write(path, target, ids, {})
+    for mode in ("ar", "mirror"):
+        cache = prompt_cache.read(path)
+        out = pipe.generate(rest, prompt_cache=cache, max_tokens=R_TOKENS, mode=mode, kappa=3, gamma=4,
+                            exit_layer=2, stop=False)
+        assert out.tokens == mlx_greedy(target, ids + rest, R_TOKENS), (family, mode)
+        assert cache.length == len(ids) + len(rest) + R_TOKENS
