@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
 from . import recurrent
 from .draft_api import Rollout
@@ -62,7 +62,7 @@ class MLXDraft:
     def reset(self) -> None:
         self.cache: list[Any] = trimmable_cache(self.model)
         self.cached: list[int] = []
-        self.rows: list[BranchRows] = []  # branch scratch, kept across rollouts (see BranchRows)
+        self.rows: list[Optional[BranchRows]] = []  # branch scratch per layer cache (None: recurrent), kept
         self.rows_valid = 0  # leading cache slots whose keys/values the rows hold as they are
 
     def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> int:
@@ -128,24 +128,28 @@ class MLXDraft:
         self.cached.extend(rest)
         return Rollout(windows=[window], forwards=fed + gamma, tokens=gamma)
 
-    def _branch_rows(self, n: int, spine_used: list[int], gamma: int) -> list["BranchRows"]:
-        """The branch rows over the cache (context + spine), refreshing only the slots that changed."""
+    def _branch_rows(self, n: int, spine_used: list[int], gamma: int) -> list[Any]:
+        """The branch rows over the cache (context + spine), refreshing only the slots that changed. Each
+        attention layer's are BranchRows (kept); a recurrent layer's hold its state at each stem's end,
+        rebuilt per rollout (a state per row, no slots); a CacheList (falcon_h1) gets one of its own of both."""
         B, S = len(spine_used), len(self.cached)
+        leaves = [x for c in self.cache for x in (c.caches if isinstance(c, CacheList) else (c,))]
         rows, keep = self.rows, self.rows_valid
         kv = next((r for r in rows if r is not None), None)
         if not rows or (kv is not None and (kv.keys.shape[0] < B or kv.keys.shape[2] < S + gamma)):
             cap = BranchRows.step * -(-(S + gamma) // BranchRows.step)
             keep = keep if kv is not None and kv.keys.shape[0] >= B else 0
-            rows = [None if isinstance(c, recurrent.RecurrentCache)
-                    else BranchRows.grow(old, c, max(B, old.keys.shape[0] if old else 0), cap, keep)
-                    for old, c in zip(rows or [None] * len(self.cache), self.cache)]
-        for r, c in zip(rows, self.cache):
+            rows = [None if isinstance(x, recurrent.RecurrentCache)
+                    else BranchRows.grow(old, x, max(B, old.keys.shape[0] if old else 0), cap, keep)
+                    for old, x in zip(rows or [None] * len(leaves), leaves)]
+        for r, x in zip(rows, leaves):
             if r is not None:
-                r.start(c, keep, S, n, spine_used)
+                r.start(x, keep, S, n, spine_used)
         self.rows, self.rows_valid = rows, S
-        # a recurrent layer's rows: its state at each stem's end, rebuilt per rollout (a state per row, no slots)
-        return [recurrent.branches(c, [n + u for u in spine_used]) if r is None else r
-                for r, c in zip(rows, self.cache)]
+        flat = iter([recurrent.branches(x, [n + u for u in spine_used]) if r is None else r
+                     for r, x in zip(rows, leaves)])
+        return [CacheList(*(next(flat) for _ in c.caches)) if isinstance(c, CacheList) else next(flat)
+                for c in self.cache]
 
 
 class BranchRows:

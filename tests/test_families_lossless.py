@@ -109,9 +109,7 @@ R_KNOBS = [(1, 1, 3), (3, 4, 2), (8, 6, 1)]
 
 def recurrent_draft(family: str):
     """A draft with recurrent state too: the family's first half (same seed, so windows are partly accepted:
-    rollbacks at every depth), or for falcon_h1 (a CacheList per layer, no branch rows) a mamba2 half."""
-    if family == "falcon_h1":
-        return tiny_model("mamba2", seed=21, num_hidden_layers=2)
+    rollbacks at every depth)."""
     if family == "qwen3_5":
         return tiny_model(family, seed=21, text_config=dict(RECURRENT[family]["text_config"], num_hidden_layers=2))
     if family == "nemotron_h":
