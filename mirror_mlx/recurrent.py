@@ -13,8 +13,15 @@ what its layer fed the two updates mlx-lm's models call,
 `trim(n)` then restores the state after the first rows of a recent forward by running the update again
 over those rows only (the update alone: no projection, no MLP), with mlx-lm's own function. A plain
 forward costs as before (the saved inputs are arrays the forward computes anyway); a rollback costs one
-recurrence over the accepted rows per layer. One mechanism for every family that calls these updates
+recurrence over the accepted rows per layer, only when a window is cut. Capturing the state after every
+row inside the update instead costs that row-by-row recurrence on every verify, and measured dearer for the
+SSM (BENCHMARKS.md, "Recurrent rollback"). One mechanism for every family that calls these updates
 (qwen3_next, qwen3_5, mamba2, nemotron_h, falcon_h1, lfm2, ...): no per-model code.
+
+Only recent rows can be dropped: the last forward (up to MAX_FORWARD rows) and KEEP_ROWS rows before it,
+whose inputs stay in memory. A cut further back is refused (`droppable` says how far is possible; callers
+then prefill again from none), and a stored copy (deepcopy: the server's prefix cache) is exact at its
+point and frozen (is_trimmable False), so mlx-lm's LRUPromptCache reuses it only as an exact prefix.
 
 A family whose recurrent state some other code updates (mamba's own scan, ...) is refused at load,
 named, with the reason: a two-token probe forward finds a slot that no noted update set.
@@ -288,11 +295,8 @@ def _one(c: Any, offset: int) -> Any:
 
 def held(cache: Sequence[Any], default: int = 0) -> int:
     """Tokens a cache list holds, from its first layer that counts them (mlx-lm's ArraysCache does not)."""
-    for c in cache:
-        for x in c.caches if isinstance(c, CacheList) else (c,):
-            if hasattr(x, "offset") and type(x) is not ArraysCache:
-                return int(x.offset)
-    return default
+    return next((int(x.offset) for x in leaves(cache) if hasattr(x, "offset") and type(x) is not ArraysCache),
+                default)
 
 
 def convertible(c: Any) -> bool:
@@ -302,12 +306,14 @@ def convertible(c: Any) -> bool:
     return type(c) is ArraysCache or isinstance(c, RecurrentCache)
 
 
+def leaves(cache: Sequence[Any]) -> list:
+    """Every layer cache of a list, CacheLists opened."""
+    return [x for c in cache for x in (c.caches if isinstance(c, CacheList) else (c,))]
+
+
 def layers(cache: Sequence[Any]) -> list[RecurrentCache]:
     """The RecurrentCaches in a cache list (inside CacheLists too)."""
-    out = []
-    for c in cache:
-        out.extend(x for x in (c.caches if isinstance(c, CacheList) else (c,)) if isinstance(x, RecurrentCache))
-    return out
+    return [x for x in leaves(cache) if isinstance(x, RecurrentCache)]
 
 
 def branches(c: RecurrentCache, points: Sequence[int]) -> ArraysCache:
