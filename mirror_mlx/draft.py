@@ -133,7 +133,7 @@ class MLXDraft:
         attention layer's are BranchRows (kept); a recurrent layer's hold its state at each stem's end,
         rebuilt per rollout (a state per row, no slots); a CacheList (falcon_h1) gets one of its own of both."""
         B, S = len(spine_used), len(self.cached)
-        leaves = [x for c in self.cache for x in (c.caches if isinstance(c, CacheList) else (c,))]
+        leaves = recurrent.leaves(self.cache)
         rows, keep = self.rows, self.rows_valid
         kv = next((r for r in rows if r is not None), None)
         if not rows or (kv is not None and (kv.keys.shape[0] < B or kv.keys.shape[2] < S + gamma)):

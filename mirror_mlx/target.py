@@ -11,10 +11,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
 from . import recurrent
-
 from .options import default_exit_layer
 from .sampling import sample_rows
 
@@ -30,7 +29,11 @@ FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "embedding_norm")  # the inn
 def inner_model(model: nn.Module) -> nn.Module:
     """The module that holds the blocks (mlx-lm calls it `model`, or `backbone` in the SSM families)."""
     tm = text_model(model)
-    return tm.model if "model" in tm else tm.backbone
+    for name in ("model", "backbone"):
+        inner = getattr(tm, name, None)
+        if inner is not None:
+            return inner
+    return tm
 
 
 def final_norm(model: nn.Module) -> nn.Module:
@@ -61,13 +64,12 @@ def _install_tap(block: nn.Module, tap: _Tap) -> type:
 
 def vocab_size(model: nn.Module) -> Optional[int]:
     """Rows of the input embedding: token ids at or above it are out of range (and may crash MLX)."""
-    tm = text_model(model)
-    inner = tm.model if "model" in tm else tm.backbone if "backbone" in tm else tm
-    embed = getattr(inner, "embed_tokens", None) or getattr(inner, "embeddings", None)
-    weight = getattr(embed, "weight", None)
+    inner = inner_model(model)
+    embed = getattr(inner, "embed_tokens", None)
+    weight = getattr(embed if embed is not None else getattr(inner, "embeddings", None), "weight", None)
     if weight is not None and weight.ndim == 2:
         return int(weight.shape[0])
-    return getattr(getattr(tm, "args", None), "vocab_size", None)
+    return getattr(getattr(text_model(model), "args", None), "vocab_size", None)
 
 
 def check_exit_layer(exit_layer: int, n_layers: int) -> None:
@@ -105,11 +107,6 @@ def trimmable_cache(model: nn.Module) -> list[Any]:
                 "rejected tokens): as a target, generate with mlx_lm.generate; as a draft, choose another model"
             )
     return cache
-
-
-def offset(c: Any) -> int:
-    """Tokens one layer's cache holds (a CacheList: its first cache's)."""
-    return int(c.caches[0].offset if isinstance(c, CacheList) else c.offset)
 
 
 class EarlyExitTarget:
@@ -235,15 +232,15 @@ class TargetSide:
         (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
         self.cache, self.cached, self.adopted = recurrent.convert(
             cache, offset=recurrent.held(cache, len(tokens or []))), list(tokens or []), True
-        self.base = offset(self.cache[0]) - len(self.cached)
+        self.base = recurrent.held(self.cache[:1]) - len(self.cached)
 
     def release(self, tokens: Optional[list[int]]) -> None:
         """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
         last committed token too, which no step ran); with None (a step was cut), only the rows known to be
         right. Then take a fresh cache: no later call touches the caller's."""
         for c in self.cache:  # rows a cut forward added and no verify trimmed
-            if offset(c) > self.base + len(self.cached):
-                c.trim(offset(c) - self.base - len(self.cached))
+            if recurrent.held([c]) > self.base + len(self.cached):
+                c.trim(recurrent.held([c]) - self.base - len(self.cached))
         if tokens is not None:
             self.hold(tokens)
         mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
