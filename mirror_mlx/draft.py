@@ -12,10 +12,11 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
+from . import recurrent
 from .draft_api import Rollout
-from .target import common_prefix, text_model, trimmable_cache
+from .target import common_prefix, text_model, trimmable_cache, vocab_size
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:
@@ -56,12 +57,12 @@ class MLXDraft:
         self.model = model
         self.prefill_step_size = prefill_step_size
         self.reset()  # first: a model whose cache cannot roll back is refused here, saying why
-        self.vocab_size = text_model(model).model.embed_tokens.weight.shape[0]
+        self.vocab_size = vocab_size(model)
 
     def reset(self) -> None:
         self.cache: list[Any] = trimmable_cache(self.model)
         self.cached: list[int] = []
-        self.rows: list[BranchRows] = []  # branch scratch, kept across rollouts (see BranchRows)
+        self.rows: list[Optional[BranchRows]] = []  # branch scratch per layer cache (None: recurrent), kept
         self.rows_valid = 0  # leading cache slots whose keys/values the rows hold as they are
 
     def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> int:
@@ -74,6 +75,8 @@ class MLXDraft:
 
     def _trim_to(self, n: int) -> None:
         self.rows_valid = min(self.rows_valid, n)
+        if n < len(self.cached) and not recurrent.can_drop(self.cache, len(self.cached) - n):
+            self.reset()  # recurrent state holds no earlier point than its recent forwards: fed again from none
         if n < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - n)
             del self.cached[n:]
@@ -109,9 +112,8 @@ class MLXDraft:
         """One window (sd's, a fallback's) as mlx-lm's speculative decoding drafts it: what is new in the
         context and the stem in the first of γ forwards on the draft's own cache, then trimmed back to
         the context (no branch scratch, no extra forward for the new tokens)."""
-        keep = common_prefix(self.cached, context)
-        self._trim_to(keep)
-        new = list(context[keep:])
+        self._trim_to(common_prefix(self.cached, context))
+        new = list(context[len(self.cached):])
         head = new[: max(0, len(new) - self.prefill_step_size)]  # a long context: its head in chunks first
         fed = self._feed(head)
         rest = new[len(head):]
@@ -126,19 +128,28 @@ class MLXDraft:
         self.cached.extend(rest)
         return Rollout(windows=[window], forwards=fed + gamma, tokens=gamma)
 
-    def _branch_rows(self, n: int, spine_used: list[int], gamma: int) -> list["BranchRows"]:
-        """The branch rows over the cache (context + spine), refreshing only the slots that changed."""
+    def _branch_rows(self, n: int, spine_used: list[int], gamma: int) -> list[Any]:
+        """The branch rows over the cache (context + spine), refreshing only the slots that changed. Each
+        attention layer's are BranchRows (kept); a recurrent layer's hold its state at each stem's end,
+        rebuilt per rollout (a state per row, no slots); a CacheList (falcon_h1) gets one of its own of both."""
         B, S = len(spine_used), len(self.cached)
+        leaves = recurrent.leaves(self.cache)
         rows, keep = self.rows, self.rows_valid
-        if not rows or rows[0].keys.shape[0] < B or rows[0].keys.shape[2] < S + gamma:
+        kv = next((r for r in rows if r is not None), None)
+        if not rows or (kv is not None and (kv.keys.shape[0] < B or kv.keys.shape[2] < S + gamma)):
             cap = BranchRows.step * -(-(S + gamma) // BranchRows.step)
-            keep = keep if rows and rows[0].keys.shape[0] >= B else 0
-            rows = [BranchRows.grow(old, c, max(B, old.keys.shape[0] if old else 0), cap, keep)
-                    for old, c in zip(rows or [None] * len(self.cache), self.cache)]
-        for r, c in zip(rows, self.cache):
-            r.start(c, keep, S, n, spine_used)
+            keep = keep if kv is not None and kv.keys.shape[0] >= B else 0
+            rows = [None if isinstance(x, recurrent.RecurrentCache)
+                    else BranchRows.grow(old, x, max(B, old.keys.shape[0] if old else 0), cap, keep)
+                    for old, x in zip(rows or [None] * len(leaves), leaves)]
+        for r, x in zip(rows, leaves):
+            if r is not None:
+                r.start(x, keep, S, n, spine_used)
         self.rows, self.rows_valid = rows, S
-        return rows
+        flat = iter([recurrent.branches(x, [n + u for u in spine_used]) if r is None else r
+                     for r, x in zip(rows, leaves)])
+        return [CacheList(*(next(flat) for _ in c.caches)) if isinstance(c, CacheList) else next(flat)
+                for c in self.cache]
 
 
 class BranchRows:

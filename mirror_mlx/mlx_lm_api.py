@@ -29,9 +29,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import recurrent
 from .draft import MLXDraft
 from .draft_api import Draft
 from .stats import Stats
@@ -91,14 +92,19 @@ def given_cache(prompt_cache: Any) -> PromptCache:
     empty or our own calls filled it, else none (what mlx-lm put there is opaque: mode ar only). Ours are
     recognised by length: a cache that something else trimmed and refilled to that same length is not told apart.
     """
+    opaque = False
+    if isinstance(prompt_cache, list) and prompt_cache:  # recurrent layers made droppable in the caller's list
+        opaque = any(type(x) is ArraysCache and not x.empty() for x in recurrent.leaves(prompt_cache)) \
+            and recurrent.held(prompt_cache, -1) < 0  # state that no layer counts the tokens of
+        recurrent.convert(prompt_cache, recurrent.held(prompt_cache))
     if not isinstance(prompt_cache, (list, tuple)) or not prompt_cache or \
-            not all(hasattr(c, "offset") and hasattr(c, "state") for c in prompt_cache):
+            not all(hasattr(c, "state") and (hasattr(c, "offset") or isinstance(c, CacheList)) for c in prompt_cache):
         raise ValueError("prompt_cache must be the list mlx_lm.models.cache.make_prompt_cache(model) returns "
                          f"(got {'an empty ' if isinstance(prompt_cache, (list, tuple)) else ''}"
                          f"{type(prompt_cache).__name__})")
     cache = list(prompt_cache)
     mx.eval([c.state for c in cache])  # computed here: the target's worker thread cannot evaluate this thread's graph
-    lengths = {int(c.offset) for c in cache}
+    lengths = {recurrent.held([c]) for c in cache} if not opaque else {-1}
     known = _held_ids.get(cache[0])
     if lengths == {0}:
         tokens: Optional[list] = []
@@ -115,7 +121,7 @@ def hand_back(given: PromptCache, start: int, ids: list[int], yielded: list[int]
     is trimmed; after an error, a prefix of them), and remember the ids when they are known."""
     extra = given.length - start - len(ids) - len(yielded)
     trimmed = extra <= 0 or trim_prompt_cache(given.cache, extra) == extra
-    if trimmed and given.tokens is not None and len({int(c.offset) for c in given.cache}) == 1:
+    if trimmed and given.tokens is not None and len({recurrent.held([c]) for c in given.cache}) == 1:
         _held_ids[given.cache[0]] = (list(given.tokens) + list(ids) + list(yielded))[: given.length]
     else:
         _held_ids.pop(given.cache[0], None)

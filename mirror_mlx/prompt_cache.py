@@ -19,6 +19,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
 
+from . import recurrent
+
 TOKENS = "mirror_mlx_tokens"  # metadata entry: the cached prefix's token ids, as a JSON list
 
 
@@ -37,7 +39,7 @@ class PromptCache:
     @property
     def length(self) -> int:
         """Tokens the cache holds."""
-        return int(self.cache[0].offset)
+        return recurrent.held(self.cache)
 
     @property
     def opaque(self) -> int:
@@ -69,8 +71,8 @@ class PromptCache:
             raise ValueError(f"mode {mode!r} needs the cached prompt's token ids (the draft reads them) and this "
                              "prompt cache has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
                              "cache-prompt` instead, or use mode='ar'")
-        fixed = next((type(c).__name__ for c in self.cache if isinstance(c, RotatingKVCache) or not c.is_trimmable()),
-                     None)
+        fixed = next((type(c).__name__ for c in self.cache if isinstance(c, RotatingKVCache)
+                      or not (c.is_trimmable() or recurrent.convertible(c))), None)
         if fixed is not None:
             raise ValueError(f"the prompt cache holds {fixed} layers, which cannot roll back rejected draft tokens: "
                              "use mode='ar'")
@@ -86,7 +88,7 @@ def read(path: str) -> PromptCache:
     except Exception as e:  # not safetensors, or safetensors without a cache's layout
         raise ValueError(f"{path} is not a prompt cache file (mlx_lm.cache_prompt's format): "
                          f"{type(e).__name__}: {e}") from None
-    if not cache or not hasattr(cache[0], "offset"):
+    if not cache or not (hasattr(cache[0], "offset") or recurrent.convertible(cache[0])):
         raise ValueError(f"{path} holds no key/value cache layers: it is not a prompt cache of a transformer")
     mx.eval([c.state for c in cache])  # computed here: the target's worker thread cannot evaluate this graph
     tokens = None
@@ -95,7 +97,7 @@ def read(path: str) -> PromptCache:
             tokens = [int(t) for t in json.loads(metadata[TOKENS])]
         except (ValueError, TypeError):
             raise ValueError(f"{path}: its {TOKENS} entry is not a JSON list of token ids") from None
-    found = PromptCache(cache, tokens, metadata)
+    found = PromptCache(recurrent.convert(cache, recurrent.held(cache, len(tokens or []))), tokens, metadata)
     if tokens is not None and len(tokens) != found.length:
         raise ValueError(f"{path} lists {len(tokens)} token ids but its cache holds {found.length} tokens: "
                          "the file was altered; make it again with `mirror-mlx cache-prompt`")
@@ -112,5 +114,5 @@ def write(path: str, model: Any, ids: Sequence[int], metadata: dict) -> PromptCa
     for _ in generate_step(mx.array(list(ids)), model, max_tokens=0, prompt_cache=cache):
         pass
     metadata = dict(metadata, **{TOKENS: json.dumps([int(t) for t in ids])})
-    save_prompt_cache(str(path), cache, metadata)
+    save_prompt_cache(str(path), recurrent.plain(cache), metadata)
     return PromptCache(cache, list(ids), metadata)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
+from . import recurrent
 from .options import default_exit_layer
 from .sampling import sample_rows
 
@@ -20,6 +21,28 @@ from .sampling import sample_rows
 def text_model(model: nn.Module) -> nn.Module:
     """The language model inside a VLM wrapper (gemma3, mistral3, ...), or the model itself."""
     return getattr(model, "language_model", model)
+
+
+FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "embedding_norm")  # the inner model's last module, by family
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The module that holds the blocks (mlx-lm calls it `model`, or `backbone` in the SSM families)."""
+    tm = text_model(model)
+    for name in ("model", "backbone"):
+        inner = getattr(tm, name, None)
+        if inner is not None:
+            return inner
+    return tm
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    inner = inner_model(model)
+    name = next((n for n in FINAL_NORMS if n in inner), None)
+    if name is None:
+        raise ValueError(f"this {family(model)} model's final norm is none of {', '.join(FINAL_NORMS)}: its "
+                         "early exit cannot reuse it; use mode sd or ar")
+    return inner[name]
 
 
 class _Tap:
@@ -41,12 +64,12 @@ def _install_tap(block: nn.Module, tap: _Tap) -> type:
 
 def vocab_size(model: nn.Module) -> Optional[int]:
     """Rows of the input embedding: token ids at or above it are out of range (and may crash MLX)."""
-    tm = text_model(model)
-    embed = getattr(getattr(tm, "model", tm), "embed_tokens", None)
-    weight = getattr(embed, "weight", None)
+    inner = inner_model(model)
+    embed = getattr(inner, "embed_tokens", None)
+    weight = getattr(embed if embed is not None else getattr(inner, "embeddings", None), "weight", None)
     if weight is not None and weight.ndim == 2:
         return int(weight.shape[0])
-    return getattr(getattr(tm, "args", None), "vocab_size", None)
+    return getattr(getattr(text_model(model), "args", None), "vocab_size", None)
 
 
 def check_exit_layer(exit_layer: int, n_layers: int) -> None:
@@ -57,21 +80,31 @@ def check_exit_layer(exit_layer: int, n_layers: int) -> None:
         )
 
 
+def family(model: nn.Module) -> str:
+    """The model's mlx-lm family (its model_type), for messages."""
+    tm = text_model(model)
+    return getattr(getattr(tm, "args", None), "model_type", None) or type(tm).__module__.rsplit(".", 1)[-1]
+
+
 def trimmable_cache(model: nn.Module) -> list[Any]:
-    """The model's prompt cache with every sliding-window layer given a plain KVCache.
+    """The model's prompt cache with every layer able to drop its last tokens: sliding-window layers get a
+    plain KVCache, recurrent ones (mlx-lm's ArraysCache) a RecurrentCache (mirror_mlx/recurrent.py).
 
     mlx-lm's RotatingKVCache silently refuses to trim once full (mlx-lm #1914); the window still
-    applies through the attention mask, so a plain cache is exact and always trimmable.
+    applies through the attention mask, so a plain cache is exact and always trimmable. A model whose
+    recurrent state no rollback reaches is refused (ValueError, naming the family and why), once per model.
     """
-    cache = make_prompt_cache(model)
-    cache = [KVCache() if isinstance(c, RotatingKVCache) else c for c in cache]
+    recurrent.install(model)
+    cache = recurrent.convert([KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)])
+    if not getattr(model, "_rollback_checked", False):  # (a plain attribute: not a parameter)
+        recurrent.check(model, cache, family(model))
+        model._rollback_checked = True
     for c in cache:
         if not (hasattr(c, "is_trimmable") and c.is_trimmable()):
             raise ValueError(
-                f"this model's {type(c).__name__} layers hold recurrent state (SSM or linear attention), which "
-                "cannot be rolled back, and every mode of mirror-mlx rolls its caches back (to reuse a prompt's "
-                "prefix; speculation also drops the draft's rejected tokens): as a target, generate with "
-                "mlx_lm.generate; as a draft, choose a model with attention layers only"
+                f"this {family(model)} model's {type(c).__name__} layers cannot drop rejected tokens, and every mode "
+                "of mirror-mlx rolls its caches back (to reuse a prompt's prefix; speculation also drops the draft's "
+                "rejected tokens): as a target, generate with mlx_lm.generate; as a draft, choose another model"
             )
     return cache
 
@@ -116,7 +149,7 @@ class EarlyExitTarget:
 
     def head(self, h: mx.array) -> mx.array:
         """The model's own final norm (+ adapter) and head applied to a hidden state."""
-        x = text_model(self.model).model.norm(h)
+        x = final_norm(self.model)(h)
         return apply_head(self.model, self.adapter(x) if self.adapter is not None else x)
 
 
@@ -127,7 +160,7 @@ def apply_head(model: nn.Module, x: mx.array) -> mx.array:
     model runs as usual: no per-architecture code.
     """
     tm = text_model(model)
-    inner = tm.model
+    inner = inner_model(model)
     cls = type(inner)
     inner.__class__ = type("Given" + cls.__name__, (cls,), {"__call__": lambda self_, *a, **k: x})
     try:
@@ -197,16 +230,17 @@ class TargetSide:
     def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
         """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
         (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
-        self.cache, self.cached, self.adopted = cache, list(tokens or []), True
-        self.base = int(cache[0].offset) - len(self.cached)
+        self.cache, self.cached, self.adopted = recurrent.convert(
+            cache, offset=recurrent.held(cache, len(tokens or []))), list(tokens or []), True
+        self.base = recurrent.held(self.cache[:1]) - len(self.cached)
 
     def release(self, tokens: Optional[list[int]]) -> None:
         """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
         last committed token too, which no step ran); with None (a step was cut), only the rows known to be
         right. Then take a fresh cache: no later call touches the caller's."""
         for c in self.cache:  # rows a cut forward added and no verify trimmed
-            if c.offset > self.base + len(self.cached):
-                c.trim(c.offset - self.base - len(self.cached))
+            if recurrent.held([c]) > self.base + len(self.cached):
+                c.trim(recurrent.held([c]) - self.base - len(self.cached))
         if tokens is not None:
             self.hold(tokens)
         mx.eval([c.state for c in self.cache])  # (a cut forward's graph exists on this thread only)
@@ -222,6 +256,12 @@ class TargetSide:
         len(new))` after each chunk of the new ones."""
         tokens = list(tokens)
         keep = common_prefix(self.cached, tokens)
+        if keep < len(self.cached) and not recurrent.can_drop(self.cache, len(self.cached) - keep):
+            if self.adopted:
+                raise ValueError("the prompt cache's recurrent state cannot drop its last "
+                                 f"{len(self.cached) - keep} tokens: give a prompt that extends the cached one")
+            keep = 0  # recurrent state holds no earlier point than its recent forwards: the tokens again, from none
+            self.cache, self.cached = trimmable_cache(self.model), []
         if keep < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - keep)
         new = tokens[keep:]

@@ -26,15 +26,43 @@ CONFIGS = {
     "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=6, sliding_window=4,
                         sliding_window_pattern=3, query_pre_attn_scalar=16),
 }
-REFUSED = {  # families mirror-mlx refuses at load (recurrent state, an ArraysCache: nothing to roll back)
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, full_attention_interval=2)
+RECURRENT = {  # families with recurrent state (an ArraysCache) mirror-mlx rolls back: vocab as BASE's (one draft)
+    "qwen3_next": dict(BASE, **_GDN, model_type="qwen3_next", num_experts=0, num_experts_per_tok=0,
+                       decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[],
+                       moe_intermediate_size=0, rope_theta=10000.0, partial_rotary_factor=0.5,
+                       max_position_embeddings=512),
+    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(BASE, **_GDN, model_type="qwen3_5_text",
+                                                            max_position_embeddings=512)),
+    "mamba2": dict(model_type="mamba2", num_heads=4, head_dim=16, vocab_size=97, hidden_size=32, intermediate_size=64,
+                   state_size=8, num_hidden_layers=4, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1,
+                   use_bias=False, use_conv_bias=True, tie_word_embeddings=True, time_step_limit=(0.001, 100.0),
+                   time_step_rank=4),
+    "lfm2": dict(model_type="lfm2", vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                 block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                 block_ff_dim=96, layer_types=["conv", "full_attention", "conv", "conv"]),
+    "nemotron_h": dict(model_type="nemotron_h", vocab_size=97, hidden_size=64, intermediate_size=96,
+                       max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+                       ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+                       use_bias=False, use_conv_bias=True, hybrid_override_pattern=list("M*M-"),
+                       time_step_limit=(0.001, 100.0)),
+    "falcon_h1": dict(model_type="falcon_h1", vocab_size=97, hidden_size=64, intermediate_size=96, head_dim=16,
+                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, mamba_d_ssm=64,
+                      mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4,
+                      max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False),
+}
+REFUSED = {  # families mirror-mlx refuses at load (recurrent state that no rollback reaches)
     "mamba": dict(model_type="mamba", vocab_size=512, hidden_size=64, intermediate_size=128, state_size=8,
                   num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4),
 }
-FAMILIES = {**CONFIGS, **REFUSED}
+FAMILIES = {**CONFIGS, **RECURRENT, **REFUSED}
 
 
 def tiny_model(name: str, seed: int = 0, **overrides):
-    """A randomly initialised float32 model of family `name` (see CONFIGS and REFUSED), with config overrides."""
+    """A randomly initialised float32 model of family `name` (see CONFIGS, RECURRENT and REFUSED), with config overrides."""
     config = dict(FAMILIES[name], **overrides)
     if config["model_type"] == "mistral":
         config["model_type"] = "llama"

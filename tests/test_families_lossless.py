@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
 from mirror_mlx.draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
-from tests.models import CONFIGS, save_tiny_model, tiny_model
+from tests.models import CONFIGS, RECURRENT, save_tiny_model, tiny_model
 from tests.test_engine import _FakeTokenizer
 
 TOKENS = 24
@@ -97,3 +97,136 @@ def test_a_one_token_prompt_keeps_the_draft():
             assert out.stats.draft_failure is None and out.stats.mode == mode, out.stats.draft_failure
     finally:
         pipe.close()
+
+
+# --- families with recurrent state (tests/models.py RECURRENT) ----------------------------------------------
+
+OPENINGS = [[7, 30], [5, 61, 2, 88, 13, 40], [90, 3, 3, 17, 52, 8, 71, 29, 64, 11, 6], [1], [44, 44, 44],
+            [12, 80, 33, 2], [60, 9, 27, 95, 14, 3, 70, 41], [19, 2, 55, 55, 8, 66, 23, 31, 4, 90, 77, 12, 5, 38]]
+R_TOKENS = 12
+R_KNOBS = [(1, 1, 3), (3, 4, 2), (8, 6, 1)]
+
+
+def recurrent_draft(family: str):
+    """A draft with recurrent state too: the family's first half (same seed, so windows are partly accepted:
+    rollbacks at every depth)."""
+    if family == "qwen3_5":
+        return tiny_model(family, seed=21, text_config=dict(RECURRENT[family]["text_config"], num_hidden_layers=2))
+    if family == "nemotron_h":
+        return tiny_model(family, seed=21, hybrid_override_pattern=list("M*M"))
+    if family == "lfm2":
+        return tiny_model(family, seed=21, num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    return tiny_model(family, seed=21, num_hidden_layers=RECURRENT[family]["num_hidden_layers"] // 2)
+
+
+@pytest.fixture(scope="module")
+def recurrent_pipes():
+    made: dict = {}
+
+    def get(family: str):
+        if family not in made:
+            for old in made.values():
+                old[-1].close()
+            made.clear()
+            target = tiny_model(family, seed=21)
+            refs = [mlx_greedy(target, p, R_TOKENS) for p in OPENINGS]
+            made[family] = (target, refs, Pipeline(target, _FakeTokenizer(VOCAB), MLXDraft(recurrent_draft(family))))
+        return made[family]
+
+    yield get
+    for old in made.values():
+        old[-1].close()
+
+
+R_CASES = [(family, knobs) for family in RECURRENT for knobs in R_KNOBS]
+
+
+@pytest.mark.parametrize("family,knobs", R_CASES, ids=[f"{f}-k{k}g{g}e{e}" for f, (k, g, e) in R_CASES])
+def test_recurrent_families_equal_mlx_lm_greedy_in_every_mode(recurrent_pipes, family, knobs):
+    """ar (prefix reuse across openings), sd and mirror roll the target's and the draft's recurrent state back
+    to exactly the accepted tokens: token for token mlx-lm's greedy generation."""
+    kappa, gamma, exit_layer = knobs
+    _, refs, pipe = recurrent_pipes(family)
+    for mode in ("ar", "sd", "mirror"):
+        accepted = proposed = 0
+        for prompt, ref in zip(OPENINGS, refs):
+            out = pipe.generate(prompt, max_tokens=R_TOKENS, mode=mode, kappa=kappa, gamma=gamma,
+                                exit_layer=exit_layer, stop=False)
+            assert out.stats.mode == mode and out.stats.draft_failure is None, out.stats.draft_failure
+            assert out.tokens == ref, (f"{family} {mode} κ={kappa} γ={gamma} ℓe={exit_layer}: prompt {prompt} gave "
+                                       f"{out.tokens}, mlx-lm {ref}")
+            accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
+        if mode != "ar" and gamma > 1 and family != "nemotron_h":  # windows cut inside: rollbacks at depths 1..γ-1
+            # (nemotron_h's half draft draws its own head, so its windows are rejected at the first token)
+            assert 0 < accepted < proposed, (family, mode, accepted, proposed)
+
+
+@pytest.mark.parametrize("family", list(RECURRENT))
+def test_recurrent_families_seeded_sample_is_mode_invariant(recurrent_pipes, family):
+    _, _, pipe = recurrent_pipes(family)
+    kw = dict(max_tokens=R_TOKENS, temperature=0.8, seed=3, stop=False, kappa=3, gamma=4, exit_layer=2)
+    ar = pipe.generate(OPENINGS[1], mode="ar", **kw).tokens
+    for mode in ("sd", "mirror"):
+        assert pipe.generate(OPENINGS[1], mode=mode, **kw).tokens == ar, (family, mode)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
+def test_a_conversation_in_a_prompt_cache_equals_a_fresh_run(recurrent_pipes, family):
+    """Three turns through one prompt cache (mlx-lm's make_prompt_cache list: its ArraysCache layers become
+    droppable in place): each reply is what a fresh run of the whole conversation gives."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mirror_mlx.prompt_cache import PromptCache
+
+    target, _, pipe = recurrent_pipes(family)
+    cache = PromptCache(make_prompt_cache(target), [], {}, origin="list")
+    history: list[int] = []
+    for turn in ([5, 61, 2], [88, 13], [40, 7, 30]):
+        history += turn
+        out = pipe.generate(turn, prompt_cache=cache, max_tokens=R_TOKENS, mode="mirror", kappa=3, gamma=4,
+                            exit_layer=2, stop=False)
+        assert out.tokens == mlx_greedy(target, history, R_TOKENS), (family, history)
+        history += out.tokens
+        cache.tokens = list(history)
+        assert cache.length == len(history)
+
+
+def test_the_prefix_cache_reuses_a_stored_recurrent_state_as_an_exact_prefix_only(recurrent_pipes):
+    """The server's prefix cache across requests: a stored recurrent state is exact at its point and cannot be
+    cut back, so it serves a prompt that extends it (the output is a fresh run's), and not one that leaves it."""
+    from mirror_mlx.server.prefix_cache import PrefixCache
+
+    target, _, pipe = recurrent_pipes("qwen3_next")
+    prefix = PrefixCache(pipe.engine, size=4)
+    kw = dict(max_tokens=R_TOKENS, mode="mirror", kappa=3, gamma=4, exit_layer=2, stop=False)
+
+    def request(ids):
+        held = prefix.restore(ids)
+        out = pipe.generate(ids, **kw)
+        assert out.tokens == mlx_greedy(target, ids, R_TOKENS), ids
+        prefix.store()
+        return held, out.tokens
+
+    first = OPENINGS[7]
+    _, reply = request(first)
+    request(OPENINGS[2])  # another conversation: the engine's own cache now holds it
+    assert request(first[:-3] + [1, 2])[0] == 0  # leaves the stored point: no reuse (prefilled again)
+    held, _ = request(first + reply + [4, 5])  # extends it: starts from the stored state
+    assert held == len(first) + len(reply) - 1  # (the stored cache holds the committed tokens but the last)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
+def test_a_prompt_cache_file_of_a_recurrent_target_serves_every_mode(recurrent_pipes, family, tmp_path):
+    """`mirror-mlx cache-prompt`'s file (mlx-lm's format: plain ArraysCache layers, plus the ids) read back
+    droppable: ar and mirror continue it as a fresh run of the whole prompt."""
+    from mirror_mlx import prompt_cache
+
+    target, _, pipe = recurrent_pipes(family)
+    path, ids, rest = str(tmp_path / "cache.safetensors"), OPENINGS[1], [7, 30]
+    prompt_cache.write(path, target, ids, {})
+    for mode in ("ar", "mirror"):
+        cache = prompt_cache.read(path)
+        out = pipe.generate(rest, prompt_cache=cache, max_tokens=R_TOKENS, mode=mode, kappa=3, gamma=4,
+                            exit_layer=2, stop=False)
+        assert out.tokens == mlx_greedy(target, ids + rest, R_TOKENS), (family, mode)
+        assert cache.length == len(ids) + len(rest) + R_TOKENS

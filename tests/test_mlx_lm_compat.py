@@ -23,7 +23,8 @@ from mlx.utils import tree_flatten
 import mirror_mlx
 from mirror_mlx import mlx_lm_api
 from mirror_mlx.pipeline import load
-from tests.models import DRAFT_PATH, TARGET_PATH
+from mirror_mlx.recurrent import held
+from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
 
 SCRIPT = """
 from mlx_lm import load, stream_generate
@@ -201,7 +202,7 @@ def turn(cache, text, mode=None, pair=None, **kwargs):
     else:
         records = mirror_mlx.stream_generate(model, tokenizer, text, max_tokens=12, draft_model=draft, mode=mode,
                                              kappa=4, gamma=4, prompt_cache=cache, **kwargs)
-    return [r.token for r in records], cache[0].offset
+    return [r.token for r in records], held(cache)
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,18 @@ def test_a_prompt_cache_carries_a_conversation_exactly_as_in_mlx_lm(pair, mlx_lm
                                            kappa=4, gamma=4, prompt_cache=cache))
     assert any(r.from_draft for r in last) == (mode != "ar")
     assert last[0].prompt_tokens == len(tokenizer.encode(" and"))  # mlx-lm's count: the new text only
+
+
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_a_prompt_cache_of_a_recurrent_target_carries_a_conversation_as_in_mlx_lm(pair, mode):
+    """The same on a target with recurrent state (qwen3_next): its make_prompt_cache list's ArraysCache layers
+    are made droppable in the caller's list, every turn gives mlx-lm's tokens on mlx-lm's own cache."""
+    _, tokenizer, draft = pair
+    model = tiny_model("qwen3_next", seed=21, vocab_size=512)
+    recurrent_pair = (model, tokenizer, draft)
+    theirs, ours = make_prompt_cache(model), make_prompt_cache(model)
+    for text in TURNS:
+        assert turn(ours, text, mode, recurrent_pair) == turn(theirs, text, pair=recurrent_pair), text
 
 
 def test_after_a_prompt_cache_call_the_engine_keeps_its_own_cache(pair):

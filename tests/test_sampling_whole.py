@@ -20,11 +20,13 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from scipy.stats import chi2
 
 from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
+from mirror_mlx.draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from tests.models import save_tiny_model, tiny_model
 from tests.test_engine import _FakeTokenizer
 
 V = 8
+RECURRENT_FAMILY = "mamba2"  # its tied head makes windows often accepted whole (bonus rows)
 PROMPT = [3, 1, 4]
 TOKENS = 20  # per generation
 KNOBS = dict(kappa=2, gamma=3, exit_layer=2)
@@ -257,3 +259,16 @@ def test_the_check_rejects_a_wrong_sampler(pair, wrong):
     settings, seeds = WRONG[wrong]
     p, _ = sample(target, pipe, "mirror", settings, seeds, expect=dict(temperature=1.0))
     assert min(p.values()) < SEEDED_P * 1e-2, f"{wrong}: not rejected ({p})"
+
+
+def test_a_recurrent_target_and_draft_follow_the_target_distribution():
+    """The same check on a target with recurrent state (RECURRENT_FAMILY's SSM layers), its own copy as
+    draft: every rejected window's rows are dropped from both recurrent states exactly."""
+    target = tiny_model(RECURRENT_FAMILY, seed=11, vocab_size=V)
+    pipe = Pipeline(target, _FakeTokenizer(V), MLXDraft(tiny_model(RECURRENT_FAMILY, seed=11, vocab_size=V)))
+    try:
+        p, seen = sample(target, pipe, "mirror", SETTINGS["temperature"], SEEDS["mirror"])
+    finally:
+        pipe.close()
+    check_steps("mirror", seen)
+    assert min(p.values()) > SEEDED_P, f"{RECURRENT_FAMILY}: committed tokens do not follow the target ({p}, {seen})"

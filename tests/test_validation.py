@@ -331,12 +331,12 @@ def _recurrent(tmp_path):
 
 @pytest.mark.parametrize("as_draft", [False, True], ids=["target", "draft"])
 def test_a_model_with_recurrent_state_is_refused_with_the_reason_and_what_to_use_instead(tmp_path, as_draft):
-    """Every mode rolls a cache back (prefix reuse; speculation's rejected tokens), which an SSM's state cannot
-    do: refused at load, as a target or as a draft (from the draft host), in one sentence."""
+    """Every mode rolls a cache back (prefix reuse; speculation's rejected tokens); mamba's own selective scan is
+    no update the rollback reaches (mirror_mlx/recurrent.py): refused at load, as a target or as a draft (from
+    the draft host), in one sentence naming the family."""
     path = _recurrent(tmp_path)
-    message = ("this model's ArraysCache layers hold recurrent state (SSM or linear attention), which cannot be "
-               "rolled back")
-    fix = "as a target, generate with mlx_lm.generate; as a draft, choose a model with attention layers only"
+    message = "this mamba model's recurrent state is updated by code mirror-mlx cannot roll back"
+    fix = "as a target, generate with mlx_lm.generate; as a draft, choose a model of another family"
     with pytest.raises(DraftHostError if as_draft else ValueError) as e:  # (the draft is built in its host)
         load(model=DEMO_TARGET, draft_model=path) if as_draft else load(model=path)
     assert message in str(e.value) and fix in str(e.value)

@@ -55,7 +55,9 @@ class PrefixCache:
         held = len(ids) - len(rest)
         if cache is None or held <= common_prefix(target.cached, ids):
             return 0
-        target.cache, target.cached = cache, list(ids[:held])
+        from ..recurrent import convert
+
+        target.cache, target.cached = convert(cache), list(ids[:held])  # (a stored recurrent copy: thawed)
         return held
 
     def store(self) -> None:
