@@ -2,8 +2,8 @@
 
 A branch (r, c) is the window after "the step ends at row r with correction c". Its score is
 P(the step ends at row r) · P(c | it ends there), read off the early exit: the step reaches row r when
-ŷ_1..ŷ_r are accepted (the product of the exit's probabilities of those drafted tokens, each times a
-per-generation calibration factor), ends there when ŷ_{r+1} is then rejected (the bonus row γ: when it is
+ŷ_1..ŷ_r are accepted (the product of the exit's probabilities of those drafted tokens, each calibrated),
+ends there when ŷ_{r+1} is then rejected (the bonus row γ: when it is
 reached), and the correction is c with the exit's probability of c renormalised without ŷ_{r+1} (the
 excluded-token rule). The top B branches are rolled out; B = None rolls out every branch.
 
@@ -11,14 +11,15 @@ The budget only chooses which windows are precomputed: every committed token is 
 so it cannot change the output. A correction whose branch was not rolled out is a fallback, as one
 outside C_A is.
 
-The calibration factor f scales the exit's probability of a drafted token into the target's acceptance:
-f = (accepted + 1) / (Σ exit probabilities of the drafted tokens the target judged + 1), counted over the
-generation's steps so far (1 before any step), so an exit that is over- or under-confident about the
-draft's tokens is corrected by what the target actually accepted.
+The calibration is one shift b in logit space: P(ŷ accepted) = σ(logit p_exit(ŷ) + b), b = 0 before the
+generation's first step and moved after each verify by a step of the logistic fit to what the target
+accepted (b += rate · Σ (accepted − predicted) over the drafted tokens it judged). A shift, not a factor:
+an early exit of a small target may give the drafted tokens 1/V each yet see most accepted, and a shift
+carries its ranking of the steps over to the acceptance measured; b settles within a few steps.
 """
 
 from dataclasses import dataclass, field
-from math import exp
+from math import exp, log
 from typing import Optional, Sequence
 
 
@@ -31,35 +32,50 @@ class ExitView:
     drafted_logprobs: list[float]
 
 
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-9), 1.0 - 1e-9)
+    return log(p / (1.0 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + exp(-x)) if x >= 0 else exp(x) / (1.0 + exp(x))
+
+
 @dataclass
 class Calibration:
-    """Per-generation factor from the exit's probability of a drafted token to its chance of acceptance."""
+    """Per-generation shift from the exit's probability of a drafted token to its chance of acceptance."""
 
-    accepted: int = 0
-    judged_mass: float = 0.0
+    shift: float = 0.0
+    accepted: int = 0  # drafted tokens judged and accepted, and judged in all (what the shift was fit to)
+    judged: int = 0
 
-    @property
-    def factor(self) -> float:
-        return (self.accepted + 1) / (self.judged_mass + 1)
+    def accept(self, drafted_prob: float) -> float:
+        """P(the target accepts a drafted token the exit gives `drafted_prob`)."""
+        return _sigmoid(_logit(drafted_prob) + self.shift)
 
     def update(self, view: ExitView, accepted: int) -> None:
         """After a verify that accepted `accepted` of the window: the drafted tokens judged are the accepted
-        ones and the first rejected one (none after it was judged)."""
-        judged = view.drafted_logprobs[: accepted + 1]
-        self.accepted += accepted
-        self.judged_mass += sum(exp(lp) for lp in judged)
+        ones and the first rejected one (none after it was judged). The rate keeps the step stable for long
+        windows (the fit's curvature is at most a quarter per token)."""
+        judged = [exp(lp) for lp in view.drafted_logprobs[: accepted + 1]]
+        if not judged:
+            return
+        error = sum((i < accepted) - self.accept(p) for i, p in enumerate(judged))
+        self.shift = min(30.0, max(-30.0, self.shift + min(1.0, 4.0 / len(judged)) * error))
+        self.accepted += min(accepted, len(judged))
+        self.judged += len(judged)
 
 
 def branch_scores(window: Sequence[int], cand: list[list[int]], view: ExitView,
-                  factor: float = 1.0) -> list[list[float]]:
+                  calibration: Optional[Calibration] = None) -> list[list[float]]:
     """score[r][i] = P(the step ends at row r) · P(cand[r][i] | it ends there), r = 0..γ."""
-    gamma = len(window)
+    gamma, calibration = len(window), calibration or Calibration()
     reach, out = 1.0, []
     for r, (ids, lps) in enumerate(zip(cand, view.cand_logprobs)):
         probs = [exp(lp) for lp in lps]
         if r < gamma:
             drafted = exp(view.drafted_logprobs[r])
-            accept = min(1.0, factor * drafted)
+            accept = calibration.accept(drafted)
             end, rest = reach * (1.0 - accept), max(1.0 - drafted, 1e-12)
             out.append([0.0 if v == window[r] else end * p / rest for v, p in zip(ids, probs)])
             reach *= accept
@@ -110,7 +126,7 @@ class BranchBudget:
     def choose(self, window: Sequence[int], cand: list[list[int]], view: ExitView) -> Optional[list[tuple[int, int]]]:
         self.view = view
         self.picked = None if self.budget is None else pick(
-            branch_scores(window, cand, view, self.calibration.factor), self.budget)
+            branch_scores(window, cand, view, self.calibration), self.budget)
         return self.picked
 
     def settle(self, accepted: int) -> None:
