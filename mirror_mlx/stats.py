@@ -92,8 +92,9 @@ class Stats:
             line += f" ({self.why})"
         if self.mode == "mirror":
             line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
-                     f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%"
-                    f" | {self.branches_per_step:.1f} branches/step")
+                     f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
+            if self.branches is not None:  # under a budget: how many it rolled out
+                line += f" | {self.branches_per_step:.1f} branches/step"
             if self.placement.startswith("split"):
                 line += " | cores split"
         if self.left_draft:

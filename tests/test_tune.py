@@ -346,6 +346,7 @@ def test_an_explicit_mode_without_knobs_runs_the_profiles_best_row_for_it_and_is
     for mode, names in (("mirror", ("kappa", "gamma", "exit_layer")), ("sd", ("gamma",))):
         out = pipe.generate(PROMPT, max_tokens=24, mode=mode, stop=False)
         s, best = out.stats, best_row(prof, mode)
+        names += ("branches",) if best.get("branches") is not None else ()  # a row's B comes with its κ and γ
         assert out.tokens == ref and s.mode == s.chosen_mode == mode and s.proposed > 0
         assert tuple(getattr(s, k) for k in names) == tuple(best[k] for k in names)
         picked = " ".join(f"{k}={best[k]}" for k in names)
@@ -358,9 +359,10 @@ def test_explicit_knobs_win_over_the_profile_and_fill_the_rest_from_it(pipe):
     assert (s.mode, s.kappa, s.gamma, s.why) == ("mirror", 8, 7, "mode mirror as asked")
     s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", gamma=2).stats  # κ and ℓe from the best γ=2 row
     best = best_row(prof, "mirror", gamma=2)
-    assert (s.kappa, s.gamma, s.exit_layer) == (best["kappa"], 2, best["exit_layer"])
-    assert s.why == f"mode mirror as asked; kappa={best['kappa']} exit_layer={best['exit_layer']} from the profile " \
-                    "(quick calibration)"
+    assert (s.kappa, s.gamma, s.exit_layer, s.branches) == (best["kappa"], 2, best["exit_layer"], best.get("branches"))
+    budget = f" branches={best['branches']}" if best.get("branches") is not None else ""  # the row's B, if any
+    assert s.why == f"mode mirror as asked; kappa={best['kappa']} exit_layer={best['exit_layer']}{budget} from the " \
+                    "profile (quick calibration)"
     assert pipe.generate(PROMPT, max_tokens=8, mode="sd", gamma=5).stats.why == "mode sd as asked"
     s = pipe.generate(PROMPT, max_tokens=8, kappa=2).stats  # κ only means mirror; γ from the profile's grid
     assert (s.chosen_mode, s.kappa) == ("mirror", 2) and "kappa=2" in s.why
