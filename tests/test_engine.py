@@ -336,6 +336,8 @@ def test_a_draft_that_cannot_prefill_switches_visibly_to_ar(greedy_refs, capsys)
     (dict(exit_layer=0), r"exit layer 0 is outside 1\.\.4"),
     (dict(max_tokens=600), "exceeds the target's context of 512"),
     (dict(mode="fast"), "unknown mode"),
+    (dict(mode="mirror", kappa=2, gamma=3, branches=0), r"branches must be at least 1 \(got 0\): a step has "
+                                                         r"kappa\*\(gamma\+1\) = 2\*\(3\+1\) = 8 to choose from"),
 ])
 def test_bad_options_are_refused_with_one_sentence(demo, kwargs, message):
     with pytest.raises(ValueError, match=message):
