@@ -4,7 +4,8 @@ State between steps: `committed` holds every committed token; the target's cache
 them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.
 
 mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring
-              → (target suffix ‖ the draft host rolls out every branch) → verify → reuse or fallback.
+              → (target suffix ‖ the draft host rolls out every branch, or the top B: branch_budget.py)
+              → verify → reuse or fallback.
 sd step:      draft rolls out one window, then the target verifies it (serial).
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
@@ -30,6 +31,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
+from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
 from .draft import MLXDraft
 from .draft_api import Draft
 from . import validate
@@ -43,7 +45,8 @@ from .workers import LoopThread, Worker
 
 
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
-    """The precomputed window w(A, c) if the correction c was among row A's candidates, else None."""
+    """The precomputed window w(A, c) if the correction c was among row A's candidates (and its branch was
+    rolled out, under a branch budget), else None."""
     if c in cand[a]:
         return windows[a][cand[a].index(c)]
     return None
@@ -68,8 +71,18 @@ def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
         failed.append(e)
 
 
-def _no_post(cand: list[list[int]]) -> None:
+def _no_post(cand: list[list[int]], view: Optional[ExitView] = None) -> None:
     """A step that needs no branch rollout posts nothing."""
+
+
+def _post_budgeted(host: Any, plan: BranchBudget, context: list[int], window: list[int], cand: list[list[int]],
+                   view: ExitView) -> None:
+    """Post the step's branches: every one (no budget), or the top B by the early exit's score as stems."""
+    picked = plan.choose(window, cand, view)
+    if picked is None:
+        host.post_branches(context, window, cand)
+    else:
+        host.post_rollout(context, branch_stems(window, cand, picked), len(window))
 
 
 def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
@@ -238,7 +251,7 @@ class Engine:
             """A fresh record for the next step's facts, with what describes the generation as it stands."""
             return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
                          why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
-                         placement=opts.placement)
+                         placement=opts.placement, branches=opts.branches)
 
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
@@ -249,6 +262,7 @@ class Engine:
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts),
                                     adapter_for(self.exit_adapter, self.exit_layer(opts)))
+        plan = BranchBudget(opts.branches)  # which branches each mirror step rolls out (calibrated as it goes)
         t0 = mark = time.perf_counter()
         stats = record()  # the first step's record carries the prefill
         stats.prompt_tokens = given
@@ -289,7 +303,8 @@ class Engine:
                 if mode == "mirror" and self.draft_failure is None:
                     if budget == 1:  # the step commits the pending row's token whatever the window proposes
                         window = []
-                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget))
+                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget,
+                                                             plan))
                 elif mode == "sd" and self.draft_failure is None and budget > 1:  # (the last token: see ar)
                     new = run(self._sd_step(committed, opts, sampler, processors, stats))
                 else:  # ar, or sd's last token: it is the target's own at the pending row, a window cannot help
@@ -330,18 +345,21 @@ class Engine:
 
     # --- steps -------------------------------------------------------------------------------------
 
-    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget):
+    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget,
+                           plan: Optional[BranchBudget] = None):
         """One step; `budget` tokens are still wanted. A window after the step can change the output only if
         two more tokens are wanted then (the first is the target's own at the pending row, whatever the window
-        proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it."""
+        proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
+        `plan`: the branch budget (branch_budget.py), which of the branches the host rolls out."""
+        plan = plan or BranchBudget(None)
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
         # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         exclude = window + [-1] if opts.exclude_drafted else None
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
-        post = partial(_post_or_note, self.host.post_branches, list(committed), window, failed=failed) \
-            if branches else _no_post
+        post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,
+                       failed=failed) if branches else _no_post
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
         try:
             (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
@@ -360,8 +378,8 @@ class Engine:
             except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
                 self._drop_draft(e, stats)
                 return new, None
-            it = iter(out.windows)
-            windows = [[next(it) for _ in row] for row in cand]
+            windows = spread(cand, plan.picked, out.windows)
+            stats.branches_rolled += plan.rolled_out(cand)
             stats.draft_seconds += r1 - r0
             stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
             stats.draft_forwards += out.forwards
@@ -371,9 +389,10 @@ class Engine:
         stats.suffix_seconds += s1 - s0
         stats.omega_sum += omega
         note_window(stats, gamma, a)
+        plan.settle(a)
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
-        if new[-1] in cand[a]:  # c ∈ C_A: the next window is w(A, c), already rolled out
-            stats.reuses += 1
+        if new[-1] in cand[a] and (windows is None or reuse_window(cand, windows, a, new[-1]) is not None):
+            stats.reuses += 1  # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
             return new, reuse_window(cand, windows, a, new[-1]) if windows is not None else None
         stats.fallbacks += 1
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):

@@ -266,7 +266,8 @@ class Pipeline:
         if opts.mode != "auto":  # the knobs left out come from the pair's profile (tune.policy.explicit)
             self._check_not_iterating()  # a first call may calibrate, which needs the pipeline
             c = explicit(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
-            picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why)
+            picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
+                             branches=checked.branches if checked.branches is not None else c.branches)
             return (*self.engine.check(ids, picked, prompt_cache), None)
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,

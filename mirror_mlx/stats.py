@@ -14,6 +14,7 @@ class Stats:
     kappa: Optional[int] = None
     gamma: Optional[int] = None
     exit_layer: Optional[int] = None
+    branches: Optional[int] = None  # the branch budget B (None: every branch rolled out)
     why: str = ""
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens actually run through the target (the rest came from its cache)
@@ -22,6 +23,7 @@ class Stats:
     draft_forwards: int = 0  # every draft forward the rollouts ran, syncing included (J per rollout)
     draft_tokens: int = 0  # per-branch tokens those forwards emitted (η̄ = draft_tokens / draft_forwards)
     rollouts: int = 0
+    branches_rolled: int = 0  # mirror: branches the draft rolled out beside the target's suffix, over all steps
     steps: int = 0
     reuses: int = 0
     fallbacks: int = 0
@@ -53,6 +55,7 @@ class Stats:
     tokens_per_second = property(lambda s: s.generation_tokens / s.decode_seconds if s.decode_seconds else 0.0)
     eta = property(lambda s: s.draft_tokens / max(s.draft_forwards, 1))  # η̄: tokens per draft forward
     draft_forwards_per_window = property(lambda s: s.draft_forwards / max(s.rollouts, 1))
+    branches_per_step = property(lambda s: s.branches_rolled / max(s.steps, 1))
 
     def __add__(self, other: "Stats") -> "Stats":
         """Totals over generations (chat's /stats, bench, scripts): counts, seconds and timelines add up,
@@ -72,7 +75,7 @@ class Stats:
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "timeline"}
         for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
-                     "tokens_per_second", "eta", "draft_forwards_per_window"):
+                     "tokens_per_second", "eta", "draft_forwards_per_window", "branches_per_step"):
             d[name] = getattr(self, name)
         return d
 
@@ -81,6 +84,8 @@ class Stats:
                 f" | mode {self.mode}")
         if self.mode == "mirror":
             line += f" κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
+            if self.branches is not None:
+                line += f" B={self.branches}"
         elif self.mode == "sd":
             line += f" γ={self.gamma}"
         if self.why.startswith(("auto", "quick")):
@@ -88,6 +93,8 @@ class Stats:
         if self.mode == "mirror":
             line += (f" | fallback {100 * self.fallback_rate:.0f}% | reuse {100 * self.reuse_rate:.0f}%"
                      f" | hidden draft {100 * self.hidden_draft_fraction:.0f}%")
+            if self.branches is not None:  # under a budget: how many it rolled out
+                line += f" | {self.branches_per_step:.1f} branches/step"
             if self.placement.startswith("split"):
                 line += " | cores split"
         if self.left_draft:
@@ -97,7 +104,7 @@ class Stats:
         return line
 
 
-_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft", "placement")  # Stats fields a total keeps the latest of
+_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft", "placement")  # Stats fields a total keeps the latest of
 
 
 @dataclass

@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
 from . import recurrent
+from .branch_budget import ExitView
 from .options import default_exit_layer
 from .sampling import sample_rows
 
@@ -189,6 +190,16 @@ def top_k(logits: mx.array, k: int, exclude: Optional[list[int]] = None) -> tupl
     return ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
+def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
+    """The early exit's log-prob of each drafted token at the row before it (rows = [pending, ŷ1..ŷγ]):
+    γ values, what the branch budget (branch_budget.py) reads P(reaching a row) from."""
+    if len(rows) < 2:
+        return mx.zeros((0,), dtype=mx.float32)
+    logits = logits[:-1].astype(mx.float32)
+    picked = mx.take_along_axis(logits, mx.array(rows[1:], dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    return picked - mx.logsumexp(logits, axis=-1)
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -279,14 +290,16 @@ class TargetSide:
         return self.hold(prompt[:-1], step_size, progress)
 
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
-               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
-        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once, returns them."""
+               post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
+        """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once (with the exit's
+        probabilities, for the branch budget), returns them."""
         early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
-        ids, _ = top_k(early[0], kappa, exclude)
-        mx.eval(ids)
+        ids, logprobs = top_k(early[0], kappa, exclude)
+        own = drafted_logprobs(early[0], rows)
+        mx.eval(ids, logprobs, own)
         self._ids = ids
         cand = ids.tolist()
-        post(cand)
+        post(cand, ExitView(logprobs.tolist(), own.tolist()))
         return cand
 
     def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
@@ -348,21 +361,25 @@ class StageTargetSide(TargetSide):
             self.tapped = EarlyExitTarget(self.model, exit_layer, head, self.n_layers, self.first)
 
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
-               post: Callable[[list[list[int]]], None]) -> list[list[int]]:
+               post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
         x, rank = mx.array([rows]), self.group.rank()
         k = min(kappa, self.vocab or kappa)
         flat = mx.zeros((len(rows), k), dtype=mx.int32)
+        probs = mx.zeros((len(rows), k + 1), dtype=mx.float32)  # the exit's log-probs: candidates, drafted token
         if rank == self.exit_rank:
             early, self._final = self.tapped.forward(x, self.cache)
-            flat = top_k(early[0], kappa, exclude)[0].astype(mx.int32)
-            mx.eval(flat)
+            flat, logprobs = top_k(early[0], kappa, exclude)
+            flat = flat.astype(mx.int32)
+            probs = mx.concatenate([logprobs, mx.pad(drafted_logprobs(early[0], rows), (0, 1))[:, None]], axis=1)
+            mx.eval(flat, probs)
         else:
             self._final = self.model(x, cache=self.cache)
             if rank > self.exit_rank:  # an earlier stage: its layers and its send first
                 mx.eval(self.cache[-1].state)
         ids = mx.distributed.all_sum(flat, group=self.group, stream=mx.cpu)
-        mx.eval(ids)
+        probs = mx.distributed.all_sum(probs, group=self.group, stream=mx.cpu)
+        mx.eval(ids, probs)
         self._ids = ids
-        cand = ids.tolist()
-        post(cand)
+        cand, exit_probs = ids.tolist(), probs.tolist()
+        post(cand, ExitView([row[:-1] for row in exit_probs], [row[-1] for row in exit_probs[:-1]]))
         return cand

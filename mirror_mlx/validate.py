@@ -157,7 +157,16 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
     )
     if opts.mode == "mirror":
         branches(opts.kappa, opts.gamma)
+    if opts.branches is not None:
+        opts = replace(opts, branches=branch_budget(opts.branches, opts.kappa, opts.gamma))
     return opts
+
+
+def branch_budget(value: Any, kappa: int, gamma: int) -> int:
+    """B, the branches a mirror step rolls out: an int within 1..κ(γ+1) (None, every branch, is not checked)."""
+    n = kappa * (gamma + 1)
+    return as_int("branches", value, 1, n, f"a step has kappa*(gamma+1) = {kappa}*({gamma}+1) = {n} to choose "
+                  f"from, so give a budget from 1 to {n}, or leave it unset (None) to roll out all of them")
 
 
 def model_folder(path: Path) -> Path:

@@ -51,6 +51,8 @@ def test_bad_options_are_usage_errors_without_traceback():
     for args, message in [(("--kappa", "0"), "kappa must be at least 1"),
                           (("--gamma", "0"), "gamma must be at least 1"),
                           (("--exit-layer", "7"), "exit layer 7 is outside 1..4"),
+                          (("--mode", "mirror", "--kappa", "2", "--gamma", "3", "--branches", "9"),
+                           "--branches must be at most 8 (got 9): a step has --kappa*(--gamma+1) = 2*(3+1) = 8"),
                           (("--max-tokens", "1000"), "exceeds the target's context"),
                           (("--model", "/no/such/model"), "does not exist")]:
         result = run(*args)

@@ -258,16 +258,21 @@ def test_a_draft_host_that_dies_is_dropped_on_every_rank_and_the_text_is_still_t
     assert made and not wait_unlinked(made), err
 
 
-def test_generate_with_pipeline_splits_by_layers_and_prints_mlx_lm_s_greedy_text(tmp_path):
+@pytest.mark.parametrize("branches", [None, 3])
+def test_generate_with_pipeline_splits_by_layers_and_prints_mlx_lm_s_greedy_text(tmp_path, branches):
     """`--pipeline` on the command line: the qwen2 pair split by layers (rank 1's stage holds ℓe = 2), mirror on
-    2 ranks; the same tokens as mlx-lm's one process. In one process the flag is said to be ignored."""
+    2 ranks; the same tokens as mlx-lm's one process. In one process the flag is said to be ignored. With a
+    branch budget (`--branches 3` of 8) every rank scores the branches from the exit rank's shared probabilities."""
     target, draft = tiny_pair(tmp_path, "qwen2", 4, 513)
     model, tokenizer = load(str(target))
     prompt = tinystories()[24].text
     command = [sys.executable, "-m", "mirror_mlx", "generate", "--model", str(target), "--draft-model", str(draft),
                "--exit-adapter", "none", "--mode", "mirror", "--kappa", "2", "--gamma", "3", "--exit-layer", "2",
                "--max-tokens", "32", "--json", "--prompt", prompt, "--pipeline"]
+    command += ["--branches", str(branches)] if branches is not None else []
     got = json.loads(launch(command, tmp_path)[0].stdout)
+    assert got["stats"]["branches"] == branches
+    assert got["stats"]["branches_rolled"] <= (branches or 2 * (3 + 1)) * got["stats"]["steps"]
     ids = tokenizer.encode(prompt)
     ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=32)]
     eos = next((i for i, t in enumerate(ref) if t in tokenizer.eos_token_ids), len(ref))

@@ -83,8 +83,9 @@ def accepted_lengths(from_draft) -> list[int]:
 GRID_TOKENS = 96  # per opening in the κ/γ/ℓe grid below
 
 
-@pytest.mark.parametrize("kappa,gamma,exit_layer", [(8, 7, None), (1, 1, 1), (3, 4, 4), (16, 2, 2)])
-def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, kappa, gamma, exit_layer):
+@pytest.mark.parametrize("kappa,gamma,exit_layer,branches", [(8, 7, None, None), (1, 1, 1, None), (3, 4, 4, None),
+                                                             (16, 2, 2, None), (4, 3, None, 2), (4, 3, None, 5)])
+def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, kappa, gamma, exit_layer, branches):
     """Each mode decodes the 16 distinct openings, GRID_TOKENS tokens each, exactly as mlx-lm does.
 
     GRID_TOKENS was 128: 96 keeps every path of a verify step exercised many times over, which is what
@@ -95,14 +96,17 @@ def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, ka
     each 237 to 1,197 times per setting at 128 tokens (about three quarters of that at 96), but for
     κ=1 γ=1's reuse, 19 times at 128 tokens. No size limit sits between 96 and 128 tokens (the prompts
     are ~8 tokens; the draft's context is 256, its branch rows grow every 256, the target's context is
-    512). That every acceptance length occurs is asserted."""
-    for mode in ("mirror", "sd"):
+    512). That every acceptance length occurs is asserted. With a branch budget B (mirror only: sd has no
+    branches) at most B branches are rolled out a step, and some corrections fall outside them."""
+    for mode in ("mirror", "sd") if branches is None else ("mirror",):
         def check(pipe, case):
             prompt, ref = case
             out = pipe.generate(prompt, max_tokens=GRID_TOKENS, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
-                                mode=mode, stop=False)
+                                mode=mode, branches=branches, stop=False)
             assert out.tokens == ref[:GRID_TOKENS], \
-                f"{mode} κ={kappa} γ={gamma} ℓe={exit_layer} diverged on {prompt}"
+                f"{mode} κ={kappa} γ={gamma} ℓe={exit_layer} B={branches} diverged on {prompt}"
+            if branches is not None:
+                assert 0 < out.stats.branches_rolled <= branches * out.stats.steps, out.stats.as_dict()
             return accepted_lengths(out.from_draft)
 
         seen = {a for lengths in in_lanes(demos, greedy_refs, check) for a in lengths}
@@ -332,6 +336,8 @@ def test_a_draft_that_cannot_prefill_switches_visibly_to_ar(greedy_refs, capsys)
     (dict(exit_layer=0), r"exit layer 0 is outside 1\.\.4"),
     (dict(max_tokens=600), "exceeds the target's context of 512"),
     (dict(mode="fast"), "unknown mode"),
+    (dict(mode="mirror", kappa=2, gamma=3, branches=0), r"branches must be at least 1 \(got 0\): a step has "
+                                                         r"kappa\*\(gamma\+1\) = 2\*\(3\+1\) = 8 to choose from"),
 ])
 def test_bad_options_are_refused_with_one_sentence(demo, kwargs, message):
     with pytest.raises(ValueError, match=message):

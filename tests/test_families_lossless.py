@@ -23,9 +23,9 @@ TOKENS = 24
 VOCAB = CONFIGS["llama_tied"]["vocab_size"]
 PROMPTS = [[7, 30], [5, 61, 2, 88, 13, 40], [90, 3, 3, 17, 52, 8, 71, 29, 64, 11, 6]]
 FAMILIES = ["gemma3_text", "llama_tied", "mistral", "qwen2", "qwen3"]  # (llama_untied: mistral as built here)
-KNOBS = {  # (κ, γ, ℓe) per draft: the random draft's windows are rejected early, long ones add nothing
-    "self": [(1, 1, 3), (3, 4, 2), (8, 6, 1)],
-    "random": [(1, 1, 3), (3, 4, 2)],
+KNOBS = {  # (κ, γ, ℓe[, B]) per draft: the random draft's windows are rejected early, long ones add nothing
+    "self": [(1, 1, 3), (3, 4, 2), (8, 6, 1), (4, 3, 2, 5)],
+    "random": [(1, 1, 3), (3, 4, 2), (4, 3, 2, 2)],
 }
 CASES = [(family, draft, knobs) for family in FAMILIES for draft in KNOBS for knobs in KNOBS[draft]]
 
@@ -66,15 +66,15 @@ def build(family: str, draft: str, tmp_path_factory):
     return refs, pipe
 
 
-@pytest.mark.parametrize("family,draft,knobs", CASES, ids=[f"{f}-{d}-k{k}g{g}e{e}" for f, d, (k, g, e) in CASES])
+@pytest.mark.parametrize("family,draft,knobs", CASES, ids=[f"{f}-{d}-k{k[0]}g{k[1]}e{k[2]}" + (f"B{k[3]}" if len(k) > 3 else "") for f, d, k in CASES])
 def test_mirror_and_sd_equal_mlx_lm_greedy_in_every_family(pipelines, family, draft, knobs):
-    kappa, gamma, exit_layer = knobs
+    kappa, gamma, exit_layer, branches = (*knobs, None)[:4]
     refs, pipe = pipelines(family, draft)
-    for mode in ("mirror", "sd"):
+    for mode in ("mirror", "sd") if branches is None else ("mirror",):  # (a budget changes mirror only)
         accepted = proposed = reuses = fallbacks = 0
         for prompt, ref in zip(PROMPTS, refs):
             out = pipe.generate(prompt, max_tokens=TOKENS, mode=mode, kappa=kappa, gamma=gamma,
-                                exit_layer=exit_layer, stop=False)
+                                exit_layer=exit_layer, branches=branches, stop=False)
             assert out.stats.mode == mode and out.stats.draft_failure is None
             assert out.tokens == ref, (f"{family}, {draft} draft, {mode} κ={kappa} γ={gamma} ℓe={exit_layer}: "
                                        f"prompt {prompt} gave {out.tokens}, mlx-lm {ref}")

@@ -177,15 +177,18 @@ def conditional_test(tokens: np.ndarray, probs: np.ndarray, rows: np.ndarray, pr
     }
 
 
-def sample(target, pipe, mode: str, settings: dict, seeds, expect: dict = None) -> tuple[dict, dict]:
+def sample(target, pipe, mode: str, settings: dict, seeds, expect: dict = None,
+           branches: int = None) -> tuple[dict, dict]:
     """Generate once per seed; returns the conditional test's p-values (against `expect`'s settings,
     by default the ones sampled with) and what the steps did."""
     outputs, rows = [], []
     seen = dict(reuses=0, fallbacks=0, rejections=0, draft_failures=0)
     for seed in seeds:
-        chunks = list(pipe.stream(PROMPT, max_tokens=TOKENS, seed=seed, mode=mode, stop=False, **KNOBS, **settings))
+        chunks = list(pipe.stream(PROMPT, max_tokens=TOKENS, seed=seed, mode=mode, stop=False, branches=branches,
+                                  **KNOBS, **settings))
         stats, tokens = pipe.stats, [t for c in chunks for t in c.tokens]
         assert len(tokens) == TOKENS and stats.mode == mode
+        assert branches is None or stats.branches_rolled <= branches * stats.steps
         outputs.append(tokens)
         rows.append(rows_in_step([d for c in chunks for d in c.from_draft]))
         for k in ("reuses", "fallbacks", "rejections"):
@@ -211,10 +214,12 @@ def check_steps(mode: str, seen: dict) -> None:
 SEEDS = {"mirror": range(RUNS), "sd": range(1000, 1000 + RUNS)}  # sd's own draws (seeded runs are mode-invariant)
 
 
-@pytest.mark.parametrize("mode,name", [("mirror", name) for name in SETTINGS] + [("sd", "all")])
-def test_every_committed_token_follows_the_target_distribution(pair, mode, name):
+@pytest.mark.parametrize("mode,name,branches", [("mirror", name, None) for name in SETTINGS]
+                         + [("mirror", "all", 2), ("mirror", "all", 5), ("sd", "all", None)])
+def test_every_committed_token_follows_the_target_distribution(pair, mode, name, branches):
+    """B: a branch budget (of κ(γ+1) = 8 here), which only changes which windows were precomputed."""
     target, pipe = pair
-    p, seen = sample(target, pipe, mode, SETTINGS[name], SEEDS[mode])
+    p, seen = sample(target, pipe, mode, SETTINGS[name], SEEDS[mode], branches=branches)
     check_steps(mode, seen)
     assert min(p.values()) > SEEDED_P, f"{mode} {name}: committed tokens do not follow the target ({p}, {seen})"
 

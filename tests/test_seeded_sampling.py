@@ -31,8 +31,9 @@ def test_same_seed_same_tokens_in_every_mode(pipe, name):
     kw = dict(SETTINGS[name], max_tokens=24, seed=3, stop=False)
     ar = pipe.generate("Once upon a time", mode="ar", **kw).tokens
     assert len(ar) == 24
-    for mode in ("sd", "mirror"):
-        assert pipe.generate("Once upon a time", mode=mode, kappa=4, gamma=5, **kw).tokens == ar, mode
+    for mode, branches in (("sd", None), ("mirror", None), ("mirror", 2), ("mirror", 5)):  # B: a branch budget
+        out = pipe.generate("Once upon a time", mode=mode, kappa=4, gamma=5, branches=branches, **kw)
+        assert out.tokens == ar, (mode, branches)
 
 
 def test_another_seed_gives_another_sample(pipe):

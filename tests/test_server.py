@@ -179,10 +179,14 @@ def test_completion_equals_pipeline_generate(client, model, ref, stream):
         assert r.object == "text_completion" and r.usage.completion_tokens == 24
 
 
-@pytest.mark.parametrize("mode", ["sd", "ar"])
-def test_every_mode_returns_the_same_text(client, model, ref, mode):
-    r = client.completions.create(model=model, prompt="The dog", max_tokens=24, extra_body={"mode": mode, "gamma": 4})
+@pytest.mark.parametrize("mode,knobs", [("sd", {}), ("ar", {}), ("mirror", {"kappa": 2, "branches": 3})])
+def test_every_mode_returns_the_same_text(client, model, ref, mode, knobs):
+    """(mirror with a branch budget of its request's own)"""
+    r = client.completions.create(model=model, prompt="The dog", max_tokens=24,
+                                  extra_body={"mode": mode, "gamma": 4, **knobs})
     assert r.choices[0].text == ref("The dog", 24) and r.model_extra["x_mirror"]["mode"] == mode
+    if "branches" in knobs:
+        assert r.model_extra["x_mirror"]["branches"] == 3 and r.model_extra["x_mirror"]["branches_per_step"] <= 3
 
 
 def test_sampling_fields_reach_the_engine(client, model, pipe, ref):
@@ -263,6 +267,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "kappa": 0}, 400, "kappa"),
     ("/v1/completions", {"prompt": "x", "gamma": 2.5}, 400, "gamma"),
+    ("/v1/completions", {"prompt": "x", "branches": 0}, 400, "branches"),
+    ("/v1/completions", {"prompt": "x", "kappa": 2, "gamma": 3, "branches": 9}, 400, "branches"),
     ("/v1/completions", {"prompt": "x", "mode": "fast"}, 400, "mode"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),

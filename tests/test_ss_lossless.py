@@ -19,11 +19,12 @@ def ss_pipe():
     pipe.close()
 
 
-def test_mirror_with_the_ss_draft_equals_mlx_lm_greedy_on_20_openings(ss_pipe):
+@pytest.mark.parametrize("branches", [None, 5])  # B: a branch budget, of κ(γ+1) = 12
+def test_mirror_with_the_ss_draft_equals_mlx_lm_greedy_on_20_openings(ss_pipe, branches):
     forwards = windows = 0
-    for text in openings(20):
+    for text in openings(20 if branches is None else 5):
         prompt = ss_pipe.tokenizer.encode(text)
-        out = ss_pipe.generate(prompt, max_tokens=48, kappa=2, gamma=5, stop=False)
+        out = ss_pipe.generate(prompt, max_tokens=48, kappa=2, gamma=5, branches=branches, stop=False)
         assert out.tokens == mlx_greedy(ss_pipe.model, prompt, 48), f"diverged on {text!r}"
         forwards += out.stats.draft_forwards
         windows += out.stats.rollouts

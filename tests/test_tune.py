@@ -85,6 +85,63 @@ def test_the_ranking_is_the_arg_max_of_the_predictions():
     assert best.mode == "mirror" and ranked[0]["reuse"] == 1.0
 
 
+def test_a_branch_budget_predicts_the_top_b_branches_mass_and_a_rollout_of_b_rows():
+    """B of the κ(γ+1) branches: the reuse predicted is the traces' mass of the B (row, rank) cells that held the
+    most corrections; T_par is the floor at B rows (read between the measured row counts) with the contention
+    measured at κ(γ+1)."""
+    tr = Trace(runs=[2, 1, 0, 0, 3, 2, 1, 0], rank_excl={2: [9, 9, 0, 5, 9, 9, 9, 1]},
+               rank_plain={2: [9, 9, 9, 9, 9, 9, 9, 0]})
+    acc = Acceptance([tr])  # γ=3, κ=6: steps end at (row 2, rank 0), (row 0, rank 5), (row 3, rank 0)
+    assert acc.reuse_rate(6, 3, 2) == acc.reuse_rate(6, 3, 2, branches=24) == 1.0
+    assert acc.reuse_rate(6, 3, 2, branches=2) == pytest.approx(2 / 3)
+    assert acc.reuse_rate(1, 3, 2, branches=1) == pytest.approx(1 / 3)  # the κ=1 cells: (2, 0) and (3, 0), one each
+    t, acc = synthetic(window_ms=1.0, rank=0)
+    t.rollout = {(4, 1): 2e-3, (8, 1): 6e-3}
+    full, budget = Config("mirror", 4, 1, 1), Config("mirror", 4, 1, 1, branches=6)
+    assert budget.rows == 6 and budget.name == "mirror κ=4 γ=1 ℓe=1 B=6"
+    suffix = t.suffix[(1, 2)]
+    from mirror_mlx.tune.cost_model import parallel_time, rollout_time
+    assert rollout_time(t, 6, 1) == pytest.approx(4e-3) and rollout_time(t, 1, 1) == t.window[1]
+    assert parallel_time(full, t) == t.parallel[(1, 4, 1)]
+    assert parallel_time(budget, t) == pytest.approx(max(suffix, 4e-3) * t.parallel[(1, 4, 1)] / max(suffix, 6e-3))
+    configs = grid((1, 4), (1, 3), (1,), branches=(None, 2, 4))
+    assert Config("mirror", 4, 1, 1, branches=4) in configs  # κ(γ+1) = 8 > 4
+    assert Config("mirror", 1, 3, 1, branches=4) not in configs and Config("mirror", 1, 3, 1, branches=2) in configs
+    # None at each (κ, γ), and the B below κ(γ+1): (1, 1) none, (1, 3) 2, (4, 1) and (4, 3) 2 and 4
+    assert sum(c.mode == "mirror" for c in configs) == 4 + 1 + 2 + 2
+
+
+def test_a_profile_with_a_branch_budget_round_trips_and_auto_runs_it(pipe, tmp_path, monkeypatch):
+    """A chosen B is saved, loaded back and run by auto (and by an explicit mode from its row); a file from
+    before budgets (no "branches") loads as every branch."""
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    key = profiles.key_for(tiny_model("llama_tied", seed=0))
+    table = [row("ar", None, 1.0, 10.0), dict(row("mirror", 3, 2.3, 5.0, kappa=2, exit_layer=2), branches=4)]
+    saved = profiles.Profile(key=key, mode="mirror", kappa=2, gamma=3, exit_layer=2, branches=4, why="tuned",
+                             table=table)
+    assert profiles.load(key) is None and profiles.load(profiles.save(saved) and key) == saved
+    data = json.loads(profiles.path_for(key).read_text())
+    del data["branches"]
+    profiles.path_for(key).write_text(json.dumps(data))
+    assert profiles.load(key).branches is None
+    c = policy.knobs_from(saved, None, "mirror", None, None, None)
+    assert (c.kappa, c.gamma, c.branches) == (2, 3, 4) and "branches=4" in c.why
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft)
+    try:
+        fresh.auto.profile = profiles.Profile(**{**saved.__dict__, "key": profiles.pipe_key(fresh)})
+        ref = pipe.generate(PROMPT, max_tokens=24, mode="ar", stop=False).tokens
+        out = fresh.generate(PROMPT, max_tokens=24, stop=False)
+        assert out.tokens == ref and (out.stats.mode, out.stats.kappa, out.stats.branches) == ("mirror", 2, 4)
+        assert out.stats.branches_rolled <= 4 * out.stats.steps
+        assert fresh.generate(PROMPT, max_tokens=8, branches=3, stop=False).stats.branches == 3  # asked: wins
+        bad = dict(saved.__dict__, branches=0)
+        profiles.path_for(key).write_text(json.dumps(bad))
+        with pytest.raises(profiles.ProfileError, match="branches: 0"):
+            profiles.load(key)
+    finally:
+        fresh.close()
+
+
 def test_a_fallback_heavy_regime_picks_sd_or_ar():
     # the early exit never holds the correction (rank 50 > κ): every mirror step pays the fallback window
     t, acc = synthetic(window_ms=4.0, rank=50)
@@ -262,7 +319,7 @@ def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_
     assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
                                                                         ("mode", "kappa", "gamma", "exit_layer"))
     quick = calibrate.TuneConfig.quick()
-    assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2]))  # the demo adapter pins ℓe = 2
+    assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2], branches=quick.branches))  # the adapter: ℓe = 2
 
 
 def best_row(prof, mode, **given):
@@ -300,6 +357,7 @@ def test_an_explicit_mode_without_knobs_runs_the_profiles_best_row_for_it_and_is
     for mode, names in (("mirror", ("kappa", "gamma", "exit_layer")), ("sd", ("gamma",))):
         out = pipe.generate(PROMPT, max_tokens=24, mode=mode, stop=False)
         s, best = out.stats, best_row(prof, mode)
+        names += ("branches",) if best.get("branches") is not None else ()  # a row's B comes with its κ and γ
         assert out.tokens == ref and s.mode == s.chosen_mode == mode and s.proposed > 0
         assert tuple(getattr(s, k) for k in names) == tuple(best[k] for k in names)
         picked = " ".join(f"{k}={best[k]}" for k in names)
@@ -312,9 +370,10 @@ def test_explicit_knobs_win_over_the_profile_and_fill_the_rest_from_it(pipe):
     assert (s.mode, s.kappa, s.gamma, s.why) == ("mirror", 8, 7, "mode mirror as asked")
     s = pipe.generate(PROMPT, max_tokens=8, mode="mirror", gamma=2).stats  # κ and ℓe from the best γ=2 row
     best = best_row(prof, "mirror", gamma=2)
-    assert (s.kappa, s.gamma, s.exit_layer) == (best["kappa"], 2, best["exit_layer"])
-    assert s.why == f"mode mirror as asked; kappa={best['kappa']} exit_layer={best['exit_layer']} from the profile " \
-                    "(quick calibration)"
+    assert (s.kappa, s.gamma, s.exit_layer, s.branches) == (best["kappa"], 2, best["exit_layer"], best.get("branches"))
+    budget = f" branches={best['branches']}" if best.get("branches") is not None else ""  # the row's B, if any
+    assert s.why == f"mode mirror as asked; kappa={best['kappa']} exit_layer={best['exit_layer']}{budget} from the " \
+                    "profile (quick calibration)"
     assert pipe.generate(PROMPT, max_tokens=8, mode="sd", gamma=5).stats.why == "mode sd as asked"
     s = pipe.generate(PROMPT, max_tokens=8, kappa=2).stats  # κ only means mirror; γ from the profile's grid
     assert (s.chosen_mode, s.kappa) == ("mirror", 2) and "kappa=2" in s.why

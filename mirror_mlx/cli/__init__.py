@@ -134,6 +134,9 @@ def knob_options(gamma_help: str) -> list:
                           "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
         click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
                      help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
+        click.option("--branches", type=int, default=DEFAULTS.branches,
+                     help="Branch budget B: mirror rolls out the B branches the early exit scores likeliest of its "
+                          "κ(γ+1) a step [default: every branch]."),
     ]
 
 
@@ -173,7 +176,7 @@ pipeline_option = click.option(
 
 
 FLAGS = {"prefill_step_size": "--prefill-step-size", "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-         "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer",
+         "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer", "branches": "--branches",
          "max_kv_size": "--max-kv-size", "adapter_path": "--adapter-path", "draft_model=...": "--draft-model",
          "mode='ar'": "--mode ar"}
 
@@ -222,10 +225,10 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
 
 
 def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, prefill_step_size, kappa, gamma,
-                      exit_layer, mode) -> dict:
+                      exit_layer, mode, branches=None) -> dict:
     return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
                 max_kv_size=max_kv_size, prefill_step_size=prefill_step_size, kappa=kappa, gamma=gamma,
-                exit_layer=exit_layer, mode=mode)
+                exit_layer=exit_layer, mode=mode, branches=branches)
 
 
 def xtc_options(min_tokens_to_keep: bool):

@@ -17,8 +17,8 @@ DEFAULT_MODEL = "default_model"  # what mlx_lm.server calls the model it was sta
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # --allowed-origins' default: pages served from this machine
 # what a request may hold; a field outside these gets a 400 naming it (nothing is ignored in silence)
 COMMON = ("model", "stream", "stream_options", "n", "stop", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer", "mode",
-          "logprobs", "top_logprobs", "user")
+          "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer", "branches",
+          "mode", "logprobs", "top_logprobs", "user")
 FIELDS = {"/v1/chat/completions": COMMON + ("messages", "tools", "tool_choice", "parallel_tool_calls",
                                             "chat_template_kwargs"),
           "/v1/completions": COMMON + ("prompt",)}
@@ -238,7 +238,7 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
         value = _number(body, key)
         if value is not None:
             opts[option] = float(value)
-    for key in ("top_k", "seed", "kappa", "gamma", "exit_layer"):
+    for key in ("top_k", "seed", "kappa", "gamma", "exit_layer", "branches"):
         value = _number(body, key, integer=True)
         if value is not None:
             opts[key] = value
@@ -260,6 +260,11 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
             validate.branches(kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"])
         except ValueError as e:
             raise APIError(400, str(e), "kappa" if "kappa" in body else "gamma") from None
+    if opts.get("branches") is not None:
+        try:  # B within 1..κ(γ+1), of the κ and γ this request asks for (the paper's where left out)
+            validate.branch_budget(opts["branches"], kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"])
+        except ValueError as e:
+            raise APIError(400, str(e), "branches") from None
     req.options = opts
     return req
 

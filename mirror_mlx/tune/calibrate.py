@@ -101,6 +101,7 @@ class TuneConfig:
     max_tokens: int = 48
     kappas: tuple = (1, 2, 4, 8)
     gammas: tuple = (1, 2, 3, 5, 7)
+    branches: tuple = (None, 2, 4, 8)  # mirror's branch budgets B (each below κ(γ+1)): predicted from the traces
     exit_layers: Optional[tuple] = None  # None: the adapter's layer, else N/4, N/3, N/2, 3N/4
     reps: int = 3
     confirm: int = 5  # the top predictions measured end to end (ar is always measured too)
@@ -116,7 +117,7 @@ class TuneConfig:
     def quick(cls) -> "TuneConfig":
         """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,...,5}, the middle ℓ_e
         (and each exit adapter's first exact layer), one probe per mode, capped."""
-        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), reps=2, confirm=2,
+        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), branches=(None, 2, 4), reps=2, confirm=2,
                    confirm_prompts=1, min_seconds=0.5, min_timed_s=0.15, probe_two_windows=False, exact_top=2,
                    progress=False, budget_s=quick_budget())
 
@@ -519,7 +520,7 @@ def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]]
     """
     own = prompts if isinstance(prompts, dict) else {c: prompts for c in configs}
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
-                     exit_layer=c.exit_layer) for c in configs}
+                     exit_layer=c.exit_layer, branches=c.branches) for c in configs}
 
     def generate(c: Config, prompt: list[int], **kw: Any) -> Any:
         pipe.auto.placement_forced = c.placement  # each config in its own placement (tune/placement.py)
@@ -631,7 +632,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
                              "name the same file on every host")
     placements = candidates(pipe)  # mirror's confirmed points run in each (tune/placement.py)
     layers = exit_layer_candidates(pipe, cfg)
-    configs = grid(cfg.kappas, cfg.gammas, layers)
+    configs = grid(cfg.kappas, cfg.gammas, layers, branches=cfg.branches)
     probes = probe_configs(cfg, layers)
     top = max(cfg.confirm, cfg.exact_top)  # the predictions that decide what is confirmed are all measured ones
     bars: list = []  # one bar per phase, each with its true total (None where the rounds are not known ahead)
@@ -741,4 +742,4 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
     if key is None:
         key = profiles.pipe_key(pipe)
     return profiles.Profile(key=key, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
-                            why=why, table=table, calibration=calibration)
+                            branches=c.branches, why=why, table=table, calibration=calibration)

@@ -19,6 +19,7 @@ class Choice:
     gamma: int = PAPER_KNOBS["gamma"]
     exit_layer: Optional[int] = None
     why: str = ""
+    branches: Optional[int] = None  # mirror's branch budget B (None: every branch)
 
 
 @dataclass
@@ -66,9 +67,12 @@ def choose(table: list[dict], seen: Optional[Seen] = None,
 
 
 def row_config(row: dict) -> Config:
-    return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"])
+    """A table row's configuration (a row from before branch budgets has none: every branch)."""
+    return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"], branches=row.get("branches"))
 
 
 def describe(c: Any) -> str:
-    return Config(c.mode, c.kappa if c.mode == "mirror" else None, c.gamma if c.mode != "ar" else None,
-                  c.exit_layer if c.mode == "mirror" else None).name
+    mirror = c.mode == "mirror"
+    return Config(c.mode, c.kappa if mirror else None, c.gamma if c.mode != "ar" else None,
+                  c.exit_layer if mirror else None,
+                  branches=getattr(c, "branches", None) if mirror else None).name

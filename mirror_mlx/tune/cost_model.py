@@ -3,6 +3,8 @@
 mirror step:  T = T_prefix(ℓ_e) + T_comm,prefix + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
               T_par is max(T_suffix(ℓ_e) + T_comm,suffix, T_rollout(κ(γ+1) rows, γ)) when the two truly
               overlap; it is measured with both running at once, so contention between them is in the number.
+              A branch budget B rolls out min(B, κ(γ+1)) rows: T_rollout at that many rows (read between the
+              row counts measured), with the contention measured at κ(γ+1).
 sd step:      T = T_window(γ) + T_verify(γ + 1 rows) + T_comm(γ + 1 rows) + T_over
 ar step:      T = T_verify(1 row) + T_comm(1 row) + T_over
 T_comm is the target's collectives across ranks (the sharded layers' all_sums, mirror_mlx/distributed.py),
@@ -11,9 +13,13 @@ Tokens per step come from an acceptance trace (`Trace`): where the draft's greed
 the target's along the target's own greedy text, and the rank of the target's token among the early
 exit's candidates at every candidate ℓ_e. At temperature 0 replaying a trace is exact: it gives the
 accepted length of every step for any γ and whether the branch for the correction was rolled out
-(reuse) for any κ, so `mean_tokens` and `reuse_rate` are measured, not assumed.
+(reuse) for any κ, so `mean_tokens` and `reuse_rate` are measured, not assumed. Under a branch budget B the
+predicted reuse is the traces' mass of the B likeliest (row, rank) branches: how often a step ended at that
+row with its correction at that rank among the exit's candidates (the engine picks its B per step from the
+exit's own probabilities, branch_budget.py, so it can only do better on text like the traces').
 """
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -29,6 +35,7 @@ class Config:
     gamma: Optional[int] = None
     exit_layer: Optional[int] = None
     placement: str = "unpinned"  # where its threads run (tune/placement.py); only mirror is measured split
+    branches: Optional[int] = None  # mirror's branch budget B (None: every branch)
 
     @property
     def name(self) -> str:
@@ -36,7 +43,14 @@ class Config:
             return "ar"
         if self.mode == "sd":
             return f"sd γ={self.gamma}"
-        return f"mirror κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}"
+        budget = f" B={self.branches}" if self.branches is not None else ""
+        return f"mirror κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}{budget}"
+
+    @property
+    def rows(self) -> int:
+        """Branches a mirror step rolls out: κ(γ+1), or B under a budget."""
+        every = self.kappa * (self.gamma + 1)
+        return every if self.branches is None else min(self.branches, every)
 
 
 @dataclass
@@ -55,9 +69,10 @@ class Trace:
     rank_plain: dict[int, list[int]] = field(default_factory=dict)
 
 
-def replay(trace: Trace, gamma: int, kappa: Optional[int] = None, exit_layer: Optional[int] = None
-           ) -> tuple[int, int, int]:
-    """(steps, tokens, reuses) of greedy speculative decoding along `trace` with window γ."""
+def replay(trace: Trace, gamma: int, kappa: Optional[int] = None, exit_layer: Optional[int] = None,
+           cells: Optional[Counter] = None) -> tuple[int, int, int]:
+    """(steps, tokens, reuses) of greedy speculative decoding along `trace` with window γ; `cells` counts the
+    reused steps by branch: (the row the step ended at, the correction's rank among its candidates)."""
     n, p = len(trace.runs), 0
     steps = tokens = reuses = 0
     while p < n:
@@ -69,6 +84,8 @@ def replay(trace: Trace, gamma: int, kappa: Optional[int] = None, exit_layer: Op
         if kappa is not None:
             ranks = (trace.rank_excl if a < gamma else trace.rank_plain)[exit_layer]
             reuses += ranks[p + a] < kappa
+            if cells is not None and ranks[p + a] < kappa:
+                cells[(a, ranks[p + a])] += 1
         steps += 1
         tokens += a + 1
         p += a + 1
@@ -89,8 +106,14 @@ class Acceptance:
         steps, tokens, _ = self._sum(gamma)
         return tokens / steps if steps else 1.0
 
-    def reuse_rate(self, kappa: int, gamma: int, exit_layer: int) -> float:
+    def reuse_rate(self, kappa: int, gamma: int, exit_layer: int, branches: Optional[int] = None) -> float:
+        """Steps whose correction's branch was rolled out: among the κ(γ+1), or the B that held the most."""
         steps, _, reuses = self._sum(gamma, kappa, exit_layer)
+        if branches is not None and branches < kappa * (gamma + 1):
+            cells: Counter = Counter()
+            for t in self.traces:
+                replay(t, gamma, kappa, exit_layer, cells)
+            reuses = sum(sorted(cells.values(), reverse=True)[:branches])
         return reuses / steps if steps else 0.0
 
     def window_counts(self, gamma: int) -> tuple[int, int]:
@@ -182,10 +205,28 @@ def parallel_time(cfg: Config, t: Timings) -> float:
     prediction without it is an upper bound."""
     g = cfg.gamma
     measured = t.parallel.get((cfg.exit_layer, cfg.kappa, g))
-    if measured is not None:
+    every = cfg.kappa * (g + 1)
+    if measured is not None and cfg.rows == every:
         return measured
     suffix = t.suffix[(cfg.exit_layer, g + 1)] + comm_time(t, g + 1, cfg.exit_layer, "suffix")
-    return max(suffix, t.rollout[(cfg.kappa * (g + 1), g)])
+    floor = max(suffix, rollout_time(t, cfg.rows, g))
+    if measured is None:
+        return floor
+    return floor * measured / max(suffix, rollout_time(t, every, g))  # a budget: the contention measured at κ(γ+1)
+
+
+def rollout_time(t: Timings, rows: int, gamma: int) -> float:
+    """T_rollout of `rows` branches of depth γ: measured at that row count, else read linearly between the
+    row counts measured at γ (one row: the serial window)."""
+    if (rows, gamma) in t.rollout:
+        return t.rollout[(rows, gamma)]
+    points = sorted({**({1: t.window[gamma]} if gamma in t.window else {}),
+                     **{n: v for (n, g), v in t.rollout.items() if g == gamma}}.items())
+    lo = max((p for p in points if p[0] <= rows), default=points[0])
+    hi = min((p for p in points if p[0] >= rows), default=points[-1])
+    if hi[0] == lo[0]:
+        return lo[1]
+    return lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0])
 
 
 def is_bound(cfg: Config, t: Timings) -> bool:
@@ -209,7 +250,7 @@ def overhead(cfg: Config, t: Timings) -> float:
 def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
     """Predicted tokens/s of `cfg`, with the terms behind it ("bound": an upper bound, see parallel_time)."""
     tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
-    reuse = acc.reuse_rate(cfg.kappa, cfg.gamma, cfg.exit_layer) if cfg.mode == "mirror" else 0.0
+    reuse = acc.reuse_rate(cfg.kappa, cfg.gamma, cfg.exit_layer, cfg.branches) if cfg.mode == "mirror" else 0.0
     component = component_time(cfg, t, reuse)
     step = max(component + overhead(cfg, t), component / 2)  # (a negative overhead is a correction)
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
@@ -222,10 +263,13 @@ def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:
     return sorted((predict(c, t, acc) for c in configs), key=lambda p: -p["tokens_per_second"])
 
 
-def grid(kappas: Iterable[int], gammas: Iterable[int], exit_layers: Iterable[int], draft: bool = True) -> list[Config]:
-    """ar, sd at every γ and mirror at every (κ, γ, ℓ_e); only ar without a draft."""
+def grid(kappas: Iterable[int], gammas: Iterable[int], exit_layers: Iterable[int], draft: bool = True,
+         branches: Iterable[Optional[int]] = (None,)) -> list[Config]:
+    """ar, sd at every γ and mirror at every (κ, γ, ℓ_e) and branch budget B (those below κ(γ+1), and None:
+    every branch); only ar without a draft."""
     out = [Config("ar")]
     if draft:
         out += [Config("sd", gamma=g) for g in gammas]
-        out += [Config("mirror", k, g, e) for e in exit_layers for k in kappas for g in gammas]
+        out += [Config("mirror", k, g, e, branches=b) for e in exit_layers for k in kappas for g in gammas
+                for b in branches if b is None or b < k * (g + 1)]
     return out

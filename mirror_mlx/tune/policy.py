@@ -65,9 +65,16 @@ class AutoRun:
             seen[i] += n
 
 
-def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> ConfigKey:
+def config_key(mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
+               branches: Optional[int] = None) -> ConfigKey:
+    """(mode, κ, γ, ℓe), and mirror's branch budget B after them where it has one."""
     mirror = mode == "mirror"
-    return (mode, kappa if mirror else None, gamma, exit_layer if mirror else None)
+    key = (mode, kappa if mirror else None, gamma, exit_layer if mirror else None)
+    return key + (branches,) if mirror and branches is not None else key
+
+
+def row_key(row: dict) -> ConfigKey:
+    return config_key(row["mode"], row["kappa"], row["gamma"], row["exit_layer"], row.get("branches"))
 
 
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
@@ -152,13 +159,13 @@ def observed(prof: profiles.Profile, seen: dict[tuple, list[int]], prior_tokens:
         return None
     alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
     per_gamma: dict[int, list[int]] = {}
-    for (_, _, g, _), (a, r, *_) in seen.items():
+    for (_, _, g, *_), (a, r, *_) in seen.items():
         per_gamma.setdefault(g, [0, 0])
         per_gamma[g][0] += a
         per_gamma[g][1] += r
     acceptance, tokens = pooled_ratio([(alphas.get(g, 0.0), a, r) for g, (a, r) in per_gamma.items()],
                                       prior_tokens)
-    rows = {(r["mode"], r["kappa"], r["gamma"], r["exit_layer"]): r for r in prof.table}
+    rows = {row_key(r): r for r in prof.table}
     reuse, steps = pooled_ratio([(rows[c].get("reuse") or 0.0, v[2], v[3]) for c, v in seen.items()
                                  if c[0] == "mirror" and c in rows], prior_steps)
     window = prof.calibration.get("timings", {}).get("window", {})
@@ -180,7 +187,7 @@ def adapt(prof: profiles.Profile, seen: dict[tuple, list[int]], setting: str = "
            f"({s.tokens} draft tokens judged) as in calibration{reuse}, "
            f"{expected_rate(best, s):.0f} tok/s expected{margin}")
     return Choice(best["mode"], best["kappa"] or PAPER_KNOBS["kappa"], best["gamma"] or PAPER_KNOBS["gamma"],
-                  best["exit_layer"], why)
+                  best["exit_layer"], why, best.get("branches"))
 
 
 def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[Counts], Optional[str]]]:
@@ -194,7 +201,7 @@ def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[Counts]
     ar = next((r for r in rows if r["mode"] == "ar"), None)
     if c.mode == "ar" or here is None or ar is None or not prof.calibration.get("acceptance"):
         return None
-    config = config_key(c.mode, c.kappa, c.gamma, c.exit_layer)
+    config = config_key(c.mode, c.kappa, c.gamma, c.exit_layer, c.branches)
 
     def test(counts: list) -> Optional[str]:
         if counts[0] + counts[1] < WITHIN_MIN_JUDGED:
@@ -227,8 +234,10 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
     adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`);
     with auto's test within the generation (`leave_draft`) where it has one."""
 
-    def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror") -> tuple:
-        return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why), None
+    def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror",
+              b: Optional[int] = None) -> tuple:
+        return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why,
+                      b if m == "mirror" else None), None
 
     if mode != "auto":
         return explicit(pipe, mode, kappa, gamma, exit_layer), None
@@ -247,6 +256,7 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
             c = replace(adapted, why="auto: " + adapted.why)
         else:
             c, _ = knobs(prof.kappa, prof.gamma, prof.exit_layer, "auto: " + prof.why, prof.mode)
+            c = replace(c, branches=prof.branches)
         return c, leave_draft(prof, c)
     # Explicit knobs: the best row of the profile's table that has them (κ or ℓ_e imply mirror).
     need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
@@ -257,7 +267,7 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
     r = best_point(rows)
     why = "auto with " + ", ".join(f"{k}={v}" for k, v in asked.items()) + ": best such point in the profile"
     return knobs(r["kappa"] if kappa is None else kappa, r["gamma"] if gamma is None else gamma,
-                 r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"])
+                 r["exit_layer"] if exit_layer is None else exit_layer, why, r["mode"], r.get("branches"))
 
 
 def best_point(rows: list[dict]) -> dict:
@@ -309,17 +319,20 @@ def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Opt
         if mode == "mirror" and got["exit_layer"] is None:
             got["exit_layer"] = pipe.engine.exit_layer(DecodeOptions())
         source = f"small safe defaults, uncalibrated (the profile has no {mode} row: {prof.why})"
+    if fits and mode == "mirror" and best.get("branches") is not None:  # the row's B, with the row's κ and γ
+        got["branches"] = best["branches"]
     picked = " ".join(f"{k}={v}" for k, v in got.items() if k not in given)
     return Choice(mode, got.get("kappa", PAPER_KNOBS["kappa"]), got["gamma"], got.get("exit_layer", exit_layer),
-                  f"{asked}; {picked} from {source}")
+                  f"{asked}; {picked} from {source}", got.get("branches"))
 
 
 def resolve(pipe: Any, opts: DecodeOptions) -> tuple[DecodeOptions, Optional[AutoRun]]:
     """A concrete mode and knobs for one call: explicit ones win, mode="auto" gets the tuned ones (the first
     call without a profile runs a bounded quick calibration) and an `AutoRun` to watch the generation."""
     c, test = choice(pipe, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling)
-    out = replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why)
+    out = replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
+                  branches=opts.branches if opts.branches is not None else c.branches)
     if opts.mode != "auto":
         return out, None
     layer = pipe.engine.exit_layer(out) if c.mode == "mirror" else None
-    return out, AutoRun(pipe.auto, opts.sampling, config_key(c.mode, c.kappa, c.gamma, layer), test)
+    return out, AutoRun(pipe.auto, opts.sampling, config_key(c.mode, c.kappa, c.gamma, layer, out.branches), test)

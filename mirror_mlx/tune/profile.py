@@ -86,6 +86,7 @@ class Profile:
     kappa: Optional[int] = None
     gamma: Optional[int] = None
     exit_layer: Optional[int] = None
+    branches: Optional[int] = None  # mirror's branch budget B (a file from before budgets has none: every branch)
     why: str = ""
     table: list = field(default_factory=list)  # rows: config fields + predicted / measured tokens/s
     calibration: dict = field(default_factory=dict)  # the measured timings and acceptance, for reading
@@ -157,7 +158,8 @@ def _unusable(profile: Profile, engine: Any) -> str:
     from ..options import DecodeOptions
     from ..validate import decode_options
 
-    opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer)
+    opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer,
+                         branches=profile.branches)
     try:
         decode_options(opts, ("mirror", "sd", "ar"), engine.vocab_size, engine.n_layers, engine.draft_context)
     except (TypeError, ValueError) as e:
@@ -169,7 +171,8 @@ def _out_of_range(profile: Profile) -> str:
     """What in a profile's choice no run could use ("" when nothing): an edited or damaged file."""
     from ..validate import MAX_BRANCHES
 
-    knobs = {"kappa": profile.kappa, "gamma": profile.gamma, "exit_layer": profile.exit_layer}
+    knobs = {"kappa": profile.kappa, "gamma": profile.gamma, "exit_layer": profile.exit_layer,
+             "branches": profile.branches}
     for name, value in knobs.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             return f"{name}: {value!r} (must be an int of at least 1)"

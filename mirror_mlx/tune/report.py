@@ -1,8 +1,7 @@
 """What `mirror-mlx tune` prints: predicted against measured, the calibration's acceptance, and how far
 suffix ‖ rollout run together falls from Eq. 10's ideal."""
 
-from .choose import describe
-from .cost_model import Config
+from .choose import describe, row_config
 from .profile import Profile
 
 
@@ -15,7 +14,7 @@ def format_table(prof: Profile, top: int = 10) -> str:
         m = r.get("measured")
         err = f"{100 * (r['predicted'] - m) / m:+.0f}%" if m else ""
         note = " (probe)" if r.get("confirmed", True) else " (probe, 1 prompt)"
-        name = describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + (note if r.get("probe") else "")
+        name = describe(row_config(r)) + (note if r.get("probe") else "")
         name += " split" if r.get("placement") == "split" else ""
         predicted = ("≤" if r.get("bound") else "") + f"{r['predicted']:.1f}"  # ≤: suffix ‖ rollout not measured
         lines.append(f"{name:<38} {r['tokens_per_step']:>8.2f} {100 * r['reuse']:>5.0f}% {r['step_ms']:>8.2f} "
@@ -29,7 +28,7 @@ def placement_line(prof: Profile) -> str:
     if not rows:
         return ""
     return ("core placement, mirror (tok/s; the faster is the row's, auto and --mode mirror run it): " + "; ".join(
-        describe(Config(r["mode"], r["kappa"], r["gamma"], r["exit_layer"])) + " "
+        describe(row_config(r)) + " "
         + ", ".join(f"{p} {v:.1f}" for p, v in r["placements"].items()) for r in rows))
 
 

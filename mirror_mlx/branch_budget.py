@@ -1,0 +1,139 @@
+"""Mirror-SD's branch budget (docs/design.md §4): which of a step's κ(γ+1) branches the draft rolls out.
+
+A branch (r, c) is the window after "the step ends at row r with correction c". Its score is
+P(the step ends at row r) · P(c | it ends there), read off the early exit: the step reaches row r when
+ŷ_1..ŷ_r are accepted (the product of the exit's probabilities of those drafted tokens, each calibrated),
+ends there when ŷ_{r+1} is then rejected (the bonus row γ: when it is
+reached), and the correction is c with the exit's probability of c renormalised without ŷ_{r+1} (the
+excluded-token rule). The top B branches are rolled out; B = None rolls out every branch.
+
+The budget only chooses which windows are precomputed: every committed token is still the target's own,
+so it cannot change the output. A correction whose branch was not rolled out is a fallback, as one
+outside C_A is.
+
+The calibration is one shift b in logit space: P(ŷ accepted) = σ(logit p_exit(ŷ) + b), b = 0 before the
+generation's first step and moved after each verify by a step of the logistic fit to what the target
+accepted (b += rate · Σ (accepted − predicted) over the drafted tokens it judged). A shift, not a factor:
+an early exit of a small target may give the drafted tokens 1/V each yet see most accepted, and a shift
+carries its ranking of the steps over to the acceptance measured; b settles within a few steps.
+"""
+
+from dataclasses import dataclass, field
+from math import exp, log
+from typing import Optional, Sequence
+
+
+@dataclass
+class ExitView:
+    """What the early exit says at one step: the log-probs of each row's top-κ candidates (in rank order),
+    and of each drafted token ŷ_{r+1} at row r (γ values)."""
+
+    cand_logprobs: list[list[float]]
+    drafted_logprobs: list[float]
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-9), 1.0 - 1e-9)
+    return log(p / (1.0 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + exp(-x)) if x >= 0 else exp(x) / (1.0 + exp(x))
+
+
+@dataclass
+class Calibration:
+    """Per-generation shift from the exit's probability of a drafted token to its chance of acceptance."""
+
+    shift: float = 0.0
+    accepted: int = 0  # drafted tokens judged and accepted, and judged in all (what the shift was fit to)
+    judged: int = 0
+
+    def accept(self, drafted_prob: float) -> float:
+        """P(the target accepts a drafted token the exit gives `drafted_prob`)."""
+        return _sigmoid(_logit(drafted_prob) + self.shift)
+
+    def update(self, view: ExitView, accepted: int) -> None:
+        """After a verify that accepted `accepted` of the window: the drafted tokens judged are the accepted
+        ones and the first rejected one (none after it was judged). The rate keeps the step stable for long
+        windows (the fit's curvature is at most a quarter per token)."""
+        judged = [exp(lp) for lp in view.drafted_logprobs[: accepted + 1]]
+        if not judged:
+            return
+        error = sum((i < accepted) - self.accept(p) for i, p in enumerate(judged))
+        self.shift = min(30.0, max(-30.0, self.shift + min(1.0, 4.0 / len(judged)) * error))
+        self.accepted += min(accepted, len(judged))
+        self.judged += len(judged)
+
+
+def branch_scores(window: Sequence[int], cand: list[list[int]], view: ExitView,
+                  calibration: Optional[Calibration] = None) -> list[list[float]]:
+    """score[r][i] = P(the step ends at row r) · P(cand[r][i] | it ends there), r = 0..γ."""
+    gamma, calibration = len(window), calibration or Calibration()
+    reach, out = 1.0, []
+    for r, (ids, lps) in enumerate(zip(cand, view.cand_logprobs)):
+        probs = [exp(lp) for lp in lps]
+        if r < gamma:
+            drafted = exp(view.drafted_logprobs[r])
+            accept = calibration.accept(drafted)
+            end, rest = reach * (1.0 - accept), max(1.0 - drafted, 1e-12)
+            out.append([0.0 if v == window[r] else end * p / rest for v, p in zip(ids, probs)])
+            reach *= accept
+        else:
+            out.append([reach * p for p in probs])
+    return out
+
+
+def pick(scores: list[list[float]], budget: Optional[int]) -> Optional[list[tuple[int, int]]]:
+    """The top-`budget` branches (row, candidate index) by score, listed in (row, index) order; ties go to
+    the earlier row, then the higher-ranked candidate. None (no budget, or one that covers every branch):
+    every branch."""
+    every = [(r, i) for r, row in enumerate(scores) for i in range(len(row))]
+    if budget is None or budget >= len(every):
+        return None
+    best = sorted(every, key=lambda ri: (-scores[ri[0]][ri[1]], ri[0], ri[1]))[:budget]
+    return sorted(best)
+
+
+def stems(window: Sequence[int], cand: list[list[int]], picked: list[tuple[int, int]]) -> list[list[int]]:
+    """The draft's stems for the picked branches: stem (r, i) = ŷ_1..ŷ_r + [cand[r][i]] (one spine)."""
+    return [list(window[:r]) + [cand[r][i]] for r, i in picked]
+
+
+def spread(cand: list[list[int]], picked: Optional[list[tuple[int, int]]],
+           windows: Sequence[list[int]]) -> list[list[Optional[list[int]]]]:
+    """The rolled-out windows laid out by (row, candidate), as `reuse_window` reads them: None where a
+    branch was not rolled out. `windows` are in the order of `picked` (None: every branch, row by row)."""
+    it = iter(windows)
+    if picked is None:
+        return [[next(it) for _ in row] for row in cand]
+    out: list[list[Optional[list[int]]]] = [[None] * len(row) for row in cand]
+    for (r, i), w in zip(picked, it):
+        out[r][i] = w
+    return out
+
+
+@dataclass
+class BranchBudget:
+    """One generation's budget: B and its calibration; `choose` runs on the target's thread at the early exit,
+    `settle` after the verify."""
+
+    budget: Optional[int]
+    calibration: Calibration = field(default_factory=Calibration)
+    view: Optional[ExitView] = None
+    picked: Optional[list[tuple[int, int]]] = None
+
+    def choose(self, window: Sequence[int], cand: list[list[int]], view: ExitView) -> Optional[list[tuple[int, int]]]:
+        self.view = view
+        self.picked = None if self.budget is None else pick(
+            branch_scores(window, cand, view, self.calibration), self.budget)
+        return self.picked
+
+    def settle(self, accepted: int) -> None:
+        if self.view is not None:
+            self.calibration.update(self.view, accepted)
+        self.view = None
+
+    def rolled_out(self, cand: list[list[int]]) -> int:
+        """Branches the last `choose` rolled out."""
+        return sum(len(row) for row in cand) if self.picked is None else len(self.picked)
