@@ -1,7 +1,7 @@
 """Across Macs on loopback: ar, sd and mirror in one process and on 2 ranks of the ring backend, in one run,
 plus T_comm per forward by row count (mirror_mlx.distributed.comm_per_forward).
 
-`python scripts/across_bench.py [--tokens 64] [--prompts 3]` prints a markdown table (BENCHMARKS.md). It runs
+`python scripts/across_bench.py [--tokens 64] [--prompts 3]` prints a markdown table (docs/bench/across-macs.md). It runs
 the single-process half, then itself on 2 ranks set up as `mlx.launch -n 2 --backend ring` sets them up,
 without the launcher process, which keeps a core busy (mirror_mlx/bench/ranks.py). Timings on a shared box
 are noisy: the load average is printed beside them.

@@ -1,6 +1,6 @@
 """The step model for a target sharded over n Macs, tensor parallel and split by layers: the predicted ar and
-mirror speed at each size over a TCP ring and over JACCL's RDMA (BENCHMARKS.md, Across Macs). Not a
-measurement: every input is a constant below, with its source in BENCHMARKS.md.
+mirror speed at each size over a TCP ring and over JACCL's RDMA (docs/bench/across-macs.md). Not a
+measurement: every input is a constant below, with its source in docs/bench/across-macs.md.
 
 `python scripts/macs_model.py` prints the markdown table.
 """

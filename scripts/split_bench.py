@@ -9,7 +9,7 @@ qwen2 one transformers builds from the same files, which splits text otherwise, 
 ids of the llama tokenizer. The draft is the demo's llama2xs, written as a qwen2 model the same way (the
 draft's tokenizer must be the target's).
 
-`python scripts/split_bench.py [--tokens 48] [--prompts 3]` prints a markdown table (BENCHMARKS.md).
+`python scripts/split_bench.py [--tokens 48] [--prompts 3]` prints a markdown table (docs/bench/across-macs.md).
 """
 
 import argparse

@@ -5,7 +5,7 @@ mlx.launch relays each rank's stdin and output through select loops that never b
 stdin pipe is open (a pipe is always writable), so the launcher keeps about a core busy for the whole
 run: `mlx.launch -n 2 --backend ring -- sleep 5` takes 6-8 s of CPU. On a 2-core box that is half the
 machine, taken from the ranks and the draft, so the measurements and the lossless tests start the ranks
-directly. Users launch with mlx.launch (README, Across Macs); the tests of its signals still do.
+directly. Users launch with mlx.launch (docs/across-macs.md); the tests of its signals still do.
 """
 
 import json
