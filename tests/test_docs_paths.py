@@ -37,3 +37,9 @@ def test_the_docs_name_files_at_all():
 def test_every_path_a_page_names_exists(page):
     missing = [name for name, path in named(page) if not path.exists()]
     assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", ["README.md", "BENCHMARKS.md"])
+def test_the_front_pages_read_in_minutes(page):
+    """The README and BENCHMARKS stay short (≤ 250 lines): reference goes to docs/, older tables to docs/bench/."""
+    assert len((ROOT / page).read_text(encoding="utf-8").splitlines()) <= 250
