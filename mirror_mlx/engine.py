@@ -6,6 +6,8 @@ them but the last (the *pending* token); `window` holds the γ draft tokens prop
 mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring
               → (target suffix ‖ the draft host rolls out every branch) → verify → reuse or fallback.
 sd step:      draft rolls out one window, then the target verifies it (serial).
+lookup step:  (sd with lookup) the context's continuation (mirror_mlx/lookup.py) is the window, at no draft
+              cost; where it offers none the step is sd's (beside a model draft) or ar's (the lookup alone).
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
@@ -21,6 +23,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -34,6 +37,7 @@ from .draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
+from .lookup import NgramIndex
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler
@@ -115,8 +119,9 @@ class Engine:
     """
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Optional[Callable] = None):
+                 exit_adapter: Optional[Callable] = None, lookup_only: bool = False):
         self.target_model = target_model
+        self.lookup_only = lookup_only  # the draft is the prompt lookup alone (draft_model="lookup"): no model
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
@@ -182,11 +187,15 @@ class Engine:
         """Refuse bad options or prompt ids with one sentence naming the problem and the fix, before any
         work starts (no ring, no forward); returns the prompt and options the engine will use.
         With a `prompt_cache`, `prompt` is `prompt_cache.prompt(ids)`: its prefix's ids if known, then the rest."""
-        opts = validate.decode_options(opts, MODES, self.vocab_size, self.n_layers, self.draft_context)
+        opts = validate.decode_options(self.with_lookup(opts), MODES, self.vocab_size, self.n_layers,
+                                       self.draft_context)
         if prompt_cache is not None:
             prompt_cache.check(opts.mode, self.n_layers)
-        if opts.mode != "ar" and self.host is None and self.draft_failure is None:
-            raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=..., or use mode='ar'")
+        if opts.mode != "ar" and self.host is None and self.draft_failure is None and not (
+                opts.mode == "sd" and opts.lookup):
+            also = "; the lookup draft runs in mode 'sd'" if self.lookup_only else ""
+            raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=... (a model, or \"lookup\" "
+                             f"for sd), or use mode='ar'{also}")
         if self.exit_adapter is not None and opts.mode == "mirror":
             from .exit_adapter import check_layer
 
@@ -205,6 +214,12 @@ class Engine:
                 f"context of {self.context_length} tokens: shorten the prompt or lower max_tokens"
             )
         return prompt, opts
+
+    def with_lookup(self, opts: DecodeOptions) -> DecodeOptions:
+        """lookup=None as the pipeline has it: on in sd when the draft is the lookup (draft_model="lookup")."""
+        if opts.lookup is not None:
+            return opts
+        return replace(opts, lookup=self.lookup_only and opts.mode == "sd")
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
@@ -231,14 +246,16 @@ class Engine:
         given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
         exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         local = mode == "sd" and self.local_build is not None
-        host = "" if mode == "ar" else "in-process" if local else "process" if self.host.process else "thread"
+        drafts = mode != "ar" and self.host is not None  # a model draft runs (sd with the lookup alone: none)
+        host = "" if not drafts else "in-process" if local else "process" if self.host.process else "thread"
+        index = NgramIndex(prompt, opts.ngram_max, opts.ngram_min) if opts.lookup else None
         ran, left = mode, ""  # what Stats calls the mode (ar only if the draft never ran), why it was left
 
         def record() -> Stats:
             """A fresh record for the next step's facts, with what describes the generation as it stands."""
             return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
                          why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
-                         placement=opts.placement)
+                         placement=opts.placement, lookup=index is not None)
 
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
@@ -260,11 +277,11 @@ class Engine:
         if prompt_cache is not None:
             self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
         try:
-            if mode != "ar" and not local:  # the draft prefills beside the target
+            if drafts and not local:  # the draft prefills beside the target
                 _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
             stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
                                                            prefill_progress(opts.prompt_progress_callback, given))
-            if mode != "ar":
+            if drafts:
                 try:
                     if failed:
                         raise failed[0]
@@ -286,11 +303,14 @@ class Engine:
             while produced < opts.max_tokens:
                 stepping = True
                 budget = opts.max_tokens - produced
-                if mode == "mirror" and self.draft_failure is None:
+                lookup = index.propose(min(opts.gamma, budget - 1)) if index is not None and budget > 1 else []
+                if lookup:  # the context offers a continuation: it is the window, no draft runs
+                    new = self._lookup_step(committed, lookup, sampler, processors, stats)
+                elif mode == "mirror" and self.draft_failure is None:
                     if budget == 1:  # the step commits the pending row's token whatever the window proposes
                         window = []
                     new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget))
-                elif mode == "sd" and self.draft_failure is None and budget > 1:  # (the last token: see ar)
+                elif mode == "sd" and drafts and self.draft_failure is None and budget > 1:  # (the last: see ar)
                     new = run(self._sd_step(committed, opts, sampler, processors, stats))
                 else:  # ar, or sd's last token: it is the target's own at the pending row, a window cannot help
                     s0 = time.perf_counter()
@@ -305,6 +325,8 @@ class Engine:
                 if stop is not None:
                     new = new[: stop + 1]
                 committed += new
+                if index is not None:
+                    index.extend(new)
                 produced += len(new)
                 stats.generation_tokens = len(new)
                 step = Step(new, [i < drafted for i in range(len(new))], stats.proposed, stats.accepted,
@@ -389,6 +411,18 @@ class Engine:
 
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
+
+    def _lookup_step(self, committed, window, sampler, processors, stats) -> list[int]:
+        """The target verifies the lookup's window (mirror_mlx/lookup.py): sd's verify, no draft time."""
+        s0 = time.perf_counter()
+        ys, a = self.target_worker.call(self.target.verify, committed, window, sampler, processors)
+        stats.suffix_seconds += time.perf_counter() - s0
+        note_window(stats, len(window), a)
+        stats.lookup_windows += 1
+        stats.lookup_proposed += len(window)
+        stats.lookup_accepted += a
+        stats.lookup_rejections += a < len(window)
+        return window[:a] + [ys[a]]
 
     async def _sd_step(self, committed, opts, sampler, processors, stats):
         if self.local_build is not None:
