@@ -193,7 +193,7 @@ class Engine:
             prompt_cache.check(opts.mode, self.n_layers)
         if opts.mode != "ar" and self.host is None and self.draft_failure is None and not (
                 opts.mode == "sd" and opts.lookup):
-            also = "; the lookup draft runs in mode 'sd'" if self.lookup_only else ""
+            also = "; the lookup draft runs in mode='sd'" if self.lookup_only else ""
             raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=... (a model, or \"lookup\" "
                              f"for sd), or use mode='ar'{also}")
         if self.exit_adapter is not None and opts.mode == "mirror":

@@ -171,11 +171,11 @@ def lookup_options(opts: Any) -> Any:
     n_max = as_int("ngram_max", opts.ngram_max, 1, NGRAM_LIMIT, "the lookup's longest n-gram")
     n_min = as_int("ngram_min", opts.ngram_min, 1, n_max, "the lookup's shortest n-gram, at most ngram_max")
     if opts.lookup and opts.mode == "mirror":
-        raise ValueError("lookup=True runs in mode sd: mirror's windows are the draft's branches, rolled out while "
-                         "the target verifies, so use mode='sd' (or 'auto') with lookup=True, or drop lookup")
+        raise ValueError("lookup=True runs in mode='sd', not mirror, whose windows are the draft's branches rolled "
+                         "out while the target verifies: use mode='sd' (or 'auto'), or leave lookup=True out")
     if opts.lookup and opts.mode == "ar":
-        raise ValueError("mode 'ar' is the target alone and takes no lookup: use mode='sd' with lookup=True, "
-                         "or drop lookup")
+        raise ValueError("mode='ar' is the target alone and takes no lookup: use mode='sd' with lookup=True, "
+                         "or leave lookup=True out")
     return replace(opts, ngram_max=n_max, ngram_min=n_min)
 
 
