@@ -37,7 +37,7 @@ from .draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
-from .lookup import NgramIndex
+from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, NgramIndex
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler
@@ -216,10 +216,15 @@ class Engine:
         return prompt, opts
 
     def with_lookup(self, opts: DecodeOptions) -> DecodeOptions:
-        """lookup=None as the pipeline has it: on in sd when the draft is the lookup (draft_model="lookup")."""
-        if opts.lookup is not None:
-            return opts
-        return replace(opts, lookup=self.lookup_only and opts.mode == "sd")
+        """lookup=None as the pipeline has it: on in sd when the draft is the lookup (draft_model="lookup");
+        ngram_min=None: 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)."""
+        lookup = self.lookup_only and opts.mode == "sd" if opts.lookup is None else opts.lookup
+        n_min = opts.ngram_min
+        if n_min is None:
+            n_min = NGRAM_MIN if self.host is None else NGRAM_MIN_BESIDE
+            if isinstance(opts.ngram_max, int) and opts.ngram_max >= 1:  # (a bad ngram_max is refused as such)
+                n_min = min(n_min, opts.ngram_max)
+        return replace(opts, lookup=lookup, ngram_min=n_min)
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""

@@ -15,6 +15,7 @@ from typing import Sequence
 
 LOOKUP = "lookup"  # the draft model's name that means the prompt lookup alone (load(draft_model="lookup"))
 NGRAM_MAX, NGRAM_MIN = 3, 1  # the n-gram lengths tried, longest first (measured: docs/design.md, prompt lookup)
+NGRAM_MIN_BESIDE = 2  # beside a draft model: a one-token match is a worse guess than the draft's window
 NGRAM_LIMIT = 64  # the longest n-gram the lookup takes (a longer match adds nothing a shorter one misses)
 
 

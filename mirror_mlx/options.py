@@ -8,7 +8,7 @@ import, so the command line can show them in `--help` without loading MLX.
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
-from .lookup import NGRAM_MAX, NGRAM_MIN
+from .lookup import NGRAM_MAX
 
 MODES = ("mirror", "sd", "ar")  # what the engine runs
 CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune.policy)
@@ -47,7 +47,7 @@ class DecodeOptions:
     placement: str = ""  # where the threads ran and why (set by the Pipeline: tune/placement.py, shown in Stats)
     lookup: Optional[bool] = None  # prompt lookup proposes what the context offers (sd); None: on for draft "lookup"
     ngram_max: int = NGRAM_MAX  # the lookup's longest n-gram, tried first
-    ngram_min: int = NGRAM_MIN  # and its shortest
+    ngram_min: Optional[int] = None  # and its shortest; None: 1 alone (NGRAM_MIN), 2 beside a draft model
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property

@@ -128,3 +128,13 @@ def test_the_summary_counts_accepted_tokens_by_source():
     assert "accepted: lookup 5/10, draft 7/20" in s.summary()
     assert (s + s).lookup and (s + s).lookup_accepted == 10
     assert "lookup" not in Stats(mode="sd", gamma=4).summary()
+
+
+def test_the_shortest_ngram_is_one_alone_and_two_beside_a_draft(pipes):
+    from mirror_mlx.options import DecodeOptions
+
+    alone, pair = pipes
+    assert alone.engine.with_lookup(DecodeOptions(mode="sd")).ngram_min == 1
+    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True)).ngram_min == 2
+    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_max=1)).ngram_min == 1
+    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_min=1)).ngram_min == 1

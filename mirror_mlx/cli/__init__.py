@@ -167,8 +167,8 @@ def lookup_options() -> list:
                           "(sd) [default: on with --draft-model lookup, else off]."),
         click.option("--ngram-max", type=int, default=DEFAULTS.ngram_max, show_default=True,
                      help="The lookup's longest n-gram, tried first."),
-        click.option("--ngram-min", type=int, default=DEFAULTS.ngram_min, show_default=True,
-                     help="The lookup's shortest n-gram."),
+        click.option("--ngram-min", type=int, default=DEFAULTS.ngram_min,
+                     help="The lookup's shortest n-gram [default: 1 alone, 2 beside a draft model]."),
     ]
 
 
