@@ -38,9 +38,8 @@ def main() -> None:
         "lookup alone n=3..1 γ=8": (alone, dict(mode="sd", gamma=8, ngram_max=3, ngram_min=1)),
         "lookup alone n=4..2 γ=8": (alone, dict(mode="sd", gamma=8, ngram_max=4, ngram_min=2)),
         "lookup alone n=3..1 γ=4": (alone, dict(mode="sd", gamma=4, ngram_max=3, ngram_min=1)),
-        f"lookup n=3..1 + draft γ={args.gamma}": (pair, dict(mode="sd", gamma=args.gamma, lookup=True)),
-        f"lookup n=4..2 + draft γ={args.gamma}": (pair, dict(mode="sd", gamma=args.gamma, lookup=True, ngram_max=4,
-                                                              ngram_min=2)),
+        f"lookup n=3..2 + draft γ={args.gamma}": (pair, dict(mode="sd", gamma=args.gamma, lookup=True)),
+        f"lookup n=3..1 + draft γ={args.gamma}": (pair, dict(mode="sd", gamma=args.gamma, lookup=True, ngram_min=1)),
     }
     print(f"| prompt | run | tok/s (median of {args.reps}) | tokens per target forward | lookup accepted/proposed |")
     print("|---|---|---:|---:|---:|")
