@@ -8,6 +8,8 @@ mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets
 sd step:      draft rolls out one window, then the target verifies it (serial).
 lookup step:  (sd with lookup) the context's continuation (mirror_mlx/lookup.py) is the window, at no draft
               cost; where it offers none the step is sd's (beside a model draft) or ar's (the lookup alone).
+              (mirror with lookup) where no branch was reused, the lookup's window, if any, replaces the
+              draft's serial rollout on the critical path.
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
@@ -46,6 +48,9 @@ from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
 
 
+FRESH = object()  # mirror's next window is a fresh one (no branch reused): the lookup's, else the draft's rollout
+
+
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
     """The precomputed window w(A, c) if the correction c was among row A's candidates, else None."""
     if c in cand[a]:
@@ -58,6 +63,14 @@ def note_window(stats: Stats, offered: int, accepted: int) -> None:
     stats.proposed += offered
     stats.accepted += accepted
     stats.rejections += accepted < offered
+
+
+def note_lookup(stats: Stats, offered: int, accepted: int) -> None:
+    """Count that the verified window was the lookup's (its share of note_window's counts)."""
+    stats.lookup_windows += 1
+    stats.lookup_proposed += offered
+    stats.lookup_accepted += accepted
+    stats.lookup_rejections += accepted < offered
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -302,19 +315,24 @@ class Engine:
             stepping = False
             window = None
             if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
-                window = run(self._timed_rollout(committed, opts, stats)) if opts.max_tokens > 1 else []
-                if window is None:
-                    mode = ran = stats.mode = "ar"
+                window = FRESH if opts.max_tokens > 1 else []
+                if window is FRESH and not (index is not None and index.propose(1)):  # the lookup has none
+                    window = run(self._timed_rollout(committed, opts, stats))
+                    if window is None:
+                        mode = ran = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
                 budget = opts.max_tokens - produced
-                lookup = index.propose(min(opts.gamma, budget - 1)) if index is not None and budget > 1 else []
+                mirror = mode == "mirror" and self.draft_failure is None
+                lookup = index.propose(min(opts.gamma, budget - 1)) \
+                    if index is not None and budget > 1 and not mirror else []
+                if mirror:  # (a failed rollout drops the draft: then the step is ar's)
+                    window, from_lookup = self._mirror_window(window, committed, index, opts, stats, budget)
                 if lookup:  # the context offers a continuation: it is the window, no draft runs
                     new = self._lookup_step(committed, lookup, sampler, processors, stats)
-                elif mode == "mirror" and self.draft_failure is None:
-                    if budget == 1:  # the step commits the pending row's token whatever the window proposes
-                        window = []
-                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget))
+                elif mirror and self.draft_failure is None:
+                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget,
+                                                        index is not None, from_lookup))
                 elif mode == "sd" and drafts and self.draft_failure is None and budget > 1:  # (the last: see ar)
                     new = run(self._sd_step(committed, opts, sampler, processors, stats))
                 else:  # ar, or sd's last token: it is the target's own at the pending row, a window cannot help
@@ -357,10 +375,26 @@ class Engine:
 
     # --- steps -------------------------------------------------------------------------------------
 
-    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget):
+    def _mirror_window(self, window, committed, index, opts, stats, budget) -> tuple[Optional[list[int]], bool]:
+        """The window of mirror's next step, and whether the lookup proposed it: with one token wanted none
+        (the pending row's token is committed whatever it proposes); after a step that reused no branch
+        (FRESH), the lookup's, else the draft's rollout on the critical path (None if the draft failed)."""
+        if budget == 1:
+            return [], False
+        if window is not FRESH:
+            return window, False
+        proposal = index.propose(min(opts.gamma, budget - 1)) if index is not None else []
+        if proposal:
+            return proposal, True
+        return self.loop.run(self._timed_rollout(committed, opts, stats)), False
+
+    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget, lookup=False,
+                           from_lookup=False):
         """One step; `budget` tokens are still wanted. A window after the step can change the output only if
         two more tokens are wanted then (the first is the target's own at the pending row, whatever the window
-        proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it."""
+        proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
+        With `lookup` a fallback leaves the next window to `_mirror_window` (FRESH); `from_lookup`: this
+        step's window is the lookup's."""
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
         # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
@@ -398,6 +432,8 @@ class Engine:
         stats.suffix_seconds += s1 - s0
         stats.omega_sum += omega
         note_window(stats, gamma, a)
+        if from_lookup:
+            note_lookup(stats, gamma, a)
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
         if new[-1] in cand[a]:  # c ∈ C_A: the next window is w(A, c), already rolled out
             stats.reuses += 1
@@ -405,6 +441,8 @@ class Engine:
         stats.fallbacks += 1
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):
             return new, None  # no window after this step could be used
+        if lookup:
+            return new, FRESH  # the lookup's window if it has one, else the draft's (`_mirror_window`)
         return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
 
     async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
@@ -423,10 +461,7 @@ class Engine:
         ys, a = self.target_worker.call(self.target.verify, committed, window, sampler, processors)
         stats.suffix_seconds += time.perf_counter() - s0
         note_window(stats, len(window), a)
-        stats.lookup_windows += 1
-        stats.lookup_proposed += len(window)
-        stats.lookup_accepted += a
-        stats.lookup_rejections += a < len(window)
+        note_lookup(stats, len(window), a)
         return window[:a] + [ys[a]]
 
     async def _sd_step(self, committed, opts, sampler, processors, stats):

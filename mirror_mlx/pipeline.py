@@ -218,12 +218,12 @@ class Pipeline:
         return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
     def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
-        """What is checked before auto is resolved: auto as mirror (ar without a draft), the knobs not
-        given as the paper's. Bad input is refused before any calibration starts."""
+        """What is checked before auto is resolved: auto as mirror (without a draft model: sd with the lookup,
+        else ar), the knobs not given as the paper's. Bad input is refused before any calibration starts."""
         mode = opts.mode
         if mode == "auto":
             lookup = opts.lookup or (opts.lookup is None and self.lookup_only)
-            mode = "sd" if lookup else "mirror" if self.draft is not None else "ar"
+            mode = "mirror" if self.draft is not None else "sd" if lookup else "ar"
         return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
                        gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
 
@@ -264,7 +264,7 @@ class Pipeline:
             prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
         ids, checked = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
-        if self.lookup_only and checked.mode == "sd":  # the lookup alone: nothing to calibrate (tune.policy.lookup)
+        if self.draft is None and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
             return ids, lookup_alone(checked, opts.mode, opts.gamma), None
         if opts.mode != "auto" and not needs_knobs(opts.mode, opts.kappa, opts.gamma):
             return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None

@@ -89,8 +89,9 @@ class Stats:
         elif self.mode == "sd":
             line += f" γ={self.gamma}"
         if self.lookup:
-            line += (f" | accepted: lookup {self.lookup_accepted}/{self.lookup_proposed}"
-                     f", draft {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}")
+            line += f" | accepted: lookup {self.lookup_accepted}/{self.lookup_proposed}"
+            if self.draft_host or self.proposed > self.lookup_proposed:  # a draft model ran beside it
+                line += f", draft {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
         if self.why.startswith(("auto", "quick")):
             line += f" ({self.why})"
         if self.mode == "mirror":
@@ -105,7 +106,8 @@ class Stats:
         return line
 
 
-_LATEST = ("lookup", "chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft", "placement")  # Stats fields a total keeps the latest of
+# Stats fields a total keeps the latest of
+_LATEST = ("lookup", "chosen_mode", "kappa", "gamma", "exit_layer", "why", "left_draft", "placement")
 
 
 @dataclass

@@ -162,8 +162,7 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
 
 def lookup_options(opts: Any) -> Any:
     """The prompt lookup's settings (lookup None: off here; the engine resolves it first): its n-gram bounds
-    within 1..NGRAM_LIMIT, and a mode that takes it (sd: mirror's windows are the branches already rolled
-    out, and ar is the target alone)."""
+    within 1..NGRAM_LIMIT, and a mode that takes it (sd or mirror: ar is the target alone)."""
     from .lookup import NGRAM_LIMIT, NGRAM_MIN
 
     if opts.lookup is not None and not isinstance(opts.lookup, bool):
@@ -171,9 +170,6 @@ def lookup_options(opts: Any) -> Any:
     n_max = as_int("ngram_max", opts.ngram_max, 1, NGRAM_LIMIT, "the lookup's longest n-gram")
     n_min = NGRAM_MIN if opts.ngram_min is None else as_int("ngram_min", opts.ngram_min, 1, n_max,
                                                             "the lookup's shortest n-gram, at most ngram_max")
-    if opts.lookup and opts.mode == "mirror":
-        raise ValueError("lookup=True runs in mode='sd', not mirror, whose windows are the draft's branches rolled "
-                         "out while the target verifies: use mode='sd' (or 'auto'), or leave lookup=True out")
     if opts.lookup and opts.mode == "ar":
         raise ValueError("mode='ar' is the target alone and takes no lookup: use mode='sd' with lookup=True, "
                          "or leave lookup=True out")

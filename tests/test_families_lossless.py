@@ -105,21 +105,28 @@ LOOKUP_PROMPTS = PROMPTS + [[5, 61, 2, 88, 13, 40, 9, 5, 61, 2, 88, 13, 40, 9, 5
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_lookup_alone_and_beside_a_draft_equals_mlx_lm_greedy(pipelines, family):
-    """sd with the lookup alone (no draft model: no host) and beside the random draft returns mlx-lm's greedy
-    tokens; its proposals were both accepted and rejected, and the draft still drafted where it had none."""
+    """sd with the lookup alone (no draft model: no host), and sd and mirror with it beside the random draft,
+    return mlx-lm's greedy tokens; its proposals were both accepted and rejected, and the draft still drafted
+    where it had none."""
     refs, pipe = pipelines(family, "random")
     refs = refs + [mlx_greedy(pipe.model, LOOKUP_PROMPTS[-1], TOKENS)]
     alone = Pipeline(pipe.model, _FakeTokenizer(VOCAB), lookup_only=True)
+    beside = dict(lookup=True, ngram_min=1)
     try:
         assert alone.engine.host is None
-        for p, kw, name in ((alone, {}, "alone"), (pipe, dict(lookup=True, ngram_min=1), "beside the draft")):
+        for p, kw, name in ((alone, dict(mode="sd"), "alone"), (pipe, dict(beside, mode="sd"), "beside the draft"),
+                            (pipe, dict(beside, mode="mirror", kappa=1, exit_layer=2), "in mirror")):
             total = None
-            for prompt, ref in zip(LOOKUP_PROMPTS, refs):
-                out = p.generate(prompt, max_tokens=TOKENS, mode="sd", gamma=4, stop=False, **kw)
+            cases = list(zip(LOOKUP_PROMPTS, refs))
+            for prompt, ref in cases[-2:] if name == "in mirror" else cases:  # (mirror: the longest two, cheaper)
+                out = p.generate(prompt, max_tokens=TOKENS, gamma=4, stop=False, **kw)
                 assert out.tokens == ref, f"{family}, lookup {name}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}"
                 assert out.stats.lookup and out.stats.draft_failure is None
                 total = out.stats if total is None else total + out.stats
-            assert total.lookup_accepted > 0 and total.lookup_rejections > 0, (family, name, total.summary())
+            if name == "in mirror":  # (its lookup fills only the windows after a fallback: both paths in test_lookup.py)
+                assert total.lookup_windows > 0 and total.fallbacks > 0, (family, name, total.summary())
+            else:
+                assert total.lookup_accepted > 0 and total.lookup_rejections > 0, (family, name, total.summary())
             if p is pipe:
                 assert total.proposed > total.lookup_proposed and total.rollouts > 0, total.summary()
             else:

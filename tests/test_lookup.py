@@ -73,12 +73,11 @@ def test_the_lookup_alone_starts_no_draft_host(pipes):
     assert alone.engine.host is None and alone.draft is None
     r = alone.generate("Once upon a time", max_tokens=12, mode="auto")
     assert r.stats.mode == "sd" and r.stats.lookup and r.stats.draft_forwards == 0
-    assert r.stats.why.startswith("auto: the lookup draft") and r.stats.draft_host == ""
+    assert r.stats.why.startswith("auto: the lookup alone") and r.stats.draft_host == ""
     assert alone.generate("Once upon a time", max_tokens=12, mode="ar").stats.lookup is False
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(mode="mirror", lookup=True), "lookup=True runs in mode='sd', not mirror"),
     (dict(mode="ar", lookup=True), "mode='ar' is the target alone and takes no lookup"),
     (dict(mode="sd", lookup="yes"), "lookup must be True, False or None"),
     (dict(mode="sd", lookup=True, ngram_max=0), "ngram_max must be at least 1"),
@@ -101,9 +100,9 @@ def test_the_lookup_alone_needs_sd(pipes, mode):
 
 
 @pytest.mark.parametrize("tuned", ["mirror", "ar"])
-def test_auto_with_lookup_beside_a_draft_runs_sd(pipes, tuned):
-    """auto alone would run mirror (or ar, the draft not paying): with lookup=True it runs the profile's best
-    sd row, and says so."""
+def test_auto_with_lookup_beside_a_draft(pipes, tuned):
+    """auto's mirror takes the lookup as it is; where auto alone would run ar (the draft not paying), with
+    lookup=True it runs the profile's best sd row, and says so."""
     from mirror_mlx.tune import profile as profiles
     from tests.test_tune import row
 
@@ -115,9 +114,11 @@ def test_auto_with_lookup_beside_a_draft_runs_sd(pipes, tuned):
                                          table=table)
     try:
         r = pair.generate("Once upon a time", max_tokens=16, mode="auto", lookup=True)
-        assert (r.stats.chosen_mode, r.stats.gamma, r.stats.lookup) == ("sd", 2, True), r.stats.why
-        assert r.stats.why.startswith(f"auto with lookup: sd, as the lookup proposes in sd only (auto alone: "
-                                      f"{'mirror' if tuned == 'mirror' else 'ar'}"), r.stats.why
+        if tuned == "mirror":
+            assert (r.stats.chosen_mode, r.stats.kappa, r.stats.gamma, r.stats.lookup) == ("mirror", 2, 3, True)
+        else:
+            assert (r.stats.chosen_mode, r.stats.gamma, r.stats.lookup) == ("sd", 2, True), r.stats.why
+            assert r.stats.why.startswith("auto with lookup: sd, as ar takes no lookup (auto alone: ar"), r.stats.why
     finally:
         pair.auto.profile = None
 
@@ -138,3 +139,27 @@ def test_the_shortest_ngram_is_one_alone_and_two_beside_a_draft(pipes):
     assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True)).ngram_min == 2
     assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_max=1)).ngram_min == 1
     assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_min=1)).ngram_min == 1
+
+
+def test_the_summary_of_the_lookup_alone_names_no_draft():
+    s = Stats(mode="sd", gamma=8, lookup=True, proposed=10, accepted=5, lookup_proposed=10, lookup_accepted=5)
+    assert s.summary().endswith("mode sd γ=8 | accepted: lookup 5/10")
+
+
+SUMMARY = ("Once upon a time there was a little girl named Lily. She loved to play outside in the park with her "
+           "dog Max. One day she found a big red ball under a tree. She was very happy and she played with the "
+           "ball all day.\nTell me the story again.\nOnce upon a time")
+
+
+def test_in_mirror_the_lookup_fills_windows_after_a_fallback(pipes):
+    """mirror with lookup=True: after a step that reused no branch, the lookup's window (when the context
+    offers one) replaces the draft's serial rollout; the tokens are ar's, the lookup's windows were
+    accepted and rejected, and fewer rollouts ran than without it."""
+    _, pair = pipes
+    kw = dict(max_tokens=96, mode="mirror", kappa=1, gamma=3, exit_layer=2, stop=False)
+    ar = pair.generate(SUMMARY, max_tokens=96, mode="ar", stop=False).tokens
+    plain, looked = pair.generate(SUMMARY, **kw), pair.generate(SUMMARY, lookup=True, **kw)
+    assert plain.tokens == looked.tokens == ar
+    s = looked.stats
+    assert s.lookup_accepted > 0 and s.lookup_rejections > 0 and s.lookup_windows <= s.fallbacks + 1, s.summary()
+    assert s.rollouts < plain.stats.rollouts, (s.summary(), plain.stats.summary())

@@ -43,8 +43,9 @@ def test_same_seed_same_tokens_in_every_mode(pipe, lookup_pipe, name):
     again = "The dog ran to the park. The dog ran to the"  # repeats itself: the lookup proposes from the start
     ar = pipe.generate(again, mode="ar", **kw).tokens
     lookup = [pipe.generate(again, mode="sd", gamma=5, lookup=True, **kw),
+              pipe.generate(again, mode="mirror", kappa=4, gamma=5, lookup=True, **kw),
               lookup_pipe.generate(again, mode="sd", gamma=5, **kw)]
-    for out, name in zip(lookup, ("beside the draft", "alone")):
+    for out, name in zip(lookup, ("beside the draft", "in mirror", "alone")):
         assert out.tokens == ar, f"lookup {name}"
         assert out.stats.lookup_windows > 0, f"lookup {name}: never proposed"
 

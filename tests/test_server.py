@@ -274,7 +274,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "mode": "fast"}, 400, "mode"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "lookup": "yes"}, 400, "lookup"),
-    ("/v1/completions", {"prompt": "x", "lookup": True, "mode": "mirror"}, 400, "lookup"),
+    ("/v1/completions", {"prompt": "x", "lookup": True, "mode": "ar"}, 400, "mode"),
     ("/v1/completions", {"prompt": "x", "lookup": True, "mode": "sd", "ngram_max": 0}, 400, "ngram_max"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "exit_layer": 99}, 400, "exit_layer"),

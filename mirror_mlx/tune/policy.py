@@ -223,10 +223,10 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
     """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
     adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`);
     with auto's test within the generation (`leave_draft`) where it has one. With `lookup`, auto runs sd
-    (`beside_lookup`)."""
+    where it would run ar (`beside_lookup`)."""
     if mode == "auto" and lookup and pipe.draft is not None:
         c, test = choice(pipe, mode, kappa, gamma, exit_layer, sampling)
-        if c.mode == "sd":
+        if c.mode != "ar":
             return c, test
         prof = profile_for(pipe)
         c = beside_lookup(prof, pipe, c, gamma)
@@ -280,18 +280,18 @@ LOOKUP_GAMMA = 8  # the lookup alone's window: a copied continuation is cheap to
 def lookup_alone(opts: DecodeOptions, asked: str, gamma: Optional[int]) -> DecodeOptions:
     """sd with the lookup as its only draft (draft_model="lookup"): no profile to read, as no draft model runs
     (a wrong proposal costs the verify's extra rows only); γ as given, else LOOKUP_GAMMA."""
-    why = "auto: the lookup draft (no draft model), so sd with it" if asked == "auto" else "mode sd as asked"
+    why = "auto: the lookup alone (no draft model), so sd with it" if asked == "auto" else "mode sd as asked"
     if gamma is None:
         why += f"; gamma={LOOKUP_GAMMA}, the lookup's default"
     return replace(opts, mode="sd", gamma=LOOKUP_GAMMA if gamma is None else gamma, why=opts.why or why)
 
 
 def beside_lookup(prof: Any, pipe: Any, c: Choice, gamma: Optional[int]) -> Choice:
-    """auto with lookup=True beside a model draft, where auto alone would run `c` (mirror or ar): the lookup
-    proposes in sd only, so the profile's best sd row (its γ, unless given), said in `why`. (auto may still
-    leave the model draft within the generation: the lookup goes on, beside the target alone.)"""
+    """auto with lookup=True beside a model draft, where auto alone would run ar (`c`): ar is the target alone,
+    so the profile's best sd row (its γ, unless given), said in `why`. (auto may still leave the model draft
+    within the generation: the lookup goes on, beside the target alone.)"""
     sd = knobs_from(prof, pipe, "sd", None, gamma, None)
-    return replace(sd, why=f"auto with lookup: sd, as the lookup proposes in sd only (auto alone: {describe(c)}; "
+    return replace(sd, why=f"auto with lookup: sd, as ar takes no lookup (auto alone: {describe(c)}; "
                            f"{sd.why.split('; ', 1)[-1]})")
 
 
