@@ -40,29 +40,35 @@ def main() -> None:
         "lookup alone n=3..1 γ=4": (alone, dict(mode="sd", gamma=4, ngram_max=3, ngram_min=1)),
         f"lookup n=3..2 + draft γ={args.gamma}": (pair, dict(mode="sd", gamma=args.gamma, lookup=True)),
         f"lookup n=3..1 + draft γ={args.gamma}": (pair, dict(mode="sd", gamma=args.gamma, lookup=True, ngram_min=1)),
+        f"mirror κ=2 γ={args.gamma}": (pair, dict(mode="mirror", kappa=2, gamma=args.gamma, exit_layer=2)),
+        f"mirror κ=2 γ={args.gamma} + lookup n=3..2": (pair, dict(mode="mirror", kappa=2, gamma=args.gamma, exit_layer=2,
+                                                                 lookup=True)),
     }
-    print(f"| prompt | run | tok/s (median of {args.reps}) | tokens per target forward | lookup accepted/proposed |")
-    print("|---|---|---:|---:|---:|")
+    print(f"| prompt | run | tok/s (median of {args.reps}) | tokens per target forward | lookup accepted/proposed "
+          "| draft rollouts |")
+    print("|---|---|---:|---:|---:|---:|")
     for name, text in PROMPTS.items():
         ids = pair.encode(text)
         rows: dict[str, list] = {}
         for _ in range(args.reps + 1):  # the first round warms up and is not counted
             ar = run_ar(pair.model, ids, n, stop_tokens=())
-            rows.setdefault("mlx-lm generate_step", []).append((ar.tokens_per_s, 1.0, ""))
+            rows.setdefault("mlx-lm generate_step", []).append((ar.tokens_per_s, 1.0, "", ""))
             for k in (2, 3):
                 sd = run_mlx_sd(pair.model, draft, ids, n, k)
                 assert sd.tokens == ar.tokens
-                rows.setdefault(f"mlx-lm speculative k={k}", []).append((sd.tokens_per_s, sd.accepted_per_forward, ""))
+                rows.setdefault(f"mlx-lm speculative k={k}", []).append((sd.tokens_per_s, sd.accepted_per_forward, "",
+                                                                         sd.target_forwards))
             for label, (pipe, kw) in ours.items():
                 r = pipe.generate(ids, max_tokens=n, stop=False, **kw)
                 assert r.tokens == ar.tokens, label
                 s = r.stats
                 rows.setdefault(label, []).append((s.tokens_per_second, s.mean_accepted,
-                                                   f"{s.lookup_accepted}/{s.lookup_proposed}" if s.lookup else ""))
+                                                   f"{s.lookup_accepted}/{s.lookup_proposed}" if s.lookup else "",
+                                                   s.rollouts if s.draft_host else ""))
         for label, runs in rows.items():
             runs = runs[1:]
             print(f"| {name} | {label} | {median(r[0] for r in runs):.0f} | {median(r[1] for r in runs):.2f} "
-                  f"| {runs[-1][2]} |")
+                  f"| {runs[-1][2]} | {runs[-1][3]} |")
     pair.close()
     alone.close()
 

@@ -164,7 +164,7 @@ def lookup_options() -> list:
     return [
         click.option("--lookup/--no-lookup", default=DEFAULTS.lookup,
                      help="Propose the context's continuation where an n-gram repeats, the draft model elsewhere "
-                          "(sd) [default: on with --draft-model lookup, else off]."),
+                          "(sd; mirror: after a fallback) [default: on with --draft-model lookup, else off]."),
         click.option("--ngram-max", type=int, default=DEFAULTS.ngram_max, show_default=True,
                      help="The lookup's longest n-gram, tried first."),
         click.option("--ngram-min", type=int, default=DEFAULTS.ngram_min,

@@ -239,7 +239,7 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
         if value is not None:
             opts[option] = float(value)
     lookup = body.get("lookup")
-    _check(lookup is None or isinstance(lookup, bool), "lookup", "true or false (the prompt lookup, in mode sd)",
+    _check(lookup is None or isinstance(lookup, bool), "lookup", "true or false (the prompt lookup, in mode sd or mirror)",
            lookup)
     if lookup is not None:
         opts["lookup"] = lookup
