@@ -163,3 +163,11 @@ def test_in_mirror_the_lookup_fills_windows_after_a_fallback(pipes):
     s = looked.stats
     assert s.lookup_accepted > 0 and s.lookup_rejections > 0 and s.lookup_windows <= s.fallbacks + 1, s.summary()
     assert s.rollouts < plain.stats.rollouts, (s.summary(), plain.stats.summary())
+
+
+def test_the_lookup_is_refused_across_ranks():
+    from mirror_mlx.distributed.pipeline import NO_LOOKUP, load
+
+    with pytest.raises(ValueError, match="the prompt lookup runs in one process"):
+        load("any-model", draft_model="lookup")
+    assert "mlx.launch" in NO_LOOKUP
