@@ -7,6 +7,10 @@ mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets
               → (target suffix ‖ the draft host rolls out every branch, or the top B: branch_budget.py)
               → verify → reuse or fallback.
 sd step:      draft rolls out one window, then the target verifies it (serial).
+lookup step:  (sd with lookup) the context's continuation (mirror_mlx/lookup.py) is the window, at no draft
+              cost; where it offers none the step is sd's (beside a model draft) or ar's (the lookup alone).
+              (mirror with lookup) where no branch was reused, the lookup's window, if any, replaces the
+              draft's serial rollout on the critical path.
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
@@ -22,6 +26,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -36,12 +41,16 @@ from .draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
+from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, NgramIndex
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler
 from .stats import Stats, Step
 from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
+
+
+FRESH = object()  # mirror's next window is a fresh one (no branch reused): the lookup's, else the draft's rollout
 
 
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
@@ -57,6 +66,14 @@ def note_window(stats: Stats, offered: int, accepted: int) -> None:
     stats.proposed += offered
     stats.accepted += accepted
     stats.rejections += accepted < offered
+
+
+def note_lookup(stats: Stats, offered: int, accepted: int) -> None:
+    """Count that the verified window was the lookup's (its share of note_window's counts)."""
+    stats.lookup_windows += 1
+    stats.lookup_proposed += offered
+    stats.lookup_accepted += accepted
+    stats.lookup_rejections += accepted < offered
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -128,8 +145,9 @@ class Engine:
     """
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Optional[Callable] = None):
+                 exit_adapter: Optional[Callable] = None, lookup_only: bool = False):
         self.target_model = target_model
+        self.lookup_only = lookup_only  # the draft is the prompt lookup alone (draft_model="lookup"): no model
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
@@ -195,11 +213,15 @@ class Engine:
         """Refuse bad options or prompt ids with one sentence naming the problem and the fix, before any
         work starts (no ring, no forward); returns the prompt and options the engine will use.
         With a `prompt_cache`, `prompt` is `prompt_cache.prompt(ids)`: its prefix's ids if known, then the rest."""
-        opts = validate.decode_options(opts, MODES, self.vocab_size, self.n_layers, self.draft_context)
+        opts = validate.decode_options(self.with_lookup(opts), MODES, self.vocab_size, self.n_layers,
+                                       self.draft_context)
         if prompt_cache is not None:
             prompt_cache.check(opts.mode, self.n_layers)
-        if opts.mode != "ar" and self.host is None and self.draft_failure is None:
-            raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=..., or use mode='ar'")
+        if opts.mode != "ar" and self.host is None and self.draft_failure is None and not (
+                opts.mode == "sd" and opts.lookup):
+            also = "; the lookup draft runs in mode='sd'" if self.lookup_only else ""
+            raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=... (a model, or \"lookup\" "
+                             f"for sd), or use mode='ar'{also}")
         if self.exit_adapter is not None and opts.mode == "mirror":
             from .exit_adapter import check_layer
 
@@ -218,6 +240,17 @@ class Engine:
                 f"context of {self.context_length} tokens: shorten the prompt or lower max_tokens"
             )
         return prompt, opts
+
+    def with_lookup(self, opts: DecodeOptions) -> DecodeOptions:
+        """lookup=None as the pipeline has it: on in sd when the draft is the lookup (draft_model="lookup");
+        ngram_min=None: 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)."""
+        lookup = self.lookup_only and opts.mode == "sd" if opts.lookup is None else opts.lookup
+        n_min = opts.ngram_min
+        if n_min is None:
+            n_min = NGRAM_MIN if self.host is None else NGRAM_MIN_BESIDE
+            if isinstance(opts.ngram_max, int) and opts.ngram_max >= 1:  # (a bad ngram_max is refused as such)
+                n_min = min(n_min, opts.ngram_max)
+        return replace(opts, lookup=lookup, ngram_min=n_min)
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
@@ -244,14 +277,16 @@ class Engine:
         given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
         exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         local = mode == "sd" and self.local_build is not None
-        host = "" if mode == "ar" else "in-process" if local else "process" if self.host.process else "thread"
+        drafts = mode != "ar" and self.host is not None  # a model draft runs (sd with the lookup alone: none)
+        host = "" if not drafts else "in-process" if local else "process" if self.host.process else "thread"
+        index = NgramIndex(prompt, opts.ngram_max, opts.ngram_min) if opts.lookup else None
         ran, left = mode, ""  # what Stats calls the mode (ar only if the draft never ran), why it was left
 
         def record() -> Stats:
             """A fresh record for the next step's facts, with what describes the generation as it stands."""
             return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
                          why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
-                         placement=opts.placement, branches=opts.branches)
+                         placement=opts.placement, branches=opts.branches, lookup=index is not None)
 
         sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
                                                            else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
@@ -274,11 +309,11 @@ class Engine:
         if prompt_cache is not None:
             self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
         try:
-            if mode != "ar" and not local:  # the draft prefills beside the target
+            if drafts and not local:  # the draft prefills beside the target
                 _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
             stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
                                                            prefill_progress(opts.prompt_progress_callback, given))
-            if mode != "ar":
+            if drafts:
                 try:
                     if failed:
                         raise failed[0]
@@ -294,18 +329,25 @@ class Engine:
             stepping = False
             window = None
             if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
-                window = run(self._timed_rollout(committed, opts, stats)) if opts.max_tokens > 1 else []
-                if window is None:
-                    mode = ran = stats.mode = "ar"
+                window = FRESH if opts.max_tokens > 1 else []
+                if window is FRESH and not (index is not None and index.propose(1)):  # the lookup has none
+                    window = run(self._timed_rollout(committed, opts, stats))
+                    if window is None:
+                        mode = ran = stats.mode = "ar"
             while produced < opts.max_tokens:
                 stepping = True
                 budget = opts.max_tokens - produced
-                if mode == "mirror" and self.draft_failure is None:
-                    if budget == 1:  # the step commits the pending row's token whatever the window proposes
-                        window = []
+                mirror = mode == "mirror" and self.draft_failure is None
+                lookup = index.propose(min(opts.gamma, budget - 1)) \
+                    if index is not None and budget > 1 and not mirror else []
+                if mirror:  # (a failed rollout drops the draft: then the step is ar's)
+                    window, from_lookup = self._mirror_window(window, committed, index, opts, stats, budget)
+                if lookup:  # the context offers a continuation: it is the window, no draft runs
+                    new = self._lookup_step(committed, lookup, sampler, processors, stats)
+                elif mirror and self.draft_failure is None:
                     new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget,
-                                                             plan))
-                elif mode == "sd" and self.draft_failure is None and budget > 1:  # (the last token: see ar)
+                                                        plan, index is not None, from_lookup))
+                elif mode == "sd" and drafts and self.draft_failure is None and budget > 1:  # (the last: see ar)
                     new = run(self._sd_step(committed, opts, sampler, processors, stats))
                 else:  # ar, or sd's last token: it is the target's own at the pending row, a window cannot help
                     s0 = time.perf_counter()
@@ -320,6 +362,8 @@ class Engine:
                 if stop is not None:
                     new = new[: stop + 1]
                 committed += new
+                if index is not None:
+                    index.extend(new)
                 produced += len(new)
                 stats.generation_tokens = len(new)
                 step = Step(new, [i < drafted for i in range(len(new))], stats.proposed, stats.accepted,
@@ -345,12 +389,27 @@ class Engine:
 
     # --- steps -------------------------------------------------------------------------------------
 
+    def _mirror_window(self, window, committed, index, opts, stats, budget) -> tuple[Optional[list[int]], bool]:
+        """The window of mirror's next step, and whether the lookup proposed it: with one token wanted none
+        (the pending row's token is committed whatever it proposes); after a step that reused no branch
+        (FRESH), the lookup's, else the draft's rollout on the critical path (None if the draft failed)."""
+        if budget == 1:
+            return [], False
+        if window is not FRESH:
+            return window, False
+        proposal = index.propose(min(opts.gamma, budget - 1)) if index is not None else []
+        if proposal:
+            return proposal, True
+        return self.loop.run(self._timed_rollout(committed, opts, stats)), False
+
     async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget,
-                           plan: Optional[BranchBudget] = None):
+                           plan: Optional[BranchBudget] = None, lookup=False, from_lookup=False):
         """One step; `budget` tokens are still wanted. A window after the step can change the output only if
         two more tokens are wanted then (the first is the target's own at the pending row, whatever the window
         proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
-        `plan`: the branch budget (branch_budget.py), which of the branches the host rolls out."""
+        `plan`: the branch budget (branch_budget.py), which of the branches the host rolls out. With `lookup` a
+        fallback leaves the next window to `_mirror_window` (FRESH); `from_lookup`: this step's window is the
+        lookup's."""
         plan = plan or BranchBudget(None)
         kappa, gamma = opts.kappa, len(window)
         rows = [committed[-1]] + window
@@ -390,6 +449,8 @@ class Engine:
         stats.omega_sum += omega
         note_window(stats, gamma, a)
         plan.settle(a)
+        if from_lookup:
+            note_lookup(stats, gamma, a)
         stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
         if new[-1] in cand[a] and (windows is None or reuse_window(cand, windows, a, new[-1]) is not None):
             stats.reuses += 1  # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
@@ -397,6 +458,8 @@ class Engine:
         stats.fallbacks += 1
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):
             return new, None  # no window after this step could be used
+        if lookup:
+            return new, FRESH  # the lookup's window if it has one, else the draft's (`_mirror_window`)
         return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
 
     async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
@@ -408,6 +471,15 @@ class Engine:
 
     def _time_left(self, opts: DecodeOptions, since: float) -> float:
         return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
+
+    def _lookup_step(self, committed, window, sampler, processors, stats) -> list[int]:
+        """The target verifies the lookup's window (mirror_mlx/lookup.py): sd's verify, no draft time."""
+        s0 = time.perf_counter()
+        ys, a = self.target_worker.call(self.target.verify, committed, window, sampler, processors)
+        stats.suffix_seconds += time.perf_counter() - s0
+        note_window(stats, len(window), a)
+        note_lookup(stats, len(window), a)
+        return window[:a] + [ys[a]]
 
     async def _sd_step(self, committed, opts, sampler, processors, stats):
         if self.local_build is not None:

@@ -8,6 +8,8 @@ import, so the command line can show them in `--help` without loading MLX.
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
+from .lookup import NGRAM_MAX
+
 MODES = ("mirror", "sd", "ar")  # what the engine runs
 CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune.policy)
 PAPER_KNOBS = dict(kappa=8, gamma=7)  # the paper's κ, γ: what bad input is checked against before knobs are chosen
@@ -44,6 +46,9 @@ class DecodeOptions:
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None  # mlx-lm's: (prompt tokens done, total)
     why: str = ""  # how the mode and knobs were chosen (set by the Pipeline, shown in Stats)
     placement: str = ""  # where the threads ran and why (set by the Pipeline: tune/placement.py, shown in Stats)
+    lookup: Optional[bool] = None  # prompt lookup proposes what the context offers (sd, mirror); None: draft "lookup"
+    ngram_max: int = NGRAM_MAX  # the lookup's longest n-gram, tried first
+    ngram_min: Optional[int] = None  # and its shortest; None: 1 alone (NGRAM_MIN), 2 beside a draft model
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property

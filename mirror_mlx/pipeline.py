@@ -25,11 +25,12 @@ from .engine import Engine
 from .stats import Stats, Step
 from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
 from .loading import load_model, resolve_model
+from .lookup import LOOKUP
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
 from .tune.placement import placed
-from .tune.policy import AutoRun, AutoState, explicit, needs_knobs, resolve
+from .tune.policy import AutoRun, AutoState, explicit, lookup_alone, needs_knobs, resolve
 
 Prompt = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
@@ -148,13 +149,14 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Any = None, name: str = ""):
+                 exit_adapter: Any = None, name: str = "", lookup_only: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
+        self.lookup_only = lookup_only  # draft_model="lookup": the prompt lookup drafts, no draft model
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
-        self.engine = Engine(model, draft, exit_adapter)
+        self.engine = Engine(model, draft, exit_adapter, lookup_only)
         # a Pipeline dropped without close() still stops its draft host and unlinks its shared memory
         self._finalizer = weakref.finalize(self, Engine.close, self.engine)
         self._finalizer.atexit = False  # at exit the hosts' and workers' own atexit hooks stop them
@@ -216,11 +218,12 @@ class Pipeline:
         return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
     def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
-        """What is checked before auto is resolved: auto as mirror (ar without a draft), the knobs not
-        given as the paper's. Bad input is refused before any calibration starts."""
+        """What is checked before auto is resolved: auto as mirror (without a draft model: sd with the lookup,
+        else ar), the knobs not given as the paper's. Bad input is refused before any calibration starts."""
         mode = opts.mode
         if mode == "auto":
-            mode = "mirror" if self.draft is not None else "ar"
+            lookup = opts.lookup or (opts.lookup is None and self.lookup_only)
+            mode = "mirror" if self.draft is not None else "sd" if lookup else "ar"
         return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
                        gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
 
@@ -261,6 +264,8 @@ class Pipeline:
             prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
         ids, checked = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
+        if self.draft is None and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
+            return ids, lookup_alone(checked, opts.mode, opts.gamma), None
         if opts.mode != "auto" and not needs_knobs(opts.mode, opts.kappa, opts.gamma):
             return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
         if opts.mode != "auto":  # the knobs left out come from the pair's profile (tune.policy.explicit)
@@ -400,6 +405,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     `adapter_path`, `tokenizer_config`, `trust_remote_code`: as mlx_lm.load (LoRA adapters apply to the
     target; an exit adapter is then trained on the adapted target). Any other keyword is a TypeError.
     """
+    lookup_only = str(draft_model) == LOOKUP
     if model is None:
         model = demo_pair.TARGET
         draft_model = demo_pair.DRAFT if draft_model is None else draft_model
@@ -411,10 +417,10 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     target, tokenizer = load_model(model, tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code,
                                    adapter_path=None if adapter_path is None else str(adapter_path))
     mx.eval(target.parameters())  # LoRA layers come lazy; the target's thread cannot evaluate this thread's graph
-    draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
+    draft = load_draft(draft_model, tokenizer) if draft_model is not None and not lookup_only else None
     adapter = None
     if exit_adapter is not None:
         from .exit_adapter import load_adapters
 
         adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
-    return Pipeline(target, tokenizer, draft, adapter, name=str(model))
+    return Pipeline(target, tokenizer, draft, adapter, name=str(model), lookup_only=lookup_only)

@@ -30,6 +30,11 @@ class Stats:
     proposed: int = 0  # draft tokens the target verified
     accepted: int = 0  # of them, accepted
     rejections: int = 0  # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
+    lookup: bool = False  # the prompt lookup proposed where the context offered a continuation
+    lookup_windows: int = 0  # steps whose window was the prompt lookup's (mirror_mlx/lookup.py), no draft's
+    lookup_proposed: int = 0  # of `proposed`, the lookup's tokens
+    lookup_accepted: int = 0  # of `accepted`, the lookup's (the rest are the model draft's)
+    lookup_rejections: int = 0  # of `rejections`, in the lookup's windows
     omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -88,6 +93,10 @@ class Stats:
                 line += f" B={self.branches}"
         elif self.mode == "sd":
             line += f" γ={self.gamma}"
+        if self.lookup:
+            line += f" | accepted: lookup {self.lookup_accepted}/{self.lookup_proposed}"
+            if self.draft_host or self.proposed > self.lookup_proposed:  # a draft model ran beside it
+                line += f", draft {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
         if self.why.startswith(("auto", "quick")):
             line += f" ({self.why})"
         if self.mode == "mirror":
@@ -104,7 +113,8 @@ class Stats:
         return line
 
 
-_LATEST = ("chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft", "placement")  # Stats fields a total keeps the latest of
+# Stats fields a total keeps the latest of
+_LATEST = ("lookup", "chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft", "placement")
 
 
 @dataclass

@@ -159,7 +159,23 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
         branches(opts.kappa, opts.gamma)
     if opts.branches is not None:
         opts = replace(opts, branches=branch_budget(opts.branches, opts.kappa, opts.gamma))
-    return opts
+    return lookup_options(opts)
+
+
+def lookup_options(opts: Any) -> Any:
+    """The prompt lookup's settings (lookup None: off here; the engine resolves it first): its n-gram bounds
+    within 1..NGRAM_LIMIT, and a mode that takes it (sd or mirror: ar is the target alone)."""
+    from .lookup import NGRAM_LIMIT, NGRAM_MIN
+
+    if opts.lookup is not None and not isinstance(opts.lookup, bool):
+        raise TypeError(f"lookup must be True, False or None, not {_kind(opts.lookup)} ({opts.lookup!r})")
+    n_max = as_int("ngram_max", opts.ngram_max, 1, NGRAM_LIMIT, "the lookup's longest n-gram")
+    n_min = NGRAM_MIN if opts.ngram_min is None else as_int("ngram_min", opts.ngram_min, 1, n_max,
+                                                            "the lookup's shortest n-gram, at most ngram_max")
+    if opts.lookup and opts.mode == "ar":
+        raise ValueError("mode='ar' is the target alone and takes no lookup: use mode='sd' with lookup=True, "
+                         "or leave lookup=True out")
+    return replace(opts, ngram_max=n_max, ngram_min=n_min)
 
 
 def branch_budget(value: Any, kappa: int, gamma: int) -> int:

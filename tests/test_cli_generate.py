@@ -47,6 +47,23 @@ def test_each_mode_gives_the_same_greedy_text():
     assert texts["ar"] == texts["sd"] == texts["mirror"]
 
 
+def test_the_lookup_from_the_command_line():
+    """--draft-model lookup (no draft model) and --lookup beside the demo draft: the greedy text, the lookup's
+    tokens counted in the stats line."""
+    prompt = "The dog ran to the park. The dog ran to the park. The dog"
+    ar = run("--prompt", prompt, "--max-tokens", "30", "--mode", "ar").stdout
+    for args in (("--draft-model", "lookup"), ("--lookup", "--mode", "sd", "--gamma", "3"),
+                 ("--lookup", "--mode", "mirror", "--kappa", "2", "--gamma", "3")):
+        result = run("--prompt", prompt, "--max-tokens", "30", *args)
+        assert result.exit_code == 0, result.output
+        assert result.stdout == ar and "accepted: lookup " in result.stderr, args
+    for args, message in [(("--lookup", "--mode", "ar"), "--mode ar is the target alone and takes no lookup"),
+                          (("--draft-model", "lookup", "--mode", "mirror"), "mode 'mirror' needs a draft model"),
+                          (("--lookup", "--mode", "sd", "--ngram-min", "4"), "--ngram-min must be at most 3")]:
+        result = run("--max-tokens", "4", "--gamma", "3", *args)
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
 def test_bad_options_are_usage_errors_without_traceback():
     for args, message in [(("--kappa", "0"), "kappa must be at least 1"),
                           (("--gamma", "0"), "gamma must be at least 1"),

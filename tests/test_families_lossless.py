@@ -6,7 +6,8 @@ runs it as llama, here with its own head), qwen2, qwen3, gemma3 with sliding-win
 few prompts, the longest past gemma3's sliding window. Two drafts per family, each in its own host
 process: the target itself (every window accepted whole: bonus tokens, reuse of the bonus row's
 branches, and γ = 6 windows) and a random model of the same family with half its layers (windows
-rejected early: fallbacks).
+rejected early: fallbacks). The prompt lookup (mirror_mlx/lookup.py) decodes the same prompts and a
+prompt that repeats itself, alone and beside the random draft, and one with no repeat (no proposal).
 """
 
 import mlx.core as mx
@@ -230,3 +231,55 @@ def test_a_prompt_cache_file_of_a_recurrent_target_serves_every_mode(recurrent_p
                             exit_layer=2, stop=False)
         assert out.tokens == mlx_greedy(target, ids + rest, R_TOKENS), (family, mode)
         assert cache.length == len(ids) + len(rest) + R_TOKENS
+
+
+LOOKUP_PROMPTS = PROMPTS + [[5, 61, 2, 88, 13, 40, 9, 5, 61, 2, 88, 13, 40, 9, 5, 61]]  # the last repeats itself
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_lookup_alone_and_beside_a_draft_equals_mlx_lm_greedy(pipelines, family):
+    """sd with the lookup alone (no draft model: no host), and sd and mirror with it beside the random draft,
+    return mlx-lm's greedy tokens; its proposals were both accepted and rejected, and the draft still drafted
+    where it had none."""
+    refs, pipe = pipelines(family, "random")
+    refs = refs + [mlx_greedy(pipe.model, LOOKUP_PROMPTS[-1], TOKENS)]
+    alone = Pipeline(pipe.model, _FakeTokenizer(VOCAB), lookup_only=True)
+    beside = dict(lookup=True, ngram_min=1)
+    try:
+        assert alone.engine.host is None
+        for p, kw, name in ((alone, dict(mode="sd"), "alone"), (pipe, dict(beside, mode="sd"), "beside the draft"),
+                            (pipe, dict(beside, mode="mirror", kappa=1, exit_layer=2), "in mirror")):
+            total = None
+            cases = list(zip(LOOKUP_PROMPTS, refs))
+            for prompt, ref in cases[-2:] if name == "in mirror" else cases:  # (mirror: the longest two, cheaper)
+                out = p.generate(prompt, max_tokens=TOKENS, gamma=4, stop=False, **kw)
+                assert out.tokens == ref, f"{family}, lookup {name}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}"
+                assert out.stats.lookup and out.stats.draft_failure is None
+                total = out.stats if total is None else total + out.stats
+            if name == "in mirror":  # (its lookup fills only the windows after a fallback: both paths in test_lookup.py)
+                assert total.lookup_windows > 0 and total.fallbacks > 0, (family, name, total.summary())
+            else:
+                assert total.lookup_accepted > 0 and total.lookup_rejections > 0, (family, name, total.summary())
+            if p is pipe:
+                assert total.proposed > total.lookup_proposed and total.rollouts > 0, total.summary()
+            else:
+                assert total.rollouts == 0 and total.proposed == total.lookup_proposed
+    finally:
+        alone.close()
+
+
+def test_no_repeat_no_proposal():
+    """A context with no repeated n-gram gives the lookup nothing: every step is the target's alone (ar)."""
+    import mirror_mlx
+
+    pipe = mirror_mlx.load(draft_model="lookup")  # the demo target: its stories do not loop like a random model
+    try:
+        prompt, n = pipe.encode("Once upon a time"), 10
+        ref = mlx_greedy(pipe.model, prompt, n)
+        text = prompt + ref[:-1]  # (the last token is never looked up from)
+        assert len(set(zip(text, text[1:]))) == len(text) - 1, "the demo target repeats a bigram here"
+        out = pipe.generate(prompt, max_tokens=n, mode="sd", ngram_min=2, stop=False)
+        assert out.tokens == ref
+        assert out.stats.lookup and out.stats.lookup_proposed == 0 and out.stats.target_forwards == n
+    finally:
+        pipe.close()

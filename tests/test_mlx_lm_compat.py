@@ -91,6 +91,19 @@ def test_same_tokens_as_mlx_lm_at_temperature_zero(pair, mode):
     assert ours[0].prompt_tokens == len(tokenizer.encode("The dog")) and ours[-1].peak_memory > 0
 
 
+@pytest.mark.parametrize("draft_model,lookup", [("lookup", None), ("draft", True)])
+def test_the_lookup_gives_mlx_lm_s_tokens(pair, draft_model, lookup):
+    """stream_generate with draft_model="lookup" (no draft model) or lookup=True beside the draft."""
+    model, tokenizer, draft = pair
+    prompt = "The dog ran to the park. The dog ran to the park. The dog"
+    theirs = [r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=30)]
+    ours = list(mirror_mlx.stream_generate(model, tokenizer, prompt, max_tokens=30, mode="sd", gamma=4,
+                                           draft_model=draft if draft_model == "draft" else draft_model,
+                                           lookup=lookup))
+    assert [r.token for r in ours] == theirs
+    assert ours[-1].stats.lookup and ours[-1].stats.lookup_windows > 0
+
+
 def test_seeded_samples_are_the_same_in_every_mode(pair):
     """mlx-lm's own sampler and a logits processor, T > 0, one seed: ar, sd and mirror agree token for token."""
     model, tokenizer, draft = pair

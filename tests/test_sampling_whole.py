@@ -178,20 +178,22 @@ def conditional_test(tokens: np.ndarray, probs: np.ndarray, rows: np.ndarray, pr
 
 
 def sample(target, pipe, mode: str, settings: dict, seeds, expect: dict = None,
-           branches: int = None) -> tuple[dict, dict]:
+           branches: int = None, lookup: bool = False) -> tuple[dict, dict]:
     """Generate once per seed; returns the conditional test's p-values (against `expect`'s settings,
-    by default the ones sampled with) and what the steps did."""
+    by default the ones sampled with) and what the steps did. `lookup`: sd with the prompt lookup beside
+    the draft."""
     outputs, rows = [], []
-    seen = dict(reuses=0, fallbacks=0, rejections=0, draft_failures=0)
+    seen = dict(reuses=0, fallbacks=0, rejections=0, draft_failures=0, lookup_accepted=0, lookup_rejections=0)
+    extra = dict(lookup=True) if lookup else {}
     for seed in seeds:
         chunks = list(pipe.stream(PROMPT, max_tokens=TOKENS, seed=seed, mode=mode, stop=False, branches=branches,
-                                  **KNOBS, **settings))
+                                  **KNOBS, **settings, **extra))
         stats, tokens = pipe.stats, [t for c in chunks for t in c.tokens]
         assert len(tokens) == TOKENS and stats.mode == mode
         assert branches is None or stats.branches_rolled <= branches * stats.steps
         outputs.append(tokens)
         rows.append(rows_in_step([d for c in chunks for d in c.from_draft]))
-        for k in ("reuses", "fallbacks", "rejections"):
+        for k in ("reuses", "fallbacks", "rejections", "lookup_accepted", "lookup_rejections"):
             seen[k] += getattr(stats, k)
         seen["draft_failures"] += stats.draft_failure is not None
     outputs, rows = np.array(outputs), np.array(rows)
@@ -222,6 +224,16 @@ def test_every_committed_token_follows_the_target_distribution(pair, mode, name,
     p, seen = sample(target, pipe, mode, SETTINGS[name], SEEDS[mode], branches=branches)
     check_steps(mode, seen)
     assert min(p.values()) > SEEDED_P, f"{mode} {name}: committed tokens do not follow the target ({p}, {seen})"
+
+
+def test_tokens_with_the_lookup_follow_the_target_distribution(pair):
+    """sd with the prompt lookup beside the draft: its windows (copied from the context) were accepted and
+    rejected, and every committed token still follows the target."""
+    target, pipe = pair
+    p, seen = sample(target, pipe, "sd", SETTINGS["all"], range(2000, 2000 + RUNS), lookup=True)
+    check_steps("sd", seen)
+    assert seen["lookup_accepted"] >= 20 and seen["lookup_rejections"] >= 20, seen
+    assert min(p.values()) > SEEDED_P, f"sd with lookup: committed tokens do not follow the target ({p}, {seen})"
 
 
 @pytest.mark.parametrize("mode", ["mirror", "sd"])

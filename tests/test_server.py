@@ -189,6 +189,14 @@ def test_every_mode_returns_the_same_text(client, model, ref, mode, knobs):
         assert r.model_extra["x_mirror"]["branches"] == 3 and r.model_extra["x_mirror"]["branches_per_step"] <= 3
 
 
+def test_a_request_may_ask_for_the_lookup(client, model, ref):
+    prompt = "The dog ran. The dog ran. The dog"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=24,
+                                  extra_body={"mode": "sd", "gamma": 4, "lookup": True, "ngram_min": 2})
+    x = r.model_extra["x_mirror"]
+    assert r.choices[0].text == ref(prompt, 24) and x["mode"] == "sd" and x["lookup"] and x["lookup_windows"] > 0
+
+
 def test_sampling_fields_reach_the_engine(client, model, pipe, ref):
     """Deterministic checks (seeded sampling is not reproducible across calls yet, see the report):
     top_k=1 makes T=0.9 greedy; a repetition penalty changes the greedy text as it does in-process."""
@@ -271,6 +279,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "kappa": 2, "gamma": 3, "branches": 9}, 400, "branches"),
     ("/v1/completions", {"prompt": "x", "mode": "fast"}, 400, "mode"),
     ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "lookup": "yes"}, 400, "lookup"),
+    ("/v1/completions", {"prompt": "x", "lookup": True, "mode": "ar"}, 400, "mode"),
+    ("/v1/completions", {"prompt": "x", "lookup": True, "mode": "sd", "ngram_max": 0}, 400, "ngram_max"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "exit_layer": 99}, 400, "exit_layer"),
     ("/v1/completions", {"prompt": "x", "stop": 7}, 400, "stop"),

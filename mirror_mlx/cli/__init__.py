@@ -108,7 +108,8 @@ def model_options(f):
     f = click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
                      help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's.")(f)
     f = click.option("--draft-model", default=None,
-                     help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id.")(f)
+                     help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id; 'lookup': "
+                          "prompt lookup alone (n-grams of the context, no draft model; sd).")(f)
     f = click.option("--model", default=None,
                      help="Target: model folder or Hugging Face id [default: the embedded demo pair].")(f)
     return f
@@ -159,7 +160,21 @@ def decode_options(max_tokens: int, seed: Optional[int]):
         *knob_options("Window length γ."),
         click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
                      help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
+        *lookup_options(),
     ])
+
+
+def lookup_options() -> list:
+    """--lookup / --ngram-max / --ngram-min: prompt lookup beside the draft (mirror_mlx/lookup.py)."""
+    return [
+        click.option("--lookup/--no-lookup", default=DEFAULTS.lookup,
+                     help="Propose the context's continuation where an n-gram repeats, the draft model elsewhere "
+                          "(sd; mirror: after a fallback) [default: on with --draft-model lookup, else off]."),
+        click.option("--ngram-max", type=int, default=DEFAULTS.ngram_max, show_default=True,
+                     help="The lookup's longest n-gram, tried first."),
+        click.option("--ngram-min", type=int, default=DEFAULTS.ngram_min,
+                     help="The lookup's shortest n-gram [default: 1 alone, 2 beside a draft model]."),
+    ]
 
 
 def mlx_lm_load_options(f):
@@ -178,7 +193,9 @@ pipeline_option = click.option(
 FLAGS = {"prefill_step_size": "--prefill-step-size", "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
          "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer", "branches": "--branches",
          "max_kv_size": "--max-kv-size", "adapter_path": "--adapter-path", "draft_model=...": "--draft-model",
-         "mode='ar'": "--mode ar"}
+         "mode='ar'": "--mode ar",
+         "mode='sd'": "--mode sd", "lookup=True": "--lookup",
+         "ngram_max": "--ngram-max", "ngram_min": "--ngram-min", "mode='auto'": "--mode auto"}
 
 
 def usage_error(e: Exception) -> click.UsageError:
@@ -225,10 +242,12 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
 
 
 def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, prefill_step_size, kappa, gamma,
-                      exit_layer, mode, branches=None) -> dict:
+                      exit_layer, mode, branches=None, lookup=None, ngram_max=DEFAULTS.ngram_max,
+                      ngram_min=DEFAULTS.ngram_min) -> dict:
     return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
                 max_kv_size=max_kv_size, prefill_step_size=prefill_step_size, kappa=kappa, gamma=gamma,
-                exit_layer=exit_layer, mode=mode, branches=branches)
+                exit_layer=exit_layer, mode=mode, branches=branches, lookup=lookup, ngram_max=ngram_max,
+                ngram_min=ngram_min)
 
 
 def xtc_options(min_tokens_to_keep: bool):

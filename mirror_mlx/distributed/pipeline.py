@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..lookup import LOOKUP
 from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..target import StageTargetSide, text_model
 from ..tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
@@ -20,6 +21,8 @@ from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
+NO_LOOKUP = ("the prompt lookup runs in one process, not across the ranks of mlx.launch: start it without the "
+             "launcher, or drop lookup")
 NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each rank's cache holds its shard of the "
                    "keys and values; run without it")
 
@@ -48,6 +51,8 @@ class DistributedPipeline(Pipeline):
     def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
         if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
             raise ValueError(NO_PROMPT_CACHE)
+        if kwargs.get("lookup"):
+            raise ValueError(NO_LOOKUP)
         mode = kwargs.get("mode", "auto")
         why = []
         given = any(kwargs.get(k) is not None for k in ("kappa", "gamma", "exit_layer"))
@@ -235,6 +240,8 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
 
     from ..loading import check_vocabulary, resolve_model
 
+    if str(draft_model) == LOOKUP:
+        raise ValueError(NO_LOOKUP)
     g = g or group()
     if g is None:
         raise ValueError("no distributed group: start every rank with mlx.launch (e.g. `mlx.launch -n 2 "

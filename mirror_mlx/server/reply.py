@@ -151,7 +151,8 @@ class Generation:
         except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
             message = str(e)
             code = "context_length_exceeded" if "context" in message else None
-            param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else None
+            param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else next(
+                (k for k in ("ngram_max", "ngram_min", "lookup", "mode") if message.startswith(k)), None)
             raise APIError(400, message, param, code) from None
         messages = [text.clean_message(m) for m in req.messages] if req.messages is not None else None
         self.job = Job(ids, kwargs, messages, logprobs=req.logprobs)

@@ -18,7 +18,7 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # --allowed-origins' default:
 # what a request may hold; a field outside these gets a 400 naming it (nothing is ignored in silence)
 COMMON = ("model", "stream", "stream_options", "n", "stop", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer", "branches",
-          "mode", "logprobs", "top_logprobs", "user")
+          "mode", "lookup", "ngram_max", "ngram_min", "logprobs", "top_logprobs", "user")
 FIELDS = {"/v1/chat/completions": COMMON + ("messages", "tools", "tool_choice", "parallel_tool_calls",
                                             "chat_template_kwargs"),
           "/v1/completions": COMMON + ("prompt",)}
@@ -238,7 +238,12 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
         value = _number(body, key)
         if value is not None:
             opts[option] = float(value)
-    for key in ("top_k", "seed", "kappa", "gamma", "exit_layer", "branches"):
+    lookup = body.get("lookup")
+    _check(lookup is None or isinstance(lookup, bool), "lookup", "true or false (the prompt lookup, in mode sd or mirror)",
+           lookup)
+    if lookup is not None:
+        opts["lookup"] = lookup
+    for key in ("top_k", "seed", "kappa", "gamma", "exit_layer", "branches", "ngram_max", "ngram_min"):
         value = _number(body, key, integer=True)
         if value is not None:
             opts[key] = value

@@ -53,15 +53,19 @@ class AutoRun:
     counts: Counts = field(default_factory=lambda: [0, 0, 0, 0])
 
     def __call__(self, step: Any) -> Optional[str]:
+        if step.stats.lookup_windows:  # the prompt lookup's window, not the draft's: nothing on the draft
+            return None
         for i, n in enumerate((step.accepted, step.offered > step.accepted, step.reused, step.fallback)):
             self.counts[i] += int(n)
         return self.test(list(self.counts)) if self.test is not None else None
 
     def done(self, stats: Any) -> None:
-        if self.sampling is None or not stats.proposed:  # a custom sampler: nothing to key it by
+        """Learn the model draft's counts (the lookup's windows left out)."""
+        if self.sampling is None or stats.proposed <= stats.lookup_proposed:  # a custom sampler: nothing to key
             return
         seen = self.state.seen.setdefault(self.sampling, {}).setdefault(self.config, [0, 0, 0, 0])
-        for i, n in enumerate((stats.accepted, stats.rejections, stats.reuses, stats.fallbacks)):
+        for i, n in enumerate((stats.accepted - stats.lookup_accepted, stats.rejections - stats.lookup_rejections,
+                               stats.reuses, stats.fallbacks)):
             seen[i] += n
 
 
@@ -229,10 +233,18 @@ def setting_name(sampling: tuple) -> str:
 
 
 def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
-           sampling: Optional[tuple] = None) -> tuple[Choice, Optional[Callable[[Counts], Optional[str]]]]:
+           sampling: Optional[tuple] = None, lookup: bool = False) -> tuple[Choice, Optional[Callable]]:
     """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
     adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`);
-    with auto's test within the generation (`leave_draft`) where it has one."""
+    with auto's test within the generation (`leave_draft`) where it has one. With `lookup`, auto runs sd
+    where it would run ar (`beside_lookup`)."""
+    if mode == "auto" and lookup and pipe.draft is not None:
+        c, test = choice(pipe, mode, kappa, gamma, exit_layer, sampling)
+        if c.mode != "ar":
+            return c, test
+        prof = profile_for(pipe)
+        c = beside_lookup(prof, pipe, c, gamma)
+        return c, leave_draft(prof, c)
 
     def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror",
               b: Optional[int] = None) -> tuple:
@@ -277,6 +289,27 @@ def best_point(rows: list[dict]) -> dict:
     wide κ whose rollout outgrows the suffix)."""
     return max(rows, key=lambda r: (bool(r.get("measured_step_ms")),
                                     expected_rate(r) if r.get("measured_step_ms") else r["predicted"]))
+
+
+LOOKUP_GAMMA = 8  # the lookup alone's window: a copied continuation is cheap to propose long (measured: docs)
+
+
+def lookup_alone(opts: DecodeOptions, asked: str, gamma: Optional[int]) -> DecodeOptions:
+    """sd with the lookup as its only draft (draft_model="lookup"): no profile to read, as no draft model runs
+    (a wrong proposal costs the verify's extra rows only); γ as given, else LOOKUP_GAMMA."""
+    why = "auto: the lookup alone (no draft model), so sd with it" if asked == "auto" else "mode sd as asked"
+    if gamma is None:
+        why += f"; gamma={LOOKUP_GAMMA}, the lookup's default"
+    return replace(opts, mode="sd", gamma=LOOKUP_GAMMA if gamma is None else gamma, why=opts.why or why)
+
+
+def beside_lookup(prof: Any, pipe: Any, c: Choice, gamma: Optional[int]) -> Choice:
+    """auto with lookup=True beside a model draft, where auto alone would run ar (`c`): ar is the target alone,
+    so the profile's best sd row (its γ, unless given), said in `why`. (auto may still leave the model draft
+    within the generation: the lookup goes on, beside the target alone.)"""
+    sd = knobs_from(prof, pipe, "sd", None, gamma, None)
+    return replace(sd, why=f"auto with lookup: sd, as ar takes no lookup (auto alone: {describe(c)}; "
+                           f"{sd.why.split('; ', 1)[-1]})")
 
 
 SAFE_KNOBS = dict(kappa=1, gamma=3)  # an explicit mode's knobs when no profile has a row for it: small, cheap
@@ -329,7 +362,8 @@ def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Opt
 def resolve(pipe: Any, opts: DecodeOptions) -> tuple[DecodeOptions, Optional[AutoRun]]:
     """A concrete mode and knobs for one call: explicit ones win, mode="auto" gets the tuned ones (the first
     call without a profile runs a bounded quick calibration) and an `AutoRun` to watch the generation."""
-    c, test = choice(pipe, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling)
+    c, test = choice(pipe, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling,
+                     lookup=bool(opts.lookup))
     out = replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
                   branches=opts.branches if opts.branches is not None else c.branches)
     if opts.mode != "auto":

@@ -1,0 +1,173 @@
+"""The prompt lookup's rule (mirror_mlx/lookup.py), its index, and what is refused with it.
+
+Losslessness with the lookup is checked where every mode's is: test_families_lossless.py (greedy, alone
+and beside a draft), test_seeded_sampling.py and test_sampling_whole.py (above temperature 0).
+"""
+
+import random
+
+import pytest
+
+import mirror_mlx
+from mirror_mlx.lookup import NGRAM_LIMIT, NgramIndex, propose
+from mirror_mlx.stats import Stats
+
+
+# --- the rule --------------------------------------------------------------------------------------
+
+def test_the_tokens_after_the_earlier_occurrence_are_proposed():
+    assert propose([1, 2, 3, 4, 1, 2], gamma=5, n_max=2, n_min=1) == [3, 4, 1, 2]
+
+
+def test_up_to_gamma():
+    assert propose([1, 2, 3, 4, 5, 1, 2], gamma=2, n_max=2, n_min=1) == [3, 4]
+
+
+def test_the_longest_ngram_wins():
+    # "2" last followed 9 (position 5), but "1 2" occurred only at the start, followed by 3
+    assert propose([1, 2, 3, 7, 2, 9, 1, 2], gamma=1, n_max=2, n_min=1) == [3]
+    assert propose([1, 2, 3, 7, 2, 9, 1, 2], gamma=1, n_max=1, n_min=1) == [9]
+
+
+def test_the_most_recent_occurrence_wins():
+    assert propose([5, 1, 5, 2, 5], gamma=1, n_max=1, n_min=1) == [2]
+
+
+def test_nothing_found_no_proposal():
+    assert propose([1, 2, 3, 4], gamma=4, n_max=3, n_min=1) == []
+    assert propose([1, 2, 3, 1], gamma=4, n_max=3, n_min=2) == []  # only a 1-gram repeats
+    assert propose([], gamma=4) == [] and propose([7], gamma=4) == []
+
+
+def test_the_tail_itself_is_no_occurrence():
+    # [3, 3, 3]: the tail "3 3" occurred earlier at 0, followed by a 3; the tail at 1 has no follower
+    assert propose([3, 3, 3], gamma=4, n_max=2, n_min=2) == [3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_index_answers_as_the_rule_as_tokens_come(seed):
+    rng = random.Random(seed)
+    n_max, n_min, gamma = rng.randint(1, 5), 1, rng.randint(1, 8)
+    n_min = rng.randint(1, n_max)
+    tokens = [rng.randrange(6) for _ in range(rng.randint(0, 10))]
+    index = NgramIndex(tokens, n_max, n_min)
+    for _ in range(40):
+        assert index.propose(gamma) == propose(tokens, gamma, n_max, n_min), (tokens, n_max, n_min, gamma)
+        new = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+        tokens += new
+        index.extend(new)
+
+
+# --- the pipeline ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipes():
+    alone, pair = mirror_mlx.load(draft_model="lookup"), mirror_mlx.load()
+    yield alone, pair
+    alone.close()
+    pair.close()
+
+
+def test_the_lookup_alone_starts_no_draft_host(pipes):
+    alone, _ = pipes
+    assert alone.engine.host is None and alone.draft is None
+    r = alone.generate("Once upon a time", max_tokens=12, mode="auto")
+    assert r.stats.mode == "sd" and r.stats.lookup and r.stats.draft_forwards == 0
+    assert r.stats.why.startswith("auto: the lookup alone") and r.stats.draft_host == ""
+    assert alone.generate("Once upon a time", max_tokens=12, mode="ar").stats.lookup is False
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(mode="ar", lookup=True), "mode='ar' is the target alone and takes no lookup"),
+    (dict(mode="sd", lookup="yes"), "lookup must be True, False or None"),
+    (dict(mode="sd", lookup=True, ngram_max=0), "ngram_max must be at least 1"),
+    (dict(mode="sd", lookup=True, ngram_max=NGRAM_LIMIT + 1), f"ngram_max must be at most {NGRAM_LIMIT}"),
+    (dict(mode="sd", lookup=True, ngram_max=2, ngram_min=3), "ngram_min must be at most 2"),
+])
+def test_bad_lookup_options_are_refused_in_one_sentence(pipes, kwargs, message):
+    _, pair = pipes
+    with pytest.raises((ValueError, TypeError), match=message):
+        pair.generate("Once upon a time", max_tokens=4, gamma=3, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["mirror", "sd"])
+def test_the_lookup_alone_needs_sd(pipes, mode):
+    """mirror has no model draft to branch with; sd with lookup=False has no draft at all."""
+    alone, _ = pipes
+    kwargs = dict(lookup=False) if mode == "sd" else {}
+    with pytest.raises(ValueError, match=f"mode '{mode}' needs a draft model.*lookup"):
+        alone.generate("Once upon a time", max_tokens=4, mode=mode, gamma=3, **kwargs)
+
+
+@pytest.mark.parametrize("tuned", ["mirror", "ar"])
+def test_auto_with_lookup_beside_a_draft(pipes, tuned):
+    """auto's mirror takes the lookup as it is; where auto alone would run ar (the draft not paying), with
+    lookup=True it runs the profile's best sd row, and says so."""
+    from mirror_mlx.tune import profile as profiles
+    from tests.test_tune import row
+
+    _, pair = pipes
+    table = [row("ar", None, 1.0, 10.0 if tuned == "ar" else 40.0), row("sd", 2, 1.6, 30.0),
+             row("sd", 4, 1.8, 35.0), row("mirror", 3, 2.3, 20.0, kappa=2, exit_layer=2)]
+    pair.auto.profile = profiles.Profile(key={}, mode=tuned, gamma=3 if tuned == "mirror" else None,
+                                         kappa=2 if tuned == "mirror" else None, exit_layer=2, why="tuned",
+                                         table=table)
+    try:
+        r = pair.generate("Once upon a time", max_tokens=16, mode="auto", lookup=True)
+        if tuned == "mirror":
+            assert (r.stats.chosen_mode, r.stats.kappa, r.stats.gamma, r.stats.lookup) == ("mirror", 2, 3, True)
+        else:
+            assert (r.stats.chosen_mode, r.stats.gamma, r.stats.lookup) == ("sd", 2, True), r.stats.why
+            assert r.stats.why.startswith("auto with lookup: sd, as ar takes no lookup (auto alone: ar"), r.stats.why
+    finally:
+        pair.auto.profile = None
+
+
+def test_the_summary_counts_accepted_tokens_by_source():
+    s = Stats(mode="sd", gamma=4, lookup=True, proposed=30, accepted=12, lookup_proposed=10, lookup_accepted=5,
+              generation_tokens=20, target_forwards=8, decode_seconds=1.0)
+    assert "accepted: lookup 5/10, draft 7/20" in s.summary()
+    assert (s + s).lookup and (s + s).lookup_accepted == 10
+    assert "lookup" not in Stats(mode="sd", gamma=4).summary()
+
+
+def test_the_shortest_ngram_is_one_alone_and_two_beside_a_draft(pipes):
+    from mirror_mlx.options import DecodeOptions
+
+    alone, pair = pipes
+    assert alone.engine.with_lookup(DecodeOptions(mode="sd")).ngram_min == 1
+    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True)).ngram_min == 2
+    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_max=1)).ngram_min == 1
+    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_min=1)).ngram_min == 1
+
+
+def test_the_summary_of_the_lookup_alone_names_no_draft():
+    s = Stats(mode="sd", gamma=8, lookup=True, proposed=10, accepted=5, lookup_proposed=10, lookup_accepted=5)
+    assert s.summary().endswith("mode sd γ=8 | accepted: lookup 5/10")
+
+
+SUMMARY = ("Once upon a time there was a little girl named Lily. She loved to play outside in the park with her "
+           "dog Max. One day she found a big red ball under a tree. She was very happy and she played with the "
+           "ball all day.\nTell me the story again.\nOnce upon a time")
+
+
+def test_in_mirror_the_lookup_fills_windows_after_a_fallback(pipes):
+    """mirror with lookup=True: after a step that reused no branch, the lookup's window (when the context
+    offers one) replaces the draft's serial rollout; the tokens are ar's, the lookup's windows were
+    accepted and rejected, and fewer rollouts ran than without it."""
+    _, pair = pipes
+    kw = dict(max_tokens=96, mode="mirror", kappa=1, gamma=3, exit_layer=2, stop=False)
+    ar = pair.generate(SUMMARY, max_tokens=96, mode="ar", stop=False).tokens
+    plain, looked = pair.generate(SUMMARY, **kw), pair.generate(SUMMARY, lookup=True, **kw)
+    assert plain.tokens == looked.tokens == ar
+    s = looked.stats
+    assert s.lookup_accepted > 0 and s.lookup_rejections > 0 and s.lookup_windows <= s.fallbacks + 1, s.summary()
+    assert s.rollouts < plain.stats.rollouts, (s.summary(), plain.stats.summary())
+
+
+def test_the_lookup_is_refused_across_ranks():
+    from mirror_mlx.distributed.pipeline import NO_LOOKUP, load
+
+    with pytest.raises(ValueError, match="the prompt lookup runs in one process"):
+        load("any-model", draft_model="lookup")
+    assert "mlx.launch" in NO_LOOKUP
