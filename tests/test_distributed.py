@@ -195,10 +195,14 @@ def started_generating(tmp: Path, tokens: int = 400, **env: str) -> subprocess.P
     raise AssertionError(f"the launcher exited ({code}) before rank 0 printed: {proc.stderr.read()[-3000:]}")
 
 
+WATCHDOG_S = 25  # MIRROR_MLX_DIST_TIMEOUT below: the stalled rank is ended after it. It times every wait, rank 0's start
+# too (its draft host, the prefill, the first rollout), which at load 9 on 2 cores took over 10 s
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
 @pytest.mark.parametrize("how", ["rank 1 killed", "rank 1 stalled", "Ctrl-C"])
 def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and_no_segment(tmp_path, how):
-    proc = started_generating(tmp_path, MIRROR_MLX_DIST_TIMEOUT="10")
+    proc = started_generating(tmp_path, MIRROR_MLX_DIST_TIMEOUT=str(WATCHDOG_S))
     procs = descendants(proc.pid)
     t0 = time.monotonic()
     try:
@@ -209,7 +213,7 @@ def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and
             os.kill(rank1, signal.SIGKILL)
         else:  # alive but silent: rank 0's watchdog ends it, then rank 1 (resumed) ends on its own
             os.kill(rank1, signal.SIGSTOP)
-            while alive(rank0) and time.monotonic() - t0 < 30:
+            while alive(rank0) and time.monotonic() - t0 < WATCHDOG_S + 20:
                 time.sleep(0.1)
             os.kill(rank1, signal.SIGCONT)
         out, err = proc.communicate(timeout=60)
@@ -217,7 +221,7 @@ def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGCONT)
             os.killpg(proc.pid, signal.SIGKILL)
-    assert time.monotonic() - t0 < 30, err  # (mlx.launch itself exits 0 when it stopped the ranks)
+    assert time.monotonic() - t0 < WATCHDOG_S + 20, err  # (mlx.launch itself exits 0 when it stopped the ranks)
     if how == "Ctrl-C":  # each rank ends as one process does on Ctrl-C (130), or on its lost peer (one line)
         assert "rank 0 exited with code" in err and "rank 1 exited with code" in err, err
         assert "Traceback" not in err.split("KeyboardInterrupt")[-1], err  # (mlx.launch's own comes first)
@@ -226,7 +230,7 @@ def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and
         said = re.findall(r"mirror-mlx: rank 0: [^\n]*", err)
         assert len(said) == 1, err
         if how == "rank 1 stalled":
-            assert "no answer from the other ranks in 10 s" in said[0], err
+            assert f"no answer from the other ranks in {WATCHDOG_S} s" in said[0], err
     deadline = time.monotonic() + 10
     while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
