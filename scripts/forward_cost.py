@@ -6,27 +6,13 @@ its forward is bound by its parameters or by per-op dispatch (compare two models
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/forward_cost.py build/stories-98M build/llama2xs-8M [--rows 1,2,4,8]
 """
 
-import statistics
 import sys
-import time
 
 import mirror_mlx  # noqa: F401  (OpenBLAS preload)
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-
-def forward_ms(model, prompt: mx.array, rows: int, reps: int = 15) -> float:
-    cache = make_prompt_cache(model)
-    model(prompt, cache=cache)
-    mx.eval([c.state for c in cache])
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(model(mx.array([[5] * rows]), cache=cache))
-        times.append(time.perf_counter() - t0)
-        trim_prompt_cache(cache, rows)
-    return 1e3 * statistics.median(times[2:])
+from mirror_mlx.bench.cost import PROBE, forward_ms
 
 
 def main() -> None:
@@ -37,7 +23,7 @@ def main() -> None:
         rows, args = tuple(int(r) for r in args[i + 1].split(",")), args[:i] + args[i + 2:]
     for path in args:
         model, tok = load(path)
-        prompt = mx.array([tok.encode("Once upon a time, there was a little girl named Lily. She loved to play")])
+        prompt = mx.array([tok.encode(PROBE)])
         n_layers = len(model.layers)
         cells = {r: forward_ms(model, prompt, r) for r in rows}
         print(f"{path}: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in cells.items())

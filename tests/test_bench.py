@@ -173,3 +173,41 @@ def test_headline_names_each_rows_draft_and_compares_with_mlx_sds_best_over_draf
     assert "| 25.00 | 1.00 | 2.50 | 1.25 |" in mirror_plain  # against mlx_sd's best (the SS draft's 25), ar 10
     assert any("**mlx_sd [ss-8M] (k=4)** (best)" in x for x in lines)
     assert any("mirror [ss-8M] (κ=1 γ=3 ℓe=3) | 30.00 | 1.20 | 3.00 |" in x for x in lines)
+
+
+def test_smoke_on_spec_bench_eval_through_the_real_tokenizers_chat_template(smollm2, tmp_path):
+    """`make bench`'s real-pair path at smoke size, on tiny random weights behind SmolLM2's tokenizer: one
+    evaluation question per category, rendered through the chat template, every mode equal to mlx-lm's
+    greedy tokens, and the headline's per-category tables with the cost line under them."""
+    import shutil
+
+    from mirror_mlx.bench.headline import document
+    from mirror_mlx.prompts import load_prompts
+    from tests.models import save_tiny_model
+
+    pair = {}
+    for name, layers in (("target", 4), ("draft", 2)):
+        pair[name] = save_tiny_model(tmp_path / name, "llama_tied", seed=len(name), vocab_size=49152,
+                                     num_hidden_layers=layers)
+        for f in smollm2.iterdir():
+            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                shutil.copy(f, pair[name] / f.name)
+    out = tmp_path / "b"
+    bench_mod.bench(bench_mod.BenchConfig(model=str(pair["target"]), draft_model=str(pair["draft"]),
+                                          prompts="spec_bench_eval", limit=13, max_tokens=3, out=out,
+                                          modes=["mirror", "mlx_sd", "ar"], sd_ks=(2, 3), warmup_tokens=2,
+                                          progress=False))
+    rep = read(out)
+    held = load_prompts("spec_bench_eval")
+    assert rep["equality_checked"] and "error" not in rep
+    assert [p["text"] for p in rep["prompts"]] == [p.text for p in load_prompts("spec_bench_eval", 13)]
+    assert {p["text"] for p in rep["prompts"]} <= {p.text for p in held} and len(rep["summary"]) == 14
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pair["target"]))
+    first = tok.apply_chat_template([{"role": "user", "content": held[0].text}], add_generation_prompt=True,
+                                    tokenize=False)
+    assert rep["prompts"][0]["tokens"] == len(tok.encode(first))  # templated, not the bare question
+    md = document([("defaults", rep)], {"defaults": "draft 1-row forward 1.0 ms / target 1-row forward 2.0 ms"})
+    assert md.count("Cost structure (defaults): draft 1-row forward") == 14
+    assert "### Category: rag" in md and "| **mlx_sd [draft] (k=" in md and "| mirror [draft] (" in md

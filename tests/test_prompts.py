@@ -63,3 +63,33 @@ def test_jsonl_file(tmp_path):
 def test_errors(name, limit, words):
     with pytest.raises(ValueError, match=words):
         load_prompts(name, limit)
+
+
+def test_spec_bench_split_is_fixed_disjoint_and_stratified():
+    """question_id % 5 == 0 is the evaluation part: a fifth of every category, never a training prompt."""
+    from collections import Counter
+
+    from mirror_mlx.prompts import question_ids, spec_bench_part
+
+    train, held = spec_bench_part("train"), spec_bench_part("eval")
+    ids = question_ids(DATA / "spec_bench_question.jsonl")
+    assert len(train) + len(held) == len(ids) == 480 and not {p.text for p in train} & {p.text for p in held}
+    every = Counter(p.category for p in load_prompts("spec_bench"))
+    assert Counter(p.category for p in held) == {c: n // 5 for c, n in every.items()}
+    assert load_prompts("spec_bench_eval") == held and load_prompts("spec_bench_train") == train
+    assert sorted(i for i in ids if i % 5 == 0)[:3] == [85, 90, 95]
+    with pytest.raises(ValueError, match="unknown Spec-Bench part"):
+        spec_bench_part("test")
+
+
+def test_a_chat_model_tunes_on_the_training_part_only():
+    from mirror_mlx.tune.calibrate import calibration_prompts
+
+    class Chat:  # calibration_prompts only encodes: keep the text
+        tokenizer = type("T", (), {"has_chat_template": True})()
+        encode = staticmethod(lambda text: text)
+
+    calibration = calibration_prompts(Chat(), 20)
+    held = {p.text for p in load_prompts("spec_bench_eval")}
+    assert len(calibration) == 20 and not set(calibration) & held
+    assert set(calibration) <= {p.text for p in load_prompts("spec_bench_train")}

@@ -721,3 +721,12 @@ def test_tune_reports_a_chosen_point_whose_suffix_and_rollout_were_not_timed_tog
     assert "not timed together" in report.contention(prof) and "max(100.00, 80.00) ms apart" in report.contention(prof)
     timings["parallel"]["(3, 2, 2)"] = 0.12
     assert "120.00 ms together" in report.contention(prof) and "1.20× the ideal" in report.contention(prof)
+
+
+def test_tune_quick_out_of_budget_says_so_in_one_line(monkeypatch):
+    """A busy machine can outlast --quick's cap: one line naming the budget and the way out, no traceback."""
+    monkeypatch.setenv("MIRROR_MLX_QUICK_BUDGET", "0")
+    r = CliRunner().invoke(main, ["tune", "--quick", "--model", str(TARGET_PATH), "--draft-model", str(DRAFT_PATH)])
+    assert r.exit_code == 1, r.output
+    assert "calibration passed its 0 s budget: nothing saved; raise MIRROR_MLX_QUICK_BUDGET" in r.output
+    assert "Traceback" not in r.output

@@ -5,7 +5,12 @@ Each row names its setting, its draft, its mode and the knobs and placement it r
 and k, so "× best mlx_sd" is against the best a user of mlx-lm could pick. "× ar" is against the ar of
 the same run (each run interleaves its modes per prompt, so they share the machine's minutes).
 
-    python -m mirror_mlx.bench.headline "Mac analog=bench_out/mac-llama2xs-8M/tinystories-t0" ...
+    python -m mirror_mlx.bench.headline "Mac analog=bench_out/mac-llama2xs-8M/tinystories-t0" ... \
+        [--cost "Mac analog=bench_out/mac-cost.txt" ...]
+
+Runs over several categories (Spec-Bench) get a table per category after the overall one; each
+`--cost SETTING=FILE` (mirror_mlx.bench.cost's line for the pair in that setting) is printed beside
+every table, so the speedups read against what a draft forward and a verify cost.
 """
 
 import json
@@ -21,8 +26,16 @@ def load(spec: str) -> tuple[str, dict]:
     return setting, json.loads((Path(path) / "results.json").read_text())
 
 
-def headline(runs: list[tuple[str, dict]]) -> str:
-    """The table (markdown) over `runs`, grouped by setting, prompt set and temperature."""
+def categories(runs: list[tuple[str, dict]]) -> list[str]:
+    """The categories the runs' summaries hold besides `all`, in first-seen order."""
+    seen: dict[str, None] = {}
+    for _, rep in runs:
+        seen.update((c, None) for c in rep["summary"] if c != "all")
+    return list(seen)
+
+
+def headline(runs: list[tuple[str, dict]], category: str = "all") -> str:
+    """The table (markdown) over `runs` for one category, grouped by setting, prompt set and temperature."""
     groups: dict[tuple, list[dict]] = {}
     for setting, rep in runs:
         groups.setdefault((setting, rep["config"]["prompts"], rep["config"]["temp"]), []).append(rep)
@@ -30,10 +43,11 @@ def headline(runs: list[tuple[str, dict]]) -> str:
              "| accepted / target fwd | load |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for (setting, prompts, temp), reps in groups.items():
-        sds = [(r["summary"]["all"]["mlx_sd"]["tokens_per_s"], r) for r in reps if "mlx_sd" in r["summary"].get("all", {})]
+        sds = [(r["summary"][category]["mlx_sd"]["tokens_per_s"], r) for r in reps
+               if "mlx_sd" in r["summary"].get(category, {})]
         best_sd, best_rep = max(sds, key=lambda x: x[0]) if sds else (None, None)
         for rep in reps:
-            rows = rep["summary"]["all"]
+            rows = rep["summary"].get(category, {})
             ar = rows["ar"]["tokens_per_s"] if "ar" in rows else None  # this run's own: the same minutes
             load_ = rep["machine"].get("loadavg_start")
             load_s = f"{load_[0]:.1f}" if load_ else "n/a"
@@ -50,11 +64,26 @@ def headline(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def document(runs: list[tuple[str, dict]], costs: dict[str, str]) -> str:
+    """The overall table, then one per category, each with the pair's cost structure per setting below it."""
+    cost = "".join(f"\nCost structure ({setting}): {line}\n" for setting, line in costs.items())
+    cats = categories(runs)
+    parts = [("All prompts" if cats else "", headline(runs))] + [(f"Category: {c}", headline(runs, c)) for c in cats]
+    return "\n".join((f"### {title}\n\n" if title else "") + table + cost for title, table in parts)
+
+
 def main(argv: list[str]) -> int:
-    if not argv:
+    costs, runs, args = {}, [], iter(argv)
+    for a in args:
+        if a == "--cost":
+            setting, _, path = next(args, "").partition("=")
+            costs[setting] = Path(path).read_text().strip()
+        else:
+            runs.append(load(a))
+    if not runs:
         print(__doc__, file=sys.stderr)
         return 2
-    print(headline([load(a) for a in argv]), end="")
+    print(document(runs, costs), end="")
     return 0
 
 

@@ -41,7 +41,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
     from mirror_mlx.bench.machine import pin_threads
     from mirror_mlx.compute_plan import report as compute_plan_report
     from mirror_mlx.tune import profile, report
-    from mirror_mlx.tune.calibrate import calibrate
+    from mirror_mlx.tune.calibrate import OutOfTime, calibrate
     from mirror_mlx.tune.choose import describe
 
     if pin and distributed.group() is not None:
@@ -58,6 +58,9 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         prof = calibrate(pipe, cfg, prompts_file)
     except ValueError as e:
         raise click.UsageError(str(e))
+    except OutOfTime as e:  # --quick's cap on a slow or busy machine: nothing saved, one line
+        raise click.ClickException(f"{e}: nothing saved; raise MIRROR_MLX_QUICK_BUDGET (seconds) or run tune "
+                                   "without --quick") from None
     except RuntimeError as e:  # under mlx.launch: a rank lost (or that stopped on bad input) ends this one too
         if distributed.group() is not None and distributed.lost_peer(e):
             distributed.die(f"lost a rank of the group ({e}): stopping")

@@ -131,11 +131,16 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
     bench prompt), as many as can be of one token length: prompts of one length share each target
     forward of the traces' greedy texts (corpus.greedy_continuations batches them). Whole openings, not
     cut ones: a cut opening's greedy text is less predictable (γ=3 accepted 2.18 tokens a step on
-    openings cut to 13 tokens, 2.43 whole)."""
-    if path:
-        from ..prompts import load_prompts
+    openings cut to 13 tokens, 2.43 whole). A chat model (a tokenizer with a chat template) is tuned on
+    Spec-Bench's training part instead, through its template (prompts.chat_calibration): the bench
+    evaluates on the other part."""
+    from ..prompts import chat_calibration, load_prompts
+    from ..text import has_chat_template
 
+    if path:
         return [pipe.encode(p.text) for p in load_prompts(path, n)]
+    if has_chat_template(getattr(pipe, "tokenizer", None)):
+        return [pipe.encode(p.text) for p in chat_calibration(n)]
     from ..corpus import load_split
 
     pool = [pipe.encode(t) for t in reversed(load_split().held_out[-CALIBRATION_POOL:])]  # last first
