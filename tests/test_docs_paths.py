@@ -8,7 +8,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
-TOP = tuple(f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")) + (".ci/",)
+
+
+def top_folders() -> tuple[str, ...]:
+    """The repository's own top folders (what git tracks: not build/ or a virtualenv a checkout may hold)."""
+    import subprocess
+
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # not a checkout: every folder but the ones builds make
+        return tuple(f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and p.name not in ("build", "bench_out"))
+    return tuple(sorted({f.split("/")[0] + "/" for f in files.splitlines() if "/" in f}))
+
+
+TOP = top_folders()
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 TICKED = re.compile(r"`([A-Za-z0-9_.\-/]+)`")
 
