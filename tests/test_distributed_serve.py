@@ -21,7 +21,7 @@ import pytest
 
 import mirror_mlx
 from tests.leaks import made_in, wait_unlinked
-from tests.test_distributed import ROOT, alive, descendants, launcher
+from tests.test_distributed import ROOT, alive, descendants, launched
 
 PROMPT = "Once upon a time"
 pytestmark = [pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc"),
@@ -40,10 +40,7 @@ def started_serving(tmp: Path, *args: str) -> tuple[subprocess.Popen, str, Path]
                MIRROR_MLX_DIST_TIMEOUT=str(IDLE_TIMEOUT), TMPDIR=str(tmp))  # (mlx.launch leaves 2 mktemp files a rank)
     command = [sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(launcher() + ["--"] + command, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                env=env, cwd=tmp, start_new_session=True,
-                                # a runner that started us in the background ignores SIGINT; Ctrl-C needs it back
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = launched(command, stdout=out, stderr=out, env=env, cwd=tmp)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         for line in log.read_text().splitlines():

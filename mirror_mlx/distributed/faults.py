@@ -12,7 +12,7 @@ from ..ane_draft.host import close_all
 from .group import rank
 
 TIMEOUT_ENV = "MIRROR_MLX_DIST_TIMEOUT"
-GRACE_S = 10.0  # a rank of a server told to stop ends within this long (stop_within_grace)
+GRACE_S = 10.0  # a rank told to stop (a server's, or Ctrl-C on a run) ends within this long (stop_within_grace)
 
 _dying = threading.Lock()
 
@@ -83,6 +83,14 @@ class _Waiting:
 def on_stop_signal(signum: int, frame: Any) -> None:
     """SIGTERM or SIGHUP ends this rank with one line (`die`)."""
     die(f"stopped by {signal.Signals(signum).name} (mlx.launch stops every rank once one has failed)", 128 + signum)
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C ends a rank as it ends one process (the step in course ends, then KeyboardInterrupt, 130),
+    within GRACE_S s: a step whose peer has already gone (its own Ctrl-C came between two steps) never
+    ends, since the ring waits for it, so the grace timer ends this rank with one line instead."""
+    stop_within_grace(signum)
+    raise KeyboardInterrupt
 
 
 def lost_peer(e: BaseException) -> bool:

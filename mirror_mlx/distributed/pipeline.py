@@ -17,7 +17,7 @@ from ..lookup import LOOKUP
 from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..target import StageTargetSide, text_model
 from ..tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
-from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_stop_signal
+from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_interrupt, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
@@ -273,6 +273,8 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     if threading.current_thread() is threading.main_thread():  # (only the main thread may set handlers)
         for sig in (signal.SIGTERM, signal.SIGHUP):  # mlx.launch stops the others with SIGTERM when one fails
             signal.signal(sig, on_stop_signal)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where SIGINT is ignored)
+            signal.signal(signal.SIGINT, on_interrupt)
     rank = g.rank()
     pipe = DistributedPipeline(target, tokenizer, draft if rank == 0 else None, adapter, name=str(model))
     pipe.group, pipe.watchdog = g, watchdog
