@@ -29,7 +29,8 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,6 +51,7 @@ from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
 
 
+T = TypeVar("T")
 FRESH = object()  # mirror's next window is a fresh one (no branch reused): the lookup's, else the draft's rollout
 
 
@@ -166,6 +168,78 @@ class Engine:
         self.draft_failure: Optional[str] = None
         self.local_build = local_build(draft)  # sd's in-process draft, built on its first generation
         self.local_draft: Optional[Draft] = None
+
+    # --- the doors the layers above use (the server, tune, bench, doctor): never the parts themselves
+
+    def on_target(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the target's thread (MLX state and the target's cache live there); its result."""
+        return self.target_worker.call(fn, *args)
+
+    def submit_on_target(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+        """fn(*args) queued on the target's thread; the future of its result (to time work beside it)."""
+        return self.target_worker.submit(fn, *args)
+
+    def with_target(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(target_side, *args) on the target's thread: the target's cache through TargetSide's doors."""
+        return self.target_worker.call(fn, self.target, *args)
+
+    def replace_target(self, build: Callable[..., TargetSide], *args: Any) -> None:
+        """Close the target side and go on with build(*args), made on the target's thread (a stage of a
+        model split by layers across ranks: distributed/pipeline.py)."""
+        self.target_worker.call(self.target.close)
+        self.target = self.target_worker.call(build, *args)
+
+    @property
+    def has_draft(self) -> bool:
+        """A draft model is running (not dropped after a failure, not the lookup alone)."""
+        return self.host is not None
+
+    @property
+    def draft_host(self) -> Optional[DraftHost]:
+        """The draft host this process can time alone (tune, doctor): the engine's; across ranks rank 0's
+        own, None on the other ranks (their draft lives beside rank 0)."""
+        return getattr(self.host, "local", self.host)
+
+    @property
+    def draft_pid(self) -> Optional[int]:
+        """The draft host process's pid (None: no draft, or its loop runs on a thread here)."""
+        return getattr(self.host, "pid", None)
+
+    @property
+    def draft_vocab(self) -> Optional[int]:
+        return getattr(self.host, "vocab_size", None)
+
+    @property
+    def draft_kind(self) -> Optional[str]:
+        return getattr(self.host, "kind", None)
+
+    @property
+    def draft_threads(self) -> list[int]:
+        """The native ids of the draft host's threads: every thread of its process, or its one thread here."""
+        import os
+
+        if self.host is None:
+            return []
+        if self.host.pid:
+            return [int(t) for t in os.listdir(f"/proc/{self.host.pid}/task")]
+        return [self.host.thread.native_id]
+
+    @property
+    def drafts_locally(self) -> bool:
+        """sd drafts in this process, on the target's thread (an MLX draft: `local_build`)."""
+        return self.local_build is not None
+
+    def local_window(self, context: list[int], last: int, gamma: int) -> float:
+        """Seconds of sd's in-process window after `context` + [last] (its draft synced to context[:-2] first,
+        so two new tokens reach it, as in a real step), on the target's thread (tune)."""
+
+        def once() -> float:
+            self._local_sync(context[:-2])
+            t0 = time.perf_counter()
+            self.local_draft.rollout(context, [[last]], gamma)
+            return time.perf_counter() - t0
+
+        return self.target_worker.call(once)
 
     def close(self) -> None:
         if self.host is not None:

@@ -96,3 +96,37 @@ def test_the_graph_sees_the_imports_it_checks():
     assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.ane_draft.host"} <= g["mirror_mlx.engine"]
     assert "mirror_mlx.ane_draft.ring" in g["mirror_mlx.ane_draft.host"]
     assert "mirror_mlx.tune.policy" in g["mirror_mlx.pipeline"]
+
+
+ENGINE_PARTS = {"target", "target_worker", "target_model", "host", "loop", "local_build", "local_draft", "draft"}
+INSIDE = ("mirror_mlx/engine.py", "mirror_mlx/pipeline.py")  # the engine, and the one that builds it
+
+
+def reaches() -> tuple[list[str], list[str]]:
+    """Outside the engine and the pipeline: (`engine.<part>` attribute chains into the engine's parts,
+    names of `.target_worker`, `.target.cache` or `.host.<anything>`), each as 'path:line name'."""
+    into, named = [], []
+    for path in modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in INSIDE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value
+            owner = v.attr if isinstance(v, ast.Attribute) else v.id if isinstance(v, ast.Name) else None
+            if owner == "engine" and node.attr in ENGINE_PARTS:
+                into.append(f"{rel}:{node.lineno} engine.{node.attr}")
+            if node.attr == "target_worker" or (owner == "target" and node.attr == "cache" and
+                                                isinstance(v, ast.Attribute)) or owner == "host" and \
+                    isinstance(v, ast.Attribute):
+                named.append(f"{rel}:{node.lineno} .{owner}.{node.attr}")
+    return into, named
+
+
+def test_the_layers_above_use_the_engines_doors_not_its_parts():
+    """The server, tune, bench and the doctor go through Engine's doors (on_target, with_target, draft_pid,
+    ...) and TargetSide's (own_tokens, give, take, copy), not into the engine's worker, cache or draft host."""
+    into, named = reaches()
+    assert len(into) <= 10, into
+    assert not named, named

@@ -222,8 +222,7 @@ MESSAGE = 5  # [START, prompt ids, option bytes, tokens the target's cache holds
 def held(pipe: Pipeline) -> list[int]:
     """What the target's cache holds before a request: its token count and a checksum. Every rank must hold
     the same (the same requests ran, the prefix cache restored the same entry)."""
-    target = pipe.engine.target
-    cached = pipe.engine.target_worker.call(lambda: list(target.cached))
+    cached = pipe.engine.with_target(lambda target: list(target.cached))
     return [len(cached), sum((i + 1) * t for i, t in enumerate(cached)) % (1 << 31)]
 
 
@@ -282,8 +281,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     if getattr(text_model(target).model, "pipeline_size", 1) > 1:  # layers by rank: block ℓ_e on one stage
         pipe.split = "pipeline"
         engine.n_layers = share([len(text_model(target).model.layers)], 1, g)[0]  # (rank 0 holds the last block)
-        engine.target_worker.call(engine.target.close)
-        engine.target = engine.target_worker.call(StageTargetSide, target, g, engine.n_layers)
+        engine.replace_target(StageTargetSide, target, g, engine.n_layers)
     engine.local_build = None  # sd drafts through the host too: rank 0's window must reach every rank
     if draft is not None:
         if rank == 0:

@@ -79,7 +79,7 @@ class Server(ThreadingHTTPServer):
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
         self._count_lock = threading.Lock()
-        self.context = pipe.engine.context_length
+        self.context = pipe.context_length
         self.max_prompt_bytes = max_prompt_bytes(pipe.tokenizer, self.context)
 
     def reading_done(self, sock: socket.socket, reading: bool) -> None:

@@ -29,6 +29,7 @@ from .. import validate
 from ..pipeline import Chunk, Pipeline
 from ..sampling import position_seed
 from ..stats import Stats
+from ..target import TargetSide
 from ..text import Conversation
 from .prefix_cache import PrefixCache
 from .request import APIError
@@ -147,6 +148,7 @@ class Scheduler:
                  max_queue: int = 32, decode_concurrency: int = DECODE_CONCURRENCY,
                  prompt_concurrency: int = PROMPT_CONCURRENCY, prefill_step_size: int = 2048):
         self.pipe, self.prefixes, self.note = pipe, prefixes, note
+        self.engine = pipe.engine  # its doors only: on_target, with_target
         self.max_queue, self.decode_concurrency = max_queue, decode_concurrency
         self.prompt_concurrency, self.prefill_step_size = prompt_concurrency, prefill_step_size
         self.costs = Costs()
@@ -343,25 +345,17 @@ class Scheduler:
         if job.stats is not None:
             self.costs.note_solo(job.stats)
         committed = job.ids + job.generated
-        cache = self.pipe.engine.target_worker.call(self._take_target_cache, committed[:-1])
+        cache = self.engine.with_target(TargetSide.give, committed[:-1])
         self.counts["moves_in"] += 1
         if cache is None:
             self.counts["moves_prefilled"] += 1
             self.note("scheduler: the engine's cache did not hold the committed tokens: the batch prefills them")
         self._insert(job, cache, committed)
 
-    def _take_target_cache(self, held: list[int]) -> Optional[list]:
-        target = self.pipe.engine.target
-        ok = not target.adopted and not target.base and target.cached == held and \
-            all(c.offset == len(held) for c in target.cache)
-        cache = target.cache if ok else None
-        target.reset()
-        return cache
-
     def _batch_to_solo(self, job: Job) -> None:
         """The last request in the batch leaves with its cache; the draft catches up on its tokens."""
         committed = job.ids + job.generated
-        if not self.pipe.engine.target_worker.call(self._cache_from_batch, job.uid, committed[:-1]):
+        if not self.engine.with_target(self._cache_from_batch, job.uid, committed[:-1]):
             self.counts["moves_prefilled"] += 1
             self.note("scheduler: the batch's cache did not hold the committed tokens: the target prefills them")
         del self.batch[job.uid]
@@ -369,17 +363,16 @@ class Scheduler:
         self.counts["moves_out"] += 1
         self._start_solo(job, resumed=True)
 
-    def _cache_from_batch(self, uid: int, held: list[int]) -> bool:
+    def _cache_from_batch(self, target: TargetSide, uid: int, held: list[int]) -> bool:
         """The engine's target cache becomes the batch row's, trimmed to `held` (it holds every committed token:
         the pending one is the engine's to run). Whether it could."""
         [(cache, tokens)] = self._gen.remove([uid], return_prompt_caches=True).values()
-        target = self.pipe.engine.target
         target.reset()
         if len(tokens) < len(held) or list(tokens[: len(held)]) != held or any(c.offset != len(tokens) for c in cache):
             return False
         for c in cache:
             c.trim(c.offset - len(held))
-        target.cache, target.cached = cache, list(held)
+        target.take(cache, held)
         return True
 
     # --- batched
@@ -402,7 +395,7 @@ class Scheduler:
         committed = job.ids + job.generated if committed is None else committed
         held = len(committed) - 1 if cache is not None else 0
         if cache is None and self.prefixes is not None and self.prefixes.lru is not None and not job.generated:
-            cache, rest = self.pipe.engine.target_worker.call(  # (its copy is made on the target's thread)
+            cache, rest = self.engine.on_target(  # (its copy is made on the target's thread)
                 self.prefixes.lru.fetch_nearest_cache, self.prefixes.KEY, committed[:-1])
             held = len(committed) - 1 - len(rest) if cache is not None else 0
             job.cached = job.restored = held
@@ -425,7 +418,7 @@ class Scheduler:
                 self.prefixes.give_way(self._gen.prompt_cache_nbytes)
             return uid
 
-        job.uid = self.pipe.engine.target_worker.call(insert)
+        job.uid = self.engine.on_target(insert)
         job.note("batch")
         self.batch[job.uid] = job
         self.counts["max_batch"] = max(self.counts["max_batch"], len(self.batch))
@@ -440,7 +433,7 @@ class Scheduler:
             return prompts, [(g.uid, g.token, g.logprobs, g.finish_reason, g.prompt_cache, g.all_tokens)
                              for g in gens], time.perf_counter() - t
 
-        prompts, gens, seconds = self.pipe.engine.target_worker.call(step)
+        prompts, gens, seconds = self.engine.on_target(step)
         if gens and not prompts and rows == len(gens):
             self.costs.note_batch(rows, seconds)
         if gens:
@@ -455,7 +448,7 @@ class Scheduler:
             if finish is not None:
                 del self.batch[uid]
                 if self.prefixes is not None and self.prefixes.lru is not None and cache is not None:
-                    self.pipe.engine.target_worker.call(self.prefixes.lru.insert_cache, self.prefixes.KEY,
+                    self.engine.on_target(self.prefixes.lru.insert_cache, self.prefixes.KEY,
                                                         list(tokens), cache)
                 self._end(job)
 
@@ -463,7 +456,7 @@ class Scheduler:
         if self._gen is not None:
             gen, self._gen = self._gen, None
             try:
-                self.pipe.engine.target_worker.call(gen.close)
+                self.engine.on_target(gen.close)
             except Exception:  # noqa: BLE001 - the engine is closing anyway
                 pass
 
@@ -477,7 +470,7 @@ class Scheduler:
             self._end(job)
         gone = [uid for uid, job in self.batch.items() if job.cancelled.is_set()]
         if gone:
-            self.pipe.engine.target_worker.call(self._gen.remove, gone)
+            self.engine.on_target(self._gen.remove, gone)
             for uid in gone:
                 self.counts["freed"] += 1
                 self.counts["freed_in_batch"] += 1

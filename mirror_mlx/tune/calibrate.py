@@ -81,7 +81,7 @@ class Lockstep:
 def local_host(engine: Any) -> Any:
     """The draft host this process times alone: the engine's; across ranks rank 0's own (timing the draft
     needs no other rank), None on the other ranks (the draft lives beside rank 0)."""
-    return getattr(engine.host, "local", engine.host)  # (a rank's stand-in names its own: distributed/shared_draft.py)
+    return engine.draft_host  # (a rank's stand-in names its own: distributed/shared_draft.py)
 
 
 def quick_budget() -> float:
@@ -198,7 +198,7 @@ def greedy_texts(pipe: Any, prompts: list[list[int]], max_tokens: int) -> list[l
     from ..corpus import greedy_continuations
 
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
-    return pipe.engine.target_worker.call(partial(greedy_continuations, pipe.engine.target_model, prompts,
+    return pipe.engine.on_target(partial(greedy_continuations, pipe.model, prompts,
                                                   max_tokens, eos=eos))
 
 
@@ -242,11 +242,11 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
     if host is None:  # a rank beside rank 0: the early exit's forwards below, nothing of the draft
         runs, first = [0] * len(text), list(text)
     else:
-        runs, first = engine.target_worker.call(teacher_forced) if draft_model is not None else draft_runs()
+        runs, first = engine.on_target(teacher_forced) if draft_model is not None else draft_runs()
     tr = Trace(runs=runs)
 
     def ranks(layer: int) -> tuple[list[int], list[int]]:
-        tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
+        tapped = EarlyExitTarget(pipe.model, layer, adapter_for(engine.exit_adapter, layer))
         try:
             early, _ = tapped.forward(mx.array([full[:-1]]), cache=None)
             return _ranks(early[0, n0 - 1:], text, first)
@@ -254,7 +254,7 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
             tapped.remove()
 
     for layer in exit_layers:
-        tr.rank_excl[layer], tr.rank_plain[layer] = engine.target_worker.call(ranks, layer)
+        tr.rank_excl[layer], tr.rank_plain[layer] = engine.on_target(ranks, layer)
     return tr, full
 
 
@@ -293,13 +293,13 @@ class _Bench:
     method times one call and returns its seconds (`interleaved` repeats them)."""
 
     def __init__(self, pipe: Any, context: list[int]):
-        self.engine, self.context = pipe.engine, context
-        self.host = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
-        self.cache = self.engine.target_worker.call(self._prefill)
+        self.engine, self.model, self.context = pipe.engine, pipe.model, context
+        self.draft = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
+        self.cache = self.engine.on_target(self._prefill)
 
     def _prefill(self):
-        cache = trimmable_cache(self.engine.target_model)
-        self.engine.target_model(mx.array([self.context[:-1]]), cache=cache)
+        cache = trimmable_cache(self.model)
+        self.model(mx.array([self.context[:-1]]), cache=cache)
         mx.eval([c.state for c in cache])
         return cache
 
@@ -311,18 +311,18 @@ class _Bench:
 
         def once():
             t0 = time.perf_counter()
-            mx.eval(self.engine.target_model(self.rows(n), cache=self.cache))
+            mx.eval(self.model(self.rows(n), cache=self.cache))
             elapsed = time.perf_counter() - t0
             trim_prompt_cache(self.cache, n)
             return elapsed
 
-        return self.engine.target_worker.call(once)
+        return self.engine.on_target(once)
 
     def split(self, layer: int, n: int) -> tuple[float, float]:
         """(prefix, suffix) seconds at exit layer `layer` over `n` rows."""
 
         def once():
-            tapped = EarlyExitTarget(self.engine.target_model, layer, adapter_for(self.engine.exit_adapter, layer))
+            tapped = EarlyExitTarget(self.model, layer, adapter_for(self.engine.exit_adapter, layer))
             try:
                 t0 = time.perf_counter()
                 early, final = tapped.forward(self.rows(n), self.cache)
@@ -335,7 +335,7 @@ class _Bench:
                 tapped.remove()
             return t1 - t0, t2 - t1
 
-        return self.engine.target_worker.call(once)
+        return self.engine.on_target(once)
 
     def comm(self, n: int, group: Any) -> float:
         """T_comm over `n` rows across ranks: the collectives of one forward of the sharded target (two
@@ -343,7 +343,7 @@ class _Bench:
         each would time MLX's per-eval overhead too), on the target's worker. Every rank must call it."""
         from ..target import text_model
 
-        inner = text_model(self.engine.target_model)
+        inner = text_model(self.model)
         norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype
         dtype = norm.dtype if norm is not None else mx.float32
 
@@ -356,17 +356,17 @@ class _Bench:
             mx.eval(x)
             return time.perf_counter() - t0
 
-        return self.engine.target_worker.call(once)
+        return self.engine.on_target(once)
 
     def stems(self, kappa: int, gamma: int) -> list[list[int]]:
         spine = self.context[-gamma:]
-        vocab = self.engine.host.vocab_size
+        vocab = self.engine.draft_vocab
         return [spine[:r] + [(self.context[-1] + 1 + v) % vocab] for r in range(gamma + 1) for v in range(kappa)]
 
     def sync(self, context: list[int]) -> None:
         """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
-        self.host.post_sync(context)
-        self.host.wait_done(DRAFT_TIMEOUT_S)
+        self.draft.post_sync(context)
+        self.draft.wait_done(DRAFT_TIMEOUT_S)
 
     def rollout(self, stems: list[list[int]], gamma: int) -> float:
         """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
@@ -374,21 +374,13 @@ class _Bench:
         ctx = self.context[:-1]
         self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        self.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
+        self.draft.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
         return time.perf_counter() - t0
 
     def local_rollout(self, gamma: int) -> float:
         """sd's window where it drafts in-process: on the target's thread, after two newly committed
         tokens, as in a real sd step (no ring)."""
-        engine, ctx = self.engine, self.context[:-1]
-
-        def once() -> float:
-            engine._local_sync(ctx[:-2])
-            t0 = time.perf_counter()
-            engine.local_draft.rollout(ctx, [[self.context[-1]]], gamma)
-            return time.perf_counter() - t0
-
-        return engine.target_worker.call(once)
+        return self.engine.local_window(self.context[:-1], self.context[-1], gamma)
 
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
         """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
@@ -396,22 +388,22 @@ class _Bench:
         engine, ctx, n = self.engine, self.context[:-1], gamma + 1
 
         def prefix():
-            tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
+            tapped = EarlyExitTarget(self.model, layer, adapter_for(engine.exit_adapter, layer))
             early, final = tapped.forward(self.rows(n), self.cache)
             mx.eval(early)
             tapped.remove()
             return final
 
-        final = engine.target_worker.call(prefix)
-        if self.host is not None:
+        final = engine.on_target(prefix)
+        if self.draft is not None:
             self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        suffix = engine.target_worker.submit(mx.eval, final)
-        if self.host is not None:  # awaited while the suffix runs
-            self.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)
+        suffix = engine.submit_on_target(mx.eval, final)
+        if self.draft is not None:  # awaited while the suffix runs
+            self.draft.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)
         suffix.result()
         elapsed = time.perf_counter() - t0
-        engine.target_worker.call(trim_prompt_cache, self.cache, n)
+        engine.on_target(trim_prompt_cache, self.cache, n)
         return elapsed
 
 
@@ -431,9 +423,9 @@ def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], ti
         both = timed({**{("verify", n): partial(b.verify, n) for n in rows},
                       **{("comm", n): partial(b.comm, n, step.group) for n in rows}}, step=step)
         t.verify = {n: both[("verify", n)] for n in rows}
-    if b.host is not None:  # the draft: in this process, or across ranks beside rank 0 only
+    if b.draft is not None:  # the draft: in this process, or across ranks beside rank 0 only
         t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
-        if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
+        if pipe.engine.drafts_locally:  # sd drafts in-process: its window as it runs
             t.local_window = timed({g: partial(b.local_rollout, g) for g in cfg.gammas})
         # the rollout alone does not depend on ℓ_e
         t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g)
@@ -613,7 +605,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
 
     if pipe.draft is None:
         raise ValueError("tune needs a draft model (without one the only mode is ar): pass --draft-model")
-    if pipe.engine.host is None:
+    if not pipe.engine.has_draft:
         raise RuntimeError(f"the draft was dropped earlier ({pipe.engine.draft_failure})")
     step = Lockstep(pipe)
     if step.group is not None and getattr(pipe, "split", "tensor") != "tensor":
@@ -673,7 +665,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             # measure_timings' pieces: the verify widths, the windows, the rollouts, the split forwards
             phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas)
                   + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas)
-                  + len(cfg.gammas) * (pipe.engine.local_build is not None))  # sd's in-process windows
+                  + len(cfg.gammas) * pipe.engine.drafts_locally)  # sd's in-process windows
             t = measure_timings(pipe, bench, cfg, layers, tick, step)
         mirror_probes = [c for c in probes if c.mode == "mirror"]
         phase("suffix ‖ rollout", None)  # rounds until the top is measured: not known ahead

@@ -37,7 +37,7 @@ def split_unavailable() -> str:
 
 def candidates(pipe: Any) -> tuple[str, ...]:
     """The placements `tune` measures for mirror here: both, unless split is unavailable or held."""
-    if pipe.auto.placement_held or split_unavailable() or pipe.engine.host is None or pipe.engine.host.pid is None:
+    if pipe.auto.placement_held or split_unavailable() or pipe.engine.draft_pid is None:
         return ("unpinned",)
     return PLACEMENTS
 
@@ -76,8 +76,7 @@ def choose(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
         return forced, "tune measuring it"
     if mode != "mirror":
         return "unpinned", f"{mode} uses every core"
-    why_not = split_unavailable() or ("" if pipe.engine.host is not None and pipe.engine.host.pid is not None
-                                      else "the draft host is not a process of its own")
+    why_not = split_unavailable() or ("" if pipe.engine.draft_pid is not None else "the draft host is not a process of its own")
     if why_not:
         return "unpinned", why_not
     row = row_for(_profile(pipe), mode, kappa, gamma, exit_layer)
@@ -118,7 +117,7 @@ def split(pipe: Any) -> Iterator[str]:
     """Pin for one generation (see the module docstring); yields where each side runs, and undoes it."""
     own = sorted(os.sched_getaffinity(0))
     target_cpus, draft_cpu = set(own[:-1]), own[-1]
-    host_pid = pipe.engine.host.pid
+    host_pid = pipe.engine.draft_pid
     before, host_before = _affinities(), _affinities(host_pid)
     threads_before = blas.threads()
     try:
