@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
@@ -45,7 +44,7 @@ from .exit_adapter import adapter_for
 from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, NgramIndex
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
-from .sampling import row_sampler
+from .sampling import row_sampler, samplers
 from .stats import Stats, Step
 from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
@@ -362,9 +361,8 @@ class Engine:
                          why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
                          placement=opts.placement, branches=opts.branches, lookup=index is not None)
 
-        sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
-                                                           else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
-        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
+        base, processors = samplers(opts)
+        sampler = row_sampler(base, opts.seed)
         if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
             self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
