@@ -276,7 +276,7 @@ def _stream_logits(model: Any, seqs: Sequence[Sequence[int]], batch: int = 16) -
     padding is harmless: rows only see what comes before them)."""
     import mlx.core as mx
 
-    from mirror_mlx.ane_draft.ss_model import ss_forward
+    from mirror_mlx.drafts.ss_model import ss_forward
 
     out = []
     for _, part, x in padded_batches(seqs, batch):

@@ -15,7 +15,7 @@ ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
 
-The draft lives behind a DraftHost (ane_draft/host.py): the scheduler posts requests on the ring
+The draft lives behind a DraftHost (mirror_mlx/drafts/host.py): the scheduler posts requests on the ring
 and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
 drafts in this process, on the target's own thread (a copy of the draft built there): a serial window
 hides nothing, so the ring's round trip per window would only add to it. The scheduler is one
@@ -35,9 +35,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
+from .drafts.host import DraftHost
+
+from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
-from .draft import MLXDraft
+from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
@@ -141,7 +143,7 @@ def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[],
 class Engine:
     """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
 
-    `draft`: a DraftRecipe (the host process builds it: the default, see ane_draft/host.py), or a
+    `draft`: a DraftRecipe (the host process builds it: the default, see mirror_mlx/drafts/host.py), or a
     draft object built in this process (its host loop runs on a thread).
     """
 

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import recurrent
-from .draft import MLXDraft
+from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
 from .lookup import LOOKUP
 from .stats import Stats

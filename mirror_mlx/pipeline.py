@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import demo_pair, text, validate
-from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
-from .ane_draft.ss_model import is_ss_draft
+from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
+from .drafts.ss_model import is_ss_draft
 from .draft_api import Draft
 from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine

@@ -93,8 +93,8 @@ def test_the_runtime_never_imports_the_builders_or_the_command_line():
 def test_the_graph_sees_the_imports_it_checks():
     """(The tests above can fail: the graph finds the engine's real imports, relative and absolute.)"""
     g = graph()
-    assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.ane_draft.host"} <= g["mirror_mlx.engine"]
-    assert "mirror_mlx.ane_draft.ring" in g["mirror_mlx.ane_draft.host"]
+    assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.drafts.host"} <= g["mirror_mlx.engine"]
+    assert "mirror_mlx.drafts.ring" in g["mirror_mlx.drafts.host"]
     assert "mirror_mlx.tune.policy" in g["mirror_mlx.pipeline"]
 
 

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.utils import load_tokenizer
 
-from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
 from mirror_mlx.chunks import Detokenizer
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.stats import Stats, Step

@@ -1,5 +1,5 @@
 """The draft's answers on every rank: rank 0 runs the real draft host (`SharedHost`), the other ranks a
-stand-in (`MirrorHost`) with the same interface as ane_draft/host.py's DraftHost, and each answer the
+stand-in (`MirrorHost`) with the same interface as mirror_mlx/drafts/host.py's DraftHost, and each answer the
 engine waits for goes from rank 0 to the others through one `share`, so the engine does not know it is
 distributed."""
 
@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from ..ane_draft.host import DraftHost, DraftHostError
+from ..drafts.host import DraftHost, DraftHostError
 from ..draft_api import Rollout
 from .faults import Diverged, Watchdog
 from .group import share

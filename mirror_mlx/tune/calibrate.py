@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from ..draft import MLXDraft
+from ..drafts.mlx_draft import MLXDraft
 from ..exit_adapter import adapter_for, adapter_layers
 from ..options import DRAFT_TIMEOUT_S
 from ..target import EarlyExitTarget, top_k, trimmable_cache
@@ -185,7 +185,7 @@ def plain_draft_model(pipe: Any) -> Optional[Any]:
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
     (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
-    from ..ane_draft.host import DraftRecipe, mlx_draft, mlx_draft_model
+    from ..drafts.recipes import DraftRecipe, mlx_draft, mlx_draft_model
 
     draft = getattr(pipe, "draft", None)
     if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
