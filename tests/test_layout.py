@@ -130,3 +130,23 @@ def test_the_layers_above_use_the_engines_doors_not_its_parts():
     into, named = reaches()
     assert len(into) <= 10, into
     assert not named, named
+
+
+def sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """(lines of each module over 450, lines of each function over 80) in the installed package."""
+    long_modules, long_functions = {}, {}
+    for name, path in modules().items():
+        src = path.read_text()
+        if len(src.splitlines()) > 450:
+            long_modules[name] = len(src.splitlines())
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long_functions[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return long_modules, long_functions
+
+
+def test_modules_and_functions_stay_small():
+    """Each module and function does one job: at most 4 modules over 450 lines, at most 3 functions over 80."""
+    long_modules, long_functions = sizes()
+    assert len(long_modules) <= 4, long_modules
+    assert len(long_functions) <= 3, long_functions
