@@ -12,7 +12,7 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +31,10 @@ from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
 from .tune.placement import placed
-from .tune.policy import AutoRun, AutoState, explicit, lookup_alone, needs_knobs, resolve
+from .tune.policy import AutoRun, AutoState, Pair, explicit, lookup_alone, needs_knobs, profile_for, resolve
+
+if TYPE_CHECKING:
+    from .tune.profile import Profile
 
 Prompt = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
@@ -89,6 +92,15 @@ class Pipeline:
         if self._auto is None:
             self._auto = AutoState()
         return self._auto
+
+    def profile(self, asking: str = "auto") -> "Profile":
+        """The pair's profile: in memory, else on disk, else a quick calibration on this first call (its line
+        names the mode `asking` for it)."""
+        return profile_for(self, asking)
+
+    def pair(self) -> Pair:
+        """What mode resolution needs to know of this pair (tune.policy.resolve)."""
+        return Pair(self.draft is not None, self.engine.exit_layer(DecodeOptions()))
 
     @property
     def context_length(self) -> Optional[int]:
@@ -185,14 +197,14 @@ class Pipeline:
             return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
         if opts.mode != "auto":  # the knobs left out come from the pair's profile (tune.policy.explicit)
             self._check_not_iterating()  # a first call may calibrate, which needs the pipeline
-            c = explicit(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
+            c = explicit(self.profile, self.pair(), opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
             picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
                              branches=checked.branches if checked.branches is not None else c.branches)
             return (*self.engine.check(ids, picked, prompt_cache), None)
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
                         gamma=None if opts.gamma is None else checked.gamma)
-        resolved, run = resolve(self, given)  # the tuned knobs come from this pair's own runs: trusted
+        resolved, run = resolve(given, self.profile, self.auto, self.pair())  # this pair's own runs: trusted
         return ids, resolved, run
 
     def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,

@@ -21,11 +21,25 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (annotations' imports, which never run: a type may
+    name a layer above without an arrow up)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package's modules that `name` imports, at the top or inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

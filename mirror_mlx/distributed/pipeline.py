@@ -137,7 +137,7 @@ class DistributedPipeline(Pipeline):
             prof = self._profile() if self.group.rank() == 0 else None
             head, why = [], ""
             if prof is not None:
-                c = knobs_from(prof, self, mode, kappa, gamma, exit_layer)
+                c = knobs_from(prof, self.pair().default_exit, mode, kappa, gamma, exit_layer)
                 head, why = [1, c.kappa or 0, c.gamma or 0, c.exit_layer or 0], f"{c.why} of {self.group.size()} ranks"
             got = self.agree(head, 4, "rank 0's tuning profile")
             self._knobs[asked] = (*(v or None for v in got[1:]), why) if got[0] else ()
