@@ -191,7 +191,9 @@ def main(argv: Sequence[str]) -> None:
     _own_process = True
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
-    import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)
+    from mirror_mlx.blas import preload_openblas
+
+    preload_openblas()  # before mlx.core (idempotent), from the module itself: not the package's face
 
     host(lambda: pickle.loads(base64.b64decode(spec))(), req, rep)
 
