@@ -1,7 +1,7 @@
 """The Core ML draft on macOS 15+: the package runs on the Neural Engine inside the draft host.
 
 `MLModel.predict` holds the GIL for the whole call, so the package lives in the
-draft host process (ane_draft/host.py), behind the same ring protocol and host loop as every other
+draft host process (mirror_mlx/drafts/host.py), behind the same ring protocol and host loop as every other
 draft. There the platform-free host code (package_host.PackageDraft) drives the package's `extend` and
 `rollout` functions, loaded with compute units CPU_AND_NE and one shared `make_state()` KV cache.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mirror_mlx.ane_draft.host import DraftRecipe
+from mirror_mlx.drafts.recipes import DraftRecipe
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256, vocab_sha256
 
 MESSAGE = "Core ML runs on macOS 15+; use the MLX draft folder here"

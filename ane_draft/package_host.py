@@ -15,7 +15,7 @@ A plain draft feeds one row per branch per call (J = ceil(trie / B) + gamma - 1)
 Speculative-Streaming draft feeds a chain per branch: its pending main token and its stream
 guesses; the main rows check the guesses, the branch keeps the agreeing prefix plus the main token
 after it, and the streams of the last kept row are the next guesses (SS self-verification, as in
-ane_draft/ss_draft.py). Windows are the draft's own greedy main-stream text either way; streams
+mirror_mlx/drafts/ss_draft.py). Windows are the draft's own greedy main-stream text either way; streams
 only cut the number of calls.
 """
 
@@ -25,7 +25,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
-from mirror_mlx.draft import check_stems, common_prefix, self_verify
+from mirror_mlx.drafts.mlx_draft import check_stems, common_prefix, self_verify
 from mirror_mlx.draft_api import Rollout
 
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
 from mirror_mlx.draft_tokenizer import folder_tokenizer, tokenizer_mismatch
-from mirror_mlx.ane_draft.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
+from mirror_mlx.drafts.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
 
@@ -314,15 +314,8 @@ def _run_key(cfg: TrainConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k not in ("out", "checkpoint_every")}
 
 
-def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = print,
-          stop_after: Optional[int] = None) -> dict:
-    """Run (or resume) a training run; writes the draft folder to cfg.out and returns a summary.
-
-    `stop_after` ends this run after that many steps with a checkpoint and no draft folder (a
-    time-boxed run; the same call again resumes it). An interrupted run resumes from the last
-    checkpoint (every `checkpoint_every` steps).
-    """
-    check_config(cfg)
+def _train_paragraphs(cfg: TrainConfig) -> list:
+    """The corpus's training part: its paragraphs (or conversations) after the held-out ones."""
     if cfg.corpus.endswith(".jsonl"):
         chats = read_chats(cfg.corpus)
         train_paragraphs, count = chats[cfg.holdout:], f"{len(chats)} conversations"
@@ -332,6 +325,53 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     if not train_paragraphs:
         raise TrainError(f"corpus {cfg.corpus} has {count}, not more than --holdout "
                          f"({cfg.holdout}): give a longer corpus or a smaller --holdout")
+    return train_paragraphs
+
+
+def _resumed_step(cfg: TrainConfig, ckpt: Path, log: Callable[[str], None]) -> tuple[int, bool]:
+    """(the step a checkpoint of this run reached, whether there is one); a checkpoint of other settings is refused."""
+    progress_file = ckpt / "progress.json"
+    if not progress_file.is_file():
+        return 0, False
+    saved = json.loads(progress_file.read_text())
+    if saved["config"] != _run_key(cfg):
+        raise TrainError(f"{ckpt} holds a run with other settings; use another --out or delete it")
+    log(f"resuming from step {saved['step']}")
+    return saved["step"], True
+
+
+def _training_data(cfg: TrainConfig, ckpt: Path, resumed: bool, make: Callable[[], "Data"]) -> "Data":
+    """The target's text to train on: the checkpoint's when resuming, else `make()`'s, saved with the checkpoint."""
+    if resumed and (ckpt / "data.npz").is_file():
+        z = np.load(ckpt / "data.npz")
+        return Data(z["tokens"], z["start"], z["length"])
+    data = make()
+    ckpt.mkdir(parents=True, exist_ok=True)
+    np.savez(ckpt / "data.npz", tokens=data.tokens, start=data.start, length=data.length)
+    (ckpt / "progress.json").write_text(json.dumps({"step": 0, "config": _run_key(cfg)}, indent=2))
+    return data
+
+
+def _held_out(data: "Data") -> tuple["Data", "Data"]:
+    """(validation samples: a tenth, at most 64; the training samples)."""
+    n_val = min(64, len(data.tokens) // 10)
+    val = Data(data.tokens[:n_val], data.start[:n_val], data.length[:n_val])
+    tr = Data(data.tokens[n_val:], data.start[n_val:], data.length[n_val:])
+    if len(tr.tokens) == 0:
+        raise TrainError("not enough training samples; raise --samples")
+    return val, tr
+
+
+def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = print,
+          stop_after: Optional[int] = None) -> dict:
+    """Run (or resume) a training run; writes the draft folder to cfg.out and returns a summary.
+
+    `stop_after` ends this run after that many steps with a checkpoint and no draft folder (a
+    time-boxed run; the same call again resumes it). An interrupted run resumes from the last
+    checkpoint (every `checkpoint_every` steps).
+    """
+    check_config(cfg)
+    train_paragraphs = _train_paragraphs(cfg)
     try:
         target_dir = _download(cfg.model)
         target, target_tok = load(str(target_dir))
@@ -340,31 +380,12 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     args = draft_args(cfg, target_dir, target_tok)
     out, ckpt = Path(cfg.out), Path(cfg.out) / "checkpoint"
 
-    step, resumed = 0, False
-    progress_file = ckpt / "progress.json"
-    if progress_file.is_file():
-        resumed = True
-        saved = json.loads(progress_file.read_text())
-        if saved["config"] != _run_key(cfg):
-            raise TrainError(f"{ckpt} holds a run with other settings; use another --out or delete it")
-        step = saved["step"]
-        log(f"resuming from step {step}")
-
+    step, resumed = _resumed_step(cfg, ckpt, log)
     t0 = time.time()
-    if resumed and (ckpt / "data.npz").is_file():
-        z = np.load(ckpt / "data.npz")
-        data = Data(z["tokens"], z["start"], z["length"])
-    else:
-        data = target_continuations(target, target_tok, train_paragraphs, cfg, progress)
-        ckpt.mkdir(parents=True, exist_ok=True)
-        np.savez(ckpt / "data.npz", tokens=data.tokens, start=data.start, length=data.length)
-        progress_file.write_text(json.dumps({"step": 0, "config": _run_key(cfg)}, indent=2))
+    data = _training_data(cfg, ckpt, resumed, lambda: target_continuations(target, target_tok, train_paragraphs,
+                                                                          cfg, progress))
     gen_s = time.time() - t0
-    n_val = min(64, len(data.tokens) // 10)
-    val = Data(data.tokens[:n_val], data.start[:n_val], data.length[:n_val])
-    tr = Data(data.tokens[n_val:], data.start[n_val:], data.length[n_val:])
-    if len(tr.tokens) == 0:
-        raise TrainError("not enough training samples; raise --samples")
+    val, tr = _held_out(data)
 
     mx.random.seed(cfg.seed)
     model = new_model(args, cfg.init_from)

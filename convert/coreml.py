@@ -52,7 +52,7 @@ from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Sha
                                                  tokenizer_metadata, tokenizer_sha256)
 from mirror_mlx.options import PAPER_KNOBS
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: ane_draft/ss_model.py
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
 HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
 QUANTIZE = ("none", "int8", "lut4", "lut6")
 VOCAB_PAD = 1024  # unused rows a model may pad its vocabulary with (Qwen3: 151,669 tokens in 151,936)

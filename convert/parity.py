@@ -276,7 +276,7 @@ def _stream_logits(model: Any, seqs: Sequence[Sequence[int]], batch: int = 16) -
     padding is harmless: rows only see what comes before them)."""
     import mlx.core as mx
 
-    from mirror_mlx.ane_draft.ss_model import ss_forward
+    from mirror_mlx.drafts.ss_model import ss_forward
 
     out = []
     for _, part, x in padded_batches(seqs, batch):
@@ -298,6 +298,17 @@ def _sample(paths: list[tuple[int, ...]], limit: Optional[int], rng: np.random.G
             continue
         chosen |= branch
     return [p for p in paths if p in chosen]
+
+
+def _check_fits(contexts: list[list[int]], steps: int, gamma: int, positions: int) -> None:
+    """Every prompt, plus `steps` windows of γ + 1, fits the package's context."""
+    for context in contexts:
+        need = len(context) + steps * (gamma + 1) + 1
+        if need > positions:
+            raise ConvertError(
+                f"the verification prompt needs {need} context positions but the package has {positions}; "
+                f"rebuild it with --context {max(need, 64)} or more"
+            )
 
 
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
@@ -332,13 +343,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     per_step = None if budget.rows is None else max(1, budget.rows // (per_prompt * len(prompts)))
     rng, start = np.random.default_rng(0), time.monotonic()
     contexts = [list(tokenizer.encode(text)) for text in prompts]
-    for context in contexts:
-        need = len(context) + steps * (gamma + 1) + 1
-        if need > shapes.context:
-            raise ConvertError(
-                f"the verification prompt needs {need} context positions but the package has {shapes.context}; "
-                f"rebuild it with --context {max(need, 64)} or more"
-            )
+    _check_fits(contexts, steps, gamma, shapes.context)
     bar = tqdm(total=per_prompt * len(prompts), desc=f"verify {package.name}", unit="step",
                disable=None if progress else True)  # None: shown on a terminal only
     for context in contexts:

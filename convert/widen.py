@@ -280,7 +280,7 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     new = Shape(hidden, heads, kv_heads, intermediate, layers, old.head_dim)
     check_shape(dict(config, model_type="llama") if ss else config, new)  # before reading any weights
     if ss:
-        from mirror_mlx.ane_draft.ss_model import load_ss_draft
+        from mirror_mlx.drafts.ss_model import load_ss_draft
 
         model, _ = load_ss_draft(model_dir, with_tokenizer=False)
         weights, new_config = widen_ss(dict(tree_flatten(model.parameters())), config, new)

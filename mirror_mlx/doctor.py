@@ -218,7 +218,7 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, mi
 
     from .target import trimmable_cache
 
-    engine, host = pipe.engine, pipe.engine.host
+    engine, host, model = pipe.engine, pipe.engine.draft_host, pipe.model
     if host is None:
         raise ValueError("the pipeline has no draft")
     context = list(pipe.tokenizer.encode(PROBE_TEXT))
@@ -231,16 +231,16 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, mi
     prefix = context[:-1]
 
     def prefill():
-        cache = trimmable_cache(engine.target_model)
-        engine.target_model(mx.array([prefix]), cache=cache)
+        cache = trimmable_cache(model)
+        model(mx.array([prefix]), cache=cache)
         mx.eval([c.state for c in cache])
         return cache
 
-    cache = engine.target_worker.call(prefill)
+    cache = engine.on_target(prefill)
 
     def forward() -> float:
         t0 = time.perf_counter()
-        mx.eval(engine.target_model(rows, cache=cache))
+        mx.eval(model(rows, cache=cache))
         elapsed = time.perf_counter() - t0
         trim_prompt_cache(cache, n)
         return elapsed
@@ -258,13 +258,13 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, mi
     def both() -> float:
         sync()
         t0 = time.perf_counter()
-        target = engine.target_worker.submit(forward)
+        target = engine.submit_on_target(forward)
         host.rollout(prefix, stems, gamma, timeout=30.0)  # waited for while the target runs
         target.result()
         return time.perf_counter() - t0
 
     times: dict[str, list[float]] = {"target": [], "draft": [], "both": []}
-    pieces: dict[str, Callable[[], float]] = {"target": lambda: engine.target_worker.call(forward),
+    pieces: dict[str, Callable[[], float]] = {"target": lambda: engine.on_target(forward),
                                               "draft": draft, "both": both}
     for fn in pieces.values():  # warm-up: first calls compile and page in
         fn()
@@ -288,7 +288,7 @@ def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: flo
     except Exception as e:
         return [f"problem: could not load the pair for the overlap probe: {type(e).__name__}: {e}"]
     try:
-        if pipe.engine.host is None:
+        if not pipe.engine.has_draft:
             return ["overlap probe: skipped (no draft model)"]
         loaded = time.perf_counter() - t0
         o = probe_overlap(pipe, seconds)
@@ -299,7 +299,7 @@ def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: flo
                  else "CPU analog: both on the CPU, draft in its own process")
         return [f"overlap probe ({pair}, loaded in {loaded:.1f} s; {where}; {o.rounds} rounds):",
                 f"  target forward alone {ms(o.target_s)}, draft rollout alone {ms(o.draft_s)} "
-                f"({pipe.engine.host.kind}), both at once {ms(o.both_s)}",
+                f"({pipe.engine.draft_kind}), both at once {ms(o.both_s)}",
                 f"  both / longer alone = {o.ratio:.2f} (1.00 = fully overlapped; {o.serial_ratio:.2f} = one after "
                 f"the other){'' if o.ratio < 0.5 * (1 + o.serial_ratio) else '  <- mostly serialized'}"]
     except Exception as e:

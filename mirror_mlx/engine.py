@@ -15,7 +15,7 @@ ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
 
-The draft lives behind a DraftHost (ane_draft/host.py): the scheduler posts requests on the ring
+The draft lives behind a DraftHost (mirror_mlx/drafts/host.py): the scheduler posts requests on the ring
 and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
 drafts in this process, on the target's own thread (a copy of the draft built there): a serial window
 hides nothing, so the ring's round trip per window would only add to it. The scheduler is one
@@ -29,27 +29,30 @@ import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
+from .drafts.host import DraftHost
+
+from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
-from .draft import MLXDraft
+from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
 from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, NgramIndex
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
-from .sampling import row_sampler
+from .sampling import row_sampler, samplers
 from .stats import Stats, Step
 from .target import TargetSide, check_exit_layer, text_model, vocab_size
 from .workers import LoopThread, Worker
 
 
+T = TypeVar("T")
 FRESH = object()  # mirror's next window is a fresh one (no branch reused): the lookup's, else the draft's rollout
 
 
@@ -140,7 +143,7 @@ def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[],
 class Engine:
     """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
 
-    `draft`: a DraftRecipe (the host process builds it: the default, see ane_draft/host.py), or a
+    `draft`: a DraftRecipe (the host process builds it: the default, see mirror_mlx/drafts/host.py), or a
     draft object built in this process (its host loop runs on a thread).
     """
 
@@ -166,6 +169,78 @@ class Engine:
         self.draft_failure: Optional[str] = None
         self.local_build = local_build(draft)  # sd's in-process draft, built on its first generation
         self.local_draft: Optional[Draft] = None
+
+    # --- the doors the layers above use (the server, tune, bench, doctor): never the parts themselves
+
+    def on_target(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the target's thread (MLX state and the target's cache live there); its result."""
+        return self.target_worker.call(fn, *args)
+
+    def submit_on_target(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+        """fn(*args) queued on the target's thread; the future of its result (to time work beside it)."""
+        return self.target_worker.submit(fn, *args)
+
+    def with_target(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(target_side, *args) on the target's thread: the target's cache through TargetSide's doors."""
+        return self.target_worker.call(fn, self.target, *args)
+
+    def replace_target(self, build: Callable[..., TargetSide], *args: Any) -> None:
+        """Close the target side and go on with build(*args), made on the target's thread (a stage of a
+        model split by layers across ranks: distributed/pipeline.py)."""
+        self.target_worker.call(self.target.close)
+        self.target = self.target_worker.call(build, *args)
+
+    @property
+    def has_draft(self) -> bool:
+        """A draft model is running (not dropped after a failure, not the lookup alone)."""
+        return self.host is not None
+
+    @property
+    def draft_host(self) -> Optional[DraftHost]:
+        """The draft host this process can time alone (tune, doctor): the engine's; across ranks rank 0's
+        own, None on the other ranks (their draft lives beside rank 0)."""
+        return getattr(self.host, "local", self.host)
+
+    @property
+    def draft_pid(self) -> Optional[int]:
+        """The draft host process's pid (None: no draft, or its loop runs on a thread here)."""
+        return getattr(self.host, "pid", None)
+
+    @property
+    def draft_vocab(self) -> Optional[int]:
+        return getattr(self.host, "vocab_size", None)
+
+    @property
+    def draft_kind(self) -> Optional[str]:
+        return getattr(self.host, "kind", None)
+
+    @property
+    def draft_threads(self) -> list[int]:
+        """The native ids of the draft host's threads: every thread of its process, or its one thread here."""
+        import os
+
+        if self.host is None:
+            return []
+        if self.host.pid:
+            return [int(t) for t in os.listdir(f"/proc/{self.host.pid}/task")]
+        return [self.host.thread.native_id]
+
+    @property
+    def drafts_locally(self) -> bool:
+        """sd drafts in this process, on the target's thread (an MLX draft: `local_build`)."""
+        return self.local_build is not None
+
+    def local_window(self, context: list[int], last: int, gamma: int) -> float:
+        """Seconds of sd's in-process window after `context` + [last] (its draft synced to context[:-2] first,
+        so two new tokens reach it, as in a real step), on the target's thread (tune)."""
+
+        def once() -> float:
+            self._local_sync(context[:-2])
+            t0 = time.perf_counter()
+            self.local_draft.rollout(context, [[last]], gamma)
+            return time.perf_counter() - t0
+
+        return self.target_worker.call(once)
 
     def close(self) -> None:
         if self.host is not None:
@@ -288,9 +363,8 @@ class Engine:
                          why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
                          placement=opts.placement, branches=opts.branches, lookup=index is not None)
 
-        sampler = row_sampler(opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0
-                                                           else 0.0, min_p=opts.min_p, top_k=opts.top_k), opts.seed)
-        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
+        base, processors = samplers(opts)
+        sampler = row_sampler(base, opts.seed)
         if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
             self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()

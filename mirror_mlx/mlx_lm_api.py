@@ -33,7 +33,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import recurrent
-from .draft import MLXDraft
+from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
 from .lookup import LOOKUP
 from .stats import Stats
@@ -137,6 +137,26 @@ def close_all() -> None:
         _pipelines.popitem()[-1][-1].close()
 
 
+def _records(chunk: Any, stats: Any) -> Iterator[Response]:
+    """One chunk as mlx-lm's records, one per token (and one for an end-of-sequence token); `stats` rides on
+    the last record of the generation."""
+    last = len(chunk.tokens) - 1
+    done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
+    common = dict(prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
+                  generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
+    for i, (token, text, drafted, logprobs) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft,
+                                                              chunk.logprobs)):
+        final = chunk.finish_reason == "length" and i == last
+        yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
+                       token=token, logprobs=logprobs, from_draft=drafted, generation_tokens=done + i + 1,
+                       finish_reason="length" if final else None, stats=stats if final else None, **common)
+    if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
+        yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
+                       logprobs=chunk.stop_logprobs, from_draft=chunk.stop_from_draft,
+                       generation_tokens=chunk.generation_tokens,
+                       finish_reason="stop", stats=stats, **common)
+
+
 def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.array, List[int]],
                     max_tokens: int = 256, draft_model: Union[nn.Module, Draft, None] = None, *,
                     sampler: Optional[Callable[[mx.array], mx.array]] = None,
@@ -201,24 +221,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
             if not prefilled:
                 prefilled = True
                 progress(len(ids), len(ids))
-            last = len(chunk.tokens) - 1
-            stats = pipe.stats if chunk.finish_reason else None
-            done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
-            common = dict(prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
-                          generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
-            for i, (token, text, drafted, logprobs) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft,
-                                                                      chunk.logprobs)):
-                final = chunk.finish_reason == "length" and i == last
-                yielded.append(token)
-                yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
-                               token=token, logprobs=logprobs, from_draft=drafted, generation_tokens=done + i + 1,
-                               finish_reason="length" if final else None, stats=stats if final else None, **common)
-            if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
-                yielded.append(chunk.stop_token)
-                yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
-                               logprobs=chunk.stop_logprobs, from_draft=chunk.stop_from_draft,
-                               generation_tokens=chunk.generation_tokens,
-                               finish_reason="stop", stats=stats, **common)
+            for record in _records(chunk, pipe.stats if chunk.finish_reason else None):
+                yielded.append(record.token)
+                yield record
     finally:  # (also when the caller stops early: the cache keeps what was yielded, as mlx-lm's does)
         chunks.close()  # the engine hands the prompt cache back, holding every committed token
         if given is not None:

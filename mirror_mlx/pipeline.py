@@ -10,19 +10,20 @@ import threading
 import weakref
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import demo_pair, text, validate
-from .ane_draft.host import DraftRecipe, mlx_draft, ss_draft
-from .ane_draft.ss_model import is_ss_draft
+from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
+from .drafts.ss_model import is_ss_draft
 from .draft_api import Draft
+from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine
-from .stats import Stats, Step
+from .stats import Stats
 from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
 from .loading import load_model, resolve_model
 from .lookup import LOOKUP
@@ -30,96 +31,13 @@ from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
 from .tune.placement import placed
-from .tune.policy import AutoRun, AutoState, explicit, lookup_alone, needs_knobs, resolve
+from .tune.policy import AutoRun, AutoState, Pair, explicit, lookup_alone, needs_knobs, profile_for, resolve
+
+if TYPE_CHECKING:
+    from .tune.profile import Profile
 
 Prompt = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
-
-
-@dataclass
-class Result:
-    """One generation: the text, the generated token ids, and what it cost (see `Stats`)."""
-
-    text: str
-    tokens: list[int]
-    stats: Stats
-    finish_reason: str = "length"  # "stop" when an end-of-sequence token ended it
-    from_draft: list[bool] = field(default_factory=list)  # per token: the draft proposed it (see Chunk)
-
-
-@dataclass
-class Chunk:
-    """Text committed by one step (one or more tokens), with mlx-lm's GenerationResponse fields.
-
-    `from_draft[i]` says whether `tokens[i]` was the draft's proposal (accepted), not the target's own
-    correction or bonus token. `finish_reason` is None until the last chunk: "stop" (then `stop_token`
-    is the end-of-sequence token, which `tokens` leaves out) or "length".
-    """
-
-    text: str
-    tokens: list[int] = field(default_factory=list)
-    from_draft: list[bool] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_token: Optional[int] = None
-    prompt_tokens: int = 0
-    prompt_tps: float = 0.0
-    generation_tokens: int = 0  # committed so far, this chunk's included (an end-of-sequence token too)
-    generation_tps: float = 0.0
-    peak_memory: float = 0.0  # GB, so far
-    token_texts: list[str] = field(default_factory=list, repr=False)  # the text each token completed
-    stop_from_draft: bool = False  # the end-of-sequence token (if any) was the draft's proposal
-    # per token (and for stop_token): the target's log-probabilities over the vocabulary, as mlx-lm's
-    # GenerationResponse.logprobs (the processed distribution the token was chosen from)
-    logprobs: list = field(default_factory=list, repr=False)
-    stop_logprobs: Any = field(default=None, repr=False)
-
-    def __str__(self) -> str:
-        return self.text
-
-
-class Detokenizer:
-    """One generation's steps → Chunks: detokenized, end-of-sequence tokens dropped, the last with its
-    finish_reason."""
-
-    def __init__(self, tokenizer: Any, opts: DecodeOptions):
-        self.detok, self.opts, self.produced = tokenizer.detokenizer, opts, 0
-        self.detok.reset()
-
-    def chunk(self, step: Step, s: Stats) -> Chunk:
-        """`s`: the generation's stats so far, this step's included."""
-        new, detok = step.tokens, self.detok
-        self.produced += len(new)
-        stop = next((t for t in new if t in self.opts.stop_tokens), None)
-        rows = [None] * len(new) if step.logprobs is None else [step.logprobs[i] for i in range(len(new))]
-        shown = [(t, d) for t, d in zip(new, step.from_draft) if t != stop]
-        texts = []
-        for t, _ in shown:
-            detok.add_token(t)
-            texts.append(detok.last_segment)
-        finish = "stop" if stop is not None else "length" if self.produced >= self.opts.max_tokens else None
-        tail = ""
-        if finish is not None:
-            detok.finalize()
-            tail = detok.last_segment
-            if texts:
-                texts[-1], tail = texts[-1] + tail, ""
-        return Chunk("".join(texts) + tail, [t for t, _ in shown], [d for _, d in shown], finish, stop,
-                     s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
-                     self.produced, self.produced / s.decode_seconds if s.decode_seconds else 0.0,
-                     mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False,
-                     [r for t, r in zip(new, rows) if t != stop], rows[-1] if stop is not None else None)
-
-
-def _kept(chunk: Chunk) -> Chunk:
-    """A chunk as a whole generation keeps it: without its vocabulary-sized logprobs rows (a Result has
-    none, and a long generation would hold a row per token)."""
-    return replace(chunk, logprobs=[], stop_logprobs=None)
-
-
-def result(parts: list[Chunk], stats: Stats, finish_reason: str) -> Result:
-    """One generation's chunks as a Result."""
-    return Result("".join(c.text for c in parts), [t for c in parts for t in c.tokens], stats, finish_reason,
-                  [d for c in parts for d in c.from_draft])
 
 
 def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
@@ -174,6 +92,15 @@ class Pipeline:
         if self._auto is None:
             self._auto = AutoState()
         return self._auto
+
+    def profile(self, asking: str = "auto") -> "Profile":
+        """The pair's profile: in memory, else on disk, else a quick calibration on this first call (its line
+        names the mode `asking` for it)."""
+        return profile_for(self, asking)
+
+    def pair(self) -> Pair:
+        """What mode resolution needs to know of this pair (tune.policy.resolve)."""
+        return Pair(self.draft is not None, self.engine.exit_layer(DecodeOptions()))
 
     @property
     def context_length(self) -> Optional[int]:
@@ -270,33 +197,36 @@ class Pipeline:
             return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
         if opts.mode != "auto":  # the knobs left out come from the pair's profile (tune.policy.explicit)
             self._check_not_iterating()  # a first call may calibrate, which needs the pipeline
-            c = explicit(self, opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
+            c = explicit(self.profile, self.pair(), opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
             picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
                              branches=checked.branches if checked.branches is not None else c.branches)
             return (*self.engine.check(ids, picked, prompt_cache), None)
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
                         gamma=None if opts.gamma is None else checked.gamma)
-        resolved, run = resolve(self, given)  # the tuned knobs come from this pair's own runs: trusted
+        resolved, run = resolve(given, self.profile, self.auto, self.pair())  # this pair's own runs: trusted
         return ids, resolved, run
 
-    def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,
+               detokenizer: Optional[Detokenizer] = None, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
 
         Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
         is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
-        that the prompt follows, as mlx_lm.generate --prompt-cache-file.
+        that the prompt follows, as mlx_lm.generate --prompt-cache-file. `detokenizer`: one that goes on
+        from earlier tokens (a server's request that resumes), else a fresh one.
         """
         tokens, opts, run = self.prepare(prompt, prompt_cache, **kwargs)
-        return self._chunks(tokens, opts, run, prompt_cache, hold=True)
+        return self._chunks(tokens, opts, run, prompt_cache, hold=True, detokenizer=detokenizer)
 
     def _chunks(self, tokens: list[int], opts: DecodeOptions, run: Optional[AutoRun],
-                prompt_cache: Optional[PromptCache] = None, hold: bool = False) -> Iterator[Chunk]:
+                prompt_cache: Optional[PromptCache] = None, hold: bool = False,
+                detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
         """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
         the caller holds it). `stats` is the sum of this generation's step records so far."""
         with self._turn() if hold else nullcontext(), placed(self, opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
-            detok = Detokenizer(self.tokenizer, opts)
+            detok = detokenizer or Detokenizer(self.tokenizer, opts.max_tokens, opts.stop_tokens)
             self.stats = Stats(mode=opts.mode)
             try:
                 for step in steps:

@@ -1,10 +1,22 @@
 """The target's choice at each row, exactly as mlx-lm's generate_step would make it, and seeds keyed by
 absolute position so that ar, sd and mirror sample the same tokens."""
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+
+if TYPE_CHECKING:
+    from .options import DecodeOptions
+
+
+def samplers(opts: "DecodeOptions") -> tuple[Callable[[mx.array], mx.array], list[Callable]]:
+    """mlx-lm's sampler and logits processors for these options, as mlx_lm.generate makes them (the caller's
+    own sampler if given): one rule for the engine (`row_sampler`) and the server's batch (`keyed`)."""
+    sampler = opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
+                                           min_p=opts.min_p, top_k=opts.top_k)
+    processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
+    return sampler, processors
 
 
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler,
@@ -74,5 +86,20 @@ def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) ->
             mx.random.seed(position_seed(seed, first + j))  # the key is taken now, when the graph is built
             rows.append(sampler(logprobs[j : j + 1]))
         return token_ids(rows)
+
+    return sample
+
+
+def keyed(sampler: Callable, seed: Optional[int], first: int) -> Callable:
+    """A batch row's sampler whose draw for position p is keyed by (seed, p), as `row_sampler`'s: the batch
+    calls it once per step, for positions first, first + 1, ... (unseeded or greedy: `sampler` itself)."""
+    if seed is None or sampler is greedy_sampler:
+        return sampler
+    position = [first]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        mx.random.seed(position_seed(seed, position[0]))
+        position[0] += 1
+        return sampler(logprobs)
 
     return sample

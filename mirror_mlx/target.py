@@ -261,6 +261,32 @@ class TargetSide:
         """A fresh, empty cache of our own."""
         self.cache, self.cached, self.base, self.adopted = trimmable_cache(self.model), [], 0, False
 
+    # --- the cache's doors for the server (prefix cache, batch moves); each runs on the target's thread
+
+    def own_tokens(self) -> Optional[list[int]]:
+        """The tokens the cache holds when it is our own and they are all known (not a caller's prompt
+        cache, no prefix of unknown tokens), else None."""
+        return None if self.adopted or self.base else list(self.cached)
+
+    def give(self, held: list[int]) -> Optional[list[Any]]:
+        """Hand our cache away if it holds exactly `held` (every layer at that offset), else None; either
+        way we go on with a fresh one."""
+        ok = self.own_tokens() == held and all(c.offset == len(held) for c in self.cache)
+        cache = self.cache if ok else None
+        self.reset()
+        return cache
+
+    def take(self, cache: list[Any], tokens: list[int]) -> None:
+        """`cache` (holding `tokens`) becomes our own."""
+        self.cache, self.cached, self.base, self.adopted = cache, list(tokens), 0, False
+
+    def copy(self) -> Optional[tuple[list[int], list[Any]]]:
+        """A deep copy of our own cache and the tokens it holds, or None (nothing held, or not our own)."""
+        import copy
+
+        tokens = self.own_tokens()
+        return (tokens, copy.deepcopy(self.cache)) if tokens else None
+
     def hold(self, tokens: Sequence[int], step_size: int = 2048,
              progress: Optional[Callable[[int, int], None]] = None) -> int:
         """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,

@@ -18,7 +18,7 @@ import mirror_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm import load
 
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.target import trimmable_cache
 from mirror_mlx.workers import Worker
 

@@ -22,7 +22,7 @@ import mirror_mlx  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm import load
 
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 
 
 def stems_for(rows: int, gamma: int, vocab: int) -> list[list[int]]:
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     if args.ss:
-        from mirror_mlx.ane_draft.ss_draft import SSDraft
+        from mirror_mlx.drafts.ss_draft import SSDraft
 
         draft = SSDraft.from_path(args.model)
     else:

@@ -14,7 +14,7 @@ import time
 from multiprocessing import shared_memory
 from pathlib import Path
 
-from mirror_mlx.ane_draft.ring import TRACE_ENV
+from mirror_mlx.drafts.ring import TRACE_ENV
 
 _SharedMemory = shared_memory.SharedMemory  # the real class, whatever a test's spy replaces it with
 _MADE = re.compile(r"mirror-mlx: shared memory made: (\S+)")

@@ -5,9 +5,9 @@ from math import log
 
 import pytest
 
-from mirror_mlx.ane_draft.host import branch_stems
+from mirror_mlx.drafts.host import branch_stems
 from mirror_mlx.branch_budget import BranchBudget, Calibration, ExitView, branch_scores, pick, spread, stems
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.validate import branch_budget
 from tests.models import tiny_model

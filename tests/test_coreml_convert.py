@@ -362,7 +362,7 @@ def test_coreml_draft_on_linux_fails_at_construction(demo_pkg):
 
 def test_package_draft_in_the_draft_host_process(demo_pkg, demo_model):
     from mirror_mlx.ane_draft.coreml_draft import coreml_recipe
-    from mirror_mlx.ane_draft.host import DraftHost
+    from mirror_mlx.drafts.host import DraftHost
 
     model, tok = demo_model
     ctx = tok.encode("One day, a little bird")
@@ -384,8 +384,8 @@ def test_package_draft_in_the_draft_host_process(demo_pkg, demo_model):
 
 
 def make_ss_draft(root: Path) -> Path:
-    """A tiny random SS draft (ane_draft/ss_model.py): 3 layers, the top 2 carry 2 streams."""
-    from mirror_mlx.ane_draft.ss_model import Model, ModelArgs, save_ss_draft
+    """A tiny random SS draft (mirror_mlx/drafts/ss_model.py): 3 layers, the top 2 carry 2 streams."""
+    from mirror_mlx.drafts.ss_model import Model, ModelArgs, save_ss_draft
 
     mx.random.seed(3)
     args = ModelArgs.from_dict(dict(TINY, model_type="ss_llama", num_hidden_layers=3, tie_word_embeddings=True,
@@ -400,7 +400,7 @@ def make_ss_draft(root: Path) -> Path:
 def test_ss_draft_package_has_stream_rows_and_passes_parity(work):
     import coremltools as ct
 
-    from mirror_mlx.ane_draft.ss_model import load_ss_draft
+    from mirror_mlx.drafts.ss_model import load_ss_draft
 
     draft = make_ss_draft(work)
     pkg = convert(draft, work / "ss.mlpackage", progress=False, context=64, kappa=1, gamma=3, chunk=8)

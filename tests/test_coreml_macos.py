@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.utils import load
 
 from mirror_mlx.ane_draft.coreml_draft import CoreMLRunner, coreml_available, coreml_recipe
-from mirror_mlx.ane_draft.host import DraftHost
+from mirror_mlx.drafts.host import DraftHost
 from mirror_mlx.convert.coreml import convert
 from mirror_mlx.convert.parity import verify
 from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT

@@ -260,7 +260,7 @@ def test_a_draft_host_that_dies_is_dropped_on_every_rank_and_the_text_is_still_t
     import mirror_mlx
 
     proc = started_generating(tmp_path, tokens=120)
-    host = next(p for p in descendants(proc.pid) if b"ane_draft.host" in Path(f"/proc/{p}/cmdline").read_bytes())
+    host = next(p for p in descendants(proc.pid) if b"drafts.host" in Path(f"/proc/{p}/cmdline").read_bytes())
     os.kill(host, signal.SIGKILL)
     try:
         out, err = proc.communicate(timeout=300)

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.draft_api import Rollout
 from mirror_mlx.engine import reuse_window
 from mirror_mlx.target import accept

@@ -14,8 +14,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from tests.models import CONFIGS, RECURRENT, save_tiny_model, tiny_model
 from tests.test_engine import _FakeTokenizer

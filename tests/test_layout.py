@@ -21,11 +21,25 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (annotations' imports, which never run: a type may
+    name a layer above without an arrow up)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                todo.extend(child.orelse)
+            else:
+                todo.append(child)
+
+
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package's modules that `name` imports, at the top or inside a function."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -93,6 +107,60 @@ def test_the_runtime_never_imports_the_builders_or_the_command_line():
 def test_the_graph_sees_the_imports_it_checks():
     """(The tests above can fail: the graph finds the engine's real imports, relative and absolute.)"""
     g = graph()
-    assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.ane_draft.host"} <= g["mirror_mlx.engine"]
-    assert "mirror_mlx.ane_draft.ring" in g["mirror_mlx.ane_draft.host"]
+    assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.drafts.host"} <= g["mirror_mlx.engine"]
+    assert "mirror_mlx.drafts.ring" in g["mirror_mlx.drafts.host"]
     assert "mirror_mlx.tune.policy" in g["mirror_mlx.pipeline"]
+
+
+ENGINE_PARTS = {"target", "target_worker", "target_model", "host", "loop", "local_build", "local_draft", "draft"}
+INSIDE = ("mirror_mlx/engine.py", "mirror_mlx/pipeline.py")  # the engine, and the one that builds it
+
+
+def reaches() -> tuple[list[str], list[str]]:
+    """Outside the engine and the pipeline: (`engine.<part>` attribute chains into the engine's parts,
+    names of `.target_worker`, `.target.cache` or `.host.<anything>`), each as 'path:line name'."""
+    into, named = [], []
+    for path in modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in INSIDE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value
+            owner = v.attr if isinstance(v, ast.Attribute) else v.id if isinstance(v, ast.Name) else None
+            if owner == "engine" and node.attr in ENGINE_PARTS:
+                into.append(f"{rel}:{node.lineno} engine.{node.attr}")
+            if node.attr == "target_worker" or (owner == "target" and node.attr == "cache" and
+                                                isinstance(v, ast.Attribute)) or owner == "host" and \
+                    isinstance(v, ast.Attribute):
+                named.append(f"{rel}:{node.lineno} .{owner}.{node.attr}")
+    return into, named
+
+
+def test_the_layers_above_use_the_engines_doors_not_its_parts():
+    """The server, tune, bench and the doctor go through Engine's doors (on_target, with_target, draft_pid,
+    ...) and TargetSide's (own_tokens, give, take, copy), not into the engine's worker, cache or draft host."""
+    into, named = reaches()
+    assert len(into) <= 10, into
+    assert not named, named
+
+
+def sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """(lines of each module over 450, lines of each function over 80) in the installed package."""
+    long_modules, long_functions = {}, {}
+    for name, path in modules().items():
+        src = path.read_text()
+        if len(src.splitlines()) > 450:
+            long_modules[name] = len(src.splitlines())
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80:
+                long_functions[f"{name}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return long_modules, long_functions
+
+
+def test_modules_and_functions_stay_small():
+    """Each module and function does one job: at most 4 modules over 450 lines, at most 3 functions over 80."""
+    long_modules, long_functions = sizes()
+    assert len(long_modules) <= 4, long_modules
+    assert len(long_functions) <= 3, long_functions

@@ -11,9 +11,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.utils import load_tokenizer
 
-from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
-from mirror_mlx.options import DecodeOptions
-from mirror_mlx.pipeline import Detokenizer, Pipeline
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
+from mirror_mlx.chunks import Detokenizer
+from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.stats import Stats, Step
 from tests.models import save_tiny_model
 from tests.test_families_lossless import mlx_greedy
@@ -65,7 +65,7 @@ def test_streamed_chunks_hold_whole_characters(tokenizer, per_step):
     for s in STRINGS[:3]:
         ids = tokenizer.encode(s)
         partial += sum("\ufffd" in tokenizer.decode([t]) for t in ids)
-        detok = Detokenizer(tokenizer, DecodeOptions(max_tokens=len(ids)))
+        detok = Detokenizer(tokenizer, max_tokens=len(ids))
         chunks = [detok.chunk(Step(ids[i:i + per_step], [False] * len(ids[i:i + per_step])), Stats()).text
                   for i in range(0, len(ids), per_step)]
         assert "".join(chunks) == s and not any("\ufffd" in c for c in chunks), chunks

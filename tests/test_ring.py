@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from mirror_mlx.ane_draft.host import BRANCHES as EARLY_EXIT
-from mirror_mlx.ane_draft.host import WINDOWS as WINDOW
-from mirror_mlx.ane_draft.ring import RingFull, RingOverwritten, TokenRing
+from mirror_mlx.drafts.host import BRANCHES as EARLY_EXIT
+from mirror_mlx.drafts.host import WINDOWS as WINDOW
+from mirror_mlx.drafts.ring import RingFull, RingOverwritten, TokenRing
 
 
 @pytest.fixture

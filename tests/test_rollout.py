@@ -1,4 +1,4 @@
-"""The branch rollout (mirror_mlx/draft.py): every window is the draft's own greedy continuation.
+"""The branch rollout (mirror_mlx/drafts/mlx_draft.py): every window is the draft's own greedy continuation.
 
 A rollout batches all branches into rows over one copy of the committed prefix (BranchRows);
 these tests hold it to a plain loop that feeds each branch alone through mlx-lm's own cache.
@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from models import CONFIGS, DRAFT_PATH, tiny_model
 from mlx_lm import load
 

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.sample_utils import apply_top_p
 from scipy.stats import chisquare
 
-from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
 from mirror_mlx.pipeline import Pipeline
 from tests.models import save_tiny_model, tiny_model
 from tests.test_engine import _FakeTokenizer

@@ -19,8 +19,8 @@ import pytest
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 from scipy.stats import chi2
 
-from mirror_mlx.ane_draft.host import DraftRecipe, mlx_draft
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from tests.models import save_tiny_model, tiny_model
 from tests.test_engine import _FakeTokenizer

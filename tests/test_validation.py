@@ -19,7 +19,7 @@ from conftest import leftover
 from click.testing import CliRunner
 
 from mirror_mlx import validate
-from mirror_mlx.ane_draft.host import DraftHostError
+from mirror_mlx.drafts.host import DraftHostError
 from mirror_mlx.cli import main
 from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 from mirror_mlx.demo_pair import TARGET as DEMO_TARGET

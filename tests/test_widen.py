@@ -289,7 +289,7 @@ SS_SHAPE = ["--hidden", "256", "--heads", "32", "--kv-heads", "16", "--intermedi
 
 @pytest.fixture(scope="module")
 def ss_pair(tmp_path_factory):
-    from mirror_mlx.ane_draft.ss_model import load_ss_draft
+    from mirror_mlx.drafts.ss_model import load_ss_draft
     from mirror_mlx.demo_pair import SS_DRAFT
 
     out = widened(tmp_path_factory, SS_DRAFT, SS_SHAPE)
@@ -310,7 +310,7 @@ def test_ss_draft_widens_with_its_stream_layers_on_top(ss_pair):
 def ss_decode_gap(model, wide, ids: list[int]) -> tuple[float, mx.array]:
     """Feed `ids` token by token over the committed past: the largest difference of main and stream rows'
     logits between the two SS drafts, and the last stream logits."""
-    from mirror_mlx.ane_draft.ss_model import ss_forward
+    from mirror_mlx.drafts.ss_model import ss_forward
 
     past_a = past_b = None
     worst = 0.0
@@ -343,7 +343,7 @@ def test_ss_draft_many_row_logits_exact(ss_pair):
     In float32 OpenBLAS picks another small-matrix kernel for the wider projections, which reorders
     sums (as for the plain prefill above; measured up to 1.1e-4 on stream logits of magnitude ~17).
     """
-    from mirror_mlx.ane_draft.ss_model import ss_forward
+    from mirror_mlx.drafts.ss_model import ss_forward
 
     model, wide, _ = ss_pair
     ids = load(str(TARGET_PATH))[1].encode(PROMPT)
@@ -366,7 +366,7 @@ def test_ss_draft_many_row_logits_exact(ss_pair):
 def test_ss_draft_greedy_rollouts_identical(ss_pair):
     """Branched SS rollouts (stream guesses trusted, so stream rows shape the windows) are the same:
     windows, forwards, and tokens gained per forward."""
-    from mirror_mlx.ane_draft.ss_draft import SSDraft
+    from mirror_mlx.drafts.ss_draft import SSDraft
 
     model, wide, _ = ss_pair
     tok = load(str(TARGET_PATH))[1]

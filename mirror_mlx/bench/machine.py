@@ -55,10 +55,9 @@ def pin_threads(pipe: Any) -> dict:
     for tid in _tids():
         os.sched_setaffinity(tid, {a})
     out = {"pinned": True, "target_cpu": a, "draft_cpu": b, "main_tid": threading.get_native_id(),
-           "target_worker_tid": pipe.engine.target_worker.call(threading.get_native_id)}
-    host = pipe.engine.host
-    if host is not None:  # the draft host: every thread of its process (or its one thread)
-        tids = [int(t) for t in os.listdir(f"/proc/{host.pid}/task")] if host.pid else [host.thread.native_id]
+           "target_worker_tid": pipe.engine.on_target(threading.get_native_id)}
+    if pipe.engine.has_draft:  # the draft host: every thread of its process (or its one thread)
+        tids = pipe.engine.draft_threads
         for tid in tids:
             os.sched_setaffinity(tid, {b})
         out["draft_host_tids"] = tids

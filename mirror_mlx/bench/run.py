@@ -20,9 +20,9 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..ane_draft.host import DraftRecipe
-from ..ane_draft.host import mlx_draft as host_mlx_draft
-from ..ane_draft.host import mlx_draft_model, ss_draft
+from ..drafts.recipes import DraftRecipe
+from ..drafts.recipes import mlx_draft as host_mlx_draft
+from ..drafts.recipes import mlx_draft_model, ss_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
@@ -126,7 +126,7 @@ def mlx_draft(pipe: Any) -> Any:
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
         return mlx_draft_model(*pipe.draft.args)
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:
-        from ..ane_draft.ss_model import load_ss_draft
+        from ..drafts.ss_model import load_ss_draft
 
         return load_ss_draft(*pipe.draft.args, with_tokenizer=False)[0]
     model = getattr(pipe.draft, "model", None)

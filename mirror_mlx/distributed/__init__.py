@@ -7,7 +7,7 @@ the same forwards and, from the same reduced logits, decides the same tokens (th
 `all_sum` gives every rank the same bits; a rank that disagrees is stopped, see `MirrorHost`). Only rank 0
 runs a draft host. Its answers reach the other ranks through one small collective per request: an
 `all_sum` of an int32 array that only rank 0 fills (`SharedHost` sends, `MirrorHost` receives: the same
-interface as ane_draft/host.py's DraftHost, so the engine does not know it is distributed).
+interface as mirror_mlx/drafts/host.py's DraftHost, so the engine does not know it is distributed).
 
 A server (`mirror-mlx serve` under the launcher): rank 0 serves HTTP with its pipeline `leading`, the other
 ranks `follow` it. Each request rank 0 starts (its ids, options and what its target cache holds) and each

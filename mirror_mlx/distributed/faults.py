@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from ..ane_draft.host import close_all
+from ..drafts.host import close_all
 from .group import rank
 
 TIMEOUT_ENV = "MIRROR_MLX_DIST_TIMEOUT"

@@ -137,7 +137,7 @@ class DistributedPipeline(Pipeline):
             prof = self._profile() if self.group.rank() == 0 else None
             head, why = [], ""
             if prof is not None:
-                c = knobs_from(prof, self, mode, kappa, gamma, exit_layer)
+                c = knobs_from(prof, self.pair().default_exit, mode, kappa, gamma, exit_layer)
                 head, why = [1, c.kappa or 0, c.gamma or 0, c.exit_layer or 0], f"{c.why} of {self.group.size()} ranks"
             got = self.agree(head, 4, "rank 0's tuning profile")
             self._knobs[asked] = (*(v or None for v in got[1:]), why) if got[0] else ()
@@ -159,11 +159,12 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def stream(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any) -> Iterator:
+    def stream(self, prompt: Any, prompt_cache: Any = None, detokenizer: Any = None, **kwargs: Any) -> Iterator:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
-        before it runs, so every rank runs the same generation step by step."""
+        before it runs, so every rank runs the same generation step by step (the text is this rank's own:
+        `detokenizer` stays here)."""
         if not self.leading:
-            return super().stream(prompt, prompt_cache, **kwargs)
+            return super().stream(prompt, prompt_cache, detokenizer, **kwargs)
         if prompt_cache is not None:
             raise ValueError(NO_PROMPT_CACHE)
         if isinstance(prompt, str):
@@ -178,7 +179,7 @@ class DistributedPipeline(Pipeline):
         self._tell(START, len(ids), len(options), *held(self))
         with self.watchdog.waiting("the other ranks to take the request"):
             collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
-        return self._lead(super().stream(ids, **kwargs))
+        return self._lead(super().stream(ids, detokenizer=detokenizer, **kwargs))
 
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
@@ -222,8 +223,7 @@ MESSAGE = 5  # [START, prompt ids, option bytes, tokens the target's cache holds
 def held(pipe: Pipeline) -> list[int]:
     """What the target's cache holds before a request: its token count and a checksum. Every rank must hold
     the same (the same requests ran, the prefix cache restored the same entry)."""
-    target = pipe.engine.target
-    cached = pipe.engine.target_worker.call(lambda: list(target.cached))
+    cached = pipe.engine.with_target(lambda target: list(target.cached))
     return [len(cached), sum((i + 1) * t for i, t in enumerate(cached)) % (1 << 31)]
 
 
@@ -282,8 +282,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     if getattr(text_model(target).model, "pipeline_size", 1) > 1:  # layers by rank: block ℓ_e on one stage
         pipe.split = "pipeline"
         engine.n_layers = share([len(text_model(target).model.layers)], 1, g)[0]  # (rank 0 holds the last block)
-        engine.target_worker.call(engine.target.close)
-        engine.target = engine.target_worker.call(StageTargetSide, target, g, engine.n_layers)
+        engine.replace_target(StageTargetSide, target, g, engine.n_layers)
     engine.local_build = None  # sd drafts through the host too: rank 0's window must reach every rank
     if draft is not None:
         if rank == 0:

@@ -1,5 +1,5 @@
 """The draft's answers on every rank: rank 0 runs the real draft host (`SharedHost`), the other ranks a
-stand-in (`MirrorHost`) with the same interface as ane_draft/host.py's DraftHost, and each answer the
+stand-in (`MirrorHost`) with the same interface as mirror_mlx/drafts/host.py's DraftHost, and each answer the
 engine waits for goes from rank 0 to the others through one `share`, so the engine does not know it is
 distributed."""
 
@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from ..ane_draft.host import DraftHost, DraftHostError
+from ..drafts.host import DraftHost, DraftHostError
 from ..draft_api import Rollout
 from .faults import Diverged, Watchdog
 from .group import share
@@ -28,7 +28,7 @@ class SharedHost:
     same collective (and drops the draft together, as one process would)."""
 
     def __init__(self, host: DraftHost, g: mx.distributed.Group, watchdog: "Watchdog"):
-        self.host, self.group, self.watchdog = host, g, watchdog
+        self.real, self.group, self.watchdog = host, g, watchdog
         self.local = host  # the host this rank can time alone (tune)
         self.process, self.vocab_size, self.kind = host.process, host.vocab_size, host.kind
         self.failed: Optional[BaseException] = None
@@ -45,15 +45,15 @@ class SharedHost:
             self.failed = e
 
     def post_sync(self, context: Sequence[int]) -> None:
-        self._post(self.host.post_sync, context)
+        self._post(self.real.post_sync, context)
 
     def post_rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> None:
         self.n = len(stems)
-        self._post(self.host.post_rollout, context, stems, gamma)
+        self._post(self.real.post_rollout, context, stems, gamma)
 
     def post_branches(self, context: Sequence[int], window: Sequence[int], cand: list[list[int]]) -> None:
         self.n = len(cand) * len(cand[0])
-        self._post(self.host.post_branches, context, window, cand)
+        self._post(self.real.post_branches, context, window, cand)
 
     def _status(self, size: int, values: Sequence[int]) -> None:
         with self.watchdog.waiting("rank 0's draft answer"):
@@ -71,12 +71,12 @@ class SharedHost:
         return out
 
     def wait_done(self, timeout: Optional[float]) -> None:
-        self._answer(lambda: self.host.wait_done(timeout), HEAD)
+        self._answer(lambda: self.real.wait_done(timeout), HEAD)
         self._status(HEAD, [OK] + self.tail)
 
     def reset(self, timeout: Optional[float] = None) -> None:
         self.tail = [0, -1]
-        self._answer(lambda: self.host.reset(timeout), HEAD)
+        self._answer(lambda: self.real.reset(timeout), HEAD)
         self._status(HEAD, [OK] + self.tail)
 
     async def windows(self, gamma: int) -> tuple[Rollout, float, float]:
@@ -85,7 +85,7 @@ class SharedHost:
             if self.failed is not None:
                 failed, self.failed = self.failed, None
                 raise failed
-            out, r0, r1 = await self.host.windows(gamma)
+            out, r0, r1 = await self.real.windows(gamma)
             flat = [t for w in out.windows for t in w]
             if len(flat) != self.n * gamma:
                 raise DraftHostError(f"the draft answered {len(flat)} tokens for {self.n} windows of {gamma}")
@@ -96,10 +96,10 @@ class SharedHost:
         return out, r0, r1
 
     def close(self, grace: float = 2.0) -> None:
-        self.host.close(grace)
+        self.real.close(grace)
 
     def kill(self) -> None:
-        self.host.kill()
+        self.real.kill()
 
 
 class MirrorHost:

@@ -7,10 +7,7 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
-import uuid
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -21,7 +18,7 @@ from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
                       parse_request)
 from .prefix_cache import PrefixCache
-from .reply import Generation, ToolText, openai_logprobs
+from .reply import Generation, Reply, ToolText
 from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
 
 # --- HTTP -----------------------------------------------------------------------------------------
@@ -79,7 +76,7 @@ class Server(ThreadingHTTPServer):
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
         self._count_lock = threading.Lock()
-        self.context = pipe.engine.context_length
+        self.context = pipe.context_length
         self.max_prompt_bytes = max_prompt_bytes(pipe.tokenizer, self.context)
 
     def reading_done(self, sock: socket.socket, reading: bool) -> None:
@@ -388,54 +385,6 @@ class Shutdown(Exception):
 
 class ClientGone(Exception):
     """The client closed the connection, reset it, or stopped reading for `Handler.timeout` seconds."""
-
-
-@dataclass
-class Reply:
-    """The response bodies of one request, in the OpenAI shapes."""
-
-    req: Request
-    model: str
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def chat(self) -> bool:
-        return self.req.messages is not None
-
-    def head(self, stream: bool) -> dict:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
-                "model": self.model, "system_fingerprint": "mirror-mlx"}
-
-    def delta(self, text: str, calls: list[dict]) -> Union[dict, str]:
-        """A stream event's new text (and, in a chat, the tool calls it completed)."""
-        if not self.chat:
-            return text
-        out: dict = {"content": text} if text else {}
-        if calls:
-            out["tool_calls"] = calls
-        return out
-
-    def chunk(self, delta: Union[dict, str, None], finish_reason: Optional[str] = None,
-              logprobs: Optional[list[dict]] = None) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
-        if self.chat:
-            choice["delta"] = delta or {}
-        else:
-            choice["text"] = delta or ""
-        return dict(self.head(stream=True), choices=[choice])
-
-    def whole(self, text: str, finish_reason: Optional[str], extra: dict, calls: Optional[list[dict]] = None,
-              logprobs: Optional[list[dict]] = None) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
-            if calls:  # (a whole reply's calls carry no stream index)
-                choice["message"]["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-        else:
-            choice["text"] = text
-        return dict(self.head(stream=False), choices=[choice], **extra)
 
 
 # --- the command ----------------------------------------------------------------------------------

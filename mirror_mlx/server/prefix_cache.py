@@ -1,7 +1,10 @@
 """The target's caches of recent requests, so a prefix sent again is not prefilled again."""
 
-import copy
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..target import TargetSide
 
 
 # --- the prefix cache across requests ---------------------------------------------------------------
@@ -17,7 +20,7 @@ class PrefixCache:
 
     KEY = "target"
 
-    def __init__(self, engine: Any, size: int, max_bytes: Optional[int] = None):
+    def __init__(self, engine: "Engine", size: int, max_bytes: Optional[int] = None):
         from mlx_lm.models.cache import LRUPromptCache
 
         self.engine = engine
@@ -43,29 +46,29 @@ class PrefixCache:
         (0: the engine's own cache was as good)."""
         if self.lru is None:
             return 0
-        return self.engine.target_worker.call(self._restore, ids[:-1])  # (the last token runs in the first step)
+        return self.engine.with_target(self._restore, ids[:-1])  # (the last token runs in the first step)
 
-    def _restore(self, ids: list[int]) -> int:
+    def _restore(self, target: "TargetSide", ids: list[int]) -> int:
         from ..target import common_prefix
 
-        target = self.engine.target
-        if target.adopted or target.base:
+        own = target.own_tokens()
+        if own is None:
             return 0
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
         held = len(ids) - len(rest)
-        if cache is None or held <= common_prefix(target.cached, ids):
+        if cache is None or held <= common_prefix(own, ids):
             return 0
         from ..recurrent import convert
 
-        target.cache, target.cached = convert(cache), list(ids[:held])  # (a stored recurrent copy: thawed)
+        target.take(convert(cache), ids[:held])  # (a stored recurrent copy: thawed)
         return held
 
     def store(self) -> None:
         """After a request: keep a copy of the target's cache, keyed by the tokens it holds."""
         if self.lru is not None:
-            self.engine.target_worker.call(self._store)
+            self.engine.with_target(self._store)
 
-    def _store(self) -> None:
-        target = self.engine.target
-        if target.cached and not target.adopted and not target.base:
-            self.lru.insert_cache(self.KEY, list(target.cached), copy.deepcopy(target.cache))
+    def _store(self, target: "TargetSide") -> None:
+        held = target.copy()
+        if held is not None:
+            self.lru.insert_cache(self.KEY, *held)

@@ -2,9 +2,10 @@
 
 import json
 import queue
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import mlx.core as mx
 
@@ -233,3 +234,51 @@ def openai_logprobs(scored: Optional[list[dict]], chat: bool) -> Optional[dict]:
         return {"content": scored}
     return {"tokens": [e["token"] for e in scored], "token_logprobs": [e["logprob"] for e in scored],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in scored]}
+
+
+@dataclass
+class Reply:
+    """The response bodies of one request, in the OpenAI shapes."""
+
+    req: Request
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def chat(self) -> bool:
+        return self.req.messages is not None
+
+    def head(self, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+                "model": self.model, "system_fingerprint": "mirror-mlx"}
+
+    def delta(self, text: str, calls: list[dict]) -> Union[dict, str]:
+        """A stream event's new text (and, in a chat, the tool calls it completed)."""
+        if not self.chat:
+            return text
+        out: dict = {"content": text} if text else {}
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+    def chunk(self, delta: Union[dict, str, None], finish_reason: Optional[str] = None,
+              logprobs: Optional[list[dict]] = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
+        if self.chat:
+            choice["delta"] = delta or {}
+        else:
+            choice["text"] = delta or ""
+        return dict(self.head(stream=True), choices=[choice])
+
+    def whole(self, text: str, finish_reason: Optional[str], extra: dict, calls: Optional[list[dict]] = None,
+              logprobs: Optional[list[dict]] = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": openai_logprobs(logprobs, self.chat)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:  # (a whole reply's calls carry no stream index)
+                choice["message"]["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        else:
+            choice["text"] = text
+        return dict(self.head(stream=False), choices=[choice], **extra)

@@ -164,6 +164,19 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     A prompt longer than `max_prompt_bytes` (text) or `context` (token ids) cannot fit the context:
     it is refused here, before it queues, rather than tokenized while the engine waits on it.
     """
+    body = _body(raw, endpoint, model_ids)
+    req = Request(endpoint)
+    if endpoint == CHAT:
+        _chat_input(req, body, max_prompt_bytes)
+    else:
+        req.prompt = _prompt(body, vocab_size, max_prompt_bytes, context)
+    _reply_shape(req, body, endpoint)
+    req.options = _decode_options(body, defaults, vocab_size)
+    return req
+
+
+def _body(raw: bytes, endpoint: str, model_ids: tuple[str, ...]) -> dict:
+    """The body as a JSON object whose every field this endpoint serves, naming a model served here."""
     try:
         body = json.loads(raw or b"")
     except (ValueError, UnicodeDecodeError) as e:
@@ -180,33 +193,43 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     if model is not None and model not in model_ids + (DEFAULT_MODEL,):
         raise APIError(404, f"model {model!r} is not served here: use {model_ids[0]!r} (GET /v1/models lists it)",
                        "model", "model_not_found")
-    req = Request(endpoint)
-    if endpoint == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects", "messages")
-        req.messages = [_message(m, i) for i, m in enumerate(messages)]
-        req.tools, req.template_kwargs = _tools(body)
-        _fits(sum(len(m["content"].encode()) + len(json.dumps(m.get("tool_calls", ""))) for m in req.messages)
-              + len(json.dumps(req.tools or "")), max_prompt_bytes, "messages")
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ids:
-            raise APIError(400, "'prompt' is required: a non-empty string or a list of token ids (one prompt "
-                                "per request)", "prompt")
-        if ids and not all(0 <= t < vocab_size for t in prompt):
-            raise APIError(400, f"'prompt' holds a token id outside the vocabulary [0, {vocab_size})", "prompt")
-        if ids and context and len(prompt) >= context:
-            raise APIError(400, f"the prompt is {len(prompt)} tokens but the model's context is {context} tokens: "
-                                "shorten the prompt", "prompt", "context_length_exceeded")
-        if isinstance(prompt, str):
-            prompt = _text(prompt)
-            _fits(len(prompt.encode()), max_prompt_bytes, "prompt")
-        req.prompt = prompt
+    return body
+
+
+def _chat_input(req: Request, body: dict, max_prompt_bytes: Optional[int]) -> None:
+    """A chat's messages, tools and template arguments."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects", "messages")
+    req.messages = [_message(m, i) for i, m in enumerate(messages)]
+    req.tools, req.template_kwargs = _tools(body)
+    _fits(sum(len(m["content"].encode()) + len(json.dumps(m.get("tool_calls", ""))) for m in req.messages)
+          + len(json.dumps(req.tools or "")), max_prompt_bytes, "messages")
+
+
+def _prompt(body: dict, vocab_size: int, max_prompt_bytes: Optional[int], context: Optional[int]) -> Union[str, list]:
+    """A completion's prompt: text, or token ids in the vocabulary that fit the context."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                      for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not ids:
+        raise APIError(400, "'prompt' is required: a non-empty string or a list of token ids (one prompt "
+                            "per request)", "prompt")
+    if ids and not all(0 <= t < vocab_size for t in prompt):
+        raise APIError(400, f"'prompt' holds a token id outside the vocabulary [0, {vocab_size})", "prompt")
+    if ids and context and len(prompt) >= context:
+        raise APIError(400, f"the prompt is {len(prompt)} tokens but the model's context is {context} tokens: "
+                            "shorten the prompt", "prompt", "context_length_exceeded")
+    if isinstance(prompt, str):
+        prompt = _text(prompt)
+        _fits(len(prompt.encode()), max_prompt_bytes, "prompt")
+    return prompt
+
+
+def _reply_shape(req: Request, body: dict, endpoint: str) -> None:
+    """How the reply is sent: stream, usage, n, stop strings, tool calls, logprobs, max_tokens."""
     stream = body.get("stream", False)
     _check(isinstance(stream, bool), "stream", "true or false", stream)
     req.stream = stream
@@ -232,6 +255,10 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
         max_tokens, name = _number(body, "max_tokens", integer=True), "max_tokens"
     _check(max_tokens is None or max_tokens >= 1, name, "at least 1", max_tokens)
     req.max_tokens = max_tokens
+
+
+def _decode_options(body: dict, defaults: dict, vocab_size: int) -> dict:
+    """The decode settings: the server's defaults, overridden by the request's fields, each checked."""
     opts = dict(defaults)
     for key, option in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
                         ("repetition_penalty", "repetition_penalty")):
@@ -253,6 +280,13 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
     _check(opts["top_k"] >= 0, "top_k", "at least 0 (0 turns it off)", opts["top_k"])
     rp = opts.get("repetition_penalty")
     _check(rp is None or rp > 0, "repetition_penalty", "greater than 0", rp)
+    _mode_and_knobs(body, opts, vocab_size)
+    return opts
+
+
+def _mode_and_knobs(body: dict, opts: dict, vocab_size: int) -> None:
+    """The mode, κ, γ and the branch budget, refused before the request queues where the draft host could not
+    hold them."""
     kappa, gamma = opts.get("kappa"), opts.get("gamma")  # None: mode auto's (or the paper's)
     _check(kappa is None or kappa >= 1, "kappa", "at least 1", kappa)
     _check(kappa is None or kappa <= vocab_size, "kappa", f"at most the vocabulary size {vocab_size}", kappa)
@@ -270,8 +304,6 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_s
             validate.branch_budget(opts["branches"], kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"])
         except ValueError as e:
             raise APIError(400, str(e), "branches") from None
-    req.options = opts
-    return req
 
 
 def _fits(n_bytes: int, limit: Optional[int], param: str) -> None:

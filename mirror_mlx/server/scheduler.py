@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
 from .. import validate
-from ..pipeline import Chunk, Pipeline
-from ..sampling import position_seed
+from ..chunks import Chunk, Detokenizer
+from ..pipeline import Pipeline
+from ..sampling import keyed, samplers
 from ..stats import Stats
+from ..target import TargetSide
 from ..text import Conversation
 from .prefix_cache import PrefixCache
 from .request import APIError
@@ -147,6 +148,7 @@ class Scheduler:
                  max_queue: int = 32, decode_concurrency: int = DECODE_CONCURRENCY,
                  prompt_concurrency: int = PROMPT_CONCURRENCY, prefill_step_size: int = 2048):
         self.pipe, self.prefixes, self.note = pipe, prefixes, note
+        self.engine = pipe.engine  # its doors only: on_target, with_target
         self.max_queue, self.decode_concurrency = max_queue, decode_concurrency
         self.prompt_concurrency, self.prefill_step_size = prompt_concurrency, prefill_step_size
         self.costs = Costs()
@@ -283,12 +285,12 @@ class Scheduler:
     def _start_solo(self, job: Job, resumed: bool = False) -> None:
         """Decode `job` through the pipeline as a request alone (after its committed tokens, if any)."""
         if job.detok is None:
-            job.detok = self.pipe.tokenizer.detokenizer
+            job.detok = self._detokenizer(job)
         ids = job.ids + job.generated
         kwargs = dict(job.kwargs, max_tokens=job.max_tokens - len(job.generated))
         restored = self.prefixes.restore(ids) if self.prefixes is not None and not resumed else 0
         try:
-            job.stream = self.pipe.stream(ids, **kwargs)
+            job.stream = self.pipe.stream(ids, detokenizer=job.detok, **kwargs)
         except Exception as e:  # (checked when admitted: a bug or a dead engine)
             self._end(job, e)
             return
@@ -318,7 +320,7 @@ class Scheduler:
         ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
         rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
         self._emit(job, ids, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None), rows,
-                   chunk.stop_token)
+                   chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
         if chunk.finish_reason is not None:
             self._finish_solo(job)
 
@@ -343,25 +345,17 @@ class Scheduler:
         if job.stats is not None:
             self.costs.note_solo(job.stats)
         committed = job.ids + job.generated
-        cache = self.pipe.engine.target_worker.call(self._take_target_cache, committed[:-1])
+        cache = self.engine.with_target(TargetSide.give, committed[:-1])
         self.counts["moves_in"] += 1
         if cache is None:
             self.counts["moves_prefilled"] += 1
             self.note("scheduler: the engine's cache did not hold the committed tokens: the batch prefills them")
         self._insert(job, cache, committed)
 
-    def _take_target_cache(self, held: list[int]) -> Optional[list]:
-        target = self.pipe.engine.target
-        ok = not target.adopted and not target.base and target.cached == held and \
-            all(c.offset == len(held) for c in target.cache)
-        cache = target.cache if ok else None
-        target.reset()
-        return cache
-
     def _batch_to_solo(self, job: Job) -> None:
         """The last request in the batch leaves with its cache; the draft catches up on its tokens."""
         committed = job.ids + job.generated
-        if not self.pipe.engine.target_worker.call(self._cache_from_batch, job.uid, committed[:-1]):
+        if not self.engine.with_target(self._cache_from_batch, job.uid, committed[:-1]):
             self.counts["moves_prefilled"] += 1
             self.note("scheduler: the batch's cache did not hold the committed tokens: the target prefills them")
         del self.batch[job.uid]
@@ -369,17 +363,16 @@ class Scheduler:
         self.counts["moves_out"] += 1
         self._start_solo(job, resumed=True)
 
-    def _cache_from_batch(self, uid: int, held: list[int]) -> bool:
+    def _cache_from_batch(self, target: TargetSide, uid: int, held: list[int]) -> bool:
         """The engine's target cache becomes the batch row's, trimmed to `held` (it holds every committed token:
         the pending one is the engine's to run). Whether it could."""
         [(cache, tokens)] = self._gen.remove([uid], return_prompt_caches=True).values()
-        target = self.pipe.engine.target
         target.reset()
         if len(tokens) < len(held) or list(tokens[: len(held)]) != held or any(c.offset != len(tokens) for c in cache):
             return False
         for c in cache:
             c.trim(c.offset - len(held))
-        target.cache, target.cached = cache, list(held)
+        target.take(cache, held)
         return True
 
     # --- batched
@@ -397,20 +390,17 @@ class Scheduler:
     def _insert(self, job: Job, cache: Optional[list] = None, committed: Optional[list[int]] = None) -> None:
         """Into the batch: with the target's cache of `committed[:-1]`, or from the prefix cache, or fresh."""
         if job.detok is None:
-            job.detok = self.pipe.tokenizer.detokenizer
+            job.detok = self._detokenizer(job)
         opts = self.pipe.options(**job.kwargs)
         committed = job.ids + job.generated if committed is None else committed
         held = len(committed) - 1 if cache is not None else 0
         if cache is None and self.prefixes is not None and self.prefixes.lru is not None and not job.generated:
-            cache, rest = self.pipe.engine.target_worker.call(  # (its copy is made on the target's thread)
+            cache, rest = self.engine.on_target(  # (its copy is made on the target's thread)
                 self.prefixes.lru.fetch_nearest_cache, self.prefixes.KEY, committed[:-1])
             held = len(committed) - 1 - len(rest) if cache is not None else 0
             job.cached = job.restored = held
-        base = opts.sampler or make_sampler(opts.temperature, top_p=opts.top_p if opts.top_p < 1.0 else 0.0,
-                                            min_p=opts.min_p, top_k=opts.top_k)  # as Engine.generate
-        seed = validate.generator_seed(opts.seed)  # (as the engine maps it)
-        sampler = base if seed is None or base is greedy_sampler else keyed(base, seed, len(committed))
-        processors = make_logits_processors(repetition_penalty=opts.repetition_penalty) + list(opts.logits_processors)
+        base, processors = samplers(opts)  # as Engine.generate
+        sampler = keyed(base, validate.generator_seed(opts.seed), len(committed))  # (the seed as the engine maps it)
         from mlx_lm.generate import StopSequences
 
         stops = StopSequences([(t,) for t in opts.stop_tokens] or None)
@@ -425,7 +415,7 @@ class Scheduler:
                 self.prefixes.give_way(self._gen.prompt_cache_nbytes)
             return uid
 
-        job.uid = self.pipe.engine.target_worker.call(insert)
+        job.uid = self.engine.on_target(insert)
         job.note("batch")
         self.batch[job.uid] = job
         self.counts["max_batch"] = max(self.counts["max_batch"], len(self.batch))
@@ -440,7 +430,7 @@ class Scheduler:
             return prompts, [(g.uid, g.token, g.logprobs, g.finish_reason, g.prompt_cache, g.all_tokens)
                              for g in gens], time.perf_counter() - t
 
-        prompts, gens, seconds = self.pipe.engine.target_worker.call(step)
+        prompts, gens, seconds = self.engine.on_target(step)
         if gens and not prompts and rows == len(gens):
             self.costs.note_batch(rows, seconds)
         if gens:
@@ -455,7 +445,7 @@ class Scheduler:
             if finish is not None:
                 del self.batch[uid]
                 if self.prefixes is not None and self.prefixes.lru is not None and cache is not None:
-                    self.pipe.engine.target_worker.call(self.prefixes.lru.insert_cache, self.prefixes.KEY,
+                    self.engine.on_target(self.prefixes.lru.insert_cache, self.prefixes.KEY,
                                                         list(tokens), cache)
                 self._end(job)
 
@@ -463,7 +453,7 @@ class Scheduler:
         if self._gen is not None:
             gen, self._gen = self._gen, None
             try:
-                self.pipe.engine.target_worker.call(gen.close)
+                self.engine.on_target(gen.close)
             except Exception:  # noqa: BLE001 - the engine is closing anyway
                 pass
 
@@ -477,7 +467,7 @@ class Scheduler:
             self._end(job)
         gone = [uid for uid, job in self.batch.items() if job.cancelled.is_set()]
         if gone:
-            self.pipe.engine.target_worker.call(self._gen.remove, gone)
+            self.engine.on_target(self._gen.remove, gone)
             for uid in gone:
                 self.counts["freed"] += 1
                 self.counts["freed_in_batch"] += 1
@@ -488,29 +478,30 @@ class Scheduler:
 
     # --- output
 
-    def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int]) -> None:
-        """Committed tokens as a Chunk for the handler, detokenized in the job's own detokenizer."""
+    def _detokenizer(self, job: Job) -> Detokenizer:
+        """The request's one detokenizer, across its switches between alone and the batch."""
+        return Detokenizer(self.pipe.tokenizer, job.max_tokens, self.pipe.options(**job.kwargs).stop_tokens)
+
+    def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int],
+              said: Optional[tuple[list[str], str, Optional[str]]] = None) -> None:
+        """Committed tokens as a Chunk for the handler, in the request's own detokenizer: `said` is the
+        pipeline's (texts, text, finish) when it detokenized them (alone), else (the batch) they are here."""
         job.generated += ids
         if job.logprobs:
             mx.eval(rows)  # (made on this thread: the handler's thread cannot evaluate this thread's graph)
         else:
             rows = [None] * len(ids)
         shown = [(t, d, r) for t, d, r in zip(ids, from_draft, rows) if t != stop]
-        texts = []
-        for t, _, _ in shown:
-            job.detok.add_token(t)
-            texts.append(job.detok.last_segment)
-        finish = "stop" if stop is not None else "length" if len(job.generated) >= job.max_tokens else None
+        if said is None:
+            texts, tail, finish = job.detok.add(ids, stop)
+            text = "".join(texts) + tail
+        else:
+            texts, text, finish = said
+        texts = list(texts) if texts or finish is None else [text]
         if finish is not None:
-            job.detok.finalize()
-            tail = job.detok.last_segment
-            if texts:
-                texts[-1] += tail
-            else:
-                texts.append(tail)
             job.finish_reason = finish
-        job.said.append("".join(texts))
-        job.events.put(Chunk("".join(texts), tokens=[t for t, _, _ in shown], from_draft=[d for _, d, _ in shown],
+        job.said.append(text)
+        job.events.put(Chunk(text, tokens=[t for t, _, _ in shown], from_draft=[d for _, d, _ in shown],
                              finish_reason=finish, stop_token=stop, prompt_tokens=len(job.ids),
                              generation_tokens=len(job.generated), token_texts=texts,
                              logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None))
@@ -533,16 +524,3 @@ class Scheduler:
             self.pipe.reset()
         except Exception as e:  # noqa: BLE001 - the next request will show it too; the server stays up
             self.note(f"could not clear the caches after the failure: {e!r}")
-
-
-def keyed(sampler: Callable, seed: int, first: int) -> Callable:
-    """A batch row's sampler whose draw for position p is keyed by (seed, p), as `row_sampler`'s: the batch
-    calls it once per step, for positions first, first + 1, ..."""
-    position = [first]
-
-    def sample(logprobs: mx.array) -> mx.array:
-        mx.random.seed(position_seed(seed, position[0]))
-        position[0] += 1
-        return sampler(logprobs)
-
-    return sample

@@ -27,12 +27,12 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from ..draft import MLXDraft
+from ..drafts.mlx_draft import MLXDraft
 from ..exit_adapter import adapter_for, adapter_layers
 from ..options import DRAFT_TIMEOUT_S
 from ..target import EarlyExitTarget, top_k, trimmable_cache
@@ -40,6 +40,9 @@ from . import profile as profiles
 from .choose import choose, expected_rate, row_config
 from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
 from .placement import candidates
+
+if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
+    from ..pipeline import Pipeline
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
@@ -58,7 +61,7 @@ class Lockstep:
     """Who decides. In one process every decision is this process's own; across ranks (a pipeline with a
     `group`) rank 0's, shared with the others (one small all_sum), so every rank runs the same forwards."""
 
-    def __init__(self, pipe: Any):
+    def __init__(self, pipe: "Pipeline"):
         self.pipe = pipe
         self.group = getattr(pipe, "group", None)
         self.lead = self.group is None or self.group.rank() == 0
@@ -81,7 +84,7 @@ class Lockstep:
 def local_host(engine: Any) -> Any:
     """The draft host this process times alone: the engine's; across ranks rank 0's own (timing the draft
     needs no other rank), None on the other ranks (the draft lives beside rank 0)."""
-    return getattr(engine.host, "local", engine.host)  # (a rank's stand-in names its own: distributed/shared_draft.py)
+    return engine.draft_host  # (a rank's stand-in names its own: distributed/shared_draft.py)
 
 
 def quick_budget() -> float:
@@ -125,7 +128,7 @@ class TuneConfig:
 # --- the calibration prompts ----------------------------------------------------------------------
 
 
-def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[list[int]]:
+def calibration_prompts(pipe: "Pipeline", n: int, path: Optional[str] = None) -> list[list[int]]:
     """Token ids of `n` prompts: the user's file (prompts.load_prompts) or n of the *last* 40 held-out
     TinyStories openings (benchmarks take theirs from the front, so a tuned profile has never seen a
     bench prompt), as many as can be of one token length: prompts of one length share each target
@@ -155,7 +158,7 @@ def calibration_prompts(pipe: Any, n: int, path: Optional[str] = None) -> list[l
 # --- 1. acceptance traces -------------------------------------------------------------------------
 
 
-def exit_layer_candidates(pipe: Any, cfg: TuneConfig) -> list[int]:
+def exit_layer_candidates(pipe: "Pipeline", cfg: TuneConfig) -> list[int]:
     n = pipe.engine.n_layers
     quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 and the adapters' layers
     layers = cfg.exit_layers or ((n // 2,) if quick else (n // 4, n // 3, n // 2, 3 * n // 4))
@@ -180,12 +183,12 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
     return (plain - ex_above).tolist(), plain.tolist()
 
 
-def plain_draft_model(pipe: Any) -> Optional[Any]:
+def plain_draft_model(pipe: "Pipeline") -> Optional[Any]:
     """The draft as a plain MLX model in this process, for the teacher-forced trace: the MLXDraft object
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
     (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
-    from ..ane_draft.host import DraftRecipe, mlx_draft, mlx_draft_model
+    from ..drafts.recipes import DraftRecipe, mlx_draft, mlx_draft_model
 
     draft = getattr(pipe, "draft", None)
     if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
@@ -193,16 +196,16 @@ def plain_draft_model(pipe: Any) -> Optional[Any]:
     return draft.model if type(draft) is MLXDraft else None  # subclasses (SS) propose more than argmax chains
 
 
-def greedy_texts(pipe: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_texts(pipe: "Pipeline", prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (prompts of one length share each forward)."""
     from ..corpus import greedy_continuations
 
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
-    return pipe.engine.target_worker.call(partial(greedy_continuations, pipe.engine.target_model, prompts,
+    return pipe.engine.on_target(partial(greedy_continuations, pipe.model, prompts,
                                                   max_tokens, eos=eos))
 
 
-def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
+def trace(pipe: "Pipeline", prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
           draft_model: Any = "auto", text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
     """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
     the prompt plus the target's greedy text (`text`, else generated here).
@@ -242,11 +245,11 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
     if host is None:  # a rank beside rank 0: the early exit's forwards below, nothing of the draft
         runs, first = [0] * len(text), list(text)
     else:
-        runs, first = engine.target_worker.call(teacher_forced) if draft_model is not None else draft_runs()
+        runs, first = engine.on_target(teacher_forced) if draft_model is not None else draft_runs()
     tr = Trace(runs=runs)
 
     def ranks(layer: int) -> tuple[list[int], list[int]]:
-        tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
+        tapped = EarlyExitTarget(pipe.model, layer, adapter_for(engine.exit_adapter, layer))
         try:
             early, _ = tapped.forward(mx.array([full[:-1]]), cache=None)
             return _ranks(early[0, n0 - 1:], text, first)
@@ -254,7 +257,7 @@ def trace(pipe: Any, prompt: list[int], max_tokens: int, exit_layers: Sequence[i
             tapped.remove()
 
     for layer in exit_layers:
-        tr.rank_excl[layer], tr.rank_plain[layer] = engine.target_worker.call(ranks, layer)
+        tr.rank_excl[layer], tr.rank_plain[layer] = engine.on_target(ranks, layer)
     return tr, full
 
 
@@ -292,14 +295,14 @@ class _Bench:
     """Timed pieces over one committed context, each on the worker that runs it in the engine; each
     method times one call and returns its seconds (`interleaved` repeats them)."""
 
-    def __init__(self, pipe: Any, context: list[int]):
-        self.engine, self.context = pipe.engine, context
-        self.host = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
-        self.cache = self.engine.target_worker.call(self._prefill)
+    def __init__(self, pipe: "Pipeline", context: list[int]):
+        self.engine, self.model, self.context = pipe.engine, pipe.model, context
+        self.draft = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
+        self.cache = self.engine.on_target(self._prefill)
 
     def _prefill(self):
-        cache = trimmable_cache(self.engine.target_model)
-        self.engine.target_model(mx.array([self.context[:-1]]), cache=cache)
+        cache = trimmable_cache(self.model)
+        self.model(mx.array([self.context[:-1]]), cache=cache)
         mx.eval([c.state for c in cache])
         return cache
 
@@ -311,18 +314,18 @@ class _Bench:
 
         def once():
             t0 = time.perf_counter()
-            mx.eval(self.engine.target_model(self.rows(n), cache=self.cache))
+            mx.eval(self.model(self.rows(n), cache=self.cache))
             elapsed = time.perf_counter() - t0
             trim_prompt_cache(self.cache, n)
             return elapsed
 
-        return self.engine.target_worker.call(once)
+        return self.engine.on_target(once)
 
     def split(self, layer: int, n: int) -> tuple[float, float]:
         """(prefix, suffix) seconds at exit layer `layer` over `n` rows."""
 
         def once():
-            tapped = EarlyExitTarget(self.engine.target_model, layer, adapter_for(self.engine.exit_adapter, layer))
+            tapped = EarlyExitTarget(self.model, layer, adapter_for(self.engine.exit_adapter, layer))
             try:
                 t0 = time.perf_counter()
                 early, final = tapped.forward(self.rows(n), self.cache)
@@ -335,7 +338,7 @@ class _Bench:
                 tapped.remove()
             return t1 - t0, t2 - t1
 
-        return self.engine.target_worker.call(once)
+        return self.engine.on_target(once)
 
     def comm(self, n: int, group: Any) -> float:
         """T_comm over `n` rows across ranks: the collectives of one forward of the sharded target (two
@@ -343,7 +346,7 @@ class _Bench:
         each would time MLX's per-eval overhead too), on the target's worker. Every rank must call it."""
         from ..target import text_model
 
-        inner = text_model(self.engine.target_model)
+        inner = text_model(self.model)
         norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype
         dtype = norm.dtype if norm is not None else mx.float32
 
@@ -356,17 +359,17 @@ class _Bench:
             mx.eval(x)
             return time.perf_counter() - t0
 
-        return self.engine.target_worker.call(once)
+        return self.engine.on_target(once)
 
     def stems(self, kappa: int, gamma: int) -> list[list[int]]:
         spine = self.context[-gamma:]
-        vocab = self.engine.host.vocab_size
+        vocab = self.engine.draft_vocab
         return [spine[:r] + [(self.context[-1] + 1 + v) % vocab] for r in range(gamma + 1) for v in range(kappa)]
 
     def sync(self, context: list[int]) -> None:
         """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
-        self.host.post_sync(context)
-        self.host.wait_done(DRAFT_TIMEOUT_S)
+        self.draft.post_sync(context)
+        self.draft.wait_done(DRAFT_TIMEOUT_S)
 
     def rollout(self, stems: list[list[int]], gamma: int) -> float:
         """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
@@ -374,21 +377,13 @@ class _Bench:
         ctx = self.context[:-1]
         self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        self.host.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
+        self.draft.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
         return time.perf_counter() - t0
 
     def local_rollout(self, gamma: int) -> float:
         """sd's window where it drafts in-process: on the target's thread, after two newly committed
         tokens, as in a real sd step (no ring)."""
-        engine, ctx = self.engine, self.context[:-1]
-
-        def once() -> float:
-            engine._local_sync(ctx[:-2])
-            t0 = time.perf_counter()
-            engine.local_draft.rollout(ctx, [[self.context[-1]]], gamma)
-            return time.perf_counter() - t0
-
-        return engine.target_worker.call(once)
+        return self.engine.local_window(self.context[:-1], self.context[-1], gamma)
 
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
         """The target suffix (on the target's worker) and the κ(γ+1)-row host rollout posted together;
@@ -396,26 +391,26 @@ class _Bench:
         engine, ctx, n = self.engine, self.context[:-1], gamma + 1
 
         def prefix():
-            tapped = EarlyExitTarget(engine.target_model, layer, adapter_for(engine.exit_adapter, layer))
+            tapped = EarlyExitTarget(self.model, layer, adapter_for(engine.exit_adapter, layer))
             early, final = tapped.forward(self.rows(n), self.cache)
             mx.eval(early)
             tapped.remove()
             return final
 
-        final = engine.target_worker.call(prefix)
-        if self.host is not None:
+        final = engine.on_target(prefix)
+        if self.draft is not None:
             self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        suffix = engine.target_worker.submit(mx.eval, final)
-        if self.host is not None:  # awaited while the suffix runs
-            self.host.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)
+        suffix = engine.submit_on_target(mx.eval, final)
+        if self.draft is not None:  # awaited while the suffix runs
+            self.draft.rollout(ctx, self.stems(kappa, gamma), gamma, timeout=DRAFT_TIMEOUT_S)
         suffix.result()
         elapsed = time.perf_counter() - t0
-        engine.target_worker.call(trim_prompt_cache, self.cache, n)
+        engine.on_target(trim_prompt_cache, self.cache, n)
         return elapsed
 
 
-def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable,
+def measure_timings(pipe: "Pipeline", b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable,
                     step: Optional[Lockstep] = None) -> Timings:
     """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter).
     Across ranks (`step`) the target's pieces run on every rank as rank 0 decides, the draft's on rank 0
@@ -431,9 +426,9 @@ def measure_timings(pipe: Any, b: _Bench, cfg: TuneConfig, layers: list[int], ti
         both = timed({**{("verify", n): partial(b.verify, n) for n in rows},
                       **{("comm", n): partial(b.comm, n, step.group) for n in rows}}, step=step)
         t.verify = {n: both[("verify", n)] for n in rows}
-    if b.host is not None:  # the draft: in this process, or across ranks beside rank 0 only
+    if b.draft is not None:  # the draft: in this process, or across ranks beside rank 0 only
         t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
-        if pipe.engine.local_build is not None:  # sd drafts in-process (engine.local_build): its window as it runs
+        if pipe.engine.drafts_locally:  # sd drafts in-process: its window as it runs
             t.local_window = timed({g: partial(b.local_rollout, g) for g in cfg.gammas})
         # the rollout alone does not depend on ℓ_e
         t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g)
@@ -460,7 +455,7 @@ def split_comm(t: Timings, comm: dict, n_layers: int) -> None:
     t.suffix = {(e, n): v - (comm[n] - t.comm_prefix[(e, n)]) for (e, n), v in t.suffix.items()}
 
 
-def measure_parallel(pipe: Any, b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
+def measure_parallel(pipe: "Pipeline", b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
                      reps: int, tick: Callable, min_s: float = MIN_TIMED_S, step: Optional[Lockstep] = None) -> int:
     """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
 
@@ -508,7 +503,7 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
     return out
 
 
-def run_configs(pipe: Any, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
+def run_configs(pipe: "Pipeline", configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
                 sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None) -> dict:
     """Real greedy generations of every config on its prompts, interleaved (in rounds: each config runs its
@@ -567,7 +562,7 @@ def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
     return [Config("ar")] + [Config("sd", gamma=g) for g in gs] + [Config("mirror", cfg.kappas[0], g, e) for g in gs]
 
 
-def measure_overheads(pipe: Any, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
+def measure_overheads(pipe: "Pipeline", t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
                       check: Callable[[], None] = lambda: None, step: Optional[Lockstep] = None) -> dict:
     """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages,
     sampling, Python; negative where a component timed alone costs more than inside a real step).
@@ -602,7 +597,7 @@ def place_row(row: dict, runs: dict) -> None:
     row["measured"], row["measured_step_ms"] = runs[win]["tokens_per_second"], 1e3 * runs[win]["step_s"]
 
 
-def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
+def calibrate(pipe: "Pipeline", cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
               log: Callable[[str], None] = lambda s: None, key: Optional[dict] = None) -> Optional[profiles.Profile]:
     """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration.
     `key`: the pair's profile key (profile.key_for), computed here when not given.
@@ -613,7 +608,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
 
     if pipe.draft is None:
         raise ValueError("tune needs a draft model (without one the only mode is ar): pass --draft-model")
-    if pipe.engine.host is None:
+    if not pipe.engine.has_draft:
         raise RuntimeError(f"the draft was dropped earlier ({pipe.engine.draft_failure})")
     step = Lockstep(pipe)
     if step.group is not None and getattr(pipe, "split", "tensor") != "tensor":
@@ -673,7 +668,7 @@ def calibrate(pipe: Any, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[
             # measure_timings' pieces: the verify widths, the windows, the rollouts, the split forwards
             phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas)
                   + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas)
-                  + len(cfg.gammas) * (pipe.engine.local_build is not None))  # sd's in-process windows
+                  + len(cfg.gammas) * pipe.engine.drafts_locally)  # sd's in-process windows
             t = measure_timings(pipe, bench, cfg, layers, tick, step)
         mirror_probes = [c for c in probes if c.mode == "mirror"]
         phase("suffix ‖ rollout", None)  # rounds until the top is measured: not known ahead

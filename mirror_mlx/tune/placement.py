@@ -19,10 +19,13 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .. import blas
 from . import profile as profiles
+
+if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
+    from ..pipeline import Pipeline
 
 PLACEMENTS = ("unpinned", "split")
 
@@ -35,9 +38,9 @@ def split_unavailable() -> str:
     return "" if n >= 2 else f"only {n} core allowed"
 
 
-def candidates(pipe: Any) -> tuple[str, ...]:
+def candidates(pipe: "Pipeline") -> tuple[str, ...]:
     """The placements `tune` measures for mirror here: both, unless split is unavailable or held."""
-    if pipe.auto.placement_held or split_unavailable() or pipe.engine.host is None or pipe.engine.host.pid is None:
+    if pipe.auto.placement_held or split_unavailable() or pipe.engine.draft_pid is None:
         return ("unpinned",)
     return PLACEMENTS
 
@@ -51,7 +54,7 @@ def row_for(prof: Optional[profiles.Profile], mode: str, kappa: Optional[int], g
                  and r.get("exit_layer") == exit_layer), None)
 
 
-def _profile(pipe: Any) -> Optional[profiles.Profile]:
+def _profile(pipe: "Pipeline") -> Optional[profiles.Profile]:
     """The pair's profile if this process has one or the cache holds one (never calibrates for placement)."""
     if pipe.auto.profile is not None:
         return pipe.auto.profile
@@ -65,7 +68,7 @@ def _profile(pipe: Any) -> Optional[profiles.Profile]:
     return prof
 
 
-def choose(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
+def choose(pipe: "Pipeline", mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
            ) -> tuple[str, str]:
     """(placement, why) for one generation: a caller's hold, tune's forced one, else unpinned for ar and sd
     and mirror's row's measured winner (unpinned where no row measured one)."""
@@ -76,8 +79,7 @@ def choose(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
         return forced, "tune measuring it"
     if mode != "mirror":
         return "unpinned", f"{mode} uses every core"
-    why_not = split_unavailable() or ("" if pipe.engine.host is not None and pipe.engine.host.pid is not None
-                                      else "the draft host is not a process of its own")
+    why_not = split_unavailable() or ("" if pipe.engine.draft_pid is not None else "the draft host is not a process of its own")
     if why_not:
         return "unpinned", why_not
     row = row_for(_profile(pipe), mode, kappa, gamma, exit_layer)
@@ -114,11 +116,11 @@ def _set(tid: int, cpus: set) -> None:
 
 
 @contextmanager
-def split(pipe: Any) -> Iterator[str]:
+def split(pipe: "Pipeline") -> Iterator[str]:
     """Pin for one generation (see the module docstring); yields where each side runs, and undoes it."""
     own = sorted(os.sched_getaffinity(0))
     target_cpus, draft_cpu = set(own[:-1]), own[-1]
-    host_pid = pipe.engine.host.pid
+    host_pid = pipe.engine.draft_pid
     before, host_before = _affinities(), _affinities(host_pid)
     threads_before = blas.threads()
     try:
@@ -139,7 +141,7 @@ def split(pipe: Any) -> Iterator[str]:
 
 
 @contextmanager
-def placed(pipe: Any, opts: Any) -> Iterator[Any]:
+def placed(pipe: "Pipeline", opts: Any) -> Iterator[Any]:
     """Run one generation in its placement: yields `opts` with `placement` saying which and why."""
     name, why = choose(pipe, opts.mode, opts.kappa, opts.gamma,
                        pipe.engine.exit_layer(opts) if opts.mode == "mirror" else opts.exit_layer)
@@ -150,7 +152,7 @@ def placed(pipe: Any, opts: Any) -> Iterator[Any]:
         yield replace(opts, placement=f"{where} ({why})")
 
 
-def hold(pipe: Any, what: str) -> None:
+def hold(pipe: "Pipeline", what: str) -> None:
     """A caller pins threads itself (`what` says how): placement leaves every thread alone from now on, and
     the pair's profile is the one calibrated so (its key says how: profile.pipe_key)."""
     pipe.auto.placement_held = what

@@ -12,11 +12,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..options import PAPER_KNOBS, DecodeOptions
 from . import profile as profiles
 from .choose import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
+
+if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
+    from ..pipeline import Pipeline
 
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
@@ -81,10 +84,23 @@ def row_key(row: dict) -> ConfigKey:
     return config_key(row["mode"], row["kappa"], row["gamma"], row["exit_layer"], row.get("branches"))
 
 
+@dataclass(frozen=True)
+class Pair:
+    """What resolving a call's mode needs to know of the pair: whether it has a draft model, and ℓ_e when
+    none is asked (the exit adapter's layer, else N // 2)."""
+
+    has_draft: bool
+    default_exit: int
+
+
+ProfileSource = Callable[[str], profiles.Profile]  # the pair's profile, loaded or calibrated when first asked
+# (its argument: the mode asking for it, for the calibration's line): Pipeline.profile
+
+
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
 
 
-def profile_for(pipe: Any, asking: str = "auto") -> profiles.Profile:
+def profile_for(pipe: "Pipeline", asking: str = "auto") -> profiles.Profile:
     """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr, naming
     the mode `asking` for it: auto, or an explicit mode whose knobs were left out)."""
     if pipe.auto.profile is not None:
@@ -95,7 +111,7 @@ def profile_for(pipe: Any, asking: str = "auto") -> profiles.Profile:
         return pipe.auto.profile
 
 
-def _load_or_calibrate(pipe: Any, asking: str = "auto") -> profiles.Profile:
+def _load_or_calibrate(pipe: "Pipeline", asking: str = "auto") -> profiles.Profile:
     from .calibrate import OutOfTime, TuneConfig, calibrate
 
     key = profiles.pipe_key(pipe)
@@ -232,18 +248,19 @@ def setting_name(sampling: tuple) -> str:
     return " ".join(words + ([f"repetition_penalty {sampling[-1]:g}"] if sampling[-1] is not None else []))
 
 
-def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int],
-           sampling: Optional[tuple] = None, lookup: bool = False) -> tuple[Choice, Optional[Callable]]:
+def choice(profile: ProfileSource, auto: AutoState, pair: Pair, mode: str, kappa: Optional[int],
+           gamma: Optional[int], exit_layer: Optional[int], sampling: Optional[tuple] = None,
+           lookup: bool = False) -> tuple[Choice, Optional[Callable]]:
     """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
     adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`);
     with auto's test within the generation (`leave_draft`) where it has one. With `lookup`, auto runs sd
     where it would run ar (`beside_lookup`)."""
-    if mode == "auto" and lookup and pipe.draft is not None:
-        c, test = choice(pipe, mode, kappa, gamma, exit_layer, sampling)
+    if mode == "auto" and lookup and pair.has_draft:
+        c, test = choice(profile, auto, pair, mode, kappa, gamma, exit_layer, sampling)
         if c.mode != "ar":
             return c, test
-        prof = profile_for(pipe)
-        c = beside_lookup(prof, pipe, c, gamma)
+        prof = profile("auto")
+        c = beside_lookup(prof, pair.default_exit, c, gamma)
         return c, leave_draft(prof, c)
 
     def knobs(k: Optional[int], g: Optional[int], e: Optional[int], why: str, m: str = "mirror",
@@ -252,16 +269,16 @@ def choice(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exi
                       b if m == "mirror" else None), None
 
     if mode != "auto":
-        return explicit(pipe, mode, kappa, gamma, exit_layer), None
-    if pipe.draft is None:
+        return explicit(profile, pair, mode, kappa, gamma, exit_layer), None
+    if not pair.has_draft:
         return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
     if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
         return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
-    prof = profile_for(pipe)
+    prof = profile("auto")
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:
         # a copy (dict() is one step under the GIL): a generation on another thread may add to it meanwhile
-        seen = {c: list(v) for c, v in dict(pipe.auto.seen.get(sampling) or {}).items()} \
+        seen = {c: list(v) for c, v in dict(auto.seen.get(sampling) or {}).items()} \
             if sampling is not None else None
         adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
         if adapted is not None:
@@ -303,11 +320,11 @@ def lookup_alone(opts: DecodeOptions, asked: str, gamma: Optional[int]) -> Decod
     return replace(opts, mode="sd", gamma=LOOKUP_GAMMA if gamma is None else gamma, why=opts.why or why)
 
 
-def beside_lookup(prof: Any, pipe: Any, c: Choice, gamma: Optional[int]) -> Choice:
+def beside_lookup(prof: Any, default_exit: Optional[int], c: Choice, gamma: Optional[int]) -> Choice:
     """auto with lookup=True beside a model draft, where auto alone would run ar (`c`): ar is the target alone,
     so the profile's best sd row (its γ, unless given), said in `why`. (auto may still leave the model draft
     within the generation: the lookup goes on, beside the target alone.)"""
-    sd = knobs_from(prof, pipe, "sd", None, gamma, None)
+    sd = knobs_from(prof, default_exit, "sd", None, gamma, None)
     return replace(sd, why=f"auto with lookup: sd, as ar takes no lookup (auto alone: {describe(c)}; "
                            f"{sd.why.split('; ', 1)[-1]})")
 
@@ -320,7 +337,8 @@ def needs_knobs(mode: str, kappa: Optional[int], gamma: Optional[int]) -> bool:
     return (mode == "sd" and gamma is None) or (mode == "mirror" and (kappa is None or gamma is None))
 
 
-def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]) -> Choice:
+def explicit(profile: ProfileSource, pair: Pair, mode: str, kappa: Optional[int], gamma: Optional[int],
+             exit_layer: Optional[int]) -> Choice:
     """An explicit mode: the knobs given win; the rest come from the pair's profile (the saved `tune`
     profile, else auto's quick calibration), its best row for `mode` that has the given ones. Without such
     a row (the quick calibration ran out of budget), small safe knobs (SAFE_KNOBS, ℓ_e the exit adapter's
@@ -328,10 +346,10 @@ def explicit(pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int], e
     if not needs_knobs(mode, kappa, gamma):
         return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
                       PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, f"mode {mode} as asked")
-    return knobs_from(profile_for(pipe, mode), pipe, mode, kappa, gamma, exit_layer)
+    return knobs_from(profile(mode), pair.default_exit, mode, kappa, gamma, exit_layer)
 
 
-def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Optional[int],
+def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optional[int], gamma: Optional[int],
                exit_layer: Optional[int]) -> Choice:
     """`explicit`'s knobs from a given profile: its best row for `mode` that has the knobs given, else the
     small safe ones (also across ranks, where the profile is the one `tune` wrote for them)."""
@@ -350,7 +368,7 @@ def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Opt
     else:
         got = {k: given.get(k, SAFE_KNOBS.get(k)) for k in names}
         if mode == "mirror" and got["exit_layer"] is None:
-            got["exit_layer"] = pipe.engine.exit_layer(DecodeOptions())
+            got["exit_layer"] = default_exit
         source = f"small safe defaults, uncalibrated (the profile has no {mode} row: {prof.why})"
     if fits and mode == "mirror" and best.get("branches") is not None:  # the row's B, with the row's κ and γ
         got["branches"] = best["branches"]
@@ -359,14 +377,16 @@ def knobs_from(prof: Any, pipe: Any, mode: str, kappa: Optional[int], gamma: Opt
                   f"{asked}; {picked} from {source}", got.get("branches"))
 
 
-def resolve(pipe: Any, opts: DecodeOptions) -> tuple[DecodeOptions, Optional[AutoRun]]:
-    """A concrete mode and knobs for one call: explicit ones win, mode="auto" gets the tuned ones (the first
-    call without a profile runs a bounded quick calibration) and an `AutoRun` to watch the generation."""
-    c, test = choice(pipe, opts.mode, opts.kappa, opts.gamma, opts.exit_layer, sampling=opts.sampling,
-                     lookup=bool(opts.lookup))
+def resolve(opts: DecodeOptions, profile: ProfileSource, auto: AutoState,
+            pair: Pair) -> tuple[DecodeOptions, Optional[AutoRun]]:
+    """A concrete mode and knobs for one call: explicit ones win, mode="auto" gets the tuned ones (`profile`
+    is asked only where the choice needs it: the first call without one runs a bounded quick calibration)
+    and an `AutoRun` over `auto` to watch the generation. No pipeline: the options, the profile and the pair."""
+    c, test = choice(profile, auto, pair, opts.mode, opts.kappa, opts.gamma, opts.exit_layer,
+                     sampling=opts.sampling, lookup=bool(opts.lookup))
     out = replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
                   branches=opts.branches if opts.branches is not None else c.branches)
     if opts.mode != "auto":
         return out, None
-    layer = pipe.engine.exit_layer(out) if c.mode == "mirror" else None
-    return out, AutoRun(pipe.auto, opts.sampling, config_key(c.mode, c.kappa, c.gamma, layer, out.branches), test)
+    layer = (out.exit_layer if out.exit_layer is not None else pair.default_exit) if c.mode == "mirror" else None
+    return out, AutoRun(auto, opts.sampling, config_key(c.mode, c.kappa, c.gamma, layer, out.branches), test)

@@ -13,13 +13,16 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
 from ..blas import cpu_name
+
+if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
+    from ..pipeline import Pipeline
 
 VERSION = 2  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt)
 
@@ -183,7 +186,7 @@ def _out_of_range(profile: Profile) -> str:
     return ""
 
 
-def pipe_key(pipe: Any) -> dict:
+def pipe_key(pipe: "Pipeline") -> dict:
     """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
     profile calibrated pinned never serves generations that are not, nor the other way round. Across ranks
     (mirror_mlx/distributed.py) the rank count is too (and the target's fingerprint is rank 0's shard), so

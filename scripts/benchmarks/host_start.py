@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 
-from mirror_mlx.ane_draft.host import DraftHost, DraftRecipe, mlx_draft, ss_draft
+from mirror_mlx.drafts.host import DraftHost
+
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from mirror_mlx.demo_pair import DRAFT, SS_DRAFT
 
 
@@ -36,8 +38,8 @@ def start_once(recipe: DraftRecipe) -> tuple[float, float]:
 def slowest_imports(recipe: DraftRecipe, top: int = 12) -> str:
     """The host process's imports by cumulative time, from one start under -X importtime."""
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
-    code = ("import sys; from mirror_mlx.ane_draft.host_process import without_tokenizers; without_tokenizers(); "
-            "import mirror_mlx; from mirror_mlx.ane_draft import host; "
+    code = ("import sys; from mirror_mlx.drafts.host_process import without_tokenizers; without_tokenizers(); "
+            "import mirror_mlx; from mirror_mlx.drafts import host; "
             f"host.{recipe.build.__name__}({str(recipe.args[0])!r})")
     err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stderr
     rows = [line.split("|") for line in err.splitlines() if line.startswith("import time:") and "cumulative" not in line]

@@ -12,7 +12,7 @@ import sys
 
 from mlx_lm import load
 
-from mirror_mlx.draft import MLXDraft
+from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline, load_draft
 
 

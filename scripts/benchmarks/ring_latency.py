@@ -4,7 +4,7 @@
 
 Echo host in another process (spawn) and on a thread; the reader waits either by polling the ring
 (spin 1 ms, then sleeps backing off to 1 ms: what ane_draft/coreml_draft.py did) or on a pipe (one
-byte per message: what ane_draft/host.py does). Last: the real DraftHost with a draft that does no
+byte per message: what mirror_mlx/drafts/host.py does). Last: the real DraftHost with a draft that does no
 work, waited on synchronously and through the engine's asyncio path. Prints median and p90 in µs
 and the load average (the machine is shared: compare rows of one run, not runs).
 """
@@ -17,9 +17,11 @@ import sys
 import threading
 import time
 
-from mirror_mlx.ane_draft.host import DraftHost, DraftRecipe
+from mirror_mlx.drafts.host import DraftHost
+
+from mirror_mlx.drafts.recipes import DraftRecipe
 from mirror_mlx.draft_api import Rollout
-from mirror_mlx.ane_draft.ring import TokenRing
+from mirror_mlx.drafts.ring import TokenRing
 
 KW = dict(capacity=4, max_ints=256, max_floats=2)
 

@@ -14,9 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
-from . import recurrent
-from .draft_api import Rollout
-from .target import common_prefix, text_model, trimmable_cache, vocab_size
+from .. import recurrent
+from ..draft_api import Rollout
+from ..target import common_prefix, text_model, trimmable_cache, vocab_size
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:
@@ -41,7 +41,7 @@ def self_verify(fed: Sequence[int], pred: Sequence[int]) -> tuple[int, list[int]
     fed = [main token, guess_1, .., guess_k]; pred[i] is the draft's main prediction after fed[:i+1].
     The guesses the main predictions before them agree with are kept (a prefix), then the main
     prediction after the last kept row: returns (keep, fed[1:keep+1] + [pred[keep]]), the tokens gained.
-    The SS draft in MLX (ane_draft/ss_draft.py) and the Core ML package host (package_host.py) both
+    The SS draft in MLX (mirror_mlx/drafts/ss_draft.py) and the Core ML package host (package_host.py) both
     verify this way, so their windows are the draft's own greedy main-stream text.
     """
     keep = 0

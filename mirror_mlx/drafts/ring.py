@@ -5,7 +5,7 @@ Each slot is [seq, kind, step, n_ints, n_floats | ints | floats]. The writer mar
 only when its seq equals the one it expects and re-checks it after the copy, so a slot that is
 stale (not yet written) is never consumed and one that was overwritten is detected. Messages are
 a few hundred bytes: early-exit top-κ sets going to the draft host, windows coming back
-(ane_draft/host.py defines the messages and wakes the reader through a pipe). The engine creates
+(mirror_mlx/drafts/host.py defines the messages and wakes the reader through a pipe). The engine creates
 (and unlinks) both rings; the host process attaches to them by name.
 """
 

@@ -1,4 +1,4 @@
-"""The draft host's process: `python -m mirror_mlx.ane_draft.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
+"""The draft host's process: `python -m mirror_mlx.drafts.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
 
 `--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load a model's weights from
 a local folder and never a tokenizer (the engine's process resolved the folder and checked the draft's
@@ -41,6 +41,6 @@ if __name__ == "__main__":
     if args[:1] == ["--weights-only"]:
         without_tokenizers()
         args = args[1:]
-    from mirror_mlx.ane_draft.host import main
+    from mirror_mlx.drafts.host import main
 
     main(args)

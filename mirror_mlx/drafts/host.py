@@ -4,7 +4,7 @@ Every kind of draft (plain MLX, Speculative-Streaming, a Core ML package) runs b
 read a request from the request ring, roll out every branch, post the windows on the reply ring. The
 engine posts and awaits; it never calls the draft as a function.
 
-By default the host is its own process (`python -m mirror_mlx.ane_draft.host_process`, a fresh interpreter:
+By default the host is its own process (`python -m mirror_mlx.drafts.host_process`, a fresh interpreter:
 never a fork of a process that holds MLX threads, and never a re-run of the user's `__main__` as
 multiprocessing's spawn would do). MLX serializes two threads of one process that evaluate model
 graphs (docs/design.md §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
@@ -16,7 +16,6 @@ end-of-file the moment the other side dies). Contexts travel as deltas against w
 
 import atexit
 import base64
-import functools
 import os
 import pickle
 import select
@@ -27,15 +26,14 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.blas import follow_affinity
-from mirror_mlx.draft import common_prefix
+from mirror_mlx.drafts.mlx_draft import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
-from mirror_mlx.ane_draft.ring import TokenRing
+from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
+from mirror_mlx.drafts.ring import TokenRing
 from mirror_mlx.workers import Worker
 
 # request kinds (engine → host)
@@ -50,40 +48,6 @@ _own_process = False  # this interpreter is a draft host process (`main`): its B
 
 class DraftHostError(RuntimeError):
     """The draft host died, or its draft raised."""
-
-
-@dataclass(frozen=True)
-class DraftRecipe:
-    """How the host builds its draft: `build(*args)`, run inside the host (picklable by reference)."""
-
-    build: Callable[..., Draft]
-    args: tuple = ()
-
-    def __str__(self) -> str:
-        return f"{self.build.__name__}({', '.join(map(str, self.args))})"
-
-
-def mlx_draft(path: Union[str, Path]) -> Draft:
-    """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec)."""
-    from mlx_lm.utils import load_model
-
-    from mirror_mlx.draft import MLXDraft
-
-    return MLXDraft(load_model(Path(path))[0])
-
-
-@functools.lru_cache(maxsize=2)
-def mlx_draft_model(path: str):
-    """The mlx-lm model an `mlx_draft` recipe builds, loaded once in this process (mlx-lm's own
-    speculative decoding in bench, tune's teacher-forced trace), beside the copy its host runs."""
-    return mlx_draft(path).model
-
-
-def ss_draft(path: Union[str, Path]) -> Draft:
-    """A Speculative-Streaming draft folder."""
-    from mirror_mlx.ane_draft.ss_draft import SSDraft
-
-    return SSDraft.from_path(path)
 
 
 WEIGHTS_ONLY = (mlx_draft, ss_draft)  # builders whose host process needs no tokenizer (host_process.py)
@@ -227,7 +191,9 @@ def main(argv: Sequence[str]) -> None:
     _own_process = True
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
-    import mirror_mlx  # noqa: F401  (BLAS preload before mlx.core)
+    from mirror_mlx.blas import preload_openblas
+
+    preload_openblas()  # before mlx.core (idempotent), from the module itself: not the package's face
 
     host(lambda: pickle.loads(base64.b64decode(spec))(), req, rep)
 
@@ -309,7 +275,7 @@ class DraftHost:
         req_r, rep_w = self._theirs
         lean = ["--weights-only"] if spec.build in WEIGHTS_ONLY else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mirror_mlx.ane_draft.host_process", *lean, self.req.ring.name, str(req_r),
+            [sys.executable, "-m", "mirror_mlx.drafts.host_process", *lean, self.req.ring.name, str(req_r),
              self.rep.ring.name, str(rep_w), blob], pass_fds=(req_r, rep_w), env=env, stdin=subprocess.DEVNULL)
         for fd in self._theirs:  # only the host holds them now: its death reads as end-of-file here
             os.close(fd)
