@@ -49,6 +49,7 @@ from mirror_mlx.bench.run import mlx_draft  # noqa: E402
 from mirror_mlx.pipeline import Pipeline  # noqa: E402
 from mirror_mlx.prompts import jsonl, spec_bench_part  # noqa: E402
 from mirror_mlx.tune.choose import describe  # noqa: E402
+from mirror_mlx.tune.placement import hold  # noqa: E402
 
 PAIR = ROOT / "build/real-pair"
 CODE_EDIT = ROOT / "mirror_mlx/data/code_edit.jsonl"
@@ -173,8 +174,9 @@ def main() -> None:
     pair = mirror_mlx.load(str(PAIR / "target"), str(PAIR / "draft"))
     alone = Pipeline(pair.model, pair.tokenizer, None, name="lookup", lookup_only=True)
     pipes = {"pair": pair, "alone": alone}
-    pin_threads(alone)  # every thread alive on core 0 (the lookup pipeline's target worker too) ...
-    pinning = pin_threads(pair)  # ... then the draft host on core 1
+    pinning = pin_threads(pair)  # every thread alive on core 0 (the lookup pipeline's worker too), the draft host on 1
+    assert pinning["pinned"], pinning
+    hold(alone, pair.auto.placement_held)  # (pin_threads once: after it this process may use core 0 only)
     draft = mlx_draft(pair)
     eos = tuple(pair.tokenizer.eos_token_ids)
     enc = lambda cat, text: pair.encode(cap(cat, text, args.max_chars))  # noqa: E731
@@ -233,7 +235,8 @@ def main() -> None:
             f"mirror-mlx at {m['commit']}, MLX {m['mlx']}, mlx-lm {m['mlx_lm']}, {m['cpu']}, {m['cpus']} CPUs.",
             f"Load average (1/5/15 min) before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; after: "
             f"{load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}.",
-            f"Pinning: {json.dumps({k: v for k, v in pinning.items() if k in ('pinned', 'target_cpu', 'draft_cpu')})}; "
+            f"Pinning: {json.dumps({k: v for k, v in pinning.items() if k in ('pinned', 'target_cpu', 'draft_cpu')})}, "
+            f"{len(pinning.get('draft_host_tids', []))} draft host threads on the draft core; "
             f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}.",
             f"Profile (`mirror-mlx tune --pin --quick`): {chose or 'as found in ' + str(cache)}.",
             f"Warm-up (training part): mlx-lm sd tok/s by k: "
