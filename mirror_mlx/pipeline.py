@@ -26,7 +26,7 @@ from .engine import Engine
 from .stats import Stats
 from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
 from .loading import load_model, resolve_model
-from .lookup import LOOKUP
+from .lookup import LOOKUP, NGRAM_MIN
 from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
@@ -205,6 +205,8 @@ class Pipeline:
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
                         gamma=None if opts.gamma is None else checked.gamma)
         resolved, run = resolve(given, self.profile, self.auto, self.pair())  # this pair's own runs: trusted
+        if resolved.mode == "ar" and resolved.lookup and opts.ngram_min is None:  # the lookup beside the target
+            resolved = replace(resolved, ngram_min=min(NGRAM_MIN, resolved.ngram_max))  # alone: its n as alone
         return ids, resolved, run
 
     def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,

@@ -102,7 +102,8 @@ def test_the_lookup_alone_needs_sd(pipes, mode):
 @pytest.mark.parametrize("tuned", ["mirror", "ar"])
 def test_auto_with_lookup_beside_a_draft(pipes, tuned):
     """auto's mirror takes the lookup as it is; where auto alone would run ar (the draft not paying), with
-    lookup=True it runs the profile's best sd row, and says so."""
+    lookup=True it runs the lookup beside the target alone (γ=8, n=3..1, as the lookup alone), no draft
+    window at all, and says so; the tokens are ar's."""
     from mirror_mlx.tune import profile as profiles
     from tests.test_tune import row
 
@@ -113,12 +114,19 @@ def test_auto_with_lookup_beside_a_draft(pipes, tuned):
                                          kappa=2 if tuned == "mirror" else None, exit_layer=2, why="tuned",
                                          table=table)
     try:
-        r = pair.generate("Once upon a time", max_tokens=16, mode="auto", lookup=True)
+        r = pair.generate(SUMMARY, max_tokens=32, mode="auto", lookup=True, stop=False)
         if tuned == "mirror":
             assert (r.stats.chosen_mode, r.stats.kappa, r.stats.gamma, r.stats.lookup) == ("mirror", 2, 3, True)
         else:
-            assert (r.stats.chosen_mode, r.stats.gamma, r.stats.lookup) == ("sd", 2, True), r.stats.why
-            assert r.stats.why.startswith("auto with lookup: sd, as ar takes no lookup (auto alone: ar"), r.stats.why
+            s = r.stats
+            assert (s.chosen_mode, s.gamma, s.lookup, s.draft_forwards, s.rollouts) == ("ar", 8, True, 0, 0), s.why
+            assert s.why.startswith("auto with lookup: the lookup beside the target alone, gamma=8 (auto alone: ar")
+            assert s.lookup_accepted > 0 and s.proposed == s.lookup_proposed, s.summary()
+            assert r.tokens == pair.generate(SUMMARY, max_tokens=32, mode="ar", stop=False).tokens
+            assert pair.generate(SUMMARY, max_tokens=8, mode="auto", lookup=True, gamma=4).stats.gamma == 4
+            index_n = pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True)[1]
+            assert (index_n.ngram_max, index_n.ngram_min) == (3, 1)
+            assert pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True, ngram_min=2)[1].ngram_min == 2
     finally:
         pair.auto.profile = None
 
