@@ -6,7 +6,9 @@ and beside a draft), test_seeded_sampling.py and test_sampling_whole.py (above t
 
 import random
 
+import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 
 import mirror_mlx
 from mirror_mlx.lookup import NGRAM_LIMIT, NgramIndex, propose
@@ -103,7 +105,7 @@ def test_the_lookup_alone_needs_sd(pipes, mode):
 def test_auto_with_lookup_beside_a_draft(pipes, tuned):
     """auto's mirror takes the lookup as it is; where auto alone would run ar (the draft not paying), with
     lookup=True it runs the lookup beside the target alone (γ=8, n=3..1, as the lookup alone), no draft
-    window at all, and says so; the tokens are ar's."""
+    window at all, and says so; the tokens are mlx-lm's greedy ones, and a seeded sample is ar's."""
     from mirror_mlx.tune import profile as profiles
     from tests.test_tune import row
 
@@ -122,7 +124,13 @@ def test_auto_with_lookup_beside_a_draft(pipes, tuned):
             assert (s.chosen_mode, s.gamma, s.lookup, s.draft_forwards, s.rollouts) == ("ar", 8, True, 0, 0), s.why
             assert s.why.startswith("auto with lookup: the lookup beside the target alone, gamma=8 (auto alone: ar")
             assert s.lookup_accepted > 0 and s.proposed == s.lookup_proposed, s.summary()
-            assert r.tokens == pair.generate(SUMMARY, max_tokens=32, mode="ar", stop=False).tokens
+            ref = [t for t, _ in generate_step(mx.array(pair.encode(SUMMARY)), pair.model, max_tokens=32)]
+            assert r.tokens == ref  # mlx-lm's own greedy tokens
+            sampled = pair.generate(SUMMARY, max_tokens=24, mode="auto", lookup=True, temperature=0.8, seed=7,
+                                    stop=False)
+            assert (sampled.stats.chosen_mode, sampled.stats.lookup) == ("ar", True) and sampled.stats.lookup_proposed
+            assert sampled.tokens == pair.generate(SUMMARY, max_tokens=24, mode="ar", temperature=0.8, seed=7,
+                                                   stop=False).tokens  # the target's own seeded sample
             assert pair.generate(SUMMARY, max_tokens=8, mode="auto", lookup=True, gamma=4).stats.gamma == 4
             index_n = pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True)[1]
             assert (index_n.ngram_max, index_n.ngram_min) == (3, 1)
