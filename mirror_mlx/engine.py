@@ -43,7 +43,7 @@ from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
 from . import validate
 from .exit_adapter import adapter_for
-from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, NgramIndex
+from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, Lookup
 from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler, samplers
@@ -354,7 +354,7 @@ class Engine:
         local = mode == "sd" and self.local_build is not None
         drafts = mode != "ar" and self.host is not None  # a model draft runs (sd with the lookup alone: none)
         host = "" if not drafts else "in-process" if local else "process" if self.host.process else "thread"
-        index = NgramIndex(prompt, opts.ngram_max, opts.ngram_min) if opts.lookup else None
+        index = Lookup(prompt, opts.ngram_max, opts.ngram_min, opts.row_cost) if opts.lookup else None
         ran, left = mode, ""  # what Stats calls the mode (ar only if the draft never ran), why it was left
 
         def record() -> Stats:
@@ -376,7 +376,7 @@ class Engine:
         stats = record()  # the first step's record carries the prefill
         stats.prompt_tokens = given
         failed: list[BaseException] = []
-        committed, produced, steps = list(prompt), 0, 0
+        committed, produced, steps, held = list(prompt), 0, 0, 0
         run = self.loop.run
         # in a prefill or a step: the target's cache may hold rows that `cached` does not list yet
         stepping = True
@@ -438,6 +438,7 @@ class Engine:
                 committed += new
                 if index is not None:
                     index.extend(new)
+                    stats.lookup_held, held = index.held - held, index.held
                 produced += len(new)
                 stats.generation_tokens = len(new)
                 step = Step(new, [i < drafted for i in range(len(new))], stats.proposed, stats.accepted,

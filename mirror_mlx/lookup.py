@@ -9,14 +9,28 @@ lossless whatever the lookup proposes.
 
 `propose` is the rule written plainly (a scan of the context); `NgramIndex` gives the same answers
 from an index updated as tokens are committed, so a step costs O(new tokens), not O(context).
+
+A wrong window is not free: the target verifies its rows, and a verify of γ + 1 rows costs more than a
+one-row forward. `Lookup` (the engine's lookup draft for one generation) therefore cuts each proposal to
+the length that pays (`best_length`): every proposal, verified or not, is scored against the tokens that
+were then committed (`Acceptance`), which is what its verify would have accepted (at temperature 0
+exactly; above it, a committed token equals the proposal's with the probability the verify would have
+accepted it), so text whose context misleads the lookup (a question answered in new words) soon gets no
+windows, and a verbatim copy gets long ones.
 """
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 LOOKUP = "lookup"  # the draft model's name that means the prompt lookup alone (load(draft_model="lookup"))
 NGRAM_MAX, NGRAM_MIN = 3, 1  # the n-gram lengths tried, longest first (measured: docs/design.md, prompt lookup)
 NGRAM_MIN_BESIDE = 2  # beside a draft model: a one-token match is a worse guess than the draft's window
 NGRAM_LIMIT = 64  # the longest n-gram the lookup takes (a longer match adds nothing a shorter one misses)
+ROW_COST = 0.1  # a verify's cost per row past the first, in one-row forwards, where the pair has no measured one
+# (measured: 0.07 on the real pair on a CPU, BENCHMARKS.md; ~0.24 reported for 4-bit targets on Macs)
+# before any proposal is scored: its first token right half the time, each next one after a right start 0.9
+PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.5, 0.9, 2.0
+MARGIN = 1.05  # a window must promise this many times a one-row forward's tokens per unit of time
+POOL_WEIGHT = 4.0  # a kind's own counts weigh against every kind's rate this much
 
 
 def propose(tokens: Sequence[int], gamma: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
@@ -51,9 +65,113 @@ class NgramIndex:
             toks.append(int(t))
 
     def propose(self, gamma: int) -> list[int]:
+        return self.match(gamma)[1]
+
+    def match(self, gamma: int) -> tuple[int, list[int]]:
+        """(n, proposal): the length of the n-gram that matched (0 if none) and what `propose` answers."""
         toks = self.tokens
         for n in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
             i = self.after.get(tuple(toks[len(toks) - n :]))
             if i is not None:
-                return toks[i : i + gamma]
-        return []
+                return n, toks[i : i + gamma]
+        return 0, []
+
+
+class Acceptance:
+    """How far the lookup's proposals were right, per kind of proposal (`Lookup.kind`: its n-gram length, and
+    whether the context is being copied just now): of the proposals scored that reached position i (their
+    first i - 1 tokens right), how many were right at i too."""
+
+    def __init__(self) -> None:
+        self.reached: dict[tuple, list[int]] = {}  # kind -> [proposals that reached position i + 1]
+        self.right: dict[tuple, list[int]] = {}  # kind -> [of those, right at position i + 1]
+
+    def score(self, kind: tuple, proposal: Sequence[int], then: Sequence[int]) -> None:
+        """Count a proposal against the tokens committed after it (as many as are known)."""
+        reached, right = self.reached.setdefault(kind, []), self.right.setdefault(kind, [])
+        for i, (p, t) in enumerate(zip(proposal, then)):
+            if i == len(reached):
+                reached.append(0)
+                right.append(0)
+            reached[i] += 1
+            if p != t:
+                return
+            right[i] += 1
+
+    def survival(self, kind: tuple, length: int) -> list[float]:
+        """P(the first i tokens of a proposal of this kind are right), i = 1..length: its first token right at
+        one rate, each later one at another (a copy, once under way, tends to go on). Each rate is the kind's
+        own, leaning on every kind's, which starts at the prior (PRIOR_FIRST, PRIOR_LATER)."""
+        every = [(sum(_at(v, 0) for v in counts.values()), sum(sum(v[1:]) for v in counts.values()))
+                 for counts in (self.right, self.reached)]
+        right, reached = self.right.get(kind, []), self.reached.get(kind, [])
+        first = _rate(_at(right, 0), _at(reached, 0), _rate(every[0][0], every[1][0], PRIOR_FIRST, PRIOR_WEIGHT))
+        later = _rate(sum(right[1:]), sum(reached[1:]), _rate(every[0][1], every[1][1], PRIOR_LATER, PRIOR_WEIGHT))
+        return [first * later ** i for i in range(length)]
+
+
+def _at(counts: Sequence[int], i: int) -> int:
+    return counts[i] if i < len(counts) else 0
+
+
+def _rate(right: int, reached: int, prior: float, weight: float = POOL_WEIGHT) -> float:
+    return (right + prior * weight) / (reached + weight)
+
+
+def best_length(survival: Sequence[float], row_cost: float) -> int:
+    """The window length g (0: none) with the most tokens per unit of time: a verify of g + 1 rows costs
+    1 + row_cost * g one-row forwards and commits 1 + sum(survival[:g]) tokens on average (the accepted ones
+    and the target's own); no window commits one token for one forward, and a window must beat that by MARGIN
+    (the estimate is a few proposals' worth, and a verify has costs the rows do not count)."""
+    best, rate, expected = 0, MARGIN, 1.0
+    for g, s in enumerate(survival, start=1):
+        expected += s
+        if expected / (1.0 + row_cost * g) > rate:
+            best, rate = g, expected / (1.0 + row_cost * g)
+    return best
+
+
+class Lookup:
+    """The lookup draft of one generation: the index's proposals, each cut to the length that pays at the
+    acceptance its kind has had in this generation so far (`best_length`), and `held`, the steps whose
+    proposal paid at no length. A `row_cost` of 0 makes every row free: the whole proposal, always."""
+
+    def __init__(self, tokens: Sequence[int] = (), n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN,
+                 row_cost: Optional[float] = None):
+        self.index = NgramIndex(tokens, n_max, n_min)
+        self.row_cost = ROW_COST if row_cost is None else row_cost
+        self.acceptance = Acceptance()
+        self.pending: dict[int, tuple[tuple, list[int]]] = {}  # where a proposal starts -> (kind, proposal)
+        self.copying = False  # the last token committed was one a proposal had right (a copy is under way)
+        self.held = 0
+        self._held_at = -1  # (where the last held proposal was counted: once per place)
+
+    def propose(self, gamma: int) -> list[int]:
+        """The window to verify after the tokens so far: the proposal, cut; [] when there is none or none pays
+        (then counted in `held`). Asking again at the same place gives the same answer."""
+        at = len(self.index.tokens)
+        n, proposal = self.index.match(gamma)
+        if not proposal:
+            return []
+        kind = (n, self.copying)
+        if len(proposal) >= len(self.pending.get(at, ((), []))[1]):
+            self.pending[at] = (kind, proposal)
+        if self.row_cost == 0:
+            return proposal
+        g = best_length(self.acceptance.survival(kind, len(proposal)), self.row_cost)
+        if g == 0 and at != self._held_at:
+            self.held, self._held_at = self.held + 1, at
+        return proposal[:g]
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Commit tokens; every proposal whose fate they settle (a wrong token, or all of it committed) is scored."""
+        self.index.extend(new)
+        toks = self.index.tokens
+        last = len(toks) - 1
+        self.copying = any(at <= last < at + len(p) and toks[at:] == p[: len(toks) - at]
+                           for at, (_, p) in self.pending.items())
+        for at, (kind, proposal) in list(self.pending.items()):
+            then = toks[at : at + len(proposal)]
+            if len(then) == len(proposal) or then != proposal[: len(then)]:
+                self.acceptance.score(kind, proposal, then)
+                del self.pending[at]

@@ -31,6 +31,7 @@ from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
 from .prompt_cache import PromptCache
 from .text import Conversation, Message
 from .tune.placement import placed
+from .tune.profile import row_cost
 from .tune.policy import AutoRun, AutoState, Pair, explicit, lookup_alone, needs_knobs, profile_for, resolve
 
 if TYPE_CHECKING:
@@ -226,6 +227,8 @@ class Pipeline:
                 detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
         """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
         the caller holds it). `stats` is the sum of this generation's step records so far."""
+        if opts.lookup and opts.row_cost is None:  # the lookup weighs its windows at the pair's measured verify
+            opts = replace(opts, row_cost=row_cost(self._auto.profile if self._auto is not None else None))
         with self._turn() if hold else nullcontext(), placed(self, opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
             detok = detokenizer or Detokenizer(self.tokenizer, opts.max_tokens, opts.stop_tokens)

@@ -35,6 +35,8 @@ class Stats:
     lookup_proposed: int = 0  # of `proposed`, the lookup's tokens
     lookup_accepted: int = 0  # of `accepted`, the lookup's (the rest are the model draft's)
     lookup_rejections: int = 0  # of `rejections`, in the lookup's windows
+    lookup_held: int = 0  # steps whose context offered a continuation the lookup held back: at the acceptance seen
+    # so far in this generation no window of it paid for its verify (mirror_mlx/lookup.py, best_length)
     omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -95,6 +97,8 @@ class Stats:
             line += f" γ={self.gamma}"
         if self.lookup:
             line += f" | accepted: lookup {self.lookup_accepted}/{self.lookup_proposed}"
+            if self.lookup_held:
+                line += f" (held back {self.lookup_held}x)"
             if self.draft_host or self.proposed > self.lookup_proposed:  # a draft model ran beside it
                 line += f", draft {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
         if self.why.startswith(("auto", "quick")):

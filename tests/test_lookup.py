@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mirror_mlx
-from mirror_mlx.lookup import NGRAM_LIMIT, NgramIndex, propose
+from mirror_mlx.lookup import NGRAM_LIMIT, Acceptance, Lookup, NgramIndex, best_length, propose
 from mirror_mlx.stats import Stats
 
 
@@ -58,6 +58,78 @@ def test_the_index_answers_as_the_rule_as_tokens_come(seed):
         new = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
         tokens += new
         index.extend(new)
+
+
+# --- the window that pays --------------------------------------------------------------------------
+
+def test_a_window_is_as_long_as_it_pays():
+    """A verify of g + 1 rows costs 1 + row_cost * g one-row forwards and commits 1 + the expected accepted
+    tokens; no window commits one token a forward. A window must beat that by MARGIN (1.05)."""
+    sure = [0.95 ** i for i in range(1, 9)]
+    assert best_length(sure, row_cost=0.1) == 8  # a verbatim copy: the whole proposal
+    assert best_length([0.5 * 0.8 ** i for i in range(8)], row_cost=0.1) == 5  # the prior's
+    assert best_length([0.5 ** i for i in range(1, 9)], row_cost=0.1) == 2  # (1.75 / 1.2 beats 1.5 / 1.1)
+    assert best_length([0.5 ** i for i in range(1, 9)], row_cost=0.24) == 1  # a dearer row: shorter
+    assert best_length([0.08, 0.01, 0.001], row_cost=0.07) == 0  # right 8 % of the time: no window pays
+    assert best_length([0.2, 0.04], row_cost=0.0) == 2  # every row free: the whole proposal
+    assert best_length([], row_cost=0.1) == 0
+
+
+def test_each_proposal_is_scored_against_what_was_committed():
+    a = Acceptance()
+    a.score((2, False), [5, 6, 7], [5, 6, 9])  # right twice, then wrong
+    a.score((2, False), [5, 6], [5])  # right once; its second token not committed (not counted)
+    assert (a.reached[2, False], a.right[2, False]) == ([2, 1, 1], [2, 1, 0])
+    assert a.survival((2, False), 3)[0] > a.survival((2, False), 3)[1] > a.survival((2, False), 3)[2]
+
+
+def test_misled_by_its_context_the_lookup_holds_back_and_it_counts_what_it_held():
+    """Every proposal is scored, verified or not, against the tokens then committed: where the context's
+    continuations keep being wrong the lookup soon proposes nothing, and says how often it held one back."""
+    look = Lookup([1, 2, 3, 4], n_max=1, n_min=1)
+    windows = []
+    for new in range(100, 112):  # each time 1 comes back, what followed it last is proposed; a new token follows
+        look.extend([1])
+        windows.append(look.propose(4))
+        look.extend([new])
+    assert windows[0] == [2, 3, 4, 1]  # the prior: the first token right half the time, each next one 0.8
+    assert windows[-1] == [] and look.held > 0
+    assert look.propose(4) == look.propose(4) and look.held == look.held  # asking again changes nothing
+
+
+def test_a_held_back_lookup_comes_back_when_the_context_repeats():
+    """Held-back proposals are still scored, so the lookup sees the text turn verbatim without a verify."""
+    look = Lookup([7, 8, 9], n_max=1, n_min=1, row_cost=0.1)
+    for t in [7, 5, 7, 6, 7, 4, 7, 3, 7, 2]:  # after 7 comes something new every time
+        look.propose(3)
+        look.extend([t])
+    assert look.propose(3) == [] and look.held
+    for t in [1, 2, 3, 4, 5, 6] * 4:  # then the same six tokens, over and over
+        look.propose(6)
+        look.extend([t])
+    assert look.propose(6) == [1, 2, 3, 4, 5, 6]
+
+
+def test_at_no_cost_per_row_the_lookup_proposes_as_the_rule():
+    rng = random.Random(0)
+    tokens = [rng.randrange(5) for _ in range(20)]
+    look = Lookup(tokens, n_max=3, n_min=1, row_cost=0.0)
+    for _ in range(30):
+        assert look.propose(6) == propose(tokens, 6, 3, 1) and look.held == 0
+        new = [rng.randrange(5)]
+        tokens += new
+        look.extend(new)
+
+
+def test_the_row_cost_is_fitted_to_the_profiles_measured_verify_widths():
+    from mirror_mlx.tune.profile import Profile, row_cost
+
+    timed = Profile(key={}, mode="ar", gamma=None, kappa=None, exit_layer=None, why="tuned", table=[],
+                    calibration={"timings": {"verify": {"1": 0.080, "2": 0.0876, "4": 0.097, "8": 0.1169}}})
+    assert row_cost(timed) == pytest.approx((0.095 + 0.2125 * 3 + 0.46125 * 7) / (1 + 9 + 49))  # through (1, 1)
+    assert row_cost(None) is None
+    assert row_cost(Profile(key={}, mode="ar", gamma=None, kappa=None, exit_layer=None, why="quick",
+                            table=[])) is None
 
 
 # --- the pipeline ----------------------------------------------------------------------------------

@@ -186,6 +186,20 @@ def _out_of_range(profile: Profile) -> str:
     return ""
 
 
+def row_cost(profile: Optional[Profile]) -> Optional[float]:
+    """A verify's cost per row past the first, in one-row forwards, from the profile's measured verify widths
+    (the least-squares slope of their cost over a one-row forward's); None without a measured one."""
+    if profile is None:
+        return None
+    verify = ((profile.calibration or {}).get("timings") or {}).get("verify") or {}
+    widths = {int(rows): seconds for rows, seconds in verify.items()}
+    one = widths.get(1)
+    points = [(r - 1, t / one - 1.0) for r, t in widths.items() if r > 1] if one else []
+    if not points:
+        return None
+    return max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
+
+
 def pipe_key(pipe: "Pipeline") -> dict:
     """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
     profile calibrated pinned never serves generations that are not, nor the other way round. Across ranks
