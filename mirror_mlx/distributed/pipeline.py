@@ -48,7 +48,7 @@ class DistributedPipeline(Pipeline):
         with self.watchdog.waiting(what):
             return share(values, size, self.group)
 
-    def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
+    def prepare(self, prompt: Any, prompt_cache: Any = None, admitted: Any = None, **kwargs: Any):
         if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
             raise ValueError(NO_PROMPT_CACHE)
         if kwargs.get("lookup"):
@@ -91,7 +91,7 @@ class DistributedPipeline(Pipeline):
                 given(done, total)
 
         kwargs["prompt_progress_callback"] = progress
-        ids, opts, run = super().prepare(prompt, prompt_cache, **kwargs)
+        ids, opts, run = super().prepare(prompt, prompt_cache, admitted, **kwargs)
         if why:
             opts = replace(opts, why="; ".join(why))
         return ids, opts, run
@@ -159,12 +159,13 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def stream(self, prompt: Any, prompt_cache: Any = None, detokenizer: Any = None, **kwargs: Any) -> Iterator:
+    def stream(self, prompt: Any, prompt_cache: Any = None, detokenizer: Any = None, admitted: Any = None,
+               **kwargs: Any) -> Iterator:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
         before it runs, so every rank runs the same generation step by step (the text is this rank's own:
         `detokenizer` stays here)."""
         if not self.leading:
-            return super().stream(prompt, prompt_cache, detokenizer, **kwargs)
+            return super().stream(prompt, prompt_cache, detokenizer, admitted, **kwargs)
         if prompt_cache is not None:
             raise ValueError(NO_PROMPT_CACHE)
         if isinstance(prompt, str):
@@ -179,7 +180,7 @@ class DistributedPipeline(Pipeline):
         self._tell(START, len(ids), len(options), *held(self))
         with self.watchdog.waiting("the other ranks to take the request"):
             collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
-        return self._lead(super().stream(ids, detokenizer=detokenizer, **kwargs))
+        return self._lead(super().stream(ids, detokenizer=detokenizer, admitted=admitted, **kwargs))
 
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
