@@ -15,7 +15,8 @@ import mlx.core as mx
 
 from ..lookup import LOOKUP
 from ..pipeline import Pipeline, check_adapter_path, load_draft
-from ..target import StageTargetSide, text_model
+from ..model_parts import text_model
+from ..target import StageTargetSide
 from ..tune.policy import SAFE_KNOBS
 from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_interrupt, on_stop_signal
 from .group import group, share
