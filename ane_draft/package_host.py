@@ -25,7 +25,8 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
-from mirror_mlx.drafts.mlx_draft import check_stems, common_prefix, self_verify
+from mirror_mlx.drafts.mlx_draft import check_stems, self_verify
+from mirror_mlx.model_parts import common_prefix
 from mirror_mlx.draft_api import Rollout
 
 

@@ -216,7 +216,7 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, mi
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from .target import trimmable_cache
+    from .model_parts import trimmable_cache
 
     engine, host, model = pipe.engine, pipe.engine.draft_host, pipe.model
     if host is None:

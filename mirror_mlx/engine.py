@@ -48,7 +48,8 @@ from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler, samplers
 from .stats import Stats, Step
-from .target import TargetSide, check_exit_layer, text_model, vocab_size
+from .model_parts import text_model, vocab_size
+from .target import TargetSide, check_exit_layer
 from .workers import LoopThread, Worker
 
 

@@ -24,7 +24,8 @@ from . import demo_pair
 from .batching import padded_batches
 from .corpus import HELD_OUT_PARAGRAPHS, eos_ids, greedy_continuations, split
 from .options import default_exit_layer
-from .target import EarlyExitTarget, apply_head, check_exit_layer, text_model
+from .model_parts import text_model
+from .target import EarlyExitTarget, apply_head, check_exit_layer
 
 FORMAT = "mirror-mlx-exit-adapter"
 VERSION = "1"

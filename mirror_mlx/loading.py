@@ -59,7 +59,7 @@ def check_vocabulary(model: nn.Module, tokenizer: Any, folder: Path) -> None:
     """Refuse a tokenizer that can produce ids the model has no embedding for: such a pair decodes
     junk (or reads past the embedding) instead of failing. A model larger than its tokenizer is fine
     (Qwen pads its embedding)."""
-    from .target import vocab_size
+    from .model_parts import vocab_size
 
     size = vocab_size(model)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}

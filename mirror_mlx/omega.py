@@ -20,7 +20,8 @@ import mlx.nn as nn
 
 from .batching import padded_batches
 from .exit_adapter import greedy_rows
-from .target import EarlyExitTarget, text_model, top_k
+from .model_parts import text_model
+from .target import EarlyExitTarget, top_k
 
 KAPPAS = (1, 2, 4, 8, 16)
 

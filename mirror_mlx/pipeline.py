@@ -10,7 +10,7 @@ import threading
 import weakref
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
@@ -155,12 +155,23 @@ class Pipeline:
         return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
                        gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
 
-    def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> None:
+    def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> "Admitted":
         """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve
-        (say, a server's or a chat's defaults, before the first request)."""
+        (say, a server's or a chat's defaults, before the first request). What passed, handed to `stream`
+        with the same prompt and options (a server's request), is not checked again."""
         self._check_open()
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
-        self.engine.check(self._with_cache(tokens, prompt_cache), self._stand_in(opts), prompt_cache)
+        return self._admit(tokens, opts, prompt_cache)
+
+    def _admit(self, tokens: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache],
+               admitted: Optional["Admitted"] = None) -> "Admitted":
+        """The engine's check of the call (its stand-in options, before auto is resolved), run once per request:
+        `admitted`, an earlier check of the same prompt ids and options (no prompt cache), is taken as it is."""
+        stand_in = self._stand_in(opts)
+        if admitted is not None and prompt_cache is None and admitted.covers(tokens, stand_in):
+            return admitted
+        ids, checked = self.engine.check(self._with_cache(tokens, prompt_cache), stand_in, prompt_cache)
+        return Admitted(stand_in, ids, checked)
 
     def _with_cache(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache]) -> Sequence[int]:
         """The ids the engine runs: after a loaded prompt cache, its prefix's ids (when known) first."""
@@ -175,10 +186,11 @@ class Pipeline:
             return opts
         return replace(opts, mode="ar", why="auto: ar, as the prompt cache holds no token ids for the draft")
 
-    def prepare(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,
+    def prepare(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, admitted: Optional["Admitted"] = None,
                 **kwargs: Any) -> tuple[list[int], DecodeOptions, Optional[AutoRun]]:
-        """The call's prompt ids and options, checked once (before any work starts), mode auto resolved
-        (with its watch over the generation, else None).
+        """The call's prompt ids and options, checked once (before any work starts; `admitted`: what `check`
+        returned for the same prompt and options), mode auto resolved (with its watch over the generation, else
+        None). Knobs from the pair's profile come from its own grid and are trusted, as auto's are.
 
         Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
         With a `prompt_cache` (prompt_cache.read), the prompt is what follows the cached prefix: text is
@@ -191,7 +203,7 @@ class Pipeline:
                 warnings.warn(validate.REPLACED, stacklevel=3)
             prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
         opts = self._after_cache(self.options(**kwargs), prompt_cache)
-        ids, checked = self.engine.check(self._with_cache(prompt, prompt_cache), self._stand_in(opts), prompt_cache)
+        ids, checked = self._admit(prompt, opts, prompt_cache, admitted).checked
         if self.draft is None and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
             return ids, lookup_alone(checked, opts.mode, opts.gamma), None
         if opts.mode != "auto" and not needs_knobs(opts.mode, opts.kappa, opts.gamma):
@@ -201,7 +213,7 @@ class Pipeline:
             c = explicit(self.profile, self.pair(), opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
             picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
                              branches=checked.branches if checked.branches is not None else c.branches)
-            return (*self.engine.check(ids, picked, prompt_cache), None)
+            return ids, picked, None
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
                         gamma=None if opts.gamma is None else checked.gamma)
@@ -211,15 +223,17 @@ class Pipeline:
         return ids, resolved, run
 
     def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,
-               detokenizer: Optional[Detokenizer] = None, **kwargs: Any) -> Iterator[Chunk]:
+               detokenizer: Optional[Detokenizer] = None, admitted: Optional["Admitted"] = None,
+               **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
 
         Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
         is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
         that the prompt follows, as mlx_lm.generate --prompt-cache-file. `detokenizer`: one that goes on
-        from earlier tokens (a server's request that resumes), else a fresh one.
+        from earlier tokens (a server's request that resumes), else a fresh one. `admitted`: what `check`
+        returned for this prompt and these options (a server's request, checked when it came in).
         """
-        tokens, opts, run = self.prepare(prompt, prompt_cache, **kwargs)
+        tokens, opts, run = self.prepare(prompt, prompt_cache, admitted, **kwargs)
         return self._chunks(tokens, opts, run, prompt_cache, hold=True, detokenizer=detokenizer)
 
     def _chunks(self, tokens: list[int], opts: DecodeOptions, run: Optional[AutoRun],
@@ -322,6 +336,24 @@ class Pipeline:
             if not self._closed:
                 self._closed = True
                 self._finalizer()  # Engine.close, once
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A prompt and options that passed the engine's check (`Pipeline.check`): the options checked (auto as its
+    stand-in) and what the engine will run (`checked`)."""
+
+    stand_in: DecodeOptions
+    ids: list[int]
+    opts: DecodeOptions
+
+    @property
+    def checked(self) -> tuple[list[int], DecodeOptions]:
+        return self.ids, self.opts
+
+    def covers(self, tokens: Sequence[int], stand_in: DecodeOptions) -> bool:
+        """Whether this check was of the same prompt ids and options (else the call is checked anew)."""
+        return self.stand_in == stand_in and isinstance(tokens, list) and self.ids == tokens
 
 
 def check_adapter_path(adapter_path: Optional[Union[str, Path]]) -> None:

@@ -11,30 +11,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
 from . import recurrent
 from .branch_budget import ExitView
+from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
 from .options import default_exit_layer
 from .sampling import sample_rows
 
 
-def text_model(model: nn.Module) -> nn.Module:
-    """The language model inside a VLM wrapper (gemma3, mistral3, ...), or the model itself."""
-    return getattr(model, "language_model", model)
-
-
 FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "embedding_norm")  # the inner model's last module, by family
-
-
-def inner_model(model: nn.Module) -> nn.Module:
-    """The module that holds the blocks (mlx-lm calls it `model`, or `backbone` in the SSM families)."""
-    tm = text_model(model)
-    for name in ("model", "backbone"):
-        inner = getattr(tm, name, None)
-        if inner is not None:
-            return inner
-    return tm
 
 
 def final_norm(model: nn.Module) -> nn.Module:
@@ -63,16 +49,6 @@ def _install_tap(block: nn.Module, tap: _Tap) -> type:
     return cls
 
 
-def vocab_size(model: nn.Module) -> Optional[int]:
-    """Rows of the input embedding: token ids at or above it are out of range (and may crash MLX)."""
-    inner = inner_model(model)
-    embed = getattr(inner, "embed_tokens", None)
-    weight = getattr(embed if embed is not None else getattr(inner, "embeddings", None), "weight", None)
-    if weight is not None and weight.ndim == 2:
-        return int(weight.shape[0])
-    return getattr(getattr(text_model(model), "args", None), "vocab_size", None)
-
-
 def check_exit_layer(exit_layer: int, n_layers: int) -> None:
     if not 1 <= exit_layer <= n_layers - 1:
         raise ValueError(
@@ -81,33 +57,7 @@ def check_exit_layer(exit_layer: int, n_layers: int) -> None:
         )
 
 
-def family(model: nn.Module) -> str:
-    """The model's mlx-lm family (its model_type), for messages."""
-    tm = text_model(model)
-    return getattr(getattr(tm, "args", None), "model_type", None) or type(tm).__module__.rsplit(".", 1)[-1]
 
-
-def trimmable_cache(model: nn.Module) -> list[Any]:
-    """The model's prompt cache with every layer able to drop its last tokens: sliding-window layers get a
-    plain KVCache, recurrent ones (mlx-lm's ArraysCache) a RecurrentCache (mirror_mlx/recurrent.py).
-
-    mlx-lm's RotatingKVCache silently refuses to trim once full (mlx-lm #1914); the window still
-    applies through the attention mask, so a plain cache is exact and always trimmable. A model whose
-    recurrent state no rollback reaches is refused (ValueError, naming the family and why), once per model.
-    """
-    recurrent.install(model)
-    cache = recurrent.convert([KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)])
-    if not getattr(model, "_rollback_checked", False):  # (a plain attribute: not a parameter)
-        recurrent.check(model, cache, family(model))
-        model._rollback_checked = True
-    for c in cache:
-        if not (hasattr(c, "is_trimmable") and c.is_trimmable()):
-            raise ValueError(
-                f"this {family(model)} model's {type(c).__name__} layers cannot drop rejected tokens, and every mode "
-                "of mirror-mlx rolls its caches back (to reuse a prompt's prefix; speculation also drops the draft's "
-                "rejected tokens): as a target, generate with mlx_lm.generate; as a draft, choose another model"
-            )
-    return cache
 
 
 class EarlyExitTarget:
@@ -198,15 +148,6 @@ def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
     logits = logits[:-1].astype(mx.float32)
     picked = mx.take_along_axis(logits, mx.array(rows[1:], dtype=mx.int32)[:, None], axis=-1)[:, 0]
     return picked - mx.logsumexp(logits, axis=-1)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:

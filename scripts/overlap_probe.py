@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from mirror_mlx.drafts.mlx_draft import MLXDraft
-from mirror_mlx.target import trimmable_cache
+from mirror_mlx.model_parts import trimmable_cache
 from mirror_mlx.workers import Worker
 
 

@@ -45,7 +45,7 @@ def cost_ms(draft, context: list[int], stems: list[list[int]], gamma: int, reps:
 def softmax_floor_ms(draft, rows: int, n: int, gamma: int, reps: int) -> float:
     """CPU ms of only the attention softmax a `rows`-row rollout must do: rows × heads scores over
     the n + γ/2 keys (on average), per layer and forward. Exact attention cannot skip one of them."""
-    from mirror_mlx.target import text_model
+    from mirror_mlx.model_parts import text_model
 
     tm = text_model(draft.model)
     heads = tm.layers[0].self_attn.n_heads

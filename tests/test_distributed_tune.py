@@ -122,3 +122,63 @@ def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks
     assert "from the tuned profile of 2 ranks" in stats["why"], stats["why"]
     assert (stats["mode"], stats["gamma"]) == ("sd", expected.gamma), (stats, expected)
     assert got["tokens"] == ref[:24], (got["tokens"], ref)
+
+
+class Ranks:
+    """Rank 0 of 2 without a launcher: what `DistributedPipeline` asks of its group (`agree` is stubbed)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+def across_two_ranks(pipe):
+    """The demo pair as rank 0 of 2 sees it: `agree` hands back rank 0's values, as every rank gets them."""
+    from mirror_mlx.distributed.faults import Watchdog
+    from mirror_mlx.distributed.pipeline import DistributedPipeline
+
+    pipe.__class__ = DistributedPipeline
+    pipe.group, pipe.watchdog = Ranks(), Watchdog(120)
+    pipe.agree = lambda values, size, what: (list(values) + [0] * size)[:size]
+    return pipe
+
+
+def test_modes_resolve_across_ranks_as_in_one_process_from_rank_0s_profile(tmp_path, monkeypatch):
+    """No mode logic of its own: `Pipeline.prepare` resolves, with the profile rank 0 read for this rank count
+    (shared as JSON), else a stand-in of mirror with the small safe knobs; nothing calibrates across ranks."""
+    import mirror_mlx
+    from mirror_mlx.tune import profile as profiles
+
+    monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
+    pipe = across_two_ranks(mirror_mlx.load())
+    try:
+        monkeypatch.setattr("mirror_mlx.tune.calibrate.calibrate", lambda *a, **k: pytest.fail("calibrated"))
+        _, auto, run = pipe.prepare("Once upon a time", max_tokens=8)
+        assert (auto.mode, auto.kappa, auto.gamma, run) == ("mirror", 1, 3, None)
+        assert auto.why.startswith("auto: mirror (no tuning profile for these ranks") and "auto keeps" in auto.why
+        _, sd, _ = pipe.prepare("Once upon a time", max_tokens=8, mode="sd")
+        assert (sd.mode, sd.gamma) == ("sd", 3) and "small safe defaults, uncalibrated" in sd.why
+        sampled = pipe.prepare("Once upon a time", max_tokens=8, temperature=0.7)[1]
+        assert sampled.seed is not None  # rank 0's, on every rank
+
+        key = profiles.pipe_key(pipe)
+        assert key["ranks"] == 2
+        table = [dict(mode="ar", kappa=None, gamma=None, exit_layer=None, predicted=100.0),
+                 dict(mode="sd", kappa=None, gamma=4, exit_layer=None, predicted=150.0),
+                 dict(mode="mirror", kappa=2, gamma=3, exit_layer=2, predicted=200.0)]
+        profiles.save(profiles.Profile(key=key, mode="mirror", kappa=2, gamma=3, exit_layer=2, why="tuned",
+                                       table=table))
+        pipe.auto.profile = None  # (read anew: the next call that needs it shares it)
+        auto = pipe.prepare("Once upon a time", max_tokens=8)[1]
+        assert (auto.mode, auto.kappa, auto.gamma, auto.exit_layer) == ("mirror", 2, 3, 2)
+        assert auto.why.startswith("auto: the tuned profile of 2 ranks, mirror κ=2 γ=3 ℓe=2: tuned"), auto.why
+        sd = pipe.prepare("Once upon a time", max_tokens=8, mode="sd")[1]
+        assert sd.gamma == 4 and "from the tuned profile of 2 ranks" in sd.why, sd.why
+
+        pipe.split, pipe.auto.profile = "pipeline", None  # split by layers: tune measures none, so the stand-in
+        auto = pipe.prepare("Once upon a time", max_tokens=8)[1]
+        assert (auto.mode, auto.kappa, auto.gamma) == ("mirror", 1, 3) and "split by layers" in auto.why
+    finally:
+        pipe.close()

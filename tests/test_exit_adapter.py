@@ -16,7 +16,8 @@ from mirror_mlx.exit_adapter import (
     train_exit_adapter,
 )
 from mirror_mlx.omega import format_table, measure, omega_sums
-from mirror_mlx.target import EarlyExitTarget, text_model
+from mirror_mlx.model_parts import text_model
+from mirror_mlx.target import EarlyExitTarget
 from tests.models import DEMO, CONFIGS, demo_target, tiny_model
 
 SHIPPED = DEMO / "stories260K_exit2.safetensors"

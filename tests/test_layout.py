@@ -112,6 +112,21 @@ def test_the_graph_sees_the_imports_it_checks():
     assert "mirror_mlx.tune.policy" in g["mirror_mlx.pipeline"]
 
 
+def test_the_draft_host_process_imports_no_target_side():
+    """The draft host's process loads the drafts and what they read of a model (model_parts), never the target
+    side, sampling or the options: less to import on a core the target's own load wants at the same moment."""
+    g = graph()
+    reached, todo = set(), ["mirror_mlx.drafts.host_process", "mirror_mlx.drafts.mlx_draft",
+                            "mirror_mlx.drafts.ss_draft"]
+    while todo:
+        for n in g[todo.pop()] - reached:
+            reached.add(n)
+            todo.append(n)
+    assert "mirror_mlx.model_parts" in reached
+    assert not reached & {"mirror_mlx.target", "mirror_mlx.sampling", "mirror_mlx.options", "mirror_mlx.engine"}, \
+        sorted(reached)
+
+
 ENGINE_PARTS = {"target", "target_worker", "target_model", "host", "loop", "local_build", "local_draft", "draft"}
 INSIDE = ("mirror_mlx/engine.py", "mirror_mlx/pipeline.py")  # the engine, and the one that builds it
 

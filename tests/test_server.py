@@ -416,6 +416,26 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
         assert server.counts["errors"] == 2
 
 
+def test_a_request_is_checked_once(pipe, monkeypatch):
+    """The engine's admission check runs once per request: a call in an explicit mode whose knobs come from the
+    pair's profile (its own grid, trusted as auto's choice is), and a server's request, checked when it came
+    in and not again when it runs."""
+    from mirror_mlx.engine import Engine
+    from mirror_mlx.tune import profile as profiles
+
+    calls = []
+    check = Engine.check
+    monkeypatch.setattr(Engine, "check", lambda self, *a, **k: calls.append(1) or check(self, *a, **k))
+    sd = dict(mode="sd", kappa=None, gamma=2, exit_layer=None, predicted=100.0)
+    monkeypatch.setattr(pipe.auto, "profile", profiles.Profile(key={}, mode="sd", gamma=2, why="tuned", table=[sd]))
+    stats = pipe.generate(PROMPT, max_tokens=8, mode="sd").stats
+    assert (stats.mode, stats.gamma, len(calls)) == ("sd", 2, 1), (stats.why, calls)
+    with in_process(pipe) as (_, c):
+        calls.clear()
+        assert c.completions.create(model="stories260K", prompt=PROMPT, max_tokens=8).choices[0].text
+        assert len(calls) == 1
+
+
 # --- shutdown ---------------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
-from mirror_mlx.target import EarlyExitTarget, text_model, top_k
+from mirror_mlx.model_parts import text_model
+from mirror_mlx.target import EarlyExitTarget, top_k
 from tests.models import CONFIGS, demo_target, tiny_model
 
 

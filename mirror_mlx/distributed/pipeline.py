@@ -7,19 +7,23 @@ import random
 import signal
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from ..lookup import LOOKUP
 from ..pipeline import Pipeline, check_adapter_path, load_draft
-from ..target import StageTargetSide, text_model
-from ..tune.policy import SAFE_KNOBS, knobs_from, needs_knobs
+from ..model_parts import text_model
+from ..target import StageTargetSide
+from ..tune.policy import SAFE_KNOBS
 from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_interrupt, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
+
+if TYPE_CHECKING:
+    from ..tune.profile import Profile
 
 NO_LOOKUP = ("the prompt lookup runs in one process, not across the ranks of mlx.launch: start it without the "
              "launcher, or drop lookup")
@@ -30,12 +34,12 @@ NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each r
 class DistributedPipeline(Pipeline):
     """A Pipeline whose calls run on every rank of the group, in step.
 
-    Mode auto does not calibrate here: with no knob given it runs the choice of the pair's profile for this
-    rank count (`mirror-mlx tune` under the launcher wrote it; rank 0 reads it and shares the choice), else
-    mirror (ar without a draft) with the knobs given. A knob left out, in an explicit mode too, comes from that
-    profile's best row for the mode (`profile_knobs`); without a profile, the small safe ones (κ=1, γ=3,
-    ℓ_e = the adapter's layer or N/2; never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded
-    sample gets a seed rank 0 draws (every rank must draw the same tokens)."""
+    Modes resolve as in one process (`Pipeline.prepare`, tune.policy.resolve) from the pair's profile for this
+    rank count, which rank 0 reads and shares (`profile`): every rank then makes the same choice. Nothing is
+    calibrated here (`mirror-mlx tune` under the launcher writes that profile); without it auto runs mirror
+    (ar without a draft) and a knob left out is a small safe one (κ=1, γ=3, ℓ_e = the adapter's layer or N/2;
+    never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded sample gets a seed rank 0 draws
+    (every rank must draw the same tokens)."""
 
     group: mx.distributed.Group
     watchdog: Watchdog
@@ -48,100 +52,63 @@ class DistributedPipeline(Pipeline):
         with self.watchdog.waiting(what):
             return share(values, size, self.group)
 
-    def prepare(self, prompt: Any, prompt_cache: Any = None, **kwargs: Any):
+    def prepare(self, prompt: Any, prompt_cache: Any = None, admitted: Any = None, **kwargs: Any):
+        """`Pipeline.prepare`, then what running across ranks adds: rank 0's seed for an unseeded sample, the
+        watchdog beaten by the prefill's progress, and auto's choice kept (auto's runs neither adapt it nor
+        leave the draft here: each rank would judge alone)."""
         if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
             raise ValueError(NO_PROMPT_CACHE)
         if kwargs.get("lookup"):
             raise ValueError(NO_LOOKUP)
-        mode = kwargs.get("mode", "auto")
-        why = []
-        given = any(kwargs.get(k) is not None for k in ("kappa", "gamma", "exit_layer"))
-        tuned = mode == "auto" and self.draft is not None and self.split == "tensor" and not given and self.tuned()
-        if tuned:  # (no knob given: the profile's choice as it is)
-            mode, kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = tuned
-            kwargs["mode"] = mode
-            kwargs["kappa"] = kwargs["kappa"] or SAFE_KNOBS["kappa"]  # (sd and ar leave κ unused)
-            kwargs["gamma"] = kwargs["gamma"] or SAFE_KNOBS["gamma"]  # (ar leaves γ unused)
-            why.append(f"auto: the tuned profile of {self.group.size()} ranks" + (f", {said}" if said else ""))
-        elif mode == "auto":
-            mode = kwargs["mode"] = "ar" if self.draft is None else "mirror"
-            reason = ("no draft model" if self.draft is None else
-                      "split by layers across ranks: tune measures the tensor-parallel split only" if self.split == "pipeline" else
-                      "knobs given: across ranks the tuning profile serves auto without them" if given else
-                      "no tuning profile for these ranks: `mirror-mlx tune` under the launcher makes one")
-            why.append(f"auto: {mode} ({reason})")
-        if mode in ("mirror", "sd") and not tuned and self.draft is not None and self.split == "tensor" \
-                and needs_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma")):
-            knobs = self.profile_knobs(mode, kwargs.get("kappa"), kwargs.get("gamma"), kwargs.get("exit_layer"))
-            if knobs:
-                kwargs["kappa"], kwargs["gamma"], kwargs["exit_layer"], said = knobs
-                why.append(said)
-        if mode in ("mirror", "sd"):
-            for knob, value in SAFE_KNOBS.items():
-                if kwargs.get(knob) is None:
-                    kwargs[knob] = value
-                    why.append(f"{knob} {value} (small safe default, uncalibrated)")
-        if kwargs.get("seed") is None and (kwargs.get("temperature") or kwargs.get("sampler") is not None):
-            kwargs["seed"] = self.agree([random.getrandbits(31)], 1, "rank 0's seed")[0]
-        given = kwargs.get("prompt_progress_callback")
+        ids, opts, run = super().prepare(prompt, None, admitted, **kwargs)
+        if run is not None:
+            opts = replace(opts, why=f"{opts.why}; {KEPT}")
+        if opts.seed is None and (opts.temperature or opts.sampler is not None):
+            opts = replace(opts, seed=self.agree([random.getrandbits(31)], 1, "rank 0's seed")[0])
+        return ids, replace(opts, prompt_progress_callback=self._beating(opts.prompt_progress_callback)), None
 
+    def _beating(self, given: Optional[Callable[[int, int], None]]) -> Callable[[int, int], None]:
         def progress(done: int, total: int) -> None:  # a long prefill is progress, not a stall
             self.watchdog.beat()
             if given is not None:
                 given(done, total)
 
-        kwargs["prompt_progress_callback"] = progress
-        ids, opts, run = super().prepare(prompt, prompt_cache, **kwargs)
-        if why:
-            opts = replace(opts, why="; ".join(why))
-        return ids, opts, run
+        return progress
 
-    _tuned: Optional[tuple] = None  # the profile's (mode, κ, γ, ℓ_e, why) once asked; () when there is none
-    _knobs: Optional[dict] = None  # profile_knobs' answers, by the knobs asked (the same on every rank)
-    _read: Optional[list] = None  # rank 0: [the profile for this rank count, or None], read once
+    def profile(self, asking: str = "auto") -> "Profile":
+        """The pair's profile for this rank count as rank 0 read it, the same on every rank (its JSON shared once;
+        the first call that needs it is the same call on every rank), else `stand_in`. Never a calibration:
+        across ranks that is `mirror-mlx tune`'s."""
+        if self.auto.profile is None:
+            if self.split != "tensor":
+                self.auto.profile = stand_in("split by layers across ranks: tune measures the tensor-parallel "
+                                             "split only")
+            else:
+                self.auto.profile = self._shared_profile()
+        return self.auto.profile
 
-    def _profile(self) -> Any:
-        """Rank 0: this pair's profile for this rank count, or None; read once, a broken one said once."""
-        if self._read is None:
-            from ..tune import profile as profiles
+    def _shared_profile(self) -> "Profile":
+        from ..tune.choose import describe
+        from ..tune.profile import Profile
 
-            try:
-                self._read = [profiles.load(profiles.pipe_key(self), self.engine)]
-            except profiles.ProfileError as e:
-                print(f"mirror-mlx: {e}; the uncalibrated knobs run", file=sys.stderr)
-                self._read = [None]
-        return self._read[0]
+        sent = list(self._read_profile()) if self.group.rank() == 0 else []
+        size = self.agree([len(sent)], 1, "rank 0's tuning profile")[0]
+        if not size:
+            return stand_in("no tuning profile for these ranks: `mirror-mlx tune` under the launcher makes one")
+        prof = Profile(**json.loads(bytes(self.agree(sent, size, "rank 0's tuning profile"))))
+        prof.why = f"the tuned profile of {self.group.size()} ranks, {describe(prof)}: {prof.why}"
+        return prof
 
-    def tuned(self) -> tuple:
-        """The profile's choice for this pair and rank count, as rank 0 read it (asked once, on every rank
-        alike), or () without a profile."""
-        if self._tuned is None:
-            from ..tune.choose import describe
+    def _read_profile(self) -> bytes:
+        """Rank 0: this pair's profile for this rank count as JSON, or b"" (none, or a broken one, said)."""
+        from ..tune import profile as profiles
 
-            modes = ("ar", "sd", "mirror")
-            prof = self._profile() if self.group.rank() == 0 else None
-            why = f"{describe(prof)}: {prof.why}" if prof is not None else ""
-            head = [1 + modes.index(prof.mode), prof.kappa or 0, prof.gamma or 0, prof.exit_layer or 0] if prof else []
-            got = self.agree(head, 4, "rank 0's tuning profile")
-            self._tuned = (modes[got[0] - 1], *(v or None for v in got[1:]), why) if got[0] else ()
-        return self._tuned
-
-    def profile_knobs(self, mode: str, kappa: Optional[int], gamma: Optional[int],
-                      exit_layer: Optional[int]) -> tuple:
-        """An explicit mode's missing knobs from this rank count's tuning profile, as one process takes them
-        from its own (`policy.knobs_from`), chosen by rank 0 and shared (once per knobs asked): (κ, γ, ℓ_e,
-        why), or () without a profile (then the small safe ones)."""
-        self._knobs = self._knobs if self._knobs is not None else {}
-        asked = (mode, kappa, gamma, exit_layer)
-        if asked not in self._knobs:
-            prof = self._profile() if self.group.rank() == 0 else None
-            head, why = [], ""
-            if prof is not None:
-                c = knobs_from(prof, self.pair().default_exit, mode, kappa, gamma, exit_layer)
-                head, why = [1, c.kappa or 0, c.gamma or 0, c.exit_layer or 0], f"{c.why} of {self.group.size()} ranks"
-            got = self.agree(head, 4, "rank 0's tuning profile")
-            self._knobs[asked] = (*(v or None for v in got[1:]), why) if got[0] else ()
-        return self._knobs[asked]
+        try:
+            prof = profiles.load(profiles.pipe_key(self), self.engine)
+        except profiles.ProfileError as e:
+            print(f"mirror-mlx: {e}; the uncalibrated knobs run", file=sys.stderr)
+            return b""
+        return b"" if prof is None else json.dumps(asdict(prof)).encode()
 
     def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
@@ -159,12 +126,13 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def stream(self, prompt: Any, prompt_cache: Any = None, detokenizer: Any = None, **kwargs: Any) -> Iterator:
+    def stream(self, prompt: Any, prompt_cache: Any = None, detokenizer: Any = None, admitted: Any = None,
+               **kwargs: Any) -> Iterator:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
         before it runs, so every rank runs the same generation step by step (the text is this rank's own:
         `detokenizer` stays here)."""
         if not self.leading:
-            return super().stream(prompt, prompt_cache, detokenizer, **kwargs)
+            return super().stream(prompt, prompt_cache, detokenizer, admitted, **kwargs)
         if prompt_cache is not None:
             raise ValueError(NO_PROMPT_CACHE)
         if isinstance(prompt, str):
@@ -179,7 +147,7 @@ class DistributedPipeline(Pipeline):
         self._tell(START, len(ids), len(options), *held(self))
         with self.watchdog.waiting("the other ranks to take the request"):
             collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
-        return self._lead(super().stream(ids, detokenizer=detokenizer, **kwargs))
+        return self._lead(super().stream(ids, detokenizer=detokenizer, admitted=admitted, **kwargs))
 
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
@@ -214,6 +182,19 @@ class DistributedPipeline(Pipeline):
     def _tell(self, kind: int, *args: int) -> None:
         with self.watchdog.waiting("the other ranks to follow"):
             collective(lambda: share([kind, *args], MESSAGE, self.group))
+
+
+KEPT = "across ranks auto keeps this choice (adapting to auto's runs and leaving the draft are off)"
+
+
+def stand_in(reason: str) -> "Profile":
+    """The profile across ranks without a tuned one: mirror with the small safe knobs, said uncalibrated with
+    `reason`. Its table is empty, so an explicit mode's missing knobs are the safe ones too (policy.knobs_from)."""
+    from ..tune.profile import Profile
+
+    safe = "; ".join(f"{knob} {value} (small safe default, uncalibrated)" for knob, value in SAFE_KNOBS.items())
+    return Profile(key={}, mode="mirror", kappa=SAFE_KNOBS["kappa"], gamma=SAFE_KNOBS["gamma"],
+                   why=f"mirror ({reason}); {safe}")
 
 
 START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, ...]

@@ -30,7 +30,7 @@ from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.blas import follow_affinity
-from mirror_mlx.drafts.mlx_draft import common_prefix
+from mirror_mlx.model_parts import common_prefix
 from mirror_mlx.draft_api import Draft, Rollout
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from mirror_mlx.drafts.ring import TokenRing

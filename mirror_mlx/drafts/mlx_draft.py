@@ -16,7 +16,7 @@ from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
 from .. import recurrent
 from ..draft_api import Rollout
-from ..target import common_prefix, text_model, trimmable_cache, vocab_size
+from ..model_parts import common_prefix, trimmable_cache, vocab_size
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:

@@ -31,7 +31,7 @@ from typing import Sequence, Union
 import mlx.core as mx
 import numpy as np
 from mirror_mlx.drafts.mlx_draft import MLXDraft, self_verify, spine_of
-from mirror_mlx.target import common_prefix
+from mirror_mlx.model_parts import common_prefix
 from mirror_mlx.draft_api import Rollout
 
 from mirror_mlx.drafts.ss_model import Model, load_ss_draft, ss_forward

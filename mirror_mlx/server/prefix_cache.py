@@ -49,7 +49,7 @@ class PrefixCache:
         return self.engine.with_target(self._restore, ids[:-1])  # (the last token runs in the first step)
 
     def _restore(self, target: "TargetSide", ids: list[int]) -> int:
-        from ..target import common_prefix
+        from ..model_parts import common_prefix
 
         own = target.own_tokens()
         if own is None:

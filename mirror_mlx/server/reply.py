@@ -148,7 +148,7 @@ class Generation:
             max_tokens = min(self.default_max_tokens, context - len(ids)) if context else self.default_max_tokens
         kwargs = dict(req.options, max_tokens=max_tokens)
         try:
-            pipe.check(ids, **kwargs)
+            admitted = pipe.check(ids, **kwargs)
         except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
             message = str(e)
             code = "context_length_exceeded" if "context" in message else None
@@ -156,7 +156,7 @@ class Generation:
                 (k for k in ("ngram_max", "ngram_min", "lookup", "mode") if message.startswith(k)), None)
             raise APIError(400, message, param, code) from None
         messages = [text.clean_message(m) for m in req.messages] if req.messages is not None else None
-        self.job = Job(ids, kwargs, messages, logprobs=req.logprobs)
+        self.job = Job(ids, kwargs, messages, logprobs=req.logprobs, admitted=admitted)
         return self.job
 
     def __iter__(self) -> Iterator[str]:

@@ -46,6 +46,7 @@ class Job:
     kwargs: dict  # Pipeline.stream options, max_tokens included
     messages: Optional[list] = None  # chat: remembered as the pipeline's conversation when it ends
     logprobs: bool = False  # the handler scores each token's row (else no row is kept)
+    admitted: Any = None  # Pipeline.check's answer when it came in: its first run alone is not checked again
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)  # committed tokens, an end-of-sequence token included
@@ -290,7 +291,7 @@ class Scheduler:
         kwargs = dict(job.kwargs, max_tokens=job.max_tokens - len(job.generated))
         restored = self.prefixes.restore(ids) if self.prefixes is not None and not resumed else 0
         try:
-            job.stream = self.pipe.stream(ids, detokenizer=job.detok, **kwargs)
+            job.stream = self.pipe.stream(ids, detokenizer=job.detok, admitted=job.admitted, **kwargs)
         except Exception as e:  # (checked when admitted: a bug or a dead engine)
             self._end(job, e)
             return

@@ -35,7 +35,8 @@ from mlx_lm.models.cache import trim_prompt_cache
 from ..drafts.mlx_draft import MLXDraft
 from ..exit_adapter import adapter_for, adapter_layers
 from ..options import DRAFT_TIMEOUT_S
-from ..target import EarlyExitTarget, top_k, trimmable_cache
+from ..model_parts import trimmable_cache
+from ..target import EarlyExitTarget, top_k
 from . import profile as profiles
 from .choose import choose, expected_rate, row_config
 from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
@@ -344,7 +345,7 @@ class _Bench:
         """T_comm over `n` rows across ranks: the collectives of one forward of the sharded target (two
         all_sums of n × hidden per layer), chained in one graph as the forward chains them (an eval after
         each would time MLX's per-eval overhead too), on the target's worker. Every rank must call it."""
-        from ..target import text_model
+        from ..model_parts import text_model
 
         inner = text_model(self.model)
         norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype

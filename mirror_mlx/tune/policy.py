@@ -289,6 +289,10 @@ def choice(profile: ProfileSource, auto: AutoState, pair: Pair, mode: str, kappa
     need = "mirror" if {"kappa", "exit_layer"} & asked.keys() else None
     rows = [r for r in prof.table if r["mode"] != "ar" and (need is None or r["mode"] == need)
             and all(r.get(k) == v for k, v in asked.items())]
+    if not rows and not prof.table:  # nothing measured (across ranks without a tuned profile): the safe knobs
+        return knobs(SAFE_KNOBS["kappa"] if kappa is None else kappa, SAFE_KNOBS["gamma"] if gamma is None else gamma,
+                     exit_layer, f"auto with knobs given: mirror with them, the rest small safe defaults, "
+                                 f"uncalibrated ({prof.why})")
     if not rows:
         return knobs(kappa, gamma, exit_layer, "auto with knobs outside the profile's grid: mirror with them")
     r = best_point(rows)
@@ -364,7 +368,8 @@ def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optiona
     if fits:
         best = best_point(fits)
         got = {k: given.get(k, best[k]) for k in names}
-        source = "the profile (quick calibration)" if prof.why.startswith("quick") else "the tuned profile"
+        ranks = f" of {prof.key['ranks']} ranks" if prof.key.get("ranks") else ""  # across ranks: tune's for them
+        source = "the profile (quick calibration)" if prof.why.startswith("quick") else f"the tuned profile{ranks}"
     else:
         got = {k: given.get(k, SAFE_KNOBS.get(k)) for k in names}
         if mode == "mirror" and got["exit_layer"] is None:
