@@ -49,8 +49,8 @@ class DecodeOptions:
     lookup: Optional[bool] = None  # prompt lookup proposes what the context offers (sd, mirror); None: draft "lookup"
     ngram_max: int = NGRAM_MAX  # the lookup's longest n-gram, tried first
     ngram_min: Optional[int] = None  # and its shortest; None: 1 alone (NGRAM_MIN), 2 beside a draft model
-    row_cost: Optional[float] = None  # the lookup weighs its windows' verify rows at this (in one-row forwards per
-    # row past the first; set by the Pipeline from the pair's measured verify); None: ROW_COST; 0: every row free
+    row_cost: Optional[float] = None  # the lookup weighs its windows' verify rows at this (one-row forwards per row
+    # past the first); None: the pair's measured verify, else ROW_COST; 0: every row free (each proposal whole)
     exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property
@@ -66,4 +66,4 @@ class DecodeOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
-CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "placement", "row_cost"))  # set by the Pipeline
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "placement"))  # set by the Pipeline

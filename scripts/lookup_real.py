@@ -81,27 +81,26 @@ def prompts_for(category: str, limit: int, part: str, skip: int = 0) -> list[str
 
 
 def configs(main: bool) -> dict:
-    """label -> (pipeline name, generate options); the labels of modes without lookup start with 'no-lookup'."""
+    """label -> (pipeline name, generate options); the labels of modes without lookup are NO_LOOKUP's.
+    "whole" rows take every proposal whole (row_cost=0: the lookup's windows uncut, as before it weighed them)."""
     c = {
         "ar": ("pair", dict(mode="ar")),
         "sd (profile's γ)": ("pair", dict(mode="sd")),
         "auto": ("pair", dict(mode="auto")),
         "lookup alone, auto (sd γ=8 n=3..1)": ("alone", dict(mode="auto")),
+        "lookup alone, whole windows": ("alone", dict(mode="auto", row_cost=0)),
         "auto + lookup": ("pair", dict(mode="auto", lookup=True)),
+        "auto + lookup, whole windows": ("pair", dict(mode="auto", lookup=True, row_cost=0)),
     }
     if main:
         c.update({
-            "mirror κ=1 γ=1": ("pair", dict(mode="mirror", kappa=1, gamma=1)),
-            "lookup alone γ=4 n=3..1": ("alone", dict(mode="sd", gamma=4)),
             "lookup alone γ=8 n=4..2": ("alone", dict(mode="sd", gamma=8, ngram_max=4, ngram_min=2)),
-            "lookup alone γ=16 n=3..1": ("alone", dict(mode="sd", gamma=16)),
             "sd γ=4 + lookup n=3..2": ("pair", dict(mode="sd", gamma=4, lookup=True)),
-            "mirror κ=1 γ=4 + lookup n=3..2": ("pair", dict(mode="mirror", kappa=1, gamma=4, lookup=True)),
         })
     return c
 
 
-NO_LOOKUP = ("ar", "sd (profile's γ)", "mirror κ=1 γ=1", "auto")
+NO_LOOKUP = ("ar", "sd (profile's γ)", "auto")
 
 
 def run_one(label, kind, pipes, ids, n, k, draft, eos):
@@ -118,13 +117,13 @@ def run_one(label, kind, pipes, ids, n, k, draft, eos):
     if s.mode == "ar" and s.lookup:  # auto with lookup where auto alone runs ar: the lookup beside the target
         ran = f"ar + lookup γ={s.gamma} n={kw.get('ngram_max', 3)}..{kw.get('ngram_min', 1)}"
     return dict(tokens=list(res.tokens), tps=s.tokens_per_second, fwd=s.target_forwards, la=s.lookup_accepted,
-                lp=s.lookup_proposed, ran=ran)
+                lp=s.lookup_proposed, held=s.lookup_held, ran=ran)
 
 
 def table(samples: dict, sets: list[str], labels: list[str]) -> list[str]:
     """samples[set][label] = list of per-prompt dicts (aligned by prompt)."""
     out = ["| set | row (ran as) | tok/s | × mlx-lm ar | × best without lookup | accepted / target fwd "
-           "| lookup accepted / proposed |", "|---|---|---:|---:|---:|---:|---:|"]
+           "| lookup accepted / proposed, held back |", "|---|---|---:|---:|---:|---:|---:|"]
     groups = [(s, {lab: samples[s][lab] for lab in labels}) for s in sets]
     if len(sets) > 1:
         groups.append(("overall", {lab: [x for s in sets for x in samples[s][lab]] for lab in labels}))
@@ -137,12 +136,12 @@ def table(samples: dict, sets: list[str], labels: list[str]) -> list[str]:
             vs_ar = median(x["tps"] / a["tps"] for x, a in zip(xs, rows["mlx-lm ar"]))
             vs_best = median(x["tps"] / b["tps"] for x, b in zip(xs, rows[best]))
             apf = sum(len(x["tokens"]) for x in xs) / max(sum(x["fwd"] for x in xs), 1)
-            la, lp = sum(x["la"] for x in xs), sum(x["lp"] for x in xs)
+            la, lp, held = (sum(x.get(k, 0) for x in xs) for k in ("la", "lp", "held"))
             ran = sorted({x["ran"] for x in xs if x["ran"]})
             shown = lab + (f" ({'; '.join(ran)})" if ran and lab not in ran else "")
             shown = f"**{shown}** (best without lookup)" if lab == best else shown
             out.append(f"| {name} | {shown} | {tps:.2f} | {vs_ar:.2f} | {vs_best:.2f} | {apf:.2f} "
-                       f"| {f'{la}/{lp}' if lp else ''} |")
+                       f"| {f'{la}/{lp}' if lp else ''}{f', held {held}' if held else ''} |")
     return out
 
 
