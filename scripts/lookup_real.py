@@ -1,6 +1,9 @@
 """Prompt lookup on the real pair: SmolLM2-135M-Instruct (`make real-pair`) with its shipped draft, T = 0,
 Mac analog (OPENBLAS_NUM_THREADS=1; the target side and mlx-lm's baselines on core 0, the draft host on
-core 1: mirror_mlx.bench.machine.pin_threads), against mlx-lm's own loops and our modes without lookup.
+core 1: mirror_mlx.bench.machine.pin_threads) or, with `--defaults`, this machine's defaults (nothing
+pinned, OpenBLAS on its own threads), against mlx-lm's own loops and our modes without lookup. The
+lookup's rows run twice: as the product runs them (each window cut to the length that pays) and with
+row_cost=0 ("whole windows": every proposal verified whole, the rule alone).
 
 Sets: Spec-Bench's evaluation part (prompts.is_eval) of summarization and rag, and code_edit
 (mirror_mlx/data/code_edit.jsonl: HumanEval functions to repeat with a parameter renamed); `--check` adds
@@ -15,16 +18,18 @@ Spec-Bench training-part prompts, which also picks mlx-lm's best num_draft_token
 row's tokens must equal mlx-lm's generate_step's (an AssertionError names the row and prompt). Columns:
 decode tok/s (median over prompts), × mlx-lm ar and × our best mode without lookup (median over prompts
 of the ratio on the same prompt), accepted tokens per target forward (pooled; the correction counted),
-lookup accepted / proposed (pooled).
+lookup accepted / proposed and the proposals held back (pooled).
 
     make setup && make real-pair
     .venv/bin/python scripts/lookup_real.py --limit 4 --max-tokens 64 --check writing,qa,math_reasoning \
         --check-limit 3 --out docs/bench/lookup-real.md
+    .venv/bin/python scripts/lookup_real.py --defaults --limit 4 --max-tokens 64 --check writing,qa,math_reasoning \
+        --check-limit 3 --out docs/bench/lookup-real-defaults.md
 
-The profile auto and the explicit modes without knobs read is `mirror-mlx tune --pin --quick`'s (its
-budget raised to 120 s, MIRROR_MLX_QUICK_BUDGET, as a shared 2-core box passed 30 s), which the script
-runs first when MIRROR_MLX_CACHE (by default build/lookup-real/cache, so a run does not read the user's
-own) holds no profile yet.
+The profile auto and the explicit modes without knobs read is `mirror-mlx tune --pin --quick`'s (without
+--pin under --defaults; its budget raised to 120 s, MIRROR_MLX_QUICK_BUDGET, as a shared 2-core box passed
+30 s), which the script runs first when MIRROR_MLX_CACHE (by default build/lookup-real/cache, or
+cache-defaults, so a run does not read the user's own) holds no profile yet.
 """
 
 import os
@@ -32,8 +37,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the Mac analog: one compute thread per MLX stream
-os.environ.setdefault("MIRROR_MLX_CACHE", str(ROOT / "build/lookup-real/cache"))
+DEFAULTS = "--defaults" in sys.argv  # this machine's defaults: nothing pinned, OpenBLAS on its own threads
+if not DEFAULTS:
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the Mac analog: one compute thread per MLX stream
+os.environ.setdefault("MIRROR_MLX_CACHE", str(ROOT / ("build/lookup-real/cache" + ("-defaults" if DEFAULTS else ""))))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -155,6 +162,8 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=1500, help="a longer document is cut at a sentence end")
     ap.add_argument("--ks", default="1,2,3", help="mlx-lm's num_draft_tokens tried in the warm-up")
     ap.add_argument("--out", default=None, help="also write the tables (markdown) here")
+    ap.add_argument("--defaults", action="store_true", help="this machine's defaults instead of the Mac analog: "
+                    "nothing pinned, OpenBLAS on its default threads, tune without --pin")
     args = ap.parse_args()
     load0 = os.getloadavg()
     t_start = time.time()
@@ -164,7 +173,7 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     if not list(cache.glob("profile-*.json")):  # auto's profile, as a user makes it: tune, Mac analog
         cmd = [str(ROOT / ".venv/bin/mirror-mlx"), "tune", "--model", str(PAIR / "target"), "--draft-model",
-               str(PAIR / "draft"), "--pin", "--quick"]
+               str(PAIR / "draft"), "--quick"] + ([] if DEFAULTS else ["--pin"])
         print("running", " ".join(cmd), flush=True)
         env = {**os.environ, "MIRROR_MLX_QUICK_BUDGET": os.environ.get("MIRROR_MLX_QUICK_BUDGET", "120")}
         tuned = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
@@ -175,9 +184,11 @@ def main() -> None:
     pair = mirror_mlx.load(str(PAIR / "target"), str(PAIR / "draft"))
     alone = Pipeline(pair.model, pair.tokenizer, None, name="lookup", lookup_only=True)
     pipes = {"pair": pair, "alone": alone}
-    pinning = pin_threads(pair)  # every thread alive on core 0 (the lookup pipeline's worker too), the draft host on 1
-    assert pinning["pinned"], pinning
-    hold(alone, pair.auto.placement_held)  # (pin_threads once: after it this process may use core 0 only)
+    pinning = {"pinned": False}
+    if not DEFAULTS:  # every thread alive on core 0 (the lookup pipeline's worker too), the draft host on 1
+        pinning = pin_threads(pair)
+        assert pinning["pinned"], pinning
+        hold(alone, pair.auto.placement_held)  # (pin_threads once: after it this process may use core 0 only)
     draft = mlx_draft(pair)
     eos = tuple(pair.tokenizer.eos_token_ids)
     enc = lambda cat, text: pair.encode(cap(cat, text, args.max_chars))  # noqa: E731
@@ -239,12 +250,13 @@ def main() -> None:
             f"Pinning: {json.dumps({k: v for k, v in pinning.items() if k in ('pinned', 'target_cpu', 'draft_cpu')})}, "
             f"{len(pinning.get('draft_host_tids', []))} draft host threads on the draft core; "
             f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}.",
-            f"Profile (`mirror-mlx tune --pin --quick`): {chose or 'as found in ' + str(cache)}.",
+            f"Profile (`mirror-mlx tune{'' if DEFAULTS else ' --pin'} --quick`): {chose or 'as found in ' + str(cache)}.",
             f"Warm-up (training part): mlx-lm sd tok/s by k: "
             f"{', '.join(f'k={k} {median(v):.2f}' for k, v in k_tps.items())}: k={k_best} kept.",
             "Prompt tokens (after the template and the --max-chars cut): "
             + "; ".join(f"{c} {', '.join(map(str, v))}" for c, v in lengths.items()) + ".",
-            f"Cost structure (Mac analog, measured at the end): {costs}.", ""]
+            f"Cost structure ({'this machine' + chr(39) + 's defaults' if DEFAULTS else 'Mac analog'}, measured at the end): "
+            f"{costs}.", ""]
     text = "\n".join(head + lines) + "\n"
     print(text)
     if args.out:

@@ -253,6 +253,20 @@ def test_in_mirror_the_lookup_fills_windows_after_a_fallback(pipes):
     assert s.rollouts < plain.stats.rollouts, (s.summary(), plain.stats.summary())
 
 
+def test_windows_cut_or_whole_the_tokens_are_the_targets(pipes):
+    """The cut only chooses how much of a proposal is verified: cut (the default) or whole (row_cost=0), the
+    tokens are ar's; cut, fewer tokens are proposed, and the proposals held back are counted and said."""
+    alone, _ = pipes
+    ar = alone.generate(SUMMARY, max_tokens=96, mode="ar", stop=False)
+    cut = alone.generate(SUMMARY, max_tokens=96, stop=False)
+    whole = alone.generate(SUMMARY, max_tokens=96, stop=False, row_cost=0)
+    assert cut.tokens == whole.tokens == ar.tokens
+    assert whole.stats.lookup_held == 0 and cut.stats.lookup_proposed < whole.stats.lookup_proposed
+    assert cut.stats.lookup_held > 0 and f"(held back {cut.stats.lookup_held}x)" in cut.stats.summary()
+    with pytest.raises(ValueError, match=r"row_cost must be a number in \[0, 10\]"):
+        alone.generate(SUMMARY, max_tokens=4, row_cost=-1)
+
+
 def test_the_lookup_is_refused_across_ranks():
     from mirror_mlx.distributed.pipeline import NO_LOOKUP, load
 
