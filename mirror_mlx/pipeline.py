@@ -213,6 +213,8 @@ class Pipeline:
             c = explicit(self.profile, self.pair(), opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
             picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
                              branches=checked.branches if checked.branches is not None else c.branches)
+            if picked.mode == "mirror" and opts.branches is not None:  # the caller's B against the picked κ, γ
+                validate.branch_budget(picked.branches, picked.kappa, picked.gamma)
             return ids, picked, None
         self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
         given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,

@@ -143,3 +143,22 @@ def test_the_budget_runs_on_the_target_thread_and_settles_after_the_verify():
     plan.settle(3)
     assert plan.calibration.accepted == 3 and plan.view is None
     assert BranchBudget(None).choose(WINDOW, CAND, v) is None
+
+
+def test_a_budget_is_checked_against_the_knobs_the_profile_picks():
+    """mode="mirror" with B given and κ, γ left to the profile: B is checked once the profile has picked them
+    (its row κ=2, γ=3 has 8 branches), with the same sentence as knobs given by hand."""
+    import mirror_mlx
+    from mirror_mlx.tune import profile as profiles
+    from tests.test_tune import row
+
+    pipe = mirror_mlx.load()
+    pipe.auto.profile = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2, why="tuned",
+                                         table=[row("ar", None, 1.0, 10.0),
+                                                row("mirror", 3, 2.3, 20.0, kappa=2, exit_layer=2)])
+    try:
+        with pytest.raises(ValueError, match=re.escape("kappa*(gamma+1) = 2*(3+1) = 8")):
+            pipe.generate("Once upon a time", max_tokens=4, mode="mirror", branches=20)
+        assert pipe.generate("Once upon a time", max_tokens=4, mode="mirror", branches=8).stats.branches == 8
+    finally:
+        pipe.close()
