@@ -26,7 +26,7 @@ NGRAM_MAX, NGRAM_MIN = 3, 1  # the n-gram lengths tried, longest first (measured
 NGRAM_MIN_BESIDE = 2  # beside a draft model: a one-token match is a worse guess than the draft's window
 NGRAM_LIMIT = 64  # the longest n-gram the lookup takes (a longer match adds nothing a shorter one misses)
 ROW_COST = 0.1  # a verify's cost per row past the first, in one-row forwards, where the pair has no measured one
-# (measured: 0.07 on the real pair on a CPU, BENCHMARKS.md; ~0.24 reported for 4-bit targets on Macs)
+# (measured on the real pair on a CPU: 0.04-0.07, BENCHMARKS.md; ~0.24 reported for 4-bit targets on Macs)
 # before any proposal is scored: its first token right half the time, each next one after a right start 0.9
 PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.5, 0.9, 2.0
 MARGIN = 1.05  # a window must promise this many times a one-row forward's tokens per unit of time
@@ -78,8 +78,8 @@ class NgramIndex:
 
 
 class Acceptance:
-    """How far the lookup's proposals were right, per kind of proposal (`Lookup.kind`: its n-gram length, and
-    whether the context is being copied just now): of the proposals scored that reached position i (their
+    """How far the lookup's proposals were right, per kind of proposal (as `Lookup` keys it: its n-gram length,
+    and whether the context is being copied just now): of the proposals scored that reached position i (their
     first i - 1 tokens right), how many were right at i too."""
 
     def __init__(self) -> None:

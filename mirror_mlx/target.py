@@ -57,9 +57,6 @@ def check_exit_layer(exit_layer: int, n_layers: int) -> None:
         )
 
 
-
-
-
 class EarlyExitTarget:
     """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit).
 

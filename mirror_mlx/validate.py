@@ -172,14 +172,13 @@ def lookup_options(opts: Any) -> Any:
     n_max = as_int("ngram_max", opts.ngram_max, 1, NGRAM_LIMIT, "the lookup's longest n-gram")
     n_min = NGRAM_MIN if opts.ngram_min is None else as_int("ngram_min", opts.ngram_min, 1, n_max,
                                                             "the lookup's shortest n-gram, at most ngram_max")
-    cost = opts.row_cost
-    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost <= 10):
-        raise ValueError(f"row_cost must be a number in [0, 10] (a verify's cost per row past the first, in one-row "
-                         f"forwards; 0 takes each lookup proposal whole), not {cost!r}")
+    cost = None if opts.row_cost is None else as_float(
+        "row_cost", opts.row_cost, 0.0, 10.0, fix="a verify's cost per row past the first, in one-row forwards; 0 "
+        "takes each lookup proposal whole, None the pair's measured one")
     if opts.lookup and opts.mode == "ar":
         raise ValueError("mode='ar' is the target alone and takes no lookup: use mode='sd' with lookup=True, "
                          "or leave lookup=True out")
-    return replace(opts, ngram_max=n_max, ngram_min=n_min)
+    return replace(opts, ngram_max=n_max, ngram_min=n_min, row_cost=cost)
 
 
 def branch_budget(value: Any, kappa: int, gamma: int) -> int:

@@ -263,7 +263,7 @@ def test_windows_cut_or_whole_the_tokens_are_the_targets(pipes):
     assert cut.tokens == whole.tokens == ar.tokens
     assert whole.stats.lookup_held == 0 and cut.stats.lookup_proposed < whole.stats.lookup_proposed
     assert cut.stats.lookup_held > 0 and f"(held back {cut.stats.lookup_held}x)" in cut.stats.summary()
-    with pytest.raises(ValueError, match=r"row_cost must be a number in \[0, 10\]"):
+    with pytest.raises(ValueError, match=r"row_cost must be \[0, 10\] \(got -1.0\): a verify's cost per row"):
         alone.generate(SUMMARY, max_tokens=4, row_cost=-1)
 
 
