@@ -495,6 +495,8 @@ class Engine:
         branches = budget > 2  # the step commits at least one token
         post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,
                        failed=failed) if branches else _no_post
+        if branches:  # the draft feeds the window during the prefix: the rollout then feeds one token per branch
+            _post_or_note(self.host.post_prepare, committed + window, failed=failed)
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
         try:
             (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,

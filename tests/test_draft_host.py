@@ -148,6 +148,28 @@ def test_host_answers_what_the_draft_would_and_reports_bad_recipes():
         DraftHost(DraftRecipe(mlx_draft, ("/nonexistent/draft",)))
 
 
+def test_a_prepare_is_answered_before_the_rollout_after_it_and_changes_no_window():
+    """Mirror posts the committed tokens and the window before the target's prefix (nothing waits for it);
+    the rollout's answer is read after its acknowledgement, and the windows are the same."""
+    model, _ = load(str(DRAFT_PATH))
+    ctx, spine = [1, 403, 407, 261, 378], [9, 10, 11, 12]  # the window: γ = 4
+    stems = [spine[:r] + [v] for r in range(5) for v in (5, 7)]
+    want = MLXDraft(model).rollout(ctx, stems, 4).windows
+    host = DraftHost(DraftRecipe(mlx_draft, (str(DRAFT_PATH),)), process=True)
+    try:
+        host.post_prepare(ctx + spine)
+        assert host.rollout(ctx, stems, 4, timeout=30).windows == want
+        host.post_prepare(ctx + [5, 9])  # a prepare whose rollout never comes: the next answer still lines up
+        host.reset(timeout=30)
+        assert not host.owed and host.rollout(ctx, stems, 4, timeout=30).windows == want
+        host.post_prepare(ctx + spine)
+        host.post_branches(ctx, spine, [[5, 7]] * 5)
+        out, start, end = asyncio.run(host.windows(4))
+        assert out.windows == want and start <= end
+    finally:
+        host.close()
+
+
 def test_the_sync_api_and_an_async_stream_work_inside_a_running_event_loop(target, reference):
     pipe, _, _ = _pipe(target, load_draft(DRAFT_PATH, target[1]))
     prompt, ref = reference

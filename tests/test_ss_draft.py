@@ -148,6 +148,19 @@ def test_next_rollout_recalls_the_spine_and_the_reused_branch_without_a_forward(
     assert again.windows == second.windows and again.forwards == max(ss.stats.branch_forwards) + 1
 
 
+def test_a_window_fed_before_the_rollout_leaves_one_token_per_branch_and_the_same_windows():
+    model = tiny(seed=6)
+    context = np.array(tokens(1, 20, seed=7))[0].tolist()
+    stems = [[7], [4, 8], [4, 5, 9], [4, 5, 6, 10]]
+    cold = SSDraft(model, trust_streams=False).rollout(context, stems, gamma=5)
+    ss = SSDraft(model, trust_streams=False)
+    assert ss.sync(context + [4, 5, 6]) >= 1  # (mirror's prepare, while the target runs its prefix)
+    warm = ss.rollout(context, stems, gamma=5)
+    assert warm.windows == cold.windows and warm.forwards == max(ss.stats.branch_forwards)  # no feed of its own
+    assert ss.cached == context  # committed tokens only, as after any rollout
+    assert ss.sync(context + [4, 5, 6]) == 0  # the spine comes back from the rollout: no forward
+
+
 @pytest.mark.skipif(not SS_DEMO.is_dir(), reason="demo SS draft not shipped yet")
 def test_trained_streams_save_forwards():
     draft = SSDraft.from_path(SS_DEMO, trust_streams=False)

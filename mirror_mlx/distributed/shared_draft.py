@@ -47,6 +47,11 @@ class SharedHost:
     def post_sync(self, context: Sequence[int]) -> None:
         self._post(self.real.post_sync, context)
 
+    def post_prepare(self, context: Sequence[int]) -> None:
+        tail = self.tail  # (no answer of its own is shared: the ranks compare the next one's context)
+        self._post(self.real.post_prepare, context)
+        self.tail = tail
+
     def post_rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> None:
         self.n = len(stems)
         self._post(self.real.post_rollout, context, stems, gamma)
@@ -118,6 +123,9 @@ class MirrorHost:
 
     def post_sync(self, context: Sequence[int]) -> None:
         self.tail = _tail(context)
+
+    def post_prepare(self, context: Sequence[int]) -> None:
+        """(rank 0's draft feeds it; nothing is answered for it)"""
 
     def post_rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> None:
         self.n, self.tail = len(stems), _tail(context)

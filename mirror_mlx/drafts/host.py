@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import Future, wait
 from functools import partial
 from typing import Callable, Optional, Sequence, Union
@@ -250,6 +251,7 @@ class DraftHost:
         self._served: Optional[Future] = None  # the in-process host's loop: done once it has ended
         self.held: list[int] = []  # the context the host holds (what deltas are taken against)
         self.step = 0
+        self.owed: deque[tuple[int, int]] = deque()  # (step, reply kind) of each request not answered yet, in order
         rings = [TokenRing(capacity=RING_SLOTS, max_ints=SLOT_INTS, max_floats=2) for _ in range(2)]
         (req_r, req_w), (rep_r, rep_w) = os.pipe(), os.pipe()
         self.req, self.rep = Channel(rings[0], req_w), Channel(rings[1], rep_r)
@@ -315,32 +317,51 @@ class DraftHost:
                              "message: lower kappa or gamma")
         while len(new) > room:  # the head of a long context first, acknowledged chunk by chunk
             chunk, new = new[: SLOT_INTS - 2], new[SLOT_INTS - 2 :]
-            self.step += 1
-            self.req.send(CONTEXT, self.step, [keep, len(chunk)] + chunk)
-            self._expect(self.rep.recv(None), DONE)
+            self._send(CONTEXT, [keep, len(chunk)] + chunk)
+            self._last(None)
             keep += len(chunk)
-        self.step += 1
-        self.req.send(kind, self.step, [keep, len(new)] + new + list(body))
+        self._send(kind, [keep, len(new)] + new + list(body))
         self.held = list(context)
 
-    def _expect(self, msg, kind: int):
+    def _send(self, kind: int, ints: list[int]) -> None:
+        self.step += 1
+        self.req.send(kind, self.step, ints)
+        self.owed.append((self.step, WINDOWS if kind in (ROLLOUT, BRANCHES) else DONE))
+
+    def _expect(self, msg):
+        """`msg` as the answer to the oldest request not answered yet (an error is raised as what it says)."""
+        step, kind = self.owed.popleft() if self.owed else (None, None)
         if msg.kind == ERROR:
             self.held = []  # the host may hold anything now
             raise (ValueError if msg.ints[0] else DraftHostError)(_text(msg.ints[1:]))
-        if msg.kind != kind or msg.step != self.step:
+        if msg.kind != kind or msg.step != step:
             raise DraftHostError(f"the draft host answered {msg.kind} for step {msg.step}; expected {kind}")
         return msg
+
+    def _last(self, timeout: Optional[float]):
+        """Read every answer owed (a prepare's among them) and return the last one's message."""
+        while True:
+            msg = self._expect(self.rep.recv(timeout))
+            if not self.owed:
+                return msg
 
     def post_sync(self, context: Sequence[int]) -> None:
         """Prefill the draft's cache with `context` (answer with `wait_done`)."""
         self._post(SYNC, context)
 
+    def post_prepare(self, context: Sequence[int]) -> None:
+        """Have the draft's cache hold `context` before the next request comes: mirror posts the committed
+        tokens and the window being verified when the target starts its prefix, so the draft feeds the
+        window then, and the branch rollout that follows feeds only each branch's own token. Nothing
+        waits for it: the next answer read takes its acknowledgement first."""
+        self._post(SYNC, context)
+
     def wait_done(self, timeout: Optional[float]) -> None:
-        self._expect(self.rep.recv(timeout), DONE)
+        if self._last(timeout).kind != DONE:
+            raise DraftHostError("the draft host answered windows where an acknowledgement was expected")
 
     def reset(self, timeout: Optional[float] = None) -> None:
-        self.step += 1
-        self.req.send(RESET, self.step, [0, 0])
+        self._send(RESET, [0, 0])
         self.held = []
         self.wait_done(timeout)
 
@@ -355,16 +376,20 @@ class DraftHost:
 
     async def windows(self, gamma: int) -> tuple[Rollout, float, float]:
         """Await the reply to the last rollout: (Rollout, start, end) on the host's perf_counter clock."""
-        return self._windows(await self.rep.arecv(), gamma)
+        while True:
+            msg = self._expect(await self.rep.arecv())
+            if not self.owed:
+                return self._windows(msg, gamma)
 
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int,
                 timeout: Optional[float] = None) -> Rollout:
         """Post a rollout and wait for it (scripts and tests; the engine posts and awaits instead)."""
         self.post_rollout(context, stems, gamma)
-        return self._windows(self.rep.recv(timeout), gamma)[0]
+        return self._windows(self._last(timeout), gamma)[0]
 
     def _windows(self, msg, gamma: int) -> tuple[Rollout, float, float]:
-        msg = self._expect(msg, WINDOWS)
+        if msg.kind != WINDOWS:
+            raise DraftHostError("the draft host answered an acknowledgement where windows were expected")
         ints = msg.ints.tolist()
         flat = ints[2:]
         windows = [flat[i : i + gamma] for i in range(0, len(flat), gamma)]

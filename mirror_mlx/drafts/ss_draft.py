@@ -79,6 +79,11 @@ class SSDraft(MLXDraft):
         model, _ = load_ss_draft(path, with_tokenizer=False)
         return cls(model, **kwargs)
 
+    def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> int:
+        """MLXDraft.sync, taking first what the last rollout computed (no forward for those tokens)."""
+        self._recall(list(context) + list(extra))
+        return super().sync(list(context) + list(extra))
+
     def rollout(self, context: Sequence[int], stems: Sequence[Sequence[int]], gamma: int) -> Rollout:
         spine = spine_of(stems)
         context, seq = list(context), list(context) + spine
