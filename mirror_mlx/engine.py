@@ -515,6 +515,7 @@ class Engine:
             except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
                 self._drop_draft(e, stats)
                 return new, None
+            arrived = time.perf_counter()
             windows = spread(cand, plan.picked, out.windows)
             stats.branches_rolled += plan.rolled_out(cand)
             stats.draft_seconds += r1 - r0
@@ -529,7 +530,9 @@ class Engine:
         plan.settle(a)
         if from_lookup:
             note_lookup(stats, gamma, a)
-        stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a})
+        # the engine's clocks (the host's rollout on the same clock): what a step spent where (bench/summary.py)
+        stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a,
+                               "arrived": arrived if branches else s1})
         if new[-1] in cand[a] and (windows is None or reuse_window(cand, windows, a, new[-1]) is not None):
             stats.reuses += 1  # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
             return new, reuse_window(cand, windows, a, new[-1]) if windows is not None else None
@@ -538,7 +541,10 @@ class Engine:
             return new, None  # no window after this step could be used
         if lookup:
             return new, FRESH  # the lookup's window if it has one, else the draft's (`_mirror_window`)
-        return new, await self._timed_rollout(committed + new, opts, stats)  # the target waits
+        f0, host = time.perf_counter(), stats.draft_seconds
+        window = await self._timed_rollout(committed + new, opts, stats)  # the target waits
+        stats.timeline[-1]["serial"] = (f0, time.perf_counter(), stats.draft_seconds - host)
+        return new, window
 
     async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
         """Take the reply to branches posted in a step that failed, so the host's next answer is the next step's."""

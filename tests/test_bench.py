@@ -28,7 +28,7 @@ def is_png(path) -> bool:
 
 def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     out = tmp_path / "b"
-    r = CliRunner().invoke(main, SMOKE + ["--out", str(out)])
+    r = CliRunner().invoke(main, SMOKE + ["--decompose", "--out", str(out)])
     assert r.exit_code == 0, r.output
     for name in ("results.md", "speedup.png", "accepted.png", "latency.png", "timeline.png"):
         assert name == "results.md" or is_png(out / name), name
@@ -50,10 +50,20 @@ def test_smoke_every_mode_files_and_equal_tokens(tmp_path):
     assert m["fallback_rate"] + m["reuse_rate"] == pytest.approx(1.0)
     assert 0 <= m["hidden_draft_fraction"] <= 1 and 0 <= m["omega_kappa"] <= 1
     assert m["mean_accepted"] >= 1
-    assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "overhead", "draft_hidden", "ideal"}
+    assert set(m["breakdown_ms"]) == {"prefix", "suffix", "rollout_wait", "draft", "ring", "overhead", "draft_hidden",
+                                      "ideal"}
     assert rows["sd"]["omega_kappa"] is None and rows["ar"]["breakdown_ms"].keys() == {"unsplit"}
     md = (out / "results.md").read_text()
     assert "| mirror [llama2xs (demo)] (" in md and "| mlx_sd [llama2xs (demo)] (k=" in md and "Latency per step" in md
+    d = rep["decompose"]  # --decompose: each piece of a step timed alone, and Eq. 10 from them
+    assert set(d["eq10"]) == {"mirror", "sd"} and all(v > 0 for v in d["eq10"].values())
+    assert {"prefix", "suffix", "prepare", "rollout", "window", "verify", "sd_window"} <= set(d["pieces"])
+    assert list(d["rollout_rows"]) == ["1", "2", "4", "8"] and "Eq. 10 from the pieces timed alone" in md
+    p = d["pieces"]
+    assert d["eq10"]["sd"] == pytest.approx(p["sd_window"] + p["verify"])
+    reuse = m["reuse_rate"]
+    assert d["eq10"]["mirror"] == pytest.approx(p["prefix"] + max(p["suffix"], max(0, p["prepare"] - p["prefix"])
+                                                                  + p["rollout"]) + (1 - reuse) * p["window"])
 
 
 def test_a_wrong_token_fails_the_run_and_names_the_prompt(tmp_path, monkeypatch):
@@ -124,10 +134,11 @@ def test_summary_medians_rates_and_breakdown():
         return Sample(mode, 0, cat, [1] * 10, Stats(decode_seconds=10 / tps, target_forwards=fwd, peak_memory_gb=0.1,
                                                     **kw))
 
-    step = {"prefix": (0.0, 0.1), "suffix": (0.1, 0.3), "rollout": (0.1, 0.35), "accepted": 1}
+    step = {"prefix": (0.0, 0.1), "suffix": (0.1, 0.3), "rollout": (0.1, 0.35), "accepted": 1, "arrived": 0.36}
+    fallback = dict(step, serial=(0.36, 0.43, 0.05))  # a serial window: 50 ms in the draft, 20 ms on the ring
     samples = [s("ar", 2.0), s("ar", 4.0), s("ar", 100.0, "b"),
                s("mirror", 6.0, fwd=4, steps=4, prefix_seconds=0.4, suffix_seconds=0.8, draft_seconds=1.2,
-                 hidden_draft_seconds=0.8, reuses=3, fallbacks=1, omega_sum=2.0, timeline=[step] * 4)]
+                 hidden_draft_seconds=0.8, reuses=3, fallbacks=1, omega_sum=2.0, timeline=[step] * 3 + [fallback])]
     rows = table(samples, ["mirror", "ar"])
     assert rows["all"]["ar"]["tokens_per_s"] == 4.0 and rows["a"]["ar"]["tokens_per_s"] == 3.0
     assert rows["all"]["mirror"]["speedup_vs_ar"] == pytest.approx(1.5)
@@ -138,8 +149,10 @@ def test_summary_medians_rates_and_breakdown():
     assert m["hidden_draft_fraction"] == pytest.approx(0.8 / 1.2)
     b = m["breakdown_ms"]  # per step (10/6 s over 4): rollouts outlast the suffix by 50 ms, 0.2 s of serial draft
     assert (b["prefix"], b["suffix"], b["rollout_wait"], b["draft"]) == pytest.approx((100, 200, 50, 50))
-    assert sum(b[k] for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead")) == pytest.approx(m["ms_per_step"])
-    assert b["overhead"] == pytest.approx(1000 * (10 / 6 - 1.6) / 4)
+    assert b["ring"] == pytest.approx((4 * 10 + 20) / 4)  # 10 ms from each rollout's end to its arrival; 20 ms serial
+    parts = ("prefix", "suffix", "rollout_wait", "draft", "ring", "overhead")
+    assert sum(b[k] for k in parts) == pytest.approx(m["ms_per_step"])
+    assert b["overhead"] == pytest.approx(1000 * (10 / 6 - 1.6) / 4 - 15)
     assert b["ideal"] == pytest.approx(100 + 250 + 50)  # Eq. 10: prefix + max(suffix 200, rollout 250) + serial
 
 

@@ -167,6 +167,21 @@ def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
     assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
 
 
+def test_a_prepare_longer_than_the_prefix_delays_the_rollout_by_the_difference():
+    """The draft feeds the window during the prefix (mirror's prepare); the branch rollout starts when both
+    are done, so T_par's floor is max(suffix, max(0, prepare - prefix) + rollout)."""
+    from mirror_mlx.tune.cost_model import parallel_time
+
+    t, _ = synthetic(window_ms=1.0, rank=0)
+    t.rollout, t.parallel = {(8, 1): 6e-3}, {}  # (suffix ‖ rollout not measured: the floor)
+    cfg = Config("mirror", 4, 1, 1)
+    prefix, suffix = t.prefix[(1, 2)], t.suffix[(1, 2)]
+    t.prepare = {1: prefix / 2}  # hidden in the prefix
+    assert parallel_time(cfg, t) == pytest.approx(max(suffix, 6e-3))
+    t.prepare = {1: prefix + 0.05}  # 50 ms past the prefix: the rollout starts that much later
+    assert parallel_time(cfg, t) == pytest.approx(0.05 + 6e-3)
+
+
 def test_tune_measures_suffix_with_rollout_only_where_the_top_can_change():
     """Unmeasured points are predicted at their floor, max(suffix, rollout alone): an upper bound. Measuring
     the bounded points of the top until none is left gives the top that measuring every point gives."""

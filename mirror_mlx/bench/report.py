@@ -59,12 +59,12 @@ def mode_table(rows: dict, report: Optional[dict] = None) -> list[str]:
 
 
 def breakdown_table(rows: dict, report: Optional[dict] = None) -> list[str]:
-    lines = ["| mode | target prefix | target suffix / verify | rollout past suffix | serial draft | overhead "
-             "| (draft hidden) | mlx-lm step (not split) | ideal (Eq. 10) | step / ideal |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | target prefix | target suffix / verify | rollout past suffix | serial draft | ring "
+             "| Python and scheduling | (draft hidden) | mlx-lm step (not split) | ideal (Eq. 10) | step / ideal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, r in rows.items():
         b = r["breakdown_ms"]
-        cells = [_f(b.get(k), "{:.1f}") for k in ("prefix", "suffix", "rollout_wait", "draft", "overhead",
+        cells = [_f(b.get(k), "{:.1f}") for k in ("prefix", "suffix", "rollout_wait", "draft", "ring", "overhead",
                                                     "draft_hidden", "unsplit", "ideal")]
         cells.append(_f(r["ms_per_step"] / b["ideal"]) if b.get("ideal") else "–")
         name = label(mode, report) if report is not None and report.get("ran") else mode
@@ -113,12 +113,17 @@ def markdown(report: dict) -> str:
             "A step is one target forward; the columns before (draft hidden) add up to it. Mirror: the "
             "target's prefix, then its suffix while the draft rolls out every branch (the hidden part); a "
             "rollout that outlasts the suffix makes the target wait, and after a fallback the draft writes "
-            "a fresh window while the target waits (serial draft). sd: the draft's window, then the "
+            "a fresh window while the target waits (serial draft); ring: the answers' way back over the ring "
+            "and the scheduler's wake-up, beyond the draft's own time. sd: the draft's window, then the "
             "target's verify forward. ar's accepted count is below 1 because mlx-lm runs one look-ahead "
             "forward. Ideal (Eq. 10): per mirror step prefix + max(suffix, rollout) with the durations "
             "measured in this run, plus the serial fallback windows; step / ideal is what the scheduler, "
             "the ring and the target's waits add.", ""]
     out += breakdown_table(report["summary"]["all"], report) + [""]
+    if report.get("decompose"):
+        from .decompose import table as decompose_table
+
+        out += ["## Eq. 10 from the pieces timed alone", ""] + decompose_table(report) + [""]
     return "\n".join(out) + "\n"
 
 

@@ -62,6 +62,7 @@ class BenchConfig:
     sd_sweep_prompts: int = 2  # mlx_sd's num_draft_tokens is chosen on this many first prompts
     warmup_tokens: int = 16
     pin: bool = False
+    decompose: bool = False  # time a step's pieces alone after the run (decompose.py)
     progress: bool = True
 
 
@@ -100,12 +101,19 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
                       exit_layer=exit_layer, mode=mode, stop=False)
     s = r.stats
     t0 = s.timeline[0]["prefix"][0] if s.timeline else 0.0
-    timeline = [{k: (v[0] - t0, v[1] - t0) if isinstance(v, tuple) else v for k, v in step.items()}
-                for step in s.timeline]
+    timeline = [{k: _since(t0, k, v) for k, v in step.items()} for step in s.timeline]
     ran_as = s.mode if s.mode != mode else None  # a dropped draft runs as ar
     if mode == "auto" and s.mode != "ar":  # what auto chose for this prompt (at temperature 0 it adapts)
         ran_as = describe(s) + (" then ar" if s.left_draft else "")  # (ar once the text defeated the draft)
     return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline), ran_as=ran_as)
+
+
+def _since(t0: float, key: str, value: Any) -> Any:
+    """A timeline entry on the clock of the generation's first step: an interval's ends (a serial window's
+    third element is a duration), an arrival time; counts as they are."""
+    if isinstance(value, tuple):
+        return (value[0] - t0, value[1] - t0) + tuple(value[2:])
+    return value - t0 if key == "arrived" else value
 
 
 def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
@@ -298,6 +306,12 @@ def bench(cfg: BenchConfig) -> dict:
         report["summary"] = table(samples, keys) if samples else {}
         if cfg.sweep and error is None:
             report["best"] = best_point(report["summary"]["all"], run["points"])
+        if cfg.decompose and samples and error is None:
+            from .decompose import costs_alone, points_ran
+
+            points = points_ran({"samples": samples, "summary": report["summary"]})
+            ar = next(s for s in samples if s.mode == "ar")
+            report["decompose"] = costs_alone(pipe, prompts[ar.prompt].ids + ar.tokens, points)
         report["samples"] = [asdict(s) for s in samples]
         report["threads"] = thread_report()
     finally:

@@ -42,6 +42,20 @@ def rollout_wait_seconds(timeline: list) -> float:
     return sum(max(0.0, t["rollout"][1] - max(t["rollout"][0], t["suffix"][1])) for t in timeline)
 
 
+def ring_wait_seconds(timeline: list) -> float:
+    """Mirror: how long the target waited for branch windows beyond the draft's own work: the answer's way
+    over the ring and the scheduler's wake-up (arrival minus the later of the rollout's end and the suffix's)."""
+    return sum(max(0.0, t.get("arrived", t["suffix"][1]) - max(t["rollout"][1], t["suffix"][1])) for t in timeline)
+
+
+def serial_seconds(timeline: list) -> tuple[float, float]:
+    """Mirror: (the draft's own time, the rest: ring and scheduling) of the serial windows after fallbacks,
+    as the engine waited for them."""
+    serial = [t["serial"] for t in timeline if "serial" in t]
+    draft = sum(s[2] for s in serial)
+    return draft, sum(s[1] - s[0] for s in serial) - draft
+
+
 def ideal_step_seconds(timeline: list) -> float:
     """Mirror: the paper's step, prefix + max(suffix, rollout), summed over the steps as measured (Eq. 10's
     overlap with nothing lost: the target never waits past the longer of the two)."""
@@ -61,11 +75,12 @@ def summarize(samples: Sequence[Sample]) -> dict:
            "peak_memory_gb": tot.peak_memory_gb,
            "fallback_rate": None, "reuse_rate": None, "omega_kappa": None, "hidden_draft_fraction": None}
     if suffix:  # the engine's modes: the critical path of a step, in order; hidden draft time runs beside the suffix
-        wait = rollout_wait_seconds(tot.timeline)
-        serial = draft - rollout_seconds(tot.timeline)
+        wait, ring = rollout_wait_seconds(tot.timeline), ring_wait_seconds(tot.timeline)
+        serial = draft - rollout_seconds(tot.timeline)  # (sd: its windows; mirror: the first and fallback windows)
+        ring += serial_seconds(tot.timeline)[1]
         out["breakdown_ms"] = {"prefix": prefix * per, "suffix": suffix * per, "rollout_wait": wait * per,
-                               "draft": serial * per,
-                               "overhead": max(0.0, decode - prefix - suffix - wait - serial) * per,
+                               "draft": serial * per, "ring": ring * per,
+                               "overhead": max(0.0, decode - prefix - suffix - wait - serial - ring) * per,
                                "draft_hidden": hidden * per}
         if tot.timeline:  # Eq. 10: the ideal step plus the fallback windows, which no overlap can hide
             out["breakdown_ms"]["ideal"] = (ideal_step_seconds(tot.timeline) + serial) * per

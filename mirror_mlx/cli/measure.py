@@ -128,6 +128,8 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
 @click.option("--pin", is_flag=True, help="The Mac analog: the target side and mlx-lm's baselines on one core in "
               "every mode, the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too). Without it every mode "
               "runs in the placement the product picks (tune's profile; mlx-lm with its defaults).")
+@click.option("--decompose", is_flag=True, help="After the run, time each piece of a mirror and an sd step alone and "
+              "compare each measured step with Eq. 10 built from them.")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for results.json, results.md and the plots.")
 def bench_cmd(**kwargs) -> None:

@@ -372,13 +372,29 @@ class _Bench:
         self.draft.post_sync(context)
         self.draft.wait_done(DRAFT_TIMEOUT_S)
 
-    def rollout(self, stems: list[list[int]], gamma: int) -> float:
+    def rollout(self, stems: list[list[int]], gamma: int, prepared: Optional[bool] = None) -> float:
         """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
-        as in a real step): the round trip over the ring, what the scheduler waits for."""
+        as in a real step): the round trip over the ring, what the scheduler waits for. Branches (or
+        `prepared`) follow a prepare, as in a mirror step (the window fed during the prefix: `prepare`)."""
+        self._ready(gamma, len(stems) > 1 if prepared is None else prepared)
+        ctx = self.context[:-1]
+        t0 = time.perf_counter()
+        self.draft.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
+        return time.perf_counter() - t0
+
+    def _ready(self, gamma: int, prepared: bool) -> None:
+        """The draft as a real step has it before its rollout: two committed tokens behind, or (prepared)
+        holding the committed tokens and the γ-token window `stems` branch from (mirror's prepare)."""
+        ctx = self.context[:-1]
+        self.sync(ctx + self.context[-gamma:] if prepared else ctx[:-2])
+
+    def prepare(self, gamma: int) -> float:
+        """Mirror's prepare after two newly committed tokens: the draft feeds them and the γ-token window
+        (beside the target's prefix in a real step)."""
         ctx = self.context[:-1]
         self.sync(ctx[:-2])
         t0 = time.perf_counter()
-        self.draft.rollout(ctx, stems, gamma, timeout=DRAFT_TIMEOUT_S)
+        self.sync(ctx + self.context[-gamma:])
         return time.perf_counter() - t0
 
     def local_rollout(self, gamma: int) -> float:
@@ -400,7 +416,7 @@ class _Bench:
 
         final = engine.on_target(prefix)
         if self.draft is not None:
-            self.sync(ctx[:-2])
+            self._ready(gamma, True)
         t0 = time.perf_counter()
         suffix = engine.submit_on_target(mx.eval, final)
         if self.draft is not None:  # awaited while the suffix runs
@@ -434,6 +450,7 @@ def measure_timings(pipe: "Pipeline", b: _Bench, cfg: TuneConfig, layers: list[i
         # the rollout alone does not depend on ℓ_e
         t.rollout = timed({(k * (g + 1), g): partial(b.rollout, b.stems(k, g), g)
                            for g in cfg.gammas for k in cfg.kappas})
+        t.prepare = timed({g: partial(b.prepare, g) for g in cfg.gammas})
     halves = timed({(layer, g + 1): partial(b.split, layer, g + 1) for layer in layers for g in cfg.gammas}, step=step)
     t.prefix = {k: v[0] for k, v in halves.items()}
     t.suffix = {k: v[1] for k, v in halves.items()}

@@ -1,8 +1,10 @@
 """The paper's latency model (Eq. 10, docs/design.md §2) for `mirror`, `sd` and `ar`, fed only by measurements.
 
 mirror step:  T = T_prefix(ℓ_e) + T_comm,prefix + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
-              T_par is max(T_suffix(ℓ_e) + T_comm,suffix, T_rollout(κ(γ+1) rows, γ)) when the two truly
+              T_par is max(T_suffix(ℓ_e) + T_comm,suffix, T_late + T_rollout(κ(γ+1) rows, γ)) when the two truly
               overlap; it is measured with both running at once, so contention between them is in the number.
+              T_late = max(0, T_prepare(γ) − T_prefix): the draft feeds the window during the prefix, and
+              a prepare longer than the prefix starts the rollout that much later.
               A branch budget B rolls out min(B, κ(γ+1)) rows: T_rollout at that many rows (read between the
               row counts measured), with the contention measured at κ(γ+1).
 sd step:      T = T_window(γ) + T_verify(γ + 1 rows) + T_comm(γ + 1 rows) + T_over
@@ -156,6 +158,8 @@ class Timings:
       then hold the compute alone (calibrate.split_comm), so each forward's T_comm is added once.
     comm_prefix[(ℓ_e, rows)]: the part of comm[rows] made before the exit (its ℓ_e layers of the N); the
       suffix makes the rest.
+    prepare[γ]: mirror's prepare, the draft feeding two new committed tokens and the γ-token window (beside
+      the prefix), through the draft host.
     """
 
     verify: dict = field(default_factory=dict)
@@ -168,6 +172,7 @@ class Timings:
     overhead: dict = field(default_factory=dict)
     comm: dict = field(default_factory=dict)
     comm_prefix: dict = field(default_factory=dict)
+    prepare: dict = field(default_factory=dict)
 
 
 def comm_time(t: Timings, rows: int, exit_layer: Optional[int] = None, part: str = "forward") -> float:
@@ -209,10 +214,11 @@ def parallel_time(cfg: Config, t: Timings) -> float:
     if measured is not None and cfg.rows == every:
         return measured
     suffix = t.suffix[(cfg.exit_layer, g + 1)] + comm_time(t, g + 1, cfg.exit_layer, "suffix")
-    floor = max(suffix, rollout_time(t, cfg.rows, g))
+    late = max(0.0, t.prepare.get(g, 0.0) - t.prefix[(cfg.exit_layer, g + 1)])
+    floor = max(suffix, late + rollout_time(t, cfg.rows, g))
     if measured is None:
         return floor
-    return floor * measured / max(suffix, rollout_time(t, every, g))  # a budget: the contention measured at κ(γ+1)
+    return floor * measured / max(suffix, late + rollout_time(t, every, g))  # a budget: contention measured at κ(γ+1)
 
 
 def rollout_time(t: Timings, rows: int, gamma: int) -> float:

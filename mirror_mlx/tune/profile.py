@@ -24,7 +24,8 @@ from ..blas import cpu_name
 if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
     from ..pipeline import Pipeline
 
-VERSION = 2  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt)
+VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
+# timed after mirror's prepare, and the prepare itself
 
 
 class ProfileError(ValueError):
