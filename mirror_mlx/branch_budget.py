@@ -5,11 +5,19 @@ P(the step ends at row r) · P(c | it ends there), read off the early exit: the 
 ŷ_1..ŷ_r are accepted (the product of the exit's probabilities of those drafted tokens, each calibrated),
 ends there when ŷ_{r+1} is then rejected (the bonus row γ: when it is
 reached), and the correction is c with the exit's probability of c renormalised without ŷ_{r+1} (the
-excluded-token rule). The top B branches are rolled out; B = None rolls out every branch.
+excluded-token rule). The top B branches are rolled out; with B = None, those that pay (below).
 
 The budget only chooses which windows are precomputed: every committed token is still the target's own,
 so it cannot change the output. A correction whose branch was not rolled out is a fallback, as one
 outside C_A is.
+
+Branches cost what they are worth: the draft rolls its branches out beside the target's suffix, and a
+branch past what the suffix hides makes every step wait for it. So the engine tells the budget how long
+the suffix, the branch rollouts and the one-row windows took (`RolloutCost`, its own clocks), and of the
+branches in score order those that would end the rollout past the suffix are kept only where their score
+times a one-row window (what reusing it saves) outweighs the extra row. Before both are seen every branch
+is rolled out. A B given by the caller is taken as it is, and across ranks (where every rank must post the
+same branches) every branch is.
 
 The calibration is one shift b in logit space: P(ŷ accepted) = σ(logit p_exit(ŷ) + b), b = 0 before the
 generation's first step and moved after each verify by a step of the logistic fit to what the target
@@ -18,8 +26,10 @@ an early exit of a small target may give the drafted tokens 1/V each yet see mos
 carries its ranking of the steps over to the acceptance measured; b settles within a few steps.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 from math import exp, log
+from statistics import median
 from typing import Optional, Sequence
 
 
@@ -113,20 +123,87 @@ def spread(cand: list[list[int]], picked: Optional[list[tuple[int, int]]],
     return out
 
 
+RECENT = 9  # timings RolloutCost keeps of each kind: the median of the latest (a slow first step moves it little)
+
+
+def _recent() -> deque:
+    return deque(maxlen=RECENT)
+
+
+@dataclass
+class RolloutCost:
+    """What the engine's clocks said of this generation's latest steps (seconds): a one-row window (a serial
+    window), the branch rollouts by row count, and the target's suffix."""
+
+    windows: deque = field(default_factory=_recent)
+    rollouts: dict = field(default_factory=dict)
+    suffixes: deque = field(default_factory=_recent)
+
+    def saw_window(self, seconds: float) -> None:
+        self.windows.append(seconds)
+
+    def saw_step(self, rows: int, rollout: float, suffix: float) -> None:
+        self.rollouts.setdefault(rows, _recent()).append(rollout)
+        self.suffixes.append(suffix)
+
+    @property
+    def window(self) -> Optional[float]:
+        return median(self.windows) if self.windows else None
+
+    @property
+    def suffix(self) -> Optional[float]:
+        return median(self.suffixes) if self.suffixes else None
+
+    def line(self) -> Optional[tuple[float, float]]:
+        """(one row's rollout, each further row's), read off the fewest and most rows rolled out (branch
+        rollouts only: a serial window feeds what a prepare fed); from one row count, all of it per row
+        (the fixed part unknown: fewer rows are tried, and the next rollout tells). None before any."""
+        points = {rows: median(times) for rows, times in self.rollouts.items()}
+        if not points:
+            return None
+        lo, hi = min(points), max(points)
+        if lo == hi:
+            return points[hi] / hi, points[hi] / hi
+        per_row = max(0.0, (points[hi] - points[lo]) / (hi - lo))
+        return max(0.0, points[lo] - (lo - 1) * per_row), per_row
+
+    def worth(self, scores: list[float]) -> int:
+        """How many of the branches, best score first (`scores` sorted), to roll out: each that still ends
+        within the suffix, and past it each whose score times a one-row window outweighs its row; all before
+        any branch rollout was timed."""
+        line = self.line()
+        if line is None or self.suffix is None:
+            return len(scores)
+        one, per_row = line
+        window = self.window if self.window is not None else one  # what reusing a branch saves
+        n = 0
+        for k, score in enumerate(scores):
+            if one + k * per_row > self.suffix and score * window < per_row:
+                break
+            n = k + 1
+        return max(n, 1)
+
+
 @dataclass
 class BranchBudget:
-    """One generation's budget: B and its calibration; `choose` runs on the target's thread at the early exit,
-    `settle` after the verify."""
+    """One generation's budget: B, its calibration and what its rollouts cost; `choose` runs on the target's
+    thread at the early exit, `settle` after the verify."""
 
     budget: Optional[int]
+    fit: bool = True  # with no B, fit the branches to what hides (`RolloutCost`); off: every branch
     calibration: Calibration = field(default_factory=Calibration)
+    cost: RolloutCost = field(default_factory=RolloutCost)
     view: Optional[ExitView] = None
     picked: Optional[list[tuple[int, int]]] = None
 
     def choose(self, window: Sequence[int], cand: list[list[int]], view: ExitView) -> Optional[list[tuple[int, int]]]:
         self.view = view
-        self.picked = None if self.budget is None else pick(
-            branch_scores(window, cand, view, self.calibration), self.budget)
+        if self.budget is None and not self.fit:
+            self.picked = None
+            return None
+        scores = branch_scores(window, cand, view, self.calibration)
+        best = sorted(x for row in scores for x in row)[::-1]
+        self.picked = pick(scores, self.budget if self.budget is not None else self.cost.worth(best))
         return self.picked
 
     def settle(self, accepted: int) -> None:

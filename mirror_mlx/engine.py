@@ -372,7 +372,9 @@ class Engine:
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts),
                                     adapter_for(self.exit_adapter, self.exit_layer(opts)))
-        plan = BranchBudget(opts.branches)  # which branches each mirror step rolls out (calibrated as it goes)
+        # which branches each mirror step rolls out (calibrated as it goes; with no B, those that pay, by this
+        # generation's own timings: one process only, since every rank must post the same branches)
+        plan = BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost))
         t0 = mark = time.perf_counter()
         stats = record()  # the first step's record carries the prefill
         stats.prompt_tokens = given
@@ -518,6 +520,7 @@ class Engine:
             arrived = time.perf_counter()
             windows = spread(cand, plan.picked, out.windows)
             stats.branches_rolled += plan.rolled_out(cand)
+            plan.cost.saw_step(plan.rolled_out(cand), r1 - r0, s1 - s0)
             stats.draft_seconds += r1 - r0
             stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
             stats.draft_forwards += out.forwards
@@ -544,6 +547,7 @@ class Engine:
         f0, host = time.perf_counter(), stats.draft_seconds
         window = await self._timed_rollout(committed + new, opts, stats)  # the target waits
         stats.timeline[-1]["serial"] = (f0, time.perf_counter(), stats.draft_seconds - host)
+        plan.cost.saw_window(stats.draft_seconds - host)
         return new, window
 
     async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:

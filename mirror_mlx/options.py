@@ -30,7 +30,8 @@ class DecodeOptions:
     kappa: Optional[int] = None  # None: the pair's profile's (auto's choice, or its best for an explicit mode)
     gamma: Optional[int] = None  # None: as kappa (mirror_mlx.tune.policy.explicit)
     exit_layer: Optional[int] = None  # None: the exit adapter's layer, else default_exit_layer (N/2)
-    branches: Optional[int] = None  # B: mirror rolls out the top-B of its κ(γ+1) branches a step; None: every one
+    branches: Optional[int] = None  # B: mirror rolls out the top-B of its κ(γ+1) branches a step; None: those that
+    # pay, by the generation's own timings (those that hide beside the suffix, and past it those worth their row)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

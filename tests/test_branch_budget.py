@@ -6,7 +6,7 @@ from math import log
 import pytest
 
 from mirror_mlx.drafts.host import branch_stems
-from mirror_mlx.branch_budget import BranchBudget, Calibration, ExitView, branch_scores, pick, spread, stems
+from mirror_mlx.branch_budget import RolloutCost, BranchBudget, Calibration, ExitView, branch_scores, pick, spread, stems
 from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.validate import branch_budget
@@ -123,17 +123,39 @@ def test_the_budget_caps_the_branches_the_draft_rolls_out(pair, branches):
     assert "B=%d" % branches in out.stats.summary() and out.stats.as_dict()["branches_per_step"] > 0
 
 
-def test_no_budget_rolls_out_every_branch_as_before(pair):
-    """B = None: every branch step asks for all κ(γ+1) stems, in the order the host builds them from C_0..C_γ."""
+def test_a_budget_of_every_branch_rolls_out_all_in_the_hosts_order(pair):
+    """B = κ(γ+1): every branch step asks for all κ(γ+1) stems, in the order the host builds them from C_0..C_γ."""
     target, draft, pipe = pair
     draft.asked.clear()
-    out = pipe.generate([3, 9, 14], max_tokens=30, mode="mirror", kappa=4, gamma=3, exit_layer=1, stop=False)
+    out = pipe.generate([3, 9, 14], max_tokens=30, mode="mirror", kappa=4, gamma=3, exit_layer=1, branches=16,
+                        stop=False)
     batches = [s for s in draft.asked if len(s) > 1]
     assert batches and all(len(s) == 16 for s in batches)
-    assert out.stats.branches_rolled == 16 * len(batches) and out.stats.branches is None
+    assert out.stats.branches_rolled == 16 * len(batches) and out.stats.branches == 16
     spine = batches[0][-1][:-1]
     assert batches[0] == branch_stems(3, spine, [s[-1] for s in batches[0]], 4)
-    assert "B=" not in out.stats.summary()
+
+
+def test_without_a_budget_the_branches_that_hide_or_pay_are_rolled_out():
+    """B = None: by the generation's own clocks (branch rollouts of 4 and 8 rows: 10 ms and 5 ms a further
+    row; a 22 ms suffix; a 10 ms serial window), branches in score order while the rollout still ends within
+    the suffix (3 rows: 10 + 2 · 5 = 20 ms), and past it those whose score times the serial window (what
+    reusing saves) beats the row's 5 ms. With one row count timed, the rollout is taken as all per row."""
+    cost = RolloutCost()
+    scores = [0.6, 0.2, 0.1, 0.6, 0.05]  # (not sorted: worth reads them in the order given)
+    assert cost.worth(scores) == 5  # nothing timed yet: every branch
+    cost.saw_step(8, 0.045, 0.022)
+    assert cost.line() == pytest.approx((0.045 / 8, 0.045 / 8)) and cost.worth([0.0] * 8) == 3  # 5.6 ms a row
+    cost.saw_step(4, 0.025, 0.022)
+    cost.saw_window(0.010)
+    assert cost.line() == pytest.approx((0.010, 0.005)) and cost.worth(scores) == 5 - 1  # the fourth pays its row
+    assert cost.worth([0.1] * 8) == 3 and cost.worth([0.9] * 8) == 8 and cost.worth([0.0]) == 1
+    plan = BranchBudget(None, cost=cost)
+    v = view([0.9, 0.9, 0.9], [[0.06, 0.02]] * 3 + [[0.5, 0.3]])
+    picked = plan.choose(WINDOW, CAND, v)
+    assert picked is not None and 1 <= len(picked) < 8 and plan.rolled_out(CAND) == len(picked)
+    assert BranchBudget(None, fit=False, cost=cost).choose(WINDOW, CAND, v) is None  # across ranks: every branch
+    assert len(BranchBudget(6, cost=cost).choose(WINDOW, CAND, v)) == 6  # a B given is taken as it is
 
 
 def test_the_budget_runs_on_the_target_thread_and_settles_after_the_verify():

@@ -177,7 +177,7 @@ def test_special_ids_that_differ_are_said_once_and_the_targets_decide(tmp_path, 
 
 
 def test_the_demo_uses_its_exit_adapter_and_refuses_it_at_another_layer():
-    result = run("--max-tokens", "40", "--json", "--mode", "mirror", "--kappa", "8", "--gamma", "7")
+    result = run("--max-tokens", "40", "--json", "--mode", "mirror", "--kappa", "8", "--gamma", "7", "--branches", "64")
     stats = json.loads(result.output.strip().splitlines()[-1])["stats"]
     assert stats["reuse_rate"] > 0.8  # the shipped layer-2 adapter: most corrections are precomputed
     result = run("--exit-layer", "3", "--max-tokens", "5")

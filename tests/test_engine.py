@@ -170,7 +170,7 @@ def test_target_as_its_own_draft_accepts_every_window_and_mostly_reuses(greedy_r
 
     def check(pipe, case):
         prompt, ref = case
-        out = pipe.generate(prompt, max_tokens=128, kappa=16, gamma=7, exit_layer=4, stop=False)
+        out = pipe.generate(prompt, max_tokens=128, kappa=16, gamma=7, exit_layer=4, branches=128, stop=False)
         assert out.tokens == ref
         assert out.stats.mean_accepted == 8.0  # γ accepted + the bonus token, every forward
         assert out.stats.reuse_rate > 0.8  # a fallback only when the bonus token is outside C_γ
@@ -186,7 +186,7 @@ def test_reuse_everywhere_when_kappa_covers_the_vocabulary():
     target, draft = tiny_model("llama_tied", seed=1, vocab_size=8), tiny_model("llama_tied", seed=2, vocab_size=8)
     pipe = Pipeline(target, _FakeTokenizer(8), MLXDraft(draft))
     prompt = [1, 5, 2]
-    out = pipe.generate(prompt, max_tokens=40, kappa=8, gamma=3, exit_layer=2, stop=False)
+    out = pipe.generate(prompt, max_tokens=40, kappa=8, gamma=3, exit_layer=2, branches=32, stop=False)
     assert out.tokens == mlx_greedy(target, prompt, 40)
     assert out.stats.fallbacks == 0 and out.stats.reuses == out.stats.steps
     pipe.close()

@@ -180,7 +180,7 @@ def test_pipeline_with_the_adapter_generates_mlx_lm_greedy_text():
     for adapter in (None, SHIPPED):  # mirror at the adapter's layer, both times (auto could choose another mode)
         pipe = load(exit_adapter=adapter)
         try:
-            outs.append(pipe.generate(prompt, max_tokens=32, mode="mirror", kappa=2, gamma=3, exit_layer=2))
+            outs.append(pipe.generate(prompt, max_tokens=32, mode="mirror", kappa=2, gamma=3, exit_layer=2, branches=8))
         finally:
             pipe.close()
     model, tokenizer = demo_target()

@@ -137,7 +137,7 @@ def knob_options(gamma_help: str) -> list:
                      help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
         click.option("--branches", type=int, default=DEFAULTS.branches,
                      help="Branch budget B: mirror rolls out the B branches the early exit scores likeliest of its "
-                          "κ(γ+1) a step [default: every branch]."),
+                          "κ(γ+1) a step [default: those that pay, by the generation's own timings]."),
     ]
 
 
