@@ -31,10 +31,11 @@
 #
 # Sizes (environment): LIMIT prompts (per category for PAIR=real) x TOKENS new tokens per run (default
 # 10 x 48 toy, 2 x 48 real), TEMPS ("0 1"), PROMPT_SETS (toy: "tinystories", add spec_bench; real:
-# "spec_bench_eval"), DRAFTS (toy: "llama2xs-8M ss-8M"; real: "draft"), SETTINGS ("mac defaults"),
+# "spec_bench_eval"), DRAFTS (toy: "llama2xs-8M ss-8M", ss-wide the wider SS draft; real: "draft"), SETTINGS ("mac defaults"),
 # TUNE_ARGS (extra `tune` flags, e.g. --quick), SWEEP (a κ x γ x ℓe grid, e.g. "kappa=1,2,4 gamma=2,3,5
 # exit=N/4,N/2": runs `bench --sweep` per setting and draft on prompts the headline does not use; off by
 # default), DOCS (where the tables are copied; docs/bench/real for PAIR=real, docs/bench for toy).
+# DECOMPOSE=1 adds `bench --decompose` (each piece of a step timed alone, Eq. 10 from them) to every run.
 # Smoke size: PAIR=real LIMIT=1 TOKENS=8 TUNE_ARGS=--quick DOCS=docs/bench/real-smoke bash scripts/bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +76,10 @@ elif [ "$PAIR" = toy ]; then
   [ -f build/llama2xs-8M/model.safetensors ] || "$MM" widen --model mirror_mlx/demo/llama2xs --out build/llama2xs-8M \
     "${WIDE_DRAFT[@]}"
   [ -f build/ss-8M/model.safetensors ] || "$MM" widen --model mirror_mlx/demo/ss_draft --out build/ss-8M "${WIDE_DRAFT[@]}"
+  # the SS draft again at about a quarter of the target's one-row forward (a 0.6B draft beside an 8B 4-bit
+  # target on a Mac costs ~0.29 of a target step): the regime Mirror-SD is for
+  [ -f build/ss-wide/model.safetensors ] || "$MM" widen --model mirror_mlx/demo/ss_draft --out build/ss-wide \
+    --hidden 384 --heads 48 --kv-heads 24 --intermediate 1152 --layers 10
   ADAPTERS=()
   for L in 1 2 3; do
     WIDE=build/stories-98M-exit$L.safetensors
@@ -120,7 +125,7 @@ for SETTING in $SETTINGS; do
       for T in $TEMPS; do
         echo "== $LABEL, draft $D: $P, temperature $T: $BENCH_LIMIT prompts x $TOKENS tokens"
         "${RUN_ENV[@]}" "$MM" bench "${MODELS[@]}" "${PIN[@]}" --out "$DIR/$P-t$T" --prompts "$P" --limit "$BENCH_LIMIT" \
-          --max-tokens "$TOKENS" --temp "$T" --modes auto,mirror,sd,mlx_sd,ar >/dev/null
+          --max-tokens "$TOKENS" --temp "$T" --modes auto,mirror,sd,mlx_sd,ar ${DECOMPOSE:+--decompose} >/dev/null
         HEADLINE+=("$LABEL=$DIR/$P-t$T")
       done
     done

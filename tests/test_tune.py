@@ -182,6 +182,20 @@ def test_a_prepare_longer_than_the_prefix_delays_the_rollout_by_the_difference()
     assert parallel_time(cfg, t) == pytest.approx(0.05 + 6e-3)
 
 
+def test_a_point_without_a_budget_is_predicted_with_the_branches_that_end_within_its_suffix():
+    """As the engine fits its branches (branch_budget.RolloutCost), the model rolls out the most rows whose
+    rollout still ends within the suffix: here 1 row 1 ms, 8 rows 8 ms (1 ms a row), a 5.5 ms suffix: 5."""
+    from mirror_mlx.tune.cost_model import fitted
+
+    t, _ = synthetic(window_ms=1.0, rank=0)
+    t.rollout = {(8, 1): 8e-3}
+    t.suffix[(1, 2)] = 5.5e-3
+    assert fitted(Config("mirror", 4, 1, 1), t) == Config("mirror", 4, 1, 1, branches=5)
+    assert fitted(Config("mirror", 4, 1, 1, branches=7), t).branches == 7  # a B given stays
+    t.suffix[(1, 2)] = 9e-3
+    assert fitted(Config("mirror", 4, 1, 1), t).branches is None  # every branch hides
+
+
 def test_tune_measures_suffix_with_rollout_only_where_the_top_can_change():
     """Unmeasured points are predicted at their floor, max(suffix, rollout alone): an upper bound. Measuring
     the bounded points of the top until none is left gives the top that measuring every point gives."""

@@ -22,7 +22,7 @@ exit's own probabilities, branch_budget.py, so it can only do better on text lik
 """
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 MODES = ("mirror", "sd", "ar")
@@ -253,11 +253,25 @@ def overhead(cfg: Config, t: Timings) -> float:
     return o[lo] if hi == lo else o[lo] + (o[hi] - o[lo]) * (g - lo) / (hi - lo)
 
 
+def fitted(cfg: Config, t: Timings) -> Config:
+    """A mirror point with no B as the engine runs it: the branches whose rollout ends within the suffix
+    (branch_budget.RolloutCost), at least one; every branch while the rollout is not timed."""
+    every = cfg.kappa * (cfg.gamma + 1) if cfg.mode == "mirror" else 0
+    if cfg.mode != "mirror" or cfg.branches is not None or not any(g == cfg.gamma for _, g in t.rollout):
+        return cfg
+    g = cfg.gamma
+    suffix = t.suffix[(cfg.exit_layer, g + 1)] + comm_time(t, g + 1, cfg.exit_layer, "suffix")
+    late = max(0.0, t.prepare.get(g, 0.0) - t.prefix[(cfg.exit_layer, g + 1)])
+    n = max([1] + [n for n in range(1, every + 1) if late + rollout_time(t, n, g) <= suffix])
+    return cfg if n == every else replace(cfg, branches=n)
+
+
 def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
     """Predicted tokens/s of `cfg`, with the terms behind it ("bound": an upper bound, see parallel_time)."""
+    ran = fitted(cfg, t)  # (the point as it runs: its branches fitted to the suffix when no B is given)
     tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
-    reuse = acc.reuse_rate(cfg.kappa, cfg.gamma, cfg.exit_layer, cfg.branches) if cfg.mode == "mirror" else 0.0
-    component = component_time(cfg, t, reuse)
+    reuse = acc.reuse_rate(ran.kappa, ran.gamma, ran.exit_layer, ran.branches) if cfg.mode == "mirror" else 0.0
+    component = component_time(ran, t, reuse)
     step = max(component + overhead(cfg, t), component / 2)  # (a negative overhead is a correction)
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
             "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": is_bound(cfg, t),
