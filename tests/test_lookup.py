@@ -204,9 +204,9 @@ def test_auto_with_lookup_beside_a_draft(pipes, tuned):
             assert sampled.tokens == pair.generate(SUMMARY, max_tokens=24, mode="ar", temperature=0.8, seed=7,
                                                    stop=False).tokens  # the target's own seeded sample
             assert pair.generate(SUMMARY, max_tokens=8, mode="auto", lookup=True, gamma=4).stats.gamma == 4
-            index_n = pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True)[1]
+            index_n = pair.resolve(pair.plan(SUMMARY, max_tokens=8, mode="auto", lookup=True)).opts
             assert (index_n.ngram_max, index_n.ngram_min) == (3, 1)
-            assert pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True, ngram_min=2)[1].ngram_min == 2
+            assert pair.resolve(pair.plan(SUMMARY, max_tokens=8, mode="auto", lookup=True, ngram_min=2)).opts.ngram_min == 2
     finally:
         pair.auto.profile = None
 

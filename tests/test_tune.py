@@ -295,7 +295,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
 
 def test_auto_is_lossless_and_says_what_it_chose(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    expected, _ = policy.choice(pipe.profile, pipe.auto, pipe.pair(), "auto", None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
+    expected, _ = policy.choice(pipe.profile, pipe.auto, pipe.facts(), None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
     result = pipe.generate(PROMPT, max_tokens=40)
     assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
     s = result.stats
