@@ -29,12 +29,12 @@ from .loading import load_model, resolve_model
 from .lookup import LOOKUP
 from .options import CALLER_OPTIONS, DecodeOptions, Plan
 from .prompt_cache import PromptCache
-from .text import Conversation, Message
+from .text import Conversation, ChatMessage
 from .tune.placement import placed
 from .tune.policy import AutoState, PairFacts, profile_for, resolve
 from .tune.profile import Profile
 
-Prompt = Union[str, Sequence[int]]
+PromptInput = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
 
 
@@ -126,7 +126,7 @@ class Pipeline:
         if self._closed:
             raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: PromptInput) -> list[int]:
         """Ids pass as is; text as `text.api_prompt` (through the chat template unless already templated)."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
@@ -153,7 +153,7 @@ class Pipeline:
             opts = replace(opts, mode="ar", why="auto: ar, as the prompt cache holds no token ids for the draft")
         return validate.request(self.engine, tokens, opts, prompt_cache, cap)
 
-    def plan(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
+    def plan(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
              **kwargs: Any) -> Plan:
         """`check` of a prompt given as text or ids. Text that is not valid UTF-8 (lone surrogates) is decoded
         with replacement, with one warning. With a `prompt_cache` (prompt_cache.read), the prompt is what
@@ -175,7 +175,7 @@ class Pipeline:
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
         return replace(plan, opts=opts, run=run, resolved=True)
 
-    def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
 
         Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
@@ -205,14 +205,14 @@ class Pipeline:
                 if plan.run is not None:
                     plan.run.done(self.stats)
 
-    async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+    async def astream(self, prompt: PromptInput, **kwargs: Any) -> AsyncIterator[Chunk]:
         """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
         chunks = self.stream(prompt, **kwargs)
         done = object()
         while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
             yield chunk
 
-    def generate(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
+    def generate(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
         """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
 
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
@@ -226,12 +226,12 @@ class Pipeline:
 
     # --- chat -------------------------------------------------------------------------------------
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+    def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The ids `chat` runs for `messages` plus the assistant's turn (text.conversation): the earlier
         turns keep the ids the caches hold."""
         return text.conversation(self.tokenizer, self.conversation, messages, self.chat_template_kwargs)
 
-    def chat_stream(self, messages: Sequence[Message], *, plan: Optional[Plan] = None,
+    def chat_stream(self, messages: Sequence[ChatMessage], *, plan: Optional[Plan] = None,
                     **kwargs: Any) -> Iterator[Chunk]:
         """`chat`, yielding text as tokens are committed; stopping early keeps what was committed.
         Bad input raises here, at the call, and leaves the conversation as it was. `plan`: the turn already
@@ -243,7 +243,7 @@ class Pipeline:
         plan = self.resolve(plan or self.check(self.chat_ids(messages), **kwargs))
         return self._reply(messages, plan)
 
-    def _reply(self, messages: list[Message], plan: Plan) -> Iterator[Chunk]:
+    def _reply(self, messages: list[ChatMessage], plan: Plan) -> Iterator[Chunk]:
         committed: list[int] = []
         said: list[str] = []
         stop: Optional[int] = None
@@ -258,7 +258,7 @@ class Pipeline:
                 reply = {"role": "assistant", "content": "".join(said)}
                 self.conversation = Conversation(messages + [reply], plan.ids + committed, stop)
 
-    def chat(self, messages: Sequence[Message], **kwargs: Any) -> Result:
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
 
         Call again with the reply and the next user turn appended: the earlier turns keep their token

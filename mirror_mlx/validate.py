@@ -277,12 +277,12 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
     if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
         from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
 
-        n_min = NGRAM_MIN if engine.host is None else NGRAM_MIN_BESIDE
+        n_min = NGRAM_MIN if not engine.has_draft else NGRAM_MIN_BESIDE
         if isinstance(asked.ngram_max, int) and asked.ngram_max >= 1:  # (a bad ngram_max is refused as such)
             n_min = min(n_min, asked.ngram_max)
     opts = decode_options(replace(asked, mode=mode, lookup=lookup, ngram_min=n_min), MODES, engine.vocab_size,
                           engine.n_layers, engine.draft_context)
-    if opts.mode != "ar" and engine.host is None and engine.draft_failure is None and not (
+    if opts.mode != "ar" and not engine.has_draft and engine.draft_failure is None and not (
             opts.mode == "sd" and opts.lookup):
         also = "; the lookup draft runs in {mode='sd'}" if engine.lookup_only else ""
         raise BadValue("mode", "mode {given!r} needs a draft model: pass {draft_model} (a model, or \"lookup\" for "

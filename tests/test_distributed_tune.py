@@ -98,7 +98,7 @@ def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks
     monkeypatch.setenv("MIRROR_MLX_CACHE", str(cache))
     pipe = mirror_mlx.load()
     try:
-        assert profiles.load(profiles.pipe_key(pipe)) is None
+        assert profiles.saved(profiles.pipe_key(pipe)) is None
     finally:
         pipe.close()
 
@@ -115,7 +115,7 @@ def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks
     # an explicit mode without its knobs takes them from the same profile, as one process takes its own
     from mirror_mlx.tune.policy import knobs_from
 
-    expected = knobs_from(profiles.load(prof["key"]), None, "sd", None, None, None)
+    expected = knobs_from(profiles.saved(prof["key"]), None, "sd", None, None, None)
     out = launch(["generate", "--mode", "sd", "--max-tokens", "24", "--json", "--prompt", "Once upon a time"], cache)
     got = json.loads(out.stdout)
     stats = got["stats"]

@@ -156,7 +156,7 @@ def test_the_layers_above_use_the_engines_doors_not_its_parts():
     """The server, tune, bench and the doctor go through Engine's doors (on_target, with_target, draft_pid,
     ...) and TargetSide's (own_tokens, give, take, copy), not into the engine's worker, cache or draft host."""
     into, named = reaches()
-    assert len(into) <= 10, into
+    assert len(into) <= 6, into
     assert not named, named
 
 

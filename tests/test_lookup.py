@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mirror_mlx
-from mirror_mlx.lookup import NGRAM_LIMIT, Acceptance, Lookup, NgramIndex, best_length, propose
+from mirror_mlx.lookup import NGRAM_LIMIT, ProposalRecord, Lookup, NgramIndex, best_length, propose
 from mirror_mlx.stats import Stats
 
 
@@ -76,7 +76,7 @@ def test_a_window_is_as_long_as_it_pays():
 
 
 def test_each_proposal_is_scored_against_what_was_committed():
-    a = Acceptance()
+    a = ProposalRecord()
     a.score((2, False), [5, 6, 7], [5, 6, 9])  # right twice, then wrong
     a.score((2, False), [5, 6], [5])  # right once; its second token not committed (not counted)
     assert (a.reached[2, False], a.right[2, False]) == ([2, 1, 1], [2, 1, 0])

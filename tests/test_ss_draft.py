@@ -148,7 +148,7 @@ def test_next_rollout_recalls_the_spine_and_the_reused_branch_without_a_forward(
     assert again.windows == second.windows and again.forwards == max(ss.stats.branch_forwards) + 1
 
 
-@pytest.mark.skipif(not SS_DEMO.is_dir(), reason="demo SS draft not shipped yet")
+@pytest.mark.skipif(not SS_DEMO.is_dir(), reason="the demo SS draft (mirror_mlx/demo/ss_draft) is missing from this checkout")
 def test_trained_streams_save_forwards():
     draft = SSDraft.from_path(SS_DEMO, trust_streams=False)
     plain = MLXDraft(draft.model)

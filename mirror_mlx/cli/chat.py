@@ -16,7 +16,7 @@ from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import NO_TEMPLATE, Pipeline
-from mirror_mlx.text import Message, has_chat_template
+from mirror_mlx.text import ChatMessage, has_chat_template
 
 HELP = """\
 /reset  forget the conversation and clear the caches
@@ -68,7 +68,7 @@ class ChatSession:
     system_prompt: Optional[str] = None
     out: TextIO = field(default_factory=lambda: sys.stdout)
     err: TextIO = field(default_factory=lambda: sys.stderr)
-    messages: list[Message] = field(default_factory=list)
+    messages: list[ChatMessage] = field(default_factory=list)
     total: Stats = field(default_factory=Stats)
     turns: int = 0
     seeded: bool = False

@@ -109,7 +109,7 @@ class DistributedPipeline(Pipeline):
         from ..tune import profile as profiles
 
         try:
-            prof = profiles.load(profiles.pipe_key(self), self.engine)
+            prof = profiles.saved(profiles.pipe_key(self), self.engine)
         except profiles.ProfileError as e:
             print(f"mirror-mlx: {e}; the uncalibrated knobs run", file=sys.stderr)
             return b""

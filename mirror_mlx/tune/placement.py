@@ -58,7 +58,7 @@ def _profile(pipe: PairView) -> Optional[profiles.Profile]:
         return pipe.auto.profile
 
     try:
-        prof = profiles.load(profiles.pipe_key(pipe), pipe.engine)
+        prof = profiles.saved(profiles.pipe_key(pipe), pipe.engine)
     except profiles.ProfileError:  # auto says so when it needs the profile; placement then stays unpinned
         return None
     if prof is not None:
@@ -66,7 +66,7 @@ def _profile(pipe: PairView) -> Optional[profiles.Profile]:
     return prof
 
 
-def choose(pipe: PairView, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
+def pick(pipe: PairView, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
            ) -> tuple[str, str]:
     """(placement, why) for one generation: a caller's hold, tune's forced one, else unpinned for ar and sd
     and mirror's row's measured winner (unpinned where no row measured one)."""
@@ -141,7 +141,7 @@ def split(pipe: PairView) -> Iterator[str]:
 @contextmanager
 def placed(pipe: PairView, opts: Any) -> Iterator[Any]:
     """Run one generation in its placement: yields `opts` with `placement` saying which and why."""
-    name, why = choose(pipe, opts.mode, opts.kappa, opts.gamma,
+    name, why = pick(pipe, opts.mode, opts.kappa, opts.gamma,
                        pipe.engine.exit_layer(opts) if opts.mode == "mirror" else opts.exit_layer)
     if name != "split":
         yield replace(opts, placement=f"{name} ({why})")

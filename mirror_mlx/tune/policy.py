@@ -104,7 +104,7 @@ def _load_or_calibrate(pipe: PairView, asking: str = "auto") -> profiles.Profile
 
     key = profiles.pipe_key(pipe)
     try:
-        prof = profiles.load(key, pipe.engine)
+        prof = profiles.saved(key, pipe.engine)
     except profiles.ProfileError as e:
         print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
         prof = None

@@ -127,7 +127,7 @@ def save(profile: Profile) -> Path:
     return path
 
 
-def load(key: dict, engine: Any = None) -> Optional[Profile]:
+def saved(key: dict, engine: Any = None) -> Optional[Profile]:
     """The profile for `key`, None if there is none; ProfileError if the file is unreadable, or holds
     knobs out of range (for `engine`'s target and draft when given)."""
     path = path_for(key)
