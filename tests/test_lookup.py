@@ -220,13 +220,11 @@ def test_the_summary_counts_accepted_tokens_by_source():
 
 
 def test_the_shortest_ngram_is_one_alone_and_two_beside_a_draft(pipes):
-    from mirror_mlx.options import DecodeOptions
-
     alone, pair = pipes
-    assert alone.engine.with_lookup(DecodeOptions(mode="sd")).ngram_min == 1
-    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True)).ngram_min == 2
-    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_max=1)).ngram_min == 1
-    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_min=1)).ngram_min == 1
+    assert alone.check([1], mode="sd").opts.ngram_min == 1
+    assert pair.check([1], mode="sd", lookup=True).opts.ngram_min == 2
+    assert pair.check([1], mode="sd", lookup=True, ngram_max=1).opts.ngram_min == 1
+    assert pair.check([1], mode="sd", lookup=True, ngram_min=1).opts.ngram_min == 1
 
 
 def test_the_summary_of_the_lookup_alone_names_no_draft():
