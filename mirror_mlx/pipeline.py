@@ -32,7 +32,7 @@ from .prompt_cache import PromptCache
 from .text import Conversation, ChatMessage
 from .tune.placement import placed
 from .tune.policy import AutoState, PairFacts, profile_for, resolve
-from .tune.profile import Profile
+from .tune.profile import Profile, row_cost
 
 PromptInput = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
@@ -173,6 +173,8 @@ class Pipeline:
             return plan
         self._check_not_iterating()
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
+        if opts.lookup and opts.row_cost is None:  # the lookup weighs its windows at the pair's measured verify
+            opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 
     def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:

@@ -374,16 +374,7 @@ def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource
     (`asked`), as checked (`checked`: auto as its stand-in), the pair's profile (asked only where the choice
     needs it: the first call without one runs a bounded quick calibration) and the pair's facts. Explicit
     knobs win; an explicit mode's knobs left out come from the profile (`explicit`); mode auto gets the tuned
-    ones and an `AutoRun` over `auto` to watch the generation. The lookup weighs its windows at the pair's
-    measured verify (`row_cost`) unless given."""
-    out, run = _pick(asked, checked, profile, auto, facts)
-    if out.lookup and out.row_cost is None:
-        out = replace(out, row_cost=profiles.row_cost(auto.profile))
-    return out, run
-
-
-def _pick(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource, auto: AutoState,
-          facts: PairFacts) -> tuple[DecodeOptions, Optional[AutoRun]]:
+    ones and an `AutoRun` over `auto` to watch the generation."""
     if not facts.has_draft and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
         return lookup_alone(checked, asked.mode, asked.gamma), None
     if asked.mode != "auto":
