@@ -50,6 +50,16 @@ class Chunk:
     def __str__(self) -> str:
         return self.text
 
+    @property
+    def committed(self) -> list[int]:
+        """Every token this step committed: `tokens`, then the end-of-sequence token if it stopped."""
+        return self.tokens + ([self.stop_token] if self.stop_token is not None else [])
+
+    @property
+    def committed_logprobs(self) -> list:
+        """`logprobs` of each of `committed`."""
+        return self.logprobs + ([self.stop_logprobs] if self.stop_token is not None else [])
+
 
 class Detokenizer:
     """One generation's tokens → text, as they are committed: each shown token's text, end-of-sequence

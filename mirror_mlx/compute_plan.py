@@ -16,11 +16,6 @@ from typing import Any, Optional
 DEVICE_NAMES = {"MLNeuralEngineComputeDevice": "ANE", "MLGPUComputeDevice": "GPU", "MLCPUComputeDevice": "CPU"}
 
 
-def device_counts(package: Path) -> dict[str, Counter]:
-    """Per function of the package: how many ops Core ML prefers on each device (ANE, GPU, CPU)."""
-    return {name: Counter(op.device for op in ops) for name, ops in op_devices(load_plan(package)).items()}
-
-
 def load_plan(package: Path) -> Any:
     """The package's MLComputePlan for CPU and Neural Engine (macOS 14.4+; compiles the package)."""
     import coremltools as ct

@@ -26,7 +26,6 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
@@ -41,15 +40,14 @@ from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
 from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
-from . import validate
 from .exit_adapter import adapter_for
-from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE, Lookup
-from .options import DRAFT_TIMEOUT_S, MODES, DecodeOptions, default_exit_layer
+from .lookup import Lookup
+from .options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler, samplers
 from .stats import Stats, Step
 from .model_parts import text_model, vocab_size
-from .target import TargetSide, check_exit_layer
+from .target import TargetSide
 from .workers import LoopThread, Worker
 
 
@@ -284,50 +282,6 @@ class Engine:
         ys, a = self.target.verify(committed, out.windows[0], sampler, processors)
         return None, out, r0, r1, ys, a, time.perf_counter()
 
-    def check(self, prompt: Sequence[int], opts: DecodeOptions,
-              prompt_cache: Optional[PromptCache] = None) -> tuple[list[int], DecodeOptions]:
-        """Refuse bad options or prompt ids with one sentence naming the problem and the fix, before any
-        work starts (no ring, no forward); returns the prompt and options the engine will use.
-        With a `prompt_cache`, `prompt` is `prompt_cache.prompt(ids)`: its prefix's ids if known, then the rest."""
-        opts = validate.decode_options(self.with_lookup(opts), MODES, self.vocab_size, self.n_layers,
-                                       self.draft_context)
-        if prompt_cache is not None:
-            prompt_cache.check(opts.mode, self.n_layers)
-        if opts.mode != "ar" and self.host is None and self.draft_failure is None and not (
-                opts.mode == "sd" and opts.lookup):
-            also = "; the lookup draft runs in mode='sd'" if self.lookup_only else ""
-            raise ValueError(f"mode {opts.mode!r} needs a draft model: pass draft_model=... (a model, or \"lookup\" "
-                             f"for sd), or use mode='ar'{also}")
-        if self.exit_adapter is not None and opts.mode == "mirror":
-            from .exit_adapter import check_layer
-
-            check_layer(self.exit_adapter, self.exit_layer(opts))
-        check_exit_layer(self.exit_layer(opts), self.n_layers)
-        prompt = validate.prompt_tokens(prompt, self.vocab_size)
-        length = len(prompt) + (prompt_cache.opaque if prompt_cache is not None else 0)
-        if opts.max_kv_size is not None and length + opts.max_tokens > opts.max_kv_size:
-            raise ValueError(
-                f"max_kv_size {opts.max_kv_size} is smaller than the prompt ({length} tokens) plus max_tokens "
-                f"({opts.max_tokens}): a rotating cache cannot roll back rejected draft tokens, so only a size the "
-                "whole generation fits in is taken (then it equals mlx-lm's); raise it or lower max_tokens")
-        if self.context_length and length + opts.max_tokens > self.context_length:
-            raise ValueError(
-                f"prompt ({length} tokens) plus max_tokens ({opts.max_tokens}) exceeds the target's "
-                f"context of {self.context_length} tokens: shorten the prompt or lower max_tokens"
-            )
-        return prompt, opts
-
-    def with_lookup(self, opts: DecodeOptions) -> DecodeOptions:
-        """lookup=None as the pipeline has it: on in sd when the draft is the lookup (draft_model="lookup");
-        ngram_min=None: 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)."""
-        lookup = self.lookup_only and opts.mode == "sd" if opts.lookup is None else opts.lookup
-        n_min = opts.ngram_min
-        if n_min is None:
-            n_min = NGRAM_MIN if self.host is None else NGRAM_MIN_BESIDE
-            if isinstance(opts.ngram_max, int) and opts.ngram_max >= 1:  # (a bad ngram_max is refused as such)
-                n_min = min(n_min, opts.ngram_max)
-        return replace(opts, lookup=lookup, ngram_min=n_min)
-
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
         if opts.exit_layer is not None:
@@ -336,13 +290,13 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
                  leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
-        """Yield a `Step` per step, until max_tokens or a stop token. `prompt` and `opts` are as `check`
-        returned them (checked once, by the caller, before any work starts).
+        """Yield a `Step` per step, until max_tokens or a stop token. `prompt` and `opts` are a resolved Plan's
+        (checked once by validate.request, before any work starts).
 
         `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or
         None (mode auto's test of the text at hand; the draft is idle between steps).
         `prompt_cache`: the target continues this cache, extended in place, as mlx_lm.generate with a
-        prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see `check`). When the generation ends (or
+        prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see validate.request). When the generation ends (or
         is closed) the cache holds the prompt and every committed token, the last (or the
         end-of-sequence token) included, as mlx-lm leaves it, and the engine goes on with a cache of its own.
         """

@@ -26,6 +26,7 @@ from .corpus import HELD_OUT_PARAGRAPHS, eos_ids, greedy_continuations, split
 from .options import default_exit_layer
 from .model_parts import text_model
 from .target import EarlyExitTarget, apply_head, check_exit_layer
+from .validate import check_layer
 
 FORMAT = "mirror-mlx-exit-adapter"
 VERSION = "1"
@@ -291,20 +292,6 @@ def read_adapter(path: Union[str, Path]) -> tuple[ExitAdapter, dict[str, str]]:
     adapter.load_weights(list(weights.items()), strict=True)
     mx.eval(adapter.parameters())
     return adapter, md
-
-
-def check_layer(adapter: nn.Module, exit_layer: int, path: Any = "the exit adapter") -> None:
-    """Refuse an adapter trained at another exit layer (its state space is another layer's).
-
-    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
-    block and the identity layers after it.
-    """
-    trained = getattr(adapter, "exit_layer", None)
-    if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
-        raise ValueError(
-            f"{path} was trained for exit layer {trained}, not {exit_layer} (use --exit-layer {trained} "
-            f"or train one with `mirror-mlx train-exit --exit-layer {exit_layer}`)"
-        )
 
 
 def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[int] = None) -> ExitAdapter:

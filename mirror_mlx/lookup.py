@@ -13,7 +13,7 @@ from an index updated as tokens are committed, so a step costs O(new tokens), no
 A wrong window is not free: the target verifies its rows, and a verify of γ + 1 rows costs more than a
 one-row forward. `Lookup` (the engine's lookup draft for one generation) therefore cuts each proposal to
 the length that pays (`best_length`): every proposal, verified or not, is scored against the tokens that
-were then committed (`Acceptance`), which is what its verify would have accepted (at temperature 0
+were then committed (`ProposalRecord`), which is what its verify would have accepted (at temperature 0
 exactly; above it, a committed token equals the proposal's with the probability the verify would have
 accepted it), so text whose context misleads the lookup (a question answered in new words) soon gets no
 windows, and a verbatim copy gets long ones.
@@ -77,7 +77,7 @@ class NgramIndex:
         return 0, []
 
 
-class Acceptance:
+class ProposalRecord:
     """How far the lookup's proposals were right, per kind of proposal (as `Lookup` keys it: its n-gram length,
     and whether the context is being copied just now): of the proposals scored that reached position i (their
     first i - 1 tokens right), how many were right at i too."""
@@ -140,7 +140,7 @@ class Lookup:
                  row_cost: Optional[float] = None):
         self.index = NgramIndex(tokens, n_max, n_min)
         self.row_cost = ROW_COST if row_cost is None else row_cost
-        self.acceptance = Acceptance()
+        self.acceptance = ProposalRecord()
         self.pending: dict[int, tuple[tuple, list[int]]] = {}  # where a proposal starts -> (kind, proposal)
         self.copying = False  # the last token committed was one a proposal had right (a copy is under way)
         self.held = 0

@@ -206,12 +206,11 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
                                                                           (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     start = given.length if given is not None else 0
-    if max_tokens == -1:
-        max_tokens = max(1, (pipe.context_length or start + len(ids) + 2 ** 20) - start - len(ids))
     mode = mode or ("mirror" if draft_model is not None else "ar")
-    chunks = pipe.stream(ids, prompt_cache=given, max_tokens=max_tokens, mode=mode, seed=seed, sampler=sampler,
-                         logits_processors=logits_processors or (), max_kv_size=max_kv_size,
-                         prompt_progress_callback=prompt_progress_callback, **knobs)
+    plan = pipe.check(ids, given, cap=max_tokens == -1, max_tokens=2 ** 20 if max_tokens == -1 else max_tokens,
+                      mode=mode, seed=seed, sampler=sampler, logits_processors=logits_processors or (),
+                      max_kv_size=max_kv_size, prompt_progress_callback=prompt_progress_callback, **knobs)
+    chunks = pipe.run(plan)
     yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
     progress = prompt_progress_callback or (lambda *_: None)
     progress(0, len(ids))

@@ -5,7 +5,7 @@ the API (`Pipeline.generate`), the command line and the benchmark read them from
 import, so the command line can show them in `--help` without loading MLX.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional, Sequence
 
 from .lookup import NGRAM_MAX
@@ -68,3 +68,31 @@ class DecodeOptions:
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
 CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "placement"))  # set by the Pipeline
+
+
+def given(opts: DecodeOptions) -> dict:
+    """The caller's options that differ from the defaults, as keywords (a request sent to other ranks)."""
+    default = DecodeOptions()
+    return {n: getattr(opts, n) for n in CALLER_OPTIONS if getattr(opts, n) != getattr(default, n)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call as a value, made once (`validate.request`) and read downstream, never rebuilt: the prompt ids
+    the engine runs, the options checked (mode auto as its stand-in, the context fit in max_tokens) and the
+    caller's as given. `Pipeline.resolve` fills in the concrete mode, knobs, row cost and why (opts.why),
+    with mode auto's watch over the generation (`run`)."""
+
+    ids: list  # after a prompt cache's prefix: its ids (when known), then the rest
+    opts: DecodeOptions
+    asked: DecodeOptions  # mode auto and knobs left out, as the caller gave them: what resolution fills in
+    prompt_cache: Any = None  # mirror_mlx.prompt_cache.PromptCache
+    run: Any = None  # mirror_mlx.tune.policy.AutoRun, once resolved
+    resolved: bool = False
+
+    def after(self, tokens: list) -> "Plan":
+        """The same call going on after `tokens` it committed (a server's request back from the batch): the
+        context fit holds, as the total is the same."""
+        left = self.opts.max_tokens - len(tokens)
+        return replace(self, ids=self.ids + tokens, opts=replace(self.opts, max_tokens=left),
+                       asked=replace(self.asked, max_tokens=left))

@@ -1,8 +1,8 @@
 """The public API: `load(model, draft_model)` → `Pipeline.generate / stream / chat`.
 
 One way in: each call's text becomes ids here (mirror_mlx.text), its prompt and options are checked
-once (`prepare`), mode auto is resolved (mirror_mlx.tune.policy), and the engine, which trusts what it
-is given, yields a `Step` per step that becomes a `Chunk` of text.
+once into a `Plan` (`plan`, validate.request), mode auto is resolved (`resolve`: mirror_mlx.tune.policy), and the
+engine, which trusts what it is given, yields a `Step` per step that becomes a `Chunk` of text.
 """
 
 import asyncio
@@ -10,9 +10,9 @@ import threading
 import weakref
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,18 +26,15 @@ from .engine import Engine
 from .stats import Stats
 from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
 from .loading import load_model, resolve_model
-from .lookup import LOOKUP, NGRAM_MIN
-from .options import CALLER_OPTIONS, PAPER_KNOBS, DecodeOptions
+from .lookup import LOOKUP
+from .options import CALLER_OPTIONS, DecodeOptions, Plan
 from .prompt_cache import PromptCache
-from .text import Conversation, Message
+from .text import Conversation, ChatMessage
 from .tune.placement import placed
-from .tune.profile import row_cost
-from .tune.policy import AutoRun, AutoState, Pair, explicit, lookup_alone, needs_knobs, profile_for, resolve
+from .tune.policy import AutoState, PairFacts, profile_for, resolve
+from .tune.profile import Profile, row_cost
 
-if TYPE_CHECKING:
-    from .tune.profile import Profile
-
-Prompt = Union[str, Sequence[int]]
+PromptInput = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
 
 
@@ -99,9 +96,9 @@ class Pipeline:
         names the mode `asking` for it)."""
         return profile_for(self, asking)
 
-    def pair(self) -> Pair:
+    def facts(self) -> PairFacts:
         """What mode resolution needs to know of this pair (tune.policy.resolve)."""
-        return Pair(self.draft is not None, self.engine.exit_layer(DecodeOptions()))
+        return PairFacts(self.draft is not None, self.engine.exit_layer(DecodeOptions()))
 
     @property
     def context_length(self) -> Optional[int]:
@@ -129,7 +126,7 @@ class Pipeline:
         if self._closed:
             raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: PromptInput) -> list[int]:
         """Ids pass as is; text as `text.api_prompt` (through the chat template unless already templated)."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
@@ -137,7 +134,7 @@ class Pipeline:
 
     def options(self, stop: bool = True, **kwargs: Any) -> DecodeOptions:
         """`DecodeOptions` from keywords (its fields and defaults are the options); `stop` ends the
-        generation at the tokenizer's end-of-sequence tokens. mode="auto" stays auto here: `prepare`
+        generation at the tokenizer's end-of-sequence tokens. mode="auto" stays auto here: `resolve`
         resolves it."""
         allowed = list(CALLER_OPTIONS) + ["stop"]
         unknown = sorted(set(kwargs) - set(allowed))
@@ -145,108 +142,60 @@ class Pipeline:
             raise TypeError(f"unknown option {unknown[0]!r}: the options are {', '.join(allowed)}")
         return DecodeOptions(stop_tokens=tuple(self.tokenizer.eos_token_ids) if stop else (), **kwargs)
 
-    def _stand_in(self, opts: DecodeOptions) -> DecodeOptions:
-        """What is checked before auto is resolved: auto as mirror (without a draft model: sd with the lookup,
-        else ar), the knobs not given as the paper's. Bad input is refused before any calibration starts."""
-        mode = opts.mode
-        if mode == "auto":
-            lookup = opts.lookup or (opts.lookup is None and self.lookup_only)
-            mode = "mirror" if self.draft is not None else "sd" if lookup else "ar"
-        return replace(opts, mode=mode, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
-                       gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
-
-    def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> "Admitted":
-        """Raise ValueError/TypeError (one sentence) for options or a prompt this pipeline cannot serve
-        (say, a server's or a chat's defaults, before the first request). What passed, handed to `stream`
-        with the same prompt and options (a server's request), is not checked again."""
+    def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, cap: bool = False,
+              **kwargs: Any) -> Plan:
+        """The call as a `Plan`: its prompt ids and options checked once, before any work starts (one sentence
+        naming the option at fault: validate.BadOption); mode auto is resolved when it runs (`resolve`).
+        `cap`: max_tokens is a ceiling, lowered to what the context leaves (validate.fit)."""
         self._check_open()
-        opts = self._after_cache(self.options(**kwargs), prompt_cache)
-        return self._admit(tokens, opts, prompt_cache)
+        opts = self.options(**kwargs)
+        if prompt_cache is not None and prompt_cache.tokens is None and opts.mode == "auto":
+            opts = replace(opts, mode="ar", why="auto: ar, as the prompt cache holds no token ids for the draft")
+        return validate.request(self.engine, tokens, opts, prompt_cache, cap)
 
-    def _admit(self, tokens: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache],
-               admitted: Optional["Admitted"] = None) -> "Admitted":
-        """The engine's check of the call (its stand-in options, before auto is resolved), run once per request:
-        `admitted`, an earlier check of the same prompt ids and options (no prompt cache), is taken as it is."""
-        stand_in = self._stand_in(opts)
-        if admitted is not None and prompt_cache is None and admitted.covers(tokens, stand_in):
-            return admitted
-        ids, checked = self.engine.check(self._with_cache(tokens, prompt_cache), stand_in, prompt_cache)
-        return Admitted(stand_in, ids, checked)
-
-    def _with_cache(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache]) -> Sequence[int]:
-        """The ids the engine runs: after a loaded prompt cache, its prefix's ids (when known) first."""
-        if prompt_cache is None:
-            return tokens
-        return prompt_cache.prompt(validate.prompt_tokens(tokens, self.engine.vocab_size))
-
-    @staticmethod
-    def _after_cache(opts: DecodeOptions, prompt_cache: Optional[PromptCache]) -> DecodeOptions:
-        """auto after a prompt cache without token ids (mlx-lm's file) is ar, visibly: the draft needs the ids."""
-        if prompt_cache is None or prompt_cache.tokens is not None or opts.mode != "auto":
-            return opts
-        return replace(opts, mode="ar", why="auto: ar, as the prompt cache holds no token ids for the draft")
-
-    def prepare(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, admitted: Optional["Admitted"] = None,
-                **kwargs: Any) -> tuple[list[int], DecodeOptions, Optional[AutoRun]]:
-        """The call's prompt ids and options, checked once (before any work starts; `admitted`: what `check`
-        returned for the same prompt and options), mode auto resolved (with its watch over the generation, else
-        None). Knobs from the pair's profile come from its own grid and are trusted, as auto's are.
-
-        Text that is not valid UTF-8 (lone surrogates) is decoded with replacement, with one warning.
-        With a `prompt_cache` (prompt_cache.read), the prompt is what follows the cached prefix: text is
-        then encoded as is, with no template and no BOS (it continues the cached text).
-        """
+    def plan(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
+             **kwargs: Any) -> Plan:
+        """`check` of a prompt given as text or ids. Text that is not valid UTF-8 (lone surrogates) is decoded
+        with replacement, with one warning. With a `prompt_cache` (prompt_cache.read), the prompt is what
+        follows the cached prefix: text is then encoded as is, with no template and no BOS."""
         self._check_open()
         if isinstance(prompt, str):
             clean, replaced = validate.clean_text(prompt)
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
             prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
-        opts = self._after_cache(self.options(**kwargs), prompt_cache)
-        ids, checked = self._admit(prompt, opts, prompt_cache, admitted).checked
-        if self.draft is None and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
-            return ids, lookup_alone(checked, opts.mode, opts.gamma), None
-        if opts.mode != "auto" and not needs_knobs(opts.mode, opts.kappa, opts.gamma):
-            return ids, replace(checked, why=checked.why or f"mode {opts.mode} as asked"), None
-        if opts.mode != "auto":  # the knobs left out come from the pair's profile (tune.policy.explicit)
-            self._check_not_iterating()  # a first call may calibrate, which needs the pipeline
-            c = explicit(self.profile, self.pair(), opts.mode, opts.kappa, opts.gamma, opts.exit_layer)
-            picked = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
-                             branches=checked.branches if checked.branches is not None else c.branches)
-            if picked.mode == "mirror" and opts.branches is not None:  # the caller's B against the picked κ, γ
-                validate.branch_budget(picked.branches, picked.kappa, picked.gamma)
-            return ids, picked, None
-        self._check_not_iterating()  # a first auto call calibrates, which needs the pipeline
-        given = replace(checked, mode="auto", kappa=None if opts.kappa is None else checked.kappa,
-                        gamma=None if opts.gamma is None else checked.gamma)
-        resolved, run = resolve(given, self.profile, self.auto, self.pair())  # this pair's own runs: trusted
-        if resolved.mode == "ar" and resolved.lookup and opts.ngram_min is None:  # the lookup beside the target
-            resolved = replace(resolved, ngram_min=min(NGRAM_MIN, resolved.ngram_max))  # alone: its n as alone
-        return ids, resolved, run
+        return self.check(prompt, prompt_cache, cap, **kwargs)
 
-    def stream(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None,
-               detokenizer: Optional[Detokenizer] = None, admitted: Optional["Admitted"] = None,
-               **kwargs: Any) -> Iterator[Chunk]:
+    def resolve(self, plan: Plan) -> Plan:
+        """The plan with its mode and knobs concrete (tune.policy.resolve: explicit ones win, the rest from the
+        pair's profile; a first call may calibrate, which needs the pipeline) and auto's watch over the run."""
+        if plan.resolved:
+            return plan
+        self._check_not_iterating()
+        opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
+        if opts.lookup and opts.row_cost is None:  # the lookup weighs its windows at the pair's measured verify
+            opts = replace(opts, row_cost=row_cost(self.auto.profile))
+        return replace(plan, opts=opts, run=run, resolved=True)
+
+    def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
 
         Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
         is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
-        that the prompt follows, as mlx_lm.generate --prompt-cache-file. `detokenizer`: one that goes on
-        from earlier tokens (a server's request that resumes), else a fresh one. `admitted`: what `check`
-        returned for this prompt and these options (a server's request, checked when it came in).
+        that the prompt follows, as mlx_lm.generate --prompt-cache-file.
         """
-        tokens, opts, run = self.prepare(prompt, prompt_cache, admitted, **kwargs)
-        return self._chunks(tokens, opts, run, prompt_cache, hold=True, detokenizer=detokenizer)
+        return self.run(self.plan(prompt, prompt_cache, **kwargs))
 
-    def _chunks(self, tokens: list[int], opts: DecodeOptions, run: Optional[AutoRun],
-                prompt_cache: Optional[PromptCache] = None, hold: bool = False,
-                detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+    def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+        """`stream` of a checked plan (a server's request, checked when it came in); `detokenizer`: one that goes
+        on from earlier tokens (a request that resumes), else a fresh one."""
+        return self._chunks(self.resolve(plan), hold=True, detokenizer=detokenizer)
+
+    def _chunks(self, plan: Plan, hold: bool = False, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
         """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
         the caller holds it). `stats` is the sum of this generation's step records so far."""
-        if opts.lookup and opts.row_cost is None:  # the lookup weighs its windows at the pair's measured verify
-            opts = replace(opts, row_cost=row_cost(self._auto.profile if self._auto is not None else None))
-        with self._turn() if hold else nullcontext(), placed(self, opts) as opts:  # cores: tune/placement.py
-            steps = self.engine.generate(tokens, opts, prompt_cache, leave_draft=run)
+        with self._turn() if hold else nullcontext(), placed(self, plan.opts) as opts:  # cores: tune/placement.py
+            steps = self.engine.generate(plan.ids, opts, plan.prompt_cache, leave_draft=plan.run)
             detok = detokenizer or Detokenizer(self.tokenizer, opts.max_tokens, opts.stop_tokens)
             self.stats = Stats(mode=opts.mode)
             try:
@@ -255,64 +204,63 @@ class Pipeline:
                     yield detok.chunk(step, self.stats)
             finally:
                 steps.close()
-                if run is not None:
-                    run.done(self.stats)
+                if plan.run is not None:
+                    plan.run.done(self.stats)
 
-    async def astream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+    async def astream(self, prompt: PromptInput, **kwargs: Any) -> AsyncIterator[Chunk]:
         """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
         chunks = self.stream(prompt, **kwargs)
         done = object()
         while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
             yield chunk
 
-    def generate(self, prompt: Prompt, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
+    def generate(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
         """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
 
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
         exit_layer, mode, ...) with its defaults, plus `stop`; `prompt_cache` as for `stream`.
         """
-        tokens, opts, run = self.prepare(prompt, prompt_cache, **options)
+        plan = self.resolve(self.plan(prompt, prompt_cache, **options))
         with self._turn():
-            parts = [_kept(c) for c in self._chunks(tokens, opts, run, prompt_cache)]
+            parts = [_kept(c) for c in self._chunks(plan)]
             stats = self.stats
         return result(parts, stats, parts[-1].finish_reason if parts else "length")
 
     # --- chat -------------------------------------------------------------------------------------
 
-    def chat_ids(self, messages: Sequence[Message]) -> list[int]:
+    def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The ids `chat` runs for `messages` plus the assistant's turn (text.conversation): the earlier
         turns keep the ids the caches hold."""
         return text.conversation(self.tokenizer, self.conversation, messages, self.chat_template_kwargs)
 
-    def chat_stream(self, messages: Sequence[Message], *, ids: Optional[list[int]] = None,
+    def chat_stream(self, messages: Sequence[ChatMessage], *, plan: Optional[Plan] = None,
                     **kwargs: Any) -> Iterator[Chunk]:
         """`chat`, yielding text as tokens are committed; stopping early keeps what was committed.
-        Bad input raises here, at the call, and leaves the conversation as it was. `ids`: what
-        `chat_ids(messages)` returned, when the caller needed them first (a server's context check)."""
+        Bad input raises here, at the call, and leaves the conversation as it was. `plan`: the turn already
+        checked (`check` of `chat_ids(messages)`: a chat that caps the turn to the context first)."""
         self._check_open()
         messages = [text.clean_message(m) for m in messages]
         if not messages:
             raise ValueError("the conversation is empty: give at least one message")
-        tokens, opts, run = self.prepare(self.chat_ids(messages) if ids is None else ids, **kwargs)
-        return self._reply(messages, tokens, opts, run)
+        plan = self.resolve(plan or self.check(self.chat_ids(messages), **kwargs))
+        return self._reply(messages, plan)
 
-    def _reply(self, messages: list[Message], tokens: list[int], opts: DecodeOptions,
-               run: Optional[AutoRun]) -> Iterator[Chunk]:
+    def _reply(self, messages: list[ChatMessage], plan: Plan) -> Iterator[Chunk]:
         committed: list[int] = []
         said: list[str] = []
         stop: Optional[int] = None
         with self._turn():  # the pipeline is held for the whole reply
             try:
-                for chunk in self._chunks(tokens, opts, run):
-                    committed += chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
+                for chunk in self._chunks(plan):
+                    committed += chunk.committed
                     stop = chunk.stop_token
                     said.append(chunk.text)
                     yield chunk
             finally:  # whatever was committed is remembered, also when the caller stops early (Ctrl-C)
                 reply = {"role": "assistant", "content": "".join(said)}
-                self.conversation = Conversation(messages + [reply], tokens + committed, stop)
+                self.conversation = Conversation(messages + [reply], plan.ids + committed, stop)
 
-    def chat(self, messages: Sequence[Message], **kwargs: Any) -> Result:
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Result:
         """The assistant's reply to `messages` (role/content dicts), through the chat template if any.
 
         Call again with the reply and the next user turn appended: the earlier turns keep their token
@@ -340,28 +288,11 @@ class Pipeline:
                 self._finalizer()  # Engine.close, once
 
 
-@dataclass(frozen=True)
-class Admitted:
-    """A prompt and options that passed the engine's check (`Pipeline.check`): the options checked (auto as its
-    stand-in) and what the engine will run (`checked`)."""
-
-    stand_in: DecodeOptions
-    ids: list[int]
-    opts: DecodeOptions
-
-    @property
-    def checked(self) -> tuple[list[int], DecodeOptions]:
-        return self.ids, self.opts
-
-    def covers(self, tokens: Sequence[int], stand_in: DecodeOptions) -> bool:
-        """Whether this check was of the same prompt ids and options (else the call is checked anew)."""
-        return self.stand_in == stand_in and isinstance(tokens, list) and self.ids == tokens
-
-
 def check_adapter_path(adapter_path: Optional[Union[str, Path]]) -> None:
     if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
-        raise ValueError(f"adapter_path {str(adapter_path)!r} is not a folder: give the folder mlx_lm.lora wrote "
-                         "(adapter_config.json + adapters.safetensors)")
+        raise validate.BadValue("adapter_path", "{adapter_path} {path!r} is not a folder: give the folder "
+                                "mlx_lm.lora wrote (adapter_config.json + adapters.safetensors)",
+                                path=str(adapter_path))
 
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from . import validate
 
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+ChatMessage = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -117,12 +117,12 @@ def cache_prefix(tokenizer: Any, prompt: str) -> list[int]:
 class Conversation:
     """The messages the engine has seen and the exact ids it ran for them."""
 
-    messages: list[Message] = field(default_factory=list)
+    messages: list[ChatMessage] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     stop_token: Optional[int] = None  # the end-of-sequence token that ended the last reply, if any
 
 
-def clean_message(m: Any) -> Message:
+def clean_message(m: Any) -> ChatMessage:
     """A copy of one message whose text is valid UTF-8 (undecodable bytes replaced, with one warning)."""
     if not isinstance(m, dict) or not isinstance(m.get("content"), str):
         raise TypeError(f"each message must be a dict with a str 'content', not {m!r:.60}")
@@ -132,12 +132,12 @@ def clean_message(m: Any) -> Message:
     return dict(m, content=content)
 
 
-def _same(a: Sequence[Message], b: Sequence[Message]) -> bool:
+def _same(a: Sequence[ChatMessage], b: Sequence[ChatMessage]) -> bool:
     return len(a) == len(b) and all(x.get("role") == y.get("role") and x.get("content") == y.get("content")
                                     for x, y in zip(a, b))
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, **template_kwargs: Any) -> str:
+def _render(tokenizer: Any, messages: Sequence[ChatMessage], generation_prompt: bool, **template_kwargs: Any) -> str:
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
                                              tokenize=False, **template_kwargs)
@@ -145,7 +145,7 @@ def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool
         raise ValueError(f"the model's chat template refused the conversation: {e}") from None
 
 
-def _turns(tokenizer: Any, messages: Sequence[Message], first: bool) -> list[int]:
+def _turns(tokenizer: Any, messages: Sequence[ChatMessage], first: bool) -> list[int]:
     """Plain continuation: the turns' texts one after another (a BOS only at the very start)."""
     ids: list[int] = []
     for i, m in enumerate(messages):
@@ -172,7 +172,7 @@ def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwa
     return ids
 
 
-def conversation(tokenizer: Any, conv: Conversation, messages: Sequence[Message],
+def conversation(tokenizer: Any, conv: Conversation, messages: Sequence[ChatMessage],
                  template_kwargs: Optional[dict] = None) -> list[int]:
     """The ids to run for `messages` plus the assistant's turn; the remembered ids (`conv`) stay a prefix
     whenever `messages` extend the remembered conversation (its last reply included)."""

@@ -1,9 +1,12 @@
 """One place that checks every option and prompt before any work starts (API, CLI and server).
 
 Each check either returns the value the engine will use or raises one sentence that names the
-argument and the fix: TypeError for the wrong kind of value (a float token id, a bool knob), ValueError
-for a value out of range. Nothing is cast silently: `True` is not a token id and 2.5 is not a κ.
-Nothing here allocates (no shared memory, no model work), so a refused call leaves nothing behind.
+argument and the fix: `BadType` (a TypeError) for the wrong kind of value (a float token id, a bool
+knob), `BadValue` (a ValueError) for a value out of range, `ContextError` (a BadValue) for a prompt and
+max_tokens the context cannot hold. Each carries `param`, the option at fault, so the server answers
+it as its JSON field and the command line as its flag without reading the sentence. Nothing is cast
+silently: `True` is not a token id and 2.5 is not a κ. Nothing here allocates (no shared memory, no
+model work), so a refused call leaves nothing behind.
 """
 
 import json
@@ -11,7 +14,7 @@ import math
 import numbers
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 SEED_RANGE = 2**64  # mx.random.seed takes a uint64; any Python int is mapped into it
 # Mirror-SD rolls out κ(γ+1) branches a step, each a row of the draft's cache in the draft host, and
@@ -20,18 +23,52 @@ SEED_RANGE = 2**64  # mx.random.seed takes a uint64; any Python int is mapped in
 MAX_BRANCHES = 256
 
 
+class _Spelling(dict):
+    def __missing__(self, name: str) -> str:
+        return name  # an option's API name, as the caller wrote it
+
+
+class BadOption(Exception):
+    """A refused option: `param` names it. The sentence names options as `{name}` in `template` (values are
+    given apart), so `spelled` can write them as each front end calls them (the command line: its flags)."""
+
+    def __init__(self, param: str, template: str, **values: Any):
+        self.param, self.template, self.values = param, template, values
+        super().__init__(self.spelled())
+
+    def spelled(self, names: Mapping[str, str] = {}) -> str:
+        return self.template.format_map(_Spelling(names, **self.values))
+
+
+class BadValue(BadOption, ValueError):
+    """An option out of range."""
+
+
+class BadType(BadOption, TypeError):
+    """An option of the wrong kind."""
+
+
+class ContextError(BadValue):
+    """A prompt (param "prompt") or max_tokens (param "max_tokens") the target's context cannot hold."""
+
+
 def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+def _fix(fix: str) -> str:
+    return fix and ": " + fix
+
+
 def as_int(name: str, value: Any, lo: int, hi: Optional[int] = None, fix: str = "") -> int:
-    """An int (not a bool, not a float that happens to be whole) within lo..hi."""
+    """An int (not a bool, not a float that happens to be whole) within lo..hi. `fix` may name options as {name}."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, not {_kind(value)} ({value!r}){fix and ': ' + fix}")
+        raise BadType(name, "{" + name + "} must be an int, not {kind} ({value!r})" + _fix(fix), kind=_kind(value),
+                      value=value)
     value = int(value)
     if value < lo or (hi is not None and value > hi):
         bound = f"at least {lo}" if value < lo else f"at most {hi}"
-        raise ValueError(f"{name} must be {bound} (got {value}){fix and ': ' + fix}")
+        raise BadValue(name, "{" + name + "} must be {bound} (got {value})" + _fix(fix), bound=bound, value=value)
     return value
 
 
@@ -39,23 +76,27 @@ def as_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bo
              fix: str = "") -> float:
     """A finite real number within [lo, hi] (or (lo, hi] with lo_open)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, not {_kind(value)} ({value!r}){fix and ': ' + fix}")
-    value = float(value)
+        raise BadType(name, "{" + name + "} must be a number, not {kind} ({value!r})" + _fix(fix), kind=_kind(value),
+                      value=value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float (JSON's 1e400 written out)
+        value = math.inf
     low_ok = value > lo if lo_open else value >= lo
     if not (math.isfinite(value) and low_ok and value <= hi):
         span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi) else (
             f"{'above' if lo_open else 'at least'} {lo:g} and finite")
-        raise ValueError(f"{name} must be {span} (got {value}){fix and ': ' + fix}")
+        raise BadValue(name, "{" + name + "} must be {span} (got {value})" + _fix(fix), span=span, value=value)
     return value
 
 
-def branches(kappa: int, gamma: int) -> int:
-    """κ(γ+1), Mirror-SD's branches a step; ValueError naming the limit when the draft host cannot hold them."""
+def branches(kappa: int, gamma: int, param: str = "kappa") -> int:
+    """κ(γ+1), Mirror-SD's branches a step; BadValue naming the limit when the draft host cannot hold them."""
     n = kappa * (gamma + 1)
     if n > MAX_BRANCHES or gamma >= 512:
-        raise ValueError(f"kappa={kappa}, gamma={gamma} asks for kappa*(gamma+1) = {n} draft branches a step; "
-                         f"the draft host's limit is {MAX_BRANCHES} (its memory budget and ring slot): "
-                         f"lower kappa or gamma (e.g. kappa=8, gamma=7)")
+        raise BadValue(param, "{kappa}={k}, {gamma}={g} asks for {kappa}*({gamma}+1) = {n} draft branches a step; "
+                       "the draft host's limit is {limit} (its memory budget and ring slot): lower {kappa} or "
+                       "{gamma} (e.g. {kappa}=8, {gamma}=7)", k=kappa, g=gamma, n=n, limit=MAX_BRANCHES)
     return n
 
 
@@ -64,33 +105,51 @@ def generator_seed(seed: Any) -> Optional[int]:
     if seed is None:
         return None
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None, not {_kind(seed)} ({seed!r})")
+        raise BadType("seed", "{seed} must be an int or None, not {kind} ({value!r})", kind=_kind(seed), value=seed)
     return int(seed) % SEED_RANGE
 
 
 def prompt_tokens(prompt: Any, vocab_size: Optional[int]) -> list[int]:
     """Token ids as a list of ints in [0, vocab_size): no bools, floats or bytes cast silently."""
     if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise TypeError("the prompt is bytes: pass text as str (e.g. data.decode('utf-8', 'replace')) "
-                        "or token ids as a list of ints")
+        raise BadType("prompt", "the prompt is bytes: pass text as str (e.g. data.decode('utf-8', 'replace')) "
+                      "or token ids as a list of ints")
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # numpy / mx arrays
         prompt = prompt.tolist()
         prompt = prompt if isinstance(prompt, list) else [prompt]
     if isinstance(prompt, (str, numbers.Number)) or not isinstance(prompt, Sequence):
-        raise TypeError(f"the prompt must be a str or a sequence of int token ids, not {_kind(prompt)}")
+        raise BadType("prompt", "the prompt must be a str or a sequence of int token ids, not {kind}",
+                      kind=_kind(prompt))
     ids = []
     for i, t in enumerate(prompt):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise TypeError(f"prompt token {i} is {t!r} ({_kind(t)}): token ids must be ints")
+            raise BadType("prompt", "prompt token {i} is {t!r} ({kind}): token ids must be ints", i=i, t=t,
+                          kind=_kind(t))
         t = int(t)
         if t < 0 or (vocab_size is not None and t >= vocab_size):
             span = f"0..{vocab_size - 1}" if vocab_size else "of non-negative ids"
-            raise ValueError(f"prompt token {i} is id {t}, outside the vocabulary {span}: "
-                             "use ids from this model's tokenizer")
+            raise BadValue("prompt", "prompt token {i} is id {t}, outside the vocabulary {span}: use ids from this "
+                           "model's tokenizer", i=i, t=t, span=span)
         ids.append(t)
     if not ids:
-        raise ValueError("the prompt is empty: give at least one token")
+        raise BadValue("prompt", "the prompt is empty: give at least one token")
     return ids
+
+
+def fit(length: int, max_tokens: int, context: Optional[int], cap: bool = False) -> int:
+    """The context rule, written once: a prompt of `length` tokens leaves the target's `context` room for a
+    token, and max_tokens more fit after it. `cap`: max_tokens is a ceiling, lowered to what fits (a server's
+    default, a chat's turn, mlx-lm's -1). Returns max_tokens as it runs."""
+    if not context or length + max_tokens <= context:
+        return max_tokens
+    if length >= context:
+        raise ContextError("prompt", "the prompt is {length} tokens but the model's context is {context} tokens: "
+                           "shorten the prompt", length=length, context=context)
+    if cap:
+        return context - length
+    raise ContextError("max_tokens", "prompt ({length} tokens) plus {max_tokens} ({n}) exceeds the target's context "
+                       "of {context} tokens: shorten the prompt or lower {max_tokens}", length=length, n=max_tokens,
+                       context=context)
 
 
 def clean_text(text: Any) -> tuple[str, bool]:
@@ -113,13 +172,30 @@ def clean_text(text: Any) -> tuple[str, bool]:
 
 
 def exit_layer(value: Any, n_layers: int) -> int:
-    """ℓ_e as asked: an int in 1..N-1."""
+    """ℓ_e: an int in 1..N-1."""
     from .target import check_exit_layer
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"exit_layer must be an int or None, not {_kind(value)} ({value!r})")
-    check_exit_layer(int(value), n_layers)
+        raise BadType("exit_layer", "{exit_layer} must be an int or None, not {kind} ({value!r})", kind=_kind(value),
+                      value=value)
+    try:
+        check_exit_layer(int(value), n_layers)
+    except ValueError as e:
+        raise BadValue("exit_layer", "{why}", why=str(e)) from None
     return int(value)
+
+
+def check_layer(adapter: Any, exit_layer: int, path: Any = "the exit adapter") -> None:
+    """Refuse an adapter trained at another exit layer (its state space is another layer's).
+
+    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
+    block and the identity layers after it.
+    """
+    trained = getattr(adapter, "exit_layer", None)
+    if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
+        raise BadValue("exit_layer", "{path} was trained for exit layer {trained}, not {layer} (use {exit_layer} "
+                       "{trained} or train one with `mirror-mlx train-exit --exit-layer {layer}`)", path=path,
+                       trained=trained, layer=exit_layer)
 
 
 REPLACED = "the text was not valid UTF-8: undecodable bytes were replaced with U+FFFD"
@@ -127,14 +203,14 @@ REPLACED = "the text was not valid UTF-8: undecodable bytes were replaced with U
 
 def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n_layers: int,
                    draft_context: Optional[int] = None) -> Any:
-    """The DecodeOptions with every knob checked and the seed mapped into the generator's range."""
+    """The DecodeOptions with every knob checked (κ, γ left out: the paper's) and the seed mapped into the
+    generator's range."""
     from .options import PAPER_KNOBS
 
-    if opts.mode == "auto" and "auto" not in modes:
-        raise ValueError("mode 'auto' is resolved by the Pipeline (Pipeline.resolve) before the engine runs: "
-                         "give the engine a concrete mode, one of " + ", ".join(modes))
     if not isinstance(opts.mode, str) or opts.mode not in modes:
-        raise ValueError(f"unknown mode {opts.mode!r}: choose one of {', '.join(modes)}")
+        raise BadValue("mode", "unknown mode {mode_given!r}: choose one of {modes}", mode_given=opts.mode,
+                       modes=", ".join(modes))
+    asked = "kappa" if opts.kappa is not None else "gamma"  # the knob to name when κ(γ+1) is too many
     opts = replace(opts, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
                    gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
     vocab_hint = f"at most the vocabulary size {vocab_size}" if vocab_size else ""
@@ -156,36 +232,84 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
         prefill_step_size=as_int("prefill_step_size", opts.prefill_step_size, 1),
     )
     if opts.mode == "mirror":
-        branches(opts.kappa, opts.gamma)
+        branches(opts.kappa, opts.gamma, asked)
     if opts.branches is not None:
         opts = replace(opts, branches=branch_budget(opts.branches, opts.kappa, opts.gamma))
     return lookup_options(opts)
 
 
 def lookup_options(opts: Any) -> Any:
-    """The prompt lookup's settings (lookup None: off here; the engine resolves it first): its n-gram bounds
+    """The prompt lookup's settings (lookup None: off here; the check resolves it first): its n-gram bounds
     within 1..NGRAM_LIMIT, and a mode that takes it (sd or mirror: ar is the target alone)."""
     from .lookup import NGRAM_LIMIT, NGRAM_MIN
 
     if opts.lookup is not None and not isinstance(opts.lookup, bool):
-        raise TypeError(f"lookup must be True, False or None, not {_kind(opts.lookup)} ({opts.lookup!r})")
+        raise BadType("lookup", "{lookup} must be True, False or None, not {kind} ({value!r})",
+                      kind=_kind(opts.lookup), value=opts.lookup)
     n_max = as_int("ngram_max", opts.ngram_max, 1, NGRAM_LIMIT, "the lookup's longest n-gram")
     n_min = NGRAM_MIN if opts.ngram_min is None else as_int("ngram_min", opts.ngram_min, 1, n_max,
-                                                            "the lookup's shortest n-gram, at most ngram_max")
+                                                            "the lookup's shortest n-gram, at most {ngram_max}")
     cost = None if opts.row_cost is None else as_float(
         "row_cost", opts.row_cost, 0.0, 10.0, fix="a verify's cost per row past the first, in one-row forwards; 0 "
         "takes each lookup proposal whole, None the pair's measured one")
     if opts.lookup and opts.mode == "ar":
-        raise ValueError("mode='ar' is the target alone and takes no lookup: use mode='sd' with lookup=True, "
-                         "or leave lookup=True out")
+        raise BadValue("mode", "{mode='ar'} is the target alone and takes no lookup: use {mode='sd'} with "
+                       "{lookup=True}, or leave {lookup=True} out")
     return replace(opts, ngram_max=n_max, ngram_min=n_min, row_cost=cost)
+
+
+def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap: bool = False) -> Any:
+    """The one check of a call against the pair (`engine`'s facts), before any work starts (no ring, no
+    forward): the options, the prompt ids and the context fit. Returns the `Plan`; mode auto is checked as
+    its stand-in (mirror; without a draft model sd with the lookup, else ar), κ and γ left out as the paper's.
+    With a `prompt_cache`, `tokens` follow its prefix, whose ids (when known) the plan's ids start with."""
+    from .options import CHOICES, MODES, PAPER_KNOBS, Plan
+
+    if not isinstance(asked.mode, str) or asked.mode not in CHOICES:
+        raise BadValue("mode", "unknown mode {given!r}: choose one of {modes}", given=asked.mode,
+                       modes=", ".join(CHOICES))
+    mode = asked.mode
+    if mode == "auto":
+        wants = asked.lookup or (asked.lookup is None and engine.lookup_only)
+        mode = "mirror" if engine.draft is not None else "sd" if wants else "ar"
+    lookup = engine.lookup_only and mode == "sd" if asked.lookup is None else asked.lookup
+    n_min = asked.ngram_min
+    if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
+        from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
+
+        n_min = NGRAM_MIN if not engine.has_draft else NGRAM_MIN_BESIDE
+        if isinstance(asked.ngram_max, int) and asked.ngram_max >= 1:  # (a bad ngram_max is refused as such)
+            n_min = min(n_min, asked.ngram_max)
+    opts = decode_options(replace(asked, mode=mode, lookup=lookup, ngram_min=n_min), MODES, engine.vocab_size,
+                          engine.n_layers, engine.draft_context)
+    if opts.mode != "ar" and not engine.has_draft and engine.draft_failure is None and not (
+            opts.mode == "sd" and opts.lookup):
+        also = "; the lookup draft runs in {mode='sd'}" if engine.lookup_only else ""
+        raise BadValue("mode", "mode {given!r} needs a draft model: pass {draft_model} (a model, or \"lookup\" for "
+                       "sd), or use {mode='ar'}" + also, given=opts.mode)
+    layer = exit_layer(engine.exit_layer(opts), engine.n_layers)
+    if engine.exit_adapter is not None and opts.mode == "mirror":
+        check_layer(engine.exit_adapter, layer)
+    ids = prompt_tokens(tokens, engine.vocab_size)
+    length = len(ids)
+    if prompt_cache is not None:
+        prompt_cache.check(opts.mode, engine.n_layers)
+        ids = prompt_cache.prompt(ids)
+        length = len(ids) + prompt_cache.opaque
+    if opts.max_kv_size is not None and length + opts.max_tokens > opts.max_kv_size:
+        raise BadValue("max_kv_size", "{max_kv_size} {size} is smaller than the prompt ({length} tokens) plus "
+                       "{max_tokens} ({n}): a rotating cache cannot roll back rejected draft tokens, so only a size "
+                       "the whole generation fits in is taken (then it equals mlx-lm's); raise it or lower "
+                       "{max_tokens}", size=opts.max_kv_size, length=length, n=opts.max_tokens)
+    n = fit(length, opts.max_tokens, engine.context_length, cap)
+    return Plan(ids, replace(opts, max_tokens=n), replace(asked, max_tokens=n), prompt_cache)
 
 
 def branch_budget(value: Any, kappa: int, gamma: int) -> int:
     """B, the branches a mirror step rolls out: an int within 1..κ(γ+1) (None, every branch, is not checked)."""
     n = kappa * (gamma + 1)
-    return as_int("branches", value, 1, n, f"a step has kappa*(gamma+1) = {kappa}*({gamma}+1) = {n} to choose "
-                  f"from, so give a budget from 1 to {n}, or leave it unset (None) to roll out all of them")
+    return as_int("branches", value, 1, n, f"a step has {{kappa}}*({{gamma}}+1) = {kappa}*({gamma}+1) = {n} to "
+                  f"choose from, so give a budget from 1 to {n}, or leave it unset (None) to roll out all of them")
 
 
 def model_folder(path: Path) -> Path:

@@ -98,7 +98,7 @@ def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks
     monkeypatch.setenv("MIRROR_MLX_CACHE", str(cache))
     pipe = mirror_mlx.load()
     try:
-        assert profiles.load(profiles.pipe_key(pipe)) is None
+        assert profiles.saved(profiles.pipe_key(pipe)) is None
     finally:
         pipe.close()
 
@@ -115,7 +115,7 @@ def test_tune_on_two_ranks_writes_one_profile_with_t_comm_that_auto_on_two_ranks
     # an explicit mode without its knobs takes them from the same profile, as one process takes its own
     from mirror_mlx.tune.policy import knobs_from
 
-    expected = knobs_from(profiles.load(prof["key"]), None, "sd", None, None, None)
+    expected = knobs_from(profiles.saved(prof["key"]), None, "sd", None, None, None)
     out = launch(["generate", "--mode", "sd", "--max-tokens", "24", "--json", "--prompt", "Once upon a time"], cache)
     got = json.loads(out.stdout)
     stats = got["stats"]
@@ -155,12 +155,13 @@ def test_modes_resolve_across_ranks_as_in_one_process_from_rank_0s_profile(tmp_p
     pipe = across_two_ranks(mirror_mlx.load())
     try:
         monkeypatch.setattr("mirror_mlx.tune.calibrate.calibrate", lambda *a, **k: pytest.fail("calibrated"))
-        _, auto, run = pipe.prepare("Once upon a time", max_tokens=8)
+        plan = pipe.resolve(pipe.plan("Once upon a time", max_tokens=8))
+        auto, run = plan.opts, plan.run
         assert (auto.mode, auto.kappa, auto.gamma, run) == ("mirror", 1, 3, None)
         assert auto.why.startswith("auto: mirror (no tuning profile for these ranks") and "auto keeps" in auto.why
-        _, sd, _ = pipe.prepare("Once upon a time", max_tokens=8, mode="sd")
+        sd = pipe.resolve(pipe.plan("Once upon a time", max_tokens=8, mode="sd")).opts
         assert (sd.mode, sd.gamma) == ("sd", 3) and "small safe defaults, uncalibrated" in sd.why
-        sampled = pipe.prepare("Once upon a time", max_tokens=8, temperature=0.7)[1]
+        sampled = pipe.resolve(pipe.plan("Once upon a time", max_tokens=8, temperature=0.7)).opts
         assert sampled.seed is not None  # rank 0's, on every rank
 
         key = profiles.pipe_key(pipe)
@@ -171,14 +172,14 @@ def test_modes_resolve_across_ranks_as_in_one_process_from_rank_0s_profile(tmp_p
         profiles.save(profiles.Profile(key=key, mode="mirror", kappa=2, gamma=3, exit_layer=2, why="tuned",
                                        table=table))
         pipe.auto.profile = None  # (read anew: the next call that needs it shares it)
-        auto = pipe.prepare("Once upon a time", max_tokens=8)[1]
+        auto = pipe.resolve(pipe.plan("Once upon a time", max_tokens=8)).opts
         assert (auto.mode, auto.kappa, auto.gamma, auto.exit_layer) == ("mirror", 2, 3, 2)
         assert auto.why.startswith("auto: the tuned profile of 2 ranks, mirror κ=2 γ=3 ℓe=2: tuned"), auto.why
-        sd = pipe.prepare("Once upon a time", max_tokens=8, mode="sd")[1]
+        sd = pipe.resolve(pipe.plan("Once upon a time", max_tokens=8, mode="sd")).opts
         assert sd.gamma == 4 and "from the tuned profile of 2 ranks" in sd.why, sd.why
 
         pipe.split, pipe.auto.profile = "pipeline", None  # split by layers: tune measures none, so the stand-in
-        auto = pipe.prepare("Once upon a time", max_tokens=8)[1]
+        auto = pipe.resolve(pipe.plan("Once upon a time", max_tokens=8)).opts
         assert (auto.mode, auto.kappa, auto.gamma) == ("mirror", 1, 3) and "split by layers" in auto.why
     finally:
         pipe.close()

@@ -223,7 +223,7 @@ def test_an_out_of_range_profile_names_its_path_and_the_fix(tmp_path, monkeypatc
     key = {"target": "t", "draft": "d", "adapter": "none", "machine": "m"}
     profiles.save(profiles.Profile(key=key, mode="mirror", exit_layer=2, **knobs))
     with pytest.raises(profiles.ProfileError) as e:
-        profiles.load(key)
+        profiles.saved(key)
     message = str(e.value)
     assert str(profiles.path_for(key)) in message and named in message and "run `mirror-mlx tune` again" in message
 

@@ -21,25 +21,12 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:` (annotations' imports, which never run: a type may
-    name a layer above without an arrow up)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                todo.extend(child.orelse)
-            else:
-                todo.append(child)
-
-
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that `name` imports, at the top or inside a function."""
+    """The package's modules that `name` imports, at the top, inside a function or under `if TYPE_CHECKING:` (a
+    type that names a layer above is an arrow up too)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -94,6 +81,18 @@ def test_the_engine_imports_nothing_from_the_layers_above_it():
             reached.add(n)
             todo.append(n)
     assert not [m for m in reached if m.startswith(above)], sorted(reached)
+
+
+def test_tune_imports_nothing_of_the_pipeline():
+    """tune reads a loaded pair through its own narrow view (tune.profile.PairView), never the Pipeline."""
+    g = graph()
+    reached, todo = set(), [m for m in g if m.startswith("mirror_mlx.tune")]
+    while todo:
+        for n in g[todo.pop()] - reached:
+            reached.add(n)
+            todo.append(n)
+    assert not [m for m in reached if m.startswith(("mirror_mlx.pipeline", "mirror_mlx.server", "mirror_mlx.cli"))], \
+        sorted(reached)
 
 
 def test_the_runtime_never_imports_the_builders_or_the_command_line():
@@ -157,7 +156,7 @@ def test_the_layers_above_use_the_engines_doors_not_its_parts():
     """The server, tune, bench and the doctor go through Engine's doors (on_target, with_target, draft_pid,
     ...) and TargetSide's (own_tokens, give, take, copy), not into the engine's worker, cache or draft host."""
     into, named = reaches()
-    assert len(into) <= 10, into
+    assert len(into) <= 6, into
     assert not named, named
 
 
@@ -179,3 +178,40 @@ def test_modules_and_functions_stay_small():
     long_modules, long_functions = sizes()
     assert len(long_modules) <= 4, long_modules
     assert len(long_functions) <= 3, long_functions
+
+
+def compared(tree: ast.AST) -> list[tuple[int, set[str]]]:
+    """(line, the names compared directly or in a sum) of each order comparison in `tree`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for o in node.ops):
+            sides = [node.left, *node.comparators]
+            sides += [part for side in sides if isinstance(side, ast.BinOp) for part in (side.left, side.right)]
+            out.append((node.lineno, {s.id if isinstance(s, ast.Name) else s.attr for s in sides
+                                      if isinstance(s, (ast.Name, ast.Attribute))}))
+    return out
+
+
+RANGED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "kappa", "gamma", "branches",
+          "ngram_max", "ngram_min", "row_cost", "draft_timeout", "prefill_step_size")
+
+
+def test_the_context_rule_and_the_range_checks_are_written_once():
+    """validate.fit is the one comparison of a prompt with the target's context; each option's range is one
+    validate.as_int / as_float call; the server compares none of the options (it answers the check's errors)."""
+    ranged: dict[str, list[str]] = {name: [] for name in RANGED}
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        if name.startswith("mirror_mlx.") and name.count(".") >= 1 and not name.startswith(("mirror_mlx.convert",
+                                                                                             "mirror_mlx.ane_draft")):
+            fits = [line for line, names in compared(tree) if names & {"context", "context_length"}]
+            assert name == "mirror_mlx.validate" or not fits, (name, fits)
+        if name.startswith("mirror_mlx.server"):
+            assert not [line for line, names in compared(tree) if names & set(RANGED)], name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("as_int", "as_float") and \
+                    isinstance(node.args[0], ast.Constant) and node.args[0].value in ranged:
+                ranged[node.args[0].value].append(name)
+    assert all(where == ["mirror_mlx.validate"] for where in ranged.values()), ranged
+    assert [line for line, names in compared(ast.parse(modules()["mirror_mlx.validate"].read_text()))
+            if names & {"context"}], "the rule is not where this test looks for it"

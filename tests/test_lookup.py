@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mirror_mlx
-from mirror_mlx.lookup import NGRAM_LIMIT, Acceptance, Lookup, NgramIndex, best_length, propose
+from mirror_mlx.lookup import NGRAM_LIMIT, ProposalRecord, Lookup, NgramIndex, best_length, propose
 from mirror_mlx.stats import Stats
 
 
@@ -76,7 +76,7 @@ def test_a_window_is_as_long_as_it_pays():
 
 
 def test_each_proposal_is_scored_against_what_was_committed():
-    a = Acceptance()
+    a = ProposalRecord()
     a.score((2, False), [5, 6, 7], [5, 6, 9])  # right twice, then wrong
     a.score((2, False), [5, 6], [5])  # right once; its second token not committed (not counted)
     assert (a.reached[2, False], a.right[2, False]) == ([2, 1, 1], [2, 1, 0])
@@ -204,9 +204,9 @@ def test_auto_with_lookup_beside_a_draft(pipes, tuned):
             assert sampled.tokens == pair.generate(SUMMARY, max_tokens=24, mode="ar", temperature=0.8, seed=7,
                                                    stop=False).tokens  # the target's own seeded sample
             assert pair.generate(SUMMARY, max_tokens=8, mode="auto", lookup=True, gamma=4).stats.gamma == 4
-            index_n = pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True)[1]
+            index_n = pair.resolve(pair.plan(SUMMARY, max_tokens=8, mode="auto", lookup=True)).opts
             assert (index_n.ngram_max, index_n.ngram_min) == (3, 1)
-            assert pair.prepare(SUMMARY, max_tokens=8, mode="auto", lookup=True, ngram_min=2)[1].ngram_min == 2
+            assert pair.resolve(pair.plan(SUMMARY, max_tokens=8, mode="auto", lookup=True, ngram_min=2)).opts.ngram_min == 2
     finally:
         pair.auto.profile = None
 
@@ -220,13 +220,11 @@ def test_the_summary_counts_accepted_tokens_by_source():
 
 
 def test_the_shortest_ngram_is_one_alone_and_two_beside_a_draft(pipes):
-    from mirror_mlx.options import DecodeOptions
-
     alone, pair = pipes
-    assert alone.engine.with_lookup(DecodeOptions(mode="sd")).ngram_min == 1
-    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True)).ngram_min == 2
-    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_max=1)).ngram_min == 1
-    assert pair.engine.with_lookup(DecodeOptions(mode="sd", lookup=True, ngram_min=1)).ngram_min == 1
+    assert alone.check([1], mode="sd").opts.ngram_min == 1
+    assert pair.check([1], mode="sd", lookup=True).opts.ngram_min == 2
+    assert pair.check([1], mode="sd", lookup=True, ngram_max=1).opts.ngram_min == 1
+    assert pair.check([1], mode="sd", lookup=True, ngram_min=1).opts.ngram_min == 1
 
 
 def test_the_summary_of_the_lookup_alone_names_no_draft():

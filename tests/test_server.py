@@ -302,6 +302,20 @@ def test_bad_request_gets_status_and_error_body(server, path, body, status, para
     assert "\n" not in error["message"] and "Traceback" not in error["message"]
 
 
+ONE_BAD = {"temperature": -1, "top_p": 0, "min_p": 2, "top_k": -1, "repetition_penalty": 0, "seed": "x",
+           "kappa": 0, "gamma": 0, "exit_layer": 99, "branches": 0, "mode": "fast", "lookup": "yes", "ngram_max": 0,
+           "ngram_min": 99, "max_tokens": 0, "max_completion_tokens": 1.5}  # one bad value per decode option
+
+
+@pytest.mark.parametrize("name,value", ONE_BAD.items(), ids=list(ONE_BAD))
+def test_each_bad_option_is_named_by_the_check_s_own_field(server, name, value):
+    """Every decode option is checked once (validate), and the 400 names the field from the error's `param`."""
+    body = {"prompt": "x", "mode": "mirror", "kappa": 2, "gamma": 3, "lookup": True, name: value}
+    code, answer = post(server[0].removesuffix("/v1") + "/v1/completions", json.dumps(body).encode())
+    assert code == 400 and answer["error"]["param"] == name, answer
+    assert "\n" not in answer["error"]["message"]
+
+
 @pytest.mark.parametrize("body,names", [
     ({"prompt": LONG}, ["600 tokens", "512"]),
     ({"prompt": "Once upon a time", "max_tokens": 1000}, ["1000", "512"]),
@@ -417,15 +431,15 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(pipe, ref, monkeyp
 
 
 def test_a_request_is_checked_once(pipe, monkeypatch):
-    """The engine's admission check runs once per request: a call in an explicit mode whose knobs come from the
-    pair's profile (its own grid, trusted as auto's choice is), and a server's request, checked when it came
+    """The one check (validate.request) runs once per request: a call in an explicit mode whose knobs come from
+    the pair's profile (its own grid, trusted as auto's choice is), and a server's request, checked when it came
     in and not again when it runs."""
-    from mirror_mlx.engine import Engine
+    from mirror_mlx import validate
     from mirror_mlx.tune import profile as profiles
 
     calls = []
-    check = Engine.check
-    monkeypatch.setattr(Engine, "check", lambda self, *a, **k: calls.append(1) or check(self, *a, **k))
+    check = validate.request
+    monkeypatch.setattr(validate, "request", lambda *a, **k: calls.append(1) or check(*a, **k))
     sd = dict(mode="sd", kappa=None, gamma=2, exit_layer=None, predicted=100.0)
     monkeypatch.setattr(pipe.auto, "profile", profiles.Profile(key={}, mode="sd", gamma=2, why="tuned", table=[sd]))
     stats = pipe.generate(PROMPT, max_tokens=8, mode="sd").stats

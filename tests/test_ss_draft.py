@@ -161,7 +161,7 @@ def test_a_window_fed_before_the_rollout_leaves_one_token_per_branch_and_the_sam
     assert ss.sync(context + [4, 5, 6]) == 0  # the spine comes back from the rollout: no forward
 
 
-@pytest.mark.skipif(not SS_DEMO.is_dir(), reason="demo SS draft not shipped yet")
+@pytest.mark.skipif(not SS_DEMO.is_dir(), reason="the demo SS draft (mirror_mlx/demo/ss_draft) is missing from this checkout")
 def test_trained_streams_save_forwards():
     draft = SSDraft.from_path(SS_DEMO, trust_streams=False)
     plain = MLXDraft(draft.model)

@@ -119,11 +119,11 @@ def test_a_profile_with_a_branch_budget_round_trips_and_auto_runs_it(pipe, tmp_p
     table = [row("ar", None, 1.0, 10.0), dict(row("mirror", 3, 2.3, 5.0, kappa=2, exit_layer=2), branches=4)]
     saved = profiles.Profile(key=key, mode="mirror", kappa=2, gamma=3, exit_layer=2, branches=4, why="tuned",
                              table=table)
-    assert profiles.load(key) is None and profiles.load(profiles.save(saved) and key) == saved
+    assert profiles.saved(key) is None and profiles.saved(profiles.save(saved) and key) == saved
     data = json.loads(profiles.path_for(key).read_text())
     del data["branches"]
     profiles.path_for(key).write_text(json.dumps(data))
-    assert profiles.load(key).branches is None
+    assert profiles.saved(key).branches is None
     c = policy.knobs_from(saved, None, "mirror", None, None, None)
     assert (c.kappa, c.gamma, c.branches) == (2, 3, 4) and "branches=4" in c.why
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft)
@@ -137,7 +137,7 @@ def test_a_profile_with_a_branch_budget_round_trips_and_auto_runs_it(pipe, tmp_p
         bad = dict(saved.__dict__, branches=0)
         profiles.path_for(key).write_text(json.dumps(bad))
         with pytest.raises(profiles.ProfileError, match="branches: 0"):
-            profiles.load(key)
+            profiles.saved(key)
     finally:
         fresh.close()
 
@@ -297,9 +297,9 @@ def test_a_saved_profile_loads_back_and_is_not_reused_for_another_pair(tmp_path,
     saved = profiles.Profile(key=key, mode="mirror", kappa=2, gamma=3, exit_layer=1, why="test")
     path = profiles.save(saved)
     assert path.parent == tmp_path
-    assert profiles.load(key) == saved
-    assert profiles.load(profiles.key_for(b, a)) is None
-    assert profiles.load(profiles.key_for(a, b, adapter=tiny_model("llama_tied", seed=2))) is None
+    assert profiles.saved(key) == saved
+    assert profiles.saved(profiles.key_for(b, a)) is None
+    assert profiles.saved(profiles.key_for(a, b, adapter=tiny_model("llama_tied", seed=2))) is None
 
 
 def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
@@ -308,7 +308,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"key": {"target": ')
     with pytest.raises(profiles.ProfileError, match="corrupt.*delete it or run `mirror-mlx tune`"):
-        profiles.load(key)
+        profiles.saved(key)
     fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)  # no profile in memory
     try:
         result = fresh.generate(PROMPT, max_tokens=12)
@@ -316,7 +316,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
         fresh.close()
     err = capfd.readouterr().err
     assert "is corrupt" in err and "recalibrating" in err and "quick calibration" in err
-    assert profiles.load(key).mode == result.stats.chosen_mode  # rewritten, readable
+    assert profiles.saved(key).mode == result.stats.chosen_mode  # rewritten, readable
 
 
 # --- mode="auto" ----------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
 
 def test_auto_is_lossless_and_says_what_it_chose(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    expected, _ = policy.choice(pipe.profile, pipe.auto, pipe.pair(), "auto", None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
+    expected, _ = policy.choice(pipe.profile, pipe.auto, pipe.facts(), None, None, None, sampling=(0.0, None))  # the profile's, or adapted to what was seen
     result = pipe.generate(PROMPT, max_tokens=40)
     assert result.tokens == mlx_greedy(model, tokenizer.encode(PROMPT), 40)
     s = result.stats
@@ -483,7 +483,7 @@ def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
     assert "draft acceptance α per γ on the calibration text" in result.output and "γ=3 0." in result.output
     p = load(str(TARGET_PATH), str(DRAFT_PATH))
     try:
-        assert profiles.load(profiles.pipe_key(p)) is not None  # the next auto run uses it
+        assert profiles.saved(profiles.pipe_key(p)) is not None  # the next auto run uses it
     finally:
         p.close()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from .report import label
 
 
-def load(spec: str) -> tuple[str, dict]:
+def setting_results(spec: str) -> tuple[str, dict]:
     """'SETTING=DIR' → (setting, DIR/results.json)."""
     setting, _, path = spec.partition("=")
     return setting, json.loads((Path(path) / "results.json").read_text())
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
             setting, _, path = next(args, "").partition("=")
             costs[setting] = Path(path).read_text().strip()
         else:
-            runs.append(load(a))
+            runs.append(setting_results(a))
     if not runs:
         print(__doc__, file=sys.stderr)
         return 2

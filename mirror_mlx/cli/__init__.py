@@ -3,7 +3,6 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 (so `generate` never loads coremltools or the trainers)."""
 
 import importlib
-import re
 import sys
 from functools import partial
 from typing import Optional
@@ -190,20 +189,19 @@ pipeline_option = click.option(
     "split) where the family has both splits [default: tensor parallel where it has model.shard].")
 
 
-FLAGS = {"prefill_step_size": "--prefill-step-size", "max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-         "min_p": "--min-p", "kappa": "--kappa", "gamma": "--gamma", "seed": "--seed", "exit_layer": "--exit-layer", "branches": "--branches",
-         "max_kv_size": "--max-kv-size", "adapter_path": "--adapter-path", "draft_model=...": "--draft-model",
-         "mode='ar'": "--mode ar",
-         "mode='sd'": "--mode sd", "lookup=True": "--lookup",
-         "ngram_max": "--ngram-max", "ngram_min": "--ngram-min", "mode='auto'": "--mode auto"}
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+         "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size", "prefill_step_size": "--prefill-step-size",
+         "kappa": "--kappa", "gamma": "--gamma", "exit_layer": "--exit-layer", "branches": "--branches",
+         "mode": "--mode", "lookup": "--lookup", "ngram_max": "--ngram-max", "ngram_min": "--ngram-min",
+         "draft_model": "--draft-model", "adapter_path": "--adapter-path", "mode='ar'": "--mode ar",
+         "mode='sd'": "--mode sd", "lookup=True": "--lookup"}  # the options a refusal names, as flags
 
 
 def usage_error(e: Exception) -> click.UsageError:
-    """The API's one sentence, naming CLI flags instead of Python keywords ("temperature must ..." -> "--temp must ...")."""
-    text = str(e)
-    for keyword, flag in FLAGS.items():
-        text = re.sub(r"(?<![\w-])" + re.escape(keyword) + r"(?![\w])", flag, text)
-    return click.UsageError(text)
+    """The API's one sentence, naming the options as flags ("temperature must ..." -> "--temp must ...")."""
+    from mirror_mlx.validate import BadOption
+
+    return click.UsageError(e.spelled(FLAGS) if isinstance(e, BadOption) else str(e))
 
 
 def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False,

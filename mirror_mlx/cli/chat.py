@@ -16,7 +16,7 @@ from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import NO_TEMPLATE, Pipeline
-from mirror_mlx.text import Message, has_chat_template
+from mirror_mlx.text import ChatMessage, has_chat_template
 
 HELP = """\
 /reset  forget the conversation and clear the caches
@@ -68,7 +68,7 @@ class ChatSession:
     system_prompt: Optional[str] = None
     out: TextIO = field(default_factory=lambda: sys.stdout)
     err: TextIO = field(default_factory=lambda: sys.stderr)
-    messages: list[Message] = field(default_factory=list)
+    messages: list[ChatMessage] = field(default_factory=list)
     total: Stats = field(default_factory=Stats)
     turns: int = 0
     seeded: bool = False
@@ -121,22 +121,16 @@ class ChatSession:
             kwargs["seed"] = None  # seed once per conversation, not every turn
         try:
             ids = self.pipe.chat_ids(messages)
-        except ValueError as e:
-            self.note(f"turn refused: {e}")
-            return
-        context = self.pipe.context_length
-        if context and len(ids) >= context:
+            plan = self.pipe.check(ids, cap=True, **kwargs)  # the turn's max_tokens lowered to what the context leaves
+            chunks = self.pipe.chat_stream(messages, plan=plan)
+        except validate.ContextError as e:
             self.note(f"turn refused: the conversation would be {len(ids)} tokens and the model's context is "
-                      f"{context}; the conversation is kept (/reset starts over)")
+                      f"{e.values['context']}; the conversation is kept (/reset starts over)")
             return
-        capped = bool(context) and len(ids) + kwargs.get("max_tokens", DecodeOptions.max_tokens) > context
-        if capped:
-            kwargs["max_tokens"] = context - len(ids)
-        try:
-            chunks = self.pipe.chat_stream(messages, ids=ids, **kwargs)
         except ValueError as e:
             self.note(f"turn refused: {e}")
             return
+        capped = plan.opts.max_tokens < kwargs.get("max_tokens", DecodeOptions.max_tokens)
         self.seeded = True
         interrupted = False
         try:
@@ -159,8 +153,8 @@ class ChatSession:
         self.turns += 1
         if interrupted:
             self.note(f"[interrupted: kept {s.generation_tokens} tokens of the reply]")
-        elif capped and s.generation_tokens >= kwargs["max_tokens"]:
-            self.note(f"[the context ({context} tokens) is full: /reset starts over]")
+        elif capped and s.generation_tokens >= plan.opts.max_tokens:
+            self.note(f"[the context ({self.pipe.context_length} tokens) is full: /reset starts over]")
         self.note(stats_line(s))
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 import mlx.core as mx
 
 from ..lookup import LOOKUP
+from ..options import given
 from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..model_parts import text_model
 from ..target import StageTargetSide
@@ -34,7 +35,7 @@ NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each r
 class DistributedPipeline(Pipeline):
     """A Pipeline whose calls run on every rank of the group, in step.
 
-    Modes resolve as in one process (`Pipeline.prepare`, tune.policy.resolve) from the pair's profile for this
+    Modes resolve as in one process (`Pipeline.resolve`, tune.policy.resolve) from the pair's profile for this
     rank count, which rank 0 reads and shares (`profile`): every rank then makes the same choice. Nothing is
     calibrated here (`mirror-mlx tune` under the launcher writes that profile); without it auto runs mirror
     (ar without a draft) and a knob left out is a small safe one (κ=1, γ=3, ℓ_e = the adapter's layer or N/2;
@@ -52,20 +53,24 @@ class DistributedPipeline(Pipeline):
         with self.watchdog.waiting(what):
             return share(values, size, self.group)
 
-    def prepare(self, prompt: Any, prompt_cache: Any = None, admitted: Any = None, **kwargs: Any):
-        """`Pipeline.prepare`, then what running across ranks adds: rank 0's seed for an unseeded sample, the
+    def resolve(self, plan: Any) -> Any:
+        """`Pipeline.resolve`, then what running across ranks adds: rank 0's seed for an unseeded sample, the
         watchdog beaten by the prefill's progress, and auto's choice kept (auto's runs neither adapt it nor
         leave the draft here: each rank would judge alone)."""
-        if prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
+        if plan.resolved:
+            return plan
+        if plan.prompt_cache is not None:  # (its keys and values are the whole model's; each rank holds a shard's)
             raise ValueError(NO_PROMPT_CACHE)
-        if kwargs.get("lookup"):
+        if plan.asked.lookup:
             raise ValueError(NO_LOOKUP)
-        ids, opts, run = super().prepare(prompt, None, admitted, **kwargs)
-        if run is not None:
+        plan = super().resolve(plan)
+        opts = plan.opts
+        if plan.run is not None:
             opts = replace(opts, why=f"{opts.why}; {KEPT}")
         if opts.seed is None and (opts.temperature or opts.sampler is not None):
             opts = replace(opts, seed=self.agree([random.getrandbits(31)], 1, "rank 0's seed")[0])
-        return ids, replace(opts, prompt_progress_callback=self._beating(opts.prompt_progress_callback)), None
+        return replace(plan, opts=replace(opts, prompt_progress_callback=self._beating(opts.prompt_progress_callback)),
+                       run=None)
 
     def _beating(self, given: Optional[Callable[[int, int], None]]) -> Callable[[int, int], None]:
         def progress(done: int, total: int) -> None:  # a long prefill is progress, not a stall
@@ -104,7 +109,7 @@ class DistributedPipeline(Pipeline):
         from ..tune import profile as profiles
 
         try:
-            prof = profiles.load(profiles.pipe_key(self), self.engine)
+            prof = profiles.saved(profiles.pipe_key(self), self.engine)
         except profiles.ProfileError as e:
             print(f"mirror-mlx: {e}; the uncalibrated knobs run", file=sys.stderr)
             return b""
@@ -126,28 +131,23 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def stream(self, prompt: Any, prompt_cache: Any = None, detokenizer: Any = None, admitted: Any = None,
-               **kwargs: Any) -> Iterator:
+    def run(self, plan: Any, detokenizer: Any = None) -> Iterator:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
         before it runs, so every rank runs the same generation step by step (the text is this rank's own:
         `detokenizer` stays here)."""
         if not self.leading:
-            return super().stream(prompt, prompt_cache, detokenizer, admitted, **kwargs)
-        if prompt_cache is not None:
+            return super().run(plan, detokenizer)
+        if plan.prompt_cache is not None:
             raise ValueError(NO_PROMPT_CACHE)
-        if isinstance(prompt, str):
-            from ..validate import clean_text
-
-            prompt = self.encode(clean_text(prompt)[0])
-        ids = [int(t) for t in prompt]
         try:
-            options = json.dumps(kwargs).encode()
+            options = json.dumps(given(plan.asked)).encode()
         except TypeError as e:
             raise ValueError(f"these options cannot be sent to the other ranks ({e}): give plain values") from None
+        ids = list(plan.ids)
         self._tell(START, len(ids), len(options), *held(self))
         with self.watchdog.waiting("the other ranks to take the request"):
             collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
-        return self._lead(super().stream(ids, detokenizer=detokenizer, admitted=admitted, **kwargs))
+        return self._lead(super().run(plan, detokenizer))
 
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)

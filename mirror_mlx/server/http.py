@@ -76,8 +76,7 @@ class Server(ThreadingHTTPServer):
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log
         self._count_lock = threading.Lock()
-        self.context = pipe.context_length
-        self.max_prompt_bytes = max_prompt_bytes(pipe.tokenizer, self.context)
+        self.max_prompt_bytes = max_prompt_bytes(pipe.tokenizer, pipe.context_length)
 
     def reading_done(self, sock: socket.socket, reading: bool) -> None:
         with self._reading_lock:
@@ -263,8 +262,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             raw = self.read_body()
             s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
-            req = parse_request(raw, path, s.model_ids, s.pipe.tokenizer.vocab_size, s.defaults,
-                                s.max_prompt_bytes, s.context)
+            req = parse_request(raw, path, s.model_ids, s.defaults, s.max_prompt_bytes)
             gen = Generation(s.pipe, req, s.max_tokens)
             s.scheduler.submit(gen.start())
         except APIError as e:

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Optional, Union
 
 import mlx.core as mx
 
-from .. import text
+from .. import text, validate
 from ..pipeline import Pipeline
 from .request import APIError, Request
 from .scheduler import Job
@@ -138,26 +138,23 @@ class Generation:
         else:
             ids = list(req.prompt)
         self.prompt_tokens = len(ids)
-        context = pipe.context_length
-        param = "messages" if req.messages is not None else "prompt"
-        if context and len(ids) >= context:
-            raise APIError(400, f"the prompt is {len(ids)} tokens but the model's context is {context} tokens: "
-                                "shorten the prompt", param, "context_length_exceeded")
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, context - len(ids)) if context else self.default_max_tokens
-        kwargs = dict(req.options, max_tokens=max_tokens)
-        try:
-            admitted = pipe.check(ids, **kwargs)
-        except ValueError as e:  # the engine's own check: context, exit layer, a mode without a draft
-            message = str(e)
-            code = "context_length_exceeded" if "context" in message else None
-            param = "exit_layer" if "exit layer" in message else "mode" if "draft model" in message else next(
-                (k for k in ("ngram_max", "ngram_min", "lookup", "mode") if message.startswith(k)), None)
-            raise APIError(400, message, param, code) from None
+        options = dict(req.options, max_tokens=self.default_max_tokens if req.max_tokens is None else req.max_tokens)
+        try:  # the one check of every option and the context fit (a default max_tokens is lowered to fit)
+            plan = pipe.check(ids, cap=req.max_tokens is None, **options)
+        except validate.BadOption as e:
+            raise APIError(400, str(e), self.field(e.param),
+                           "context_length_exceeded" if isinstance(e, validate.ContextError) else None) from None
+        except ValueError as e:  # a chat template's or a prompt cache's own sentence
+            raise APIError(400, str(e)) from None
         messages = [text.clean_message(m) for m in req.messages] if req.messages is not None else None
-        self.job = Job(ids, kwargs, messages, logprobs=req.logprobs, admitted=admitted)
+        self.job = Job(plan, messages, logprobs=req.logprobs)
         return self.job
+
+    def field(self, param: str) -> str:
+        """The request's field for an option: the prompt of a chat is its messages, max_tokens as it was sent."""
+        if param == "prompt" and self.req.messages is not None:
+            return "messages"
+        return self.req.max_tokens_field if param == "max_tokens" else param
 
     def __iter__(self) -> Iterator[str]:
         stop = StopText(self.req.stop)
@@ -173,9 +170,8 @@ class Generation:
                 raise chunk
             if self.req.logprobs:  # (the end-of-sequence token too, as mlx_lm.server reports it); scored now,
                 # so no vocabulary-sized row is kept per token
-                ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
-                rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
-                self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs) for t, r in zip(ids, rows)]
+                self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs)
+                                for t, r in zip(chunk.committed, chunk.committed_logprobs)]
             self.completion_tokens = chunk.generation_tokens
             text, hit = stop.feed(chunk.text)
             yield text

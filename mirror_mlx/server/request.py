@@ -1,13 +1,11 @@
-"""Requests: an OpenAI body checked field by field into the generation's settings (one 400 per fault)."""
+"""Requests: an OpenAI body read field by field into what to run and how to answer (one 400 per fault)."""
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 
 from .. import validate
-from ..options import CHOICES, PAPER_KNOBS
 
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
@@ -51,7 +49,8 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
-    max_tokens: Optional[int] = None  # None: the server's default, capped at what the context leaves
+    max_tokens: Any = None  # None: the server's default, capped at what the context leaves
+    max_tokens_field: str = "max_tokens"  # or "max_completion_tokens": the field that gave it
     tools: Optional[list[dict]] = None  # chat: the functions the model may call (given to the chat template)
     template_kwargs: dict = field(default_factory=dict)  # chat: the request's chat_template_kwargs
     logprobs: bool = False  # answer each token's log-probability under the target
@@ -59,19 +58,10 @@ class Request:
     options: dict = field(default_factory=dict)  # Pipeline.stream / chat_stream keyword arguments
 
 
-def _number(body: dict, name: str, integer: bool = False) -> Optional[float]:
+def _integer(body: dict, name: str) -> Optional[int]:
     value = body.get(name)
-    if value is None:
-        return None
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
-    try:
-        finite = integer or math.isfinite(value)  # JSON's Infinity / NaN, which Python's parser accepts
-    except OverflowError:  # an integer beyond any float
-        finite = False
-    if not finite:
-        raise APIError(400, f"'{name}' must be a finite number, got {value!r:.40}", name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise APIError(400, f"'{name}' must be an integer, got {value!r:.40}", name)
     return value
 
 
@@ -144,7 +134,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
     """(logprobs wanted, how many top alternatives): chat's `logprobs` is true/false with `top_logprobs`;
     completions' `logprobs` may also be the legacy count of alternatives (0..5)."""
-    wanted, top = body.get("logprobs"), _number(body, "top_logprobs", integer=True)
+    wanted, top = body.get("logprobs"), _integer(body, "top_logprobs")
     if endpoint == COMPLETION and isinstance(wanted, int) and not isinstance(wanted, bool):
         _check(0 <= wanted <= 5, "logprobs", "true, false or a count of alternatives in [0, 5]", wanted)
         wanted, top = True, wanted if top is None else top
@@ -156,22 +146,23 @@ def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
     return bool(wanted), int(top or 0)
 
 
-def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], vocab_size: int,
-                  defaults: dict, max_prompt_bytes: Optional[int] = None, context: Optional[int] = None) -> Request:
-    """Validate a request body; every problem is an APIError naming the field and the fix.
+def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], defaults: dict,
+                  max_prompt_bytes: Optional[int] = None) -> Request:
+    """Read a request body: its shape (each fault an APIError naming the field and the fix); the decode
+    options are checked with the prompt's ids, by the pipeline (`Generation.start`).
 
     `defaults` are the server's decode settings (the `serve` flags); request fields override them.
-    A prompt longer than `max_prompt_bytes` (text) or `context` (token ids) cannot fit the context:
-    it is refused here, before it queues, rather than tokenized while the engine waits on it.
+    A text prompt longer than `max_prompt_bytes` cannot fit the context: it is refused here, before it
+    is tokenized.
     """
     body = _body(raw, endpoint, model_ids)
     req = Request(endpoint)
     if endpoint == CHAT:
         _chat_input(req, body, max_prompt_bytes)
     else:
-        req.prompt = _prompt(body, vocab_size, max_prompt_bytes, context)
+        req.prompt = _prompt(body, max_prompt_bytes)
     _reply_shape(req, body, endpoint)
-    req.options = _decode_options(body, defaults, vocab_size)
+    req.options = _decode_options(body, defaults)
     return req
 
 
@@ -207,8 +198,8 @@ def _chat_input(req: Request, body: dict, max_prompt_bytes: Optional[int]) -> No
           + len(json.dumps(req.tools or "")), max_prompt_bytes, "messages")
 
 
-def _prompt(body: dict, vocab_size: int, max_prompt_bytes: Optional[int], context: Optional[int]) -> Union[str, list]:
-    """A completion's prompt: text, or token ids in the vocabulary that fit the context."""
+def _prompt(body: dict, max_prompt_bytes: Optional[int]) -> Union[str, list]:
+    """A completion's prompt: text, or token ids (checked with the options: validate.request)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -217,11 +208,6 @@ def _prompt(body: dict, vocab_size: int, max_prompt_bytes: Optional[int], contex
     if not (isinstance(prompt, str) and prompt) and not ids:
         raise APIError(400, "'prompt' is required: a non-empty string or a list of token ids (one prompt "
                             "per request)", "prompt")
-    if ids and not all(0 <= t < vocab_size for t in prompt):
-        raise APIError(400, f"'prompt' holds a token id outside the vocabulary [0, {vocab_size})", "prompt")
-    if ids and context and len(prompt) >= context:
-        raise APIError(400, f"the prompt is {len(prompt)} tokens but the model's context is {context} tokens: "
-                            "shorten the prompt", "prompt", "context_length_exceeded")
     if isinstance(prompt, str):
         prompt = _text(prompt)
         _fits(len(prompt.encode()), max_prompt_bytes, "prompt")
@@ -238,7 +224,7 @@ def _reply_shape(req: Request, body: dict, endpoint: str) -> None:
     include_usage = stream_options.get("include_usage", False)
     _check(isinstance(include_usage, bool), "stream_options.include_usage", "true or false", include_usage)
     req.include_usage = include_usage
-    n = _number(body, "n", integer=True)
+    n = _integer(body, "n")
     _check(n in (None, 1), "n", "1 (one choice per request)", n)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
@@ -249,61 +235,20 @@ def _reply_shape(req: Request, body: dict, endpoint: str) -> None:
     parallel = body.get("parallel_tool_calls")
     _check(parallel in (None, True), "parallel_tool_calls", "true (a reply may hold several calls)", parallel)
     req.logprobs, req.top_logprobs = _logprobs(body, endpoint)
-    max_tokens = _number(body, "max_completion_tokens", integer=True)
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = _number(body, "max_tokens", integer=True), "max_tokens"
-    _check(max_tokens is None or max_tokens >= 1, name, "at least 1", max_tokens)
-    req.max_tokens = max_tokens
+    if body.get("max_completion_tokens") is not None:  # (checked with the options, named as sent)
+        req.max_tokens, req.max_tokens_field = body["max_completion_tokens"], "max_completion_tokens"
+    else:
+        req.max_tokens = body.get("max_tokens")
 
 
-def _decode_options(body: dict, defaults: dict, vocab_size: int) -> dict:
-    """The decode settings: the server's defaults, overridden by the request's fields, each checked."""
-    opts = dict(defaults)
-    for key, option in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
-                        ("repetition_penalty", "repetition_penalty")):
-        value = _number(body, key)
-        if value is not None:
-            opts[option] = float(value)
-    lookup = body.get("lookup")
-    _check(lookup is None or isinstance(lookup, bool), "lookup", "true or false (the prompt lookup, in mode sd or mirror)",
-           lookup)
-    if lookup is not None:
-        opts["lookup"] = lookup
-    for key in ("top_k", "seed", "kappa", "gamma", "exit_layer", "branches", "ngram_max", "ngram_min"):
-        value = _number(body, key, integer=True)
-        if value is not None:
-            opts[key] = value
-    _check(opts["temperature"] >= 0, "temperature", "at least 0", opts["temperature"])
-    _check(0 < opts["top_p"] <= 1, "top_p", "in (0, 1]", opts["top_p"])
-    _check(0 <= opts.get("min_p", 0.0) <= 1, "min_p", "in [0, 1]", opts.get("min_p"))
-    _check(opts["top_k"] >= 0, "top_k", "at least 0 (0 turns it off)", opts["top_k"])
-    rp = opts.get("repetition_penalty")
-    _check(rp is None or rp > 0, "repetition_penalty", "greater than 0", rp)
-    _mode_and_knobs(body, opts, vocab_size)
-    return opts
+OPTIONS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer",
+           "branches", "mode", "lookup", "ngram_max", "ngram_min")  # the request's decode fields: DecodeOptions'
 
 
-def _mode_and_knobs(body: dict, opts: dict, vocab_size: int) -> None:
-    """The mode, κ, γ and the branch budget, refused before the request queues where the draft host could not
-    hold them."""
-    kappa, gamma = opts.get("kappa"), opts.get("gamma")  # None: mode auto's (or the paper's)
-    _check(kappa is None or kappa >= 1, "kappa", "at least 1", kappa)
-    _check(kappa is None or kappa <= vocab_size, "kappa", f"at most the vocabulary size {vocab_size}", kappa)
-    _check(gamma is None or gamma >= 1, "gamma", "at least 1", gamma)
-    mode = body.get("mode", opts["mode"])
-    _check(isinstance(mode, str) and mode in CHOICES, "mode", f"one of {', '.join(CHOICES)}", mode)
-    opts["mode"] = mode
-    if mode == "mirror" or (mode == "auto" and kappa is not None and gamma is not None):
-        try:  # refused here, before it queues: the draft host could not hold it (validate.MAX_BRANCHES)
-            validate.branches(kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"])
-        except ValueError as e:
-            raise APIError(400, str(e), "kappa" if "kappa" in body else "gamma") from None
-    if opts.get("branches") is not None:
-        try:  # B within 1..κ(γ+1), of the κ and γ this request asks for (the paper's where left out)
-            validate.branch_budget(opts["branches"], kappa or PAPER_KNOBS["kappa"], gamma or PAPER_KNOBS["gamma"])
-        except ValueError as e:
-            raise APIError(400, str(e), "branches") from None
+def _decode_options(body: dict, defaults: dict) -> dict:
+    """The decode settings: the server's defaults, overridden by the request's fields (checked, as every
+    caller's, by the pipeline's one check: validate.request)."""
+    return dict(defaults, **{k: body[k] for k in OPTIONS if body.get(k) is not None})
 
 
 def _fits(n_bytes: int, limit: Optional[int], param: str) -> None:

@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from .. import validate
 from ..chunks import Chunk, Detokenizer
+from ..options import Plan
 from ..pipeline import Pipeline
 from ..sampling import keyed, samplers
 from ..stats import Stats
@@ -42,11 +42,9 @@ class Job:
     """One admitted request as the scheduler runs it; the handler reads `events` (Chunks, then None, or an
     exception) and sets `cancelled` when its client went away."""
 
-    ids: list[int]
-    kwargs: dict  # Pipeline.stream options, max_tokens included
+    plan: Plan  # checked when it came in (Pipeline.check): read, never rebuilt
     messages: Optional[list] = None  # chat: remembered as the pipeline's conversation when it ends
     logprobs: bool = False  # the handler scores each token's row (else no row is kept)
-    admitted: Any = None  # Pipeline.check's answer when it came in: its first run alone is not checked again
     events: "queue.Queue" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: list[int] = field(default_factory=list)  # committed tokens, an end-of-sequence token included
@@ -65,12 +63,12 @@ class Job:
     told: int = 0  # the scheduler logged that batching `told` requests did not pay
 
     @property
-    def max_tokens(self) -> int:
-        return self.kwargs["max_tokens"]
+    def ids(self) -> list[int]:
+        return self.plan.ids
 
     @property
-    def asked_mode(self) -> bool:
-        return self.kwargs.get("mode", "auto") != "auto"
+    def max_tokens(self) -> int:
+        return self.plan.opts.max_tokens
 
     def note(self, regime: str) -> None:
         if self.t_decode is None:
@@ -273,8 +271,8 @@ class Scheduler:
             self._step_batch()
             if len(self.batch) == 1 and not self.waiting and not self._inbox:
                 [job] = self.batch.values()
-                if job.asked_mode:
-                    pays, why = True, f"one request: alone, in the mode it asked for ({job.kwargs['mode']})"
+                if job.plan.asked.mode != "auto":
+                    pays, why = True, f"one request: alone, in the mode it asked for ({job.plan.asked.mode})"
                 else:  # (after one step as a batch of one, so both ways are measured)
                     pays, why = self.costs.solo_pays() if 1 in self.costs.batch_step else (False, "")
                 if pays:
@@ -287,11 +285,10 @@ class Scheduler:
         """Decode `job` through the pipeline as a request alone (after its committed tokens, if any)."""
         if job.detok is None:
             job.detok = self._detokenizer(job)
-        ids = job.ids + job.generated
-        kwargs = dict(job.kwargs, max_tokens=job.max_tokens - len(job.generated))
-        restored = self.prefixes.restore(ids) if self.prefixes is not None and not resumed else 0
+        plan = job.plan.after(job.generated)
+        restored = self.prefixes.restore(plan.ids) if self.prefixes is not None and not resumed else 0
         try:
-            job.stream = self.pipe.stream(ids, detokenizer=job.detok, admitted=job.admitted, **kwargs)
+            job.stream = self.pipe.run(plan, job.detok)
         except Exception as e:  # (checked when admitted: a bug or a dead engine)
             self._end(job, e)
             return
@@ -318,9 +315,8 @@ class Scheduler:
             job.cached = max(job.cached, stats.prompt_tokens - 1 - stats.prefill_tokens)
         job.note(stats.mode)
         self.counts["solo_steps"] += 1
-        ids = chunk.tokens + ([chunk.stop_token] if chunk.stop_token is not None else [])
-        rows = chunk.logprobs + ([chunk.stop_logprobs] if chunk.stop_token is not None else [])
-        self._emit(job, ids, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None), rows,
+        self._emit(job, chunk.committed, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None),
+                   chunk.committed_logprobs,
                    chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
         if chunk.finish_reason is not None:
             self._finish_solo(job)
@@ -392,7 +388,7 @@ class Scheduler:
         """Into the batch: with the target's cache of `committed[:-1]`, or from the prefix cache, or fresh."""
         if job.detok is None:
             job.detok = self._detokenizer(job)
-        opts = self.pipe.options(**job.kwargs)
+        opts = job.plan.opts
         committed = job.ids + job.generated if committed is None else committed
         held = len(committed) - 1 if cache is not None else 0
         if cache is None and self.prefixes is not None and self.prefixes.lru is not None and not job.generated:
@@ -401,7 +397,7 @@ class Scheduler:
             held = len(committed) - 1 - len(rest) if cache is not None else 0
             job.cached = job.restored = held
         base, processors = samplers(opts)  # as Engine.generate
-        sampler = keyed(base, validate.generator_seed(opts.seed), len(committed))  # (the seed as the engine maps it)
+        sampler = keyed(base, opts.seed, len(committed))  # (the seed as checked: mapped into the generator's range)
         from mlx_lm.generate import StopSequences
 
         stops = StopSequences([(t,) for t in opts.stop_tokens] or None)
@@ -481,7 +477,7 @@ class Scheduler:
 
     def _detokenizer(self, job: Job) -> Detokenizer:
         """The request's one detokenizer, across its switches between alone and the batch."""
-        return Detokenizer(self.pipe.tokenizer, job.max_tokens, self.pipe.options(**job.kwargs).stop_tokens)
+        return Detokenizer(self.pipe.tokenizer, job.max_tokens, job.plan.opts.stop_tokens)
 
     def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int],
               said: Optional[tuple[list[str], str, Optional[str]]] = None) -> None:

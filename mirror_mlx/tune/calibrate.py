@@ -27,7 +27,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
@@ -38,12 +38,10 @@ from ..options import DRAFT_TIMEOUT_S
 from ..model_parts import trimmable_cache
 from ..target import EarlyExitTarget, top_k
 from . import profile as profiles
+from .profile import PairView
 from .choose import choose, expected_rate, row_config
 from .cost_model import Acceptance, Config, Timings, Trace, component_time, grid, rank
 from .placement import candidates
-
-if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
-    from ..pipeline import Pipeline
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
@@ -62,7 +60,7 @@ class Lockstep:
     """Who decides. In one process every decision is this process's own; across ranks (a pipeline with a
     `group`) rank 0's, shared with the others (one small all_sum), so every rank runs the same forwards."""
 
-    def __init__(self, pipe: "Pipeline"):
+    def __init__(self, pipe: PairView):
         self.pipe = pipe
         self.group = getattr(pipe, "group", None)
         self.lead = self.group is None or self.group.rank() == 0
@@ -129,7 +127,7 @@ class TuneConfig:
 # --- the calibration prompts ----------------------------------------------------------------------
 
 
-def calibration_prompts(pipe: "Pipeline", n: int, path: Optional[str] = None) -> list[list[int]]:
+def calibration_prompts(pipe: PairView, n: int, path: Optional[str] = None) -> list[list[int]]:
     """Token ids of `n` prompts: the user's file (prompts.load_prompts) or n of the *last* 40 held-out
     TinyStories openings (benchmarks take theirs from the front, so a tuned profile has never seen a
     bench prompt), as many as can be of one token length: prompts of one length share each target
@@ -159,7 +157,7 @@ def calibration_prompts(pipe: "Pipeline", n: int, path: Optional[str] = None) ->
 # --- 1. acceptance traces -------------------------------------------------------------------------
 
 
-def exit_layer_candidates(pipe: "Pipeline", cfg: TuneConfig) -> list[int]:
+def exit_layer_candidates(pipe: PairView, cfg: TuneConfig) -> list[int]:
     n = pipe.engine.n_layers
     quick = cfg.budget_s is not None and cfg.exit_layers is None  # the capped calibration: N/2 and the adapters' layers
     layers = cfg.exit_layers or ((n // 2,) if quick else (n // 4, n // 3, n // 2, 3 * n // 4))
@@ -184,7 +182,7 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
     return (plain - ex_above).tolist(), plain.tolist()
 
 
-def plain_draft_model(pipe: "Pipeline") -> Optional[Any]:
+def plain_draft_model(pipe: PairView) -> Optional[Any]:
     """The draft as a plain MLX model in this process, for the teacher-forced trace: the MLXDraft object
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
@@ -197,7 +195,7 @@ def plain_draft_model(pipe: "Pipeline") -> Optional[Any]:
     return draft.model if type(draft) is MLXDraft else None  # subclasses (SS) propose more than argmax chains
 
 
-def greedy_texts(pipe: "Pipeline", prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_texts(pipe: PairView, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (prompts of one length share each forward)."""
     from ..corpus import greedy_continuations
 
@@ -206,7 +204,7 @@ def greedy_texts(pipe: "Pipeline", prompts: list[list[int]], max_tokens: int) ->
                                                   max_tokens, eos=eos))
 
 
-def trace(pipe: "Pipeline", prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
+def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
           draft_model: Any = "auto", text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
     """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
     the prompt plus the target's greedy text (`text`, else generated here).
@@ -296,7 +294,7 @@ class _Bench:
     """Timed pieces over one committed context, each on the worker that runs it in the engine; each
     method times one call and returns its seconds (`interleaved` repeats them)."""
 
-    def __init__(self, pipe: "Pipeline", context: list[int]):
+    def __init__(self, pipe: PairView, context: list[int]):
         self.engine, self.model, self.context = pipe.engine, pipe.model, context
         self.draft = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
         self.cache = self.engine.on_target(self._prefill)
@@ -427,7 +425,7 @@ class _Bench:
         return elapsed
 
 
-def measure_timings(pipe: "Pipeline", b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable,
+def measure_timings(pipe: PairView, b: _Bench, cfg: TuneConfig, layers: list[int], tick: Callable,
                     step: Optional[Lockstep] = None) -> Timings:
     """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter).
     Across ranks (`step`) the target's pieces run on every rank as rank 0 decides, the draft's on rank 0
@@ -473,7 +471,7 @@ def split_comm(t: Timings, comm: dict, n_layers: int) -> None:
     t.suffix = {(e, n): v - (comm[n] - t.comm_prefix[(e, n)]) for (e, n), v in t.suffix.items()}
 
 
-def measure_parallel(pipe: "Pipeline", b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
+def measure_parallel(pipe: PairView, b: _Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
                      reps: int, tick: Callable, min_s: float = MIN_TIMED_S, step: Optional[Lockstep] = None) -> int:
     """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
 
@@ -521,7 +519,7 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
     return out
 
 
-def run_configs(pipe: "Pipeline", configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
+def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
                 sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None) -> dict:
     """Real greedy generations of every config on its prompts, interleaved (in rounds: each config runs its
@@ -580,7 +578,7 @@ def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
     return [Config("ar")] + [Config("sd", gamma=g) for g in gs] + [Config("mirror", cfg.kappas[0], g, e) for g in gs]
 
 
-def measure_overheads(pipe: "Pipeline", t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
+def measure_overheads(pipe: PairView, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
                       check: Callable[[], None] = lambda: None, step: Optional[Lockstep] = None) -> dict:
     """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages,
     sampling, Python; negative where a component timed alone costs more than inside a real step).
@@ -615,7 +613,7 @@ def place_row(row: dict, runs: dict) -> None:
     row["measured"], row["measured_step_ms"] = runs[win]["tokens_per_second"], 1e3 * runs[win]["step_s"]
 
 
-def calibrate(pipe: "Pipeline", cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
+def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,
               log: Callable[[str], None] = lambda s: None, key: Optional[dict] = None) -> Optional[profiles.Profile]:
     """Measure, predict, confirm; the profile (not yet saved) with the fastest measured configuration.
     `key`: the pair's profile key (profile.key_for), computed here when not given.

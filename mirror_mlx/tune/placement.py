@@ -19,13 +19,11 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from .. import blas
 from . import profile as profiles
-
-if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
-    from ..pipeline import Pipeline
+from .profile import PairView
 
 PLACEMENTS = ("unpinned", "split")
 
@@ -38,7 +36,7 @@ def split_unavailable() -> str:
     return "" if n >= 2 else f"only {n} core allowed"
 
 
-def candidates(pipe: "Pipeline") -> tuple[str, ...]:
+def candidates(pipe: PairView) -> tuple[str, ...]:
     """The placements `tune` measures for mirror here: both, unless split is unavailable or held."""
     if pipe.auto.placement_held or split_unavailable() or pipe.engine.draft_pid is None:
         return ("unpinned",)
@@ -54,13 +52,13 @@ def row_for(prof: Optional[profiles.Profile], mode: str, kappa: Optional[int], g
                  and r.get("exit_layer") == exit_layer), None)
 
 
-def _profile(pipe: "Pipeline") -> Optional[profiles.Profile]:
+def _profile(pipe: PairView) -> Optional[profiles.Profile]:
     """The pair's profile if this process has one or the cache holds one (never calibrates for placement)."""
     if pipe.auto.profile is not None:
         return pipe.auto.profile
 
     try:
-        prof = profiles.load(profiles.pipe_key(pipe), pipe.engine)
+        prof = profiles.saved(profiles.pipe_key(pipe), pipe.engine)
     except profiles.ProfileError:  # auto says so when it needs the profile; placement then stays unpinned
         return None
     if prof is not None:
@@ -68,7 +66,7 @@ def _profile(pipe: "Pipeline") -> Optional[profiles.Profile]:
     return prof
 
 
-def choose(pipe: "Pipeline", mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
+def pick(pipe: PairView, mode: str, kappa: Optional[int], gamma: Optional[int], exit_layer: Optional[int]
            ) -> tuple[str, str]:
     """(placement, why) for one generation: a caller's hold, tune's forced one, else unpinned for ar and sd
     and mirror's row's measured winner (unpinned where no row measured one)."""
@@ -116,7 +114,7 @@ def _set(tid: int, cpus: set) -> None:
 
 
 @contextmanager
-def split(pipe: "Pipeline") -> Iterator[str]:
+def split(pipe: PairView) -> Iterator[str]:
     """Pin for one generation (see the module docstring); yields where each side runs, and undoes it."""
     own = sorted(os.sched_getaffinity(0))
     target_cpus, draft_cpu = set(own[:-1]), own[-1]
@@ -141,9 +139,9 @@ def split(pipe: "Pipeline") -> Iterator[str]:
 
 
 @contextmanager
-def placed(pipe: "Pipeline", opts: Any) -> Iterator[Any]:
+def placed(pipe: PairView, opts: Any) -> Iterator[Any]:
     """Run one generation in its placement: yields `opts` with `placement` saying which and why."""
-    name, why = choose(pipe, opts.mode, opts.kappa, opts.gamma,
+    name, why = pick(pipe, opts.mode, opts.kappa, opts.gamma,
                        pipe.engine.exit_layer(opts) if opts.mode == "mirror" else opts.exit_layer)
     if name != "split":
         yield replace(opts, placement=f"{name} ({why})")
@@ -152,7 +150,7 @@ def placed(pipe: "Pipeline", opts: Any) -> Iterator[Any]:
         yield replace(opts, placement=f"{where} ({why})")
 
 
-def hold(pipe: "Pipeline", what: str) -> None:
+def hold(pipe: PairView, what: str) -> None:
     """A caller pins threads itself (`what` says how): placement leaves every thread alone from now on, and
     the pair's profile is the one calibrated so (its key says how: profile.pipe_key)."""
     pipe.auto.placement_held = what

@@ -12,14 +12,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
+from .. import validate
+from ..lookup import NGRAM_MIN
 from ..options import PAPER_KNOBS, DecodeOptions
 from . import profile as profiles
+from .profile import AutoState, PairView
 from .choose import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
-
-if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
-    from ..pipeline import Pipeline
 
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
@@ -30,18 +30,6 @@ WITHIN_MIN_JUDGED = 16  # draft tokens judged in a generation before auto may le
 
 Counts = list  # [draft tokens accepted, rejecting steps, steps that reused a branch, fallbacks]
 ConfigKey = tuple  # (mode, κ, γ, ℓe) of a speculative configuration, None where the mode has no such knob
-
-
-@dataclass
-class AutoState:
-    """One pipeline's mode auto: its profile (None until first needed), the profile's key, and what auto's
-    runs have seen, per sampling setting (DecodeOptions.sampling) and configuration (`ConfigKey`)."""
-
-    profile: Optional[profiles.Profile] = None
-    key: Optional[dict] = None
-    seen: dict[tuple, dict[ConfigKey, Counts]] = field(default_factory=dict)
-    placement_held: str = ""  # a caller pins threads itself (how, in words): placement.py leaves them alone
-    placement_forced: Optional[str] = None  # tune's runs: every generation in this placement (placement.py)
 
 
 @dataclass
@@ -85,7 +73,7 @@ def row_key(row: dict) -> ConfigKey:
 
 
 @dataclass(frozen=True)
-class Pair:
+class PairFacts:
     """What resolving a call's mode needs to know of the pair: whether it has a draft model, and ℓ_e when
     none is asked (the exit adapter's layer, else N // 2)."""
 
@@ -100,7 +88,7 @@ ProfileSource = Callable[[str], profiles.Profile]  # the pair's profile, loaded 
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
 
 
-def profile_for(pipe: "Pipeline", asking: str = "auto") -> profiles.Profile:
+def profile_for(pipe: PairView, asking: str = "auto") -> profiles.Profile:
     """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr, naming
     the mode `asking` for it: auto, or an explicit mode whose knobs were left out)."""
     if pipe.auto.profile is not None:
@@ -111,12 +99,12 @@ def profile_for(pipe: "Pipeline", asking: str = "auto") -> profiles.Profile:
         return pipe.auto.profile
 
 
-def _load_or_calibrate(pipe: "Pipeline", asking: str = "auto") -> profiles.Profile:
+def _load_or_calibrate(pipe: PairView, asking: str = "auto") -> profiles.Profile:
     from .calibrate import OutOfTime, TuneConfig, calibrate
 
     key = profiles.pipe_key(pipe)
     try:
-        prof = profiles.load(key, pipe.engine)
+        prof = profiles.saved(key, pipe.engine)
     except profiles.ProfileError as e:
         print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
         prof = None
@@ -248,15 +236,15 @@ def setting_name(sampling: tuple) -> str:
     return " ".join(words + ([f"repetition_penalty {sampling[-1]:g}"] if sampling[-1] is not None else []))
 
 
-def choice(profile: ProfileSource, auto: AutoState, pair: Pair, mode: str, kappa: Optional[int],
-           gamma: Optional[int], exit_layer: Optional[int], sampling: Optional[tuple] = None,
+def choice(profile: ProfileSource, auto: AutoState, facts: PairFacts, kappa: Optional[int], gamma: Optional[int],
+           exit_layer: Optional[int], sampling: Optional[tuple] = None,
            lookup: bool = False) -> tuple[Choice, Optional[Callable]]:
-    """A concrete mode and knobs. Explicit values always win; mode="auto" fills the rest from the profile,
-    adapted to what auto's runs at the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`);
-    with auto's test within the generation (`leave_draft`) where it has one. With `lookup`, where auto would
-    run ar it runs the lookup beside the target alone (`beside_lookup`)."""
-    if mode == "auto" and lookup and pair.has_draft:
-        c, test = choice(profile, auto, pair, mode, kappa, gamma, exit_layer, sampling)
+    """Mode auto's mode and knobs: the knobs given win, the rest from the profile, adapted to what auto's runs at
+    the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`); with auto's test within the
+    generation (`leave_draft`) where it has one. With `lookup`, where auto would run ar it runs the lookup
+    beside the target alone (`beside_lookup`)."""
+    if lookup and facts.has_draft:
+        c, test = choice(profile, auto, facts, kappa, gamma, exit_layer, sampling)
         if c.mode != "ar":
             return c, test
         return beside_lookup(c, gamma), None
@@ -266,9 +254,7 @@ def choice(profile: ProfileSource, auto: AutoState, pair: Pair, mode: str, kappa
         return Choice(m, PAPER_KNOBS["kappa"] if k is None else k, PAPER_KNOBS["gamma"] if g is None else g, e, why,
                       b if m == "mirror" else None), None
 
-    if mode != "auto":
-        return explicit(profile, pair, mode, kappa, gamma, exit_layer), None
-    if not pair.has_draft:
+    if not facts.has_draft:
         return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
     if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
         return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
@@ -341,7 +327,7 @@ def needs_knobs(mode: str, kappa: Optional[int], gamma: Optional[int]) -> bool:
     return (mode == "sd" and gamma is None) or (mode == "mirror" and (kappa is None or gamma is None))
 
 
-def explicit(profile: ProfileSource, pair: Pair, mode: str, kappa: Optional[int], gamma: Optional[int],
+def explicit(profile: ProfileSource, facts: PairFacts, mode: str, kappa: Optional[int], gamma: Optional[int],
              exit_layer: Optional[int]) -> Choice:
     """An explicit mode: the knobs given win; the rest come from the pair's profile (the saved `tune`
     profile, else auto's quick calibration), its best row for `mode` that has the given ones. Without such
@@ -350,7 +336,7 @@ def explicit(profile: ProfileSource, pair: Pair, mode: str, kappa: Optional[int]
     if not needs_knobs(mode, kappa, gamma):
         return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
                       PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, f"mode {mode} as asked")
-    return knobs_from(profile(mode), pair.default_exit, mode, kappa, gamma, exit_layer)
+    return knobs_from(profile(mode), facts.default_exit, mode, kappa, gamma, exit_layer)
 
 
 def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optional[int], gamma: Optional[int],
@@ -382,16 +368,27 @@ def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optiona
                   f"{asked}; {picked} from {source}", got.get("branches"))
 
 
-def resolve(opts: DecodeOptions, profile: ProfileSource, auto: AutoState,
-            pair: Pair) -> tuple[DecodeOptions, Optional[AutoRun]]:
-    """A concrete mode and knobs for one call: explicit ones win, mode="auto" gets the tuned ones (`profile`
-    is asked only where the choice needs it: the first call without one runs a bounded quick calibration)
-    and an `AutoRun` over `auto` to watch the generation. No pipeline: the options, the profile and the pair."""
-    c, test = choice(profile, auto, pair, opts.mode, opts.kappa, opts.gamma, opts.exit_layer,
-                     sampling=opts.sampling, lookup=bool(opts.lookup))
-    out = replace(opts, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=opts.why or c.why,
-                  branches=opts.branches if opts.branches is not None else c.branches)
-    if opts.mode != "auto":
+def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource, auto: AutoState,
+            facts: PairFacts) -> tuple[DecodeOptions, Optional[AutoRun]]:
+    """A call's concrete mode and knobs, the one place they are picked: from the caller's options as given
+    (`asked`), as checked (`checked`: auto as its stand-in), the pair's profile (asked only where the choice
+    needs it: the first call without one runs a bounded quick calibration) and the pair's facts. Explicit
+    knobs win; an explicit mode's knobs left out come from the profile (`explicit`); mode auto gets the tuned
+    ones and an `AutoRun` over `auto` to watch the generation."""
+    if not facts.has_draft and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
+        return lookup_alone(checked, asked.mode, asked.gamma), None
+    if asked.mode != "auto":
+        c = explicit(profile, facts, asked.mode, asked.kappa, asked.gamma, asked.exit_layer)
+        out = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
+                      branches=checked.branches if checked.branches is not None else c.branches)
+        if out.mode == "mirror" and asked.branches is not None:  # the caller's B against the picked κ, γ
+            validate.branch_budget(out.branches, out.kappa, out.gamma)
         return out, None
-    layer = (out.exit_layer if out.exit_layer is not None else pair.default_exit) if c.mode == "mirror" else None
-    return out, AutoRun(auto, opts.sampling, config_key(c.mode, c.kappa, c.gamma, layer, out.branches), test)
+    kappa, gamma = (None if a is None else b for a, b in ((asked.kappa, checked.kappa), (asked.gamma, checked.gamma)))
+    c, test = choice(profile, auto, facts, kappa, gamma, checked.exit_layer, checked.sampling, bool(checked.lookup))
+    out = replace(checked, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
+                  why=checked.why or c.why, branches=checked.branches if checked.branches is not None else c.branches)
+    if out.mode == "ar" and out.lookup and asked.ngram_min is None:  # the lookup beside the target alone: its n
+        out = replace(out, ngram_min=min(NGRAM_MIN, out.ngram_max))  # as the lookup alone's
+    layer = (out.exit_layer if out.exit_layer is not None else facts.default_exit) if c.mode == "mirror" else None
+    return out, AutoRun(auto, checked.sampling, config_key(c.mode, c.kappa, c.gamma, layer, out.branches), test)

@@ -13,16 +13,13 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
 from ..blas import cpu_name
-
-if TYPE_CHECKING:  # (a type only: the arrow stays from the pipeline down to tune)
-    from ..pipeline import Pipeline
 
 VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
 # timed after mirror's prepare, and the prepare itself
@@ -131,7 +128,7 @@ def save(profile: Profile) -> Path:
     return path
 
 
-def load(key: dict, engine: Any = None) -> Optional[Profile]:
+def saved(key: dict, engine: Any = None) -> Optional[Profile]:
     """The profile for `key`, None if there is none; ProfileError if the file is unreadable, or holds
     knobs out of range (for `engine`'s target and draft when given)."""
     path = path_for(key)
@@ -201,7 +198,35 @@ def row_cost(profile: Optional[Profile]) -> Optional[float]:
     return max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
 
 
-def pipe_key(pipe: "Pipeline") -> dict:
+@dataclass
+class AutoState:
+    """One pipeline's mode auto: its profile (None until first needed), the profile's key, and what auto's
+    runs have seen, per sampling setting (DecodeOptions.sampling) and configuration (`ConfigKey`)."""
+
+    profile: Optional[Profile] = None
+    key: Optional[dict] = None
+    seen: dict[tuple, dict[tuple, list]] = field(default_factory=dict)  # policy.ConfigKey → policy.Counts
+    placement_held: str = ""  # a caller pins threads itself (how, in words): placement.py leaves them alone
+    placement_forced: Optional[str] = None  # tune's runs: every generation in this placement (placement.py)
+
+
+class PairView(Protocol):
+    """A loaded pair as tune reads it (a Pipeline is one; tune imports nothing of it): its models, its engine's
+    doors, mode auto's state, the lock a measurement holds, and a generation to time."""
+
+    model: Any
+    draft: Any
+    tokenizer: Any
+    engine: Any
+    auto: AutoState
+    lock: Any
+
+    def encode(self, prompt: str) -> list[int]: ...
+
+    def generate(self, prompt: Any, **options: Any) -> Any: ...
+
+
+def pipe_key(pipe: PairView) -> dict:
     """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
     profile calibrated pinned never serves generations that are not, nor the other way round. Across ranks
     (mirror_mlx/distributed.py) the rank count is too (and the target's fingerprint is rank 0's shard), so
