@@ -31,12 +31,31 @@ def forward_ms(model: Any, prompt: mx.array, rows: int, reps: int = 15) -> float
     return 1e3 * statistics.median(times[2:])
 
 
-def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
-    """{rows: ms} for the model folder at `path`."""
-    from mlx_lm import load
+def ss_forward_ms(model: Any, prompt: mx.array, reps: int = 15) -> float:
+    """Median ms of one decode forward of a Speculative-Streaming draft: one row with its streams, over the
+    prompt's keys and values (what one of its windows costs: several tokens a forward)."""
+    from mirror_mlx.drafts.ss_model import ss_forward
 
-    model, tok = load(path)
+    past = [(k, v) for k, v in ss_forward(model, prompt).kv]
+    mx.eval(past)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = ss_forward(model, mx.array([[5]]), prompt.shape[1], past)
+        mx.eval(out.main, out.streams)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[2:])
+
+
+def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
+    """{rows: ms} for the model folder at `path` (an SS draft: its one-row forward with streams)."""
+    from mirror_mlx.drafts.ss_model import is_ss_draft
+    from mirror_mlx.loading import load_model
+
+    model, tok = load_model(path)
     prompt = mx.array([tok.encode(PROBE)])
+    if is_ss_draft(path):
+        return {1: ss_forward_ms(model, prompt)}
     return {r: forward_ms(model, prompt, r) for r in rows}
 
 

@@ -1,7 +1,8 @@
 """`bench --decompose`: the pieces of a step timed alone, after the run, and Eq. 10 built from them.
 
 The run's own breakdown (summary.py) says where each measured step went, by the engine's clocks. This
-says what the step should cost: each piece timed alone on the context of the first prompt, in rounds
+says what the step should cost: each piece timed alone on the run's mean context (the first prompt and half
+the tokens generated after it: attention grows with the context), in rounds
 (tune's timed pieces, the same code the cost model is fed by), and the paper's step from them:
 
     mirror:  prefix(ℓe) + max(suffix(ℓe), late + rollout(rows)) + (1 − reuse) · window(γ),
@@ -19,7 +20,7 @@ from typing import Any, Optional
 ROLLOUT_ROWS = (1, 2, 4, 8)
 
 
-def costs_alone(pipe: Any, context: list[int], points: dict, reps: int = 5) -> dict:
+def costs_alone(pipe: Any, context: list[int], points: dict, reps: int = 7) -> dict:
     """{"pieces": {name: ms}, "eq10": {mode: ms}, "rollout_rows": {rows: ms}} for the modes in `points`
     ({mode: dict(kappa, gamma, exit_layer, branches, reuse)}: mirror and sd as they ran)."""
     from ..tune.calibrate import _Bench, interleaved

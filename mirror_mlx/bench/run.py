@@ -310,8 +310,8 @@ def bench(cfg: BenchConfig) -> dict:
             from .decompose import costs_alone, points_ran
 
             points = points_ran({"samples": samples, "summary": report["summary"]})
-            ar = next(s for s in samples if s.mode == "ar")
-            report["decompose"] = costs_alone(pipe, prompts[ar.prompt].ids + ar.tokens, points)
+            ar = next(s for s in samples if s.mode == "ar")  # the run's mean context: its prompt, half its tokens
+            report["decompose"] = costs_alone(pipe, prompts[ar.prompt].ids + ar.tokens[: len(ar.tokens) // 2], points)
         report["samples"] = [asdict(s) for s in samples]
         report["threads"] = thread_report()
     finally:
