@@ -14,6 +14,8 @@ lookup step:  (sd with lookup) the context's continuation (mirror_mlx/lookup.py)
 ar step:      the target alone, one token per forward.
 Every committed token is the target's own choice (argmax, or a sample of its processed
 distribution) given the committed prefix, so every mode returns what the target alone would.
+Each step returns a StepRecord (what it committed, what it spent where); the loop makes each step's Stats
+from it, and a generation's Stats is their sum.
 
 The draft lives behind a DraftHost (mirror_mlx/drafts/host.py): the scheduler posts requests on the ring
 and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
@@ -26,6 +28,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
@@ -39,7 +42,7 @@ from .drafts.host import DraftHost
 from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
 from .drafts.mlx_draft import MLXDraft
-from .draft_api import Draft
+from .draft_api import Draft, Rollout
 from .exit_adapter import adapter_for
 from .lookup import Lookup
 from .options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
@@ -52,7 +55,95 @@ from .workers import LoopThread, Worker
 
 
 T = TypeVar("T")
-FRESH = object()  # mirror's next window is a fresh one (no branch reused): the lookup's, else the draft's rollout
+
+
+@dataclass
+class StepRecord:
+    """What one step committed and what it spent where. The steps return these and never touch the
+    generation's Stats: the loop makes each step's Stats from its record (`counts`), and a generation's
+    Stats is their sum (Stats.__add__)."""
+
+    tokens: list[int] = field(default_factory=list)  # the accepted window tokens, then the target's own
+    offered: int = 0  # window tokens the target verified
+    accepted: int = 0  # of them, accepted
+    from_lookup: bool = False  # the verified window was the prompt lookup's
+    reused: bool = False  # mirror: the next window is a branch already rolled out
+    fallback: bool = False  # mirror: it is not (a serial rollout, the lookup's, or none)
+    prefix_seconds: float = 0.0
+    suffix_seconds: float = 0.0  # target suffix (mirror) or whole verify forward (sd, lookup, ar)
+    draft_seconds: float = 0.0  # every rollout of the step: branches, a serial window
+    hidden_draft_seconds: float = 0.0  # of it, what overlapped the target's suffix
+    draft_forwards: int = 0
+    draft_tokens: int = 0
+    rollouts: int = 0
+    branches_rolled: int = 0
+    omega_sum: float = 0.0  # target mass inside the posted C_A at the correction row
+    # mirror: what the step spent where on the engine's clocks (bench/summary.py): prefix, suffix, rollout,
+    # accepted, arrived, and serial for a fallback's serial window
+    timeline: Optional[dict] = None
+    window: Optional[list[int]] = None  # mirror: the next step's window; None: not known yet
+
+    def drew(self, out: Rollout, r0: float, r1: float) -> None:
+        """Count one draft rollout that ran from r0 to r1."""
+        self.draft_seconds += r1 - r0
+        self.draft_forwards += out.forwards
+        self.draft_tokens += out.tokens
+        self.rollouts += 1
+
+    def verified(self, window: list[int], ys: list[int], a: int, seconds: float) -> "StepRecord":
+        """The target verified `window` in `seconds`: `a` tokens accepted, then its own ys[a]."""
+        self.tokens, self.offered, self.accepted = window[:a] + [ys[a]], len(window), a
+        self.suffix_seconds += seconds
+        return self
+
+    def counts(self) -> dict:
+        """This step's counts and seconds, as Stats fields."""
+        rejected, lookup = int(self.accepted < self.offered), int(self.from_lookup)
+        return dict(proposed=self.offered, accepted=self.accepted, rejections=rejected, lookup_windows=lookup,
+                    lookup_proposed=self.offered * lookup, lookup_accepted=self.accepted * lookup,
+                    lookup_rejections=rejected * lookup, reuses=int(self.reused), fallbacks=int(self.fallback),
+                    prefix_seconds=self.prefix_seconds, suffix_seconds=self.suffix_seconds,
+                    draft_seconds=self.draft_seconds, hidden_draft_seconds=self.hidden_draft_seconds,
+                    draft_forwards=self.draft_forwards, draft_tokens=self.draft_tokens, rollouts=self.rollouts,
+                    branches_rolled=self.branches_rolled, omega_sum=self.omega_sum,
+                    timeline=[self.timeline] if self.timeline else [])
+
+
+@dataclass
+class Generation:
+    """One generation's state between steps: what is committed, which step comes next, what the steps need."""
+
+    opts: DecodeOptions
+    committed: list[int]
+    mode: str  # the next step's: mirror, sd or ar (after a dropped draft, or leave_draft)
+    ran: str  # what Stats calls the mode (ar only if the draft never ran)
+    drafts: bool  # a model draft runs (sd with the lookup alone: none)
+    draft_host: str  # where: Stats.draft_host
+    exit_layer: Optional[int]
+    index: Optional[Lookup]
+    sampler: Any
+    processors: Any
+    plan: BranchBudget  # which branches each mirror step rolls out
+    window: Optional[list[int]] = None  # mirror's next window; None: not known yet (the lookup's, else a rollout)
+    left: str = ""  # after which step and why it went on with the target alone
+    held: int = 0  # the lookup's `held` at the last commit
+
+    def commit(self, new: list[int]) -> int:
+        """Commit `new`; how often the lookup held back since the last commit."""
+        self.committed += new
+        if self.index is None:
+            return 0
+        self.index.extend(new)
+        held, self.held = self.index.held - self.held, self.index.held
+        return held
+
+    def stats(self, rec: StepRecord, tokens: int, held: int, draft_failure: Optional[str]) -> Stats:
+        """A step's Stats: its record's counts, with what describes the generation as it stands."""
+        o = self.opts
+        return Stats(mode=self.ran, chosen_mode=o.mode, kappa=o.kappa, gamma=o.gamma, exit_layer=self.exit_layer,
+                     why=o.why, draft_host=self.draft_host, draft_failure=draft_failure, left_draft=self.left,
+                     placement=o.placement, branches=o.branches, lookup=self.index is not None, steps=1,
+                     target_forwards=1, generation_tokens=tokens, lookup_held=held, **rec.counts())
 
 
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
@@ -63,19 +154,11 @@ def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, 
     return None
 
 
-def note_window(stats: Stats, offered: int, accepted: int) -> None:
-    """Count one verified window: `accepted` of its `offered` draft tokens, and a rejection unless all."""
-    stats.proposed += offered
-    stats.accepted += accepted
-    stats.rejections += accepted < offered
-
-
-def note_lookup(stats: Stats, offered: int, accepted: int) -> None:
-    """Count that the verified window was the lookup's (its share of note_window's counts)."""
-    stats.lookup_windows += 1
-    stats.lookup_proposed += offered
-    stats.lookup_accepted += accepted
-    stats.lookup_rejections += accepted < offered
+def cut(tokens: list[int], budget: int, stop_tokens) -> tuple[list[int], bool]:
+    """A step's tokens as committed: at most `budget`, none after a stop token; whether one was met."""
+    new = tokens[:budget]
+    stop = next((i for i, t in enumerate(new) if t in stop_tokens), None)
+    return (new, False) if stop is None else (new[: stop + 1], True)
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -256,7 +339,7 @@ class Engine:
             try:
                 self.host.reset(timeout=DRAFT_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - a dead or stalled host: dropped, visibly, as in a step
-                self._drop_draft(e, Stats())
+                self._drop_draft(e)
 
     def _reset_target(self) -> None:
         self.target.reset()
@@ -269,18 +352,6 @@ class Engine:
             self.local_draft = self.local_build()
         if hasattr(self.local_draft, "sync"):
             self.local_draft.sync(context)
-
-    def _local_sd(self, committed: list[int], gamma: int, sampler, processors) -> tuple:
-        """sd's step on the target's thread: the in-process draft's window, then the target verifies it.
-        Returns (the draft's error or None, Rollout, r0, r1, ys, a, s1)."""
-        r0 = time.perf_counter()
-        try:
-            out = self.local_draft.rollout(committed[:-1], [[committed[-1]]], gamma)
-        except Exception as e:  # noqa: BLE001 - the scheduler drops the draft, visibly
-            return e, None, r0, r0, None, 0, r0
-        r1 = time.perf_counter()
-        ys, a = self.target.verify(committed, out.windows[0], sampler, processors)
-        return None, out, r0, r1, ys, a, time.perf_counter()
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
@@ -302,24 +373,60 @@ class Engine:
         """
         if self.target.adopted:  # (a caller's cache is released when its generation ends; never reused)
             self.target_worker.call(self._reset_target)
+        gen = self._begin(prompt, opts)
+        t0 = time.perf_counter()
+        stepping = True  # in a prefill or a step: the target's cache may hold rows that `cached` does not list yet
+        if prompt_cache is not None:
+            self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
+        try:
+            # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
+            given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
+            first = Stats(prompt_tokens=given, prefill_tokens=self._prefill(gen, prompt, given))
+            first.prefill_seconds = time.perf_counter() - t0
+            mark = time.perf_counter()
+            stepping = False
+            first += Stats(**self._first_window(gen).counts())  # the first step's record carries the prefill
+            produced, steps = 0, 0
+            while produced < opts.max_tokens:
+                stepping = True
+                rec = self._step(gen, opts.max_tokens - produced)
+                steps += 1
+                new, stopped = cut(rec.tokens, opts.max_tokens - produced, opts.stop_tokens)
+                held = gen.commit(new)
+                gen.window = rec.window
+                produced += len(new)
+                stats = gen.stats(rec, len(new), held, self.draft_failure)
+                if first is not None:
+                    stats, first = first + stats, None
+                drafted = len(rec.tokens) - 1  # every step commits accepted draft tokens, then one of the target's
+                step = Step(new, [i < drafted for i in range(len(new))], rec.offered, rec.accepted, rec.reused,
+                            rec.fallback, stats, self.target.logprobs[: len(new)])
+                if gen.mode != "ar" and leave_draft is not None and produced < opts.max_tokens and not stopped:
+                    why = leave_draft(step)
+                    if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
+                        gen.mode, gen.left = "ar", f"after step {steps}: {why}"
+                        stats.left_draft = gen.left
+                now = time.perf_counter()
+                stats.decode_seconds, mark = now - mark, now
+                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+                stepping = False
+                yield step
+                if stopped:
+                    break
+        finally:
+            if prompt_cache is not None:  # back to the caller: every committed token, or (cut) the rows known right
+                self.target_worker.call(self.target.release, None if stepping else gen.committed)
+            elif stepping:  # a prefill or step was cut (an error, a KeyboardInterrupt in a worker): forget the cache
+                self.target_worker.call(self._reset_target)
+
+    def _begin(self, prompt: Sequence[int], opts: DecodeOptions) -> Generation:
+        """A generation's state: its mode, lookup, sampler (seeded) and branch budget; the target's exit set up."""
         mode = opts.mode if self.draft_failure is None else "ar"
-        # prompt_tokens as mlx-lm counts them: after a prompt cache, those that follow its prefix
-        given = len(prompt) - len(prompt_cache.tokens or []) if prompt_cache is not None else len(prompt)
-        exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         local = mode == "sd" and self.local_build is not None
         drafts = mode != "ar" and self.host is not None  # a model draft runs (sd with the lookup alone: none)
         host = "" if not drafts else "in-process" if local else "process" if self.host.process else "thread"
         index = Lookup(prompt, opts.ngram_max, opts.ngram_min, opts.row_cost) if opts.lookup else None
-        ran, left = mode, ""  # what Stats calls the mode (ar only if the draft never ran), why it was left
-
-        def record() -> Stats:
-            """A fresh record for the next step's facts, with what describes the generation as it stands."""
-            return Stats(mode=ran, chosen_mode=opts.mode, kappa=opts.kappa, gamma=opts.gamma, exit_layer=exit_layer,
-                         why=opts.why, draft_host=host, draft_failure=self.draft_failure, left_draft=left,
-                         placement=opts.placement, branches=opts.branches, lookup=index is not None)
-
         base, processors = samplers(opts)
-        sampler = row_sampler(base, opts.seed)
         if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
             self.target_worker.call(mx.random.seed, opts.seed)
         mx.reset_peak_memory()
@@ -329,241 +436,185 @@ class Engine:
         # which branches each mirror step rolls out (calibrated as it goes; with no B, those that pay, by this
         # generation's own timings: one process only, since every rank must post the same branches)
         plan = BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost))
-        t0 = mark = time.perf_counter()
-        stats = record()  # the first step's record carries the prefill
-        stats.prompt_tokens = given
-        failed: list[BaseException] = []
-        committed, produced, steps, held = list(prompt), 0, 0, 0
-        run = self.loop.run
-        # in a prefill or a step: the target's cache may hold rows that `cached` does not list yet
-        stepping = True
-        if prompt_cache is not None:
-            self.target_worker.call(self.target.adopt, prompt_cache.cache, prompt_cache.tokens)
+        exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
+        return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index,
+                          row_sampler(base, opts.seed), processors, plan)
+
+    def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:
+        """The target prefills the prompt, the draft beside it (or, in-process, after it); a draft that cannot
+        even prefill is dropped (the target goes on alone, visibly). Returns the tokens the target ran."""
+        opts, failed = gen.opts, []
+        local = gen.mode == "sd" and self.local_build is not None
+        if gen.drafts and not local:  # the draft prefills beside the target
+            _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
+        ran = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
+                                      prefill_progress(opts.prompt_progress_callback, given))
+        if gen.drafts:
+            try:
+                if failed:
+                    raise failed[0]
+                if local:  # after the target, on its thread
+                    self.target_worker.call(self._local_sync, prompt[:-1])
+                else:
+                    self.host.wait_done(opts.draft_timeout)
+            except Exception as e:
+                self._drop_draft(e)
+                gen.mode = gen.ran = "ar"
+        return ran
+
+    def _first_window(self, gen: Generation) -> StepRecord:
+        """Mirror's first window, drafted before the first step unless the lookup has one or one token is wanted
+        (the target's own at the pending row, no window needed); a draft that fails leaves the target alone."""
+        rec = StepRecord()
+        if gen.mode == "mirror" and gen.opts.max_tokens > 1 and not (gen.index is not None and gen.index.propose(1)):
+            gen.window = self.loop.run(self._rollout(gen.committed, gen.opts, rec))
+            if gen.window is None:
+                gen.mode = gen.ran = "ar"
+        return rec
+
+    # --- steps: each returns its StepRecord -----------------------------------------------------------
+
+    def _step(self, gen: Generation, budget: int) -> StepRecord:
+        """The next step; `budget` tokens are still wanted. Mirror's; else the lookup's window where the context
+        offers one (no draft runs); else sd's; else the target alone (ar, and sd's last token: it is the target's
+        own at the pending row, a window cannot help)."""
+        if gen.mode == "mirror" and self.draft_failure is None:
+            rec = StepRecord()
+            window, from_lookup = self._mirror_window(gen, budget, rec)
+            if window is not None:  # (a failed rollout drops the draft: then the step is ar's)
+                return self.loop.run(self._mirror_step(gen, window, from_lookup, budget, rec))
+            return self._verify(gen, [], rec)
+        lookup = gen.index.propose(min(gen.opts.gamma, budget - 1)) if gen.index is not None and budget > 1 else []
+        if lookup:
+            return self._verify(gen, lookup, StepRecord(from_lookup=True))
+        if gen.mode == "sd" and gen.drafts and self.draft_failure is None and budget > 1:
+            return self._sd_step(gen)
+        return self._verify(gen, [], StepRecord())
+
+    def _verify(self, gen: Generation, window: list[int], rec: StepRecord) -> StepRecord:
+        """The target verifies `window` (ar: none) in one forward."""
+        s0 = time.perf_counter()
+        ys, a = self.target_worker.call(self.target.verify, gen.committed, window, gen.sampler, gen.processors)
+        return rec.verified(window, ys, a, time.perf_counter() - s0)
+
+    def _sd_step(self, gen: Generation) -> StepRecord:
+        """sd: the draft's window, then the target verifies it (serial); a draft that fails leaves the target alone."""
+        rec = StepRecord()
+        if self.local_build is not None:
+            failed = self.target_worker.call(self._local_sd, gen, rec)
+            if failed is None:
+                return rec
+            self._drop_draft(failed)
+            return self._verify(gen, [], rec)
+        return self._verify(gen, self.loop.run(self._rollout(gen.committed, gen.opts, rec)) or [], rec)
+
+    def _local_sd(self, gen: Generation, rec: StepRecord) -> Optional[BaseException]:
+        """sd's step on the target's thread (one hop): the in-process draft's window, then the target verifies it,
+        into `rec`. Returns the draft's error (the caller drops the draft) or None."""
+        committed, r0 = gen.committed, time.perf_counter()
         try:
-            if drafts and not local:  # the draft prefills beside the target
-                _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-            stats.prefill_tokens = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
-                                                           prefill_progress(opts.prompt_progress_callback, given))
-            if drafts:
-                try:
-                    if failed:
-                        raise failed[0]
-                    if local:  # after the target, on its thread
-                        self.target_worker.call(self._local_sync, prompt[:-1])
-                    else:
-                        self.host.wait_done(opts.draft_timeout)
-                except Exception as e:  # the draft cannot even prefill: the target alone, visibly
-                    self._drop_draft(e, stats)
-                    mode = ran = stats.mode = "ar"
-            stats.prefill_seconds = time.perf_counter() - t0
-            mark = time.perf_counter()
-            stepping = False
-            window = None
-            if mode == "mirror":  # (one token wanted: the target's own at the pending row, no window needed)
-                window = FRESH if opts.max_tokens > 1 else []
-                if window is FRESH and not (index is not None and index.propose(1)):  # the lookup has none
-                    window = run(self._timed_rollout(committed, opts, stats))
-                    if window is None:
-                        mode = ran = stats.mode = "ar"
-            while produced < opts.max_tokens:
-                stepping = True
-                budget = opts.max_tokens - produced
-                mirror = mode == "mirror" and self.draft_failure is None
-                lookup = index.propose(min(opts.gamma, budget - 1)) \
-                    if index is not None and budget > 1 and not mirror else []
-                if mirror:  # (a failed rollout drops the draft: then the step is ar's)
-                    window, from_lookup = self._mirror_window(window, committed, index, opts, stats, budget)
-                if lookup:  # the context offers a continuation: it is the window, no draft runs
-                    new = self._lookup_step(committed, lookup, sampler, processors, stats)
-                elif mirror and self.draft_failure is None:
-                    new, window = run(self._mirror_step(committed, window, opts, sampler, processors, stats, budget,
-                                                        plan, index is not None, from_lookup))
-                elif mode == "sd" and drafts and self.draft_failure is None and budget > 1:  # (the last: see ar)
-                    new = run(self._sd_step(committed, opts, sampler, processors, stats))
-                else:  # ar, or sd's last token: it is the target's own at the pending row, a window cannot help
-                    s0 = time.perf_counter()
-                    ys, _ = self.target_worker.call(self.target.verify, committed, [], sampler, processors)
-                    stats.suffix_seconds += time.perf_counter() - s0
-                    new = ys[:1]
-                stats.target_forwards = stats.steps = 1
-                steps += 1
-                drafted = len(new) - 1  # every step commits accepted draft tokens, then one of the target's
-                new = new[: opts.max_tokens - produced]
-                stop = next((i for i, t in enumerate(new) if t in opts.stop_tokens), None)
-                if stop is not None:
-                    new = new[: stop + 1]
-                committed += new
-                if index is not None:
-                    index.extend(new)
-                    stats.lookup_held, held = index.held - held, index.held
-                produced += len(new)
-                stats.generation_tokens = len(new)
-                step = Step(new, [i < drafted for i in range(len(new))], stats.proposed, stats.accepted,
-                            stats.reuses > 0, stats.fallbacks > 0, stats, self.target.logprobs[: len(new)])
-                if mode != "ar" and leave_draft is not None and produced < opts.max_tokens and stop is None:
-                    why = leave_draft(step)
-                    if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
-                        mode, left = "ar", f"after step {steps}: {why}"
-                        stats.left_draft = left
-                now = time.perf_counter()
-                stats.decode_seconds, mark = now - mark, now
-                stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-                stepping = False
-                yield step
-                if stop is not None:
-                    break
-                stats = record()
-        finally:
-            if prompt_cache is not None:  # back to the caller: every committed token, or (cut) the rows known right
-                self.target_worker.call(self.target.release, None if stepping else committed)
-            elif stepping:  # a prefill or step was cut (an error, a KeyboardInterrupt in a worker): forget the cache
-                self.target_worker.call(self._reset_target)
+            out = self.local_draft.rollout(committed[:-1], [[committed[-1]]], gen.opts.gamma)
+        except Exception as e:  # noqa: BLE001 - the caller drops the draft, visibly
+            return e
+        r1 = time.perf_counter()
+        rec.drew(out, r0, r1)
+        ys, a = self.target.verify(committed, out.windows[0], gen.sampler, gen.processors)
+        rec.verified(out.windows[0], ys, a, time.perf_counter() - r1)
+        return None
 
-    # --- steps -------------------------------------------------------------------------------------
-
-    def _mirror_window(self, window, committed, index, opts, stats, budget) -> tuple[Optional[list[int]], bool]:
-        """The window of mirror's next step, and whether the lookup proposed it: with one token wanted none
-        (the pending row's token is committed whatever it proposes); after a step that reused no branch
-        (FRESH), the lookup's, else the draft's rollout on the critical path (None if the draft failed)."""
+    def _mirror_window(self, gen: Generation, budget: int, rec: StepRecord) -> tuple[Optional[list[int]], bool]:
+        """The window of mirror's step, and whether the lookup proposed it: with one token wanted none (the
+        pending row's token is committed whatever it proposes); the one the last step left; else (not known yet)
+        the lookup's, else the draft's rollout on the critical path, counted in `rec` (None if the draft failed)."""
         if budget == 1:
             return [], False
-        if window is not FRESH:
-            return window, False
-        proposal = index.propose(min(opts.gamma, budget - 1)) if index is not None else []
+        if gen.window is not None:
+            return gen.window, False
+        proposal = gen.index.propose(min(gen.opts.gamma, budget - 1)) if gen.index is not None else []
         if proposal:
             return proposal, True
-        return self.loop.run(self._timed_rollout(committed, opts, stats)), False
+        return self.loop.run(self._rollout(gen.committed, gen.opts, rec)), False
 
-    async def _mirror_step(self, committed, window, opts, sampler, processors, stats, budget,
-                           plan: Optional[BranchBudget] = None, lookup=False, from_lookup=False):
-        """One step; `budget` tokens are still wanted. A window after the step can change the output only if
-        two more tokens are wanted then (the first is the target's own at the pending row, whatever the window
-        proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
-        `plan`: the branch budget (branch_budget.py), which of the branches the host rolls out. With `lookup` a
-        fallback leaves the next window to `_mirror_window` (FRESH); `from_lookup`: this step's window is the
-        lookup's."""
-        plan = plan or BranchBudget(None)
-        kappa, gamma = opts.kappa, len(window)
-        rows = [committed[-1]] + window
-        # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
-        exclude = window + [-1] if opts.exclude_drafted else None
+    async def _mirror_step(self, gen: Generation, window: list[int], from_lookup: bool, budget: int,
+                           rec: StepRecord) -> StepRecord:
+        """One Mirror-SD step; `budget` tokens are still wanted. A window after the step can change the output
+        only if two more tokens are wanted then (the first is the target's own at the pending row, whatever the
+        window proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
+        With the lookup on, a fallback leaves the next window unknown (the next step's `_mirror_window`)."""
+        opts, plan, committed, gamma = gen.opts, gen.plan, gen.committed, len(window)
+        exclude = window + [-1] if opts.exclude_drafted else None  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
         post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,
                        failed=failed) if branches else _no_post
         if branches:  # the draft feeds the window during the prefix: the rollout then feeds one token per branch
             _post_or_note(self.host.post_prepare, committed + window, failed=failed)
-        cand, p0, p1 = await self.target_worker.run(self.target.prefix, rows, kappa, exclude, post)
+        cand, p0, p1 = await self.target_worker.run(self.target.prefix, [committed[-1]] + window, opts.kappa,
+                                                    exclude, post)
         try:
-            (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, sampler,
-                                                                  processors)
+            (ys, a, omega), s0, s1 = await self.target_worker.run(self.target.suffix, committed, window, gen.sampler,
+                                                                  gen.processors)
         except BaseException:  # a user's sampler or logits processor raised: to the caller, the draft kept in step
             if branches and not failed:
                 await self._drain_branches(opts, gamma)
             raise
         new = window[:a] + [ys[a]]
-        windows, r0, r1 = None, s1, s1
+        windows, r0, r1, arrived = None, s1, s1, s1
         if branches:
             try:  # the host rolled out every branch meanwhile
                 if failed:
                     raise failed[0]
-                out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), self._time_left(opts, s1))
+                left = max(0.0, opts.draft_timeout - (time.perf_counter() - s1))
+                out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), left)
             except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
-                self._drop_draft(e, stats)
-                return new, None
+                self._drop_draft(e)
+                rec.tokens = new
+                return rec
             arrived = time.perf_counter()
             windows = spread(cand, plan.picked, out.windows)
-            stats.branches_rolled += plan.rolled_out(cand)
-            plan.cost.saw_step(plan.rolled_out(cand), r1 - r0, s1 - s0)
-            stats.draft_seconds += r1 - r0
-            stats.hidden_draft_seconds += overlap(r0, r1, s0, s1)
-            stats.draft_forwards += out.forwards
-            stats.draft_tokens += out.tokens
-            stats.rollouts += 1
-        stats.prefix_seconds += p1 - p0
-        stats.suffix_seconds += s1 - s0
-        stats.omega_sum += omega
-        note_window(stats, gamma, a)
+            rec.branches_rolled = plan.rolled_out(cand)
+            plan.cost.saw_step(rec.branches_rolled, r1 - r0, s1 - s0)
+            rec.drew(out, r0, r1)
+            rec.hidden_draft_seconds = overlap(r0, r1, s0, s1)
+        rec.verified(window, ys, a, s1 - s0)
+        rec.prefix_seconds, rec.omega_sum, rec.from_lookup = p1 - p0, omega, from_lookup
         plan.settle(a)
-        if from_lookup:
-            note_lookup(stats, gamma, a)
         # the engine's clocks (the host's rollout on the same clock): what a step spent where (bench/summary.py)
-        stats.timeline.append({"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a,
-                               "arrived": arrived if branches else s1})
-        if new[-1] in cand[a] and (windows is None or reuse_window(cand, windows, a, new[-1]) is not None):
-            stats.reuses += 1  # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
-            return new, reuse_window(cand, windows, a, new[-1]) if windows is not None else None
-        stats.fallbacks += 1
-        if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new):
-            return new, None  # no window after this step could be used
-        if lookup:
-            return new, FRESH  # the lookup's window if it has one, else the draft's (`_mirror_window`)
-        f0, host = time.perf_counter(), stats.draft_seconds
-        window = await self._timed_rollout(committed + new, opts, stats)  # the target waits
-        stats.timeline[-1]["serial"] = (f0, time.perf_counter(), stats.draft_seconds - host)
-        plan.cost.saw_window(stats.draft_seconds - host)
-        return new, window
+        rec.timeline = {"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a, "arrived": arrived}
+        reused = reuse_window(cand, windows, a, new[-1]) if windows is not None else None
+        if new[-1] in cand[a] and (windows is None or reused is not None):
+            rec.reused, rec.window = True, reused  # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
+            return rec
+        rec.fallback = True
+        if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new) or gen.index is not None:
+            return rec  # no window after this step could be used, or the lookup's comes first (`_mirror_window`)
+        f0, before = time.perf_counter(), rec.draft_seconds
+        rec.window = await self._rollout(committed + new, opts, rec)  # the target waits
+        rec.timeline["serial"] = (f0, time.perf_counter(), rec.draft_seconds - before)
+        plan.cost.saw_window(rec.draft_seconds - before)
+        return rec
 
     async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
         """Take the reply to branches posted in a step that failed, so the host's next answer is the next step's."""
         try:
             await asyncio.wait_for(self.host.windows(gamma), opts.draft_timeout)
         except Exception as e:  # noqa: BLE001 - the draft failed too: dropped, visibly, as in a step
-            self._drop_draft(e, Stats())
+            self._drop_draft(e)
 
-    def _time_left(self, opts: DecodeOptions, since: float) -> float:
-        return max(0.0, opts.draft_timeout - (time.perf_counter() - since))
-
-    def _lookup_step(self, committed, window, sampler, processors, stats) -> list[int]:
-        """The target verifies the lookup's window (mirror_mlx/lookup.py): sd's verify, no draft time."""
-        s0 = time.perf_counter()
-        ys, a = self.target_worker.call(self.target.verify, committed, window, sampler, processors)
-        stats.suffix_seconds += time.perf_counter() - s0
-        note_window(stats, len(window), a)
-        note_lookup(stats, len(window), a)
-        return window[:a] + [ys[a]]
-
-    async def _sd_step(self, committed, opts, sampler, processors, stats):
-        if self.local_build is not None:
-            (failed, out, r0, r1, ys, a, s1), _, _ = await self.target_worker.run(
-                self._local_sd, committed, opts.gamma, sampler, processors)
-            if failed is not None:
-                self._drop_draft(failed, stats)
-                (ys, _), _, _ = await self.target_worker.run(self.target.verify, committed, [], sampler, processors)
-                return ys[:1]
-            stats.draft_seconds += r1 - r0
-            stats.draft_forwards += out.forwards
-            stats.draft_tokens += out.tokens
-            stats.rollouts += 1
-            stats.suffix_seconds += s1 - r1
-            note_window(stats, len(out.windows[0]), a)
-            return out.windows[0][:a] + [ys[a]]
-        window = await self._timed_rollout(committed, opts, stats)
-        if window is None:
-            (ys, _), _, _ = await self.target_worker.run(self.target.verify, committed, [], sampler, processors)
-            return ys[:1]
-        (ys, a), s0, s1 = await self.target_worker.run(self.target.verify, committed, window, sampler, processors)
-        stats.suffix_seconds += s1 - s0
-        note_window(stats, len(window), a)
-        return window[:a] + [ys[a]]
-
-    async def _timed_rollout(self, committed, opts, stats) -> Optional[list[int]]:
-        """One fresh window after `committed`, on the critical path; None if the draft failed."""
+    async def _rollout(self, committed: list[int], opts: DecodeOptions, rec: StepRecord) -> Optional[list[int]]:
+        """One fresh window after `committed`, on the critical path, counted in `rec`; None if the draft failed."""
         try:
             self.host.post_rollout(committed[:-1], [[committed[-1]]], opts.gamma)
             out, r0, r1 = await asyncio.wait_for(self.host.windows(opts.gamma), opts.draft_timeout)
         except Exception as e:
-            self._drop_draft(e, stats)
+            self._drop_draft(e)
             return None
-        stats.draft_seconds += r1 - r0
-        stats.draft_forwards += out.forwards
-        stats.draft_tokens += out.tokens
-        stats.rollouts += 1
+        rec.drew(out, r0, r1)
         return out.windows[0]
 
-    def _drop_draft(self, error: BaseException, stats: Stats) -> None:
+    def _drop_draft(self, error: BaseException) -> None:
         reason = "timed out" if isinstance(error, (asyncio.TimeoutError, TimeoutError)) else repr(error)
-        self.draft_failure = stats.draft_failure = f"draft {reason}; continuing with the target alone (ar)"
+        self.draft_failure = f"draft {reason}; continuing with the target alone (ar)"
         print(f"mirror-mlx: warning: {self.draft_failure}", file=sys.stderr)
         if self.host is not None:  # a stalled or dead host gets no grace: no orphan, no shared memory left
             self.host.kill()
