@@ -47,9 +47,9 @@ def test_tune_has_a_bar_per_phase_that_ends_at_its_total(bars):
         assert b.total is None or b.n == b.total, (b.label, b.n, b.total)  # complete, never past the total
         assert b.total is not None or b.n > 0 or b.label.endswith("rollout")
     timings = next(b for b in tune if b.label == "tune: timings")
-    # verify widths {1, 2, 3}, host windows γ ∈ {1, 2}, rollouts κ×γ, split forwards ℓe×γ (the demo adapter's
-    # one ℓe), in-process (sd's) windows γ ∈ {1, 2}
-    assert timings.total == 3 + 2 + 4 + 2 + 2
+    # verify widths {1, 2, 3}, host windows γ ∈ {1, 2}, rollouts κ×γ, mirror's prepares γ ∈ {1, 2}, split forwards
+    # ℓe×γ (the demo adapter's one ℓe), in-process (sd's) windows γ ∈ {1, 2}
+    assert timings.total == 3 + 2 + 4 + 2 + 2 + 2
 
 
 def test_train_exit_s_bars_name_the_training_and_the_held_out_text(bars):

@@ -681,8 +681,8 @@ def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Opti
             acc = Acceptance([tr for tr, _ in traces])
             done("traces")
             bench = _Bench(pipe, traces[0][1])  # over a prompt and its greedy text
-            # measure_timings' pieces: the verify widths, the windows, the rollouts, the split forwards
-            phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + len(cfg.gammas)
+            # measure_timings' pieces: the verify widths, the windows, the rollouts, the prepares, the split forwards
+            phase("timings", len({1} | {g + 1 for g in cfg.gammas}) + 2 * len(cfg.gammas)
                   + len(cfg.gammas) * len(cfg.kappas) + len(layers) * len(cfg.gammas)
                   + len(cfg.gammas) * pipe.engine.drafts_locally)  # sd's in-process windows
             t = measure_timings(pipe, bench, cfg, layers, tick, step)
