@@ -577,3 +577,73 @@ def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[
         if n >= limit_tokens:
             break
     return out
+
+
+# ------------------------------------------------------------------------------------------- cost
+
+
+_COST_SCRIPT = r"""
+import json, sys, time
+import mirror_mlx
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+from pathlib import Path
+
+def step_ms(model, context, reps):
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, context), mx.int32), cache=cache))
+    y = mx.zeros((1, 1), mx.int32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = model(y, cache=cache)
+            mx.eval(out)
+            for c in cache:
+                c.trim(1)
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best * 1000
+
+a = json.loads(sys.argv[1])
+mx.set_default_device(mx.cpu)
+target = load_model(Path(a["target"]))[0]
+draft = load_model(Path(a["draft"]))[0]
+t = step_ms(target, a["context"], a["reps"])
+d = step_ms(draft, a["context"], a["reps"] * 3)
+t2 = step_ms(target, a["context"], a["reps"])
+print(json.dumps({"target_ms": min(t, t2), "draft_ms": d}))
+"""
+
+
+def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 30, core: int = 0) -> dict:
+    """c: the draft's 1-row forward (KV cache of `context` tokens, float32) over the target's, each run
+    on one core (OPENBLAS_NUM_THREADS=1, pinned with taskset where there is one), in a fresh process."""
+    import shutil
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", _COST_SCRIPT, json.dumps({"target": str(target), "draft": str(draft),
+                                                           "context": context, "reps": reps})]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", str(core)] + cmd
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"cost measurement failed: {done.stderr.strip().splitlines()[-1:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    r["c"] = r["draft_ms"] / r["target_ms"]
+    return r
+
+
+def untrained_draft(target: str, out: str, frozen: int, trained: int, kept: int, model=None) -> Path:
+    """A draft folder of this shape with the first `kept` ids (for cost measurements: cost does not
+    depend on which ids are kept or on training)."""
+    from mirror_mlx.drafts.distilled import new_draft, save_draft
+
+    if model is None:
+        from mlx_lm.utils import load_model
+
+        model = load_model(Path(target))[0]
+    config = json.loads((Path(target) / "config.json").read_text())
+    return save_draft(new_draft(model, config, frozen, trained, np.arange(kept)), Path(out), Path(target))
