@@ -377,6 +377,7 @@ class TrainConfig:
     frozen: int = 6  # E
     trained: int = 1  # k
     kept: int = 16384  # V
+    init: str = "next"  # the trained layers start as the target's layers E..E+k-1 ("next") or its last k ("last")
     epochs: float = 2.0
     lr: float = 3e-4
     batch_tokens: int = 4096  # padded tokens per step
@@ -488,7 +489,11 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     n_tokens = sum(len(e.top_ids) for e in exs)
     eval_replies = read_replies(root, ("eval",))[: cfg.eval_replies]
 
-    draft = new_draft(model, target_config, cfg.frozen, cfg.trained, kept)
+    n_target = target_config["num_hidden_layers"]
+    if cfg.init not in ("next", "last"):
+        raise ValueError(f"init {cfg.init!r}: use next (the target's layers E..E+k-1) or last (its last k)")
+    init = list(range(n_target - cfg.trained, n_target)) if cfg.init == "last" else None
+    draft = new_draft(model, target_config, cfg.frozen, cfg.trained, kept, init_layers=init)
     draft.freeze()
     for layer in draft.model.layers[cfg.frozen:]:
         layer.unfreeze()
@@ -519,8 +524,9 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     def checkpoint(final: bool = False) -> dict:
         mx.eval(draft.parameters(), opt.state)
         entry = {"step": step, "epoch": step / steps_per_epoch, "minutes": (time.time() - t_start) / 60}
-        if eval_replies:
-            entry.update(agreement(draft, eval_replies))
+        if eval_replies:  # between checkpoints a quarter of them, spread over the categories; all at the end
+            entry.update(agreement(draft, eval_replies if final else eval_replies[::4]))
+            entry["measured_on"] = "all" if final else "quarter"
         history.append(entry)
         _save_state(ckpt, draft, opt, step, {"history": history, "total": total})
         save_draft(draft, Path(cfg.out), Path(cfg.target),
@@ -590,33 +596,33 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 from pathlib import Path
 
-def step_ms(model, context, reps):
+def timer(model, context):
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, context), mx.int32), cache=cache))
     y = mx.zeros((1, 1), mx.int32)
-    best = float("inf")
-    for _ in range(3):
+    def run(reps):
         t = time.perf_counter()
         for _ in range(reps):
-            out = model(y, cache=cache)
-            mx.eval(out)
+            mx.eval(model(y, cache=cache))
             for c in cache:
                 c.trim(1)
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best * 1000
+        return (time.perf_counter() - t) / reps * 1000
+    run(3)
+    return run
 
 a = json.loads(sys.argv[1])
 mx.set_default_device(mx.cpu)
-target = load_model(Path(a["target"]))[0]
-draft = load_model(Path(a["draft"]))[0]
-t = step_ms(target, a["context"], a["reps"])
-d = step_ms(draft, a["context"], a["reps"] * 3)
-t2 = step_ms(target, a["context"], a["reps"])
-print(json.dumps({"target_ms": min(t, t2), "draft_ms": d}))
+target = timer(load_model(Path(a["target"]))[0], a["context"])
+draft = timer(load_model(Path(a["draft"]))[0], a["context"])
+t, d = [], []
+for _ in range(a["rounds"]):  # interleaved; the fastest round of each is the least disturbed
+    t.append(target(a["reps"]))
+    d.append(draft(a["reps"] * 3))
+print(json.dumps({"target_ms": min(t), "draft_ms": min(d)}))
 """
 
 
-def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 30, core: int = 0) -> dict:
+def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 10, core: int = 0, rounds: int = 7) -> dict:
     """c: the draft's 1-row forward (KV cache of `context` tokens, float32) over the target's, each run
     on one core (OPENBLAS_NUM_THREADS=1, pinned with taskset where there is one), in a fresh process."""
     import shutil
@@ -625,7 +631,8 @@ def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 30, core
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-c", _COST_SCRIPT, json.dumps({"target": str(target), "draft": str(draft),
-                                                           "context": context, "reps": reps})]
+                                                           "context": context, "reps": reps,
+                                                           "rounds": rounds})]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", str(core)] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -647,3 +654,49 @@ def untrained_draft(target: str, out: str, frozen: int, trained: int, kept: int,
         model = load_model(Path(target))[0]
     config = json.loads((Path(target) / "config.json").read_text())
     return save_draft(new_draft(model, config, frozen, trained, np.arange(kept)), Path(out), Path(target))
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+def loop(data: DataConfig, train_cfg: TrainConfig, generate_minutes: float = 60.0, train_minutes: float = 60.0,
+         min_new_tokens: int = 20000, log: Callable[[str], None] = print, progress: bool = True) -> None:
+    """Data and training in one process (one PID to pause and resume): generate for `generate_minutes`, then
+    train a draft from scratch on every reply cached so far (a run per round, checkpointed, its draft written
+    to OUT/round-N and OUT/latest), and again, until the schedule is generated and its last round trained.
+    Killed and started again, it goes on: the replies are on disk, a round's run resumes from its checkpoint."""
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(data.target)
+    root = data_root(data.target, data.data_dir)
+    state_file = root / "loop.json"
+    out = Path(train_cfg.out)
+    while True:
+        state = json.loads(state_file.read_text()) if state_file.is_file() else {"round": 0, "trained_tokens": 0}
+        r = state["round"]
+        run_dir = root / "runs" / f"loop-r{r:03d}"
+        mid_round = (run_dir / "manifest.json").is_file()
+        finished = False
+        if not mid_round:
+            g = generate_data(data, progress=progress, log=log, stop_after_s=generate_minutes * 60,
+                              model=model, tokenizer=tokenizer)
+            finished = not g["stopped"]
+            have = sum(len(np.load(p)["reply"]) for p in read_reply_files(root, train_cfg.sources))
+            if have - state["trained_tokens"] < min_new_tokens and not finished:
+                continue
+        cfg = TrainConfig(**dict(asdict(train_cfg), out=str(out / f"round-{r:03d}"), run_dir=str(run_dir)))
+        res = train(cfg, budget_minutes=train_minutes, progress=progress, log=log, model=model, tokenizer=tokenizer)
+        if res["stopped"]:
+            continue  # its run folder has a manifest now: the next turn resumes it before generating more
+        latest = out / "latest"
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.symlink_to(f"round-{r:03d}")
+        log(f"round {r}: {res['reply_tokens']} reply tokens, agreement {res.get('agreement', float('nan')):.4f}")
+        tmp = state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"round": r + 1, "trained_tokens": res["reply_tokens"],
+                                   "history": state.get("history", []) + [{k: res[k] for k in res if k != "run"}]},
+                                  indent=1))
+        os.replace(tmp, state_file)
+        if finished:
+            return

@@ -44,6 +44,8 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
               help="k: layers after them, initialised from the target's next k, trained.")
 @click.option("--kept", type=int, default=TrainConfig.kept, show_default=True,
               help="V: head rows, the ids the target writes most often in its training replies.")
+@click.option("--init", type=click.Choice(["next", "last"]), default=TrainConfig.init, show_default=True,
+              help="The trained layers start as the target's layers E..E+k-1 (next) or its last k (last).")
 @click.option("--epochs", type=float, default=TrainConfig.epochs, show_default=True)
 @click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
 @click.option("--batch-tokens", type=int, default=TrainConfig.batch_tokens, show_default=True)

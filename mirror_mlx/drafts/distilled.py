@@ -76,21 +76,28 @@ def config_for(target_config: dict, frozen: int, trained: int, kept_size: int) -
     return config
 
 
-def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int, kept_ids) -> Model:
-    """A draft from a loaded (float) llama target: its embedding, its layers 0..E+k-1 and final norm copied,
-    the head initialised from the (tied or own) output rows of the kept ids."""
+def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int, kept_ids,
+              init_layers: Optional[list] = None) -> Model:
+    """A draft from a loaded (float) llama target: its embedding, its layers 0..E-1, then k layers copied from
+    the target's `init_layers` (default E..E+k-1), its final norm, and the head initialised from the (tied or
+    own) output rows of the kept ids."""
     from mlx.utils import tree_flatten
 
     kept = mx.array(sorted(int(i) for i in kept_ids), dtype=mx.int32)
     args = ModelArgs.from_dict(config_for(target_config, frozen, trained, int(kept.size)))
     draft = Model(args)
     inner = target.model
+    source = list(range(frozen)) + list(init_layers if init_layers is not None else range(frozen, frozen + trained))
+    if len(source) != frozen + trained or not all(0 <= i < len(inner.layers) for i in source):
+        raise ValueError(f"init layers {init_layers} do not give {trained} of the target's {len(inner.layers)} layers")
     weights = {}
     for k, v in tree_flatten(inner.parameters()):
         if k.startswith("layers."):
-            if int(k.split(".")[1]) >= frozen + trained:
-                continue
+            continue
         weights["model." + k] = v
+    for mine, theirs in enumerate(source):
+        for k, v in tree_flatten(inner.layers[theirs].parameters()):
+            weights[f"model.layers.{mine}.{k}"] = v
     out = target.lm_head.weight if hasattr(target, "lm_head") else inner.embed_tokens.weight
     weights["head.weight"] = out[kept]
     weights["kept_ids"] = kept
