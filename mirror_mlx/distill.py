@@ -659,44 +659,56 @@ def untrained_draft(target: str, out: str, frozen: int, trained: int, kept: int,
 # ------------------------------------------------------------------------------------------- the loop
 
 
-def loop(data: DataConfig, train_cfg: TrainConfig, generate_minutes: float = 60.0, train_minutes: float = 60.0,
-         min_new_tokens: int = 20000, log: Callable[[str], None] = print, progress: bool = True) -> None:
+def shape_name(cfg: TrainConfig) -> str:
+    return f"E{cfg.frozen}k{cfg.trained}V{cfg.kept}" + ("" if cfg.init == "next" else f"-{cfg.init}")
+
+
+def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: float = 60.0,
+         train_minutes: float = 60.0, min_new_tokens: int = 20000, log: Callable[[str], None] = print,
+         progress: bool = True) -> None:
     """Data and training in one process (one PID to pause and resume): generate for `generate_minutes`, then
-    train a draft from scratch on every reply cached so far (a run per round, checkpointed, its draft written
-    to OUT/round-N and OUT/latest), and again, until the schedule is generated and its last round trained.
-    Killed and started again, it goes on: the replies are on disk, a round's run resumes from its checkpoint."""
+    train each draft shape of `train_cfgs` from scratch on every reply cached so far (a checkpointed run per
+    round and shape, its draft written to OUT/round-NNN-SHAPE and OUT/latest-SHAPE), and again, until the
+    schedule is generated and its last round trained. The shapes are compared on the same data each round.
+    Killed and started again, it goes on: the replies are on disk, a round's runs resume from their checkpoints."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(data.target)
     root = data_root(data.target, data.data_dir)
     state_file = root / "loop.json"
-    out = Path(train_cfg.out)
     while True:
         state = json.loads(state_file.read_text()) if state_file.is_file() else {"round": 0, "trained_tokens": 0}
         r = state["round"]
-        run_dir = root / "runs" / f"loop-r{r:03d}"
-        mid_round = (run_dir / "manifest.json").is_file()
+        runs = [(c, root / "runs" / f"loop-r{r:03d}-{shape_name(c)}") for c in train_cfgs]
+        mid_round = any((d / "manifest.json").is_file() for _, d in runs)
         finished = False
         if not mid_round:
             g = generate_data(data, progress=progress, log=log, stop_after_s=generate_minutes * 60,
                               model=model, tokenizer=tokenizer)
             finished = not g["stopped"]
-            have = sum(len(np.load(p)["reply"]) for p in read_reply_files(root, train_cfg.sources))
+            have = sum(len(np.load(p)["reply"]) for p in read_reply_files(root, train_cfgs[0].sources))
             if have - state["trained_tokens"] < min_new_tokens and not finished:
                 continue
-        cfg = TrainConfig(**dict(asdict(train_cfg), out=str(out / f"round-{r:03d}"), run_dir=str(run_dir)))
-        res = train(cfg, budget_minutes=train_minutes, progress=progress, log=log, model=model, tokenizer=tokenizer)
-        if res["stopped"]:
-            continue  # its run folder has a manifest now: the next turn resumes it before generating more
-        latest = out / "latest"
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        latest.symlink_to(f"round-{r:03d}")
-        log(f"round {r}: {res['reply_tokens']} reply tokens, agreement {res.get('agreement', float('nan')):.4f}")
+        results, stopped = [], False
+        for c, run_dir in runs:
+            out = Path(c.out)
+            cfg = TrainConfig(**dict(asdict(c), out=str(out / f"round-{r:03d}-{shape_name(c)}"), run_dir=str(run_dir)))
+            res = train(cfg, budget_minutes=train_minutes, progress=progress, log=log, model=model, tokenizer=tokenizer)
+            if res["stopped"]:
+                stopped = True  # its run folder has a manifest now: the next turn resumes it before generating
+                break
+            latest = out / f"latest-{shape_name(c)}"
+            if latest.is_symlink() or latest.exists():
+                latest.unlink()
+            latest.symlink_to(Path(cfg.out).name)
+            log(f"round {r} {shape_name(c)}: {res['reply_tokens']} reply tokens, agreement "
+                f"{res.get('agreement', float('nan')):.4f}")
+            results.append(dict({k: v for k, v in res.items() if k != "run"}, shape=shape_name(c)))
+        if stopped:
+            continue
         tmp = state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"round": r + 1, "trained_tokens": res["reply_tokens"],
-                                   "history": state.get("history", []) + [{k: res[k] for k in res if k != "run"}]},
-                                  indent=1))
+        tmp.write_text(json.dumps({"round": r + 1, "trained_tokens": results[0]["reply_tokens"],
+                                   "history": state.get("history", []) + [results]}, indent=1))
         os.replace(tmp, state_file)
         if finished:
             return

@@ -140,8 +140,8 @@ def test_loop_generates_then_trains_and_resumes(tmp_path, monkeypatch, target):
     cfg = train_cfg(tmp_path, "drafts", epochs=1)
     # the first turn stops generating at once (as if killed while generating): a round needs new tokens
     distill.generate_data(data, stop_after_s=0, model=model, tokenizer=tok, **quiet)
-    distill.loop(data, cfg, generate_minutes=10, min_new_tokens=1, **quiet)
+    distill.loop(data, [cfg], generate_minutes=10, min_new_tokens=1, **quiet)
     state = json.loads((tmp_path / "data" / "loop.json").read_text())
     assert state["round"] == 1 and state["trained_tokens"] > 0
-    assert (tmp_path / "drafts" / "latest").resolve() == (tmp_path / "drafts" / "round-000").resolve()
-    assert is_distilled(tmp_path / "drafts" / "latest")
+    latest = tmp_path / "drafts" / "latest-E2k1V48"
+    assert latest.resolve() == (tmp_path / "drafts" / "round-000-E2k1V48").resolve() and is_distilled(latest)

@@ -90,3 +90,35 @@ def measure_cmd(model, draft, data_dir, cost) -> None:
     if cost:
         r.update(cost_ratio(model, draft))
     click.echo(json.dumps(r))
+
+
+@distill_cmd.command("loop")
+@click.option("--model", required=True, type=click.Path(file_okay=False), help="The target's mlx-lm folder.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Folder of drafts: OUT/round-NNN-SHAPE per round and shape, OUT/latest-SHAPE the newest.")
+@click.option("--shape", "shapes", multiple=True, default=["6,1,16384"], show_default=True,
+              help="E,k,V[,last] of a draft to train each round (repeat to compare shapes on the same data).")
+@click.option("--epochs", type=float, default=TrainConfig.epochs, show_default=True)
+@click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
+@click.option("--generate-minutes", type=float, default=60.0, show_default=True, help="Generation between rounds.")
+@click.option("--train-minutes", type=float, default=30.0, show_default=True, help="Training turn (checkpointed).")
+@click.option("--min-new-tokens", type=int, default=20000, show_default=True,
+              help="New reply tokens a round needs before it trains.")
+@click.option("--rounds", type=int, default=DataConfig.rounds, show_default=True, help="Sampled data rounds.")
+@click.option("--data-dir", default=None)
+def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens, rounds, data_dir, **kw) -> None:
+    """Generate and train in one process (one PID to pause): replies for a while, then each draft shape from
+    scratch on all of them, and again. Killed and started again, it goes on where it stopped."""
+    from mirror_mlx.distill import loop
+
+    cfgs = []
+    for shape in shapes:
+        parts = shape.split(",")
+        try:
+            E, k, V = (int(x) for x in parts[:3])
+        except ValueError:
+            raise click.UsageError(f"--shape {shape!r}: give E,k,V (integers), optionally ,last")
+        cfgs.append(TrainConfig(target=model, out=out, data_dir=data_dir, frozen=E, trained=k, kept=V,
+                                init=parts[3] if len(parts) > 3 else "next", **kw))
+    loop(DataConfig(target=model, data_dir=data_dir, rounds=rounds), cfgs, generate_minutes=generate_minutes,
+         train_minutes=train_minutes, min_new_tokens=min_new_tokens, log=lambda s: click.echo(s, err=True))
