@@ -387,7 +387,7 @@ class TrainConfig:
     data_dir: Optional[str] = None
     seed: int = 0
     checkpoint_minutes: float = 5.0
-    eval_replies: int = 96  # held-out replies measured at each checkpoint and at the end
+    eval_replies: int = 96  # held-out replies measured at the end (spread over the categories; a quarter between)
     run_dir: Optional[str] = None  # default: DATA/runs/<hash of the settings>
 
 
@@ -487,7 +487,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     kept = kept_ids_by_frequency(replies, cfg.kept, eos_ids(tokenizer))
     exs = examples(replies, cfg.max_context)
     n_tokens = sum(len(e.top_ids) for e in exs)
-    eval_replies = read_replies(root, ("eval",))[: cfg.eval_replies]
+    eval_replies = read_replies(root, ("eval",))
+    eval_replies = eval_replies[:: max(1, len(eval_replies) // max(1, cfg.eval_replies))][: cfg.eval_replies]
 
     n_target = target_config["num_hidden_layers"]
     if cfg.init not in ("next", "last"):
