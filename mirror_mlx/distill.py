@@ -516,6 +516,10 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
         draft.update(tree_unflatten([(k[6:], v) for k, v in w.items() if k.startswith("model.")]))
         opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
         step, history = prog["step"], prog.get("history", [])
+        if step >= total and history and history[-1].get("measured_on") == "all" and (Path(cfg.out) / "config.json").is_file():
+            log(f"{run} is complete (step {step}/{total})")  # measured and written already
+            return {"run": str(run), "out": cfg.out, "steps": step, "total": total, "stopped": False,
+                    "reply_tokens": n_tokens, "replies": len(exs), **history[-1]}
         log(f"resuming {run} at step {step}/{total}")
     else:
         log(f"training {run}: {len(exs)} replies, {n_tokens} reply tokens, {total} steps")

@@ -92,6 +92,8 @@ def test_train_save_load_resume_and_real_ids(tmp_path, target):
     a, b = mx.load(str(tmp_path / "whole" / "model.safetensors")), mx.load(str(tmp_path / "cut" / "model.safetensors"))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert done["agreement"] == whole["agreement"]
+    again = distill.train(train_cfg(tmp_path, "cut"), **quiet)  # a finished run: its result, no more steps
+    assert again["steps"] == done["steps"] and again["agreement"] == done["agreement"]
 
     # the folder loads through mlx-lm by its model_type, and as the pipeline's plain draft
     folder = tmp_path / "whole"
