@@ -379,8 +379,8 @@ class TrainConfig:
     kept: int = 16384  # V
     init: str = "next"  # the trained layers start as the target's layers E..E+k-1 ("next") or its last k ("last")
     epochs: float = 2.0
-    lr: float = 3e-4
-    batch_tokens: int = 4096  # padded tokens per step
+    lr: float = 1e-3
+    batch_tokens: int = 2048  # padded tokens per step
     max_context: int = 384  # prompt tokens kept before each reply in training (measurement sees all)
     train_tokens: Optional[int] = None  # use only the first this-many reply tokens (greedy replies first)
     sources: tuple = TRAIN_SOURCES
@@ -669,9 +669,11 @@ def shape_name(cfg: TrainConfig) -> str:
 
 
 def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: float = 60.0,
-         train_minutes: float = 60.0, min_new_tokens: int = 20000, log: Callable[[str], None] = print,
-         progress: bool = True) -> None:
-    """Data and training in one process (one PID to pause and resume): generate for `generate_minutes`, then
+         train_minutes: float = 60.0, min_new_tokens: int = 20000, growth: float = 1.5,
+         log: Callable[[str], None] = print, progress: bool = True) -> None:
+    """Data and training in one process (one PID to pause and resume): generate in turns of `generate_minutes`
+    until there are `min_new_tokens` more reply tokens than the last round trained on and `growth` times as
+    many (rounds at geometrically growing data, so retraining from scratch costs a few times the last), then
     train each draft shape of `train_cfgs` from scratch on every reply cached so far (a checkpointed run per
     round and shape, its draft written to OUT/round-NNN-SHAPE and OUT/latest-SHAPE), and again, until the
     schedule is generated and its last round trained. The shapes are compared on the same data each round.
@@ -692,7 +694,7 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
                               model=model, tokenizer=tokenizer)
             finished = not g["stopped"]
             have = sum(len(np.load(p)["reply"]) for p in read_reply_files(root, train_cfgs[0].sources))
-            if have - state["trained_tokens"] < min_new_tokens and not finished:
+            if have < max(state["trained_tokens"] + min_new_tokens, growth * state["trained_tokens"]) and not finished:
                 continue
         results, stopped = [], False
         for c, run_dir in runs:

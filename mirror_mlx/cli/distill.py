@@ -100,13 +100,17 @@ def measure_cmd(model, draft, data_dir, cost) -> None:
               help="E,k,V[,last] of a draft to train each round (repeat to compare shapes on the same data).")
 @click.option("--epochs", type=float, default=TrainConfig.epochs, show_default=True)
 @click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
-@click.option("--generate-minutes", type=float, default=60.0, show_default=True, help="Generation between rounds.")
+@click.option("--generate-minutes", type=float, default=15.0, show_default=True,
+              help="A generation turn; a round trains once the data has grown enough (--min-new-tokens, --growth).")
 @click.option("--train-minutes", type=float, default=30.0, show_default=True, help="Training turn (checkpointed).")
 @click.option("--min-new-tokens", type=int, default=20000, show_default=True,
               help="New reply tokens a round needs before it trains.")
+@click.option("--growth", type=float, default=1.5, show_default=True,
+              help="A round also needs this many times the reply tokens the last one trained on.")
 @click.option("--rounds", type=int, default=DataConfig.rounds, show_default=True, help="Sampled data rounds.")
 @click.option("--data-dir", default=None)
-def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens, rounds, data_dir, **kw) -> None:
+def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens, growth, rounds, data_dir,
+             **kw) -> None:
     """Generate and train in one process (one PID to pause): replies for a while, then each draft shape from
     scratch on all of them, and again. Killed and started again, it goes on where it stopped."""
     from mirror_mlx.distill import loop
@@ -121,4 +125,4 @@ def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens
         cfgs.append(TrainConfig(target=model, out=out, data_dir=data_dir, frozen=E, trained=k, kept=V,
                                 init=parts[3] if len(parts) > 3 else "next", **kw))
     loop(DataConfig(target=model, data_dir=data_dir, rounds=rounds), cfgs, generate_minutes=generate_minutes,
-         train_minutes=train_minutes, min_new_tokens=min_new_tokens, log=lambda s: click.echo(s, err=True))
+         train_minutes=train_minutes, min_new_tokens=min_new_tokens, growth=growth, log=lambda s: click.echo(s, err=True))
