@@ -15,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not 
 
 preload_openblas()  # before anything imports mlx.core
 
+from . import model_types  # noqa: E402  (mlx-lm finds our draft types by name; imports nothing heavy)
+
+model_types.install()
+
 __version__ = "0.1.0"
 
 

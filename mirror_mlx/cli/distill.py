@@ -1,0 +1,128 @@
+"""`mirror-mlx distill data|train|measure`: a draft of the target's first layers with a trimmed head,
+distilled from the target's own replies (mirror_mlx/distill.py)."""
+
+import json
+from pathlib import Path
+
+import click
+
+from mirror_mlx.distill import DataConfig, TrainConfig
+
+
+@click.group("distill")
+def distill_cmd() -> None:
+    """Distil a cut-down draft (first layers + trained layers + trimmed head) from a chat target."""
+
+
+@distill_cmd.command("data")
+@click.option("--model", required=True, type=click.Path(file_okay=False), help="The target's mlx-lm folder.")
+@click.option("--data-dir", default=None, help="Where replies are cached [default: CACHE/distill/<target>].")
+@click.option("--max-tokens", type=int, default=DataConfig.max_tokens, show_default=True, help="Longest reply.")
+@click.option("--batch-size", type=int, default=DataConfig.batch_size, show_default=True, help="Rows decoded together.")
+@click.option("--rounds", type=int, default=DataConfig.rounds, show_default=True,
+              help="Sampled rounds (T=0.7 and T=1.0, a new seed each) after the first.")
+@click.option("--tinystories", type=int, default=DataConfig.tinystories, show_default=True,
+              help="TinyStories openings (training part of the corpus) asked for a story.")
+@click.option("--minutes", type=float, default=None, help="Stop after this long (run again to go on).")
+def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes) -> None:
+    """Generate (or go on generating) the target's replies: every reply is saved as it is made, so a killed
+    run continues where it stopped."""
+    from mirror_mlx.distill import generate_data
+
+    cfg = DataConfig(target=model, data_dir=data_dir, max_tokens=max_tokens, batch_size=batch_size, rounds=rounds,
+                     tinystories=tinystories)
+    r = generate_data(cfg, log=lambda s: click.echo(s, err=True),
+                      stop_after_s=None if minutes is None else minutes * 60)
+    click.echo(json.dumps(r))
+
+
+@distill_cmd.command("train")
+@click.option("--model", required=True, type=click.Path(file_okay=False), help="The target's mlx-lm folder.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="The draft folder to write.")
+@click.option("--frozen", type=int, default=TrainConfig.frozen, show_default=True, help="E: the target's first layers, frozen.")
+@click.option("--trained", type=int, default=TrainConfig.trained, show_default=True,
+              help="k: layers after them, initialised from the target's next k, trained.")
+@click.option("--kept", type=int, default=TrainConfig.kept, show_default=True,
+              help="V: head rows, the ids the target writes most often in its training replies.")
+@click.option("--init", type=click.Choice(["next", "last"]), default=TrainConfig.init, show_default=True,
+              help="The trained layers start as the target's layers E..E+k-1 (next) or its last k (last).")
+@click.option("--epochs", type=float, default=TrainConfig.epochs, show_default=True)
+@click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
+@click.option("--batch-tokens", type=int, default=TrainConfig.batch_tokens, show_default=True)
+@click.option("--max-context", type=int, default=TrainConfig.max_context, show_default=True,
+              help="Prompt tokens kept before a reply in training.")
+@click.option("--train-tokens", type=int, default=None, help="Train on the first this-many reply tokens only.")
+@click.option("--sources", default=",".join(TrainConfig.sources), show_default=True)
+@click.option("--data-dir", default=None)
+@click.option("--run-dir", default=None, help="Checkpoint folder [default: DATA/runs/<settings hash>].")
+@click.option("--checkpoint-minutes", type=float, default=TrainConfig.checkpoint_minutes, show_default=True)
+@click.option("--budget-minutes", type=float, default=None, help="Stop (with a checkpoint) after this long.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
+    """Train (or resume: same settings, same run folder) a distilled draft; it is written to --out at every
+    checkpoint with the held-out agreement so far."""
+    from mirror_mlx.distill import train
+
+    cfg = TrainConfig(target=model, out=out, sources=tuple(s for s in sources.split(",") if s), **kw)
+    try:
+        r = train(cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    click.echo(json.dumps(r))
+
+
+@distill_cmd.command("measure")
+@click.option("--model", required=True, type=click.Path(file_okay=False), help="The target's mlx-lm folder.")
+@click.option("--draft", required=True, type=click.Path(file_okay=False), help="A distilled draft folder.")
+@click.option("--data-dir", default=None)
+@click.option("--cost/--no-cost", default=True, help="Also measure c, the 1-row forward cost ratio (one core each).")
+def measure_cmd(model, draft, data_dir, cost) -> None:
+    """Teacher-forced greedy agreement on the evaluation part's replies, and c."""
+    from mlx_lm.utils import load_model
+
+    from mirror_mlx.distill import agreement, cost_ratio, data_root, read_replies
+
+    ev = read_replies(data_root(model, data_dir), ("eval",))
+    if not ev:
+        raise click.UsageError("no evaluation replies cached: run `mirror-mlx distill data` first")
+    r = agreement(load_model(Path(draft))[0], ev)
+    r["eval_replies"] = len(ev)
+    if cost:
+        r.update(cost_ratio(model, draft))
+    click.echo(json.dumps(r))
+
+
+@distill_cmd.command("loop")
+@click.option("--model", required=True, type=click.Path(file_okay=False), help="The target's mlx-lm folder.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Folder of drafts: OUT/round-NNN-SHAPE per round and shape, OUT/latest-SHAPE the newest.")
+@click.option("--shape", "shapes", multiple=True, default=["6,1,16384"], show_default=True,
+              help="E,k,V[,last] of a draft to train each round (repeat to compare shapes on the same data).")
+@click.option("--epochs", type=float, default=TrainConfig.epochs, show_default=True)
+@click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
+@click.option("--generate-minutes", type=float, default=15.0, show_default=True,
+              help="A generation turn; a round trains once the data has grown enough (--min-new-tokens, --growth).")
+@click.option("--train-minutes", type=float, default=30.0, show_default=True, help="Training turn (checkpointed).")
+@click.option("--min-new-tokens", type=int, default=20000, show_default=True,
+              help="New reply tokens a round needs before it trains.")
+@click.option("--growth", type=float, default=1.5, show_default=True,
+              help="A round also needs this many times the reply tokens the last one trained on.")
+@click.option("--rounds", type=int, default=DataConfig.rounds, show_default=True, help="Sampled data rounds.")
+@click.option("--data-dir", default=None)
+def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens, growth, rounds, data_dir,
+             **kw) -> None:
+    """Generate and train in one process (one PID to pause): replies for a while, then each draft shape from
+    scratch on all of them, and again. Killed and started again, it goes on where it stopped."""
+    from mirror_mlx.distill import loop
+
+    cfgs = []
+    for shape in shapes:
+        parts = shape.split(",")
+        try:
+            E, k, V = (int(x) for x in parts[:3])
+        except ValueError:
+            raise click.UsageError(f"--shape {shape!r}: give E,k,V (integers), optionally ,last")
+        cfgs.append(TrainConfig(target=model, out=out, data_dir=data_dir, frozen=E, trained=k, kept=V,
+                                init=parts[3] if len(parts) > 3 else "next", **kw))
+    loop(DataConfig(target=model, data_dir=data_dir, rounds=rounds), cfgs, generate_minutes=generate_minutes,
+         train_minutes=train_minutes, min_new_tokens=min_new_tokens, growth=growth, log=lambda s: click.echo(s, err=True))

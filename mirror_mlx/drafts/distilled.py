@@ -1,0 +1,128 @@
+"""A distilled draft (model_type `mirror_distilled`): a llama's first layers, a trimmed head, real token ids.
+
+The body is mlx-lm's LlamaModel with E + k layers: the target's first E (frozen in training) and k more,
+initialised from the target's layers E..E+k-1 and trained. The head scores only the V kept token ids
+(`kept_ids`, stored with the weights), which costs V/vocab of a full head. Its forward returns logits over
+the whole vocabulary, -inf off the kept ids: every consumer (MLXDraft's argmax, the engine, mlx-lm) reads
+real token ids, and the draft simply never proposes an id it does not keep. Lossless as every draft is:
+the target verifies each proposed token.
+
+mlx-lm loads such a folder by its model_type (mirror_mlx/model_types.py maps the name to this module).
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+MODEL_TYPE = "mirror_distilled"
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    kept_size: int = 0  # V: rows of the trimmed head
+    frozen_layers: int = 0  # E: the target's first layers, taken as they are (informational)
+    target_layers: int = 0  # the target's depth (informational)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = llama.LlamaModel(args)
+        self.head = nn.Linear(args.hidden_size, args.kept_size, bias=False)
+        self.kept_ids = mx.zeros((args.kept_size,), dtype=mx.int32)
+        self._index = None
+
+    def full_index(self) -> mx.array:
+        """For each vocabulary id, its row in the head's output, or V (the -inf column) when not kept."""
+        if self._index is None:
+            V = self.args.kept_size
+            index = mx.full((self.args.vocab_size,), V, dtype=mx.int32)
+            index[self.kept_ids] = mx.arange(V, dtype=mx.int32)
+            self._index = index
+        return self._index
+
+    def kept_logits(self, inputs: mx.array, cache: Optional[Any] = None) -> mx.array:
+        """(..., V) logits over the kept ids (training and measurement use these)."""
+        return self.head(self.model(inputs, cache))
+
+    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
+        small = self.head(self.model(inputs, cache, input_embeddings))
+        pad = mx.full(small.shape[:-1] + (1,), -mx.inf, dtype=small.dtype)
+        return mx.take(mx.concatenate([small, pad], axis=-1), self.full_index(), axis=-1)
+
+    def load_weights(self, *args, **kwargs):
+        self._index = None
+        return super().load_weights(*args, **kwargs)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+
+def config_for(target_config: dict, frozen: int, trained: int, kept_size: int) -> dict:
+    """A draft's config.json from its target's: E + k layers, V kept ids, model_type mirror_distilled."""
+    config = {k: v for k, v in target_config.items() if k not in ("quantization", "quantization_config")}
+    config.update(model_type=MODEL_TYPE, architectures=["MirrorDistilledForCausalLM"],
+                  num_hidden_layers=frozen + trained, kept_size=kept_size, frozen_layers=frozen,
+                  target_layers=target_config["num_hidden_layers"], tie_word_embeddings=False)
+    return config
+
+
+def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int, kept_ids,
+              init_layers: Optional[list] = None) -> Model:
+    """A draft from a loaded (float) llama target: its embedding, its layers 0..E-1, then k layers copied from
+    the target's `init_layers` (default E..E+k-1), its final norm, and the head initialised from the (tied or
+    own) output rows of the kept ids."""
+    from mlx.utils import tree_flatten
+
+    kept = mx.array(sorted(int(i) for i in kept_ids), dtype=mx.int32)
+    args = ModelArgs.from_dict(config_for(target_config, frozen, trained, int(kept.size)))
+    draft = Model(args)
+    inner = target.model
+    source = list(range(frozen)) + list(init_layers if init_layers is not None else range(frozen, frozen + trained))
+    if len(source) != frozen + trained or not all(0 <= i < len(inner.layers) for i in source):
+        raise ValueError(f"init layers {init_layers} do not give {trained} of the target's {len(inner.layers)} layers")
+    weights = {}
+    for k, v in tree_flatten(inner.parameters()):
+        if k.startswith("layers."):
+            continue
+        weights["model." + k] = v
+    for mine, theirs in enumerate(source):
+        for k, v in tree_flatten(inner.layers[theirs].parameters()):
+            weights[f"model.layers.{mine}.{k}"] = v
+    out = target.lm_head.weight if hasattr(target, "lm_head") else inner.embed_tokens.weight
+    weights["head.weight"] = out[kept]
+    weights["kept_ids"] = kept
+    draft.load_weights(list(weights.items()), strict=True)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def save_draft(draft: Model, out: Path, tokenizer_from: Path, extra: Optional[dict] = None) -> Path:
+    """The draft as a model folder: config.json, model.safetensors (kept_ids among the weights), tokenizer."""
+    from mlx.utils import tree_flatten
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(draft.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    for p in Path(tokenizer_from).iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or p.suffix in (".model", ".jinja"):
+            shutil.copyfile(p, out / p.name)
+    config = {k: v for k, v in vars(draft.args).items()}
+    config.update(extra or {})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    return out
+
+
+def is_distilled(folder: Path) -> bool:
+    config = Path(folder) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE

@@ -1,0 +1,149 @@
+"""The distilled draft (mirror_mlx/distill.py, drafts/distilled.py) on the tiny demo target: data → train →
+save → load as a draft, resumption after an interrupted run, and the kept-ids mapping."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mirror_mlx  # noqa: F401  (OpenBLAS first)
+import mlx.core as mx
+from mlx_lm.utils import load
+
+from mirror_mlx import distill
+from mirror_mlx.demo_pair import TARGET
+from mirror_mlx.drafts.distilled import MODEL_TYPE, is_distilled
+
+PROMPTS = {"eval": ["Once upon a time", "The cat sat"],
+           "spec_bench": ["Tom and Lily went to", "One day a little bird", "The sun was", "Sam had a red ball"],
+           "code_edit": ["Mia liked to draw pictures of"]}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load(str(TARGET))
+
+
+def data_cfg(tmp: Path, **kw) -> distill.DataConfig:
+    return distill.DataConfig(target=str(TARGET), data_dir=str(tmp), max_tokens=12, batch_size=6, rounds=1,
+                              prompts=PROMPTS, **kw)
+
+
+def train_cfg(tmp: Path, out: str, **kw) -> distill.TrainConfig:
+    settings = dict(frozen=2, trained=1, kept=48, epochs=2, lr=1e-3, batch_tokens=128)
+    return distill.TrainConfig(target=str(TARGET), out=str(tmp / out), data_dir=str(tmp / "data"),
+                               run_dir=str(tmp / ("run-" + out)), **{**settings, **kw})
+
+
+def files(d: Path) -> dict:
+    return {p.name: {k: v.tolist() for k, v in np.load(p).items()} for p in sorted((d / "replies").glob("*.npz")) if not p.name.endswith(".tmp.npz")}
+
+
+def test_data_resumes_to_the_same_replies(tmp_path, target):
+    model, tok = target
+    whole = distill.generate_data(data_cfg(tmp_path / "whole"), progress=False, log=lambda s: None,
+                                  model=model, tokenizer=tok)
+    n_jobs = 2 + 4 * 5 + 1 * 5  # eval greedy; per training prompt: round 0 (3) + round 1 (2)
+    assert whole["made"] == n_jobs and not whole["stopped"]
+    # a run stopped after its first batch (as a killed one: what it saved stays), then run again
+    part = distill.generate_data(data_cfg(tmp_path / "part"), progress=False, log=lambda s: None, stop_after_s=0,
+                                 model=model, tokenizer=tok)
+    assert part["stopped"] and 0 < part["made"] < n_jobs
+    (tmp_path / "part" / "replies" / "junk.tmp.npz").write_bytes(b"half a file")  # a write cut short: ignored
+    rest = distill.generate_data(data_cfg(tmp_path / "part"), progress=False, log=lambda s: None,
+                                 model=model, tokenizer=tok)
+    assert part["made"] + rest["made"] == n_jobs
+    assert files(tmp_path / "whole") == files(tmp_path / "part")
+    r = distill.read_replies(tmp_path / "whole", ("spec_bench",))
+    assert len(r) == 4 * 5 and all(len(x.reply) == len(x.top_ids) == len(x.top_logits) for x in r)
+    greedy = [x for x in r[:4]]  # greedy replies come first, and the top-1 logit is the greedy token
+    assert all((x.top_ids[:, 0] == x.reply).all() for x in greedy)
+
+
+def test_greedy_batch_reply_matches_one_row(target):
+    model, tok = target
+    prompts = [distill.render(tok, t) for t in ("Once upon a time there was", "Hi")]
+    eos = [tok.eos_token_id]
+    both = distill.batched_replies(model, prompts, [[(0.0, 0)], [(0.0, 0)]], 10, eos)
+    alone = distill.batched_replies(model, prompts[1:], [[(0.0, 0)]], 10, eos)
+    assert both[1][0].reply.tolist() == alone[0][0].reply.tolist()  # left padding changes nothing
+
+
+def test_kept_ids_by_frequency():
+    R = distill.Reply
+    z = np.zeros((0, 1))
+    replies = [R(np.array([1]), np.array([5, 5, 7, 9, 9, 9]), z, z), R(np.array([1]), np.array([7, 3]), z, z)]
+    assert distill.kept_ids_by_frequency(replies, 2).tolist() == [5, 9]  # 9 x3, then 5 and 7 x2: 5 (lower id)
+    assert distill.kept_ids_by_frequency(replies, 3, always=[2]).tolist() == [2, 5, 9]
+
+
+def test_train_save_load_resume_and_real_ids(tmp_path, target):
+    model, tok = target
+    distill.generate_data(data_cfg(tmp_path / "data"), progress=False, log=lambda s: None, model=model, tokenizer=tok)
+    quiet = dict(progress=False, log=lambda s: None, model=model, tokenizer=tok)
+    whole = distill.train(train_cfg(tmp_path, "whole"), **quiet)
+    assert whole["steps"] == whole["total"] > 2 and not whole["stopped"]
+    # interrupted after 2 steps (checkpoint), then resumed: the same weights as the uninterrupted run
+    cut = distill.train(train_cfg(tmp_path, "cut"), stop_after_steps=2, **quiet)
+    assert cut["stopped"] and cut["steps"] == 2
+    done = distill.train(train_cfg(tmp_path, "cut"), **quiet)
+    assert done["steps"] == whole["steps"]
+    a, b = mx.load(str(tmp_path / "whole" / "model.safetensors")), mx.load(str(tmp_path / "cut" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert done["agreement"] == whole["agreement"]
+    again = distill.train(train_cfg(tmp_path, "cut"), **quiet)  # a finished run: its result, no more steps
+    assert again["steps"] == done["steps"] and again["agreement"] == done["agreement"]
+
+    # the folder loads through mlx-lm by its model_type, and as the pipeline's plain draft
+    folder = tmp_path / "whole"
+    assert is_distilled(folder) and json.loads((folder / "config.json").read_text())["model_type"] == MODEL_TYPE
+    from mirror_mlx.drafts.recipes import mlx_draft
+    from mirror_mlx.loading import load_model
+
+    draft, dtok = load_model(folder)
+    kept = np.array(draft.kept_ids)
+    assert len(kept) == 48 and (np.diff(kept) > 0).all()
+    x = mx.array([distill.render(tok, "Once upon a time")])
+    full = draft(x)
+    assert full.shape[-1] == 512  # logits over the whole vocabulary
+    small = draft.kept_logits(x)
+    # the full logits hold the kept logits at the kept ids and -inf elsewhere
+    assert mx.allclose(full[..., mx.array(kept)], small).item()
+    off = np.setdiff1d(np.arange(512), kept)
+    assert bool(mx.all(full[..., mx.array(off)] == -mx.inf).item())
+    # argmax over the full logits is the kept id of the argmax over the kept rows: a real vocabulary id
+    assert (np.array(mx.argmax(full, -1)) == kept[np.array(mx.argmax(small, -1))]).all()
+    rollout = mlx_draft(folder).rollout(x[0].tolist()[:-1], [x[0].tolist()[-1:]], 5)
+    assert all(t in set(kept.tolist()) for t in rollout.windows[0])
+    # agreement measured on the eval replies only counts real ids
+    ev = distill.read_replies(tmp_path / "data", ("eval",))
+    assert 0 <= distill.agreement(draft, ev)["agreement"] <= 1
+
+
+def test_distilled_draft_is_lossless_in_the_pipeline(tmp_path, target):
+    model, tok = target
+    distill.generate_data(data_cfg(tmp_path / "data"), progress=False, log=lambda s: None, model=model, tokenizer=tok)
+    distill.train(train_cfg(tmp_path, "d", epochs=1), progress=False, log=lambda s: None, model=model, tokenizer=tok)
+    pipe = mirror_mlx.load(str(TARGET), str(tmp_path / "d"))
+    try:
+        ar = pipe.generate("Once upon a time", max_tokens=24, mode="ar").text
+        sd = pipe.generate("Once upon a time", max_tokens=24, mode="sd", gamma=3).text
+    finally:
+        pipe.close()
+    assert sd == ar
+
+
+def test_loop_generates_then_trains_and_resumes(tmp_path, monkeypatch, target):
+    model, tok = target
+    monkeypatch.setattr("mlx_lm.utils.load", lambda path: (model, tok))
+    quiet = dict(progress=False, log=lambda s: None)
+    data = data_cfg(tmp_path / "data")
+    cfg = train_cfg(tmp_path, "drafts", epochs=1)
+    # the first turn stops generating at once (as if killed while generating): a round needs new tokens
+    distill.generate_data(data, stop_after_s=0, model=model, tokenizer=tok, **quiet)
+    distill.loop(data, [cfg], generate_minutes=10, min_new_tokens=1, **quiet)
+    state = json.loads((tmp_path / "data" / "loop.json").read_text())
+    assert state["round"] == 1 and state["trained_tokens"] > 0
+    latest = tmp_path / "drafts" / "latest-E2k1V48"
+    assert latest.resolve() == (tmp_path / "drafts" / "round-000-E2k1V48").resolve() and is_distilled(latest)
