@@ -33,258 +33,31 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-TOP_K = 32  # teacher logits kept per reply position
-MAX_PROMPT = 1536  # longer rendered prompts are skipped (a few Spec-Bench rag/summarization ones)
-PREFILL_TOKENS = 6144  # rows x padded prompt length per batch (bounds the prefill's attention memory)
-SOURCES = ("eval", "spec_bench", "code_edit", "tinystories")
-TRAIN_SOURCES = SOURCES[1:]
 
-
-def distill_dir() -> Path:
-    from mirror_mlx.tune.profile import cache_dir
-
-    return cache_dir() / "distill"
-
-
-def target_tag(target_dir: Path) -> str:
-    """A short name for a target folder's data: its config and weight file sizes, hashed."""
-    target_dir = Path(target_dir)
-    h = hashlib.sha1((target_dir / "config.json").read_bytes())
-    for p in sorted(target_dir.glob("*.safetensors")):
-        h.update(f"{p.name}:{p.stat().st_size}".encode())
-    return f"{target_dir.name}-{h.hexdigest()[:10]}"
-
-
-# --------------------------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class Job:
-    source: str  # one of SOURCES
-    index: int  # the prompt's index in its source
-    text: str  # the user message
-    temperature: float
-    seed: int
-
-    @property
-    def row_seed(self) -> int:
-        """The sampling seed of this reply alone (from its key)."""
-        return int(hashlib.sha1(self.key.encode()).hexdigest()[:7], 16)
-
-    @property
-    def key(self) -> str:
-        h = hashlib.sha1(json.dumps([self.text, self.temperature, self.seed]).encode()).hexdigest()[:16]
-        return f"{self.source}-{self.index:05d}-t{self.temperature:g}-s{self.seed}-{h}"
-
-
-def source_prompts(source: str, tinystories_n: int = 1000) -> list[str]:
-    """The user messages of one source, in a fixed order."""
-    from mirror_mlx.prompts import DATA, jsonl, spec_bench_part
-
-    if source == "eval":
-        return [p.text for p in spec_bench_part("eval")]
-    if source == "spec_bench":
-        return [p.text for p in spec_bench_part("train")]
-    if source == "code_edit":
-        return [p.text for p in jsonl(DATA / "code_edit.jsonl")]
-    if source == "tinystories":
-        from mirror_mlx.corpus import distinct_openings, load_split
-
-        openings = distinct_openings(load_split().train)[:tinystories_n]
-        return [f"Write a short story for children that begins with: \"{o}\"" for o in openings]
-    raise ValueError(f"unknown data source {source!r}: use one of {', '.join(SOURCES)}")
-
-
-ROUND0 = ((0.0, 0), (0.7, 1), (1.0, 1))  # (temperature, seed) of each prompt's first round
-
-
-def round_variants(r: int) -> tuple:
-    """The (temperature, seed) replies round `r` adds per training prompt: greedy and one sample at each
-    temperature first, then one more sample at each temperature per round."""
-    return ROUND0 if r == 0 else ((0.7, r + 1), (1.0, r + 1))
-
-
-def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] = SOURCES,
-             prompts: Optional[dict] = None) -> list[list[Job]]:
-    """Phases in the order they are worth generating: the evaluation replies (greedy), then the training
-    sources round by round (round 0: greedy, T=0.7 and T=1.0; later rounds: new samples at both).
-    `prompts` ({source: [user message, ...]}) replaces the packaged prompts (tests, custom sets)."""
-    prompts = prompts if prompts is not None else {s: source_prompts(s, tinystories_n) for s in sources}
-    sources = list(prompts)
-    phases = [[Job("eval", i, t, 0.0, 0) for i, t in enumerate(prompts.get("eval", []))]]
-    train = [s for s in sources if s != "eval"]
-    for r in range(rounds + 1):
-        for s in train:
-            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s]) for temp, seed in round_variants(r)])
-    return [p for p in phases if p]
-
-
-def render(tokenizer, text: str) -> list[int]:
-    """One user message through the chat template, with the generation prompt (plain text without one)."""
-    if getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    return list(tokenizer.encode(text))
-
-
-# ------------------------------------------------------------------------------------------ generation
-
-
-@dataclass
-class Reply:
-    prompt: np.ndarray  # (P,) int32 rendered prompt
-    reply: np.ndarray  # (R,) int32 the target's reply, EOS included when it stopped
-    top_ids: np.ndarray  # (R, K) int32: the target's top-K ids at each reply position (predicting reply[i])
-    top_logits: np.ndarray  # (R, K) float16: their logits
-
-
-def save_reply(path: Path, r: Reply) -> None:
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, prompt=r.prompt, reply=r.reply, top_ids=r.top_ids, top_logits=r.top_logits)
-    os.replace(tmp, path)  # whole or not at all: a killed run never leaves half a file
-
-
-def load_reply(path: Path) -> Reply:
-    z = np.load(path)
-    return Reply(z["prompt"], z["reply"], z["top_ids"], z["top_logits"])
-
-
-def batched_replies(model: nn.Module, prompts: list[list[int]], variants: list[list[tuple]], max_tokens: int,
-                    eos: Iterable[int], top_k: int = TOP_K) -> list[list[Reply]]:
-    """The model's replies to `prompts`, each prompt prefilled once (left-padded batch) and then decoded once
-    per (temperature, seed) of its `variants` (its cache rows repeated); a row leaves at its first EOS.
-    A sampled row draws with its own key (its seed and the step), so a reply does not depend on its batch.
-    Returns, per prompt, one Reply per variant."""
-    from mlx_lm.models.cache import BatchKVCache
-
-    eos = set(int(e) for e in eos)
-    longest = max(len(p) for p in prompts)
-    pads = [longest - len(p) for p in prompts]
-    x = mx.array([[0] * pad + list(p) for pad, p in zip(pads, prompts)], dtype=mx.int32)
-    cache = [BatchKVCache(pads) for _ in range(len(model.layers))]
-    logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
-    rows = [(i, v) for i, vs in enumerate(variants) for v in range(len(vs))]  # (prompt, variant) per row
-    idx = mx.array([i for i, _ in rows])
-    for c in cache:
-        c.filter(idx)
-    logits = logits[idx]
-    temps = np.array([variants[i][v][0] for i, v in rows], np.float32)
-    seeds = [variants[i][v][1] for i, v in rows]
-    live = list(range(len(rows)))
-    out_tok: list[list[int]] = [[] for _ in rows]
-    out_ids: list[list[np.ndarray]] = [[] for _ in rows]
-    out_val: list[list[np.ndarray]] = [[] for _ in rows]
-    for step in range(max_tokens):
-        ids = mx.argpartition(-logits, top_k - 1, axis=-1)[:, :top_k]
-        vals = mx.take_along_axis(logits, ids, axis=-1)
-        t = temps[live]
-        if (t == 0).all():
-            y = mx.argmax(logits, axis=-1)
-        else:
-            noise = mx.stack([mx.random.gumbel(logits.shape[-1:], key=mx.random.key(seeds[row] * 100003 + step))
-                              for row in live])
-            drawn = mx.argmax(logits / mx.array(np.maximum(t, 1e-6))[:, None] + noise, axis=-1)
-            y = mx.where(mx.array(t == 0), mx.argmax(logits, axis=-1), drawn)
-        mx.eval(y, ids, vals)
-        y_np, ids_np, vals_np = np.array(y), np.array(ids), np.array(vals).astype(np.float16)
-        keep = []
-        for b, row in enumerate(live):
-            out_tok[row].append(int(y_np[b]))
-            out_ids[row].append(ids_np[b])
-            out_val[row].append(vals_np[b])
-            if int(y_np[b]) not in eos:
-                keep.append(b)
-        if not keep or step == max_tokens - 1:
-            break
-        y = y.astype(mx.int32)
-        if len(keep) < len(live):
-            sel = mx.array(keep)
-            for c in cache:
-                c.filter(sel)
-            y = y[sel]
-            live = [live[b] for b in keep]
-        logits = model(y[:, None], cache=cache)[:, -1, :].astype(mx.float32)
-    out: list[list[Reply]] = [[] for _ in prompts]
-    for r, (i, _) in enumerate(rows):
-        order = [np.argsort(-v.astype(np.float32), kind="stable") for v in out_val[r]]
-        out[i].append(Reply(np.array(prompts[i], np.int32), np.array(out_tok[r], np.int32),
-                            np.stack([a[o] for a, o in zip(out_ids[r], order)]).astype(np.int32),
-                            np.stack([a[o] for a, o in zip(out_val[r], order)]).astype(np.float16)))
-    return out
-
-
-@dataclass
-class DataConfig:
-    target: str
-    data_dir: Optional[str] = None  # default: distill_dir()/<target tag>
-    max_tokens: int = 256
-    batch_size: int = 18  # rows decoded together (prompts x their variants)
-    rounds: int = 4  # sampled rounds after the greedy one
-    tinystories: int = 1000
-    sources: tuple = SOURCES
-    prompts: Optional[dict] = None  # {source: [user message, ...]} instead of the packaged sources
-
-
-def data_root(target: str, data_dir: Optional[str] = None) -> Path:
-    return Path(data_dir) if data_dir else distill_dir() / target_tag(Path(target))
-
-
-def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], None] = print,
-                  stop_after_s: Optional[float] = None, model=None, tokenizer=None) -> dict:
-    """Generate every missing reply of the schedule into DATA/replies (one .npz each). Returns counts."""
-    from tqdm import tqdm
-
-    from mirror_mlx.corpus import eos_ids
-
-    if model is None:
-        from mlx_lm.utils import load
-
-        model, tokenizer = load(cfg.target)
-    root = data_root(cfg.target, cfg.data_dir)
-    replies = root / "replies"
-    replies.mkdir(parents=True, exist_ok=True)
-    (root / "data.json").write_text(json.dumps({k: v for k, v in asdict(cfg).items() if k != "prompts"}, indent=2, default=list))
-    eos = eos_ids(tokenizer)
-    phases = [[j for j in phase if not (replies / f"{j.key}.npz").exists()]
-              for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts)]
-    phases = [p for p in phases if p]
-    total = sum(len(p) for p in phases)
-    log(f"distill data: {root} ({total} replies to generate)")
-    t0, made, tokens = time.time(), 0, 0
-    bar = tqdm(total=total, desc="target replies", unit="reply", disable=not progress, smoothing=0.05)
-    for phase in phases:
-        by_text: dict[str, list[Job]] = {}
-        for j in phase:
-            by_text.setdefault(j.text, []).append(j)
-        groups = [(render(tokenizer, text), js) for text, js in by_text.items()]
-        groups = sorted((g for g in groups if len(g[0]) <= MAX_PROMPT), key=lambda g: len(g[0]))
-        i = 0
-        while i < len(groups):
-            per = len(groups[i][1])
-            P = max(1, cfg.batch_size // per)
-            L = len(groups[min(len(groups) - 1, i + P - 1)][0])
-            P = max(1, min(P, PREFILL_TOKENS // max(1, L)))
-            batch = groups[i:i + P]
-            i += P
-            out = batched_replies(model, [g[0] for g in batch], [[(j.temperature, j.row_seed) for j in g[1]]
-                                                                 for g in batch], cfg.max_tokens, eos)
-            for (_, js), rs in zip(batch, out):
-                for j, r in zip(js, rs):
-                    save_reply(replies / f"{j.key}.npz", r)
-                    tokens += len(r.reply)
-                    made += 1
-                    bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.time() - t0):.0f}", tokens=tokens)
-            if stop_after_s is not None and time.time() - t0 > stop_after_s:
-                bar.close()
-                return {"made": made, "tokens": tokens, "seconds": time.time() - t0, "stopped": True}
-    bar.close()
-    return {"made": made, "tokens": tokens, "seconds": time.time() - t0, "stopped": False}
-
-
-def read_replies(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Reply]:
-    """Cached replies of `sources` (greedy first, read_reply_files' order)."""
-    return [load_reply(p) for p in read_reply_files(root, sources, limit_tokens)]
-
+from .distill_cost import cost_ratio, untrained_draft  # noqa: F401  (what the command line measures with)
+from .distill_data import (  # noqa: F401  (the data half, and what the command line reads of it)
+    DataConfig,
+    Job,
+    MAX_PROMPT,
+    PREFILL_TOKENS,
+    Reply,
+    SOURCES,
+    TOP_K,
+    TRAIN_SOURCES,
+    batched_replies,
+    data_root,
+    distill_dir,
+    generate_data,
+    load_reply,
+    read_replies,
+    read_reply_files,
+    render,
+    round_variants,
+    save_reply,
+    schedule,
+    source_prompts,
+    target_tag,
+)
 
 # ------------------------------------------------------------------------------------------- training
 
@@ -446,49 +219,26 @@ def _save_state(path: Path, draft, opt, step: int, extra: dict) -> None:
     os.replace(tmp, path / "progress.json")
 
 
-def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bool = True,
-          log: Callable[[str], None] = print, model=None, tokenizer=None, stop_after_steps: Optional[int] = None) -> dict:
-    """Train (or resume) a distilled draft; writes cfg.out (the draft folder) at the end and at each checkpoint.
-
-    The run's data (the reply files it trains on) is fixed when it starts and listed in its run folder, so a
-    resumed run (same settings) continues exactly where its last checkpoint stopped: batch order depends on
-    (seed, epoch) only. `budget_minutes` ends this call with a checkpoint; the same call again resumes."""
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten, tree_unflatten
-    from tqdm import tqdm
-
-    from mirror_mlx.corpus import eos_ids
-    from mirror_mlx.drafts.distilled import new_draft, save_draft
-
-    t_start = time.time()
-    if model is None:
-        from mlx_lm.utils import load
-
-        model, tokenizer = load(cfg.target)
-    target_config = json.loads((Path(cfg.target) / "config.json").read_text())
-    root = data_root(cfg.target, cfg.data_dir)
-    key = run_key(cfg)
-    run = Path(cfg.run_dir) if cfg.run_dir else root / "runs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+def _run_files(run: Path, root: Path, key: dict, cfg: TrainConfig) -> list[str]:
+    """The reply files a run trains on: fixed in its manifest when it starts, so a resumed run sees the same."""
     run.mkdir(parents=True, exist_ok=True)
     manifest = run / "manifest.json"
     if manifest.is_file():
         saved = json.loads(manifest.read_text())
         if saved["config"] != key:
             raise ValueError(f"{run} holds a run with other settings: give another run folder or delete it")
-        files = saved["files"]
-    else:
-        replies_dir = root / "replies"
-        found = read_reply_files(root, cfg.sources, cfg.train_tokens)
-        if not found:
-            raise ValueError(f"no training replies in {replies_dir}: generate data first (distill data)")
-        files = [p.name for p in found]
-        manifest.write_text(json.dumps({"config": key, "files": files}, indent=1))
-    replies = [load_reply(root / "replies" / f) for f in files]
-    kept = kept_ids_by_frequency(replies, cfg.kept, eos_ids(tokenizer))
-    exs = examples(replies, cfg.max_context)
-    n_tokens = sum(len(e.top_ids) for e in exs)
-    eval_replies = read_replies(root, ("eval",))
-    eval_replies = eval_replies[:: max(1, len(eval_replies) // max(1, cfg.eval_replies))][: cfg.eval_replies]
+        return saved["files"]
+    found = read_reply_files(root, cfg.sources, cfg.train_tokens)
+    if not found:
+        raise ValueError(f"no training replies in {root / 'replies'}: generate data first (distill data)")
+    files = [p.name for p in found]
+    manifest.write_text(json.dumps({"config": key, "files": files}, indent=1))
+    return files
+
+
+def _trainable_draft(model, target_config: dict, cfg: TrainConfig, kept: np.ndarray):
+    """A fresh draft of cfg's shape: the first E layers frozen, the k trained ones, the norm and the head trainable."""
+    from mirror_mlx.drafts.distilled import new_draft
 
     n_target = target_config["num_hidden_layers"]
     if cfg.init not in ("next", "last"):
@@ -500,6 +250,77 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
         layer.unfreeze()
     draft.model.norm.unfreeze()
     draft.head.unfreeze()
+    return draft
+
+
+def _resume(ckpt: Path, draft, opt) -> tuple[int, list]:
+    """(step, history) of the run's last checkpoint, its weights and optimizer state loaded; (0, []) for none."""
+    from mlx.utils import tree_unflatten
+
+    if not (ckpt / "progress.json").is_file():
+        return 0, []
+    prog = json.loads((ckpt / "progress.json").read_text())
+    w = mx.load(str(ckpt / "state.safetensors"))
+    draft.update(tree_unflatten([(k[6:], v) for k, v in w.items() if k.startswith("model.")]))
+    opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
+    return prog["step"], prog.get("history", [])
+
+
+def _steps(draft, opt, loss_and_grad, exs, kept, vocab: int, cfg: TrainConfig, step: int, total: int,
+           steps_per_epoch: int, bar, deadline: Optional[float], stop_after: Optional[int],
+           checkpoint: Callable[[], dict]) -> tuple[int, bool]:
+    """Optimizer steps from `step` until `total` (the batch order a function of (seed, epoch) alone), a
+    checkpoint every cfg.checkpoint_minutes; (the step reached, whether the deadline or `stop_after` cut it)."""
+    last_ckpt, losses = time.time(), []
+    while step < total:
+        epoch = step // steps_per_epoch
+        order = _batches(exs, cfg.batch_tokens, np.random.default_rng([cfg.seed, epoch]))
+        tokens, rows, weights, mask, _ = make_batch([exs[i] for i in order[step % steps_per_epoch]], kept, vocab)
+        loss, grads = loss_and_grad(draft, mx.array(tokens), mx.array(rows), mx.array(weights), mx.array(mask))
+        opt.update(draft, grads)
+        mx.eval(loss, draft.trainable_parameters(), opt.state)
+        losses.append(float(loss))
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}")
+        if step < total and ((stop_after is not None and step >= stop_after)
+                             or (deadline is not None and time.time() > deadline)):
+            return step, True
+        if time.time() - last_ckpt > cfg.checkpoint_minutes * 60 and step < total:
+            checkpoint()
+            last_ckpt = time.time()
+    return step, False
+
+
+def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bool = True,
+          log: Callable[[str], None] = print, model=None, tokenizer=None, stop_after_steps: Optional[int] = None) -> dict:
+    """Train (or resume) a distilled draft; writes cfg.out (the draft folder) at the end and at each checkpoint.
+
+    The run's data (the reply files it trains on) is fixed when it starts and listed in its run folder, so a
+    resumed run (same settings) continues exactly where its last checkpoint stopped: batch order depends on
+    (seed, epoch) only. `budget_minutes` ends this call with a checkpoint; the same call again resumes."""
+    import mlx.optimizers as optim
+    from tqdm import tqdm
+
+    from mirror_mlx.corpus import eos_ids
+    from mirror_mlx.drafts.distilled import save_draft
+
+    t_start = time.time()
+    if model is None:
+        from mlx_lm.utils import load
+
+        model, tokenizer = load(cfg.target)
+    target_config = json.loads((Path(cfg.target) / "config.json").read_text())
+    root = data_root(cfg.target, cfg.data_dir)
+    key = run_key(cfg)
+    run = Path(cfg.run_dir) if cfg.run_dir else root / "runs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    replies = [load_reply(root / "replies" / f) for f in _run_files(run, root, key, cfg)]
+    kept = kept_ids_by_frequency(replies, cfg.kept, eos_ids(tokenizer))
+    exs = examples(replies, cfg.max_context)
+    n_tokens = sum(len(e.top_ids) for e in exs)
+    eval_replies = read_replies(root, ("eval",))
+    eval_replies = eval_replies[:: max(1, len(eval_replies) // max(1, cfg.eval_replies))][: cfg.eval_replies]
+    draft = _trainable_draft(model, target_config, cfg, kept)
     rng0 = np.random.default_rng(cfg.seed)
     steps_per_epoch = len(_batches(exs, cfg.batch_tokens, rng0))
     total = max(1, int(round(cfg.epochs * steps_per_epoch)))
@@ -508,14 +329,9 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
                                   optim.cosine_decay(cfg.lr, max(1, total - warm), cfg.lr * 0.05)], [warm])
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.0)
     opt.init(draft.trainable_parameters())
-    step, history = 0, []
     ckpt = run / "checkpoint"
-    if (ckpt / "progress.json").is_file():
-        prog = json.loads((ckpt / "progress.json").read_text())
-        w = mx.load(str(ckpt / "state.safetensors"))
-        draft.update(tree_unflatten([(k[6:], v) for k, v in w.items() if k.startswith("model.")]))
-        opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
-        step, history = prog["step"], prog.get("history", [])
+    step, history = _resume(ckpt, draft, opt)
+    if step:
         if step >= total and history and history[-1].get("measured_on") == "all" and (Path(cfg.out) / "config.json").is_file():
             log(f"{run} is complete (step {step}/{total})")  # measured and written already
             return {"run": str(run), "out": cfg.out, "steps": step, "total": total, "stopped": False,
@@ -540,125 +356,14 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
                                                            for k, v in entry.items()))
         return entry
 
-    stopped = False
     bar = tqdm(total=total, initial=step, desc="distil draft", unit="step", disable=not progress)
-    last_ckpt = time.time()
-    losses = []
-    while step < total:
-        epoch = step // steps_per_epoch
-        order = _batches(exs, cfg.batch_tokens, np.random.default_rng([cfg.seed, epoch]))
-        group = order[step % steps_per_epoch]
-        tokens, rows, weights, mask, _ = make_batch([exs[i] for i in group], kept, vocab)
-        loss, grads = loss_and_grad(draft, mx.array(tokens), mx.array(rows), mx.array(weights), mx.array(mask))
-        opt.update(draft, grads)
-        mx.eval(loss, draft.trainable_parameters(), opt.state)
-        losses.append(float(loss))
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(losses[-50:]):.3f}")
-        out_of_time = budget_minutes is not None and time.time() - t_start > budget_minutes * 60
-        if stop_after_steps is not None and step >= stop_after_steps and step < total:
-            stopped = True
-            break
-        if out_of_time and step < total:
-            stopped = True
-            break
-        if time.time() - last_ckpt > cfg.checkpoint_minutes * 60 and step < total:
-            checkpoint()
-            last_ckpt = time.time()
+    deadline = None if budget_minutes is None else t_start + budget_minutes * 60
+    step, stopped = _steps(draft, opt, loss_and_grad, exs, kept, vocab, cfg, step, total, steps_per_epoch, bar,
+                           deadline, stop_after_steps, checkpoint)
     bar.close()
     entry = checkpoint(final=not stopped)
     return {"run": str(run), "out": cfg.out, "steps": step, "total": total, "stopped": stopped,
             "reply_tokens": n_tokens, "replies": len(exs), **entry}
-
-
-def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Path]:
-    """The cached reply files of `sources`: greedy ones first, then each sampled round, each in source order;
-    up to `limit_tokens` reply tokens."""
-    files = [p for p in (Path(root) / "replies").glob("*.npz")
-             if not p.name.endswith(".tmp.npz") and p.name.split("-")[0] in sources]
-    files.sort(key=lambda p: (int(p.name.split("-s")[-1].split("-")[0]), p.name))
-    if limit_tokens is None:
-        return files
-    out, n = [], 0
-    for p in files:
-        with np.load(p) as z:
-            n += len(z["reply"])
-        out.append(p)
-        if n >= limit_tokens:
-            break
-    return out
-
-
-# ------------------------------------------------------------------------------------------- cost
-
-
-_COST_SCRIPT = r"""
-import json, sys, time
-import mirror_mlx
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model
-from pathlib import Path
-
-def timer(model, context):
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, context), mx.int32), cache=cache))
-    y = mx.zeros((1, 1), mx.int32)
-    def run(reps):
-        t = time.perf_counter()
-        for _ in range(reps):
-            mx.eval(model(y, cache=cache))
-            for c in cache:
-                c.trim(1)
-        return (time.perf_counter() - t) / reps * 1000
-    run(3)
-    return run
-
-a = json.loads(sys.argv[1])
-mx.set_default_device(mx.cpu)
-target = timer(load_model(Path(a["target"]))[0], a["context"])
-draft = timer(load_model(Path(a["draft"]))[0], a["context"])
-t, d = [], []
-for _ in range(a["rounds"]):  # interleaved; the fastest round of each is the least disturbed
-    t.append(target(a["reps"]))
-    d.append(draft(a["reps"] * 3))
-print(json.dumps({"target_ms": min(t), "draft_ms": min(d)}))
-"""
-
-
-def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 10, core: int = 0, rounds: int = 7) -> dict:
-    """c: the draft's 1-row forward (KV cache of `context` tokens, float32) over the target's, each run
-    on one core (OPENBLAS_NUM_THREADS=1, pinned with taskset where there is one), in a fresh process."""
-    import shutil
-    import subprocess
-    import sys
-
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-c", _COST_SCRIPT, json.dumps({"target": str(target), "draft": str(draft),
-                                                           "context": context, "reps": reps,
-                                                           "rounds": rounds})]
-    if shutil.which("taskset"):
-        cmd = ["taskset", "-c", str(core)] + cmd
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"cost measurement failed: {done.stderr.strip().splitlines()[-1:]}")
-    r = json.loads(done.stdout.strip().splitlines()[-1])
-    r["c"] = r["draft_ms"] / r["target_ms"]
-    return r
-
-
-def untrained_draft(target: str, out: str, frozen: int, trained: int, kept: int, model=None) -> Path:
-    """A draft folder of this shape with the first `kept` ids (for cost measurements: cost does not
-    depend on which ids are kept or on training)."""
-    from mirror_mlx.drafts.distilled import new_draft, save_draft
-
-    if model is None:
-        from mlx_lm.utils import load_model
-
-        model = load_model(Path(target))[0]
-    config = json.loads((Path(target) / "config.json").read_text())
-    return save_draft(new_draft(model, config, frozen, trained, np.arange(kept)), Path(out), Path(target))
 
 
 # ------------------------------------------------------------------------------------------- the loop

@@ -1,0 +1,89 @@
+"""The distilled draft's cost: its 1-row forward against the target's, one core each, in a fresh process
+(mirror_mlx/distill.py's measurement), and an untrained draft of a given shape to time before training."""
+
+
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+
+# ------------------------------------------------------------------------------------------- cost
+
+
+_COST_SCRIPT = r"""
+import json, sys, time
+import mirror_mlx
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+from pathlib import Path
+
+def timer(model, context):
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, context), mx.int32), cache=cache))
+    y = mx.zeros((1, 1), mx.int32)
+    def run(reps):
+        t = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(model(y, cache=cache))
+            for c in cache:
+                c.trim(1)
+        return (time.perf_counter() - t) / reps * 1000
+    run(3)
+    return run
+
+a = json.loads(sys.argv[1])
+mx.set_default_device(mx.cpu)
+target = timer(load_model(Path(a["target"]))[0], a["context"])
+draft = timer(load_model(Path(a["draft"]))[0], a["context"])
+t, d = [], []
+for _ in range(a["rounds"]):  # interleaved; the fastest round of each is the least disturbed
+    t.append(target(a["reps"]))
+    d.append(draft(a["reps"] * 3))
+print(json.dumps({"target_ms": min(t), "draft_ms": min(d)}))
+"""
+
+
+def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 10, core: int = 0, rounds: int = 7) -> dict:
+    """c: the draft's 1-row forward (KV cache of `context` tokens, float32) over the target's, each run
+    on one core (OPENBLAS_NUM_THREADS=1, pinned with taskset where there is one), in a fresh process."""
+    import shutil
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-c", _COST_SCRIPT, json.dumps({"target": str(target), "draft": str(draft),
+                                                           "context": context, "reps": reps,
+                                                           "rounds": rounds})]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", str(core)] + cmd
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"cost measurement failed: {done.stderr.strip().splitlines()[-1:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    r["c"] = r["draft_ms"] / r["target_ms"]
+    return r
+
+
+def untrained_draft(target: str, out: str, frozen: int, trained: int, kept: int, model=None) -> Path:
+    """A draft folder of this shape with the first `kept` ids (for cost measurements: cost does not
+    depend on which ids are kept or on training)."""
+    from mirror_mlx.drafts.distilled import new_draft, save_draft
+
+    if model is None:
+        from mlx_lm.utils import load_model
+
+        model = load_model(Path(target))[0]
+    config = json.loads((Path(target) / "config.json").read_text())
+    return save_draft(new_draft(model, config, frozen, trained, np.arange(kept)), Path(out), Path(target))

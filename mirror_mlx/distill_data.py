@@ -1,0 +1,288 @@
+"""The distilled draft's data: the target's own replies to chat prompts, batched, cached per reply, resumable
+(mirror_mlx/distill.py trains on them; its docstring says the whole way)."""
+
+
+import hashlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+TOP_K = 32  # teacher logits kept per reply position
+MAX_PROMPT = 1536  # longer rendered prompts are skipped (a few Spec-Bench rag/summarization ones)
+PREFILL_TOKENS = 6144  # rows x padded prompt length per batch (bounds the prefill's attention memory)
+SOURCES = ("eval", "spec_bench", "code_edit", "tinystories")
+TRAIN_SOURCES = SOURCES[1:]
+
+
+def distill_dir() -> Path:
+    from mirror_mlx.tune.profile import cache_dir
+
+    return cache_dir() / "distill"
+
+
+def target_tag(target_dir: Path) -> str:
+    """A short name for a target folder's data: its config and weight file sizes, hashed."""
+    target_dir = Path(target_dir)
+    h = hashlib.sha1((target_dir / "config.json").read_bytes())
+    for p in sorted(target_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return f"{target_dir.name}-{h.hexdigest()[:10]}"
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Job:
+    source: str  # one of SOURCES
+    index: int  # the prompt's index in its source
+    text: str  # the user message
+    temperature: float
+    seed: int
+
+    @property
+    def row_seed(self) -> int:
+        """The sampling seed of this reply alone (from its key)."""
+        return int(hashlib.sha1(self.key.encode()).hexdigest()[:7], 16)
+
+    @property
+    def key(self) -> str:
+        h = hashlib.sha1(json.dumps([self.text, self.temperature, self.seed]).encode()).hexdigest()[:16]
+        return f"{self.source}-{self.index:05d}-t{self.temperature:g}-s{self.seed}-{h}"
+
+
+def source_prompts(source: str, tinystories_n: int = 1000) -> list[str]:
+    """The user messages of one source, in a fixed order."""
+    from mirror_mlx.prompts import DATA, jsonl, spec_bench_part
+
+    if source == "eval":
+        return [p.text for p in spec_bench_part("eval")]
+    if source == "spec_bench":
+        return [p.text for p in spec_bench_part("train")]
+    if source == "code_edit":
+        return [p.text for p in jsonl(DATA / "code_edit.jsonl")]
+    if source == "tinystories":
+        from mirror_mlx.corpus import distinct_openings, load_split
+
+        openings = distinct_openings(load_split().train)[:tinystories_n]
+        return [f"Write a short story for children that begins with: \"{o}\"" for o in openings]
+    raise ValueError(f"unknown data source {source!r}: use one of {', '.join(SOURCES)}")
+
+
+ROUND0 = ((0.0, 0), (0.7, 1), (1.0, 1))  # (temperature, seed) of each prompt's first round
+
+
+def round_variants(r: int) -> tuple:
+    """The (temperature, seed) replies round `r` adds per training prompt: greedy and one sample at each
+    temperature first, then one more sample at each temperature per round."""
+    return ROUND0 if r == 0 else ((0.7, r + 1), (1.0, r + 1))
+
+
+def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] = SOURCES,
+             prompts: Optional[dict] = None) -> list[list[Job]]:
+    """Phases in the order they are worth generating: the evaluation replies (greedy), then the training
+    sources round by round (round 0: greedy, T=0.7 and T=1.0; later rounds: new samples at both).
+    `prompts` ({source: [user message, ...]}) replaces the packaged prompts (tests, custom sets)."""
+    prompts = prompts if prompts is not None else {s: source_prompts(s, tinystories_n) for s in sources}
+    sources = list(prompts)
+    phases = [[Job("eval", i, t, 0.0, 0) for i, t in enumerate(prompts.get("eval", []))]]
+    train = [s for s in sources if s != "eval"]
+    for r in range(rounds + 1):
+        for s in train:
+            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s]) for temp, seed in round_variants(r)])
+    return [p for p in phases if p]
+
+
+def render(tokenizer, text: str) -> list[int]:
+    """One user message through the chat template, with the generation prompt (plain text without one)."""
+    if getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+# ------------------------------------------------------------------------------------------ generation
+
+
+@dataclass
+class Reply:
+    prompt: np.ndarray  # (P,) int32 rendered prompt
+    reply: np.ndarray  # (R,) int32 the target's reply, EOS included when it stopped
+    top_ids: np.ndarray  # (R, K) int32: the target's top-K ids at each reply position (predicting reply[i])
+    top_logits: np.ndarray  # (R, K) float16: their logits
+
+
+def save_reply(path: Path, r: Reply) -> None:
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, prompt=r.prompt, reply=r.reply, top_ids=r.top_ids, top_logits=r.top_logits)
+    os.replace(tmp, path)  # whole or not at all: a killed run never leaves half a file
+
+
+def load_reply(path: Path) -> Reply:
+    z = np.load(path)
+    return Reply(z["prompt"], z["reply"], z["top_ids"], z["top_logits"])
+
+
+def batched_replies(model: nn.Module, prompts: list[list[int]], variants: list[list[tuple]], max_tokens: int,
+                    eos: Iterable[int], top_k: int = TOP_K) -> list[list[Reply]]:
+    """The model's replies to `prompts`, each prompt prefilled once (left-padded batch) and then decoded once
+    per (temperature, seed) of its `variants` (its cache rows repeated); a row leaves at its first EOS.
+    A sampled row draws with its own key (its seed and the step), so a reply does not depend on its batch.
+    Returns, per prompt, one Reply per variant."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    eos = set(int(e) for e in eos)
+    longest = max(len(p) for p in prompts)
+    pads = [longest - len(p) for p in prompts]
+    x = mx.array([[0] * pad + list(p) for pad, p in zip(pads, prompts)], dtype=mx.int32)
+    cache = [BatchKVCache(pads) for _ in range(len(model.layers))]
+    logits = model(x, cache=cache)[:, -1, :].astype(mx.float32)
+    rows = [(i, v) for i, vs in enumerate(variants) for v in range(len(vs))]  # (prompt, variant) per row
+    idx = mx.array([i for i, _ in rows])
+    for c in cache:
+        c.filter(idx)
+    logits = logits[idx]
+    temps = np.array([variants[i][v][0] for i, v in rows], np.float32)
+    seeds = [variants[i][v][1] for i, v in rows]
+    live = list(range(len(rows)))
+    out_tok: list[list[int]] = [[] for _ in rows]
+    out_ids: list[list[np.ndarray]] = [[] for _ in rows]
+    out_val: list[list[np.ndarray]] = [[] for _ in rows]
+    for step in range(max_tokens):
+        ids = mx.argpartition(-logits, top_k - 1, axis=-1)[:, :top_k]
+        vals = mx.take_along_axis(logits, ids, axis=-1)
+        t = temps[live]
+        if (t == 0).all():
+            y = mx.argmax(logits, axis=-1)
+        else:
+            noise = mx.stack([mx.random.gumbel(logits.shape[-1:], key=mx.random.key(seeds[row] * 100003 + step))
+                              for row in live])
+            drawn = mx.argmax(logits / mx.array(np.maximum(t, 1e-6))[:, None] + noise, axis=-1)
+            y = mx.where(mx.array(t == 0), mx.argmax(logits, axis=-1), drawn)
+        mx.eval(y, ids, vals)
+        y_np, ids_np, vals_np = np.array(y), np.array(ids), np.array(vals).astype(np.float16)
+        keep = []
+        for b, row in enumerate(live):
+            out_tok[row].append(int(y_np[b]))
+            out_ids[row].append(ids_np[b])
+            out_val[row].append(vals_np[b])
+            if int(y_np[b]) not in eos:
+                keep.append(b)
+        if not keep or step == max_tokens - 1:
+            break
+        y = y.astype(mx.int32)
+        if len(keep) < len(live):
+            sel = mx.array(keep)
+            for c in cache:
+                c.filter(sel)
+            y = y[sel]
+            live = [live[b] for b in keep]
+        logits = model(y[:, None], cache=cache)[:, -1, :].astype(mx.float32)
+    out: list[list[Reply]] = [[] for _ in prompts]
+    for r, (i, _) in enumerate(rows):
+        order = [np.argsort(-v.astype(np.float32), kind="stable") for v in out_val[r]]
+        out[i].append(Reply(np.array(prompts[i], np.int32), np.array(out_tok[r], np.int32),
+                            np.stack([a[o] for a, o in zip(out_ids[r], order)]).astype(np.int32),
+                            np.stack([a[o] for a, o in zip(out_val[r], order)]).astype(np.float16)))
+    return out
+
+
+@dataclass
+class DataConfig:
+    target: str
+    data_dir: Optional[str] = None  # default: distill_dir()/<target tag>
+    max_tokens: int = 256
+    batch_size: int = 18  # rows decoded together (prompts x their variants)
+    rounds: int = 4  # sampled rounds after the greedy one
+    tinystories: int = 1000
+    sources: tuple = SOURCES
+    prompts: Optional[dict] = None  # {source: [user message, ...]} instead of the packaged sources
+
+
+def data_root(target: str, data_dir: Optional[str] = None) -> Path:
+    return Path(data_dir) if data_dir else distill_dir() / target_tag(Path(target))
+
+
+def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], None] = print,
+                  stop_after_s: Optional[float] = None, model=None, tokenizer=None) -> dict:
+    """Generate every missing reply of the schedule into DATA/replies (one .npz each). Returns counts."""
+    from tqdm import tqdm
+
+    from mirror_mlx.corpus import eos_ids
+
+    if model is None:
+        from mlx_lm.utils import load
+
+        model, tokenizer = load(cfg.target)
+    root = data_root(cfg.target, cfg.data_dir)
+    replies = root / "replies"
+    replies.mkdir(parents=True, exist_ok=True)
+    (root / "data.json").write_text(json.dumps({k: v for k, v in asdict(cfg).items() if k != "prompts"}, indent=2, default=list))
+    eos = eos_ids(tokenizer)
+    phases = [[j for j in phase if not (replies / f"{j.key}.npz").exists()]
+              for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts)]
+    phases = [p for p in phases if p]
+    total = sum(len(p) for p in phases)
+    log(f"distill data: {root} ({total} replies to generate)")
+    t0, made, tokens = time.time(), 0, 0
+    bar = tqdm(total=total, desc="target replies", unit="reply", disable=not progress, smoothing=0.05)
+    for phase in phases:
+        by_text: dict[str, list[Job]] = {}
+        for j in phase:
+            by_text.setdefault(j.text, []).append(j)
+        groups = [(render(tokenizer, text), js) for text, js in by_text.items()]
+        groups = sorted((g for g in groups if len(g[0]) <= MAX_PROMPT), key=lambda g: len(g[0]))
+        i = 0
+        while i < len(groups):
+            per = len(groups[i][1])
+            P = max(1, cfg.batch_size // per)
+            L = len(groups[min(len(groups) - 1, i + P - 1)][0])
+            P = max(1, min(P, PREFILL_TOKENS // max(1, L)))
+            batch = groups[i:i + P]
+            i += P
+            out = batched_replies(model, [g[0] for g in batch], [[(j.temperature, j.row_seed) for j in g[1]]
+                                                                 for g in batch], cfg.max_tokens, eos)
+            for (_, js), rs in zip(batch, out):
+                for j, r in zip(js, rs):
+                    save_reply(replies / f"{j.key}.npz", r)
+                    tokens += len(r.reply)
+                    made += 1
+                    bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.time() - t0):.0f}", tokens=tokens)
+            if stop_after_s is not None and time.time() - t0 > stop_after_s:
+                bar.close()
+                return {"made": made, "tokens": tokens, "seconds": time.time() - t0, "stopped": True}
+    bar.close()
+    return {"made": made, "tokens": tokens, "seconds": time.time() - t0, "stopped": False}
+
+
+def read_replies(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Reply]:
+    """Cached replies of `sources` (greedy first, read_reply_files' order)."""
+    return [load_reply(p) for p in read_reply_files(root, sources, limit_tokens)]
+
+
+
+def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Path]:
+    """The cached reply files of `sources`: greedy ones first, then each sampled round, each in source order;
+    up to `limit_tokens` reply tokens."""
+    files = [p for p in (Path(root) / "replies").glob("*.npz")
+             if not p.name.endswith(".tmp.npz") and p.name.split("-")[0] in sources]
+    files.sort(key=lambda p: (int(p.name.split("-s")[-1].split("-")[0]), p.name))
+    if limit_tokens is None:
+        return files
+    out, n = [], 0
+    for p in files:
+        with np.load(p) as z:
+            n += len(z["reply"])
+        out.append(p)
+        if n >= limit_tokens:
+            break
+    return out
