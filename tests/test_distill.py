@@ -147,3 +147,15 @@ def test_loop_generates_then_trains_and_resumes(tmp_path, monkeypatch, target):
     assert state["round"] == 1 and state["trained_tokens"] > 0
     latest = tmp_path / "drafts" / "latest-E2k1V48"
     assert latest.resolve() == (tmp_path / "drafts" / "round-000-E2k1V48").resolve() and is_distilled(latest)
+
+
+@pytest.mark.parametrize("verb", ["data", "train", "measure", "loop"])
+def test_a_model_that_is_no_model_folder_is_refused_in_one_sentence(tmp_path, verb):
+    from click.testing import CliRunner
+
+    from mirror_mlx.cli import main
+
+    out = ["--out", str(tmp_path / "d")] if verb in ("train", "loop") else []
+    r = CliRunner().invoke(main, ["distill", verb, "--model", str(tmp_path / "none")] + out)
+    assert r.exit_code == 2 and "is not an mlx-lm model folder (no config.json)" in r.output
+    assert "Traceback" not in r.output

@@ -66,19 +66,15 @@ def _stems(b: Any, rows: int, gamma: int) -> list[list[int]]:
     return [stems[i] for i in order[:rows]]
 
 
-def points_ran(report: dict) -> dict:
+def points_ran(samples: list, summary: dict) -> dict:
     """The knobs mirror and sd ran with in the run (the last sample of each), and mirror's reuse rate."""
     out: dict = {}
-    for s in report.get("samples", []):
-        st = s["stats"] if isinstance(s, dict) else s.stats
-        mode = s["mode"] if isinstance(s, dict) else s.mode
-        get = (lambda k: st[k]) if isinstance(st, dict) else (lambda k: getattr(st, k))
-        if mode in ("mirror", "sd") and get("mode") == mode:
-            out[mode] = dict(kappa=get("kappa"), gamma=get("gamma"), exit_layer=get("exit_layer"),
-                             branches=get("branches"))
-    mirror = report.get("summary", {}).get("all", {}).get("mirror")
+    for s in samples:
+        if s.mode in ("mirror", "sd") and s.stats.mode == s.mode:
+            st = s.stats
+            out[s.mode] = dict(kappa=st.kappa, gamma=st.gamma, exit_layer=st.exit_layer, branches=st.branches)
     if "mirror" in out:
-        out["mirror"]["reuse"] = (mirror or {}).get("reuse_rate") or 0.0
+        out["mirror"]["reuse"] = (summary.get("all", {}).get("mirror") or {}).get("reuse_rate") or 0.0
     return out
 
 

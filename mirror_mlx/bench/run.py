@@ -309,7 +309,7 @@ def bench(cfg: BenchConfig) -> dict:
         if cfg.decompose and samples and error is None:
             from .decompose import costs_alone, points_ran
 
-            points = points_ran({"samples": samples, "summary": report["summary"]})
+            points = points_ran(samples, report["summary"])
             ar = next(s for s in samples if s.mode == "ar")  # the run's mean context: its prompt, half its tokens
             report["decompose"] = costs_alone(pipe, prompts[ar.prompt].ids + ar.tokens[: len(ar.tokens) // 2], points)
         report["samples"] = [asdict(s) for s in samples]

@@ -204,6 +204,14 @@ def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
             + (1 - reuse) * t.window[g])
 
 
+def suffix_and_late(cfg: Config, t: Timings) -> tuple[float, float]:
+    """A mirror point's suffix (with its T_comm), and how late its rollout starts past the prefix: by the
+    prepare that outlasts the prefix."""
+    g, e = cfg.gamma, cfg.exit_layer
+    return (t.suffix[(e, g + 1)] + comm_time(t, g + 1, e, "suffix"),
+            max(0.0, t.prepare.get(g, 0.0) - t.prefix[(e, g + 1)]))
+
+
 def parallel_time(cfg: Config, t: Timings) -> float:
     """T_par: measured when `t.parallel` has the point (the suffix's collectives in it), else its floor
     max(T_suffix + its T_comm, T_rollout alone) (running both at once only adds contention), so a
@@ -213,8 +221,7 @@ def parallel_time(cfg: Config, t: Timings) -> float:
     every = cfg.kappa * (g + 1)
     if measured is not None and cfg.rows == every:
         return measured
-    suffix = t.suffix[(cfg.exit_layer, g + 1)] + comm_time(t, g + 1, cfg.exit_layer, "suffix")
-    late = max(0.0, t.prepare.get(g, 0.0) - t.prefix[(cfg.exit_layer, g + 1)])
+    suffix, late = suffix_and_late(cfg, t)
     floor = max(suffix, late + rollout_time(t, cfg.rows, g))
     if measured is None:
         return floor
@@ -256,13 +263,10 @@ def overhead(cfg: Config, t: Timings) -> float:
 def fitted(cfg: Config, t: Timings) -> Config:
     """A mirror point with no B as the engine runs it: the branches whose rollout ends within the suffix
     (branch_budget.RolloutCost), at least one; every branch while the rollout is not timed."""
-    every = cfg.kappa * (cfg.gamma + 1) if cfg.mode == "mirror" else 0
     if cfg.mode != "mirror" or cfg.branches is not None or not any(g == cfg.gamma for _, g in t.rollout):
         return cfg
-    g = cfg.gamma
-    suffix = t.suffix[(cfg.exit_layer, g + 1)] + comm_time(t, g + 1, cfg.exit_layer, "suffix")
-    late = max(0.0, t.prepare.get(g, 0.0) - t.prefix[(cfg.exit_layer, g + 1)])
-    n = max([1] + [n for n in range(1, every + 1) if late + rollout_time(t, n, g) <= suffix])
+    every, (suffix, late) = cfg.rows, suffix_and_late(cfg, t)
+    n = max([1] + [n for n in range(1, every + 1) if late + rollout_time(t, n, cfg.gamma) <= suffix])
     return cfg if n == every else replace(cfg, branches=n)
 
 
