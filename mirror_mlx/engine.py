@@ -45,11 +45,13 @@ from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft, Rollout
 from .exit_adapter import adapter_for
 from .lookup import Lookup
+from .recycle import DEPTH, K, RECYCLE, Recycled
+from .tree import takes_tree
 from .options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
 from .sampling import row_sampler, samplers
 from .stats import Stats, Step
-from .model_parts import text_model, vocab_size
+from .model_parts import family, text_model, vocab_size
 from .target import TargetSide
 from .workers import LoopThread, Worker
 
@@ -67,6 +69,8 @@ class StepRecord:
     offered: int = 0  # window tokens the target verified
     accepted: int = 0  # of them, accepted
     from_lookup: bool = False  # the verified window was the prompt lookup's
+    lookup_offered: Optional[int] = None  # a tree's: of `offered`, the lookup's nodes (a window: all or none)
+    lookup_accepted: int = 0  # a tree's: of `accepted`, the lookup's
     reused: bool = False  # mirror: the next window is a branch already rolled out
     fallback: bool = False  # mirror: it is not (a serial rollout, the lookup's, or none)
     prefix_seconds: float = 0.0
@@ -99,8 +103,10 @@ class StepRecord:
     def counts(self) -> dict:
         """This step's counts and seconds, as Stats fields."""
         rejected, lookup = int(self.accepted < self.offered), int(self.from_lookup)
+        tree = self.lookup_offered is not None
         return dict(proposed=self.offered, accepted=self.accepted, rejections=rejected, lookup_windows=lookup,
-                    lookup_proposed=self.offered * lookup, lookup_accepted=self.accepted * lookup,
+                    lookup_proposed=self.lookup_offered if tree else self.offered * lookup,
+                    lookup_accepted=self.lookup_accepted if tree else self.accepted * lookup,
                     lookup_rejections=rejected * lookup, reuses=int(self.reused), fallbacks=int(self.fallback),
                     prefix_seconds=self.prefix_seconds, suffix_seconds=self.suffix_seconds,
                     draft_seconds=self.draft_seconds, hidden_draft_seconds=self.hidden_draft_seconds,
@@ -124,6 +130,7 @@ class Generation:
     sampler: Any
     processors: Any
     plan: BranchBudget  # which branches each mirror step rolls out
+    tree: Optional[Recycled] = None  # sd with the recycled draft: the table its trees grow from
     window: Optional[list[int]] = None  # mirror's next window; None: not known yet (the lookup's, else a rollout)
     left: str = ""  # after which step and why it went on with the target alone
     held: int = 0  # the lookup's `held` at the last commit
@@ -143,6 +150,7 @@ class Generation:
         return Stats(mode=self.ran, chosen_mode=o.mode, kappa=o.kappa, gamma=o.gamma, exit_layer=self.exit_layer,
                      why=o.why, draft_host=self.draft_host, draft_failure=draft_failure, left_draft=self.left,
                      placement=o.placement, branches=o.branches, lookup=self.index is not None, steps=1,
+                     recycle="" if self.tree is None else self.tree.one_path or "tree",
                      target_forwards=1, generation_tokens=tokens, lookup_held=held, **rec.counts())
 
 
@@ -230,9 +238,10 @@ class Engine:
     """
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Optional[Callable] = None, lookup_only: bool = False):
+                 exit_adapter: Optional[Callable] = None, draftless: Optional[str] = None):
         self.target_model = target_model
-        self.lookup_only = lookup_only  # the draft is the prompt lookup alone (draft_model="lookup"): no model
+        self.draftless = draftless  # "lookup" (the prompt lookup alone) or "recycle" (the target's recycled
+        # predictions, verified as a tree): no draft model
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
@@ -251,6 +260,13 @@ class Engine:
         self.draft_failure: Optional[str] = None
         self.local_build = local_build(draft)  # sd's in-process draft, built on its first generation
         self.local_draft: Optional[Draft] = None
+        self.recycled: Optional[Recycled] = None  # draftless "recycle": the table, for the pipeline's life
+        if draftless == RECYCLE:
+            why = self.target_worker.call(lambda: takes_tree(target_model, self.target.cache))
+            self.recycled = Recycled(self.vocab_size, f"one path: this {family(target_model)} model takes no "
+                                     f"tree ({why})" if why else None)
+            if why:
+                print(f"mirror-mlx: note: the recycled draft verifies {self.recycled.one_path}", file=sys.stderr)
 
     # --- the doors the layers above use (the server, tune, bench, doctor): never the parts themselves
 
@@ -437,8 +453,9 @@ class Engine:
         # generation's own timings: one process only, since every rank must post the same branches)
         plan = BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost))
         exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
+        tree = self.recycled if mode == "sd" else None
         return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index,
-                          row_sampler(base, opts.seed), processors, plan)
+                          row_sampler(base, opts.seed), processors, plan, tree)
 
     def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:
         """The target prefills the prompt, the draft beside it (or, in-process, after it); a draft that cannot
@@ -448,7 +465,9 @@ class Engine:
         if gen.drafts and not local:  # the draft prefills beside the target
             _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
         ran = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
-                                      prefill_progress(opts.prompt_progress_callback, given))
+                                      prefill_progress(opts.prompt_progress_callback, given), K if gen.tree else 0)
+        if gen.tree is not None and self.target.seen is not None:  # the recycled table learns the prompt's rows
+            gen.tree.learn_prefill(*self.target.seen)
         if gen.drafts:
             try:
                 if failed:
@@ -484,6 +503,8 @@ class Engine:
             if window is not None:  # (a failed rollout drops the draft: then the step is ar's)
                 return self.loop.run(self._mirror_step(gen, window, from_lookup, budget, rec))
             return self._verify(gen, [], rec)
+        if gen.tree is not None and budget > 1:
+            return self._tree_step(gen, budget)
         lookup = gen.index.propose(min(gen.opts.gamma, budget - 1)) if gen.index is not None and budget > 1 else []
         if lookup:
             return self._verify(gen, lookup, StepRecord(from_lookup=True))
@@ -496,6 +517,21 @@ class Engine:
         s0 = time.perf_counter()
         ys, a = self.target_worker.call(self.target.verify, gen.committed, window, gen.sampler, gen.processors)
         return rec.verified(window, ys, a, time.perf_counter() - s0)
+
+    def _tree_step(self, gen: Generation, budget: int) -> StepRecord:
+        """The recycled draft's tree (the lookup's proposal its first branch), verified in one forward; the
+        table then learns every node's top candidates from that forward."""
+        depth = min(DEPTH, budget - 1)
+        lookup = gen.index.propose(min(gen.opts.gamma, depth)) if gen.index is not None else []
+        tree = gen.tree.grow(gen.committed[-1], lookup, depth, gen.opts.row_cost)
+        s0 = time.perf_counter()
+        out, top = self.target_worker.call(self.target.verify_tree, gen.committed, tree, gen.sampler,
+                                           gen.processors, K)
+        seconds = time.perf_counter() - s0
+        gen.tree.learn(tree, out.path, out.tokens, top)
+        return StepRecord(out.tokens, len(tree) - 1, len(out.path), from_lookup=bool(lookup),
+                          lookup_offered=tree.sources.count("lookup"),
+                          lookup_accepted=sum(tree.sources[i] == "lookup" for i in out.path), suffix_seconds=seconds)
 
     def _sd_step(self, gen: Generation) -> StepRecord:
         """sd: the draft's window, then the target verifies it (serial); a draft that fails leaves the target alone."""

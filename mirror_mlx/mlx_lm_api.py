@@ -36,6 +36,7 @@ from . import recurrent
 from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft
 from .lookup import LOOKUP
+from .recycle import RECYCLE
 from .stats import Stats
 from .options import OPTION_NAMES
 from .pipeline import Pipeline
@@ -69,13 +70,13 @@ class Response(GenerationResponse):
 
 def pipeline(model: nn.Module, tokenizer: Any, draft_model: Union[nn.Module, Draft, str, None] = None) -> Pipeline:
     """The cached Pipeline for this (model, draft, tokenizer), built on first use; draft_model="lookup": the
-    prompt lookup alone (mirror_mlx/lookup.py), no draft model."""
+    prompt lookup alone (mirror_mlx/lookup.py), "recycle": the target's recycled predictions (recycle.py)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx-lm model (as mlx_lm.load returns), not {type(model).__name__}: "
                         "for a path use mirror_mlx.load(path)")
-    lookup_only = isinstance(draft_model, str) and draft_model == LOOKUP
-    if draft_model is not None and not lookup_only and not isinstance(draft_model, (nn.Module, Draft)):
-        raise TypeError(f"draft_model must be an mlx-lm model, a mirror_mlx Draft or \"lookup\", not "
+    draftless = draft_model if isinstance(draft_model, str) and draft_model in (LOOKUP, RECYCLE) else None
+    if draft_model is not None and not draftless and not isinstance(draft_model, (nn.Module, Draft)):
+        raise TypeError(f"draft_model must be an mlx-lm model, a mirror_mlx Draft, \"lookup\" or \"recycle\", not "
                         f"{type(draft_model).__name__}")
     key = (id(model), id(draft_model), id(tokenizer))
     if key not in _pipelines:
@@ -84,9 +85,9 @@ def pipeline(model: nn.Module, tokenizer: Any, draft_model: Union[nn.Module, Dra
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
         mx.eval(model.parameters(), draft_model.parameters() if isinstance(draft_model, nn.Module) else [])
-        draft = MLXDraft(draft_model) if isinstance(draft_model, nn.Module) else None if lookup_only else draft_model
+        draft = MLXDraft(draft_model) if isinstance(draft_model, nn.Module) else None if draftless else draft_model
         # (lazy weights would be computed on the workers' threads, where the loading thread's stream does not exist)
-        _pipelines[key] = (model, draft_model, tokenizer, Pipeline(model, tokenizer, draft, lookup_only=lookup_only))
+        _pipelines[key] = (model, draft_model, tokenizer, Pipeline(model, tokenizer, draft, draftless=draftless))
     _pipelines[key] = _pipelines.pop(key)  # most recently used last
     return _pipelines[key][-1]
 

@@ -27,6 +27,7 @@ from .stats import Stats
 from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
 from .loading import load_model, resolve_model
 from .lookup import LOOKUP
+from .recycle import RECYCLE
 from .options import CALLER_OPTIONS, DecodeOptions, Plan
 from .prompt_cache import PromptCache
 from .text import Conversation, ChatMessage
@@ -65,14 +66,14 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Any = None, name: str = "", lookup_only: bool = False):
+                 exit_adapter: Any = None, name: str = "", draftless: Optional[str] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
-        self.lookup_only = lookup_only  # draft_model="lookup": the prompt lookup drafts, no draft model
+        self.draftless = draftless  # "lookup" or "recycle": no draft model (mirror_mlx/lookup.py, recycle.py)
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
-        self.engine = Engine(model, draft, exit_adapter, lookup_only)
+        self.engine = Engine(model, draft, exit_adapter, draftless)
         # a Pipeline dropped without close() still stops its draft host and unlinks its shared memory
         self._finalizer = weakref.finalize(self, Engine.close, self.engine)
         self._finalizer.atexit = False  # at exit the hosts' and workers' own atexit hooks stop them
@@ -98,7 +99,7 @@ class Pipeline:
 
     def facts(self) -> PairFacts:
         """What mode resolution needs to know of this pair (tune.policy.resolve)."""
-        return PairFacts(self.draft is not None, self.engine.exit_layer(DecodeOptions()))
+        return PairFacts(self.draft is not None, self.engine.exit_layer(DecodeOptions()), self.draftless)
 
     @property
     def context_length(self) -> Optional[int]:
@@ -173,7 +174,7 @@ class Pipeline:
             return plan
         self._check_not_iterating()
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
-        if opts.lookup and opts.row_cost is None:  # the lookup weighs its windows at the pair's measured verify
+        if (opts.lookup or self.draftless == RECYCLE) and opts.row_cost is None:  # windows, trees: at the measured verify
             opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 
@@ -305,7 +306,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     `adapter_path`, `tokenizer_config`, `trust_remote_code`: as mlx_lm.load (LoRA adapters apply to the
     target; an exit adapter is then trained on the adapted target). Any other keyword is a TypeError.
     """
-    lookup_only = str(draft_model) == LOOKUP
+    draftless = str(draft_model) if str(draft_model) in (LOOKUP, RECYCLE) else None
     if model is None:
         model = demo_pair.TARGET
         draft_model = demo_pair.DRAFT if draft_model is None else draft_model
@@ -317,10 +318,10 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     target, tokenizer = load_model(model, tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code,
                                    adapter_path=None if adapter_path is None else str(adapter_path))
     mx.eval(target.parameters())  # LoRA layers come lazy; the target's thread cannot evaluate this thread's graph
-    draft = load_draft(draft_model, tokenizer) if draft_model is not None and not lookup_only else None
+    draft = load_draft(draft_model, tokenizer) if draft_model is not None and not draftless else None
     adapter = None
     if exit_adapter is not None:
         from .exit_adapter import load_adapters
 
         adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
-    return Pipeline(target, tokenizer, draft, adapter, name=str(model), lookup_only=lookup_only)
+    return Pipeline(target, tokenizer, draft, adapter, name=str(model), draftless=draftless)

@@ -35,6 +35,7 @@ class Stats:
     lookup_proposed: int = 0  # of `proposed`, the lookup's tokens
     lookup_accepted: int = 0  # of `accepted`, the lookup's (the rest are the model draft's)
     lookup_rejections: int = 0  # of `rejections`, in the lookup's windows
+    recycle: str = ""  # the recycled draft proposed: "tree", or "one path: why" (a target that takes no tree)
     lookup_held: int = 0  # steps whose context offered a continuation the lookup held back: at the acceptance seen
     # so far in this generation no window of it paid for its verify (mirror_mlx/lookup.py, best_length)
     omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
@@ -95,7 +96,10 @@ class Stats:
                 line += f" B={self.branches}"
         elif self.mode == "sd":
             line += f" γ={self.gamma}"
-        if self.lookup:
+        if self.recycle:
+            line += (f" | accepted: recycled {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
+                     + (f", lookup {self.lookup_accepted}/{self.lookup_proposed}" if self.lookup else ""))
+        elif self.lookup:
             line += f" | accepted: lookup {self.lookup_accepted}/{self.lookup_proposed}"
             if self.lookup_held:
                 line += f" (held back {self.lookup_held}x)"
@@ -118,7 +122,7 @@ class Stats:
 
 
 # Stats fields a total keeps the latest of
-_LATEST = ("lookup", "chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft", "placement")
+_LATEST = ("lookup", "recycle", "chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft", "placement")
 
 
 @dataclass

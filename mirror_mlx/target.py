@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
 from . import recurrent
@@ -18,6 +19,7 @@ from .branch_budget import ExitView
 from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
 from .options import default_exit_layer
 from .sampling import sample_rows
+from . import tree as trees
 
 
 FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "embedding_norm")  # the inner model's last module, by family
@@ -137,6 +139,12 @@ def top_k(logits: mx.array, k: int, exclude: Optional[list[int]] = None) -> tupl
     return ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
+def top_ids(logits: mx.array, k: int) -> mx.array:
+    """Each row's k most likely next ids (T, k), most likely first."""
+    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+    return mx.take_along_axis(ids, mx.argsort(-mx.take_along_axis(logits, ids, axis=-1), axis=-1), axis=-1)
+
+
 def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
     """The early exit's log-prob of each drafted token at the row before it (rows = [pending, ŷ1..ŷγ]):
     γ values, what the branch budget (branch_budget.py) reads P(reaching a row) from."""
@@ -168,6 +176,7 @@ class TargetSide:
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
         self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
+        self.seen: Optional[tuple[list[int], Any]] = None  # the last `hold(top=k)`'s tokens and their top ids
 
     def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
         """Tap block ℓ_e, with `head` (the exit adapter's, for that layer) before the model's own head."""
@@ -226,9 +235,10 @@ class TargetSide:
         return (tokens, copy.deepcopy(self.cache)) if tokens else None
 
     def hold(self, tokens: Sequence[int], step_size: int = 2048,
-             progress: Optional[Callable[[int, int], None]] = None) -> int:
+             progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
         """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
-        len(new))` after each chunk of the new ones."""
+        len(new))` after each chunk of the new ones. With `top`, `self.seen` is then (the tokens run, each one's
+        top next ids by the target, (n, top) numpy): what the recycled draft learns from a prefill."""
         tokens = list(tokens)
         keep = common_prefix(self.cached, tokens)
         if keep < len(self.cached) and not recurrent.can_drop(self.cache, len(self.cached) - keep):
@@ -239,19 +249,22 @@ class TargetSide:
             self.cache, self.cached = trimmable_cache(self.model), []
         if keep < len(self.cached):
             trim_prompt_cache(self.cache, len(self.cached) - keep)
-        new = tokens[keep:]
+        new, seen = tokens[keep:], []
         for i in range(0, len(new), step_size):
-            self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            logits = self.model(mx.array([new[i : i + step_size]]), cache=self.cache)
+            if top:
+                seen.append(top_ids(logits[0], top))
+            mx.eval([c.state for c in self.cache], seen)
             if progress is not None:
                 progress(min(i + step_size, len(new)), len(new))
         self.cached = tokens
+        self.seen = (new, np.concatenate([np.array(s) for s in seen])) if seen else None
         return len(new)
 
     def start(self, prompt: Sequence[int], step_size: int = 2048,
-              progress: Optional[Callable[[int, int], None]] = None) -> int:
+              progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
         """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
-        return self.hold(prompt[:-1], step_size, progress)
+        return self.hold(prompt[:-1], step_size, progress, top)
 
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
                post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
@@ -279,6 +292,23 @@ class TargetSide:
         logits = self.model(mx.array([[history[-1]] + window]), cache=self.cache)
         ys, a, _ = self._verify(logits, history, window, sampler, processors)
         return ys, a
+
+    def verify_tree(self, history: list[int], tree: trees.Tree, sampler, processors,
+                    k: int) -> tuple[trees.Walk, Any]:
+        """One forward over the tree (node 0 the pending token), then the walk; the cache keeps the committed
+        path only. Returns the walk and every node's top-k next ids by the target's raw logits ((n, k) numpy)."""
+        before = None if tree.is_chain else self.cache[0].offset
+        logits = trees.forward(self.model, self.cache, tree)
+        out = trees.walk(logits, tree, history, sampler, processors)
+        top = top_ids(logits, k)
+        mx.eval(top, out.logprobs)
+        if before is None:
+            trim_prompt_cache(self.cache, len(tree) - 1 - len(out.path))
+        else:
+            trees.keep_path(self.cache, before, [0] + out.path)
+        self.cached = list(history) + out.tokens[:-1]
+        self.logprobs = out.logprobs
+        return out, np.array(top)
 
     def _verify(self, logits, history, window, sampler, processors):
         logits = logits[0]

@@ -270,9 +270,9 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
                        modes=", ".join(CHOICES))
     mode = asked.mode
     if mode == "auto":
-        wants = asked.lookup or (asked.lookup is None and engine.lookup_only)
-        mode = "mirror" if engine.draft is not None else "sd" if wants else "ar"
-    lookup = engine.lookup_only and mode == "sd" if asked.lookup is None else asked.lookup
+        wants = asked.lookup or (asked.lookup is None and engine.draftless is not None)
+        mode = "mirror" if engine.draft is not None else "sd" if wants or engine.draftless == "recycle" else "ar"
+    lookup = engine.draftless is not None and mode == "sd" if asked.lookup is None else asked.lookup
     n_min = asked.ngram_min
     if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
         from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
@@ -283,8 +283,8 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
     opts = decode_options(replace(asked, mode=mode, lookup=lookup, ngram_min=n_min), MODES, engine.vocab_size,
                           engine.n_layers, engine.draft_context)
     if opts.mode != "ar" and not engine.has_draft and engine.draft_failure is None and not (
-            opts.mode == "sd" and opts.lookup):
-        also = "; the lookup draft runs in {mode='sd'}" if engine.lookup_only else ""
+            opts.mode == "sd" and (opts.lookup or engine.draftless == "recycle")):
+        also = f"; the {engine.draftless} draft runs in {{mode='sd'}}" if engine.draftless else ""
         raise BadValue("mode", "mode {given!r} needs a draft model: pass {draft_model} (a model, or \"lookup\" for "
                        "sd), or use {mode='ar'}" + also, given=opts.mode)
     layer = exit_layer(engine.exit_layer(opts), engine.n_layers)

@@ -182,7 +182,7 @@ def main() -> None:
     tune_txt = (cache / "tune.txt").read_text(encoding="utf-8") if (cache / "tune.txt").exists() else ""
     chose = next((line for line in tune_txt.splitlines() if line.startswith("chose")), "")
     pair = mirror_mlx.load(str(PAIR / "target"), str(PAIR / "draft"))
-    alone = Pipeline(pair.model, pair.tokenizer, None, name="lookup", lookup_only=True)
+    alone = Pipeline(pair.model, pair.tokenizer, None, name="lookup", draftless="lookup")
     pipes = {"pair": pair, "alone": alone}
     pinning = {"pinned": False}
     if not DEFAULTS:  # every thread alive on core 0 (the lookup pipeline's worker too), the draft host on 1

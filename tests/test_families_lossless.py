@@ -245,7 +245,7 @@ def test_the_lookup_alone_and_beside_a_draft_equals_mlx_lm_greedy(pipelines, fam
     where it had none."""
     refs, pipe = pipelines(family, "random")
     refs = refs + [mlx_greedy(pipe.model, LOOKUP_PROMPTS[-1], TOKENS)]
-    alone = Pipeline(pipe.model, _FakeTokenizer(VOCAB), lookup_only=True)
+    alone = Pipeline(pipe.model, _FakeTokenizer(VOCAB), draftless="lookup")
     beside = dict(lookup=True, ngram_min=1)
     try:
         assert alone.engine.host is None

@@ -79,6 +79,7 @@ class PairFacts:
 
     has_draft: bool
     default_exit: int
+    draftless: Optional[str] = None  # "lookup" or "recycle": the draft is no model
 
 
 ProfileSource = Callable[[str], profiles.Profile]  # the pair's profile, loaded or calibrated when first asked
@@ -299,10 +300,13 @@ def best_point(rows: list[dict]) -> dict:
 LOOKUP_GAMMA = 8  # the lookup alone's window: a copied continuation is cheap to propose long (measured: docs)
 
 
-def lookup_alone(opts: DecodeOptions, asked: str, gamma: Optional[int]) -> DecodeOptions:
-    """sd with the lookup as its only draft (draft_model="lookup"): no profile to read, as no draft model runs
-    (a wrong proposal costs the verify's extra rows only); γ as given, else LOOKUP_GAMMA."""
-    why = "auto: the lookup alone (no draft model), so sd with it" if asked == "auto" else "mode sd as asked"
+def draftless(opts: DecodeOptions, asked: str, gamma: Optional[int], draft: Optional[str]) -> DecodeOptions:
+    """sd with no draft model (draft_model="lookup" or "recycle"): no profile to read, as no draft model runs
+    (a wrong proposal costs the verify's extra rows only, and each proposal is cut to what pays at the
+    measured row cost); the lookup's window γ as given, else LOOKUP_GAMMA."""
+    alone = "the recycled draft (no draft model), so sd with its trees" if draft == "recycle" else \
+        "the lookup alone (no draft model), so sd with it"
+    why = f"auto: {alone}" if asked == "auto" else "mode sd as asked"
     if gamma is None:
         why += f"; gamma={LOOKUP_GAMMA}, the lookup's default"
     return replace(opts, mode="sd", gamma=LOOKUP_GAMMA if gamma is None else gamma, why=opts.why or why)
@@ -375,8 +379,8 @@ def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource
     needs it: the first call without one runs a bounded quick calibration) and the pair's facts. Explicit
     knobs win; an explicit mode's knobs left out come from the profile (`explicit`); mode auto gets the tuned
     ones and an `AutoRun` over `auto` to watch the generation."""
-    if not facts.has_draft and checked.mode == "sd" and checked.lookup:  # the lookup alone: nothing to calibrate
-        return lookup_alone(checked, asked.mode, asked.gamma), None
+    if not facts.has_draft and checked.mode == "sd" and (checked.lookup or facts.draftless == "recycle"):
+        return draftless(checked, asked.mode, asked.gamma, facts.draftless), None  # nothing to calibrate
     if asked.mode != "auto":
         c = explicit(profile, facts, asked.mode, asked.kappa, asked.gamma, asked.exit_layer)
         out = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
