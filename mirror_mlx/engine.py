@@ -441,8 +441,8 @@ class Engine:
         # generation's own timings: one process only, since every rank must post the same branches)
         plan = BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost))
         exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
-        return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index,
-                          row_sampler(base, opts.seed), processors, plan, draft_vocab=self.draft_head if drafts else None)
+        return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index, row_sampler(base, opts.seed),
+                          processors, plan, draft_vocab=self.draft_head if drafts else None)
 
     def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:
         """The target prefills the prompt, the draft beside it (or, in-process, after it); a draft that cannot

@@ -197,12 +197,13 @@ pipeline_option = click.option(
     "split) where the family has both splits [default: tensor parallel where it has model.shard].")
 
 
+# the options a refusal names, as flags
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
          "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size", "prefill_step_size": "--prefill-step-size",
          "kappa": "--kappa", "gamma": "--gamma", "exit_layer": "--exit-layer", "branches": "--branches",
          "mode": "--mode", "lookup": "--lookup", "ngram_max": "--ngram-max", "ngram_min": "--ngram-min",
-         "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path", "mode='ar'": "--mode ar",
-         "mode='sd'": "--mode sd", "lookup=True": "--lookup"}  # the options a refusal names, as flags
+         "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",
+         "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
 
 
 def usage_error(e: Exception) -> click.UsageError:

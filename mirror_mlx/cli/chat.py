@@ -10,8 +10,9 @@ from typing import Any, Optional, TextIO
 import click
 
 from mirror_mlx import validate
-from mirror_mlx.cli import (decode_options, draft_vocab_option, exit_on_terminate, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, pipeline_option, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli import (decode_options, draft_vocab_option, exit_on_terminate, generation_kwargs, load_pipeline,
+                            mlx_lm_load_options, model_options, pipeline_option, template_config, usage_error,
+                            xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
