@@ -24,13 +24,14 @@ __version__ = "0.1.0"
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
          exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
-         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False) -> "Pipeline":
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False,
+         draft_vocab: Optional[int] = None) -> "Pipeline":
     """Load a target and its draft; with no model, the embedded demo pair (offline). See
     `mirror_mlx.pipeline.load`."""
     from .pipeline import load as _load
 
     return _load(model, draft_model, exit_adapter, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
-                 trust_remote_code=trust_remote_code)
+                 trust_remote_code=trust_remote_code, draft_vocab=draft_vocab)
 
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):

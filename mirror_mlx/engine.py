@@ -43,6 +43,7 @@ from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
 from .drafts.mlx_draft import MLXDraft
 from .draft_api import Draft, Rollout
+from .draft_vocab import head_rows
 from .exit_adapter import adapter_for
 from .lookup import Lookup
 from .recycle import DEPTH, K, RECYCLE, Recycled
@@ -132,6 +133,7 @@ class Generation:
     plan: BranchBudget  # which branches each mirror step rolls out
     tree: Optional[Recycled] = None  # sd with the recycled draft: the table its trees grow from
     window: Optional[list[int]] = None  # mirror's next window; None: not known yet (the lookup's, else a rollout)
+    draft_vocab: Optional[int] = None  # the ids the draft's trimmed head scores (None: its whole vocabulary)
     left: str = ""  # after which step and why it went on with the target alone
     held: int = 0  # the lookup's `held` at the last commit
 
@@ -148,7 +150,8 @@ class Generation:
         """A step's Stats: its record's counts, with what describes the generation as it stands."""
         o = self.opts
         return Stats(mode=self.ran, chosen_mode=o.mode, kappa=o.kappa, gamma=o.gamma, exit_layer=self.exit_layer,
-                     why=o.why, draft_host=self.draft_host, draft_failure=draft_failure, left_draft=self.left,
+                     why=o.why, draft_host=self.draft_host, draft_vocab=self.draft_vocab,
+                     draft_failure=draft_failure, left_draft=self.left,
                      placement=o.placement, branches=o.branches, lookup=self.index is not None, steps=1,
                      recycle="" if self.tree is None else self.tree.one_path or "tree",
                      target_forwards=1, generation_tokens=tokens, lookup_held=held, **rec.counts())
@@ -246,6 +249,7 @@ class Engine:
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
         self.draft_context = draft_context(draft)  # γ fits in it
+        self.draft_head = head_rows(draft)  # the ids a trimmed draft head scores (draft_vocab.py); None: all
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")
@@ -454,8 +458,8 @@ class Engine:
         plan = BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost))
         exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
         tree = self.recycled if mode == "sd" else None
-        return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index,
-                          row_sampler(base, opts.seed), processors, plan, tree)
+        return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index, row_sampler(base, opts.seed),
+                          processors, plan, tree, draft_vocab=self.draft_head if drafts else None)
 
     def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:
         """The target prefills the prompt, the draft beside it (or, in-process, after it); a draft that cannot

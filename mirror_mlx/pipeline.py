@@ -16,10 +16,13 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import load_config
 
 from . import demo_pair, text, validate
 from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
+from .drafts.distilled import MODEL_TYPE as DISTILLED
 from .drafts.ss_model import is_ss_draft
+from .draft_vocab import kept_ids
 from .draft_api import Draft
 from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine
@@ -39,19 +42,37 @@ PromptInput = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
 
 
-def load_draft(path: Union[str, Path], target_tokenizer: Any) -> DraftRecipe:
-    """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package.
+def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optional[int] = None) -> DraftRecipe:
+    """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package;
+    `draft_vocab`: its head scores only that many ids (draft_vocab.py).
 
     The tokenizer is checked here; the weights are loaded by the host process only.
     """
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
+        if draft_vocab is not None:
+            raise validate.BadValue("draft_vocab", "{draft_vocab} trims an MLX draft's head, and a Core ML package's "
+                                    "head is fixed when it is converted: leave {draft_vocab} out")
         from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
 
         return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
-    check_draft_tokenizer(target_tokenizer, folder_tokenizer(folder), folder)
-    return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),))
+    tokenizer = folder_tokenizer(folder)
+    check_draft_tokenizer(target_tokenizer, tokenizer, folder)
+    kept = () if draft_vocab is None else trimmed_head(folder, tokenizer, draft_vocab)
+    return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),) + kept)
+
+
+def trimmed_head(folder: Path, tokenizer: Any, size: Any) -> tuple:
+    """The recipe's argument for `draft_vocab` = `size`: the kept ids, or none when `size` is the whole vocabulary
+    (the head is then left whole, as without draft_vocab)."""
+    config = load_config(folder)
+    if config.get("model_type") == DISTILLED:
+        raise validate.BadValue("draft_vocab", "{draft_vocab}: this draft (mirror-mlx distill) already scores only "
+                                "its {n} kept ids; leave {draft_vocab} out", n=config.get("kept_size"))
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or len(tokenizer.get_vocab())
+    size = validate.draft_vocab(size, True, vocab)
+    return () if size == vocab else (kept_ids(tokenizer, size, vocab),)
 
 
 class Pipeline:
@@ -298,19 +319,23 @@ def check_adapter_path(adapter_path: Optional[Union[str, Path]]) -> None:
 
 def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[str, Path]] = None,
          exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
-         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False) -> Pipeline:
+         tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False,
+         draft_vocab: Optional[int] = None) -> Pipeline:
     """Load a target and its draft. With no model, the embedded demo pair (works offline).
 
     `exit_adapter`: a `mirror-mlx train-exit` file that sharpens the early exit (never the target's
     own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
     `adapter_path`, `tokenizer_config`, `trust_remote_code`: as mlx_lm.load (LoRA adapters apply to the
-    target; an exit adapter is then trained on the adapted target). Any other keyword is a TypeError.
+    target; an exit adapter is then trained on the adapted target). `draft_vocab`: the draft's head scores only
+    the V ids most frequent in the shipped text (mirror_mlx/draft_vocab.py; lossless: the target verifies every
+    token); V from 1 to the draft's vocabulary, which keeps the whole head. Any other keyword is a TypeError.
     """
     draftless = str(draft_model) if str(draft_model) in (LOOKUP, RECYCLE) else None
     if model is None:
         model = demo_pair.TARGET
         draft_model = demo_pair.DRAFT if draft_model is None else draft_model
         exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
+    validate.draft_vocab(draft_vocab, draft_model is not None and not draftless)  # before any loading
     if str(exit_adapter).lower() == "none":  # the demo's shipped adapter, turned off
         exit_adapter = None
     check_adapter_path(adapter_path)
@@ -318,7 +343,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     target, tokenizer = load_model(model, tokenizer_config=tokenizer_config, trust_remote_code=trust_remote_code,
                                    adapter_path=None if adapter_path is None else str(adapter_path))
     mx.eval(target.parameters())  # LoRA layers come lazy; the target's thread cannot evaluate this thread's graph
-    draft = load_draft(draft_model, tokenizer) if draft_model is not None and not draftless else None
+    draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None and not draftless else None
     adapter = None
     if exit_adapter is not None:
         from .exit_adapter import load_adapters

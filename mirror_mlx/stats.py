@@ -49,6 +49,7 @@ class Stats:
     left_draft: str = ""  # after which step and why it went on with the target alone (the caller's `leave_draft`)
     placement: str = ""  # where the threads ran, and why (tune/placement.py): "unpinned (...)", "split: ..."
     draft_host: str = ""  # where the draft ran: "process" (its own, the default for load) or "thread"
+    draft_vocab: Optional[int] = None  # the ids the draft's trimmed head scores (None: its whole vocabulary)
     peak_memory_gb: float = 0.0
     timeline: list = field(default_factory=list, repr=False)  # per step (prefix, suffix, rollout) intervals
 
@@ -96,6 +97,8 @@ class Stats:
                 line += f" B={self.branches}"
         elif self.mode == "sd":
             line += f" γ={self.gamma}"
+        if self.draft_vocab is not None and self.mode != "ar":
+            line += f" | draft vocab {self.draft_vocab}"
         if self.recycle:
             line += (f" | accepted: recycled {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
                      + (f", lookup {self.lookup_accepted}/{self.lookup_proposed}" if self.lookup else ""))
@@ -122,7 +125,8 @@ class Stats:
 
 
 # Stats fields a total keeps the latest of
-_LATEST = ("lookup", "recycle", "chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft", "placement")
+_LATEST = ("lookup", "recycle", "chosen_mode", "kappa", "gamma", "exit_layer", "branches", "why", "left_draft",
+           "placement", "draft_vocab")
 
 
 @dataclass

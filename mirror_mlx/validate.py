@@ -312,6 +312,19 @@ def branch_budget(value: Any, kappa: int, gamma: int) -> int:
                   f"choose from, so give a budget from 1 to {n}, or leave it unset (None) to roll out all of them")
 
 
+def draft_vocab(value: Any, has_draft: bool, vocab_size: Optional[int] = None) -> Optional[int]:
+    """V, the ids a trimmed draft head scores (draft_vocab.py): None (the whole head), or an int within 1..the draft's
+    vocabulary (`vocab_size`, once known); V equal to it keeps the whole head. Only with a draft model."""
+    if value is None:
+        return None
+    if not has_draft:
+        raise BadValue("draft_vocab", "{draft_vocab} trims a draft model's head, and there is no draft model: give "
+                       "{draft_model} (a model folder), or leave {draft_vocab} out")
+    ids = f"of its {vocab_size} ids " if vocab_size else "ids "
+    return as_int("draft_vocab", value, 1, vocab_size, f"give how many {ids}the draft scores, or leave {{draft_vocab}} "
+                  "out for the whole head")
+
+
 def model_folder(path: Path) -> Path:
     """A local model folder that mlx-lm can load, or one sentence naming the file at fault and the fix.
 

@@ -115,6 +115,13 @@ def model_options(f):
     return f
 
 
+draft_vocab_option = click.option(
+    "--draft-vocab", type=int, default=None, metavar="V",
+    help="The draft's head scores only the V token ids most frequent in mirror-mlx's shipped text (eos and special "
+         "ids always): a cheaper draft step, still lossless (the target verifies every token) [default: the whole "
+         "vocabulary].")
+
+
 def with_options(opts: list):
     """A decorator applying click options in the order listed."""
     def apply(f):
@@ -190,12 +197,13 @@ pipeline_option = click.option(
     "split) where the family has both splits [default: tensor parallel where it has model.shard].")
 
 
+# the options a refusal names, as flags
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
          "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size", "prefill_step_size": "--prefill-step-size",
          "kappa": "--kappa", "gamma": "--gamma", "exit_layer": "--exit-layer", "branches": "--branches",
          "mode": "--mode", "lookup": "--lookup", "ngram_max": "--ngram-max", "ngram_min": "--ngram-min",
-         "draft_model": "--draft-model", "adapter_path": "--adapter-path", "mode='ar'": "--mode ar",
-         "mode='sd'": "--mode sd", "lookup=True": "--lookup"}  # the options a refusal names, as flags
+         "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",
+         "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
 
 
 def usage_error(e: Exception) -> click.UsageError:
@@ -206,11 +214,12 @@ def usage_error(e: Exception) -> click.UsageError:
 
 
 def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None, trust_remote_code=False,
-                  tokenizer_config=None, pipeline: bool = False):
+                  tokenizer_config=None, pipeline: bool = False, draft_vocab=None):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors. Under mlx.launch
     (more than one rank), every rank loads its shard of the target (mirror_mlx/distributed/)."""
     from mirror_mlx import distributed
     from mirror_mlx.pipeline import load
+    from mirror_mlx.validate import BadType
 
     if distributed.group() is not None:
         verb = click.get_current_context().info_name
@@ -235,8 +244,8 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
     try:
         return load(model, None if mode == "ar" and model is not None and draft_model is None else draft_model,
                     exit_adapter=exit_adapter, adapter_path=adapter_path, trust_remote_code=trust_remote_code,
-                    tokenizer_config=tokenizer_config)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+                    tokenizer_config=tokenizer_config, draft_vocab=draft_vocab)
+    except (ValueError, BadType, FileNotFoundError, RuntimeError) as e:
         raise usage_error(e)
 
 

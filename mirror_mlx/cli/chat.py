@@ -10,8 +10,9 @@ from typing import Any, Optional, TextIO
 import click
 
 from mirror_mlx import validate
-from mirror_mlx.cli import (decode_options, exit_on_terminate, generation_kwargs, load_pipeline, mlx_lm_load_options,
-                            model_options, pipeline_option, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli import (decode_options, draft_vocab_option, exit_on_terminate, generation_kwargs, load_pipeline,
+                            mlx_lm_load_options, model_options, pipeline_option, template_config, usage_error,
+                            xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx.stats import Stats
 from mirror_mlx.options import DecodeOptions
@@ -205,6 +206,7 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 
 @click.command("chat")
 @model_options
+@draft_vocab_option
 @mlx_lm_load_options
 @click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
 @click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
@@ -212,7 +214,7 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @xtc_options(min_tokens_to_keep=False)
 @pipeline_option
 @refused_options("chat")
-def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, system_prompt,
+def chat_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, system_prompt,
              chat_template_config, xtc_probability, xtc_threshold, **decode) -> None:
     """Chat: replies stream as they are committed, earlier turns stay cached; /help lists the commands.
 
@@ -221,7 +223,7 @@ def chat_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, 
     template_kwargs = template_config(chat_template_config)
     exit_on_terminate()
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path, trust_remote_code,
-                         pipeline=pipeline)
+                         pipeline=pipeline, draft_vocab=draft_vocab)
     pipe.chat_template_kwargs = template_kwargs
     kwargs = generation_kwargs(**decode)
     try:

@@ -6,8 +6,9 @@ from pathlib import Path
 import click
 
 from mirror_mlx import text
-from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options, model_options,
-                            pipeline_option, read_prompt, template_config, usage_error, xtc_options, xtc_sampler)
+from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, pipeline_option, read_prompt, template_config, usage_error, xtc_options,
+                            xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 
 def str2bool(text: str) -> bool:
@@ -93,6 +94,7 @@ def same_model(a, b) -> bool:
 
 @click.command("generate", cls=TakesLists)
 @model_options
+@draft_vocab_option
 @mlx_lm_load_options
 @click.option("--prompt", "-p", default="Once upon a time", show_default=True, help="Prompt text ('-' reads stdin).")
 @click.option("--system-prompt", default=None, help="A system message before the prompt (with a chat template).")
@@ -120,7 +122,7 @@ def same_model(a, b) -> bool:
 @pipeline_option
 @refused_options("generate")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
-def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
+def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
                  quiet, kv_group_size, quantized_kv_start, as_json, **decode) -> None:
@@ -139,7 +141,7 @@ def generate_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_co
     prompt = read_prompt(prompt)
     ar_only = cache is not None and cache.tokens is None  # then no draft is needed
     pipe = load_pipeline(model, draft_model, exit_adapter, "ar" if ar_only else decode["mode"], adapter_path,
-                         trust_remote_code, tokenizer_config, pipeline)
+                         trust_remote_code, tokenizer_config, pipeline, draft_vocab)
     kwargs = generation_kwargs(**decode)
     try:
         xtc_sampler(pipe.tokenizer, kwargs, xtc_probability, xtc_threshold, min_tokens_to_keep)

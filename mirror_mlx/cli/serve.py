@@ -2,8 +2,8 @@
 
 import click
 
-from mirror_mlx.cli import (decode_options, generation_kwargs, load_pipeline, mlx_lm_load_options, model_options,
-                            pipeline_option, template_config, tracker_ignores_hangup)
+from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwargs, load_pipeline, mlx_lm_load_options,
+                            model_options, pipeline_option, template_config, tracker_ignores_hangup)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx import distributed
 
@@ -54,6 +54,7 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
 
 @click.command("serve")
 @model_options
+@draft_vocab_option
 @mlx_lm_load_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
@@ -78,7 +79,7 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
 @decode_options(max_tokens=512, seed=None)
 @pipeline_option
 @refused_options("serve")
-def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port, max_queue,
+def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port, max_queue,
               allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
               prompt_concurrency, log_level, max_tokens,
               temp, **decode) -> None:
@@ -92,7 +93,7 @@ def serve_cmd(model, draft_model, exit_adapter, adapter_path, trust_remote_code,
     cache_bytes = size(prompt_cache_bytes)
     tracker_ignores_hangup()  # serve() itself stops on SIGHUP as on SIGTERM
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path=adapter_path,
-                         trust_remote_code=trust_remote_code, pipeline=pipeline)
+                         trust_remote_code=trust_remote_code, pipeline=pipeline, draft_vocab=draft_vocab)
     pipe.chat_template_kwargs = template_kwargs
     defaults = generation_kwargs(max_tokens, temp, **decode)
     defaults.pop("max_tokens")

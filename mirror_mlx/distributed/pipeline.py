@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 
 import mlx.core as mx
 
+from .. import validate
 from ..lookup import LOOKUP
 from ..options import given
 from ..pipeline import Pipeline, check_adapter_path, load_draft
@@ -211,7 +212,7 @@ def held(pipe: Pipeline) -> list[int]:
 def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None,
          exit_adapter: Optional[Union[str, Path]] = None, *, adapter_path: Optional[Union[str, Path]] = None,
          tokenizer_config: Optional[dict] = None, trust_remote_code: bool = False, pipeline: bool = False,
-         g: Optional[mx.distributed.Group] = None) -> DistributedPipeline:
+         g: Optional[mx.distributed.Group] = None, draft_vocab: Optional[int] = None) -> DistributedPipeline:
     """`mirror_mlx.load` on every rank of the launcher's group: this rank's shard of the target (mlx-lm's
     `sharded_load`), the draft host on rank 0 only. Every rank must then make the same calls.
 
@@ -223,6 +224,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
 
     if str(draft_model) == LOOKUP:
         raise ValueError(NO_LOOKUP)
+    validate.draft_vocab(draft_vocab, draft_model is not None)
     g = g or group()
     if g is None:
         raise ValueError("no distributed group: start every rank with mlx.launch (e.g. `mlx.launch -n 2 "
@@ -241,7 +243,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     except ValueError as e:
         raise ValueError(f"cannot shard {model} over {g.size()} ranks: {e}") from None
     check_vocabulary(target, tokenizer, folder)
-    draft = load_draft(draft_model, tokenizer) if draft_model is not None else None
+    draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:
         from mlx_lm.utils import load_model

@@ -20,6 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from .. import draft_vocab
+
 MODEL_TYPE = "mirror_distilled"
 
 
@@ -43,10 +45,7 @@ class Model(nn.Module):
     def full_index(self) -> mx.array:
         """For each vocabulary id, its row in the head's output, or V (the -inf column) when not kept."""
         if self._index is None:
-            V = self.args.kept_size
-            index = mx.full((self.args.vocab_size,), V, dtype=mx.int32)
-            index[self.kept_ids] = mx.arange(V, dtype=mx.int32)
-            self._index = index
+            self._index = draft_vocab.full_index(self.kept_ids, self.args.vocab_size)
         return self._index
 
     def kept_logits(self, inputs: mx.array, cache: Optional[Any] = None) -> mx.array:
@@ -54,9 +53,7 @@ class Model(nn.Module):
         return self.head(self.model(inputs, cache))
 
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
-        small = self.head(self.model(inputs, cache, input_embeddings))
-        pad = mx.full(small.shape[:-1] + (1,), -mx.inf, dtype=small.dtype)
-        return mx.take(mx.concatenate([small, pad], axis=-1), self.full_index(), axis=-1)
+        return draft_vocab.full_logits(self.head(self.model(inputs, cache, input_embeddings)), self.full_index())
 
     def load_weights(self, *args, **kwargs):
         self._index = None

@@ -4,9 +4,10 @@ reference, so the host process builds the draft itself (its weights never cross 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from mirror_mlx.draft_api import Draft
+from mirror_mlx.draft_vocab import KeptIds, trim
 
 
 @dataclass(frozen=True)
@@ -20,24 +21,29 @@ class DraftRecipe:
         return f"{self.build.__name__}({', '.join(map(str, self.args))})"
 
 
-def mlx_draft(path: Union[str, Path]) -> Draft:
-    """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec)."""
+def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
+    """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec); `kept`: its
+    head scores only those ids (draft_vocab.py)."""
     from mlx_lm.utils import load_model
 
     from mirror_mlx.drafts.mlx_draft import MLXDraft
 
-    return MLXDraft(load_model(Path(path))[0])
+    model = load_model(Path(path))[0]
+    return MLXDraft(model if kept is None else trim(model, kept))
 
 
 @functools.lru_cache(maxsize=2)
-def mlx_draft_model(path: str):
+def mlx_draft_model(path: str, kept: Optional[KeptIds] = None):
     """The mlx-lm model an `mlx_draft` recipe builds, loaded once in this process (mlx-lm's own
     speculative decoding in bench, tune's teacher-forced trace), beside the copy its host runs."""
-    return mlx_draft(path).model
+    return mlx_draft(path, kept).model
 
 
-def ss_draft(path: Union[str, Path]) -> Draft:
-    """A Speculative-Streaming draft folder."""
+def ss_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
+    """A Speculative-Streaming draft folder; `kept` as for `mlx_draft`."""
     from mirror_mlx.drafts.ss_draft import SSDraft
 
-    return SSDraft.from_path(path)
+    draft = SSDraft.from_path(path)
+    if kept is not None:
+        trim(draft.model, kept)
+    return draft
