@@ -46,7 +46,7 @@ from .draft_api import Draft, Rollout
 from .draft_vocab import head_rows
 from .exit_adapter import adapter_for
 from .lookup import Lookup
-from .recycle import DEPTH, K, RECYCLE, Recycled
+from .recycle import DEPTH, K, RECYCLE, WIDTHS, Recycled
 from .tree import takes_tree
 from .options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
 from .prompt_cache import PromptCache
@@ -472,6 +472,9 @@ class Engine:
                                       prefill_progress(opts.prompt_progress_callback, given), K if gen.tree else 0)
         if gen.tree is not None and self.target.seen is not None:  # the recycled table learns the prompt's rows
             gen.tree.learn_prefill(*self.target.seen)
+        if gen.tree is not None and gen.tree.widths is None and opts.row_cost is None and not gen.tree.one_path:
+            # once per pipeline: what a verify's rows cost on this machine (a recurrent target's chains: ROW_COST)
+            gen.tree.widths = self.target_worker.call(self.target.time_widths, WIDTHS)
         if gen.drafts:
             try:
                 if failed:

@@ -18,7 +18,7 @@ anyway): measured on SmolLM2-135M over Spec-Bench, 1.56 tokens per forward again
 """
 
 import heapq
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +32,27 @@ NODES = 64  # most nodes grown
 BUCKETS = 4  # p(d, r) is kept per depth 1, 2, 3 and 4 or more
 PRIOR = (0.3, 0.12, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02)  # p(d, r) before any walk, by rank
 PRIOR_WEIGHT = 4.0
+WIDTHS = (1, 2, 4, 8, 16, 32)  # verify widths (rows) the engine times once per pipeline (in its first prefill)
+
+
+def verify_cost(row_cost: Optional[float], widths: Optional[dict[int, float]]) -> Callable[[int], float]:
+    """The cost of verifying n nodes (n + 1 rows) in one-row forwards: 1 + row_cost · n where a row cost is
+    given; else the timed widths (seconds by rows), interpolated, and extended past the widest by its last
+    slope (a CPU's or a GPU's rows are near free up to some width, then linear: no one slope fits both);
+    else 1 + ROW_COST · n."""
+    if row_cost is not None or not widths:
+        c = ROW_COST if row_cost is None else row_cost
+        return lambda n: 1.0 + c * n
+    rows = sorted(widths)
+    cost = [widths[r] / widths[rows[0]] for r in rows]
+
+    def at(n: int) -> float:
+        r = n + 1
+        i = next((j for j in range(1, len(rows)) if rows[j] >= r), len(rows) - 1)
+        slope = (cost[i] - cost[i - 1]) / (rows[i] - rows[i - 1])
+        return max(1.0, cost[i - 1] + slope * (r - rows[i - 1]))
+
+    return at
 
 
 class Recycled:
@@ -43,13 +64,14 @@ class Recycled:
         self.one_path = one_path
         self.reached = np.zeros(BUCKETS, dtype=np.int64)  # walks that visited a node of this depth bucket
         self.right = np.zeros((BUCKETS, K), dtype=np.int64)  # of them, the target's token was rank r
+        self.widths: Optional[dict[int, float]] = None  # the target's verify seconds by rows (WIDTHS), once timed
 
     def p(self) -> np.ndarray:
         """(BUCKETS, K): the chance that a node's rank-r candidate is the target's token there."""
         prior = np.array(PRIOR[:K], dtype=np.float64)
         return (self.right + PRIOR_WEIGHT * prior) / (self.reached[:, None] + PRIOR_WEIGHT)
 
-    def shape(self, depth: int, row_cost: float) -> list[tuple[int, int]]:
+    def shape(self, depth: int, cost: Callable[[int], float]) -> list[tuple[int, int]]:
         """The tree that pays, as (parent slot + 1, rank) slots in the order of their probability (slot 0 the
         root), at most `depth` deep; [] when none pays."""
         p, width = self.p(), 1 if self.one_path else K
@@ -62,8 +84,8 @@ class Recycled:
                 continue
             slots.append((parent, rank))
             expected -= q
-            if expected / (1.0 + row_cost * len(slots)) > rate:
-                best, rate = len(slots), expected / (1.0 + row_cost * len(slots))
+            if expected / cost(len(slots)) > rate:
+                best, rate = len(slots), expected / cost(len(slots))
             for r in range(width):
                 heapq.heappush(heap, (q * p[min(d, BUCKETS - 1), r], len(slots), r, d + 1))
         return slots[:best]
@@ -75,7 +97,7 @@ class Recycled:
         if self.one_path:  # one chain: the lookup's where it offers one, else the rank-0 one
             if lookup:
                 return chain(pending, list(lookup[:depth]), "lookup")
-            slots = self.shape(depth, ROW_COST if row_cost is None else row_cost)
+            slots = self.shape(depth, verify_cost(row_cost, self.widths))
             window, t = [], pending
             for _ in slots:
                 t = int(self.table[t, 0])
@@ -91,7 +113,7 @@ class Recycled:
             token[len(nodes)] = int(t)
             children[(parent, int(t))] = len(nodes)
         where = {0: 0}  # slot -> node (0 the root); a slot whose parent has no node, or an empty entry, is skipped
-        for s, (parent, rank) in enumerate(self.shape(depth, ROW_COST if row_cost is None else row_cost), start=1):
+        for s, (parent, rank) in enumerate(self.shape(depth, verify_cost(row_cost, self.widths)), start=1):
             if parent not in where:
                 continue
             node = where[parent]

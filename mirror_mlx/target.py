@@ -261,6 +261,22 @@ class TargetSide:
         self.seen = (new, np.concatenate([np.array(s) for s in seen])) if seen else None
         return len(new)
 
+    def time_widths(self, widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
+        """Seconds of a verify forward of each width (rows) after the cache (the median of `repeats`; the rows
+        are dropped again): what a tree of that many rows costs on this machine, with this thread's settings."""
+        import time
+
+        last, seconds = (self.cached or [0])[-1], {}
+        for w in widths:
+            runs = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                mx.eval(self.model(mx.array([[last] * w]), cache=self.cache))
+                runs.append(time.perf_counter() - t0)
+                trim_prompt_cache(self.cache, w)
+            seconds[w] = sorted(runs)[repeats // 2]
+        return seconds
+
     def start(self, prompt: Sequence[int], step_size: int = 2048,
               progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
         """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""

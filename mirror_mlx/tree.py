@@ -7,8 +7,8 @@ to its own ancestors only (a tree mask), at position offset + depth(i).
 
 No per-architecture code: the mask comes from each cache's own `make_mask` (every mlx-lm attention asks
 its cache for the mask, with the sliding window where it has one), and the positions from each
-attention's own rope module, called once per depth on that depth's rows, each a sequence of one (so every
-rope variant, scaled or not, places a node as it would place a token at that position). Where a model does not fit this (a
+attention's own rope module, each row a sequence of one at its own position (so every rope variant, scaled
+or not, places a node as it would place a token at that position). Where a model does not fit this (a
 recurrent state, which holds one path only; a cache of another kind; an attention with no `rope` module)
 the tree is refused by `takes_tree` and only a chain (a plain window) is verified.
 
@@ -122,7 +122,12 @@ class _TreeForward:
         for rope in self.ropes:
             cls = type(rope)
 
-            def __call__(self_, x, offset=0, _cls=cls):  # a depth's rows as a batch of one-row sequences
+            def __call__(self_, x, offset=0, _cls=cls):
+                if x.shape[0] == 1:  # each row a sequence of one, in the batch, at its own position: one call
+                    try:
+                        return _cls.__call__(self_, x.swapaxes(0, 2), offset=offset + depths).swapaxes(0, 2)
+                    except (TypeError, ValueError):  # a rope that takes no positions array: a call per depth
+                        pass
                 return mx.concatenate([_cls.__call__(self_, x[..., s:e, None, :], offset=offset + d)[..., 0, :]
                                        for d, s, e in groups], axis=-2)
 

@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from mirror_mlx import tree as trees
 from mirror_mlx.model_parts import trimmable_cache
 from mirror_mlx.pipeline import Pipeline
-from mirror_mlx.recycle import Recycled
+from mirror_mlx.recycle import Recycled, verify_cost
 from tests.models import CONFIGS, tiny_model
 from tests.test_engine import _FakeTokenizer
 from tests.test_sampling_whole import PROMPT as SMALL_PROMPT
@@ -137,13 +137,21 @@ def test_a_recurrent_target_verifies_one_path_and_says_so(capfd):
 
 
 def test_the_shape_grows_with_cheaper_rows_and_pays_nothing_when_rows_are_dear():
-    r = Recycled(16)
-    small, large = r.shape(8, 0.2), r.shape(8, 0.01)
+    r, linear = Recycled(16), lambda c: verify_cost(c, None)
+    small, large = r.shape(8, linear(0.2)), r.shape(8, linear(0.01))
     assert 0 < len(small) < len(large)
-    assert r.shape(8, 5.0) == []
+    assert r.shape(8, linear(5.0)) == []
     assert all(parent < s for s, (parent, _) in enumerate(large, start=1))  # a parent before its children
-    assert max(len(large), 1) <= 64 and Recycled(16, one_path="why").shape(8, 0.0) != []
-    assert all(rank == 0 for _, rank in Recycled(16, one_path="why").shape(8, 0.0))
+    assert max(len(large), 1) <= 64 and Recycled(16, one_path="why").shape(8, linear(0.0)) != []
+    assert all(rank == 0 for _, rank in Recycled(16, one_path="why").shape(8, linear(0.0)))
+
+
+def test_timed_widths_size_the_tree_where_no_row_cost_is_given():
+    free_to_8 = verify_cost(None, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 3.0})
+    assert free_to_8(3) == 1.0 and free_to_8(7) == 1.0 and free_to_8(11) == 2.0 and free_to_8(31) == 7.0
+    assert verify_cost(0.5, {1: 1.0, 2: 9.0})(2) == 2.0  # a row cost given wins
+    r = Recycled(16)
+    assert len(r.shape(8, free_to_8)) == 7  # the rows that cost nothing, no more: the next ones cost 0.25 each
 
 
 def test_what_the_walks_saw_sets_the_shape():

@@ -109,7 +109,8 @@ def model_options(f):
                      help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's.")(f)
     f = click.option("--draft-model", default=None,
                      help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id; 'lookup': "
-                          "prompt lookup alone (n-grams of the context, no draft model; sd).")(f)
+                          "prompt lookup alone (n-grams of the context, no draft model; sd); 'recycle': the target's "
+                          "recycled predictions, verified as a token tree (no draft model; sd).")(f)
     f = click.option("--model", default=None,
                      help="Target: model folder or Hugging Face id [default: the embedded demo pair].")(f)
     return f
