@@ -159,14 +159,15 @@ def _records(chunk: Any, stats: Any) -> Iterator[Response]:
 
 
 def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.array, List[int]],
-                    max_tokens: int = 256, draft_model: Union[nn.Module, Draft, None] = None, *,
+                    max_tokens: int = 256, draft_model: Union[nn.Module, Draft, str, None] = None, *,
                     sampler: Optional[Callable[[mx.array], mx.array]] = None,
                     logits_processors: Optional[Sequence[Callable]] = None, prompt_cache: Any = None,
                     max_kv_size: Optional[int] = None, num_draft_tokens: Optional[int] = None,
                     kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 5000,
                     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
                     mode: Optional[str] = None, seed: Optional[int] = None, **knobs: Any) -> Iterator[Response]:
-    """mlx_lm.stream_generate, one record per committed token; `mode` defaults to mirror with a draft.
+    """mlx_lm.stream_generate, one record per committed token; `mode` defaults to mirror with a draft model, sd
+    with "lookup" or "recycle".
 
     `seed` makes sampling mode-invariant (the draw for each position is keyed by (seed, position));
     `num_draft_tokens` (mlx-lm's window) is γ; `knobs` are Pipeline.generate's: kappa, gamma, exit_layer,
@@ -207,7 +208,7 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
                                                                           (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
     start = given.length if given is not None else 0
-    mode = mode or ("mirror" if draft_model is not None else "ar")
+    mode = mode or ("sd" if pipe.draftless else "mirror" if draft_model is not None else "ar")  # (no model: sd)
     plan = pipe.check(ids, given, cap=max_tokens == -1, max_tokens=2 ** 20 if max_tokens == -1 else max_tokens,
                       mode=mode, seed=seed, sampler=sampler, logits_processors=logits_processors or (),
                       max_kv_size=max_kv_size, prompt_progress_callback=prompt_progress_callback, **knobs)

@@ -64,6 +64,15 @@ def test_the_lookup_from_the_command_line():
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
 
 
+def test_the_recycled_draft_from_the_command_line():
+    """--draft-model recycle (no draft model): the greedy text, the recycled and lookup tokens counted."""
+    prompt = "The dog ran to the park. The dog ran to the park. The dog"
+    ar = run("--prompt", prompt, "--max-tokens", "30", "--mode", "ar").stdout
+    result = run("--prompt", prompt, "--max-tokens", "30", "--draft-model", "recycle")
+    assert result.exit_code == 0 and result.stdout == ar, result.output
+    assert "accepted: recycled " in result.stderr and ", lookup " in result.stderr
+
+
 def test_bad_options_are_usage_errors_without_traceback():
     for args, message in [(("--kappa", "0"), "kappa must be at least 1"),
                           (("--gamma", "0"), "gamma must be at least 1"),

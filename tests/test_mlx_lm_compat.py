@@ -104,6 +104,15 @@ def test_the_lookup_gives_mlx_lm_s_tokens(pair, draft_model, lookup):
     assert ours[-1].stats.lookup and ours[-1].stats.lookup_windows > 0
 
 
+def test_the_recycled_draft_gives_mlx_lm_s_tokens(pair):
+    """stream_generate with draft_model="recycle": no draft model, the target's own predictions as a tree."""
+    model, tokenizer, _ = pair
+    for prompt in ("The dog ran to the park. The dog ran to the park. The dog", "Once upon a time"):
+        theirs = [r.token for r in mlx_stream_generate(model, tokenizer, prompt, max_tokens=30)]
+        ours = list(mirror_mlx.stream_generate(model, tokenizer, prompt, max_tokens=30, draft_model="recycle"))
+        assert [r.token for r in ours] == theirs and ours[-1].stats.recycle == "tree"
+
+
 def test_seeded_samples_are_the_same_in_every_mode(pair):
     """mlx-lm's own sampler and a logits processor, T > 0, one seed: ar, sd and mirror agree token for token."""
     model, tokenizer, draft = pair

@@ -516,3 +516,16 @@ def sigterm_mid_stream(proc: subprocess.Popen, url: str, log: Path) -> None:
     assert not orphans(kids), "an orphan process outlived the server"
     assert "stopped" in log.read_text() and "leaked" not in log.read_text()  # the tracker reports leaks there
     assert leaks.wait_unlinked(shm) == [], "the server left a shared-memory segment behind"
+
+
+def test_a_server_of_the_recycled_draft_serves_the_target_s_tokens(tmp_path, ref):
+    """`mirror-mlx serve --draft-model recycle`: a real client's completion is the target's greedy text, and the
+    reply's stats say trees ran and what they had accepted."""
+    with running(tmp_path / "server.log", "--draft-model", "recycle") as (proc, url):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        for prompt in ("The dog ran. The dog ran. The dog", "Once upon a time"):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=24)
+            x = r.model_extra["x_mirror"]
+            assert r.choices[0].text == ref(prompt, 24) and x["mode"] == "sd" and x["recycle"] == "tree"
+        assert x["proposed"] > 0
