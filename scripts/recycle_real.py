@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=1500)
     ap.add_argument("--sweep", default="0,0.01,0.03,0.1", help="fixed row costs for the size table ('' for none)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--defaults", action="store_true", help="this machine's defaults: nothing pinned")
     args = ap.parse_args()
     if not DEFAULTS:
         pin_all(0)
