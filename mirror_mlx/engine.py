@@ -474,7 +474,7 @@ class Engine:
             gen.tree.learn_prefill(*self.target.seen)
         if gen.tree is not None and gen.tree.widths is None and opts.row_cost is None and not gen.tree.one_path:
             # once per pipeline: what a verify's rows cost on this machine (a recurrent target's chains: ROW_COST)
-            gen.tree.widths = self.target_worker.call(self.target.time_widths, WIDTHS)
+            gen.tree.widths = self.target_worker.call(self.target.time_widths, WIDTHS, K)
         if gen.drafts:
             try:
                 if failed:

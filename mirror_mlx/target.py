@@ -261,17 +261,18 @@ class TargetSide:
         self.seen = (new, np.concatenate([np.array(s) for s in seen])) if seen else None
         return len(new)
 
-    def time_widths(self, widths: Sequence[int], repeats: int = 3) -> dict[int, float]:
-        """Seconds of a verify forward of each width (rows) after the cache (the median of `repeats`; the rows
-        are dropped again): what a tree of that many rows costs on this machine, with this thread's settings."""
+    def time_widths(self, widths: Sequence[int], k: int, repeats: int = 3) -> dict[int, float]:
+        """Seconds of a tree verify of each width (rows) after the cache, as `verify_tree` runs it (the tree's
+        mask and positions, every row's top-k; the median of `repeats`; the rows are dropped again): what a tree
+        of that many rows costs on this machine, with this thread's settings."""
         import time
 
         last, seconds = (self.cached or [0])[-1], {}
         for w in widths:
-            runs = []
+            tree, runs = trees.build(last, [(0, last, "", None)] * (w - 1)), []  # the root and w - 1 children
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                mx.eval(self.model(mx.array([[last] * w]), cache=self.cache))
+                mx.eval(top_ids(trees.forward(self.model, self.cache, tree), k))
                 runs.append(time.perf_counter() - t0)
                 trim_prompt_cache(self.cache, w)
             seconds[w] = sorted(runs)[repeats // 2]
