@@ -242,7 +242,8 @@ def test_in_mirror_the_lookup_fills_windows_after_a_fallback(pipes):
     offers one) replaces the draft's serial rollout; the tokens are ar's, the lookup's windows were
     accepted and rejected, and fewer rollouts ran than without it."""
     _, pair = pipes
-    kw = dict(max_tokens=96, mode="mirror", kappa=1, gamma=3, exit_layer=2, stop=False)
+    # (every branch, B = κ(γ + 1): which steps fall back then follows from the tokens, not the machine's timings)
+    kw = dict(max_tokens=96, mode="mirror", kappa=1, gamma=3, exit_layer=2, branches=4, stop=False)
     ar = pair.generate(SUMMARY, max_tokens=96, mode="ar", stop=False).tokens
     plain, looked = pair.generate(SUMMARY, **kw), pair.generate(SUMMARY, lookup=True, **kw)
     assert plain.tokens == looked.tokens == ar
