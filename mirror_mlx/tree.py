@@ -86,7 +86,12 @@ def build(pending: int, nodes: list[tuple[int, int, str, Optional[list[int]]]]) 
 
 
 def _ropes(model: nn.Module) -> list[nn.Module]:
-    return [m.rope for _, m in model.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
+    """Every attention's rope module, found once per model (a verify step does not walk the module tree)."""
+    ropes = getattr(model, "_tree_ropes", None)
+    if ropes is None:
+        ropes = [m.rope for _, m in model.named_modules() if isinstance(getattr(m, "rope", None), nn.Module)]
+        object.__setattr__(model, "_tree_ropes", ropes)  # a plain attribute, not one of the module's children
+    return ropes
 
 
 def takes_tree(model: nn.Module, cache: list[Any]) -> Optional[str]:
