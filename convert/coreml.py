@@ -27,11 +27,7 @@ state's slots followed by the call's own rows. The host builds masks and positio
 two functions serve prefill, tree (branch) attention, Speculative-Streaming stream rows and
 rollback (stale slots are simply masked out; nothing is ever erased). With V > 16384 the LM head
 is split (ANE's per-axis limit) and the outputs are logits_0..logits_{n-1}, concatenated by the
-host.
-
-ANE layout (ml-ane-transformers, Anemll): activations are (1, C, 1, T); every linear is a 1x1
-conv; RMSNorm is layer_norm over [x, -x] (mean 0, so LayerNorm gives RMS statistics without
-squaring in fp16); SiLU is written x*sigmoid(x); the attention scale is folded into q weights.
+host. The program itself, in the ANE's layout, is built in convert/mil_graph.py.
 """
 
 import contextlib
@@ -39,10 +35,9 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -52,38 +47,11 @@ from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Sha
                                                  tokenizer_metadata, tokenizer_sha256)
 from mirror_mlx.options import PAPER_KNOBS
 
+from .mil_graph import DraftSpec, build_program, head_names
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
-HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
 QUANTIZE = ("none", "int8", "lut4", "lut6")
 VOCAB_PAD = 1024  # unused rows a model may pad its vocabulary with (Qwen3: 151,669 tokens in 151,936)
-
-
-@dataclass
-class DraftSpec:
-    """What the builder needs from an mlx-lm draft: its shape and its weights as float32 numpy."""
-
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    eps: float
-    weights: dict[str, np.ndarray]  # '{layer}.q_proj', 'embed', 'head', ... (see spec_from_model)
-    cos: np.ndarray  # (P, head_dim/2) RoPE table from the model's own rope module
-    sin: np.ndarray
-    config: dict[str, Any]
-    tokenizer_sha256: str
-    draft_sha256: str
-    streams: int = 0  # SS drafts: stream rows per main row, carried by the top `stream_layers`
-    stream_layers: int = 0
-    tied: bool = False  # the head is the embedding table: the package stores it once
-    tokenizer_meta: dict[str, str] = field(default_factory=dict)  # package_format.tokenizer_metadata
-
-    @property
-    def groups(self) -> int:
-        return self.heads // self.kv_heads
 
 
 if sys.platform != "darwin":  # coremltools warns "Failed to load _MLModelProxy" at import on Linux
@@ -268,186 +236,6 @@ def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> D
     )
 
 
-# --------------------------------------------------------------------------- the MIL program
-
-
-def _f16(a: Any) -> np.ndarray:
-    return np.asarray(a, np.float32).astype(np.float16)
-
-
-def _conv_w(w: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    return _f16(w * scale)[:, :, None, None]
-
-
-def build_program(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
-    """The MIL program of one function ('extend' or 'rollout') of the package."""
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, Program, types
-
-    T = shapes.chunk if fn == "extend" else shapes.rows
-    Sk = shapes.context if fn == "extend" else shapes.slots  # state slots this function reads
-    NS = spec.streams if fn == "rollout" else 0  # stream rows per main row (SS drafts)
-    TS = T * NS
-    L, KV, D = spec.layers, spec.kv_heads, spec.head_dim
-    specs = {
-        "input_ids": mb.TensorSpec((1, T), dtype=types.int32),
-        "positions": mb.TensorSpec((T,), dtype=types.int32),
-        "write_pos": mb.TensorSpec((1,), dtype=types.int32),
-        "mask": mb.TensorSpec((1, Sk + T, T), dtype=types.fp16),
-    }
-    if NS:
-        specs["stream_positions"] = mb.TensorSpec((TS,), dtype=types.int32)
-        specs["stream_mask"] = mb.TensorSpec((1, Sk + T + TS, TS), dtype=types.fp16)
-    specs["kv_cache"] = mb.StateTensorSpec((2 * L, KV, D, shapes.slots), dtype=types.fp16)
-    with Function(specs, opset_version=ct.target.iOS18) as func:
-        func.set_outputs(_forward(mb, spec, func.inputs, T, Sk, NS, progress))
-    prog = Program()
-    prog.add_function("main", func)
-    return prog
-
-
-def _forward(mb: Any, spec: DraftSpec, inp: dict, T: int, Sk: int, NS: int,
-             progress: Optional[Callable[[], None]]) -> list:
-    """The decoder over T main rows (plus T*NS stream rows in the top layers of an SS draft)."""
-    L, H, KV, D, G, C = spec.layers, spec.heads, spec.kv_heads, spec.head_dim, spec.groups, spec.hidden
-    TS, w, f16 = T * NS, spec.weights, np.float16
-    scale = D ** -0.5
-
-    def rms(x, weight, shape):  # over axis 1
-        both = mb.concat(values=[x, mb.mul(x=x, y=f16(-1.0))], axis=1)
-        half = mb.split(x=mb.layer_norm(x=both, axes=[1], epsilon=f16(spec.eps)), num_splits=2, axis=1)[0]
-        return mb.mul(x=half, y=_f16(weight).reshape(shape))
-
-    def conv(x, name, scale_=1.0):
-        b = w.get(f"{name}.bias")
-        return mb.conv(x=x, weight=_conv_w(w[name], scale_), bias=None if b is None else _f16(b * scale_))
-
-    def rope(t, cos, sin):  # t: (n, D, R)
-        a, b = mb.split(x=t, num_splits=2, axis=1)
-        return mb.add(x=mb.mul(x=t, y=cos), y=mb.mul(x=mb.concat(values=[b, a], axis=1), y=sin))
-
-    def attend(q, keys, values, mask, n):
-        """q (H, D, n) over key blocks [(KV, D, m_i)] with the additive key-major mask."""
-        if G > 1:  # (KV*G, D, n) -> (KV, D, G*n)
-            q = mb.reshape(x=mb.transpose(x=mb.reshape(x=q, shape=[KV, G, D, n]), perm=[0, 2, 1, 3]),
-                           shape=[KV, D, G * n])
-        s = [mb.matmul(x=k, y=q, transpose_x=True) for k in keys]  # (KV, m_i, G*n)
-        p = mb.softmax(x=mb.add(x=mb.concat(values=s, axis=1), y=mask), axis=1)
-        parts = mb.split(x=p, split_sizes=[k.shape[2] for k in keys], axis=1)
-        o = mb.matmul(x=values[0], y=parts[0])
-        for v, pv in zip(values[1:], parts[1:]):
-            o = mb.add(x=o, y=mb.matmul(x=v, y=pv))  # (KV, D, G*n)
-        if G > 1:
-            o = mb.transpose(x=mb.reshape(x=o, shape=[KV, D, G, n]), perm=[0, 2, 1, 3])
-        return mb.reshape(x=o, shape=[1, H * D, 1, n])
-
-    cache = mb.read_state(input=inp["kv_cache"])
-    ids = mb.reshape(x=inp["input_ids"], shape=[T])
-    head = head_consts(mb, spec)
-    if spec.tied:  # the lookup reads the head's own pieces: one table in the package
-        x = _lookup(mb, head, ids, T, C)
-    else:
-        x = mb.gather(x=_f16(w["embed"]), indices=ids, axis=0)  # (T, C)
-    x = mb.reshape(x=mb.transpose(x=x, perm=[1, 0]), shape=[1, C, 1, T])
-    pos = inp["positions"] if not NS else mb.concat(values=[inp["positions"], inp["stream_positions"]], axis=0)
-    cos = mb.gather(x=_f16(spec.cos.T), indices=pos, axis=1)  # (D/2, R)
-    sin = mb.gather(x=_f16(spec.sin.T), indices=pos, axis=1)
-    cos_all = mb.concat(values=[cos, cos], axis=0)  # (D, R)
-    sin_all = mb.concat(values=[mb.mul(x=sin, y=f16(-1.0)), sin], axis=0)  # signed for rotate_half
-    cos_main, sin_main = cos_all, sin_all
-    if NS:
-        cos_main = mb.split(x=cos_all, split_sizes=[T, TS], axis=1)[0]
-        sin_main = mb.split(x=sin_all, split_sizes=[T, TS], axis=1)[0]
-    mask = inp["mask"] if G == 1 else mb.tile(x=inp["mask"], reps=[1, 1, G])  # (1, Sk+T, G*T)
-    if NS:
-        smask = inp["stream_mask"] if G == 1 else mb.tile(x=inp["stream_mask"], reps=[1, 1, G])
-    first_stream = L - spec.stream_layers if NS else L
-    new_kv = []
-    for i in range(L):
-        if i == first_stream:  # every main row spawns NS stream rows h_t + P_j, stream-major
-            P = _f16(w["stream_embeddings"])
-            x = mb.concat(values=[x] + [mb.add(x=x, y=P[j].reshape(1, C, 1, 1)) for j in range(NS)], axis=3)
-        streams = i >= first_stream
-        R = T + TS if streams else T
-        h = rms(x, w[f"{i}.input_norm"], (1, C, 1, 1))
-        qn = f"{i}.q_norm" in w
-        q = mb.reshape(x=conv(h, f"{i}.q_proj", 1.0 if qn else scale), shape=[H, D, R])
-        k = mb.reshape(x=conv(h, f"{i}.k_proj"), shape=[KV, D, R])
-        v = mb.reshape(x=conv(h, f"{i}.v_proj"), shape=[KV, D, R])
-        if qn:
-            q = rms(q, w[f"{i}.q_norm"] * scale, (1, D, 1))
-            k = rms(k, w[f"{i}.k_norm"], (1, D, 1))
-        c, s_ = (cos_all, sin_all) if streams else (cos_main, sin_main)
-        q, k = rope(q, c, s_), rope(k, c, s_)
-        kc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
-        vc = mb.reshape(x=mb.slice_by_size(x=cache, begin=[2 * i + 1, 0, 0, 0], size=[1, KV, D, Sk]), shape=[KV, D, Sk])
-        if streams:
-            qm, qs = mb.split(x=q, split_sizes=[T, TS], axis=2)
-            km, ks = mb.split(x=k, split_sizes=[T, TS], axis=2)
-            vm, vs = mb.split(x=v, split_sizes=[T, TS], axis=2)
-            o = mb.concat(values=[attend(qm, [kc, km], [vc, vm], mask, T),  # main rows never see streams
-                                  attend(qs, [kc, km, ks], [vc, vm, vs], smask, TS)], axis=3)
-        else:
-            km, vm = k, v
-            o = attend(q, [kc, k], [vc, v], mask, T)
-        new_kv += [km, vm]
-        x = mb.add(x=x, y=conv(o, f"{i}.o_proj"))
-        h = rms(x, w[f"{i}.post_norm"], (1, C, 1, 1))
-        g = conv(h, f"{i}.gate_proj")
-        act = mb.mul(x=mb.mul(x=g, y=mb.sigmoid(x=g)), y=conv(h, f"{i}.up_proj"))  # SiLU as x*sigmoid(x)
-        x = mb.add(x=x, y=conv(act, f"{i}.down_proj"))
-        if progress:
-            progress()
-    x = rms(x, w["norm"], (1, C, 1, 1))
-    begin = mb.concat(values=[np.zeros(3, np.int32), inp["write_pos"]], axis=0)
-    end = mb.add(x=begin, y=np.array([2 * L, KV, D, T], np.int32))
-    upd = mb.concat(values=[mb.reshape(x=t, shape=[1, KV, D, T]) for t in new_kv], axis=0)
-    mb.coreml_update_state(state=inp["kv_cache"], value=mb.slice_update(x=cache, update=upd, begin=begin, end=end))
-    outs, stream_outs = [], []
-    n = len(head)
-    for j, part in enumerate(head):  # LM head split at the ANE's per-axis limit
-        Vj = part.shape[0]
-        y = mb.transpose(x=mb.reshape(x=mb.conv(x=x, weight=part), shape=[Vj, T + TS]), perm=[1, 0])
-        suffix = "" if n == 1 else f"_{j}"
-        if NS:
-            ym, ys = mb.split(x=y, split_sizes=[T, TS], axis=0)
-            outs.append(mb.reshape(x=ym, shape=[1, T, Vj], name="logits" + suffix))
-            stream_outs.append(mb.reshape(x=ys, shape=[1, TS, Vj], name="stream_logits" + suffix))
-        else:
-            outs.append(mb.reshape(x=y, shape=[1, T, Vj], name="logits" + suffix))
-    return outs + stream_outs
-
-
-def head_names(spec: DraftSpec) -> list[str]:
-    return [f"lm_head_{j}" for j in range(math.ceil(spec.vocab / HEAD_SPLIT))]
-
-
-def head_consts(mb: Any, spec: DraftSpec) -> list:
-    """The LM head as named (Vj, C, 1, 1) fp16 consts, split at the ANE's per-axis limit."""
-    head = spec.weights["head"]
-    return [mb.const(val=_conv_w(head[j * HEAD_SPLIT : (j + 1) * HEAD_SPLIT]), name=name)
-            for j, name in enumerate(head_names(spec))]
-
-
-def _lookup(mb: Any, pieces: list, ids: Any, T: int, C: int) -> Any:
-    """Embedding rows (T, C) gathered from the head's pieces: each piece serves the ids in its
-    range (index clamped, row zeroed elsewhere), and exactly one piece serves each id."""
-    x, start = None, 0
-    for piece in pieces:
-        Vj = piece.shape[0]
-        local = mb.sub(x=ids, y=np.int32(start)) if start else ids
-        below, above = mb.greater_equal(x=local, y=np.int32(0)), mb.greater_equal(x=local, y=np.int32(Vj))
-        idx = mb.select(cond=above, a=np.zeros(T, np.int32), b=mb.select(cond=below, a=local, b=np.zeros(T, np.int32)))
-        rows = mb.reshape(x=mb.gather(x=piece, indices=idx, axis=0), shape=[T, C])
-        if len(pieces) > 1:
-            inside = mb.sub(x=mb.cast(x=below, dtype="fp16"), y=mb.cast(x=above, dtype="fp16"))  # 1 in range, else 0
-            rows = mb.mul(x=rows, y=mb.reshape(x=inside, shape=[T, 1]))
-        x = rows if x is None else mb.add(x=x, y=rows)
-        start += Vj
-    return x
-
-
 # --------------------------------------------------------------------------- quantization
 
 
@@ -551,7 +339,7 @@ def _register_finish_pass() -> str:
 
 def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
     """What the runtime checks before trusting a package (all strings, as Core ML wants)."""
-    n_heads = math.ceil(spec.vocab / HEAD_SPLIT)
+    n_heads = len(head_names(spec))
     meta = {
         "format": FORMAT, "kind": "ss" if spec.streams else "plain", "model_type": spec.model_type,
         "config": json.dumps(spec.config, sort_keys=True),

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load, save_config, save_model
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
-from mirror_mlx.convert import coreml, mil_eval
+from mirror_mlx.convert import coreml, mil_eval, mil_graph
 from mirror_mlx.convert.ane_ops import FOLDED, NATIVE
 
 ANE_OPS = set(NATIVE) | set(FOLDED)  # every op the Neural Engine runs (or folds into weights)
@@ -196,7 +196,7 @@ def test_rollout_equals_mlx_greedy_with_rollback_and_split(demo_pkg, demo_model)
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # llama: the demo draft above
 def test_families_convert_and_pass_parity(work, family, monkeypatch):
     if family == "qwen3":  # also exercise the split LM head (logits_0..n) with a small split
-        monkeypatch.setattr(coreml, "HEAD_SPLIT", 200)
+        monkeypatch.setattr(mil_graph, "HEAD_SPLIT", 200)
     draft, pkg = family_package(work, family)
     assert read_metadata(pkg)["logit_outputs"] == ("3" if family == "qwen3" else "1")
     report = verify(pkg, draft, steps=2, prompts=PROMPTS[:1])
