@@ -62,7 +62,8 @@ def test_the_shipped_exit_adapter_never_trained_on_a_benchmark_opening():
 
 def test_tune_calibrates_on_openings_no_benchmark_run_uses():
     """`tune` takes from the last 40 held-out openings; `make bench` the first 10 (headline) and the next 2 (sweep)."""
-    from mirror_mlx.tune.calibrate import TuneConfig, calibration_prompts
+    from mirror_mlx.tune.calibrate import TuneConfig
+    from mirror_mlx.tune.traces import calibration_prompts
 
     class Ids:  # calibration_prompts only encodes: keep the text
         encode = staticmethod(lambda text: text)

@@ -83,7 +83,7 @@ def test_spec_bench_split_is_fixed_disjoint_and_stratified():
 
 
 def test_a_chat_model_tunes_on_the_training_part_only():
-    from mirror_mlx.tune.calibrate import calibration_prompts
+    from mirror_mlx.tune.traces import calibration_prompts
 
     class Chat:  # calibration_prompts only encodes: keep the text
         tokenizer = type("T", (), {"has_chat_template": True})()

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
 
-from mirror_mlx.tune import calibrate, choose, policy, report
+from mirror_mlx.tune import calibrate, choose, policy, report, timing, traces
 from mirror_mlx.tune import profile as profiles
 from mirror_mlx.cli import main
 from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
@@ -155,14 +155,14 @@ def test_a_fallback_heavy_regime_picks_sd_or_ar():
 
 def test_the_trace_of_a_plain_draft_equals_the_one_its_rollouts_give(pipe):
     """The teacher-forced shortcut for a plain MLX draft must agree with real rollouts at every position."""
-    prompts = calibrate.calibration_prompts(pipe, 3)
+    prompts = traces.calibration_prompts(pipe, 3)
     assert len({len(p) for p in prompts}) == 1  # the built-in openings are cut to one length: one batch
-    texts = calibrate.greedy_texts(pipe, prompts, 24)
+    texts = traces.greedy_texts(pipe, prompts, 24)
     prompt = prompts[0]
-    assert texts[0] == calibrate.greedy_texts(pipe, [prompt], 24)[0]  # batched = alone
-    assert calibrate.plain_draft_model(pipe) is not None  # load(): a copy of the host's plain draft, loaded here
-    slow, text = calibrate.trace(pipe, prompt, 24, [2], 5, draft_model=None)  # a host rollout per position
-    fast, _ = calibrate.trace(pipe, prompt, 24, [2], 5, text=texts[0])
+    assert texts[0] == traces.greedy_texts(pipe, [prompt], 24)[0]  # batched = alone
+    assert traces.plain_draft_model(pipe) is not None  # load(): a copy of the host's plain draft, loaded here
+    slow, text = traces.trace(pipe, prompt, 24, [2], 5, draft_model=None)  # a host rollout per position
+    fast, _ = traces.trace(pipe, prompt, 24, [2], 5, text=texts[0])
     assert fast == slow and len(fast.runs) == len(text) - len(prompt)
     assert any(r > 0 for r in fast.runs) and any(r == 0 for r in fast.runs)
 
@@ -218,7 +218,7 @@ def test_tune_measures_suffix_with_rollout_only_where_the_top_can_change():
         lock = threading.Lock()
 
     assert all(predict(c, lazy, acc)["tokens_per_second"] >= predict(c, full, acc)["tokens_per_second"] for c in configs)
-    n = calibrate.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=4, reps=1, tick=lambda: None)
+    n = timing.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=4, reps=1, tick=lambda: None)
     assert n == len(set(asked)) < len(full.parallel)
     assert [r["config"] for r in rank(configs, lazy, acc)[:4]] == [r["config"] for r in rank(configs, full, acc)[:4]]
     assert not any(r["bound"] for r in rank(configs, lazy, acc)[:4])
@@ -234,7 +234,7 @@ def test_suffix_with_rollout_timed_in_later_rounds_is_put_on_the_first_rounds_sc
         full.rollout[(k * (g + 1), g)] = 0.8 * v
     configs = grid((1, 4), (1, 2, 3), (1, 2))
     lazy = Timings(**{f: dict(getattr(full, f)) for f in ("verify", "prefix", "suffix", "window", "rollout", "overhead")})
-    slow, timed = [1.0], calibrate.interleaved
+    slow, timed = [1.0], timing.interleaved
 
     def slowing(pieces, *args):
         out = timed(pieces, *args)
@@ -248,9 +248,9 @@ def test_suffix_with_rollout_timed_in_later_rounds_is_put_on_the_first_rounds_sc
     class Pipe:
         lock = threading.Lock()
 
-    monkeypatch.setattr(calibrate, "interleaved", slowing)
-    calibrate.measure_parallel(Pipe(), Bench(), lazy, configs[-2:], acc, top=2, reps=1, tick=lambda: None)  # round 1
-    calibrate.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=6, reps=1, tick=lambda: None)
+    monkeypatch.setattr(timing, "interleaved", slowing)
+    timing.measure_parallel(Pipe(), Bench(), lazy, configs[-2:], acc, top=2, reps=1, tick=lambda: None)  # round 1
+    timing.measure_parallel(Pipe(), Bench(), lazy, configs, acc, top=6, reps=1, tick=lambda: None)
     assert slow[0] >= 4 and len(lazy.parallel) > 2  # two rounds or more, at 1x, 2x, ...
     assert lazy.parallel == pytest.approx({k: full.parallel[k] for k in lazy.parallel})
 
@@ -268,9 +268,9 @@ def test_component_timings_are_taken_in_rounds():
     """One call of each piece per round (a burst of load hits all alike); each piece's median."""
     calls = []
     pieces = {k: (lambda k=k: calls.append(k) or {"a": 0.1, "b": 0.2}[k]) for k in ("a", "b")}
-    assert calibrate.interleaved(pieces, reps=3) == {"a": 0.1, "b": 0.2}
+    assert timing.interleaved(pieces, reps=3) == {"a": 0.1, "b": 0.2}
     assert calls == ["a", "b"] * 3
-    halves = calibrate.interleaved({"x": lambda: (0.1, 0.3)}, reps=3)
+    halves = timing.interleaved({"x": lambda: (0.1, 0.3)}, reps=3)
     assert halves == {"x": (0.1, 0.3)}
 
 

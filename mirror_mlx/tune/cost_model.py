@@ -155,7 +155,7 @@ class Timings:
       when components timed alone cost more than inside a real step); a number, or {γ: seconds} (`overhead`).
     comm[rows]: T_comm, the collectives one whole target forward over `rows` rows makes across ranks (two
       all_sums per sharded layer), timed alone; {} in one process (no term). verify, prefix and suffix
-      then hold the compute alone (calibrate.split_comm), so each forward's T_comm is added once.
+      then hold the compute alone (timing.split_comm), so each forward's T_comm is added once.
     comm_prefix[(ℓ_e, rows)]: the part of comm[rows] made before the exit (its ℓ_e layers of the N); the
       suffix makes the rest.
     prepare[γ]: mirror's prepare, the draft feeding two new committed tokens and the γ-token window (beside
