@@ -585,7 +585,7 @@ class Engine:
         window proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
         With the lookup on, a fallback leaves the next window unknown (the next step's `_mirror_window`)."""
         opts, plan, committed, gamma = gen.opts, gen.plan, gen.committed, len(window)
-        exclude = window + [-1] if opts.exclude_drafted else None  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
+        exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
         post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,

@@ -52,7 +52,6 @@ class DecodeOptions:
     ngram_min: Optional[int] = None  # and its shortest; None: 1 alone (NGRAM_MIN), 2 beside a draft model
     row_cost: Optional[float] = None  # the lookup weighs its windows' verify rows at this (one-row forwards per row
     # past the first); None: the pair's measured verify, else ROW_COST; 0: every row free (each proposal whole)
-    exclude_drafted: bool = True  # C_r (r < γ) leaves out ŷ_{r+1}; False measures the rule's worth (reuse_exit.py)
 
     @property
     def sampling(self) -> Optional[tuple]:

@@ -83,9 +83,6 @@ class EarlyExitTarget:
         """Undo the class swap (the model is then exactly as loaded)."""
         self._block.__class__ = self._block_cls
 
-    def make_cache(self) -> list[Any]:
-        return trimmable_cache(self.model)
-
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Build one forward over `tokens` (B, T); returns lazy (early_logits, final_logits).
 

@@ -16,7 +16,7 @@ from mirror_mlx.exit_adapter import (
     train_exit_adapter,
 )
 from mirror_mlx.omega import format_table, measure, omega_sums
-from mirror_mlx.model_parts import text_model
+from mirror_mlx.model_parts import text_model, trimmable_cache
 from mirror_mlx.target import EarlyExitTarget
 from tests.models import DEMO, CONFIGS, demo_target, tiny_model
 
@@ -76,7 +76,7 @@ def test_save_load_round_trip_gives_identical_early_logits(demo, trained, tmp_pa
     outs = []
     for a in (adapter, loaded, None):
         target = EarlyExitTarget(model, 2, a)
-        outs.append(target.forward(tokens, target.make_cache()))
+        outs.append(target.forward(tokens, trimmable_cache(target.model)))
         mx.eval(outs[-1])
         target.remove()
     assert mx.array_equal(outs[0][0], outs[1][0])
@@ -111,7 +111,7 @@ def test_final_logits_and_greedy_tokens_are_untouched_by_the_adapter(demo):
     streams = []
     for a in (None, adapter):
         target = EarlyExitTarget(model, 2, a)
-        cache, y, toks, finals = target.make_cache(), prompt, [], []
+        cache, y, toks, finals = trimmable_cache(target.model), prompt, [], []
         for _ in range(24):
             early, final = target.forward(mx.array([y]), cache)
             mx.eval(early, final)  # early first, as the engine does

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
-from mirror_mlx.model_parts import text_model
+from mirror_mlx.model_parts import text_model, trimmable_cache
 from mirror_mlx.target import EarlyExitTarget, top_k
 from tests.models import CONFIGS, demo_target, tiny_model
 
@@ -25,7 +25,7 @@ def check_two_logits(model, tokens, exit_layer):
     oracle_early = truncated(model, exit_layer)(tokens)
     oracle_final = model(tokens)
     target = EarlyExitTarget(model, exit_layer)
-    early, final = target.forward(tokens, target.make_cache())
+    early, final = target.forward(tokens, trimmable_cache(target.model))
     mx.eval(early)
     mx.eval(final)
     assert mx.array_equal(early, oracle_early), f"early logits differ at exit layer {exit_layer}"
@@ -54,7 +54,7 @@ def test_cache_is_updated_once_and_matches_a_plain_forward():
     model, tokenizer = demo_target()
     prompt = tokenizer.encode("Tom and Lily went to the park")
     target = EarlyExitTarget(model, 2)
-    cache = target.make_cache()
+    cache = trimmable_cache(target.model)
     mx.eval(target.forward(mx.array([prompt]), cache))
     assert all(c.offset == len(prompt) for c in cache)
     _, final = target.forward(mx.array([[42]]), cache)
@@ -68,7 +68,7 @@ def test_sliding_window_layers_get_trimmable_caches():
     model = tiny_model("gemma3_text")
     assert any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(model))
     target = EarlyExitTarget(model, 3)
-    cache = target.make_cache()
+    cache = trimmable_cache(target.model)
     assert all(isinstance(c, KVCache) for c in cache)
     tokens = mx.array([list(range(1, 13))])
     mx.eval(target.forward(tokens, cache))
