@@ -20,8 +20,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from . import recurrent
+from .validate import BadValue
 
 TOKENS = "mirror_mlx_tokens"  # metadata entry: the cached prefix's token ids, as a JSON list
+PARAM = "prompt_cache"  # what a refusal names (the command line: --prompt-cache-file)
 
 
 @dataclass
@@ -50,57 +52,63 @@ class PromptCache:
         """The prompt the engine runs after this cache: the prefix's ids when known, then `ids` (what
         follows the prefix). With unknown prefix ids, `ids` alone (the cache stands for the prefix)."""
         if not ids:
-            raise ValueError("the prompt after a prompt cache is empty: give the text that follows the cached prefix")
+            raise BadValue("prompt", "the {prompt} after a prompt cache is empty: give the text that follows the cached "
+                           "prefix")
         return list(self.tokens or []) + list(ids)
 
     def check(self, mode: str, n_layers: int) -> None:
-        """Raise ValueError (one sentence) when this cache cannot serve `mode` on a target of `n_layers`."""
+        """Raise BadValue (param "prompt_cache", one sentence) when this cache cannot serve `mode` on a target of
+        `n_layers`."""
         listed = self.origin == "list"
         if len(self.cache) != n_layers:
-            raise ValueError(f"the prompt cache holds {len(self.cache)} layers but the target has {n_layers}: it was "
-                             "made for another model" + (" (give make_prompt_cache(model) of the target alone: "
-                                                         "mirror-mlx keeps the draft's cache itself)" if listed else ""))
+            raise BadValue(PARAM, "the {prompt_cache} holds {held} layers but the target has {n}: it was made for "
+                           "another model" + (" (give make_prompt_cache(model) of the target alone: mirror-mlx keeps "
+                                              "the draft's cache itself)" if listed else ""), held=len(self.cache),
+                           n=n_layers)
         if mode == "ar":
             return
         if self.tokens is None and listed:
-            raise ValueError(f"mode {mode!r} needs the cached prompt's token ids (the draft reads them) and this "
-                             "prompt_cache holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill "
-                             "it only with mirror_mlx.stream_generate/generate calls, from an empty "
-                             "make_prompt_cache(model), or use mode='ar'")
+            raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
+                           "{prompt_cache} holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill it "
+                           "only with mirror_mlx.stream_generate/generate calls, from an empty make_prompt_cache(model), "
+                           "or use {mode='ar'}", asked=mode)
         if self.tokens is None:
-            raise ValueError(f"mode {mode!r} needs the cached prompt's token ids (the draft reads them) and this "
-                             "prompt cache has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
-                             "cache-prompt` instead, or use mode='ar'")
+            raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
+                           "{prompt_cache} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
+                           "cache-prompt` instead, or use {mode='ar'}", asked=mode)
         fixed = next((type(c).__name__ for c in self.cache if isinstance(c, RotatingKVCache)
                       or not (c.is_trimmable() or recurrent.convertible(c))), None)
         if fixed is not None:
-            raise ValueError(f"the prompt cache holds {fixed} layers, which cannot roll back rejected draft tokens: "
-                             "use mode='ar'")
+            raise BadValue(PARAM, "the {prompt_cache} holds {fixed} layers, which cannot roll back rejected draft "
+                           "tokens: use {mode='ar'}", fixed=fixed)
 
 
 def read(path: str) -> PromptCache:
-    """A prompt cache file (mlx-lm's or ours); ValueError (one sentence) when it is not one."""
+    """A prompt cache file (mlx-lm's or ours); BadValue (param "prompt_cache", one sentence) when it is not one."""
     if not Path(path).is_file():
-        raise ValueError(f"prompt cache file {path} does not exist: make one with `mirror-mlx cache-prompt` "
-                         "(or mlx_lm.cache_prompt)")
+        raise BadValue(PARAM, "prompt cache file {path} does not exist: make one with `mirror-mlx cache-prompt` "
+                       "(or mlx_lm.cache_prompt)", path=path)
     try:
         cache, metadata = load_prompt_cache(str(path), return_metadata=True)
     except Exception as e:  # not safetensors, or safetensors without a cache's layout
-        raise ValueError(f"{path} is not a prompt cache file (mlx_lm.cache_prompt's format): "
-                         f"{type(e).__name__}: {e}") from None
+        raise BadValue(PARAM, "{path} is not a prompt cache file (mlx_lm.cache_prompt's format): {why}", path=path,
+                       why=f"{type(e).__name__}: {e}") from None
     if not cache or not (hasattr(cache[0], "offset") or recurrent.convertible(cache[0])):
-        raise ValueError(f"{path} holds no key/value cache layers: it is not a prompt cache of a transformer")
+        raise BadValue(PARAM, "{path} holds no key/value cache layers: it is not a prompt cache of a transformer",
+                       path=path)
     mx.eval([c.state for c in cache])  # computed here: the target's worker thread cannot evaluate this graph
     tokens = None
     if TOKENS in metadata:
         try:
             tokens = [int(t) for t in json.loads(metadata[TOKENS])]
         except (ValueError, TypeError):
-            raise ValueError(f"{path}: its {TOKENS} entry is not a JSON list of token ids") from None
+            raise BadValue(PARAM, "{path}: its {entry} entry is not a JSON list of token ids", path=path,
+                           entry=TOKENS) from None
     found = PromptCache(recurrent.convert(cache, recurrent.held(cache, len(tokens or []))), tokens, metadata)
     if tokens is not None and len(tokens) != found.length:
-        raise ValueError(f"{path} lists {len(tokens)} token ids but its cache holds {found.length} tokens: "
-                         "the file was altered; make it again with `mirror-mlx cache-prompt`")
+        raise BadValue(PARAM, "{path} lists {listed} token ids but its cache holds {held} tokens: the file was "
+                       "altered; make it again with `mirror-mlx cache-prompt`", path=path, listed=len(tokens),
+                       held=found.length)
     return found
 
 

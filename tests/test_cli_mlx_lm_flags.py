@@ -320,7 +320,7 @@ def test_an_mlx_lm_prompt_cache_file_refuses_the_draft_modes_in_one_line(cache_f
         result = ours("--model", str(templated), "--prompt", "Tom", "--prompt-cache-file", cache_files["mlx-lm"],
                       mode=mode)
         assert result.exit_code == 2 and "Traceback" not in result.output
-        assert f"--mode {mode} needs the cached prompt's token ids" in result.output
+        assert f"mode '{mode}' needs the cached prompt's token ids" in result.output
         assert "mirror-mlx cache-prompt" in result.output and "--mode ar" in result.output
     result = ours("--model", str(TARGET_PATH), "--prompt", "Tom", "--prompt-cache-file", cache_files["ours"])
     assert result.exit_code == 2 and "is not the model that made --prompt-cache-file" in result.output

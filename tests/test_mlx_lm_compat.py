@@ -365,8 +365,9 @@ def test_a_rotating_cache_serves_ar_only_and_another_model_s_cache_is_refused(pa
         turn(rotating, TURNS[0], "mirror", pair)
     for text in TURNS:
         assert turn(rotating, text, "ar", pair) == turn(theirs, text, pair=pair)
-    with pytest.raises(ValueError, match="holds 3 layers but the target has 5: it was made for another model"):
+    with pytest.raises(ValueError, match="holds 3 layers but the target has 5: it was made for another model") as e:
         turn(make_prompt_cache(model)[:3], TURNS[0], "ar", pair)
+    assert e.value.param == "prompt_cache"  # what the command line names as --prompt-cache-file
     with pytest.raises(ValueError, match="holds 10 layers .*give make_prompt_cache\\(model\\) of the target alone"):
         turn(make_prompt_cache(model) + make_prompt_cache(draft), TURNS[0], "mirror", pair)  # mlx-lm's speculative list
     with pytest.raises(ValueError, match="prompt_cache must be the list .*make_prompt_cache\\(model\\) returns"):

@@ -204,6 +204,7 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "kappa": "--kappa", "gamma": "--gamma", "exit_layer": "--exit-layer", "branches": "--branches",
          "mode": "--mode", "lookup": "--lookup", "ngram_max": "--ngram-max", "ngram_min": "--ngram-min",
          "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",
+         "prompt_cache": "--prompt-cache-file",
          "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
 
 

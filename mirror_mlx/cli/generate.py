@@ -65,11 +65,11 @@ def read_prompt_cache(path: str, model, decode: dict):
     if model is None and made_with is not None and not same_model(made_with, demo_pair.TARGET):
         model = made_with  # as mlx-lm: the file names its model (the demo target: the demo pair, as no --model)
     if cache.tokens is None:
-        if decode["mode"] in ("sd", "mirror"):
-            raise click.UsageError(
-                f"--mode {decode['mode']} needs the cached prompt's token ids (the draft reads them), and "
-                f"--prompt-cache-file {path} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
-                "cache-prompt` (mlx-lm's format plus the ids), or use --mode ar")
+        if decode["mode"] in ("sd", "mirror"):  # refused before a model loads (its layers are checked after)
+            try:
+                cache.check(decode["mode"], len(cache.cache))
+            except ValueError as e:
+                raise usage_error(e) from None
         if decode["mode"] == "auto":  # the Pipeline runs ar (stats.why says so)
             click.echo(f"mirror-mlx: {path} holds no prompt token ids (mlx_lm.cache_prompt's file), which the draft "
                        "needs: running --mode ar (`mirror-mlx cache-prompt` makes a file every mode can use)", err=True)
