@@ -21,11 +21,9 @@
 
 import hashlib
 import json
-import math
 import os
-import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -34,29 +32,16 @@ import mlx.nn as nn
 import numpy as np
 
 
-from .distill_cost import cost_ratio, untrained_draft  # noqa: F401  (what the command line measures with)
+from .distill_cost import cost_ratio  # noqa: F401  (what the command line measures with)
 from .distill_data import (  # noqa: F401  (the data half, and what the command line reads of it)
     DataConfig,
-    Job,
-    MAX_PROMPT,
-    PREFILL_TOKENS,
     Reply,
-    SOURCES,
-    TOP_K,
     TRAIN_SOURCES,
-    batched_replies,
     data_root,
-    distill_dir,
     generate_data,
     load_reply,
     read_replies,
     read_reply_files,
-    render,
-    round_variants,
-    save_reply,
-    schedule,
-    source_prompts,
-    target_tag,
 )
 
 # ------------------------------------------------------------------------------------------- training

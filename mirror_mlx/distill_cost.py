@@ -1,25 +1,8 @@
 """The distilled draft's cost: its 1-row forward against the target's, one core each, in a fresh process
-(mirror_mlx/distill.py's measurement), and an untrained draft of a given shape to time before training."""
+(mirror_mlx/distill.py's measurement)."""
 
-
-import hashlib
 import json
-import math
 import os
-import signal
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
-
-import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
-
-
-
-# ------------------------------------------------------------------------------------------- cost
-
 
 _COST_SCRIPT = r"""
 import json, sys, time
@@ -74,16 +57,3 @@ def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 10, core
     r = json.loads(done.stdout.strip().splitlines()[-1])
     r["c"] = r["draft_ms"] / r["target_ms"]
     return r
-
-
-def untrained_draft(target: str, out: str, frozen: int, trained: int, kept: int, model=None) -> Path:
-    """A draft folder of this shape with the first `kept` ids (for cost measurements: cost does not
-    depend on which ids are kept or on training)."""
-    from mirror_mlx.drafts.distilled import new_draft, save_draft
-
-    if model is None:
-        from mlx_lm.utils import load_model
-
-        model = load_model(Path(target))[0]
-    config = json.loads((Path(target) / "config.json").read_text())
-    return save_draft(new_draft(model, config, frozen, trained, np.arange(kept)), Path(out), Path(target))

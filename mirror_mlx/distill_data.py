@@ -4,11 +4,9 @@
 
 import hashlib
 import json
-import math
 import os
-import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 

@@ -263,7 +263,7 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
     forward): the options, the prompt ids and the context fit. Returns the `Plan`; mode auto is checked as
     its stand-in (mirror; without a draft model sd with the lookup, else ar), κ and γ left out as the paper's.
     With a `prompt_cache`, `tokens` follow its prefix, whose ids (when known) the plan's ids start with."""
-    from .options import CHOICES, MODES, PAPER_KNOBS, Plan
+    from .options import CHOICES, MODES, Plan
 
     if not isinstance(asked.mode, str) or asked.mode not in CHOICES:
         raise BadValue("mode", "unknown mode {given!r}: choose one of {modes}", given=asked.mode,

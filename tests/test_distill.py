@@ -11,7 +11,7 @@ import mirror_mlx  # noqa: F401  (OpenBLAS first)
 import mlx.core as mx
 from mlx_lm.utils import load
 
-from mirror_mlx import distill
+from mirror_mlx import distill, distill_data
 from mirror_mlx.demo_pair import TARGET
 from mirror_mlx.drafts.distilled import MODEL_TYPE, is_distilled
 
@@ -63,10 +63,10 @@ def test_data_resumes_to_the_same_replies(tmp_path, target):
 
 def test_greedy_batch_reply_matches_one_row(target):
     model, tok = target
-    prompts = [distill.render(tok, t) for t in ("Once upon a time there was", "Hi")]
+    prompts = [distill_data.render(tok, t) for t in ("Once upon a time there was", "Hi")]
     eos = [tok.eos_token_id]
-    both = distill.batched_replies(model, prompts, [[(0.0, 0)], [(0.0, 0)]], 10, eos)
-    alone = distill.batched_replies(model, prompts[1:], [[(0.0, 0)]], 10, eos)
+    both = distill_data.batched_replies(model, prompts, [[(0.0, 0)], [(0.0, 0)]], 10, eos)
+    alone = distill_data.batched_replies(model, prompts[1:], [[(0.0, 0)]], 10, eos)
     assert both[1][0].reply.tolist() == alone[0][0].reply.tolist()  # left padding changes nothing
 
 
@@ -104,7 +104,7 @@ def test_train_save_load_resume_and_real_ids(tmp_path, target):
     draft, dtok = load_model(folder)
     kept = np.array(draft.kept_ids)
     assert len(kept) == 48 and (np.diff(kept) > 0).all()
-    x = mx.array([distill.render(tok, "Once upon a time")])
+    x = mx.array([distill_data.render(tok, "Once upon a time")])
     full = draft(x)
     assert full.shape[-1] == 512  # logits over the whole vocabulary
     small = draft.kept_logits(x)

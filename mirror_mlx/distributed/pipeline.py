@@ -20,7 +20,7 @@ from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..model_parts import text_model
 from ..target import StageTargetSide
 from ..tune.policy import SAFE_KNOBS
-from .faults import TIMEOUT_ENV, Watchdog, collective, die, on_interrupt, on_stop_signal
+from .faults import TIMEOUT_ENV, Watchdog, collective, on_interrupt, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
