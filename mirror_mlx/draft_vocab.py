@@ -93,7 +93,7 @@ def always_kept(tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(eos + special))
 
 
-def choose(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> np.ndarray:
+def most_counted(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> np.ndarray:
     """The `size` ids to keep, ascending: `always` first (in its order), then the most counted, ties by lower id."""
     first = [int(i) for i in dict.fromkeys(always) if 0 <= int(i) < len(counts)]
     taken = set(first)
@@ -104,7 +104,7 @@ def choose(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> np.ndar
 
 def kept_ids(tokenizer: Any, size: int, vocab: int) -> KeptIds:
     """The `size` ids a draft with this tokenizer and a head of `vocab` rows keeps (see the module's docstring)."""
-    return KeptIds.of(choose(token_counts(tokenizer, vocab), size, always_kept(tokenizer)), vocab)
+    return KeptIds.of(most_counted(token_counts(tokenizer, vocab), size, always_kept(tokenizer)), vocab)
 
 
 # ------------------------------------------------------------------------------------------ the head

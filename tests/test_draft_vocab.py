@@ -49,10 +49,10 @@ def test_the_kept_ids_are_v_of_the_shipped_texts_ids_with_eos_and_specials_the_s
 
 def test_ties_go_to_the_lower_id_and_the_always_kept_come_first():
     counts = np.array([1, 4, 4, 0, 4, 2])
-    assert draft_vocab.choose(counts, 2).tolist() == [1, 2]
-    assert draft_vocab.choose(counts, 3, always=[3]).tolist() == [1, 2, 3]
-    assert draft_vocab.choose(counts, 6, always=[3]).tolist() == [0, 1, 2, 3, 4, 5]
-    assert draft_vocab.choose(counts, 1, always=[5, 3]).tolist() == [5]
+    assert draft_vocab.most_counted(counts, 2).tolist() == [1, 2]
+    assert draft_vocab.most_counted(counts, 3, always=[3]).tolist() == [1, 2, 3]
+    assert draft_vocab.most_counted(counts, 6, always=[3]).tolist() == [0, 1, 2, 3, 4, 5]
+    assert draft_vocab.most_counted(counts, 1, always=[5, 3]).tolist() == [5]
 
 
 @pytest.mark.parametrize("family,quantized", [("llama_tied", False), ("llama_untied", False), ("llama_tied", True),
