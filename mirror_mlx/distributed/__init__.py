@@ -24,10 +24,16 @@ shared_draft.py (`SharedHost`, `MirrorHost`), faults.py (the watchdog, one-line 
 follow.py (a server's other ranks).
 """
 
-from .faults import die, end_with_launcher, lost_peer, stop_within_grace
-from .follow import serve_follower
-from .group import comm_per_forward, group, launched, share
-from .pipeline import DistributedPipeline, load, quiet_other_ranks
+from importlib import import_module
 
-__all__ = ["DistributedPipeline", "comm_per_forward", "die", "end_with_launcher", "group", "launched", "load",
-           "lost_peer", "quiet_other_ranks", "serve_follower", "share", "stop_within_grace"]
+_FROM = {"die": "faults", "end_with_launcher": "faults", "lost_peer": "faults", "stop_within_grace": "faults",
+         "serve_follower": "follow", "comm_per_forward": "group", "group": "group", "launched": "group",
+         "share": "group", "DistributedPipeline": "pipeline", "load": "pipeline", "quiet_other_ranks": "pipeline"}
+__all__ = sorted(_FROM)
+
+
+def __getattr__(name: str):
+    """Each name from its module on first use: a call in one process asks `group()` and loads nothing else."""
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_FROM[name]}", __name__), name)
