@@ -87,10 +87,6 @@ class TokenRing:
         return self.shm.name
 
     @property
-    def written(self) -> int:
-        return int(self._words[0])
-
-    @property
     def consumed(self) -> int:
         return int(self._words[1])
 
