@@ -52,8 +52,8 @@ class PromptCache:
         """The prompt the engine runs after this cache: the prefix's ids when known, then `ids` (what
         follows the prefix). With unknown prefix ids, `ids` alone (the cache stands for the prefix)."""
         if not ids:
-            raise BadValue("prompt", "the {prompt} after a prompt cache is empty: give the text that follows the cached "
-                           "prefix")
+            raise BadValue("prompt", "the {prompt} after a prompt cache is empty: give the text that follows the "
+                           "cached prefix")
         return list(self.tokens or []) + list(ids)
 
     def check(self, mode: str, n_layers: int) -> None:
@@ -70,8 +70,8 @@ class PromptCache:
         if self.tokens is None and listed:
             raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
                            "{prompt_cache} holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill it "
-                           "only with mirror_mlx.stream_generate/generate calls, from an empty make_prompt_cache(model), "
-                           "or use {mode='ar'}", asked=mode)
+                           "only with mirror_mlx.stream_generate/generate calls, from an empty "
+                           "make_prompt_cache(model), or use {mode='ar'}", asked=mode)
         if self.tokens is None:
             raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
                            "{prompt_cache} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "

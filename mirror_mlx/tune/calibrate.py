@@ -423,12 +423,13 @@ def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Opti
            f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - ph.started, "phases": ph.seconds, "prompts": len(prompts),
                    "max_tokens": cfg.max_tokens, "parallel_measured": m.n_parallel,
-                   "acceptance": {str(g): list(m.acc.window_counts(g)) for g in cfg.gammas},  # γ: [accepted, rejections]
+                   # γ: [accepted, rejections]
+                   "acceptance": {str(g): list(m.acc.window_counts(g)) for g in cfg.gammas},
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(m.t).items()}}
     if step.group is not None:
         calibration["ranks"] = step.group.size()
     log(f"calibrated in {calibration['seconds']:.1f} s ("
         + ", ".join(f"{k} {v:.0f} s" for k, v in ph.seconds.items()) + ")")
-    return profiles.Profile(key=key if key is not None else profiles.pipe_key(pipe), mode=c.mode, kappa=c.kappa, gamma=c.gamma,
-                            exit_layer=c.exit_layer, branches=c.branches, why=why, table=table,
-                            calibration=calibration)
+    key = key if key is not None else profiles.pipe_key(pipe)
+    return profiles.Profile(key=key, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
+                            branches=c.branches, why=why, table=table, calibration=calibration)
