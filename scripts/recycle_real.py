@@ -11,7 +11,7 @@ Rows: mlx-lm ar; the recycled tree as the product runs it (`lookup=False`: the t
 verify widths it timed on its first prefill); the same with the prompt lookup as the tree's first branch
 (the product's default for draft_model="recycle"); the lookup alone (draft_model="lookup"); and, for the
 size table, the tree alone at fixed row costs (`--sweep`: a verify of n + 1 rows priced 1 + row_cost · n,
-so row_cost 0 grows every node the table fills, up to 64).
+so row_cost 0 grows every node the table fills, up to recycle.NODES).
 
 The table is warmed first, as a user's pipeline is after some use: one reply to `--warm` training-part
 prompts of every category (the evaluation part is never read before it is measured). Every tree row of

@@ -26,14 +26,17 @@ follow.py (a server's other ranks).
 
 from importlib import import_module
 
+from .group import comm_per_forward, group, launched, share  # (light: a call in one process asks group())
+
 _FROM = {"die": "faults", "end_with_launcher": "faults", "lost_peer": "faults", "stop_within_grace": "faults",
-         "serve_follower": "follow", "comm_per_forward": "group", "group": "group", "launched": "group",
-         "share": "group", "DistributedPipeline": "pipeline", "load": "pipeline", "quiet_other_ranks": "pipeline"}
-__all__ = sorted(_FROM)
+         "serve_follower": "follow", "DistributedPipeline": "pipeline", "load": "pipeline",
+         "quiet_other_ranks": "pipeline"}
+__all__ = sorted([*_FROM, "comm_per_forward", "group", "launched", "share"])
 
 
 def __getattr__(name: str):
-    """Each name from its module on first use: a call in one process asks `group()` and loads nothing else."""
+    """The ranks' machinery (pipeline, faults, follower) loads on first use: not in a call in one process."""
     if name not in _FROM:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{_FROM[name]}", __name__), name)
+    value = globals()[name] = getattr(import_module(f".{_FROM[name]}", __name__), name)
+    return value
