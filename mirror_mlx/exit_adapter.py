@@ -21,8 +21,6 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from . import demo_pair
-from .batching import padded_batches
-from .corpus import HELD_OUT_PARAGRAPHS, eos_ids, greedy_continuations, split
 from .options import default_exit_layer
 from .model_parts import text_model
 from .target import EarlyExitTarget, apply_head, check_exit_layer
@@ -107,6 +105,8 @@ def _capture() -> tuple[list, Any]:
 def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts: list[int],
                 batch_size: int = 8, progress: bool = False, label: str = "") -> ExitData:
     """Early and final normalised states at the rows of `seqs` from `starts[i]` on (right-padded batches)."""
+    from .batching import padded_batches  # (training's modules load with training, not with a generation)
+
     got, capture = _capture()
     target = EarlyExitTarget(model, exit_layer, adapter=capture)
     inner = text_model(model).model
@@ -132,6 +132,8 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
 def greedy_rows(model: nn.Module, tokenizer, texts: list[str], max_tokens: int,
                 max_prompt_tokens: int = 32, progress: bool = False, label: str = "") -> tuple[list[list[int]], list[int]]:
     """(sequences, starts): each opening plus the target's greedy continuation; rows from the last prompt token."""
+    from .corpus import eos_ids, greedy_continuations
+
     prompts = [tokenizer.encode(s)[:max_prompt_tokens] for s in texts]
     gens = greedy_continuations(model, prompts, max_tokens, eos_ids(tokenizer), progress=progress,
                                 desc=f"greedy text{label}")
@@ -234,6 +236,8 @@ def train_exit_adapter(
     `tokens` bounds the text phase (and so the states phase): at most that many target-written
     training tokens (⌈tokens / max_tokens⌉ openings), and a held-out set a tenth of that size.
     """
+    from .corpus import split
+
     check_exit_layer(exit_layer, len(text_model(model).layers))
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
@@ -357,7 +361,7 @@ def load_adapters(paths: Union[str, Path], model: nn.Module) -> Union[ExitAdapte
 def train_and_save(out: Path, model_path: Optional[str] = None, exit_layer: Optional[int] = None,
                    corpus: Optional[Path] = None, progress: bool = True, **kwargs: Any) -> TrainReport:
     """`mirror-mlx train-exit`: check the inputs before any work, train, write the adapter file."""
-    from .corpus import CORPUS
+    from .corpus import CORPUS, HELD_OUT_PARAGRAPHS
     from .loading import load_model
 
     out = Path(out)

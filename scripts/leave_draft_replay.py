@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from mirror_mlx.bench.run import BenchConfig, select_prompts
-    from mirror_mlx.tune import choose, policy
+    from mirror_mlx.tune import cost_model, policy
     from mirror_mlx.pipeline import load
 
     pipe = load(args.model, args.draft_model, exit_adapter=args.exit_adapter)
@@ -63,7 +63,7 @@ def main() -> None:
         runs = record(pipe, prompts, args.max_tokens)
     finally:
         pipe.close()
-    table = {choose.describe(choose.row_config(r)): r["measured_step_ms"] for r in prof.table if r.get("measured_step_ms")}
+    table = {cost_model.describe(cost_model.row_config(r)): r["measured_step_ms"] for r in prof.table if r.get("measured_step_ms")}
     given = json.loads(args.step_ms) if args.step_ms else {}
     print(f"{sum(r is not None for r in runs)} of {len(runs)} prompts ran a speculative choice; "
           "modelled time against the choice without leaving (>1: faster)")
@@ -74,8 +74,8 @@ def main() -> None:
         total = stay = plain = 0.0
         left = []
         for r in filter(None, runs):
-            c = choose.Choice(*r["config"])
-            m, a = given.get(r["category"], (table[choose.describe(c)], table["ar"]))
+            c = cost_model.Choice(*r["config"])
+            m, a = given.get(r["category"], (table[cost_model.describe(c)], table["ar"]))
             test, t = policy.leave_draft(prof, c), r["steps"] * m  # (the last step is not asked: nothing after it)
             for k, counts in enumerate(r["counts"], 1):
                 if test(counts):  # k steps of the choice committed counts[0] + k tokens; ar does the rest

@@ -56,7 +56,7 @@ from mirror_mlx.bench.machine import machine, pin_threads  # noqa: E402
 from mirror_mlx.bench.run import mlx_draft  # noqa: E402
 from mirror_mlx.pipeline import Pipeline  # noqa: E402
 from mirror_mlx.prompts import jsonl, spec_bench_part  # noqa: E402
-from mirror_mlx.tune.choose import describe  # noqa: E402
+from mirror_mlx.tune.cost_model import describe  # noqa: E402
 from mirror_mlx.tune.placement import hold  # noqa: E402
 
 PAIR = ROOT / "build/real-pair"

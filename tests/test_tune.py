@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
 
-from mirror_mlx.tune import calibrate, choose, policy, report, timing, traces
+from mirror_mlx.tune import calibrate, cost_model, policy, report, timing, traces
 from mirror_mlx.tune import profile as profiles
 from mirror_mlx.cli import main
 from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
@@ -343,7 +343,7 @@ def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_
     ar = next(r for r in measured if r["mode"] == "ar")  # never chosen without measuring plain generation
     rate = lambda r: r["tokens_per_step"] / r["measured_step_ms"]  # noqa: E731
     best = max(measured, key=rate)
-    if rate(best) < choose.AR_MARGIN * rate(ar):  # a gain within noise is not taken
+    if rate(best) < cost_model.AR_MARGIN * rate(ar):  # a gain within noise is not taken
         best = ar
     assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
                                                                         ("mode", "kappa", "gamma", "exit_layer"))
@@ -357,7 +357,7 @@ def best_row(prof, mode, **given):
     rows = [r for r in prof.table if r["mode"] == mode and all(r[k] == v for k, v in given.items())]
     measured = [r for r in rows if r.get("measured_step_ms")]
     if measured:
-        return max(measured, key=choose.expected_rate)
+        return max(measured, key=cost_model.expected_rate)
     return max(rows, key=lambda r: r["predicted"])
 
 
@@ -666,7 +666,7 @@ def test_auto_counts_the_serial_windows_of_branches_it_could_not_reuse():
     assert lost.mode == "ar" and "at temperature 1 the draft is right 1.00x" in lost.why
     assert "reused 0.19x as often as predicted (100 steps)" in lost.why
     seen = policy.observed(REUSING, {MIRROR3: [600, 400, 5, 95]})
-    assert choose.expected_rate(REUSING.table[1], seen) == pytest.approx(2300 / (20 + (0.8 - 0.8 * seen.reuse) * 20))
+    assert cost_model.expected_rate(REUSING.table[1], seen) == pytest.approx(2300 / (20 + (0.8 - 0.8 * seen.reuse) * 20))
 
 
 def test_auto_adapts_per_sampling_setting_stays_lossless_and_learns_only_from_its_own_runs(pipe):
@@ -707,15 +707,15 @@ LEAVING = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2
 
 
 def test_auto_leaves_the_draft_within_a_generation_once_the_text_at_hand_defeats_it():
-    test = policy.leave_draft(LEAVING, choose.Choice("mirror", 2, 3, 2))
+    test = policy.leave_draft(LEAVING, cost_model.Choice("mirror", 2, 3, 2))
     assert test([2, 10, 0, 10]) is None  # 12 draft tokens judged: too few to tell
     assert test([45, 2, 11, 1]) is None  # as predictable as the calibration text: stay
     # α (0.95 * 8 + 4) / 30 = 0.39, 0.41x: 1.59 tokens a step in 36 ms, 44 tok/s against ar's 100
     why = test([4, 18, 2, 16])
     assert why == ("the draft is right 0.41x as often in this text (22 draft tokens judged) as in calibration, "
                    "its branches reused 0.28x as often as predicted: 44 tok/s expected, ar 100")
-    assert policy.leave_draft(LEAVING, choose.Choice("ar")) is None  # nothing to leave
-    assert policy.leave_draft(LEAVING, choose.Choice("sd", gamma=3)) is None  # not measured: nothing to compare
+    assert policy.leave_draft(LEAVING, cost_model.Choice("ar")) is None  # nothing to leave
+    assert policy.leave_draft(LEAVING, cost_model.Choice("sd", gamma=3)) is None  # not measured: nothing to compare
 
 
 def test_auto_goes_on_with_ar_mid_generation_losslessly_and_says_so(pipe):

@@ -31,7 +31,7 @@ from ..stats import Stats
 from ..options import DecodeOptions
 from ..options import PAPER_KNOBS
 from ..prompts import load_prompts
-from ..tune.choose import describe
+from ..tune.cost_model import describe
 
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)

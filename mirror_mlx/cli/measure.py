@@ -42,7 +42,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
     from mirror_mlx.compute_plan import report as compute_plan_report
     from mirror_mlx.tune import profile, report
     from mirror_mlx.tune.calibrate import OutOfTime, calibrate
-    from mirror_mlx.tune.choose import describe
+    from mirror_mlx.tune.cost_model import describe
 
     if pin and distributed.group() is not None:
         raise click.UsageError("--pin pins one process's threads: under mlx.launch run tune without it")

@@ -94,7 +94,7 @@ class DistributedPipeline(Pipeline):
         return self.auto.profile
 
     def _shared_profile(self) -> "Profile":
-        from ..tune.choose import describe
+        from ..tune.cost_model import describe
         from ..tune.profile import Profile
 
         sent = list(self._read_profile()) if self.group.rank() == 0 else []

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from ..exit_adapter import adapter_for, adapter_layers
 from . import profile as profiles
-from .choose import choose, expected_rate, row_config
+from .cost_model import choose, expected_rate, row_config
 from .cost_model import Acceptance, Config, Timings, component_time, grid, rank
 from .placement import candidates
 from .profile import PairView

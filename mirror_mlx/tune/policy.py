@@ -19,7 +19,7 @@ from ..lookup import NGRAM_MIN
 from ..options import PAPER_KNOBS, DecodeOptions
 from . import profile as profiles
 from .profile import AutoState, PairView
-from .choose import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
+from .cost_model import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
 
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
@@ -96,21 +96,20 @@ def profile_for(pipe: PairView, asking: str = "auto") -> profiles.Profile:
         return pipe.auto.profile
     with _calibrating:
         if pipe.auto.profile is None:
-            pipe.auto.profile = _load_or_calibrate(pipe, asking)
+            key = profiles.pipe_key(pipe)
+            try:
+                pipe.auto.profile = profiles.saved(key, pipe.engine)
+            except profiles.ProfileError as e:
+                print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
+            if pipe.auto.profile is None:
+                pipe.auto.profile = _quick_calibration(pipe, key, asking)
         return pipe.auto.profile
 
 
-def _load_or_calibrate(pipe: PairView, asking: str = "auto") -> profiles.Profile:
+def _quick_calibration(pipe: PairView, key: dict, asking: str) -> profiles.Profile:
+    """A first call's calibration within its budget; ar, said on stderr, when it runs out or fails."""
     from .calibrate import OutOfTime, TuneConfig, calibrate
 
-    key = profiles.pipe_key(pipe)
-    try:
-        prof = profiles.saved(key, pipe.engine)
-    except profiles.ProfileError as e:
-        print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
-        prof = None
-    if prof is not None:
-        return prof
     t0 = time.perf_counter()
     cfg = TuneConfig.quick()
     try:

@@ -62,7 +62,7 @@ def _recipe_fingerprint(recipe: Any) -> str:
     for arg in recipe.args:
         h.update(f"|{arg}".encode())
         path = Path(str(arg))
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        files = sorted(filter(Path.is_file, path.rglob("*"))) if path.is_dir() else [path] if path.is_file() else []
         for f in files:
             size = f.stat().st_size
             h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{size};".encode())

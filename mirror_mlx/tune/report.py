@@ -1,7 +1,7 @@
 """What `mirror-mlx tune` prints: predicted against measured, the calibration's acceptance, and how far
 suffix ‖ rollout run together falls from Eq. 10's ideal."""
 
-from .choose import describe, row_config
+from .cost_model import describe, row_config
 from .profile import Profile
 
 
