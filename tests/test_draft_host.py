@@ -130,6 +130,31 @@ def test_close_after_a_stall_returns_within_its_grace_and_ends_the_process():
     assert _gone(pid, rings)
 
 
+def test_two_closes_at_once_end_the_host_once_and_neither_fails():
+    """The engine drops a failed host on its loop thread while a signal's exit closes it on the main thread: the
+    later close waits for the one in course, then finds the host closed."""
+    import threading
+
+    host = DraftHost(broken_draft(str(DRAFT_PATH), 0, "stall"), process=False)  # a thread that stalls: a slow close
+    rings = [host.req.ring.name, host.rep.ring.name]
+    host.post_rollout([1, 2, 3], [[4]], 3)
+    failed = []
+
+    def close_slowly():
+        try:
+            host.close(grace=1.0)  # waits out its grace for the stalled thread
+        except Exception as e:  # noqa: BLE001 - what this test looks for
+            failed.append(e)
+
+    first = threading.Thread(target=close_slowly)
+    first.start()
+    time.sleep(0.3)
+    host.kill()  # the second close, inside the first's grace
+    first.join(10)
+    assert not failed and not first.is_alive() and host.req is None
+    assert not leaks.leaked(rings)
+
+
 def test_host_answers_what_the_draft_would_and_reports_bad_recipes():
     model, _ = load(str(DRAFT_PATH))
     local = MLXDraft(model)
