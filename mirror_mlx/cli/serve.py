@@ -110,7 +110,7 @@ def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust
                 prefixes = PrefixCache(pipe.engine, prompt_cache_size) if prompt_cache_size else None
                 distributed.serve_follower(pipe, prefixes)
                 return
-            pipe.leading = True
+            pipe.lead()
             distributed.end_with_launcher()
             decode_concurrency, on_signal = 1, distributed.stop_within_grace
         serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,

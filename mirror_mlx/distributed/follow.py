@@ -4,11 +4,12 @@ and `follow` it, step by step."""
 import json
 import signal
 import threading
+import time
 from typing import Any, Iterator, Optional
 
 from .faults import collective, die, end_with_launcher, stop_within_grace
 from .group import share
-from .pipeline import MESSAGE, QUIT, RESET, START, STEP, STOP, DistributedPipeline, held
+from .pipeline import IDLE, IDLE_SLEEP_S, MESSAGE, QUIT, RESET, START, STEP, STOP, DistributedPipeline, held
 
 def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
     """Ranks > 0 of a server: run what rank 0 (`DistributedPipeline.leading`) runs, step by step, until it
@@ -38,6 +39,9 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
         if kind == QUIT:
             end()
             return
+        if kind == IDLE:  # no request runs: wait for rank 0's next tick asleep, not in the ring's polling receive
+            time.sleep(IDLE_SLEEP_S)
+            continue
         if kind == START:
             if stepped:  # (rank 0 ends every request it stepped: the same finished chunk, or STOP)
                 die("rank 0 started a request while this rank was still in one: stopping")

@@ -7,6 +7,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
@@ -47,6 +48,7 @@ class DistributedPipeline(Pipeline):
     watchdog: Watchdog
     split = "tensor"  # or "pipeline": mlx-lm's split by layers (--pipeline, or a family without model.shard)
     leading = False  # rank 0 of a server: its streams and resets are told to the other ranks (`follow`)
+    _busy = False  # (leading) a request runs: the ring is its forwards', no idle tick
 
     def agree(self, values: Sequence[int], size: int, what: str) -> list[int]:
         """Rank 0's `values` (padded to `size`) on every rank, the watchdog naming `what` is awaited.
@@ -145,10 +147,17 @@ class DistributedPipeline(Pipeline):
         except TypeError as e:
             raise ValueError(f"these options cannot be sent to the other ranks ({e}): give plain values") from None
         ids = list(plan.ids)
-        self._tell(START, len(ids), len(options), *held(self))
-        with self.watchdog.waiting("the other ranks to take the request"):
-            collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
-        return self._lead(super().run(plan, detokenizer))
+        with self._talk:
+            self._busy = True
+            self._tell(START, len(ids), len(options), *held(self))
+            with self.watchdog.waiting("the other ranks to take the request"):
+                collective(lambda: share(ids + list(options), len(ids) + len(options), self.group))
+        try:
+            chunks = super().run(plan, detokenizer)
+        except BaseException:  # the other ranks failed to start it alike (the same check on the same input)
+            self._idle()
+            raise
+        return self._lead(chunks)
 
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
@@ -168,6 +177,7 @@ class DistributedPipeline(Pipeline):
             if not ended:  # closed early (a client went away, a stop string, shutdown) or failed
                 self._tell(STOP)
             chunks.close()
+            self._idle()
 
     def reset(self) -> None:
         if self.leading:
@@ -176,13 +186,33 @@ class DistributedPipeline(Pipeline):
 
     def close(self) -> None:
         if self.leading and not self._closed:
-            self.leading = False
-            self._tell(QUIT)
+            with self._talk:
+                self.leading = False
+                self._tell(QUIT)
         super().close()
 
+    def lead(self) -> None:
+        """Rank 0 of a server: tell the other ranks each request and step (`follow`), and while no request runs
+        tell them IDLE every IDLE_TICK_S s, so that they wait between ticks asleep: a rank waiting in a
+        collective keeps a core busy (MLX's ring backend polls its sockets)."""
+        self.leading, self._talk, self._told = True, threading.RLock(), time.monotonic()
+        threading.Thread(target=self._tick_while_idle, name="mirror-idle-tick", daemon=True).start()
+
+    def _tick_while_idle(self) -> None:
+        while self.leading:
+            time.sleep(IDLE_TICK_S)
+            with self._talk:
+                if self.leading and not self._busy and time.monotonic() - self._told >= IDLE_TICK_S:
+                    self._tell(IDLE)
+
+    def _idle(self) -> None:
+        with self._talk:
+            self._busy, self._told = False, time.monotonic()
+
     def _tell(self, kind: int, *args: int) -> None:
-        with self.watchdog.waiting("the other ranks to follow"):
+        with self._talk, self.watchdog.waiting("the other ranks to follow"):
             collective(lambda: share([kind, *args], MESSAGE, self.group))
+            self._told = time.monotonic()
 
 
 KEPT = "across ranks auto keeps this choice (adapting to auto's runs and leaving the draft are off)"
@@ -198,7 +228,9 @@ def stand_in(reason: str) -> "Profile":
                    why=f"mirror ({reason}); {safe}")
 
 
-START, STEP, STOP, RESET, QUIT = 1, 2, 3, 4, 5  # what rank 0 of a server tells the others: [kind, ...]
+START, STEP, STOP, RESET, QUIT, IDLE = 1, 2, 3, 4, 5, 6  # what rank 0 of a server tells the others: [kind, ...]
+IDLE_TICK_S = 0.25  # rank 0 of an idle server tells IDLE this often; the other ranks sleep IDLE_SLEEP_S after each
+IDLE_SLEEP_S = 0.2  # (so a request that comes to an idle server waits up to this long more for them)
 MESSAGE = 5  # [START, prompt ids, option bytes, tokens the target's cache holds, their checksum]; else [kind]
 
 
