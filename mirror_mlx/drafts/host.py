@@ -238,8 +238,7 @@ class DraftHost:
 
     def __init__(self, draft: Union[Draft, "DraftRecipe"], process: Optional[bool] = None,
                  start_timeout: float = 120.0):
-        self._closing = threading.Lock()  # one close at a time: the engine drops a failed host on its loop thread
-        # while a signal's exit closes it on the main thread
+        self._closing = threading.Lock()  # one close at a time (the engine's loop thread, a signal's exit)
         self.process = isinstance(draft, DraftRecipe) if process is None else process
         if self.process and not isinstance(draft, DraftRecipe):
             raise TypeError("a draft object cannot move to another process: pass a DraftRecipe, or process=False")
@@ -400,11 +399,9 @@ class DraftHost:
     # ---- the end
 
     def close(self, grace: float = 2.0) -> None:
-        """Stop the host: STOP, then SIGTERM/SIGKILL after `grace` s; unlink the rings. Idempotent, and one at a
-        time: a second caller waits for the first, then finds it closed."""
-        if not hasattr(self, "_closing"):  # (its construction failed before anything was made)
-            return
-        with self._closing:
+        """Stop the host: STOP, then SIGTERM/SIGKILL after `grace` s; unlink the rings. Idempotent: a second
+        caller waits for the first, then finds it closed."""
+        with getattr(self, "_closing", threading.Lock()):  # (none: its construction failed before anything)
             if getattr(self, "req", None) is not None:
                 self._close(grace)
 
