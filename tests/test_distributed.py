@@ -71,7 +71,7 @@ def yield_the_core(launcher_pid: int, ranks: int = 2, within: float = 30.0) -> N
     lowest priority: they keep spinning, but only on time no rank and no other test wants. The ranks,
     started before, keep theirs. (Linux's priority is a thread's: each of the launcher's threads is set.)"""
     deadline = time.monotonic() + within
-    while len(children(launcher_pid)) < ranks and time.monotonic() < deadline:
+    while len(descendants(launcher_pid)) < ranks and time.monotonic() < deadline:
         time.sleep(0.05)
     for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
         try:
@@ -79,16 +79,6 @@ def yield_the_core(launcher_pid: int, ranks: int = 2, within: float = 30.0) -> N
         except OSError:  # a thread that just ended
             pass
 
-
-def children(pid: int) -> list[int]:
-    """The processes that `pid`'s threads started (Linux /proc)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
 
 
 TOKENS = 64

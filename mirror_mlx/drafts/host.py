@@ -401,7 +401,7 @@ class DraftHost:
     def close(self, grace: float = 2.0) -> None:
         """Stop the host: STOP, then SIGTERM/SIGKILL after `grace` s; unlink the rings. Idempotent: a second
         caller waits for the first, then finds it closed."""
-        with getattr(self, "_closing", threading.Lock()):  # (none: its construction failed before anything)
+        with self._closing:
             if getattr(self, "req", None) is not None:
                 self._close(grace)
 

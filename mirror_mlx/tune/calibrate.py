@@ -30,8 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from ..exit_adapter import adapter_for, adapter_layers
 from . import profile as profiles
-from .cost_model import choose, expected_rate, row_config
-from .cost_model import Acceptance, Config, Timings, component_time, grid, rank
+from .cost_model import Acceptance, Config, Timings, choose, component_time, expected_rate, grid, rank, row_config
 from .placement import candidates
 from .profile import PairView
 from .timing import MIN_TIMED_S, Bench, Lockstep, interleaved, measure_parallel, split_comm
