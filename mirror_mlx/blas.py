@@ -82,17 +82,6 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 29))
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux), else what the platform says."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 _SETTERS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads")
 _GETTERS = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
 _initial: dict[str, int] = {}  # each OpenBLAS's thread count when first seen here: what `set_threads` caps at

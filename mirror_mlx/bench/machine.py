@@ -17,7 +17,8 @@ def machine() -> dict:
     """What the numbers depend on: CPU, cores, load, versions, BLAS threads."""
     import mlx_lm
 
-    from ..blas import cpu_name, status
+    from ..blas import status
+    from ..tune.profile import cpu_name
 
     cpu = cpu_name()
     try:

@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..blas import cpu_name
 
 VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
 # timed after mirror's prepare, and the prepare itself
@@ -71,6 +70,15 @@ def _recipe_fingerprint(recipe: Any) -> str:
                 fh.seek(max(0, size - 4096))
                 h.update(fh.read(4096))
     return h.hexdigest()[:16]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def machine() -> str:

@@ -18,8 +18,10 @@ from .profile import PairView
 from .traces import local_host
 
 # Each piece is timed at least `reps` times and at least `min_timed_s` (MIN_TIMED_S; the quick calibration
-# 0.15 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
-# machine (a piece of 100 ms or more costs no extra time).
+# 0.05 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
+# machine (a piece of 100 ms or more costs no extra time). The quick calibration accepts that noise to halve
+# a first call on a ms-scale pair (9.7 s to 5.2 s on the demo pair here): its choice rests on the configurations
+# it then runs end to end, not on the pieces alone.
 MIN_TIMED_S = 0.3
 MAX_REPS = 100
 
