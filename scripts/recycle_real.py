@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import shlex  # noqa: E402
 import time  # noqa: E402
 from statistics import median  # noqa: E402
 
@@ -146,7 +147,7 @@ def main() -> None:
     m, load1 = machine(), os.getloadavg()
     one = widths[1] if widths else None
     head_lines = [
-        f"Command: `{' '.join(['.venv/bin/python', 'scripts/recycle_real.py'] + sys.argv[1:])}` "
+        f"Command: `{shlex.join(['.venv/bin/python', 'scripts/recycle_real.py'] + sys.argv[1:])}` "
         f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, {(time.time() - t0) / 60:.0f} min); "
         f"mirror-mlx at {m['commit']}, MLX {m['mlx']}, mlx-lm {m['mlx_lm']}, {m['cpu']}, {m['cpus']} CPUs.",
         f"Setting: {'this machine' + chr(39) + 's defaults (nothing pinned)' if DEFAULTS else 'Mac analog (one BLAS thread, every thread on core 0)'}. "
