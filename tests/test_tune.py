@@ -488,6 +488,13 @@ def test_tune_command_prints_predicted_against_measured_and_saves_the_profile():
         p.close()
 
 
+def test_tune_quick_refuses_the_flags_it_would_ignore():
+    args = ["tune", "--quick", "--limit", "2", "--min-seconds", "1", "--model", str(TARGET_PATH)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2
+    assert "--quick measures its own small set, so --limit, --min-seconds would be ignored" in r.output
+
+
 def test_the_core_ml_compute_plan_says_why_it_is_skipped():
     import sys
 

@@ -25,7 +25,8 @@ BENCH = BenchConfig()
               help="Top predictions to measure end to end.")
 @click.option("--min-seconds", type=click.FloatRange(min=0), default=TUNE.min_seconds, show_default=True,
               help="Each configuration run for real goes round its prompts until it has decoded this long.")
-@click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use.")
+@click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use (its own "
+              "small set: not with --limit, --max-tokens, --confirm or --min-seconds).")
 @click.option("--pin", is_flag=True, help="The Mac analog, as `bench --pin`: the target side on one core in every "
               "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart from the "
               "unpinned one. "
@@ -46,6 +47,12 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
 
     if pin and distributed.group() is not None:
         raise click.UsageError("--pin pins one process's threads: under mlx.launch run tune without it")
+    ctx = click.get_current_context()
+    sized = [f"--{n.replace('_', '-')}" for n in ("limit", "max_tokens", "confirm", "min_seconds")
+             if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT]
+    if quick and sized:
+        raise click.UsageError(f"--quick measures its own small set, so {', '.join(sized)} would be ignored: "
+                               "drop --quick or those flags")
     pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
     if pin:
         pinning = pin_threads(pipe)
