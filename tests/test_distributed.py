@@ -69,13 +69,18 @@ def launched(command: list[str], **kwargs) -> subprocess.Popen:
 def yield_the_core(launcher_pid: int, ranks: int = 2, within: float = 30.0) -> None:
     """Once mlx.launch has started its ranks, its own threads (the relay loops that never block) run at the
     lowest priority: they keep spinning, but only on time no rank and no other test wants. The ranks,
-    started before, keep theirs. (Linux's priority is a thread's: each of the launcher's threads is set.)"""
+    started before, keep theirs."""
     deadline = time.monotonic() + within
     while len(descendants(launcher_pid)) < ranks and time.monotonic() < deadline:
         time.sleep(0.05)
-    for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
+    renice(launcher_pid, 19)
+
+
+def renice(pid: int, niceness: int) -> None:
+    """Every thread of `pid` at `niceness` (Linux's priority is a thread's)."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+            os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
         except OSError:  # a thread that just ended
             pass
 
@@ -245,6 +250,7 @@ def test_a_rank_lost_or_stalled_or_ctrl_c_ends_every_rank_leaving_no_process_and
             os.kill(rank1, signal.SIGKILL)
         else:  # alive but silent: rank 0's watchdog ends it, then rank 1 (resumed) ends on its own
             os.kill(rank1, signal.SIGSTOP)
+            renice(rank0, 10)  # it only waits now, and its wait spins in the ring backend: on time others spare
             while alive(rank0) and time.monotonic() - t0 < WATCHDOG_S + 20:
                 time.sleep(0.1)
             os.kill(rank1, signal.SIGCONT)
