@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-
 VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
 # timed after mirror's prepare, and the prepare itself
 
