@@ -1,24 +1,12 @@
 """The paper's latency model (Eq. 10, docs/design.md §2) for `mirror`, `sd` and `ar`, fed only by measurements.
 
-mirror step:  T = T_prefix(ℓ_e) + T_comm,prefix + T_par(ℓ_e, κ, γ) + T_over + (1 − reuse) · T_window(γ)
-              T_par is max(T_suffix(ℓ_e) + T_comm,suffix, T_late + T_rollout(κ(γ+1) rows, γ)) when the two truly
-              overlap; it is measured with both running at once, so contention between them is in the number.
-              T_late = max(0, T_prepare(γ) − T_prefix): the draft feeds the window during the prefix, and
-              a prepare longer than the prefix starts the rollout that much later.
-              A branch budget B rolls out min(B, κ(γ+1)) rows: T_rollout at that many rows (read between the
-              row counts measured), with the contention measured at κ(γ+1).
-sd step:      T = T_window(γ) + T_verify(γ + 1 rows) + T_comm(γ + 1 rows) + T_over
-ar step:      T = T_verify(1 row) + T_comm(1 row) + T_over
-T_comm is the target's collectives across ranks (the sharded layers' all_sums, mirror_mlx/distributed.py),
-by row count; 0 in one process.
-Tokens per step come from an acceptance trace (`Trace`): where the draft's greedy token agrees with
-the target's along the target's own greedy text, and the rank of the target's token among the early
-exit's candidates at every candidate ℓ_e. At temperature 0 replaying a trace is exact: it gives the
-accepted length of every step for any γ and whether the branch for the correction was rolled out
-(reuse) for any κ, so `mean_tokens` and `reuse_rate` are measured, not assumed. Under a branch budget B the
-predicted reuse is the traces' mass of the B likeliest (row, rank) branches: how often a step ended at that
-row with its correction at that rank among the exit's candidates (the engine picks its B per step from the
-exit's own probabilities, branch_budget.py, so it can only do better on text like the traces').
+Beyond the design doc's formulas: T_late = max(0, T_prepare(γ) − T_prefix) delays the rollout inside T_par (the
+draft feeds the window during the prefix), and a branch budget B rolls out min(B, κ(γ+1)) rows, timed between
+the row counts measured, with the contention measured at κ(γ+1). Replaying an acceptance trace (`Trace`) at
+temperature 0 gives every step's accepted length for any γ and its reuse for any κ, so `mean_tokens` and
+`reuse_rate` are measured, not assumed. Under a budget the predicted reuse is the traces' mass of the B
+likeliest (row, rank) branches (the engine picks its B per step from the exit's own probabilities,
+branch_budget.py, so it can only do better on text like the traces').
 """
 
 from collections import Counter
@@ -26,8 +14,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from ..options import PAPER_KNOBS
-
-MODES = ("mirror", "sd", "ar")
 
 
 @dataclass(frozen=True)
@@ -73,26 +59,32 @@ class Trace:
     rank_plain: dict[int, list[int]] = field(default_factory=dict)
 
 
+def _steps(trace: Trace, gamma: int) -> Iterable[tuple[int, int]]:
+    """(position, accepted length) of each greedy step along `trace` with window γ, but the last one when the
+    text ends inside its window."""
+    n, p = len(trace.runs), 0
+    while p < n:
+        a = min(gamma, trace.runs[p], n - p)
+        if p + a >= n:
+            return
+        yield p, a
+        p += a + 1
+
+
 def replay(trace: Trace, gamma: int, kappa: Optional[int] = None, exit_layer: Optional[int] = None,
            cells: Optional[Counter] = None) -> tuple[int, int, int]:
     """(steps, tokens, reuses) of greedy speculative decoding along `trace` with window γ; `cells` counts the
     reused steps by branch: (the row the step ended at, the correction's rank among its candidates)."""
-    n, p = len(trace.runs), 0
-    steps = tokens = reuses = 0
-    while p < n:
-        a = min(gamma, trace.runs[p], n - p)
-        if p + a >= n:  # the text ended inside the window
-            tokens += n - p
-            steps += 1
-            break
+    steps = tokens = reuses = end = 0
+    for p, a in _steps(trace, gamma):
         if kappa is not None:
-            ranks = (trace.rank_excl if a < gamma else trace.rank_plain)[exit_layer]
-            reuses += ranks[p + a] < kappa
-            if cells is not None and ranks[p + a] < kappa:
-                cells[(a, ranks[p + a])] += 1
-        steps += 1
-        tokens += a + 1
-        p += a + 1
+            r = (trace.rank_excl if a < gamma else trace.rank_plain)[exit_layer][p + a]
+            reuses += r < kappa
+            if cells is not None and r < kappa:
+                cells[(a, r)] += 1
+        steps, tokens, end = steps + 1, tokens + a + 1, p + a + 1
+    if end < len(trace.runs):  # the text ended inside the last window
+        steps, tokens = steps + 1, tokens + len(trace.runs) - end
     return steps, tokens, reuses
 
 
@@ -121,17 +113,10 @@ class Acceptance:
         return reuses / steps if steps else 0.0
 
     def window_counts(self, gamma: int) -> tuple[int, int]:
-        """(accepted, rejections) along the traces with window γ: the draft tokens accepted and the steps
-        that rejected one, as Stats counts them in a real run (α = accepted / (accepted + rejections))."""
-        accepted = rejections = 0
-        for t in self.traces:
-            n, p = len(t.runs), 0
-            while p < n:
-                a = min(gamma, t.runs[p], n - p)
-                if p + a >= n:  # the text ended inside the window
-                    break
-                accepted, rejections, p = accepted + a, rejections + (a < gamma), p + a + 1
-        return accepted, rejections
+        """(accepted, rejections) along the traces with window γ, as Stats counts them in a real run
+        (α = accepted / (accepted + rejections))."""
+        accepted = [a for t in self.traces for _, a in _steps(t, gamma)]
+        return sum(accepted), sum(a < gamma for a in accepted)
 
 
 def geometric_tokens(alpha: float, gamma: int) -> float:
@@ -143,38 +128,24 @@ def geometric_tokens(alpha: float, gamma: int) -> float:
 
 @dataclass
 class Timings:
-    """Measured seconds. Keys are tuples so they say what was varied.
+    """Measured seconds, keyed by what was varied."""
 
-    verify[rows]: a plain target forward over `rows` new tokens (ar: 1, sd: γ + 1).
-    prefix[(ℓ_e, rows)], suffix[(ℓ_e, rows)]: the two halves of the target forward split at ℓ_e.
-    window[γ]: a 1-row draft rollout of depth γ through the draft host (mirror's fallback; sd's too
-      unless `local_window` has it).
-    local_window[γ]: sd's window where sd drafts in-process, on the target's thread (an MLX draft).
-    parallel[(ℓ_e, κ, γ)]: the target suffix and the κ(γ+1)-row rollout, run at the same time (tune
-      measures it only where it can change the top of the ranking: `parallel_time`).
-    rollout[(rows, γ)]: the rollout alone (its floor, and reported next to `parallel` to show the contention).
-    overhead[mode]: measured step time minus the modelled components, per step, from real runs (negative
-      when components timed alone cost more than inside a real step); a number, or {γ: seconds} (`overhead`).
-    comm[rows]: T_comm, the collectives one whole target forward over `rows` rows makes across ranks (two
-      all_sums per sharded layer), timed alone; {} in one process (no term). verify, prefix and suffix
-      then hold the compute alone (timing.split_comm), so each forward's T_comm is added once.
-    comm_prefix[(ℓ_e, rows)]: the part of comm[rows] made before the exit (its ℓ_e layers of the N); the
-      suffix makes the rest.
-    prepare[γ]: mirror's prepare, the draft feeding two new committed tokens and the γ-token window (beside
-      the prefix), through the draft host.
-    """
-
-    verify: dict = field(default_factory=dict)
-    prefix: dict = field(default_factory=dict)
-    suffix: dict = field(default_factory=dict)
-    window: dict = field(default_factory=dict)
-    local_window: dict = field(default_factory=dict)
+    verify: dict = field(default_factory=dict)  # [rows]: a plain target forward over `rows` new tokens
+    prefix: dict = field(default_factory=dict)  # [(ℓ_e, rows)]: the target forward's layers up to the exit
+    suffix: dict = field(default_factory=dict)  # [(ℓ_e, rows)]: and its layers after it
+    window: dict = field(default_factory=dict)  # [γ]: a 1-row rollout through the host (mirror's fallback, sd's)
+    local_window: dict = field(default_factory=dict)  # [γ]: sd's window where it drafts in-process (an MLX draft)
+    # [(ℓ_e, κ, γ)]: suffix and κ(γ+1)-row rollout run at once, measured where it can change the top (parallel_time)
     parallel: dict = field(default_factory=dict)
-    rollout: dict = field(default_factory=dict)
+    rollout: dict = field(default_factory=dict)  # [(rows, γ)]: the rollout alone (its floor; beside `parallel`)
+    # [mode]: real step time minus the modelled components, a number or {γ: seconds} (`overhead`); negative
+    # where the components timed alone cost more than inside a real step
     overhead: dict = field(default_factory=dict)
+    # [rows]: across ranks, one forward's collectives timed alone (two all_sums per sharded layer); {} in one
+    # process. verify, prefix and suffix then hold the compute alone (timing.split_comm): T_comm is added once
     comm: dict = field(default_factory=dict)
-    comm_prefix: dict = field(default_factory=dict)
-    prepare: dict = field(default_factory=dict)
+    comm_prefix: dict = field(default_factory=dict)  # [(ℓ_e, rows)]: comm's share before the exit (ℓ_e of N layers)
+    prepare: dict = field(default_factory=dict)  # [γ]: mirror's prepare (two tokens and the window) beside the prefix
 
 
 def comm_time(t: Timings, rows: int, exit_layer: Optional[int] = None, part: str = "forward") -> float:
@@ -187,11 +158,6 @@ def comm_time(t: Timings, rows: int, exit_layer: Optional[int] = None, part: str
         return whole
     before = t.comm_prefix[(exit_layer, rows)]
     return before if part == "prefix" else whole - before
-
-
-def step_comm(cfg: Config, t: Timings) -> float:
-    """T_comm of one step's target forwards (ar: one row; sd: the γ + 1 verified; mirror: prefix and suffix)."""
-    return comm_time(t, 1 if cfg.mode == "ar" else cfg.gamma + 1)
 
 
 def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
@@ -231,35 +197,25 @@ def parallel_time(cfg: Config, t: Timings) -> float:
 
 
 def rollout_time(t: Timings, rows: int, gamma: int) -> float:
-    """T_rollout of `rows` branches of depth γ: measured at that row count, else read linearly between the
-    row counts measured at γ (one row: the serial window)."""
-    if (rows, gamma) in t.rollout:
-        return t.rollout[(rows, gamma)]
-    points = sorted({**({1: t.window[gamma]} if gamma in t.window else {}),
-                     **{n: v for (n, g), v in t.rollout.items() if g == gamma}}.items())
-    lo = max((p for p in points if p[0] <= rows), default=points[0])
-    hi = min((p for p in points if p[0] >= rows), default=points[-1])
-    if hi[0] == lo[0]:
-        return lo[1]
-    return lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0])
-
-
-def is_bound(cfg: Config, t: Timings) -> bool:
-    """Whether `predict(cfg)` is only an upper bound (suffix ‖ rollout not measured at this point)."""
-    return cfg.mode == "mirror" and (cfg.exit_layer, cfg.kappa, cfg.gamma) not in t.parallel
+    """T_rollout of `rows` branches of depth γ: measured at that row count, else read between the row counts
+    measured at γ (one row: the serial window)."""
+    points = {n: v for (n, g), v in t.rollout.items() if g == gamma}
+    return _read({1: t.window[gamma], **points} if gamma in t.window else points, rows)
 
 
 def overhead(cfg: Config, t: Timings) -> float:
-    """The mode's per-step overhead at `cfg`: a number, or {γ: seconds} from probes at a few γ, read
-    linearly between them and flat beyond (per-step messages and bookkeeping grow with the window)."""
+    """The mode's per-step overhead at `cfg`: a number, or {γ: seconds} from probes at a few γ, read between
+    them (per-step messages and bookkeeping grow with the window)."""
     o = t.overhead.get(cfg.mode, 0.0)
-    if not isinstance(o, dict):
-        return o
-    gs = sorted(o)
-    g = min(max(cfg.gamma or gs[0], gs[0]), gs[-1])
-    hi = next(x for x in gs if x >= g)
-    lo = max(x for x in gs if x <= g)
-    return o[lo] if hi == lo else o[lo] + (o[hi] - o[lo]) * (g - lo) / (hi - lo)
+    return _read(o, cfg.gamma or min(o)) if isinstance(o, dict) else o
+
+
+def _read(points: dict, x: float) -> float:
+    """The value at `x` of measured {x: value}: linear between the nearest two, flat beyond the ends."""
+    xs = sorted(points)
+    x = min(max(x, xs[0]), xs[-1])
+    lo, hi = max(k for k in xs if k <= x), min(k for k in xs if k >= x)
+    return points[lo] if hi == lo else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
 
 
 def fitted(cfg: Config, t: Timings) -> Config:
@@ -273,15 +229,17 @@ def fitted(cfg: Config, t: Timings) -> Config:
 
 
 def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
-    """Predicted tokens/s of `cfg`, with the terms behind it ("bound": an upper bound, see parallel_time)."""
+    """Predicted tokens/s of `cfg`, with the terms behind it ("bound": suffix ‖ rollout not measured at this
+    point, so an upper bound, see parallel_time)."""
     ran = fitted(cfg, t)  # (the point as it runs: its branches fitted to the suffix when no B is given)
     tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
     reuse = acc.reuse_rate(ran.kappa, ran.gamma, ran.exit_layer, ran.branches) if cfg.mode == "mirror" else 0.0
     component = component_time(ran, t, reuse)
     step = max(component + overhead(cfg, t), component / 2)  # (a negative overhead is a correction)
+    bound = cfg.mode == "mirror" and (cfg.exit_layer, cfg.kappa, cfg.gamma) not in t.parallel
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
-            "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": is_bound(cfg, t),
-            "comm_s": step_comm(cfg, t)}
+            "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": bound,
+            "comm_s": comm_time(t, 1 if cfg.mode == "ar" else cfg.gamma + 1)}  # the step's target forwards
 
 
 def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:
