@@ -45,9 +45,8 @@ class OutOfTime(RuntimeError):
 
 def quick_budget() -> float:
     """Seconds the quick calibration may take: $MIRROR_MLX_QUICK_BUDGET, else QUICK_BUDGET_S."""
-    env = os.environ.get("MIRROR_MLX_QUICK_BUDGET")
     try:
-        return float(env) if env else QUICK_BUDGET_S
+        return float(os.environ.get("MIRROR_MLX_QUICK_BUDGET") or QUICK_BUDGET_S)
     except ValueError:
         return QUICK_BUDGET_S
 
@@ -76,9 +75,9 @@ class TuneConfig:
     def quick(cls) -> "TuneConfig":
         """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,...,5}, the middle ℓ_e
         (and each exit adapter's first exact layer), one probe per mode, capped."""
-        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), branches=(None, 2, 4), reps=2, confirm=2,
-                   confirm_prompts=1, min_seconds=0.5, min_timed_s=0.05, probe_two_windows=False, exact_top=2,
-                   progress=False, budget_s=quick_budget())
+        return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), branches=(None, 2, 4), reps=2,
+                   confirm=2, confirm_prompts=1, min_seconds=0.5, min_timed_s=0.05, probe_two_windows=False,
+                   exact_top=2, progress=False, budget_s=quick_budget())
 
 
 # --- 1. acceptance traces (tune/traces.py) at these exit layers ------------------------------------
@@ -149,18 +148,12 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
 def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
                 sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None) -> dict:
-    """Real greedy generations of every config on its prompts, interleaved (in rounds: each config runs its
-    next prompt, so a load change on a shared machine hits all configs alike). {config: tokens/s, step_s,
-    reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums` (a previous call's, per
-    config) are added in: runs of other prompts.
-
-    `warm_up`: a short run of every config first (True), of none (False), or of these. Each config runs in
-    its own placement (Config.placement, tune/placement.py).
-
-    `min_seconds`: a config's prompts are gone through again until it has decoded this long (a small
-    model's 48 tokens take a few ms per token, and single runs of it vary by ±25 % here). Across ranks
-    (`step`) rank 0's decode seconds decide it: every rank runs the same generations.
-    """
+    """Real greedy generations of every config (in its own placement) on its prompts, interleaved in rounds
+    (each config runs its next prompt, so a load change on a shared machine hits all alike). {config: tokens/s,
+    step_s, reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums`: a previous call's runs
+    (of other prompts), added in; `warm_up`: a short run of every config first (True), of none, or of these.
+    A config's prompts are gone through again until it has decoded `min_seconds` (single runs of a small
+    model vary by ±25 % here); across ranks rank 0's seconds decide it, so every rank runs the same ones."""
     own = prompts if isinstance(prompts, dict) else {c: prompts for c in configs}
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer, branches=c.branches) for c in configs}
@@ -207,12 +200,8 @@ def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
 
 def measure_overheads(pipe: PairView, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
                       check: Callable[[], None] = lambda: None, step: Optional[Lockstep] = None) -> dict:
-    """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages,
-    sampling, Python; negative where a component timed alone costs more than inside a real step).
-
-    The probes run for real on the first prompt; returns their runs (the confirmation adds the other
-    prompts to them; their prediction is fitted to them: the table marks them).
-    """
+    """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages, sampling,
+    Python). The probes run on the first prompt; returns their runs (the confirmation adds the other prompts)."""
     runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check, min_seconds=cfg.min_seconds / 2,
                        step=step)
     if step is None or step.lead:  # (across ranks only rank 0 holds the draft's timings)
@@ -221,7 +210,7 @@ def measure_overheads(pipe: PairView, t: Timings, probes: list[Config], cfg: Tun
 
 
 def fit_overheads(t: Timings, runs: dict) -> None:
-    """t.overhead[mode][γ] from real runs of probe configurations: step time minus the modelled components."""
+    """t.overhead[mode][γ] from the probes' real runs."""
     for c, run in runs.items():
         t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
 
@@ -304,21 +293,11 @@ def _prompts(pipe: PairView, cfg: TuneConfig, path: Optional[str], step: Lockste
     return prompts
 
 
-@dataclass
-class _Measured:
-    """What the calibration measured: the traces' acceptance, the component timings, the real runs by
-    configuration, the configurations confirmed, and how many suffix ‖ rollout points were timed."""
-
-    acc: Acceptance
-    t: Timings
-    runs: dict
-    confirm: list
-    n_parallel: int
-
-
 def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, prompts: list[list[int]],
-             layers: list[int], configs: list[Config], probes: list[Config], placements: list[str]) -> _Measured:
-    """Steps 1-4 of the module's docstring, in that order."""
+             layers: list[int], configs: list[Config], probes: list[Config], placements: list[str]
+             ) -> tuple[Acceptance, Timings, dict, list[Config], int]:
+    """Steps 1-4 of the module's docstring, in that order: the traces' acceptance, the component timings, the
+    real runs by configuration, the configurations confirmed, and how many suffix ‖ rollout points were timed."""
     top = max(cfg.confirm, cfg.exact_top)  # the predictions that decide what is confirmed are all measured ones
     ph.begin("traces", len(prompts))
     traces = []
@@ -367,7 +346,7 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
         fit_overheads(t, {c: runs[c] for c in probes})
     n_parallel += parallel(configs, top)
     ph.done("confirm")
-    return _Measured(acc, t, runs, confirm, n_parallel)
+    return acc, t, runs, confirm, n_parallel
 
 
 def _to_confirm(configs: list[Config], t: Timings, acc: Acceptance, cfg: TuneConfig, placements: list[str],
@@ -399,17 +378,17 @@ def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Opti
     configs = grid(cfg.kappas, cfg.gammas, layers, branches=cfg.branches)
     probes = probe_configs(cfg, layers)
     try:
-        m = _measure(pipe, cfg, ph, step, prompts, layers, configs, probes, placements)
+        acc, t, measured, confirm, n_parallel = _measure(pipe, cfg, ph, step, prompts, layers, configs, probes,
+                                                         placements)
     finally:
         ph.close()
     if not step.lead:  # a rank beside rank 0: it ran the target's side; rank 0 holds the profile
         return None
-    ranked = rank(configs, m.t, m.acc)
-    measured = m.runs
+    ranked = rank(configs, t, acc)
     table = [dict(asdict(r["config"]), predicted=r["tokens_per_second"],
                   measured=measured[r["config"]]["tokens_per_second"] if r["config"] in measured else None,
                   measured_step_ms=1e3 * measured[r["config"]]["step_s"] if r["config"] in measured else None,
-                  probe=r["config"] in probes, confirmed=r["config"] in m.confirm, bound=r["bound"],
+                  probe=r["config"] in probes, confirmed=r["config"] in confirm, bound=r["bound"],
                   tokens_per_step=r["tokens_per_step"], reuse=r["reuse"], step_ms=1e3 * r["step_s"],
                   comm_ms=1e3 * r["comm_s"]) for r in ranked]
     for row, r in zip(table, ranked):
@@ -418,13 +397,13 @@ def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Opti
     c = row_config(best)
     placed = f", placement {best['placement']}" if best["mode"] == "mirror" else ""
     why = (f"tuned: {expected_rate(best):.0f} tok/s expected{placed} vs ar {expected_rate(ar):.0f}"
-           f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(m.confirm)} confirmed, "
+           f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(confirm)} confirmed, "
            f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - ph.started, "phases": ph.seconds, "prompts": len(prompts),
-                   "max_tokens": cfg.max_tokens, "parallel_measured": m.n_parallel,
+                   "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
                    # γ: [accepted, rejections]
-                   "acceptance": {str(g): list(m.acc.window_counts(g)) for g in cfg.gammas},
-                   "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(m.t).items()}}
+                   "acceptance": {str(g): list(acc.window_counts(g)) for g in cfg.gammas},
+                   "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}
     if step.group is not None:
         calibration["ranks"] = step.group.size()
     log(f"calibrated in {calibration['seconds']:.1f} s ("
