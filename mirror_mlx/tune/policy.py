@@ -157,20 +157,18 @@ def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tup
 
 def observed(prof: profiles.Profile, seen: dict[tuple, list[int]], prior_tokens: int = PRIOR_TOKENS,
              prior_steps: int = PRIOR_STEPS) -> Optional[Seen]:
-    """`Seen` from auto's runs at one sampling setting (AutoState.seen[setting]): per γ, the draft's α
-    (accepted / (accepted + rejections)) against the calibration traces replayed at that γ (pooled with
-    them at PRIOR_TOKENS); per Mirror-SD configuration, its branch reuse against the table's prediction
-    (pooled at PRIOR_STEPS). None before anything was seen, or for a profile without acceptance counts
-    (a quick one that fell back to ar)."""
+    """`Seen` from auto's runs at one sampling setting (AutoState.seen[setting]): per γ, the draft's α against
+    the calibration traces' (pooled with them at `prior_tokens`); per Mirror-SD configuration, its branch reuse
+    against the table's prediction (pooled at `prior_steps`). None before anything was seen, or for a profile
+    without acceptance counts (a quick one that fell back to ar)."""
     prior = prof.calibration.get("acceptance")
     if not prior or not seen:
         return None
     alphas = {int(g): a / max(a + r, 1) for g, (a, r) in prior.items()}
     per_gamma: dict[int, list[int]] = {}
     for (_, _, g, *_), (a, r, *_) in seen.items():
-        per_gamma.setdefault(g, [0, 0])
-        per_gamma[g][0] += a
-        per_gamma[g][1] += r
+        totals = per_gamma.setdefault(g, [0, 0])
+        totals[0], totals[1] = totals[0] + a, totals[1] + r
     acceptance, tokens = pooled_ratio([(alphas.get(g, 0.0), a, r) for g, (a, r) in per_gamma.items()],
                                       prior_tokens)
     rows = {row_key(r): r for r in prof.table}
@@ -199,11 +197,10 @@ def adapt(prof: profiles.Profile, seen: dict[tuple, list[int]], setting: str = "
 
 
 def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[Counts], Optional[str]]]:
-    """For auto's speculative choice `c`: a test the engine runs after each step of a generation with this
-    generation's `Counts` so far. It says why to go on with ar once
-    the text at hand (its counts pooled with the calibration's at WITHIN_PRIOR_*) makes ar's measured rate
-    AR_MARGIN above the choice's (`expected_rate`); `adapt` learns across generations, this within one.
-    None where there is nothing to compare (ar, no confirmed row for `c`, a profile without counts)."""
+    """For auto's speculative choice `c`: the engine's test after each step, on the generation's `Counts` so far:
+    why to go on with ar once the text at hand (pooled with the calibration at WITHIN_PRIOR_*) puts ar's
+    expected rate AR_MARGIN above the choice's (`adapt` learns across generations, this within one). None
+    where there is nothing to compare (ar, no confirmed row for `c`, a profile without counts)."""
     rows = [r for r in prof.table if r.get("confirmed") and r.get("measured_step_ms")]
     here = next((r for r in rows if r["mode"] != "ar" and describe(row_config(r)) == describe(c)), None)
     ar = next((r for r in rows if r["mode"] == "ar"), None)
@@ -239,10 +236,9 @@ def setting_name(sampling: tuple) -> str:
 def choice(profile: ProfileSource, auto: AutoState, facts: PairFacts, kappa: Optional[int], gamma: Optional[int],
            exit_layer: Optional[int], sampling: Optional[tuple] = None,
            lookup: bool = False) -> tuple[Choice, Optional[Callable]]:
-    """Mode auto's mode and knobs: the knobs given win, the rest from the profile, adapted to what auto's runs at
-    the same `sampling` setting (DecodeOptions.sampling) have seen (`adapt`); with auto's test within the
-    generation (`leave_draft`) where it has one. With `lookup`, where auto would run ar it runs the lookup
-    beside the target alone (`beside_lookup`)."""
+    """Mode auto's mode and knobs: the knobs given win, the rest from the profile adapted to what auto's runs at
+    this `sampling` setting have seen (`adapt`), with the test within the generation (`leave_draft`). With
+    `lookup`, where auto would run ar it runs the lookup beside the target alone (`beside_lookup`)."""
     if lookup and facts.has_draft:
         c, test = choice(profile, auto, facts, kappa, gamma, exit_layer, sampling)
         if c.mode != "ar":
@@ -325,18 +321,11 @@ def beside_lookup(c: Choice, gamma: Optional[int]) -> Choice:
 SAFE_KNOBS = dict(kappa=1, gamma=3)  # an explicit mode's knobs when no profile has a row for it: small, cheap
 
 
-def needs_knobs(mode: str, kappa: Optional[int], gamma: Optional[int]) -> bool:
-    """An explicit speculative mode with knobs left out: the profile picks them (`explicit`)."""
-    return (mode == "sd" and gamma is None) or (mode == "mirror" and (kappa is None or gamma is None))
-
-
 def explicit(profile: ProfileSource, facts: PairFacts, mode: str, kappa: Optional[int], gamma: Optional[int],
              exit_layer: Optional[int]) -> Choice:
-    """An explicit mode: the knobs given win; the rest come from the pair's profile (the saved `tune`
-    profile, else auto's quick calibration), its best row for `mode` that has the given ones. Without such
-    a row (the quick calibration ran out of budget), small safe knobs (SAFE_KNOBS, ℓ_e the exit adapter's
-    layer or N/2), said to be uncalibrated: never the paper's κ=8, γ=7 blindly (they cost a CPU pair 3x)."""
-    if not needs_knobs(mode, kappa, gamma):
+    """An explicit mode: the knobs given win; those left out come from the pair's profile (`knobs_from`), else
+    small safe ones said to be uncalibrated: never the paper's κ=8, γ=7 blindly (they cost a CPU pair 3x)."""
+    if not (mode == "sd" and gamma is None) and not (mode == "mirror" and None in (kappa, gamma)):
         return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
                       PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, f"mode {mode} as asked")
     return knobs_from(profile(mode), facts.default_exit, mode, kappa, gamma, exit_layer)
@@ -344,8 +333,8 @@ def explicit(profile: ProfileSource, facts: PairFacts, mode: str, kappa: Optiona
 
 def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optional[int], gamma: Optional[int],
                exit_layer: Optional[int]) -> Choice:
-    """`explicit`'s knobs from a given profile: its best row for `mode` that has the knobs given, else the
-    small safe ones (also across ranks, where the profile is the one `tune` wrote for them)."""
+    """`explicit`'s knobs from a given profile (across ranks, the one `tune` wrote for them): its best row for
+    `mode` that has the knobs given, else SAFE_KNOBS (ℓ_e the exit adapter's layer or N/2)."""
     asked = f"mode {mode} as asked"
     given = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items()
              if v is not None and (mode == "mirror" or k == "gamma")}
@@ -373,11 +362,10 @@ def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optiona
 
 def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource, auto: AutoState,
             facts: PairFacts) -> tuple[DecodeOptions, Optional[AutoRun]]:
-    """A call's concrete mode and knobs, the one place they are picked: from the caller's options as given
-    (`asked`), as checked (`checked`: auto as its stand-in), the pair's profile (asked only where the choice
-    needs it: the first call without one runs a bounded quick calibration) and the pair's facts. Explicit
-    knobs win; an explicit mode's knobs left out come from the profile (`explicit`); mode auto gets the tuned
-    ones and an `AutoRun` over `auto` to watch the generation."""
+    """A call's concrete mode and knobs, the one place they are picked, from the caller's options as given
+    (`asked`) and as checked (auto as its stand-in), the pair's profile (asked only where the choice needs it)
+    and facts: explicit knobs win, an explicit mode's missing ones come from the profile (`explicit`), and
+    mode auto gets the tuned ones and an `AutoRun` over `auto` to watch the generation."""
     if not facts.has_draft and checked.mode == "sd" and (checked.lookup or facts.draftless == "recycle"):
         return draftless(checked, asked.mode, asked.gamma, facts.draftless), None  # nothing to calibrate
     if asked.mode != "auto":
