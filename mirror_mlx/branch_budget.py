@@ -1,29 +1,16 @@
-"""Mirror-SD's branch budget (docs/design.md §4): which of a step's κ(γ+1) branches the draft rolls out.
+"""Mirror-SD's branch budget (docs/design.md §3, "Branch budget"): which of a step's κ(γ+1) branches the draft
+rolls out.
 
-A branch (r, c) is the window after "the step ends at row r with correction c". Its score is
-P(the step ends at row r) · P(c | it ends there), read off the early exit: the step reaches row r when
-ŷ_1..ŷ_r are accepted (the product of the exit's probabilities of those drafted tokens, each calibrated),
-ends there when ŷ_{r+1} is then rejected (the bonus row γ: when it is
-reached), and the correction is c with the exit's probability of c renormalised without ŷ_{r+1} (the
-excluded-token rule). The top B branches are rolled out; with B = None, those that pay (below).
+Branch (r, c), the window after "the step ends at row r with correction c", scores P(the step ends at row r) ·
+P(c | it ends there), both read off the early exit; the top B are rolled out, and with B = None those that pay
+by the generation's own clocks (`RolloutCost`). The budget only chooses which windows are precomputed: every
+committed token is still the target's own, so it cannot change the output; a correction whose branch was not
+rolled out is a fallback.
 
-The budget only chooses which windows are precomputed: every committed token is still the target's own,
-so it cannot change the output. A correction whose branch was not rolled out is a fallback, as one
-outside C_A is.
-
-Branches cost what they are worth: the draft rolls its branches out beside the target's suffix, and a
-branch past what the suffix hides makes every step wait for it. So the engine tells the budget how long
-the suffix, the branch rollouts and the one-row windows took (`RolloutCost`, its own clocks), and of the
-branches in score order those that would end the rollout past the suffix are kept only where their score
-times a one-row window (what reusing it saves) outweighs the extra row. Before both are seen every branch
-is rolled out. A B given by the caller is taken as it is, and across ranks (where every rank must post the
-same branches) every branch is.
-
-The calibration is one shift b in logit space: P(ŷ accepted) = σ(logit p_exit(ŷ) + b), b = 0 before the
-generation's first step and moved after each verify by a step of the logistic fit to what the target
-accepted (b += rate · Σ (accepted − predicted) over the drafted tokens it judged). A shift, not a factor:
-an early exit of a small target may give the drafted tokens 1/V each yet see most accepted, and a shift
-carries its ranking of the steps over to the acceptance measured; b settles within a few steps.
+The exit's probability of a drafted token is calibrated by one shift b in logit space, P(accepted) =
+σ(logit p + b), moved after each verify by a logistic-fit step. A shift, not a factor: an early exit of a small
+target may give the drafted tokens 1/V each yet see most accepted, and a shift carries its ranking of the
+steps over to the acceptance measured; b settles within a few steps.
 """
 
 from collections import deque

@@ -1,18 +1,10 @@
 """Core placement, the product's own choice per mode (docs/design.md §4, "Placement").
 
-On a CPU the target and the draft host share the cores. Two placements:
-- "unpinned": nothing is touched; every thread may run anywhere, OpenBLAS on its default threads.
-  ar and sd always run so (they use one model at a time: every core serves it).
-- "split": for mirror, the draft host's process on the last allowed core and every thread of this
-  process (the target side) on the others, each side with as many OpenBLAS threads as it has cores
-  (one each on two cores). Mirror's target suffix and branch rollout then truly run at once instead
-  of taking each other's cores.
-
-`tune` measures mirror's confirmed points in both and records the winner per row (row["placement"]);
-a generation in mirror runs its row's winner, and the placement shows in `stats.placement`. A split
-lasts one generation: afterwards every thread gets back the cores it had and OpenBLAS its threads, so
-a caller's process is never left pinned. A caller that pins threads itself (`bench --pin`, the Mac
-analog) sets `hold`: placement is then the caller's and left alone.
+"unpinned" touches nothing (ar and sd always run so: every core serves their one model at a time); "split",
+for mirror, pins the draft host's process to the last allowed core and this process (the target side) to the
+others, each with as many OpenBLAS threads as it has cores, so the suffix and the branch rollout truly run at
+once. `tune` records the faster per row (row["placement"]); a split lasts one generation, after which every
+thread gets its cores back. A caller that pins threads itself sets `hold`, and placement leaves them alone.
 """
 
 import os
@@ -56,7 +48,6 @@ def _profile(pipe: PairView) -> Optional[profiles.Profile]:
     """The pair's profile if this process has one or the cache holds one (never calibrates for placement)."""
     if pipe.auto.profile is not None:
         return pipe.auto.profile
-
     try:
         prof = profiles.saved(profiles.pipe_key(pipe), pipe.engine)
     except profiles.ProfileError:  # auto says so when it needs the profile; placement then stays unpinned
@@ -77,9 +68,10 @@ def pick(pipe: PairView, mode: str, kappa: Optional[int], gamma: Optional[int], 
         return forced, "tune measuring it"
     if mode != "mirror":
         return "unpinned", f"{mode} uses every core"
-    why_not = split_unavailable() or ("" if pipe.engine.draft_pid is not None else "the draft host is not a process of its own")
-    if why_not:
+    if why_not := split_unavailable():
         return "unpinned", why_not
+    if pipe.engine.draft_pid is None:
+        return "unpinned", "the draft host is not a process of its own"
     row = row_for(_profile(pipe), mode, kappa, gamma, exit_layer)
     if row is None or not row.get("placements"):
         return "unpinned", "no profile row measured a placement for this point (`mirror-mlx tune`)"
