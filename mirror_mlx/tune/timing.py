@@ -15,7 +15,6 @@ from ..options import DRAFT_TIMEOUT_S
 from ..target import EarlyExitTarget, top_k
 from .cost_model import Acceptance, Config, Timings, rank
 from .profile import PairView
-from .traces import local_host
 
 # Each piece is timed at least `reps` times and at least `min_timed_s` (MIN_TIMED_S; the quick calibration
 # 0.05 s): a ms-scale piece's speed moves by 10-30 % from one tenth of a second to the next on a shared
@@ -83,7 +82,7 @@ class Bench:
 
     def __init__(self, pipe: PairView, context: list[int]):
         self.engine, self.model, self.context = pipe.engine, pipe.model, context
-        self.draft = local_host(self.engine)  # None on a rank beside rank 0: the target's pieces only
+        self.draft = self.engine.draft_host  # None on a rank beside rank 0: the target's pieces only
         self.cache = self.engine.on_target(self._prefill)
 
     def _prefill(self):
@@ -176,10 +175,9 @@ class Bench:
     def prepare(self, gamma: int) -> float:
         """Mirror's prepare after two newly committed tokens: the draft feeds them and the γ-token window
         (beside the target's prefix in a real step)."""
-        ctx = self.context[:-1]
-        self.sync(ctx[:-2])
+        self._ready(gamma, False)
         t0 = time.perf_counter()
-        self.sync(ctx + self.context[-gamma:])
+        self._ready(gamma, True)
         return time.perf_counter() - t0
 
     def local_rollout(self, gamma: int) -> float:
@@ -213,12 +211,10 @@ class Bench:
 
 
 def split_comm(t: Timings, comm: dict, n_layers: int) -> None:
-    """T_comm by row count (`comm`, one whole forward's collectives, `Bench.comm`) into the step model: each
-    target piece was timed across ranks with its collectives in it, so its compute alone is kept (the piece
-    minus its share of T_comm: ℓ_e of the N layers' for a prefix, the rest for a suffix) and cost_model adds
-    T_comm back once per forward. The predictions stay those of the measured pieces; T_comm is a term of its
-    own (what another link would change). Under load a piece's compute can come out below 0, as an overhead
-    can (cost_model.Timings): the sum is still the measured piece."""
+    """T_comm by row count (`Bench.comm`) into the step model: each target piece was timed with its collectives
+    in it, so its compute alone is kept (minus its share: ℓ_e of the N layers' for a prefix, the rest for a
+    suffix) and cost_model adds T_comm back once per forward, a term of its own (what another link would
+    change). Under load a piece's compute can come out below 0: the sum is still the measured piece."""
     t.comm = dict(comm)
     t.comm_prefix = {(e, n): comm[n] * e / n_layers for e, n in t.prefix}
     t.verify = {n: v - comm[n] for n, v in t.verify.items()}
@@ -228,19 +224,13 @@ def split_comm(t: Timings, comm: dict, n_layers: int) -> None:
 
 def measure_parallel(pipe: PairView, b: Bench, t: Timings, configs: list[Config], acc: Acceptance, top: int,
                      reps: int, tick: Callable, min_s: float = MIN_TIMED_S, step: Optional[Lockstep] = None) -> int:
-    """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions.
+    """Measure suffix ‖ rollout at the mirror points that can reach the `top` best predictions; returns how many.
 
-    Unmeasured points are predicted at their floor (cost_model.parallel_time), an upper bound; each round
-    measures the unmeasured points among the current top, until the top is all measured. Then no
-    unmeasured point can be in it (its bound is below the top's last), so the top equals what measuring
-    every point would give, at a fraction of the time. Returns how many points were measured.
-
-    A round after the first times the first point measured beside its new ones, and puts them on that
-    point's scale (its first time / its time now): the points are compared with one another, and a
-    ms-scale pair's speed moves 10-30 % between rounds seconds apart.
-
-    Across ranks (`step`) rank 0 ranks and says which points to measure (the others hold no draft timings).
-    """
+    Unmeasured points are predicted at their floor (cost_model.parallel_time), an upper bound, so measuring the
+    unmeasured among the top until it is all measured gives the top that measuring every point would, at a
+    fraction of the time. A round after the first times the first point measured beside its new ones and puts
+    them on its scale: a ms-scale pair's speed moves 10-30 % between rounds seconds apart. Across ranks rank 0
+    ranks and says which points to measure (the others hold no draft timings)."""
     step = step or Lockstep(None)
     measured = 0
     while True:

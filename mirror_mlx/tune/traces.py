@@ -17,21 +17,12 @@ from .profile import PairView
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 
 
-def local_host(engine: Any) -> Any:
-    """The draft host this process times alone: the engine's; across ranks rank 0's own (timing the draft
-    needs no other rank), None on the other ranks (the draft lives beside rank 0)."""
-    return engine.draft_host  # (a rank's stand-in names its own: distributed/shared_draft.py)
-
-
 def calibration_prompts(pipe: PairView, n: int, path: Optional[str] = None) -> list[list[int]]:
-    """Token ids of `n` prompts: the user's file (prompts.load_prompts) or n of the *last* 40 held-out
-    TinyStories openings (benchmarks take theirs from the front, so a tuned profile has never seen a
-    bench prompt), as many as can be of one token length: prompts of one length share each target
-    forward of the traces' greedy texts (corpus.greedy_continuations batches them). Whole openings, not
-    cut ones: a cut opening's greedy text is less predictable (γ=3 accepted 2.18 tokens a step on
-    openings cut to 13 tokens, 2.43 whole). A chat model (a tokenizer with a chat template) is tuned on
-    Spec-Bench's training part instead, through its template (prompts.chat_calibration): the bench
-    evaluates on the other part."""
+    """Token ids of `n` prompts: the user's file, a chat model's Spec-Bench training part through its template
+    (the bench evaluates on the other part), else n of the *last* 40 held-out TinyStories openings (benchmarks
+    take theirs from the front), as many as can be of one token length so that they share each forward of the
+    traces' greedy texts. Whole openings, not cut ones: a cut opening's greedy text is less predictable (γ=3
+    accepted 2.18 tokens a step on openings cut to 13 tokens, 2.43 whole)."""
     from ..prompts import chat_calibration, load_prompts
     from ..text import has_chat_template
 
@@ -80,8 +71,7 @@ def greedy_texts(pipe: PairView, prompts: list[list[int]], max_tokens: int) -> l
     from ..corpus import greedy_continuations
 
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
-    return pipe.engine.on_target(partial(greedy_continuations, pipe.model, prompts,
-                                                  max_tokens, eos=eos))
+    return pipe.engine.on_target(partial(greedy_continuations, pipe.model, prompts, max_tokens, eos=eos))
 
 
 def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
@@ -94,7 +84,7 @@ def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Seque
     runs on rank 0 alone; the other ranks run the target's forwards only (their trace is not used).
     """
     engine = pipe.engine
-    host = local_host(engine)
+    host = engine.draft_host  # None on a rank beside rank 0
     if draft_model == "auto":
         draft_model = plain_draft_model(pipe) if host is not None else None
     if text is None:
