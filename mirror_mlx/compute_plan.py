@@ -43,8 +43,8 @@ def op_devices(plan: Any) -> dict[str, list[PlannedOp]]:
             if usage is None:
                 continue
             cost = plan.get_estimated_cost_for_mlprogram_operation(op)
-            ops.append(PlannedOp(op.operator_name, DEVICE_NAMES.get(type(usage.preferred_compute_device).__name__, "other"),
-                                 None if cost is None else float(cost.weight)))
+            device = DEVICE_NAMES.get(type(usage.preferred_compute_device).__name__, "other")
+            ops.append(PlannedOp(op.operator_name, device, None if cost is None else float(cost.weight)))
         out[name] = ops
     return out
 
@@ -85,7 +85,8 @@ def format_plan(ops: dict[str, list[PlannedOp]]) -> str:
             f"{dev} {n} ops ({100 * n / total:.0f}%)" for dev, n in counts.most_common())
         costs = [op.cost for op in planned]
         if costs and None not in costs and sum(costs) > 0:
-            line += f"; ANE {100 * sum(op.cost for op in planned if op.device == 'ANE') / sum(costs):.0f}% of the estimated cost"
+            ane = sum(op.cost for op in planned if op.device == "ANE")
+            line += f"; ANE {100 * ane / sum(costs):.0f}% of the estimated cost"
         if off:
             line += "; off the Neural Engine: " + ", ".join(f"{op} x{n}" for op, n in off.most_common())
         lines.append(line)

@@ -24,6 +24,9 @@ from .model_parts import text_model
 from .target import EarlyExitTarget, top_k
 
 KAPPAS = (1, 2, 4, 8, 16)
+# OmegaSums' sums per κ, each an Ω view, and its label in the table
+VIEWS = {"plain": "all rows, top-κ", "bare": "at rejection, top-κ", "rule": "at rejection, rule",
+         "hit_bare": "temp 0 hit, top-κ", "hit_rule": "temp 0 hit, rule"}
 
 
 @dataclass
@@ -41,16 +44,15 @@ class OmegaSums:
     hit_rule: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        k = len(self.kappas)
-        for name in ("plain", "bare", "rule", "hit_bare", "hit_rule"):
+        for name in VIEWS:
             if not getattr(self, name):
-                setattr(self, name, [0] * k)
+                setattr(self, name, [0] * len(self.kappas))
 
     def add(self, other: "OmegaSums") -> None:
         self.rows += other.rows
         self.rejected += other.rejected
         self.misses += other.misses
-        for name in ("plain", "bare", "rule", "hit_bare", "hit_rule"):
+        for name in VIEWS:
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
 
     def omega(self, view: str) -> list[float]:
@@ -93,18 +95,9 @@ class OmegaRow:
     sums: OmegaSums
 
 
-def measure(
-    model: nn.Module,
-    tokenizer,
-    draft: nn.Module,
-    texts: list[str],
-    layers: Optional[Sequence[int]] = None,
-    adapters: Optional[dict[int, tuple[str, nn.Module]]] = None,
-    kappas: Sequence[int] = KAPPAS,
-    max_tokens: int = 64,
-    batch_size: int = 8,
-    progress: bool = False,
-) -> list[OmegaRow]:
+def measure(model: nn.Module, tokenizer, draft: nn.Module, texts: list[str], layers: Optional[Sequence[int]] = None,
+            adapters: Optional[dict[int, tuple[str, nn.Module]]] = None, kappas: Sequence[int] = KAPPAS,
+            max_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> list[OmegaRow]:
     """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
 
     The draft must share the target's tokenizer (run_omega checks it with draft_tokenizer.check_draft_tokenizer).
@@ -129,15 +122,6 @@ def measure(
     return sorted(out.values(), key=lambda r: (r.layer, r.adapter != "-"))
 
 
-VIEWS = (
-    ("plain", "all rows, top-κ"),
-    ("bare", "at rejection, top-κ"),
-    ("rule", "at rejection, rule"),
-    ("hit_bare", "temp 0 hit, top-κ"),
-    ("hit_rule", "temp 0 hit, rule"),
-)
-
-
 def format_table(rows: list[OmegaRow]) -> str:
     """A markdown table: one line per (layer, adapter, view), one column per κ."""
     if not rows:
@@ -146,12 +130,12 @@ def format_table(rows: list[OmegaRow]) -> str:
     head = "| layer | adapter | set | " + " | ".join(f"Ω{k}" for k in kappas) + " |"
     lines = [head, "|" + "---|" * (3 + len(kappas))]
     for r in rows:
-        for view, label in VIEWS:
+        for view, label in VIEWS.items():
             vals = " | ".join(f"{v:.3f}" for v in r.sums.omega(view))
             lines.append(f"| {r.layer} | {r.adapter} | {label} | {vals} |")
     s = rows[0].sums
-    lines.append("")
-    lines.append(f"{s.rows} rows; draft misses (ŷ ≠ target argmax) at {s.misses} rows ({s.misses / max(s.rows, 1):.1%}).")
+    lines += ["", f"{s.rows} rows; draft misses (ŷ ≠ target argmax) at {s.misses} rows "
+                  f"({s.misses / max(s.rows, 1):.1%})."]
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -125,10 +126,8 @@ def save(profile: Profile) -> Path:
         tmp.write_text(data)
         tmp.replace(path)  # atomic: a reader never sees half a profile
     except OSError as e:
-        try:
+        with suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         raise ProfileError(f"cannot write the tuning profile to {path.parent} "
                            f"({e.strerror or type(e).__name__}): kept in memory for this process only; "
                            "set MIRROR_MLX_CACHE to a writable folder to keep it") from None
@@ -234,10 +233,8 @@ class PairView(Protocol):
 
 
 def pipe_key(pipe: PairView) -> dict:
-    """The pair's profile key; a caller's own pinning (placement.hold, the Mac analog) is part of it, so a
-    profile calibrated pinned never serves generations that are not, nor the other way round. Across ranks
-    (mirror_mlx/distributed.py) the rank count is too (and the target's fingerprint is rank 0's shard), so
-    a profile of 2 ranks never serves one process or another rank count, nor the other way round."""
+    """The pair's profile key, with a caller's own pinning (placement.hold) and across ranks the rank count in
+    it (the target's fingerprint is then rank 0's shard): a profile never serves another pinning or rank count."""
     if pipe.auto.key is None:
         pipe.auto.key = key_for(pipe.model, pipe.draft, pipe.engine.exit_adapter)
         if pipe.auto.placement_held:
