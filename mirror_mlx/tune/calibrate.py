@@ -1,22 +1,16 @@
-"""Calibrate the cost model on this machine and pick the fastest mode and knobs (`mirror-mlx tune`,
-and mode auto's first call).
-
-`calibrate` measures, in this order (each step real forwards of the loaded models):
-1. acceptance traces: the target's greedy text after each calibration prompt, the draft's window at
-   every position of it, and the early exit's rank of the target's token at every candidate ℓ_e;
-2. component timings (cost_model.Timings): target forwards, prefix / suffix per ℓ_e, 1-row windows,
-   suffix ‖ branch rollout run together per (ℓ_e, κ, γ);
+"""Calibrate the cost model on this machine and pick the fastest mode and knobs (`mirror-mlx tune`, and mode
+auto's first call), by real forwards of the loaded models, in this order:
+1. acceptance traces (tune/traces.py) at every candidate ℓ_e;
+2. component timings (tune/timing.py): target forwards, prefix / suffix per ℓ_e, 1-row windows, rollouts,
+   and suffix ‖ rollout together where it can change the top of the ranking;
 3. per-mode overhead: real generations of a few probe configurations, step time minus the modelled
-   components (at two γ for sd and mirror), fitted again after step 4 to all their runs;
-4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the
-   profile's choice is the fastest confirmed configuration by its *measured* step time and the traces'
-   tokens per step, so the choice is never one that only the model believed in.
+   components, fitted again after step 4 to all their runs;
+4. predictions for the whole grid, then real generations of the top few (and ar) to confirm: the choice is
+   the fastest confirmed configuration by its *measured* step time, never one only the model believed in.
 
-Across ranks (mirror_mlx/distributed.py, under mlx.launch) every rank runs the same target forwards in the
-same order (its shard's layers all_sum inside each), so whatever a timing decides (repetitions, the points
-measured next, the configurations confirmed, when a real run has run long enough) is rank 0's decision,
-shared (timing.Lockstep); the draft lives beside rank 0 and is timed there alone; T_comm (the collectives per
-target forward, by row count) is measured and kept apart in the step model; rank 0 alone gets the profile.
+Across ranks (under mlx.launch) every rank runs the same target forwards in the same order, so whatever a
+timing decides is rank 0's decision, shared (timing.Lockstep); the draft is timed beside rank 0 alone, T_comm
+is kept apart in the step model, and rank 0 alone gets the profile.
 """
 
 import os
@@ -109,12 +103,11 @@ def measure_timings(pipe: PairView, b: Bench, cfg: TuneConfig, layers: list[int]
     t = Timings()
     timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
     rows = sorted({1} | {g + 1 for g in cfg.gammas})
-    if step.group is None:
-        t.verify = timed({n: partial(b.verify, n) for n in rows})
-    else:
-        both = timed({**{("verify", n): partial(b.verify, n) for n in rows},
-                      **{("comm", n): partial(b.comm, n, step.group) for n in rows}}, step=step)
-        t.verify = {n: both[("verify", n)] for n in rows}
+    forwards = {("verify", n): partial(b.verify, n) for n in rows}
+    if step.group is not None:
+        forwards.update({("comm", n): partial(b.comm, n, step.group) for n in rows})
+    forwards = timed(forwards, step=step)
+    t.verify = {n: forwards[("verify", n)] for n in rows}
     if b.draft is not None:  # the draft: in this process, or across ranks beside rank 0 only
         t.window = timed({g: partial(b.rollout, [[b.context[-1]]], g) for g in cfg.gammas})
         if pipe.engine.drafts_locally:  # sd drafts in-process: its window as it runs
@@ -127,7 +120,7 @@ def measure_timings(pipe: PairView, b: Bench, cfg: TuneConfig, layers: list[int]
     t.prefix = {k: v[0] for k, v in halves.items()}
     t.suffix = {k: v[1] for k, v in halves.items()}
     if step.group is not None:
-        split_comm(t, {n: both[("comm", n)] for n in rows}, pipe.engine.n_layers)
+        split_comm(t, {n: forwards[("comm", n)] for n in rows}, pipe.engine.n_layers)
     return t
 
 
@@ -198,19 +191,9 @@ def probe_configs(cfg: TuneConfig, layers: list[int]) -> list[Config]:
     return [Config("ar")] + [Config("sd", gamma=g) for g in gs] + [Config("mirror", cfg.kappas[0], g, e) for g in gs]
 
 
-def measure_overheads(pipe: PairView, t: Timings, probes: list[Config], cfg: TuneConfig, prompts,
-                      check: Callable[[], None] = lambda: None, step: Optional[Lockstep] = None) -> dict:
-    """Per mode and probed γ: measured step time minus the modelled components (scheduling, messages, sampling,
-    Python). The probes run on the first prompt; returns their runs (the confirmation adds the other prompts)."""
-    runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=check, min_seconds=cfg.min_seconds / 2,
-                       step=step)
-    if step is None or step.lead:  # (across ranks only rank 0 holds the draft's timings)
-        fit_overheads(t, runs)
-    return runs
-
-
 def fit_overheads(t: Timings, runs: dict) -> None:
-    """t.overhead[mode][γ] from the probes' real runs."""
+    """t.overhead[mode][γ] from the probes' real runs: step time minus the modelled components (scheduling,
+    messages, sampling, Python)."""
     for c, run in runs.items():
         t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
 
@@ -320,7 +303,11 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
     parallel(mirror_probes, len(mirror_probes))
     ph.done("timings")
     ph.begin("probes", len(probes))
-    probe_runs = measure_overheads(pipe, t, probes, cfg, prompts, ph.check, step)
+    # the probes on the first prompt (the confirmation adds the others)
+    probe_runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=ph.check,
+                             min_seconds=cfg.min_seconds / 2, step=step)
+    if step.lead:  # (across ranks only rank 0 holds the draft's timings)
+        fit_overheads(t, probe_runs)
     ph.bars[-1].update(len(probes))
     ph.done("probes")
     ph.begin("suffix ‖ rollout", None)

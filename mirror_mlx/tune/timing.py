@@ -126,9 +126,9 @@ class Bench:
         return self.engine.on_target(once)
 
     def comm(self, n: int, group: Any) -> float:
-        """T_comm over `n` rows across ranks: the collectives of one forward of the sharded target (two
-        all_sums of n × hidden per layer), chained in one graph as the forward chains them (an eval after
-        each would time MLX's per-eval overhead too), on the target's worker. Every rank must call it."""
+        """T_comm over `n` rows across ranks: one sharded forward's two all_sums of n × hidden per layer, chained
+        in one graph as the forward chains them (an eval after each would time MLX's per-eval overhead too).
+        Every rank must call it."""
         from ..model_parts import text_model
 
         inner = text_model(self.model)
@@ -151,15 +151,9 @@ class Bench:
         vocab = self.engine.draft_vocab
         return [spine[:r] + [(self.context[-1] + 1 + v) % vocab] for r in range(gamma + 1) for v in range(kappa)]
 
-    def sync(self, context: list[int]) -> None:
-        """The host's draft cache at `context` (a real step's draft has the committed text synced in)."""
-        self.draft.post_sync(context)
-        self.draft.wait_done(DRAFT_TIMEOUT_S)
-
     def rollout(self, stems: list[list[int]], gamma: int, prepared: Optional[bool] = None) -> float:
-        """A blocking host rollout after two newly committed tokens (they reach the draft with the request,
-        as in a real step): the round trip over the ring, what the scheduler waits for. Branches (or
-        `prepared`) follow a prepare, as in a mirror step (the window fed during the prefix: `prepare`)."""
+        """A blocking host rollout after two newly committed tokens (sent with the request, as in a real step):
+        the round trip the scheduler waits for. Branches (or `prepared`) follow a prepare, as in a mirror step."""
         self._ready(gamma, len(stems) > 1 if prepared is None else prepared)
         ctx = self.context[:-1]
         t0 = time.perf_counter()
@@ -167,10 +161,11 @@ class Bench:
         return time.perf_counter() - t0
 
     def _ready(self, gamma: int, prepared: bool) -> None:
-        """The draft as a real step has it before its rollout: two committed tokens behind, or (prepared)
-        holding the committed tokens and the γ-token window `stems` branch from (mirror's prepare)."""
+        """The host's draft cache as a real step has it before its rollout: two committed tokens behind, or
+        (prepared) holding the committed tokens and the γ-token window `stems` branch from (mirror's prepare)."""
         ctx = self.context[:-1]
-        self.sync(ctx + self.context[-gamma:] if prepared else ctx[:-2])
+        self.draft.post_sync(ctx + self.context[-gamma:] if prepared else ctx[:-2])
+        self.draft.wait_done(DRAFT_TIMEOUT_S)
 
     def prepare(self, gamma: int) -> float:
         """Mirror's prepare after two newly committed tokens: the draft feeds them and the γ-token window
@@ -181,8 +176,7 @@ class Bench:
         return time.perf_counter() - t0
 
     def local_rollout(self, gamma: int) -> float:
-        """sd's window where it drafts in-process: on the target's thread, after two newly committed
-        tokens, as in a real sd step (no ring)."""
+        """sd's window where it drafts in-process, on the target's thread (no ring), as in a real sd step."""
         return self.engine.local_window(self.context[:-1], self.context[-1], gamma)
 
     def parallel(self, layer: int, kappa: int, gamma: int) -> float:
