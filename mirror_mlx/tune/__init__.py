@@ -1,9 +1,6 @@
-"""Mode auto: calibrate the pair on this machine (`calibrate`, `mirror-mlx tune`), keep the result
-(`profile`), score and choose configurations (`cost_model`: the latency model and the choice by it), resolve
-each call and watch it (`policy`), and print what tune found (`report`).
-
-`profile_for(pipe)` (the pipeline's profile, calibrated on first use) and `describe(config)` are the
-entry points scripts use.
+"""Mode auto: calibrate the pair on this machine (`calibrate`), keep the result (`profile`), score and choose
+configurations (`cost_model`), resolve each call and watch it (`policy`). Scripts enter by `profile_for(pipe)`
+(the pipeline's profile, calibrated on first use) and `describe(config)`.
 """
 
 from .cost_model import describe

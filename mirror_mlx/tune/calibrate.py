@@ -94,12 +94,11 @@ def exit_layer_candidates(pipe: PairView, cfg: TuneConfig) -> list[int]:
 
 
 def measure_timings(pipe: PairView, b: Bench, cfg: TuneConfig, layers: list[int], tick: Callable,
-                    step: Optional[Lockstep] = None) -> Timings:
+                    step: Lockstep) -> Timings:
     """Every component but suffix ‖ rollout together (`measure_parallel` does those where they matter).
     Across ranks (`step`) the target's pieces run on every rank as rank 0 decides, the draft's on rank 0
     alone, and T_comm is timed in the same rounds as the verify forwards (a burst of load hits both alike),
     then split off the target's pieces (`split_comm`)."""
-    step = step or Lockstep(None)
     t = Timings()
     timed = partial(interleaved, reps=cfg.reps, tick=tick, min_s=cfg.min_timed_s)
     rows = sorted({1} | {g + 1 for g in cfg.gammas})

@@ -45,18 +45,15 @@ class Config:
 
 @dataclass
 class Trace:
-    """One greedy continuation, teacher-forced through target and draft.
+    """One greedy continuation, teacher-forced through target and draft."""
 
-    runs[i]: how many tokens of the draft's window started at position i equal the target's, in a row
-    (capped at the longest γ measured). A shorter window's accepted length is min(γ, runs[i]).
-    rank_excl[ℓ][i]: rank of the target's token among the early exit's tokens at layer ℓ, the draft's
-    own token left out (the engine's excluded-token rule at a rejected row).
-    rank_plain[ℓ][i]: the same rank with nothing left out (the bonus row after a full accept).
-    """
-
+    # [i]: how many tokens of the draft's window started at position i equal the target's, in a row (capped at
+    # the longest γ measured); a shorter window's accepted length is min(γ, runs[i])
     runs: list[int]
+    # [ℓ][i]: the target token's rank among the early exit's at layer ℓ, the draft's own token left out (the
+    # engine's excluded-token rule at a rejected row)
     rank_excl: dict[int, list[int]] = field(default_factory=dict)
-    rank_plain: dict[int, list[int]] = field(default_factory=dict)
+    rank_plain: dict[int, list[int]] = field(default_factory=dict)  # the same with nothing left out (the bonus row)
 
 
 def _steps(trace: Trace, gamma: int) -> Iterable[tuple[int, int]]:
@@ -247,16 +244,13 @@ def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:
     return sorted((predict(c, t, acc) for c in configs), key=lambda p: -p["tokens_per_second"])
 
 
-def grid(kappas: Iterable[int], gammas: Iterable[int], exit_layers: Iterable[int], draft: bool = True,
+def grid(kappas: Iterable[int], gammas: Iterable[int], exit_layers: Iterable[int],
          branches: Iterable[Optional[int]] = (None,)) -> list[Config]:
     """ar, sd at every γ and mirror at every (κ, γ, ℓ_e) and branch budget B (those below κ(γ+1), and None:
-    every branch); only ar without a draft."""
-    out = [Config("ar")]
-    if draft:
-        out += [Config("sd", gamma=g) for g in gammas]
-        out += [Config("mirror", k, g, e, branches=b) for e in exit_layers for k in kappas for g in gammas
-                for b in branches if b is None or b < k * (g + 1)]
-    return out
+    every branch)."""
+    return ([Config("ar")] + [Config("sd", gamma=g) for g in gammas]
+            + [Config("mirror", k, g, e, branches=b) for e in exit_layers for k in kappas for g in gammas
+               for b in branches if b is None or b < k * (g + 1)])
 
 
 # --- the choice: how auto scores a measured configuration and picks one (the calibration's choice, and the same

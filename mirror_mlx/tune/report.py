@@ -50,11 +50,10 @@ def contention(prof: Profile) -> str:
         suffix += t["comm"][str(g + 1)] - t["comm_prefix"][str((e, g + 1))]
     rollout = t["rollout"][str((k * (g + 1), g))]
     together = t["parallel"].get(str((e, k, g)))
-    if together is None:  # chosen from its real runs; its prediction used the floor (confirmed past the top: pick_confirm)
-        return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: not timed together (confirmed by its real runs); "
-                f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart")
-    return (f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}: {1e3 * together:.2f} ms together vs "
-            f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart ({together / max(suffix, rollout):.2f}× the ideal)")
+    point, apart = f"suffix ‖ rollout at κ={k} γ={g} ℓe={e}", f"max({1e3 * suffix:.2f}, {1e3 * rollout:.2f}) ms apart"
+    if together is None:  # confirmed past the top (pick_confirm) by its real runs: its prediction used the floor
+        return f"{point}: not timed together (confirmed by its real runs); {apart}"
+    return f"{point}: {1e3 * together:.2f} ms together vs {apart} ({together / max(suffix, rollout):.2f}× the ideal)"
 
 
 def comm_line(prof: Profile) -> str:
