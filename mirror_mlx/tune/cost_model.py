@@ -2,11 +2,9 @@
 
 Beyond the design doc's formulas: T_late = max(0, T_prepare(γ) − T_prefix) delays the rollout inside T_par (the
 draft feeds the window during the prefix), and a branch budget B rolls out min(B, κ(γ+1)) rows, timed between
-the row counts measured, with the contention measured at κ(γ+1). Replaying an acceptance trace (`Trace`) at
-temperature 0 gives every step's accepted length for any γ and its reuse for any κ, so `mean_tokens` and
-`reuse_rate` are measured, not assumed. Under a budget the predicted reuse is the traces' mass of the B
-likeliest (row, rank) branches (the engine picks its B per step from the exit's own probabilities,
-branch_budget.py, so it can only do better on text like the traces').
+the row counts measured, with the contention measured at κ(γ+1). Tokens per step and reuse are replayed from
+acceptance traces (`Trace`), so they are measured, not assumed; under a budget the engine picks its B per step
+from the exit's own probabilities (branch_budget.py), so it can only do better on text like the traces'.
 """
 
 from collections import Counter

@@ -1,11 +1,7 @@
 """mode="auto" at run time: resolve each call's mode and knobs from the pair's profile (loaded, or
-calibrated on first use), adapt them across calls to what auto's own runs have seen (`adapt`), and
-within a call leave the draft once the text at hand defeats it (`leave_draft`, run by the engine
-after each step through `AutoRun`).
-
-At temperature 0 the draft's acceptance seen in auto's own generations moves every confirmed
-configuration's tokens per step (a more predictable text favours longer windows); their measured
-step times stay.
+calibrated on first use), adapt them across calls to what auto's own runs have seen (`adapt`: a more
+predictable text favours longer windows), and within a call leave the draft once the text at hand defeats
+it (`leave_draft`, run by the engine after each step through `AutoRun`).
 """
 
 import sys
