@@ -133,14 +133,6 @@ class RolloutCost:
         self.rollouts.setdefault(rows, _recent()).append(rollout)
         self.suffixes.append(suffix)
 
-    @property
-    def window(self) -> Optional[float]:
-        return median(self.windows) if self.windows else None
-
-    @property
-    def suffix(self) -> Optional[float]:
-        return median(self.suffixes) if self.suffixes else None
-
     def line(self) -> Optional[tuple[float, float]]:
         """(one row's rollout, each further row's), read off the fewest and most rows rolled out (branch
         rollouts only: a serial window feeds what a prepare fed); from one row count, all of it per row
@@ -159,16 +151,13 @@ class RolloutCost:
         within the suffix, and past it each whose score times a one-row window outweighs its row; all before
         any branch rollout was timed."""
         line = self.line()
-        if line is None or self.suffix is None:
+        if line is None or not self.suffixes:
             return len(scores)
         one, per_row = line
-        window = self.window if self.window is not None else one  # what reusing a branch saves
-        n = 0
-        for k, score in enumerate(scores):
-            if one + k * per_row > self.suffix and score * window < per_row:
-                break
-            n = k + 1
-        return max(n, 1)
+        suffix = median(self.suffixes)
+        window = median(self.windows) if self.windows else one  # what reusing a branch saves
+        past = (k for k, score in enumerate(scores) if one + k * per_row > suffix and score * window < per_row)
+        return max(next(past, len(scores)), 1)
 
 
 @dataclass
