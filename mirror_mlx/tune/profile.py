@@ -29,8 +29,7 @@ class ProfileError(ValueError):
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("MIRROR_MLX_CACHE")
-    if env:
+    if env := os.environ.get("MIRROR_MLX_CACHE"):
         return Path(env).expanduser()
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "mirror-mlx"
@@ -103,9 +102,8 @@ class Profile:
 
 
 def key_for(target: Any, draft: Any = None, adapter: Any = None) -> dict:
-    draft_module = getattr(draft, "model", draft)
-    return {"target": fingerprint(target), "draft": fingerprint(draft_module), "adapter": fingerprint(adapter),
-            "machine": machine()}
+    return {"target": fingerprint(target), "draft": fingerprint(getattr(draft, "model", draft)),
+            "adapter": fingerprint(adapter), "machine": machine()}
 
 
 def path_for(key: dict) -> Path:
@@ -141,8 +139,7 @@ def saved(key: dict, engine: Any = None) -> Optional[Profile]:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-        profile = Profile(**data)
+        profile = Profile(**json.loads(path.read_text()))
     except OSError as e:
         raise ProfileError(f"the tuning profile {path} cannot be read ({e.strerror or type(e).__name__}): "
                            "fix its permissions, delete it or run `mirror-mlx tune` again") from None
@@ -178,9 +175,8 @@ def _out_of_range(profile: Profile) -> str:
     """What in a profile's choice no run could use ("" when nothing): an edited or damaged file."""
     from ..validate import MAX_BRANCHES
 
-    knobs = {"kappa": profile.kappa, "gamma": profile.gamma, "exit_layer": profile.exit_layer,
-             "branches": profile.branches}
-    for name, value in knobs.items():
+    for name in ("kappa", "gamma", "exit_layer", "branches"):
+        value = getattr(profile, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             return f"{name}: {value!r} (must be an int of at least 1)"
     if profile.mode == "mirror" and None not in (profile.kappa, profile.gamma) and (
