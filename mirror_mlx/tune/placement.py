@@ -17,9 +17,6 @@ from .. import blas
 from . import profile as profiles
 from .profile import PairView
 
-PLACEMENTS = ("unpinned", "split")
-
-
 def split_unavailable() -> str:
     """Why this machine cannot split (not Linux, fewer than two allowed cores), or ""."""
     if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
@@ -32,16 +29,7 @@ def candidates(pipe: PairView) -> tuple[str, ...]:
     """The placements `tune` measures for mirror here: both, unless split is unavailable or held."""
     if pipe.auto.placement_held or split_unavailable() or pipe.engine.draft_pid is None:
         return ("unpinned",)
-    return PLACEMENTS
-
-
-def row_for(prof: Optional[profiles.Profile], mode: str, kappa: Optional[int], gamma: Optional[int],
-            exit_layer: Optional[int]) -> Optional[dict]:
-    """The profile's row for this point, or None."""
-    if prof is None:
-        return None
-    return next((r for r in prof.table if r["mode"] == mode and r.get("kappa") == kappa and r.get("gamma") == gamma
-                 and r.get("exit_layer") == exit_layer), None)
+    return ("unpinned", "split")
 
 
 def _profile(pipe: PairView) -> Optional[profiles.Profile]:
@@ -72,7 +60,9 @@ def pick(pipe: PairView, mode: str, kappa: Optional[int], gamma: Optional[int], 
         return "unpinned", why_not
     if pipe.engine.draft_pid is None:
         return "unpinned", "the draft host is not a process of its own"
-    row = row_for(_profile(pipe), mode, kappa, gamma, exit_layer)
+    prof = _profile(pipe)
+    row = next((r for r in prof.table if r["mode"] == mode and r.get("kappa") == kappa and r.get("gamma") == gamma
+                and r.get("exit_layer") == exit_layer), None) if prof is not None else None
     if row is None or not row.get("placements"):
         return "unpinned", "no profile row measured a placement for this point (`mirror-mlx tune`)"
     rates = " vs ".join(f"{p} {v:.1f}" for p, v in sorted(row["placements"].items(), key=lambda kv: -kv[1]))
