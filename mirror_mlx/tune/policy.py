@@ -331,7 +331,6 @@ def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optiona
                exit_layer: Optional[int]) -> Choice:
     """`explicit`'s knobs from a given profile (across ranks, the one `tune` wrote for them): its best row for
     `mode` that has the knobs given, else SAFE_KNOBS (ℓ_e the exit adapter's layer or N/2)."""
-    asked = f"mode {mode} as asked"
     given = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items()
              if v is not None and (mode == "mirror" or k == "gamma")}
     rows = [r for r in prof.table if r["mode"] == mode]
@@ -342,6 +341,8 @@ def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optiona
     if fits:
         best = best_point(fits)
         got = {k: given.get(k, best[k]) for k in names}
+        if mode == "mirror" and best.get("branches") is not None:  # the row's B, with the row's κ and γ
+            got["branches"] = best["branches"]
         ranks = f" of {prof.key['ranks']} ranks" if prof.key.get("ranks") else ""  # across ranks: tune's for them
         source = "the profile (quick calibration)" if prof.why.startswith("quick") else f"the tuned profile{ranks}"
     else:
@@ -349,11 +350,9 @@ def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optiona
         if mode == "mirror" and got["exit_layer"] is None:
             got["exit_layer"] = default_exit
         source = f"small safe defaults, uncalibrated (the profile has no {mode} row: {prof.why})"
-    if fits and mode == "mirror" and best.get("branches") is not None:  # the row's B, with the row's κ and γ
-        got["branches"] = best["branches"]
     picked = " ".join(f"{k}={v}" for k, v in got.items() if k not in given)
     return Choice(mode, got.get("kappa", PAPER_KNOBS["kappa"]), got["gamma"], got.get("exit_layer", exit_layer),
-                  f"{asked}; {picked} from {source}", got.get("branches"))
+                  f"mode {mode} as asked; {picked} from {source}", got.get("branches"))
 
 
 def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource, auto: AutoState,
