@@ -67,8 +67,7 @@ class TuneConfig:
 
     @classmethod
     def quick(cls) -> "TuneConfig":
-        """Small on purpose: 2 openings × 16 tokens (1 to confirm), κ ∈ {1,2} × γ ∈ {1,...,5}, the middle ℓ_e
-        (and each exit adapter's first exact layer), one probe per mode, capped."""
+        """Small on purpose (a first call waits for it): few prompts and knobs, one probe per mode, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), branches=(None, 2, 4), reps=2,
                    confirm=2, confirm_prompts=1, min_seconds=0.5, min_timed_s=0.05, probe_two_windows=False,
                    exact_top=2, progress=False, budget_s=quick_budget())
