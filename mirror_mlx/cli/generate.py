@@ -11,10 +11,6 @@ from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwarg
                             xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 
-def str2bool(text: str) -> bool:
-    """mlx_lm.generate's --verbose parser: anything but 'false' or 'f' (any case) is True."""
-    return text.lower() not in ("false", "f")
-
 
 class TakesLists(click.Command):
     """argparse's nargs="+" for the options in LISTS: `--extra-eos-token a b` is `--extra-eos-token a
@@ -133,7 +129,7 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
     """
     from mirror_mlx.blas import status
 
-    verbose = str2bool(verbose) and not quiet
+    verbose = verbose.lower() not in ("false", "f") and not quiet  # mlx_lm.generate's str2bool
     cache, tokenizer_config = None, None
     if prompt_cache_file is not None:
         cache, model, tokenizer_config = read_prompt_cache(prompt_cache_file, model, decode)
