@@ -251,13 +251,9 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
         raise usage_error(e)
 
 
-def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, prefill_step_size, kappa, gamma,
-                      exit_layer, mode, branches=None, lookup=None, ngram_max=DEFAULTS.ngram_max,
-                      ngram_min=DEFAULTS.ngram_min) -> dict:
-    return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
-                max_kv_size=max_kv_size, prefill_step_size=prefill_step_size, kappa=kappa, gamma=gamma,
-                exit_layer=exit_layer, mode=mode, branches=branches, lookup=lookup, ngram_max=ngram_max,
-                ngram_min=ngram_min)
+def generation_kwargs(temp, **decode) -> dict:
+    """decode_options' flags as the pipeline's keyword arguments (--temp is its temperature)."""
+    return dict(decode, temperature=temp)
 
 
 def xtc_options(min_tokens_to_keep: bool):

@@ -388,28 +388,16 @@ class ClientGone(Exception):
 # --- the command ----------------------------------------------------------------------------------
 
 
-def model_id(name: str) -> str:
-    """What /v1/models calls the target: a local folder's name, or the Hugging Face id as given."""
-    path = Path(name)
-    return path.name if path.exists() else name
-
-
 def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: Optional[dict] = None,
-          max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
-          log_level: int = logging.INFO, prompt_cache_size: int = 10,
-          prompt_cache_bytes: Optional[int] = None, decode_concurrency: int = DECODE_CONCURRENCY,
-          prompt_concurrency: int = PROMPT_CONCURRENCY, across: Optional[dict] = None,
-          on_signal: Optional[Callable[[int], None]] = None) -> None:
+          on_signal: Optional[Callable[[int], None]] = None, **settings: Any) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
-    `allowed_origins`: the browser origins that may use it (None: pages on this machine only). `across`:
-    rank 0 of a run across ranks, what it runs differently (said at start and in /health); `on_signal`
-    is called first on each of those signals (across ranks: it bounds the stop)."""
+    `settings` go to Server; `on_signal` is called first on each of those signals (across ranks: it bounds
+    the stop)."""
     defaults = defaults or {}
-    server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
-                    allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
-                    prompt_cache_bytes=prompt_cache_bytes, decode_concurrency=decode_concurrency,
-                    prompt_concurrency=prompt_concurrency, across=across)
+    name = Path(pipe.name).name if Path(pipe.name).exists() else pipe.name  # /v1/models': a folder's name, or the id
+    server = Server((host, port), pipe, name, defaults, **settings)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+
     def stop(signum: int, frame: Any) -> None:
         if on_signal is not None:
             on_signal(signum)
@@ -417,17 +405,18 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
 
     previous = {sig: signal.signal(sig, stop) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
+    across, scheduler = server.across, server.scheduler
     if across:
         server.note(f"across {across['ranks']} ranks: batching {across['batching']}; prefix cache "
                     f"{across['prefix_cache_across_requests']}")
     server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
-                f"(queue {max_queue}, decode concurrency {decode_concurrency}, prompt concurrency {prompt_concurrency}); "
-                "Ctrl-C stops")
+                f"(queue {scheduler.max_queue}, decode concurrency {scheduler.decode_concurrency}, prompt concurrency "
+                f"{scheduler.prompt_concurrency}); Ctrl-C stops")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.stopping.set()
-        server.server_close()  # joins the handler threads, then the scheduler  # joins the handler threads
+        server.server_close()  # joins the handler threads, then the scheduler
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.note("stopped")
