@@ -30,8 +30,7 @@ class StopText:
         if hits:
             self.held = ""
             return text[: min(hits)], True
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if s.startswith(text[-k:])), default=0)
+        keep = max((held_prefix(text, s) for s in self.stops), default=0)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep], False
 
@@ -210,15 +209,13 @@ class Generation:
 def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:
     """One token's log-probability and the `top` likeliest at its position (as mlx_lm.server, sorted)."""
     names = tokenizer.convert_ids_to_tokens
-    entry = {"id": token, "token": names(token), "logprob": row[token].item()}
+    entry = {"id": token, "token": names(token), "logprob": row[token].item(), "top_logprobs": []}
     if top:
         ids = mx.argpartition(-row, kth=top - 1)[:top]
         values = row[ids]
         order = mx.argsort(-values)
         ids, values = ids[order].tolist(), values[order].tolist()
         entry["top_logprobs"] = [{"id": i, "token": n, "logprob": v} for i, n, v in zip(ids, names(ids), values)]
-    else:
-        entry["top_logprobs"] = []
     return entry
 
 
