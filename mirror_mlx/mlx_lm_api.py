@@ -44,10 +44,7 @@ from .text import as_is
 from .prompt_cache import PromptCache
 
 KEEP = 2
-# mlx-lm's QuantizedKVCache does trim (rejected draft rows could be rolled back); what it cannot give is
-# mlx-lm's tokens: mlx-lm quantizes the whole cache after the forward that reaches quantized_kv_start, so
-# which positions saw full-precision keys depends on how many tokens each forward held, and a verify
-# forward of γ+1 rows crosses that point where mlx-lm's one-token forwards do not.
+# (mlx-lm's QuantizedKVCache does trim: what it cannot give is mlx-lm's tokens, as KV_BITS says)
 KV_BITS = ("a quantized KV cache is not supported: mlx-lm quantizes the cache after the forward that reaches "
            "quantized_kv_start, and a speculative step's forward of several tokens crosses that point where "
            "mlx-lm's one-token forwards do not, so the tokens would differ from mlx-lm's; leave kv_bits unset "

@@ -5,7 +5,7 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 import importlib
 import sys
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import click
 
@@ -132,23 +132,6 @@ def with_options(opts: list):
     return apply
 
 
-def knob_options(gamma_help: str) -> list:
-    """--kappa / --gamma / --exit-layer, Mirror-SD's knobs (generate, chat, bench)."""
-    return [
-        click.option("--kappa", type=int, default=DEFAULTS.kappa,
-                     help="Top-κ width at the early exit [default: the pair's profile's (auto's choice, or the "
-                          "best for --mode; uncalibrated: 1)]."),
-        click.option("--gamma", "--num-draft-tokens", "gamma", type=int, default=DEFAULTS.gamma,
-                     help=f"{gamma_help} --num-draft-tokens is mlx-lm's name for it "
-                          "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
-        click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
-                     help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
-        click.option("--branches", type=int, default=DEFAULTS.branches,
-                     help="Branch budget B: mirror rolls out the B branches the early exit scores likeliest of its "
-                          "κ(γ+1) a step [default: those that pay, by the generation's own timings]."),
-    ]
-
-
 def decode_options(max_tokens: int, seed: Optional[int]):
     """mlx-lm's sampling flags (its defaults: generate -m 100, chat -m 256 and --seed 0) plus Mirror-SD's knobs."""
     return with_options([
@@ -165,16 +148,21 @@ def decode_options(max_tokens: int, seed: Optional[int]):
                           "prompt + --max-tokens fit in it (then exact), else refused."),
         click.option("--prefill-step-size", type=int, default=DEFAULTS.prefill_step_size, show_default=True,
                      help="Prompt tokens per target forward in the prefill (as mlx-lm)."),
-        *knob_options("Window length γ."),
+        # Mirror-SD's knobs
+        click.option("--kappa", type=int, default=DEFAULTS.kappa,
+                     help="Top-κ width at the early exit [default: the pair's profile's (auto's choice, or the "
+                          "best for --mode; uncalibrated: 1)]."),
+        click.option("--gamma", "--num-draft-tokens", "gamma", type=int, default=DEFAULTS.gamma,
+                     help="Window length γ. --num-draft-tokens is mlx-lm's name for it "
+                          "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
+        click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
+                     help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
+        click.option("--branches", type=int, default=DEFAULTS.branches,
+                     help="Branch budget B: mirror rolls out the B branches the early exit scores likeliest of its "
+                          "κ(γ+1) a step [default: those that pay, by the generation's own timings]."),
         click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
                      help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
-        *lookup_options(),
-    ])
-
-
-def lookup_options() -> list:
-    """--lookup / --ngram-max / --ngram-min: prompt lookup beside the draft (mirror_mlx/lookup.py)."""
-    return [
+        # prompt lookup beside the draft (mirror_mlx/lookup.py)
         click.option("--lookup/--no-lookup", default=DEFAULTS.lookup,
                      help="Propose the context's continuation where an n-gram repeats, the draft model elsewhere "
                           "(sd; mirror: after a fallback) [default: on with --draft-model lookup, else off]."),
@@ -182,7 +170,7 @@ def lookup_options() -> list:
                      help="The lookup's longest n-gram, tried first."),
         click.option("--ngram-min", type=int, default=DEFAULTS.ngram_min,
                      help="The lookup's shortest n-gram [default: 1 alone, 2 beside a draft model]."),
-    ]
+    ])
 
 
 def mlx_lm_load_options(f):
@@ -206,6 +194,14 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",
          "prompt_cache": "--prompt-cache-file",
          "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
+
+
+def refusing(error: type, make: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`make(*args, **kwargs)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
+    try:
+        return make(*args, **kwargs)
+    except error as e:
+        raise click.UsageError(str(e))
 
 
 def usage_error(e: Exception) -> click.UsageError:

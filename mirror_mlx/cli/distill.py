@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from mirror_mlx.cli import refusing
 from mirror_mlx.distill import DataConfig, TrainConfig
 
 
@@ -75,10 +76,7 @@ def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
     from mirror_mlx.distill import train
 
     cfg = TrainConfig(target=model, out=out, sources=tuple(s for s in sources.split(",") if s), **kw)
-    try:
-        r = train(cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    r = refusing(ValueError, train, cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
     click.echo(json.dumps(r))
 
 

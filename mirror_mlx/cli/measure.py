@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from mirror_mlx.bench.run import BenchConfig
-from mirror_mlx.cli import load_pipeline, model_options
+from mirror_mlx.cli import load_pipeline, model_options, refusing
 from mirror_mlx.tune.calibrate import TuneConfig
 
 TUNE = TuneConfig()
@@ -104,10 +104,7 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
     """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
     from mirror_mlx.omega import run_omega
 
-    try:
-        click.echo(run_omega(model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    click.echo(refusing(ValueError, run_omega, model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
 
 
 @click.command("bench")
