@@ -55,8 +55,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
                                "drop --quick or those flags")
     pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
     if pin:
-        pinning = pin_threads(pipe)
-        click.echo(f"pinning: {pinning}", err=True)
+        click.echo(f"pinning: {pin_threads(pipe)}", err=True)
     cfg = TuneConfig.quick() if quick else TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm,
                                                       min_seconds=min_seconds)
     if quick:

@@ -13,15 +13,12 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 from typing import Any, Callable, Optional, Union
 
-
 from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
                       parse_request)
 from .prefix_cache import PrefixCache
 from .reply import Generation, Reply, ToolText
 from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
-
-# --- HTTP -----------------------------------------------------------------------------------------
 
 
 def origin_allowed(origin: str, allowed: Optional[tuple[str, ...]]) -> bool:
@@ -325,14 +322,13 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:
             self.engine_failed(e, gen, sent=req.stream)
             return
-        finally:
-            gen.close()
         s.count("completed")
-        if gen.restored:
-            s.note(f"prefix cache: the target started from a stored cache of {gen.restored} prompt tokens "
+        restored = gen.job.restored
+        if restored:
+            s.note(f"prefix cache: the target started from a stored cache of {restored} prompt tokens "
                    "(the draft re-syncs from its own cache)")
         finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
-        extra = {"usage": gen.usage(), "x_mirror": dict(gen.stats(), prefix_cache_tokens=gen.restored)}
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.job.x_stats(), prefix_cache_tokens=restored)}
         try:
             if not req.stream:
                 self.send_json(200, reply.whole("".join(text), finish, extra, calls, gen.take_logprobs()))

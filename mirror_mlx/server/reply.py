@@ -14,9 +14,6 @@ from ..pipeline import Pipeline
 from .request import APIError, Request
 from .scheduler import Job
 
-# --- stop strings ---------------------------------------------------------------------------------
-
-
 class StopText:
     """Cut the text at the first stop string; hold back a tail that could be the start of one."""
 
@@ -186,13 +183,6 @@ class Generation:
         if self.job is not None:
             self.job.cancelled.set()
 
-    @property
-    def restored(self) -> int:
-        return self.job.restored if self.job is not None else 0
-
-    def stats(self) -> dict:
-        return self.job.x_stats() if self.job is not None else {}
-
     def take_logprobs(self) -> Optional[list[dict]]:
         """The scored tokens not yet answered, as [{id, token, logprob, top_logprobs}] (None: not asked)."""
         if not self.req.logprobs:
@@ -203,7 +193,7 @@ class Generation:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.job.cached if self.job is not None else 0}}
+                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
 def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:

@@ -35,9 +35,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-# --- request → generation settings ---------------------------------------------------------------
-
-
 @dataclass
 class Request:
     """One validated request: what to run and how to answer it."""

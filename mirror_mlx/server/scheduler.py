@@ -279,12 +279,10 @@ class Scheduler:
 
     def _start_solo(self, job: Job, resumed: bool = False) -> None:
         """Decode `job` through the pipeline as a request alone (after its committed tokens, if any)."""
-        if job.detok is None:
-            job.detok = self._detokenizer(job)
         plan = job.plan.after(job.generated)
         restored = self.prefixes.restore(plan.ids) if self.prefixes is not None and not resumed else 0
         try:
-            job.stream = self.pipe.run(plan, job.detok)
+            job.stream = self.pipe.run(plan, self._detokenizer(job))
         except Exception as e:  # (checked when admitted: a bug or a dead engine)
             self._end(job, e)
             return
@@ -382,8 +380,6 @@ class Scheduler:
 
     def _insert(self, job: Job, cache: Optional[list] = None, committed: Optional[list[int]] = None) -> None:
         """Into the batch: with the target's cache of `committed[:-1]`, or from the prefix cache, or fresh."""
-        if job.detok is None:
-            job.detok = self._detokenizer(job)
         opts = job.plan.opts
         committed = job.ids + job.generated if committed is None else committed
         held = len(committed) - 1 if cache is not None else 0
@@ -479,7 +475,9 @@ class Scheduler:
 
     def _detokenizer(self, job: Job) -> Detokenizer:
         """The request's one detokenizer, across its switches between alone and the batch."""
-        return Detokenizer(self.pipe.tokenizer, job.max_tokens, job.plan.opts.stop_tokens)
+        if job.detok is None:
+            job.detok = Detokenizer(self.pipe.tokenizer, job.max_tokens, job.plan.opts.stop_tokens)
+        return job.detok
 
     def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int],
               said: Optional[tuple[list[str], str, Optional[str]]] = None) -> None:
@@ -492,7 +490,7 @@ class Scheduler:
             rows = [None] * len(ids)
         shown = [(t, d, r) for t, d, r in zip(ids, from_draft, rows) if t != stop]
         if said is None:
-            texts, tail, finish = job.detok.add(ids, stop)
+            texts, tail, finish = self._detokenizer(job).add(ids, stop)
             text = "".join(texts) + tail
         else:
             texts, text, finish = said
