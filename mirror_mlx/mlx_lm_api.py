@@ -202,8 +202,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
         given = given_cache(prompt_cache)
         max_kv_size = None  # as mlx-lm: a given cache is used as it is
     pipe = pipeline(model, tokenizer, draft_model)
-    ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
-                                                                          (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if isinstance(prompt, mx.array):
+        prompt = prompt.tolist()
+    ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     start = given.length if given is not None else 0
     mode = mode or ("sd" if pipe.draftless else "mirror" if draft_model is not None else "ar")  # (no model: sd)
     plan = pipe.check(ids, given, cap=max_tokens == -1, max_tokens=2 ** 20 if max_tokens == -1 else max_tokens,
@@ -213,11 +214,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
     progress = prompt_progress_callback or (lambda *_: None)
     progress(0, len(ids))
-    prefilled = False
     try:
-        for chunk in chunks:
-            if not prefilled:
-                prefilled = True
+        for i, chunk in enumerate(chunks):
+            if i == 0:  # the first token is out
                 progress(len(ids), len(ids))
             for record in _records(chunk, pipe.stats if chunk.finish_reason else None):
                 yielded.append(record.token)

@@ -21,14 +21,10 @@ class TakesLists(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         out, current = [], None
         for arg in args:
-            if arg in self.LISTS:
-                current = arg
-                out.append(arg)
-                continue
-            if current is not None and out[-1] != current and not arg.startswith("-"):
+            if arg.startswith("-"):
+                current = arg if arg in self.LISTS else None
+            elif current is not None and out[-1] != current:
                 out.append(current)  # a further value of the same list
-            elif arg.startswith("-"):
-                current = None
             out.append(arg)
         return super().parse_args(ctx, out)
 
