@@ -103,26 +103,6 @@ def tracker_ignores_hangup() -> None:
 DEFAULTS = DecodeOptions()  # the one source of every decoding default
 
 
-def model_options(f):
-    """--model / --draft-model / --exit-adapter, shared by generate, chat and bench."""
-    f = click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
-                     help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's.")(f)
-    f = click.option("--draft-model", default=None,
-                     help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id; 'lookup': "
-                          "prompt lookup alone (n-grams of the context, no draft model; sd); 'recycle': the target's "
-                          "recycled predictions, verified as a token tree (no draft model; sd).")(f)
-    f = click.option("--model", default=None,
-                     help="Target: model folder or Hugging Face id [default: the embedded demo pair].")(f)
-    return f
-
-
-draft_vocab_option = click.option(
-    "--draft-vocab", type=int, default=None, metavar="V",
-    help="The draft's head scores only the V token ids most frequent in mirror-mlx's shipped text (eos and special "
-         "ids always): a cheaper draft step, still lossless (the target verifies every token) [default: the whole "
-         "vocabulary].")
-
-
 def with_options(opts: list):
     """A decorator applying click options in the order listed."""
     def apply(f):
@@ -130,6 +110,25 @@ def with_options(opts: list):
             f = opt(f)
         return f
     return apply
+
+
+model_options = with_options([  # shared by generate, chat, serve, tune and bench
+    click.option("--model", default=None,
+                 help="Target: model folder or Hugging Face id [default: the embedded demo pair]."),
+    click.option("--draft-model", default=None,
+                 help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id; 'lookup': "
+                      "prompt lookup alone (n-grams of the context, no draft model; sd); 'recycle': the target's "
+                      "recycled predictions, verified as a token tree (no draft model; sd)."),
+    click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
+                 help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's."),
+])
+
+
+draft_vocab_option = click.option(
+    "--draft-vocab", type=int, default=None, metavar="V",
+    help="The draft's head scores only the V token ids most frequent in mirror-mlx's shipped text (eos and special "
+         "ids always): a cheaper draft step, still lossless (the target verifies every token) [default: the whole "
+         "vocabulary].")
 
 
 def decode_options(max_tokens: int, seed: Optional[int]):
@@ -173,12 +172,11 @@ def decode_options(max_tokens: int, seed: Optional[int]):
     ])
 
 
-def mlx_lm_load_options(f):
-    """mlx_lm.load's flags, for generate and chat."""
-    f = click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (as mlx-lm).")(f)
-    f = click.option("--adapter-path", type=click.Path(file_okay=False), default=None,
-                     help="LoRA adapters (mlx_lm.lora's folder) applied to the target.")(f)
-    return f
+mlx_lm_load_options = with_options([  # mlx_lm.load's flags, for generate and chat
+    click.option("--adapter-path", type=click.Path(file_okay=False), default=None,
+                 help="LoRA adapters (mlx_lm.lora's folder) applied to the target."),
+    click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (as mlx-lm)."),
+])
 
 
 pipeline_option = click.option(

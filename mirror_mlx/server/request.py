@@ -144,14 +144,10 @@ def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
 
 def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], defaults: dict,
                   max_prompt_bytes: Optional[int] = None) -> Request:
-    """Read a request body: its shape (each fault an APIError naming the field and the fix); the decode
-    options are checked with the prompt's ids, by the pipeline (`Generation.start`).
-
-    `defaults` are the server's decode settings (the `serve` flags); request fields override them (checked,
-    as every caller's, by the pipeline's one check: validate.request).
-    A text prompt longer than `max_prompt_bytes` cannot fit the context: it is refused here, before it
-    is tokenized.
-    """
+    """Read a request body: its shape (each fault an APIError naming the field and the fix). `defaults` are the
+    server's decode settings (the `serve` flags); request fields override them, checked with the prompt's ids by
+    the pipeline's one check (`Generation.start`). A text prompt longer than `max_prompt_bytes` cannot fit the
+    context: it is refused here, before it is tokenized."""
     body = _body(raw, endpoint, model_ids)
     req = Request(endpoint)
     if endpoint == CHAT:
