@@ -20,7 +20,6 @@ is only its new text:
         for r in stream_generate(model, tokenizer, turn, draft_model=draft, prompt_cache=cache): ...
 """
 
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -179,11 +178,11 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     `prompt_cache`: make_prompt_cache(model)'s list, extended in place as mlx-lm does: afterwards it holds
     what it held, the prompt and every token yielded (the last, and an end-of-sequence token, included),
     also when the caller stops early (after an error: a prefix of those, the rows known to be right); the
-    prompt is only what follows the cached text. Every mode works
-    on a cache that is empty or that only these calls filled (their ids are remembered for the draft);
-    one that mlx-lm filled, or a RotatingKVCache (make_prompt_cache's max_kv_size), works in mode "ar"
-    only. While the stream runs the cache is the stream's. As mlx-lm, `max_kv_size` is ignored when a
-    prompt_cache is given (the cache's own layers decide).
+    prompt is only what follows the cached text. Every mode works on a cache that is empty or that only
+    these calls filled (their ids are remembered for the draft); one that mlx-lm filled, or a
+    RotatingKVCache (make_prompt_cache's max_kv_size), works in mode "ar" only. While the stream runs the
+    cache is the stream's. As mlx-lm, `max_kv_size` is ignored when a prompt_cache is given (the cache's
+    own layers decide).
     """
     unknown = sorted(set(knobs) - set(OPTION_NAMES) - {"stop_tokens"})
     if unknown:
@@ -247,7 +246,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], ve
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
         if response.stats is not None:
-            print(f"Mirror-SD: {response.stats.summary()}", file=sys.stdout)
+            print(f"Mirror-SD: {response.stats.summary()}")
     return text
 
 
