@@ -310,8 +310,7 @@ class Scheduler:
         job.note(stats.mode)
         self.counts["solo_steps"] += 1
         self._emit(job, chunk.committed, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None),
-                   chunk.committed_logprobs,
-                   chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
+                   chunk.committed_logprobs, chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
         if chunk.finish_reason is not None:
             self._finish_solo(job)
 
