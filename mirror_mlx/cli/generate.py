@@ -107,9 +107,9 @@ def same_model(a, b) -> bool:
               help="As mlx-lm: 'False' or 'F' prints the text only, anything else streams it and then the timing "
                    "and Mirror-SD stats on stderr.")
 @click.option("--quiet", is_flag=True, help="Same as --verbose False.")
-@click.option("--kv-group-size", type=int, default=64, show_default=True,
+@click.option("--kv-group-size", type=int, default=64, show_default=True, expose_value=False,
               help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
-@click.option("--quantized-kv-start", type=int, default=5000, show_default=True,
+@click.option("--quantized-kv-start", type=int, default=5000, show_default=True, expose_value=False,
               help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
 @pipeline_option
 @refused_options("generate")
@@ -117,7 +117,7 @@ def same_model(a, b) -> bool:
 def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
-                 quiet, kv_group_size, quantized_kv_start, as_json, **decode) -> None:
+                 quiet, as_json, **decode) -> None:
     """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
 
     mlx_lm.generate's --kv-bits, --image and --quantize-activations are refused, each with its reason

@@ -311,13 +311,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         except Shutdown:
             gen.close()
-            self.cut_short(req, gen, APIError(503, f"the server is shutting down: the reply was cut after "
-                                                   f"{gen.completion_tokens} tokens",
-                                              kind="server_error", code="shutting_down"))
+            self.cut_short(req, APIError(503, f"the server is shutting down: the reply was cut after "
+                                              f"{gen.completion_tokens} tokens", kind="server_error",
+                                         code="shutting_down"))
             return
         except APIError as e:  # the scheduler's: shutting down before it ran
             s.count("rejected")
-            self.cut_short(req, gen, e) if req.stream else self.send_api_error(e)
+            self.cut_short(req, e) if req.stream else self.send_api_error(e)
             return
         except Exception as e:
             self.engine_failed(e, gen, sent=req.stream)
@@ -344,7 +344,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, OSError):
             s.count("disconnected")
 
-    def cut_short(self, req: Request, gen: Generation, error: APIError) -> None:
+    def cut_short(self, req: Request, error: APIError) -> None:
         try:
             if req.stream:
                 self.send_event(error.body())
@@ -365,7 +365,7 @@ class Handler(BaseHTTPRequestHandler):
         line = " ".join(f"{type(e).__name__}: {e}".split())
         error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
         if sent:
-            self.cut_short(gen.req, gen, error)
+            self.cut_short(gen.req, error)
         else:
             try:
                 self.send_api_error(error)
