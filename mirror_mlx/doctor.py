@@ -1,13 +1,9 @@
 """`mirror-mlx doctor`: what this machine can do for Mirror-SD, in a few lines to paste into a bug report.
 
-Mirror-SD pays only when the draft runs *beside* the target (docs/design.md §4): on a Mac the target on
-the GPU through MLX, a Core ML draft on the Neural Engine in its own process. So the report says which
-chip and OS this is, which Python, MLX and default device, whether Core ML's native runtime is here,
-where a Core ML draft's ops would run, and measures the overlap itself: a target forward alone, a draft
-rollout alone (in the draft host process, as the product runs it), and both at once. Elsewhere the
-same probe runs on the CPU, and the report says what only a Mac can check.
-
-The macOS parts run only on macOS; their parsing (`sw_vers`, `sysctl`) is plain functions of text.
+Mirror-SD pays only when the draft runs *beside* the target (docs/design.md §4), so besides the OS, chip,
+Python, MLX and Core ML, the report measures that overlap: a target forward alone, a draft rollout alone (in
+the draft host process, as the product runs it), and both at once. The macOS parts run only on macOS; their
+parsing (`sw_vers`, `sysctl`) is plain functions of text.
 """
 
 import contextlib
@@ -19,7 +15,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -39,20 +34,11 @@ def run_text(cmd: Sequence[str]) -> Optional[str]:
 # ---- the machine
 
 
-def parse_sw_vers(text: str) -> dict[str, str]:
-    """`sw_vers` output ("ProductName:\\tmacOS" lines) as a dict."""
-    out = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and value.strip():
-            out[key.strip()] = value.strip()
-    return out
-
-
 def mac_lines(sw_vers: str, brand: str, model: str, translated: Optional[str], python_arch: str) -> list[str]:
     """The OS and chip lines from `sw_vers`, `sysctl -n machdep.cpu.brand_string`, `sysctl -n hw.model`
     and `sysctl -n sysctl.proc_translated` (None when the key is absent: an Intel Mac)."""
-    v = parse_sw_vers(sw_vers)
+    fields = (line.partition(":") for line in sw_vers.splitlines())  # "ProductName:\tmacOS"
+    v = {key.strip(): value.strip() for key, sep, value in fields if sep and value.strip()}
     brand, model = brand.strip() or "unknown chip", model.strip() or "unknown model"
     lines = [f"OS: {v.get('ProductName', 'macOS')} {v.get('ProductVersion', '?')} ({v.get('BuildVersion', '?')})",
              f"chip: {brand} ({model})"]
@@ -89,10 +75,6 @@ def machine_lines() -> list[str]:
         cpuinfo = ""
     return [f"OS: {platform.system()} {platform.release()} ({platform.machine()})",
             f"chip: {linux_cpu(cpuinfo)}, {os.cpu_count()} logical cores"]
-
-
-def python_line() -> str:
-    return f"Python: {platform.python_version()} ({sys.executable})"
 
 
 def mlx_lines() -> list[str]:
@@ -191,28 +173,11 @@ def compute_plan_lines(package: Optional[str]) -> list[str]:
 # ---- the overlap probe
 
 
-@dataclass
-class Overlap:
-    target_s: float  # one target forward over γ+1 rows, alone (median)
-    draft_s: float  # one κ(γ+1)-row rollout in the draft host process, alone (median)
-    both_s: float  # both started together, until both are done (median)
-    rounds: int
-
-    @property
-    def ratio(self) -> float:
-        """Both at once over the longer one alone: 1.0 = the shorter one fully hidden."""
-        return self.both_s / max(self.target_s, self.draft_s)
-
-    @property
-    def serial_ratio(self) -> float:
-        """What the ratio would be with no overlap at all (one after the other)."""
-        return (self.target_s + self.draft_s) / max(self.target_s, self.draft_s)
-
-
-def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, min_rounds: int = 5) -> Overlap:
-    """Time a target forward (on the target's worker thread, in this process) and a draft rollout (in
-    the draft host, its own process) apart and together, in interleaved rounds so a burst of other load
-    hits all three alike; medians."""
+def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3,
+                  min_rounds: int = 5) -> tuple[dict[str, float], int]:
+    """Time a target forward over γ+1 rows (on the target's worker thread, in this process) and a κ(γ+1)-row
+    draft rollout (in the draft host, its own process) apart and together, in interleaved rounds so a burst
+    of other load hits all three alike: their medians and the number of rounds."""
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
@@ -245,35 +210,26 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3, mi
         trim_prompt_cache(cache, n)
         return elapsed
 
-    def sync() -> None:  # two tokens arrive with the rollout request, as in a real step
-        host.post_sync(prefix[:-2])
+    def rollout(with_target: bool = False) -> float:
+        host.post_sync(prefix[:-2])  # two tokens arrive with the rollout request, as in a real step
         host.wait_done(30.0)
-
-    def draft() -> float:
-        sync()
         t0 = time.perf_counter()
-        host.rollout(prefix, stems, gamma, timeout=30.0)
+        target = engine.submit_on_target(forward) if with_target else None
+        host.rollout(prefix, stems, gamma, timeout=30.0)  # (with the target: waited for while it runs)
+        if target is not None:
+            target.result()
         return time.perf_counter() - t0
 
-    def both() -> float:
-        sync()
-        t0 = time.perf_counter()
-        target = engine.submit_on_target(forward)
-        host.rollout(prefix, stems, gamma, timeout=30.0)  # waited for while the target runs
-        target.result()
-        return time.perf_counter() - t0
-
-    times: dict[str, list[float]] = {"target": [], "draft": [], "both": []}
-    pieces: dict[str, Callable[[], float]] = {"target": lambda: engine.on_target(forward),
-                                              "draft": draft, "both": both}
+    pieces: dict[str, Callable[[], float]] = {"target": lambda: engine.on_target(forward), "draft": rollout,
+                                              "both": lambda: rollout(with_target=True)}
+    times: dict[str, list[float]] = {name: [] for name in pieces}
     for fn in pieces.values():  # warm-up: first calls compile and page in
         fn()
     end = time.perf_counter() + seconds
     while len(times["both"]) < min_rounds or time.perf_counter() < end:
         for name, fn in pieces.items():
             times[name].append(fn())
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return Overlap(med["target"], med["draft"], med["both"], len(times["both"]))
+    return {k: statistics.median(v) for k, v in times.items()}, len(times["both"])
 
 
 def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: float) -> list[str]:
@@ -291,43 +247,36 @@ def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: flo
         if not pipe.engine.has_draft:
             return ["overlap probe: skipped (no draft model)"]
         loaded = time.perf_counter() - t0
-        o = probe_overlap(pipe, seconds)
+        t, rounds = probe_overlap(pipe, seconds)
+        longer = max(t["target"], t["draft"])
+        ratio, serial = t["both"] / longer, (t["target"] + t["draft"]) / longer  # 1.0 = the shorter one hidden
         pair = ("the demo pair" if model is None and draft_model is None
                 else f"{model or 'the demo target'} + {draft_model or 'the demo draft'}")
         ms = lambda s: f"{1e3 * s:.2f} ms"  # noqa: E731
         where = ("target on the GPU, draft in its own process" if sys.platform == "darwin"
                  else "CPU analog: both on the CPU, draft in its own process")
-        return [f"overlap probe ({pair}, loaded in {loaded:.1f} s; {where}; {o.rounds} rounds):",
-                f"  target forward alone {ms(o.target_s)}, draft rollout alone {ms(o.draft_s)} "
-                f"({pipe.engine.draft_kind}), both at once {ms(o.both_s)}",
-                f"  both / longer alone = {o.ratio:.2f} (1.00 = fully overlapped; {o.serial_ratio:.2f} = one after "
-                f"the other){'' if o.ratio < 0.5 * (1 + o.serial_ratio) else '  <- mostly serialized'}"]
+        return [f"overlap probe ({pair}, loaded in {loaded:.1f} s; {where}; {rounds} rounds):",
+                f"  target forward alone {ms(t['target'])}, draft rollout alone {ms(t['draft'])} "
+                f"({pipe.engine.draft_kind}), both at once {ms(t['both'])}",
+                f"  both / longer alone = {ratio:.2f} (1.00 = fully overlapped; {serial:.2f} = one after "
+                f"the other){'' if ratio < 0.5 * (1 + serial) else '  <- mostly serialized'}"]
     except Exception as e:
         return [f"problem: the overlap probe failed: {type(e).__name__}: {e}"]
     finally:
         pipe.close()
 
 
-def not_checked_lines() -> list[str]:
-    if sys.platform == "darwin":
-        return []
-    return ["not checked here (needs a Mac with Apple silicon): the Metal GPU, Core ML's runtime and its "
-            "Neural Engine placement, and the GPU ‖ Neural Engine overlap the product is built for"]
-
-
 def report(model: Optional[str] = None, draft_model: Optional[str] = None, seconds: float = 2.0) -> Iterator[str]:
     """The doctor's lines, cheap ones first (each is yielded as soon as it is known)."""
-    yield f"mirror-mlx {_version()} doctor"
+    from . import __version__
+
+    yield f"mirror-mlx {__version__} doctor"
     yield from machine_lines()
-    yield python_line()
+    yield f"Python: {platform.python_version()} ({sys.executable})"
     yield from mlx_lines()
     yield from coreml_lines(draft_model)
     yield from compute_plan_lines(draft_model)
     yield from overlap_lines(model, draft_model, seconds)
-    yield from not_checked_lines()
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
+    if sys.platform != "darwin":
+        yield ("not checked here (needs a Mac with Apple silicon): the Metal GPU, Core ML's runtime and its "
+               "Neural Engine placement, and the GPU ‖ Neural Engine overlap the product is built for")

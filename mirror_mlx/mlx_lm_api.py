@@ -20,7 +20,6 @@ is only its new text:
         for r in stream_generate(model, tokenizer, turn, draft_model=draft, prompt_cache=cache): ...
 """
 
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -44,10 +43,7 @@ from .text import as_is
 from .prompt_cache import PromptCache
 
 KEEP = 2
-# mlx-lm's QuantizedKVCache does trim (rejected draft rows could be rolled back); what it cannot give is
-# mlx-lm's tokens: mlx-lm quantizes the whole cache after the forward that reaches quantized_kv_start, so
-# which positions saw full-precision keys depends on how many tokens each forward held, and a verify
-# forward of γ+1 rows crosses that point where mlx-lm's one-token forwards do not.
+# (mlx-lm's QuantizedKVCache does trim: what it cannot give is mlx-lm's tokens, as KV_BITS says)
 KV_BITS = ("a quantized KV cache is not supported: mlx-lm quantizes the cache after the forward that reaches "
            "quantized_kv_start, and a speculative step's forward of several tokens crosses that point where "
            "mlx-lm's one-token forwards do not, so the tokens would differ from mlx-lm's; leave kv_bits unset "
@@ -182,11 +178,11 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     `prompt_cache`: make_prompt_cache(model)'s list, extended in place as mlx-lm does: afterwards it holds
     what it held, the prompt and every token yielded (the last, and an end-of-sequence token, included),
     also when the caller stops early (after an error: a prefix of those, the rows known to be right); the
-    prompt is only what follows the cached text. Every mode works
-    on a cache that is empty or that only these calls filled (their ids are remembered for the draft);
-    one that mlx-lm filled, or a RotatingKVCache (make_prompt_cache's max_kv_size), works in mode "ar"
-    only. While the stream runs the cache is the stream's. As mlx-lm, `max_kv_size` is ignored when a
-    prompt_cache is given (the cache's own layers decide).
+    prompt is only what follows the cached text. Every mode works on a cache that is empty or that only
+    these calls filled (their ids are remembered for the draft); one that mlx-lm filled, or a
+    RotatingKVCache (make_prompt_cache's max_kv_size), works in mode "ar" only. While the stream runs the
+    cache is the stream's. As mlx-lm, `max_kv_size` is ignored when a prompt_cache is given (the cache's
+    own layers decide).
     """
     unknown = sorted(set(knobs) - set(OPTION_NAMES) - {"stop_tokens"})
     if unknown:
@@ -205,8 +201,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
         given = given_cache(prompt_cache)
         max_kv_size = None  # as mlx-lm: a given cache is used as it is
     pipe = pipeline(model, tokenizer, draft_model)
-    ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in
-                                                                          (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if isinstance(prompt, mx.array):
+        prompt = prompt.tolist()
+    ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     start = given.length if given is not None else 0
     mode = mode or ("sd" if pipe.draftless else "mirror" if draft_model is not None else "ar")  # (no model: sd)
     plan = pipe.check(ids, given, cap=max_tokens == -1, max_tokens=2 ** 20 if max_tokens == -1 else max_tokens,
@@ -216,11 +213,9 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
     yielded: list[int] = []  # every token a record carried: what a prompt_cache holds after the prompt
     progress = prompt_progress_callback or (lambda *_: None)
     progress(0, len(ids))
-    prefilled = False
     try:
-        for chunk in chunks:
-            if not prefilled:
-                prefilled = True
+        for i, chunk in enumerate(chunks):
+            if i == 0:  # the first token is out
                 progress(len(ids), len(ids))
             for record in _records(chunk, pipe.stats if chunk.finish_reason else None):
                 yielded.append(record.token)
@@ -251,7 +246,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], ve
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
         if response.stats is not None:
-            print(f"Mirror-SD: {response.stats.summary()}", file=sys.stdout)
+            print(f"Mirror-SD: {response.stats.summary()}")
     return text
 
 

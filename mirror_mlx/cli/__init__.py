@@ -5,7 +5,7 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 import importlib
 import sys
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import click
 
@@ -103,26 +103,6 @@ def tracker_ignores_hangup() -> None:
 DEFAULTS = DecodeOptions()  # the one source of every decoding default
 
 
-def model_options(f):
-    """--model / --draft-model / --exit-adapter, shared by generate, chat and bench."""
-    f = click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
-                     help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's.")(f)
-    f = click.option("--draft-model", default=None,
-                     help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id; 'lookup': "
-                          "prompt lookup alone (n-grams of the context, no draft model; sd); 'recycle': the target's "
-                          "recycled predictions, verified as a token tree (no draft model; sd).")(f)
-    f = click.option("--model", default=None,
-                     help="Target: model folder or Hugging Face id [default: the embedded demo pair].")(f)
-    return f
-
-
-draft_vocab_option = click.option(
-    "--draft-vocab", type=int, default=None, metavar="V",
-    help="The draft's head scores only the V token ids most frequent in mirror-mlx's shipped text (eos and special "
-         "ids always): a cheaper draft step, still lossless (the target verifies every token) [default: the whole "
-         "vocabulary].")
-
-
 def with_options(opts: list):
     """A decorator applying click options in the order listed."""
     def apply(f):
@@ -132,21 +112,23 @@ def with_options(opts: list):
     return apply
 
 
-def knob_options(gamma_help: str) -> list:
-    """--kappa / --gamma / --exit-layer, Mirror-SD's knobs (generate, chat, bench)."""
-    return [
-        click.option("--kappa", type=int, default=DEFAULTS.kappa,
-                     help="Top-κ width at the early exit [default: the pair's profile's (auto's choice, or the "
-                          "best for --mode; uncalibrated: 1)]."),
-        click.option("--gamma", "--num-draft-tokens", "gamma", type=int, default=DEFAULTS.gamma,
-                     help=f"{gamma_help} --num-draft-tokens is mlx-lm's name for it "
-                          "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
-        click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
-                     help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
-        click.option("--branches", type=int, default=DEFAULTS.branches,
-                     help="Branch budget B: mirror rolls out the B branches the early exit scores likeliest of its "
-                          "κ(γ+1) a step [default: those that pay, by the generation's own timings]."),
-    ]
+model_options = with_options([  # shared by generate, chat, serve, tune and bench
+    click.option("--model", default=None,
+                 help="Target: model folder or Hugging Face id [default: the embedded demo pair]."),
+    click.option("--draft-model", default=None,
+                 help="Draft: MLX model folder, SS draft folder, .mlpackage (macOS) or HF id; 'lookup': "
+                      "prompt lookup alone (n-grams of the context, no draft model; sd); 'recycle': the target's "
+                      "recycled predictions, verified as a token tree (no draft model; sd)."),
+    click.option("--exit-adapter", type=click.Path(dir_okay=False), default=None,
+                 help="A learned early-exit adapter for the target (train-exit); 'none' turns off the demo's."),
+])
+
+
+draft_vocab_option = click.option(
+    "--draft-vocab", type=int, default=None, metavar="V",
+    help="The draft's head scores only the V token ids most frequent in mirror-mlx's shipped text (eos and special "
+         "ids always): a cheaper draft step, still lossless (the target verifies every token) [default: the whole "
+         "vocabulary].")
 
 
 def decode_options(max_tokens: int, seed: Optional[int]):
@@ -165,16 +147,21 @@ def decode_options(max_tokens: int, seed: Optional[int]):
                           "prompt + --max-tokens fit in it (then exact), else refused."),
         click.option("--prefill-step-size", type=int, default=DEFAULTS.prefill_step_size, show_default=True,
                      help="Prompt tokens per target forward in the prefill (as mlx-lm)."),
-        *knob_options("Window length γ."),
+        # Mirror-SD's knobs
+        click.option("--kappa", type=int, default=DEFAULTS.kappa,
+                     help="Top-κ width at the early exit [default: the pair's profile's (auto's choice, or the "
+                          "best for --mode; uncalibrated: 1)]."),
+        click.option("--gamma", "--num-draft-tokens", "gamma", type=int, default=DEFAULTS.gamma,
+                     help="Window length γ. --num-draft-tokens is mlx-lm's name for it "
+                          "[default: the pair's profile's, as --kappa; uncalibrated: 3]"),
+        click.option("--exit-layer", type=int, default=DEFAULTS.exit_layer,
+                     help="Early-exit layer ℓ_e [default: the pair's profile's, else the exit adapter's, else N/2]."),
+        click.option("--branches", type=int, default=DEFAULTS.branches,
+                     help="Branch budget B: mirror rolls out the B branches the early exit scores likeliest of its "
+                          "κ(γ+1) a step [default: those that pay, by the generation's own timings]."),
         click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
                      help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
-        *lookup_options(),
-    ])
-
-
-def lookup_options() -> list:
-    """--lookup / --ngram-max / --ngram-min: prompt lookup beside the draft (mirror_mlx/lookup.py)."""
-    return [
+        # prompt lookup beside the draft (mirror_mlx/lookup.py)
         click.option("--lookup/--no-lookup", default=DEFAULTS.lookup,
                      help="Propose the context's continuation where an n-gram repeats, the draft model elsewhere "
                           "(sd; mirror: after a fallback) [default: on with --draft-model lookup, else off]."),
@@ -182,15 +169,14 @@ def lookup_options() -> list:
                      help="The lookup's longest n-gram, tried first."),
         click.option("--ngram-min", type=int, default=DEFAULTS.ngram_min,
                      help="The lookup's shortest n-gram [default: 1 alone, 2 beside a draft model]."),
-    ]
+    ])
 
 
-def mlx_lm_load_options(f):
-    """mlx_lm.load's flags, for generate and chat."""
-    f = click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (as mlx-lm).")(f)
-    f = click.option("--adapter-path", type=click.Path(file_okay=False), default=None,
-                     help="LoRA adapters (mlx_lm.lora's folder) applied to the target.")(f)
-    return f
+mlx_lm_load_options = with_options([  # mlx_lm.load's flags, for generate and chat
+    click.option("--adapter-path", type=click.Path(file_okay=False), default=None,
+                 help="LoRA adapters (mlx_lm.lora's folder) applied to the target."),
+    click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (as mlx-lm)."),
+])
 
 
 pipeline_option = click.option(
@@ -206,6 +192,14 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",
          "prompt_cache": "--prompt-cache-file",
          "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
+
+
+def refusing(error: type, make: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`make(*args, **kwargs)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
+    try:
+        return make(*args, **kwargs)
+    except error as e:
+        raise click.UsageError(str(e))
 
 
 def usage_error(e: Exception) -> click.UsageError:
@@ -251,13 +245,9 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
         raise usage_error(e)
 
 
-def generation_kwargs(max_tokens, temp, top_p, min_p, top_k, seed, max_kv_size, prefill_step_size, kappa, gamma,
-                      exit_layer, mode, branches=None, lookup=None, ngram_max=DEFAULTS.ngram_max,
-                      ngram_min=DEFAULTS.ngram_min) -> dict:
-    return dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
-                max_kv_size=max_kv_size, prefill_step_size=prefill_step_size, kappa=kappa, gamma=gamma,
-                exit_layer=exit_layer, mode=mode, branches=branches, lookup=lookup, ngram_max=ngram_max,
-                ngram_min=ngram_min)
+def generation_kwargs(temp, **decode) -> dict:
+    """decode_options' flags as the pipeline's keyword arguments (--temp is its temperature)."""
+    return dict(decode, temperature=temp)
 
 
 def xtc_options(min_tokens_to_keep: bool):

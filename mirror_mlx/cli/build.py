@@ -2,20 +2,12 @@
 and exit adapters (defaults from TrainConfig and the exit trainer)."""
 
 from pathlib import Path
-from typing import Any, Callable
 
 import click
 
 from mirror_mlx.ane_draft.train import TrainConfig
+from mirror_mlx.cli import refusing
 from mirror_mlx.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
-
-
-def refusing(error: type, make: Callable, *args: Any) -> Any:
-    """`make(*args)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
-    try:
-        return make(*args)
-    except error as e:
-        raise click.UsageError(str(e))
 
 
 @click.command("import-llama2c")
@@ -95,10 +87,7 @@ def train_draft_cmd(**kwargs) -> None:
     """Distil a Speculative-Streaming draft from the target's own greedy text."""
     from mirror_mlx.ane_draft.train import TrainError, train
 
-    try:
-        summary = train(TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
-    except TrainError as e:
-        raise click.UsageError(str(e))
+    summary = refusing(TrainError, train, TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
     after = summary["val_after"]
     click.echo(f"wrote {kwargs['out']}: held-out main acc {after['main_acc']:.3f}, "
                f"stream acc {after['stream_acc']}, {summary['train_s']:.0f} s")
@@ -124,11 +113,8 @@ def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: i
     """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
     from mirror_mlx.exit_adapter import train_and_save
 
-    try:
-        r = train_and_save(out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps, seed=seed,
-                           tokens=tokens)
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    r = refusing(ValueError, train_and_save, out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps,
+                 seed=seed, tokens=tokens)
     click.echo(f"wrote {out}: layer {r.exit_layer}, held-out KL {r.kl_before:.3f} -> {r.kl_after:.3f} nats "
                f"({r.train_rows} training rows, {r.seconds:.0f} s)")
 

@@ -29,7 +29,6 @@ q, r, h  alone on a line: /quit, /reset, /help, as in mlx_lm.chat"""
 SHORT_COMMANDS = {"q": "/quit", "r": "/reset", "h": "/help"}  # mlx_lm.chat's, so its users' habits work
 
 
-
 def stats_line(s: Stats) -> str:
     return s.summary() + f" | prefill {s.prefill_tokens}/{s.prompt_tokens} tokens"
 

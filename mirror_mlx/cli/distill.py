@@ -6,15 +6,19 @@ from pathlib import Path
 
 import click
 
+from mirror_mlx.cli import refusing
 from mirror_mlx.distill import DataConfig, TrainConfig
 
 
-def target_folder(value: str) -> str:
+def target_folder(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """The --model folder, refused in one sentence unless it holds an mlx-lm model (config.json)."""
     if not (Path(value) / "config.json").is_file():
         raise click.BadParameter(f"{value} is not an mlx-lm model folder (no config.json): give the target's folder, "
                                  "e.g. build/real-pair/target from `mirror-mlx real-pair`", param_hint="--model")
     return value
+
+
+target_option = click.option("--model", required=True, callback=target_folder, help="The target's mlx-lm folder.")
 
 
 @click.group("distill")
@@ -23,8 +27,7 @@ def distill_cmd() -> None:
 
 
 @distill_cmd.command("data")
-@click.option("--model", required=True, callback=lambda ctx, param, value: target_folder(value),
-              help="The target's mlx-lm folder.")
+@target_option
 @click.option("--data-dir", default=None, help="Where replies are cached [default: CACHE/distill/<target>].")
 @click.option("--max-tokens", type=int, default=DataConfig.max_tokens, show_default=True, help="Longest reply.")
 @click.option("--batch-size", type=int, default=DataConfig.batch_size, show_default=True, help="Rows decoded together.")
@@ -46,8 +49,7 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
 
 
 @distill_cmd.command("train")
-@click.option("--model", required=True, callback=lambda ctx, param, value: target_folder(value),
-              help="The target's mlx-lm folder.")
+@target_option
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="The draft folder to write.")
 @click.option("--frozen", type=int, default=TrainConfig.frozen, show_default=True, help="E: the target's first layers, frozen.")
 @click.option("--trained", type=int, default=TrainConfig.trained, show_default=True,
@@ -74,16 +76,12 @@ def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
     from mirror_mlx.distill import train
 
     cfg = TrainConfig(target=model, out=out, sources=tuple(s for s in sources.split(",") if s), **kw)
-    try:
-        r = train(cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    r = refusing(ValueError, train, cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
     click.echo(json.dumps(r))
 
 
 @distill_cmd.command("measure")
-@click.option("--model", required=True, callback=lambda ctx, param, value: target_folder(value),
-              help="The target's mlx-lm folder.")
+@target_option
 @click.option("--draft", required=True, type=click.Path(file_okay=False), help="A distilled draft folder.")
 @click.option("--data-dir", default=None)
 @click.option("--cost/--no-cost", default=True, help="Also measure c, the 1-row forward cost ratio (one core each).")
@@ -104,8 +102,7 @@ def measure_cmd(model, draft, data_dir, cost) -> None:
 
 
 @distill_cmd.command("loop")
-@click.option("--model", required=True, callback=lambda ctx, param, value: target_folder(value),
-              help="The target's mlx-lm folder.")
+@target_option
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Folder of drafts: OUT/round-NNN-SHAPE per round and shape, OUT/latest-SHAPE the newest.")
 @click.option("--shape", "shapes", multiple=True, default=["6,1,16384"], show_default=True,

@@ -11,10 +11,6 @@ from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwarg
                             xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
 
-def str2bool(text: str) -> bool:
-    """mlx_lm.generate's --verbose parser: anything but 'false' or 'f' (any case) is True."""
-    return text.lower() not in ("false", "f")
-
 
 class TakesLists(click.Command):
     """argparse's nargs="+" for the options in LISTS: `--extra-eos-token a b` is `--extra-eos-token a
@@ -25,14 +21,10 @@ class TakesLists(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         out, current = [], None
         for arg in args:
-            if arg in self.LISTS:
-                current = arg
-                out.append(arg)
-                continue
-            if current is not None and out[-1] != current and not arg.startswith("-"):
+            if arg.startswith("-"):
+                current = arg if arg in self.LISTS else None
+            elif current is not None and out[-1] != current:
                 out.append(current)  # a further value of the same list
-            elif arg.startswith("-"):
-                current = None
             out.append(arg)
         return super().parse_args(ctx, out)
 
@@ -115,9 +107,9 @@ def same_model(a, b) -> bool:
               help="As mlx-lm: 'False' or 'F' prints the text only, anything else streams it and then the timing "
                    "and Mirror-SD stats on stderr.")
 @click.option("--quiet", is_flag=True, help="Same as --verbose False.")
-@click.option("--kv-group-size", type=int, default=64, show_default=True,
+@click.option("--kv-group-size", type=int, default=64, show_default=True, expose_value=False,
               help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
-@click.option("--quantized-kv-start", type=int, default=5000, show_default=True,
+@click.option("--quantized-kv-start", type=int, default=5000, show_default=True, expose_value=False,
               help="Accepted as mlx-lm does: it acts only with --kv-bits, which is refused (a quantized KV cache).")
 @pipeline_option
 @refused_options("generate")
@@ -125,7 +117,7 @@ def same_model(a, b) -> bool:
 def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
-                 quiet, kv_group_size, quantized_kv_start, as_json, **decode) -> None:
+                 quiet, as_json, **decode) -> None:
     """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
 
     mlx_lm.generate's --kv-bits, --image and --quantize-activations are refused, each with its reason
@@ -133,7 +125,7 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
     """
     from mirror_mlx.blas import status
 
-    verbose = str2bool(verbose) and not quiet
+    verbose = verbose.lower() not in ("false", "f") and not quiet  # mlx_lm.generate's str2bool
     cache, tokenizer_config = None, None
     if prompt_cache_file is not None:
         cache, model, tokenizer_config = read_prompt_cache(prompt_cache_file, model, decode)

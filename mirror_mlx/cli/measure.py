@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from mirror_mlx.bench.run import BenchConfig
-from mirror_mlx.cli import load_pipeline, model_options
+from mirror_mlx.cli import load_pipeline, model_options, refusing
 from mirror_mlx.tune.calibrate import TuneConfig
 
 TUNE = TuneConfig()
@@ -55,8 +55,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
                                "drop --quick or those flags")
     pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
     if pin:
-        pinning = pin_threads(pipe)
-        click.echo(f"pinning: {pinning}", err=True)
+        click.echo(f"pinning: {pin_threads(pipe)}", err=True)
     cfg = TuneConfig.quick() if quick else TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm,
                                                       min_seconds=min_seconds)
     if quick:
@@ -104,10 +103,7 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
     """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
     from mirror_mlx.omega import run_omega
 
-    try:
-        click.echo(run_omega(model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    click.echo(refusing(ValueError, run_omega, model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
 
 
 @click.command("bench")

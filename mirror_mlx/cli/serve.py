@@ -95,8 +95,7 @@ def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust
     pipe = load_pipeline(model, draft_model, exit_adapter, decode["mode"], adapter_path=adapter_path,
                          trust_remote_code=trust_remote_code, pipeline=pipeline, draft_vocab=draft_vocab)
     pipe.chat_template_kwargs = template_kwargs
-    defaults = generation_kwargs(max_tokens, temp, **decode)
-    defaults.pop("max_tokens")
+    defaults = generation_kwargs(temp, **decode)
     g, across, on_signal = distributed.group(), None, None
     try:
         pipe.check([0], **dict(defaults, max_tokens=1))

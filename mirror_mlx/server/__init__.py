@@ -1,12 +1,11 @@
 """`mirror-mlx serve`: an OpenAI-compatible local server with Mirror-SD behind it.
 
 The standard library's ThreadingHTTPServer (as mlx_lm.server) parses HTTP; each connection gets a
-thread. One scheduler thread (`Scheduler`) owns the engine: a request alone decodes through the
-pipeline (speculation where it pays); several decode together in mlx-lm's BatchGenerator, switched
-at step boundaries by measured cost. Beyond --decode-concurrency the others wait in a bounded FIFO,
-and a request that finds it full gets 429 with Retry-After. The handler looks at its socket and at the
-shutdown flag between the steps it receives, so a client that went away, or SIGINT/SIGTERM, frees its
-slot at the next step boundary, when the caches are consistent.
+thread. One scheduler thread owns the engine, decoding requests alone or batched (scheduler.py).
+Beyond --decode-concurrency the others wait in a bounded FIFO, and a request that finds it full gets
+429 with Retry-After. The handler looks at its socket and at the shutdown flag between the steps it
+receives, so a client that went away, or SIGINT/SIGTERM, frees its slot at the next step boundary, when
+the caches are consistent.
 
 Chat requests go through `Pipeline.chat_stream`, which remembers the token ids of the last
 conversation: a request that extends it prefills only the new turn (`cached_tokens` in `usage`).

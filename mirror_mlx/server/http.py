@@ -13,15 +13,12 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 from typing import Any, Callable, Optional, Union
 
-
 from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
                       parse_request)
 from .prefix_cache import PrefixCache
 from .reply import Generation, Reply, ToolText
 from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
-
-# --- HTTP -----------------------------------------------------------------------------------------
 
 
 def origin_allowed(origin: str, allowed: Optional[tuple[str, ...]]) -> bool:
@@ -314,25 +311,24 @@ class Handler(BaseHTTPRequestHandler):
             return
         except Shutdown:
             gen.close()
-            self.cut_short(req, gen, APIError(503, f"the server is shutting down: the reply was cut after "
-                                                   f"{gen.completion_tokens} tokens",
-                                              kind="server_error", code="shutting_down"))
+            self.cut_short(req, APIError(503, f"the server is shutting down: the reply was cut after "
+                                              f"{gen.completion_tokens} tokens", kind="server_error",
+                                         code="shutting_down"))
             return
         except APIError as e:  # the scheduler's: shutting down before it ran
             s.count("rejected")
-            self.cut_short(req, gen, e) if req.stream else self.send_api_error(e)
+            self.cut_short(req, e) if req.stream else self.send_api_error(e)
             return
         except Exception as e:
             self.engine_failed(e, gen, sent=req.stream)
             return
-        finally:
-            gen.close()
         s.count("completed")
-        if gen.restored:
-            s.note(f"prefix cache: the target started from a stored cache of {gen.restored} prompt tokens "
+        restored = gen.job.restored
+        if restored:
+            s.note(f"prefix cache: the target started from a stored cache of {restored} prompt tokens "
                    "(the draft re-syncs from its own cache)")
         finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
-        extra = {"usage": gen.usage(), "x_mirror": dict(gen.stats(), prefix_cache_tokens=gen.restored)}
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.job.x_stats(), prefix_cache_tokens=restored)}
         try:
             if not req.stream:
                 self.send_json(200, reply.whole("".join(text), finish, extra, calls, gen.take_logprobs()))
@@ -348,7 +344,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, OSError):
             s.count("disconnected")
 
-    def cut_short(self, req: Request, gen: Generation, error: APIError) -> None:
+    def cut_short(self, req: Request, error: APIError) -> None:
         try:
             if req.stream:
                 self.send_event(error.body())
@@ -369,7 +365,7 @@ class Handler(BaseHTTPRequestHandler):
         line = " ".join(f"{type(e).__name__}: {e}".split())
         error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
         if sent:
-            self.cut_short(gen.req, gen, error)
+            self.cut_short(gen.req, error)
         else:
             try:
                 self.send_api_error(error)
@@ -388,28 +384,16 @@ class ClientGone(Exception):
 # --- the command ----------------------------------------------------------------------------------
 
 
-def model_id(name: str) -> str:
-    """What /v1/models calls the target: a local folder's name, or the Hugging Face id as given."""
-    path = Path(name)
-    return path.name if path.exists() else name
-
-
 def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: Optional[dict] = None,
-          max_tokens: int = 512, max_queue: int = 32, allowed_origins: Optional[tuple[str, ...]] = None,
-          log_level: int = logging.INFO, prompt_cache_size: int = 10,
-          prompt_cache_bytes: Optional[int] = None, decode_concurrency: int = DECODE_CONCURRENCY,
-          prompt_concurrency: int = PROMPT_CONCURRENCY, across: Optional[dict] = None,
-          on_signal: Optional[Callable[[int], None]] = None) -> None:
+          on_signal: Optional[Callable[[int], None]] = None, **settings: Any) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams end after their current step, then the engine closes.
-    `allowed_origins`: the browser origins that may use it (None: pages on this machine only). `across`:
-    rank 0 of a run across ranks, what it runs differently (said at start and in /health); `on_signal`
-    is called first on each of those signals (across ranks: it bounds the stop)."""
+    `settings` go to Server; `on_signal` is called first on each of those signals (across ranks: it bounds
+    the stop)."""
     defaults = defaults or {}
-    server = Server((host, port), pipe, model_id(pipe.name), defaults, max_tokens, max_queue,
-                    allowed_origins=allowed_origins, log_level=log_level, prompt_cache_size=prompt_cache_size,
-                    prompt_cache_bytes=prompt_cache_bytes, decode_concurrency=decode_concurrency,
-                    prompt_concurrency=prompt_concurrency, across=across)
+    name = Path(pipe.name).name if Path(pipe.name).exists() else pipe.name  # /v1/models': a folder's name, or the id
+    server = Server((host, port), pipe, name, defaults, **settings)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+
     def stop(signum: int, frame: Any) -> None:
         if on_signal is not None:
             on_signal(signum)
@@ -417,17 +401,18 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
 
     previous = {sig: signal.signal(sig, stop) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
+    across, scheduler = server.across, server.scheduler
     if across:
         server.note(f"across {across['ranks']} ranks: batching {across['batching']}; prefix cache "
                     f"{across['prefix_cache_across_requests']}")
     server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
-                f"(queue {max_queue}, decode concurrency {decode_concurrency}, prompt concurrency {prompt_concurrency}); "
-                "Ctrl-C stops")
+                f"(queue {scheduler.max_queue}, decode concurrency {scheduler.decode_concurrency}, prompt concurrency "
+                f"{scheduler.prompt_concurrency}); Ctrl-C stops")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.stopping.set()
-        server.server_close()  # joins the handler threads, then the scheduler  # joins the handler threads
+        server.server_close()  # joins the handler threads, then the scheduler
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.note("stopped")

@@ -7,9 +7,6 @@ if TYPE_CHECKING:
     from ..target import TargetSide
 
 
-# --- the prefix cache across requests ---------------------------------------------------------------
-
-
 class PrefixCache:
     """The target's caches of recent requests, in mlx-lm's LRUPromptCache (mlx_lm.server's
     --prompt-cache-size): a prompt that shares a longer prefix with one of them than with the engine's

@@ -14,9 +14,6 @@ from ..pipeline import Pipeline
 from .request import APIError, Request
 from .scheduler import Job
 
-# --- stop strings ---------------------------------------------------------------------------------
-
-
 class StopText:
     """Cut the text at the first stop string; hold back a tail that could be the start of one."""
 
@@ -30,8 +27,7 @@ class StopText:
         if hits:
             self.held = ""
             return text[: min(hits)], True
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if s.startswith(text[-k:])), default=0)
+        keep = max((held_prefix(text, s) for s in self.stops), default=0)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep], False
 
@@ -187,13 +183,6 @@ class Generation:
         if self.job is not None:
             self.job.cancelled.set()
 
-    @property
-    def restored(self) -> int:
-        return self.job.restored if self.job is not None else 0
-
-    def stats(self) -> dict:
-        return self.job.x_stats() if self.job is not None else {}
-
     def take_logprobs(self) -> Optional[list[dict]]:
         """The scored tokens not yet answered, as [{id, token, logprob, top_logprobs}] (None: not asked)."""
         if not self.req.logprobs:
@@ -204,21 +193,19 @@ class Generation:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.job.cached if self.job is not None else 0}}
+                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
 def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:
     """One token's log-probability and the `top` likeliest at its position (as mlx_lm.server, sorted)."""
     names = tokenizer.convert_ids_to_tokens
-    entry = {"id": token, "token": names(token), "logprob": row[token].item()}
+    entry = {"id": token, "token": names(token), "logprob": row[token].item(), "top_logprobs": []}
     if top:
         ids = mx.argpartition(-row, kth=top - 1)[:top]
         values = row[ids]
         order = mx.argsort(-values)
         ids, values = ids[order].tolist(), values[order].tolist()
         entry["top_logprobs"] = [{"id": i, "token": n, "logprob": v} for i, n, v in zip(ids, names(ids), values)]
-    else:
-        entry["top_logprobs"] = []
     return entry
 
 

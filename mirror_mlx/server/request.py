@@ -4,19 +4,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-
 from .. import validate
-
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_BODY = 16 << 20  # bytes; a prompt this long is far beyond any context anyway
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MODEL = "default_model"  # what mlx_lm.server calls the model it was started with
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # --allowed-origins' default: pages served from this machine
+OPTIONS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer",
+           "branches", "mode", "lookup", "ngram_max", "ngram_min")  # the request's decode fields: DecodeOptions'
 # what a request may hold; a field outside these gets a 400 naming it (nothing is ignored in silence)
-COMMON = ("model", "stream", "stream_options", "n", "stop", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer", "branches",
-          "mode", "lookup", "ngram_max", "ngram_min", "logprobs", "top_logprobs", "user")
+COMMON = ("model", "stream", "stream_options", "n", "stop", "max_tokens", "max_completion_tokens", "logprobs",
+          "top_logprobs", "user") + OPTIONS
 FIELDS = {"/v1/chat/completions": COMMON + ("messages", "tools", "tool_choice", "parallel_tool_calls",
                                             "chat_template_kwargs"),
           "/v1/completions": COMMON + ("prompt",)}
@@ -34,9 +33,6 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-# --- request → generation settings ---------------------------------------------------------------
 
 
 @dataclass
@@ -148,13 +144,10 @@ def _logprobs(body: dict, endpoint: str) -> tuple[bool, int]:
 
 def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], defaults: dict,
                   max_prompt_bytes: Optional[int] = None) -> Request:
-    """Read a request body: its shape (each fault an APIError naming the field and the fix); the decode
-    options are checked with the prompt's ids, by the pipeline (`Generation.start`).
-
-    `defaults` are the server's decode settings (the `serve` flags); request fields override them.
-    A text prompt longer than `max_prompt_bytes` cannot fit the context: it is refused here, before it
-    is tokenized.
-    """
+    """Read a request body: its shape (each fault an APIError naming the field and the fix). `defaults` are the
+    server's decode settings (the `serve` flags); request fields override them, checked with the prompt's ids by
+    the pipeline's one check (`Generation.start`). A text prompt longer than `max_prompt_bytes` cannot fit the
+    context: it is refused here, before it is tokenized."""
     body = _body(raw, endpoint, model_ids)
     req = Request(endpoint)
     if endpoint == CHAT:
@@ -162,7 +155,7 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], default
     else:
         req.prompt = _prompt(body, max_prompt_bytes)
     _reply_shape(req, body, endpoint)
-    req.options = _decode_options(body, defaults)
+    req.options = dict(defaults, **{k: body[k] for k in OPTIONS if body.get(k) is not None})
     return req
 
 
@@ -216,14 +209,12 @@ def _prompt(body: dict, max_prompt_bytes: Optional[int]) -> Union[str, list]:
 
 def _reply_shape(req: Request, body: dict, endpoint: str) -> None:
     """How the reply is sent: stream, usage, n, stop strings, tool calls, logprobs, max_tokens."""
-    stream = body.get("stream", False)
-    _check(isinstance(stream, bool), "stream", "true or false", stream)
-    req.stream = stream
+    req.stream = body.get("stream", False)
+    _check(isinstance(req.stream, bool), "stream", "true or false", req.stream)
     stream_options = body.get("stream_options") or {}
     _check(isinstance(stream_options, dict), "stream_options", "an object", stream_options)
-    include_usage = stream_options.get("include_usage", False)
-    _check(isinstance(include_usage, bool), "stream_options.include_usage", "true or false", include_usage)
-    req.include_usage = include_usage
+    req.include_usage = stream_options.get("include_usage", False)
+    _check(isinstance(req.include_usage, bool), "stream_options.include_usage", "true or false", req.include_usage)
     n = _integer(body, "n")
     _check(n in (None, 1), "n", "1 (one choice per request)", n)
     stop = body.get("stop")
@@ -239,16 +230,6 @@ def _reply_shape(req: Request, body: dict, endpoint: str) -> None:
         req.max_tokens, req.max_tokens_field = body["max_completion_tokens"], "max_completion_tokens"
     else:
         req.max_tokens = body.get("max_tokens")
-
-
-OPTIONS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "seed", "kappa", "gamma", "exit_layer",
-           "branches", "mode", "lookup", "ngram_max", "ngram_min")  # the request's decode fields: DecodeOptions'
-
-
-def _decode_options(body: dict, defaults: dict) -> dict:
-    """The decode settings: the server's defaults, overridden by the request's fields (checked, as every
-    caller's, by the pipeline's one check: validate.request)."""
-    return dict(defaults, **{k: body[k] for k in OPTIONS if body.get(k) is not None})
 
 
 def _fits(n_bytes: int, limit: Optional[int], param: str) -> None:

@@ -243,8 +243,7 @@ class Scheduler:
             pays, why = self.costs.batch_pays(n, self.costs.solo_rate) if n > 1 else (False, "")
             if pays:
                 self.note(f"scheduler: {why}")
-                while self.waiting and len(self.batch) < self.decode_concurrency:
-                    self._insert(self.waiting.popleft())
+                self._fill()
             else:
                 self._start_solo(self.waiting.popleft())
         if self.solo is not None:
@@ -261,13 +260,10 @@ class Scheduler:
                 if pays:
                     self.note(f"scheduler: {why}: the request decoding alone moves into the batch")
                     self._solo_to_batch(job)
-                    while self.waiting and len(self.batch) < self.decode_concurrency:
-                        self._insert(self.waiting.popleft())
+                    self._fill()
             return
         if self.batch:
-            while self.waiting and len(self.batch) < self.decode_concurrency:
-                self.counts["joins"] += 1
-                self._insert(self.waiting.popleft())
+            self.counts["joins"] += self._fill()
             self._step_batch()
             if len(self.batch) == 1 and not self.waiting and not self._inbox:
                 [job] = self.batch.values()
@@ -283,12 +279,10 @@ class Scheduler:
 
     def _start_solo(self, job: Job, resumed: bool = False) -> None:
         """Decode `job` through the pipeline as a request alone (after its committed tokens, if any)."""
-        if job.detok is None:
-            job.detok = self._detokenizer(job)
         plan = job.plan.after(job.generated)
         restored = self.prefixes.restore(plan.ids) if self.prefixes is not None and not resumed else 0
         try:
-            job.stream = self.pipe.run(plan, job.detok)
+            job.stream = self.pipe.run(plan, self._detokenizer(job))
         except Exception as e:  # (checked when admitted: a bug or a dead engine)
             self._end(job, e)
             return
@@ -316,17 +310,20 @@ class Scheduler:
         job.note(stats.mode)
         self.counts["solo_steps"] += 1
         self._emit(job, chunk.committed, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None),
-                   chunk.committed_logprobs,
-                   chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
+                   chunk.committed_logprobs, chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
         if chunk.finish_reason is not None:
             self._finish_solo(job)
 
-    def _finish_solo(self, job: Job) -> None:
+    def _leave_solo(self, job: Job) -> None:
+        """The request decoding alone stops at this step boundary; its run's rate is noted for the switches."""
         job.stream.close()
         job.stream = None
         self.solo = None
         if job.stats is not None:
             self.costs.note_solo(job.stats)
+
+    def _finish_solo(self, job: Job) -> None:
+        self._leave_solo(job)
         if self.prefixes is not None:
             self.prefixes.store()
         self._end(job)
@@ -336,11 +333,7 @@ class Scheduler:
     def _solo_to_batch(self, job: Job) -> None:
         """At a step boundary: the engine's target cache goes into the batch with the pending token as the
         prompt; the draft's state is dropped (it re-syncs when a request next decodes alone)."""
-        job.stream.close()
-        job.stream = None
-        self.solo = None
-        if job.stats is not None:
-            self.costs.note_solo(job.stats)
+        self._leave_solo(job)
         committed = job.ids + job.generated
         cache = self.engine.with_target(TargetSide.give, committed[:-1])
         self.counts["moves_in"] += 1
@@ -386,8 +379,6 @@ class Scheduler:
 
     def _insert(self, job: Job, cache: Optional[list] = None, committed: Optional[list[int]] = None) -> None:
         """Into the batch: with the target's cache of `committed[:-1]`, or from the prefix cache, or fresh."""
-        if job.detok is None:
-            job.detok = self._detokenizer(job)
         opts = job.plan.opts
         committed = job.ids + job.generated if committed is None else committed
         held = len(committed) - 1 if cache is not None else 0
@@ -418,6 +409,13 @@ class Scheduler:
         self.counts["max_batch"] = max(self.counts["max_batch"], len(self.batch))
         self.regime = "batch"
 
+    def _fill(self) -> int:
+        """Waiting requests join the batch while it has room; how many joined."""
+        n = max(0, min(len(self.waiting), self.decode_concurrency - len(self.batch)))
+        for _ in range(n):
+            self._insert(self.waiting.popleft())
+        return n
+
     def _step_batch(self) -> None:
         rows = len(self._gen._generation_batch) if self._gen is not None else 0
 
@@ -442,8 +440,7 @@ class Scheduler:
             if finish is not None:
                 del self.batch[uid]
                 if self.prefixes is not None and self.prefixes.lru is not None and cache is not None:
-                    self.engine.on_target(self.prefixes.lru.insert_cache, self.prefixes.KEY,
-                                                        list(tokens), cache)
+                    self.engine.on_target(self.prefixes.lru.insert_cache, self.prefixes.KEY, list(tokens), cache)
                 self._end(job)
 
     def _close_batch(self) -> None:
@@ -477,7 +474,9 @@ class Scheduler:
 
     def _detokenizer(self, job: Job) -> Detokenizer:
         """The request's one detokenizer, across its switches between alone and the batch."""
-        return Detokenizer(self.pipe.tokenizer, job.max_tokens, job.plan.opts.stop_tokens)
+        if job.detok is None:
+            job.detok = Detokenizer(self.pipe.tokenizer, job.max_tokens, job.plan.opts.stop_tokens)
+        return job.detok
 
     def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int],
               said: Optional[tuple[list[str], str, Optional[str]]] = None) -> None:
@@ -490,7 +489,7 @@ class Scheduler:
             rows = [None] * len(ids)
         shown = [(t, d, r) for t, d, r in zip(ids, from_draft, rows) if t != stop]
         if said is None:
-            texts, tail, finish = job.detok.add(ids, stop)
+            texts, tail, finish = self._detokenizer(job).add(ids, stop)
             text = "".join(texts) + tail
         else:
             texts, text, finish = said
