@@ -1,7 +1,6 @@
 """The distilled draft's data: the target's own replies to chat prompts, batched, cached per reply, resumable
 (mirror_mlx/distill.py trains on them; its docstring says the whole way)."""
 
-
 import hashlib
 import json
 import os
@@ -265,7 +264,6 @@ def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], N
 def read_replies(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Reply]:
     """Cached replies of `sources` (greedy first, read_reply_files' order)."""
     return [load_reply(p) for p in read_reply_files(root, sources, limit_tokens)]
-
 
 
 def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Path]:
