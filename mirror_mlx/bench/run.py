@@ -205,7 +205,7 @@ def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
     finally:
         bar.close()
     result["equality_checked"] = cfg.temp == 0
-    result["ran"] = ran_with([s for s in result["samples"]], k_best)
+    result["ran"] = ran_with(result["samples"], k_best)
 
 
 def ran_with(samples: Sequence[Sample], k_best: Optional[int]) -> dict:
