@@ -315,12 +315,9 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
 def quiet_other_ranks() -> None:
     """The command line on ranks > 0: nothing on stdout or stderr but `die`'s line (rank 0 prints and serves)."""
     g = group()
-    if g is None or g.rank() == 0:
+    if g is None or g.rank() == 0 or os.environ.get("MIRROR_MLX_DIST_VERBOSE") == "1":  # (verbose: debugging)
         return
-    if os.environ.get("MIRROR_MLX_DIST_VERBOSE") == "1":  # (debugging: every rank prints)
-        return
-    devnull = open(os.devnull, "w")
-    sys.stdout = sys.stderr = devnull
+    sys.stdout = sys.stderr = open(os.devnull, "w")
 
     def hook(kind, value, tb) -> None:
         os.write(2, f"mirror-mlx: rank {g.rank()}: {kind.__name__}: {value}\n".encode())
