@@ -162,15 +162,12 @@ def run_key(cfg: TrainConfig) -> dict:
 
 def _batches(exs: list[Example], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """Examples grouped by length (little padding), groups shuffled."""
-    order = np.argsort([len(e.tokens) for e in exs], kind="stable")
-    groups, cur, longest = [], [], 0
-    for i in order:
-        L = len(exs[i].tokens)
-        if cur and max(longest, L) * (len(cur) + 1) > batch_tokens:
+    groups, cur = [], []
+    for i in np.argsort([len(e.tokens) for e in exs], kind="stable"):
+        if cur and len(exs[i].tokens) * (len(cur) + 1) > batch_tokens:  # (the longest so far: sorted by length)
             groups.append(cur)
-            cur, longest = [], 0
+            cur = []
         cur.append(int(i))
-        longest = max(longest, L)
     if cur:
         groups.append(cur)
     return [groups[j] for j in rng.permutation(len(groups))]
@@ -307,8 +304,7 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     eval_replies = read_replies(root, ("eval",))
     eval_replies = eval_replies[:: max(1, len(eval_replies) // max(1, cfg.eval_replies))][: cfg.eval_replies]
     draft = _trainable_draft(model, target_config, cfg, kept)
-    rng0 = np.random.default_rng(cfg.seed)
-    steps_per_epoch = len(_batches(exs, cfg.batch_tokens, rng0))
+    steps_per_epoch = len(_batches(exs, cfg.batch_tokens, np.random.default_rng(cfg.seed)))
     total = max(1, int(round(cfg.epochs * steps_per_epoch)))
     warm = min(50, max(1, total // 20))
     sched = optim.join_schedules([optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
