@@ -33,11 +33,8 @@ DEFAULT_STEPS = 6000
 
 
 class ExitAdapter(nn.Module):
-    """x ↦ x + up(act(down(x))) + bias, starting as the identity (so as the bare head).
-
-    `mlp=False` is a low-rank linear map (rank r); `mlp=True` puts a SiLU between the two factors
-    (a one-hidden-layer residual MLP of width r, which may exceed the model width).
-    """
+    """x ↦ x + up(act(down(x))) + bias, starting as the identity (so as the bare head): a low-rank linear map,
+    or with `mlp` a residual MLP of width `rank` (which may exceed the model width)."""
 
     def __init__(self, dims: int, rank: int, mlp: bool = True):
         super().__init__()
@@ -220,13 +217,9 @@ def train_exit_adapter(
     progress: bool = True,
     tokens: Optional[int] = None,
 ) -> tuple[ExitAdapter, TrainReport]:
-    """Distil an adapter at `exit_layer` on the target's greedy text over the corpus openings.
-
-    Deterministic for a given seed. Trains on the openings of the training paragraphs; KL is
-    reported on held-out openings (corpus.split, the benchmark's side).
-    `tokens` bounds the text phase (and so the states phase): at most that many target-written
-    training tokens (⌈tokens / max_tokens⌉ openings), and a held-out set a tenth of that size.
-    """
+    """Distil an adapter at `exit_layer` on the target's greedy text over the training paragraphs' openings
+    (deterministic per seed); KL is reported on the held-out openings (corpus.split, the benchmark's side).
+    `tokens` bounds the text phase: ⌈tokens / max_tokens⌉ training openings, a tenth of that held out."""
     from .corpus import split
 
     check_exit_layer(exit_layer, len(text_model(model).layers))
