@@ -46,8 +46,9 @@ class Watchdog:
         threading.Thread(target=self._watch, name="mirror-watchdog", daemon=True).start()
 
     @contextmanager
-    def waiting(self, what: str) -> Iterator[None]:
-        """A wait the watchdog times; nested ones restore the outer wait, its clock started over."""
+    def waiting(self, what: Optional[str]) -> Iterator[None]:
+        """A wait the watchdog times (None: one it does not); nested ones restore the outer wait, its clock
+        started over."""
         with self.lock:
             outer, self.what, self.since = self.what, what, time.monotonic()
         try:

@@ -162,17 +162,12 @@ class DistributedPipeline(Pipeline):
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
         try:
-            while True:
+            while not ended:
                 self._tell(STEP)
-                try:
-                    chunk = next(chunks)
-                except StopIteration:
-                    ended = True
-                    return
-                ended = chunk.finish_reason is not None
-                yield chunk
-                if ended:
-                    return
+                chunk = next(chunks, None)
+                ended = chunk is None or chunk.finish_reason is not None
+                if chunk is not None:
+                    yield chunk
         finally:
             if not ended:  # closed early (a client went away, a stop string, shutdown) or failed
                 self._tell(STOP)
