@@ -31,7 +31,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-
 from .distill_cost import cost_ratio  # noqa: F401  (what the command line measures with)
 from .distill_data import (  # noqa: F401  (the data half, and what the command line reads of it)
     DataConfig,
@@ -385,13 +384,12 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
             have = sum(len(np.load(p)["reply"]) for p in read_reply_files(root, train_cfgs[0].sources))
             if have < max(state["trained_tokens"] + min_new_tokens, growth * state["trained_tokens"]) and not finished:
                 continue
-        results, stopped = [], False
+        results = []
         for c, run_dir in runs:
             out = Path(c.out)
             cfg = TrainConfig(**dict(asdict(c), out=str(out / f"round-{r:03d}-{shape_name(c)}"), run_dir=str(run_dir)))
             res = train(cfg, budget_minutes=train_minutes, progress=progress, log=log, model=model, tokenizer=tokenizer)
-            if res["stopped"]:
-                stopped = True  # its run folder has a manifest now: the next turn resumes it before generating
+            if res["stopped"]:  # its run folder has a manifest now: the next turn resumes it before generating
                 break
             latest = out / f"latest-{shape_name(c)}"
             latest.unlink(missing_ok=True)
@@ -399,7 +397,7 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
             log(f"round {r} {shape_name(c)}: {res['reply_tokens']} reply tokens, agreement "
                 f"{res.get('agreement', float('nan')):.4f}")
             results.append(dict({k: v for k, v in res.items() if k != "run"}, shape=shape_name(c)))
-        if stopped:
+        if len(results) < len(runs):  # (a run stopped)
             continue
         tmp = state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"round": r + 1, "trained_tokens": results[0]["reply_tokens"],

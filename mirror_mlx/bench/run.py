@@ -20,16 +20,14 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..drafts.recipes import DraftRecipe
+from ..drafts.recipes import DraftRecipe, mlx_draft_model, ss_draft
 from ..drafts.recipes import mlx_draft as host_mlx_draft
-from ..drafts.recipes import mlx_draft_model, ss_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
 from .summary import Sample, best_point, table
 from ..stats import Stats
-from ..options import DecodeOptions
-from ..options import PAPER_KNOBS
+from ..options import PAPER_KNOBS, DecodeOptions
 from ..prompts import load_prompts
 from ..tune.cost_model import describe
 
