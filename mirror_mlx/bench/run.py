@@ -142,11 +142,6 @@ def mlx_draft(pipe: Any) -> Any:
     return model
 
 
-def draft_name(cfg: BenchConfig) -> str:
-    """The draft's folder name (what the tables call it)."""
-    return Path(cfg.draft_model).name if cfg.draft_model else "llama2xs (demo)"
-
-
 def check_equal(samples: Sequence[Sample], ref: Sample, p: PromptIds, what: str = "mode") -> None:
     """Raise Mismatch naming the prompt unless every sample's tokens equal `ref`'s (mlx-lm greedy)."""
     for s in samples:
@@ -290,7 +285,7 @@ def bench(cfg: BenchConfig) -> dict:
         report["prompts"] = [{"category": p.category, "text": p.text, "tokens": len(p.ids), "truncated": p.truncated}
                              for p in prompts]
         report["target_layers"] = pipe.engine.n_layers
-        report["draft"] = draft_name(cfg)
+        report["draft"] = Path(cfg.draft_model).name if cfg.draft_model else "llama2xs (demo)"  # (the tables' name)
         report["pinning"] = pin_threads(pipe) if cfg.pin else {"pinned": False}
         run: dict = {"samples": []}
         try:
