@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Iterator, Optional
 
 from ..drafts.host import close_all
@@ -128,10 +128,8 @@ def end_with_launcher(interval: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
-        try:
+        with suppress(OSError):
             os.write(2, f"mirror-mlx: rank {rank()}: the launcher is gone: stopping\n".encode())
-        except OSError:
-            pass
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.dup2(null, 2)

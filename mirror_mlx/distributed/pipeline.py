@@ -35,14 +35,10 @@ NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each r
 
 
 class DistributedPipeline(Pipeline):
-    """A Pipeline whose calls run on every rank of the group, in step.
-
-    Modes resolve as in one process (`Pipeline.resolve`, tune.policy.resolve) from the pair's profile for this
-    rank count, which rank 0 reads and shares (`profile`): every rank then makes the same choice. Nothing is
-    calibrated here (`mirror-mlx tune` under the launcher writes that profile); without it auto runs mirror
+    """A Pipeline whose calls run on every rank of the group, in step: modes resolve as in one process, from the
+    pair's profile for this rank count that rank 0 reads and shares (`profile`); without one auto runs mirror
     (ar without a draft) and a knob left out is a small safe one (κ=1, γ=3, ℓ_e = the adapter's layer or N/2;
-    never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded sample gets a seed rank 0 draws
-    (every rank must draw the same tokens)."""
+    never the paper's κ=8, γ=7 blindly), said in `stats.why`."""
 
     group: mx.distributed.Group
     watchdog: Watchdog
