@@ -25,11 +25,10 @@ def preload_openblas() -> str | None:
         return _loaded
     if "mlx.core" in sys.modules and "OPENBLAS_PRELOADED" not in os.environ:
         return None  # too late: MLX already bound its BLAS
-    for path in OPENBLAS_PATHS:
-        if os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            _loaded = path
-            break
+    path = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
+    if path is not None:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        _loaded = path
     return _loaded
 
 
@@ -48,22 +47,9 @@ def single_threaded() -> list[str]:
     its products are 64-row panels, which a second thread barely speeds up on an idle machine and
     slows down badly on a busy one (threads spin waiting for a core: a 0.6B draft's verify took
     378 s of CPU with two threads against 192 s with one, on a loaded 2-core machine)."""
-    if not sys.platform.startswith("linux") or os.environ.get("OPENBLAS_NUM_THREADS"):
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
         return []
-    done = []
-    paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line and ".so" in line}
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(1)
-                done.append(path)
-                break
-    return done
+    return list(set_threads(1))
 
 
 def keep_freed_memory() -> bool:
@@ -93,15 +79,14 @@ def _openblas_libs() -> list[tuple[str, ctypes.CDLL]]:
     """Every OpenBLAS mapped into this process (the one preloaded for MLX, numpy's own), found once."""
     if _libs or not sys.platform.startswith("linux"):
         return _libs
-    out = _libs
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "openblas" in line and ".so" in line}
     for path in sorted(paths):
         try:
-            out.append((path, ctypes.CDLL(path)))
+            _libs.append((path, ctypes.CDLL(path)))
         except OSError:
             continue
-    return out
+    return _libs
 
 
 def threads() -> dict[str, int]:

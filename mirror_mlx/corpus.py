@@ -65,11 +65,7 @@ class Split:
 
 def split(text: str, held_out: Optional[int] = None) -> Split:
     """The one corpus split: paragraphs[held_out:] train, openings of the first `held_out` are held out.
-
-    By default `held_out` is HELD_OUT_PARAGRAPHS (200), or a tenth of a small corpus (a user's own,
-    under 2,000 paragraphs) so that it still trains; the shipped TinyStories text (3,440 paragraphs)
-    is always split at 200.
-    """
+    By default HELD_OUT_PARAGRAPHS, or a tenth of a small corpus (under 2,000 paragraphs) so that it still trains."""
     paras = paragraphs(text)
     if held_out is None:
         held_out = min(HELD_OUT_PARAGRAPHS, max(1, len(paras) // 10))
@@ -93,10 +89,8 @@ def greedy_continuations(
     progress: bool = False,
     desc: str = "greedy text",  # the progress bar's label
 ) -> list[list[int]]:
-    """The model's greedy continuation of each prompt, cut after the first EOS.
-
-    Prompts of equal length are batched together (no padding, so exact); order is preserved.
-    """
+    """The model's greedy continuation of each prompt, cut after the first EOS; prompts of equal length are
+    batched together (no padding, so exact)."""
     eos = set(eos)
     out: list[list[int]] = [[] for _ in prompts]
     by_len: dict[int, list[int]] = {}

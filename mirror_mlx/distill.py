@@ -31,7 +31,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-
 from .distill_cost import cost_ratio  # noqa: F401  (what the command line measures with)
 from .distill_data import (  # noqa: F401  (the data half, and what the command line reads of it)
     DataConfig,
@@ -77,20 +76,26 @@ def examples(replies: Sequence[Reply], max_context: Optional[int] = None) -> lis
     return out
 
 
+def padded_tokens(ex: Sequence[Example]) -> np.ndarray:
+    """The examples' tokens, right-padded with 0 to (B, T)."""
+    tokens = np.zeros((len(ex), max(len(e.tokens) for e in ex)), np.int32)
+    for b, e in enumerate(ex):
+        tokens[b, :len(e.tokens)] = e.tokens
+    return tokens
+
+
 def make_batch(ex: Sequence[Example], kept: np.ndarray, vocab: int):
     """Right-padded (B, T) tokens, and per position (B, T, K) kept-row indices and teacher weights (the
-    target's top-K restricted to kept ids, renormalised), (B, T) loss mask and teacher argmax (vocab id)."""
-    B, T = len(ex), max(len(e.tokens) for e in ex)
+    target's top-K restricted to kept ids, renormalised) and (B, T) loss mask."""
+    tokens = padded_tokens(ex)
+    B, T = tokens.shape
     K = ex[0].top_ids.shape[1]
     row_of = np.full(vocab, -1, np.int64)
     row_of[kept] = np.arange(len(kept))
-    tokens = np.zeros((B, T), np.int32)
     rows = np.zeros((B, T, K), np.int32)
     weights = np.zeros((B, T, K), np.float32)
     mask = np.zeros((B, T), np.float32)
-    top1 = np.full((B, T), -1, np.int32)
     for b, e in enumerate(ex):
-        tokens[b, :len(e.tokens)] = e.tokens
         R = len(e.top_ids)
         pos = slice(e.first, e.first + R)
         r = row_of[e.top_ids]
@@ -102,8 +107,7 @@ def make_batch(ex: Sequence[Example], kept: np.ndarray, vocab: int):
         rows[b, pos] = np.maximum(r, 0)
         weights[b, pos] = w
         mask[b, pos] = ok
-        top1[b, pos] = e.top_ids[:, 0]
-    return tokens, rows, weights, mask, top1
+    return tokens, rows, weights, mask
 
 
 def split_forward(draft, tokens: mx.array, frozen: int) -> mx.array:
@@ -157,21 +161,18 @@ def run_key(cfg: TrainConfig) -> dict:
 
 def _batches(exs: list[Example], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """Examples grouped by length (little padding), groups shuffled."""
-    order = np.argsort([len(e.tokens) for e in exs], kind="stable")
-    groups, cur, longest = [], [], 0
-    for i in order:
-        L = len(exs[i].tokens)
-        if cur and max(longest, L) * (len(cur) + 1) > batch_tokens:
+    groups, cur = [], []
+    for i in np.argsort([len(e.tokens) for e in exs], kind="stable"):
+        if cur and len(exs[i].tokens) * (len(cur) + 1) > batch_tokens:  # (the longest so far: sorted by length)
             groups.append(cur)
-            cur, longest = [], 0
+            cur = []
         cur.append(int(i))
-        longest = max(longest, L)
     if cur:
         groups.append(cur)
     return [groups[j] for j in rng.permutation(len(groups))]
 
 
-def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192, kept_logits: bool = True) -> dict:
+def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192) -> dict:
     """Teacher-forced greedy agreement: how often the draft's argmax (a real vocabulary id) is the target's
     argmax, over every reply position of `replies`, each with its whole prompt as context."""
     exs = examples(replies)
@@ -179,11 +180,7 @@ def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192, kept_lo
     kept = np.array(draft.kept_ids)
     for group in _batches(exs, batch_tokens, np.random.default_rng(0)):
         ex = [exs[i] for i in group]
-        B, T = len(ex), max(len(e.tokens) for e in ex)
-        tokens = np.zeros((B, T), np.int32)
-        for b, e in enumerate(ex):
-            tokens[b, :len(e.tokens)] = e.tokens
-        guess = np.array(mx.argmax(draft.kept_logits(mx.array(tokens)), axis=-1))
+        guess = np.array(mx.argmax(draft.kept_logits(mx.array(padded_tokens(ex))), axis=-1))
         for b, e in enumerate(ex):
             g = kept[guess[b, e.first:e.first + len(e.top_ids)]]
             hit += int((g == e.top_ids[:, 0]).sum())
@@ -260,7 +257,7 @@ def _steps(draft, opt, loss_and_grad, exs, kept, vocab: int, cfg: TrainConfig, s
     while step < total:
         epoch = step // steps_per_epoch
         order = _batches(exs, cfg.batch_tokens, np.random.default_rng([cfg.seed, epoch]))
-        tokens, rows, weights, mask, _ = make_batch([exs[i] for i in order[step % steps_per_epoch]], kept, vocab)
+        tokens, rows, weights, mask = make_batch([exs[i] for i in order[step % steps_per_epoch]], kept, vocab)
         loss, grads = loss_and_grad(draft, mx.array(tokens), mx.array(rows), mx.array(weights), mx.array(mask))
         opt.update(draft, grads)
         mx.eval(loss, draft.trainable_parameters(), opt.state)
@@ -306,8 +303,7 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     eval_replies = read_replies(root, ("eval",))
     eval_replies = eval_replies[:: max(1, len(eval_replies) // max(1, cfg.eval_replies))][: cfg.eval_replies]
     draft = _trainable_draft(model, target_config, cfg, kept)
-    rng0 = np.random.default_rng(cfg.seed)
-    steps_per_epoch = len(_batches(exs, cfg.batch_tokens, rng0))
+    steps_per_epoch = len(_batches(exs, cfg.batch_tokens, np.random.default_rng(cfg.seed)))
     total = max(1, int(round(cfg.epochs * steps_per_epoch)))
     warm = min(50, max(1, total // 20))
     sched = optim.join_schedules([optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
@@ -316,11 +312,15 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     opt.init(draft.trainable_parameters())
     ckpt = run / "checkpoint"
     step, history = _resume(ckpt, draft, opt)
+
+    def result(stopped: bool, entry: dict) -> dict:
+        return {"run": str(run), "out": cfg.out, "steps": step, "total": total, "stopped": stopped,
+                "reply_tokens": n_tokens, "replies": len(exs), **entry}
+
     if step:
         if step >= total and history and history[-1].get("measured_on") == "all" and (Path(cfg.out) / "config.json").is_file():
             log(f"{run} is complete (step {step}/{total})")  # measured and written already
-            return {"run": str(run), "out": cfg.out, "steps": step, "total": total, "stopped": False,
-                    "reply_tokens": n_tokens, "replies": len(exs), **history[-1]}
+            return result(False, history[-1])
         log(f"resuming {run} at step {step}/{total}")
     else:
         log(f"training {run}: {len(exs)} replies, {n_tokens} reply tokens, {total} steps")
@@ -346,9 +346,7 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     step, stopped = _steps(draft, opt, loss_and_grad, exs, kept, vocab, cfg, step, total, steps_per_epoch, bar,
                            deadline, stop_after_steps, checkpoint)
     bar.close()
-    entry = checkpoint(final=not stopped)
-    return {"run": str(run), "out": cfg.out, "steps": step, "total": total, "stopped": stopped,
-            "reply_tokens": n_tokens, "replies": len(exs), **entry}
+    return result(stopped, checkpoint(final=not stopped))
 
 
 # ------------------------------------------------------------------------------------------- the loop
@@ -386,22 +384,20 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
             have = sum(len(np.load(p)["reply"]) for p in read_reply_files(root, train_cfgs[0].sources))
             if have < max(state["trained_tokens"] + min_new_tokens, growth * state["trained_tokens"]) and not finished:
                 continue
-        results, stopped = [], False
+        results = []
         for c, run_dir in runs:
             out = Path(c.out)
             cfg = TrainConfig(**dict(asdict(c), out=str(out / f"round-{r:03d}-{shape_name(c)}"), run_dir=str(run_dir)))
             res = train(cfg, budget_minutes=train_minutes, progress=progress, log=log, model=model, tokenizer=tokenizer)
-            if res["stopped"]:
-                stopped = True  # its run folder has a manifest now: the next turn resumes it before generating
+            if res["stopped"]:  # its run folder has a manifest now: the next turn resumes it before generating
                 break
             latest = out / f"latest-{shape_name(c)}"
-            if latest.is_symlink() or latest.exists():
-                latest.unlink()
+            latest.unlink(missing_ok=True)
             latest.symlink_to(Path(cfg.out).name)
             log(f"round {r} {shape_name(c)}: {res['reply_tokens']} reply tokens, agreement "
                 f"{res.get('agreement', float('nan')):.4f}")
             results.append(dict({k: v for k, v in res.items() if k != "run"}, shape=shape_name(c)))
-        if stopped:
+        if len(results) < len(runs):  # (a run stopped)
             continue
         tmp = state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"round": r + 1, "trained_tokens": results[0]["reply_tokens"],

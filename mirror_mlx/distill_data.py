@@ -1,7 +1,6 @@
 """The distilled draft's data: the target's own replies to chat prompts, batched, cached per reply, resumable
 (mirror_mlx/distill.py trains on them; its docstring says the whole way)."""
 
-
 import hashlib
 import json
 import os
@@ -62,10 +61,8 @@ def source_prompts(source: str, tinystories_n: int = 1000) -> list[str]:
     """The user messages of one source, in a fixed order."""
     from mirror_mlx.prompts import DATA, jsonl, spec_bench_part
 
-    if source == "eval":
-        return [p.text for p in spec_bench_part("eval")]
-    if source == "spec_bench":
-        return [p.text for p in spec_bench_part("train")]
+    if source in ("eval", "spec_bench"):
+        return [p.text for p in spec_bench_part("eval" if source == "eval" else "train")]
     if source == "code_edit":
         return [p.text for p in jsonl(DATA / "code_edit.jsonl")]
     if source == "tinystories":
@@ -91,9 +88,8 @@ def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] 
     sources round by round (round 0: greedy, T=0.7 and T=1.0; later rounds: new samples at both).
     `prompts` ({source: [user message, ...]}) replaces the packaged prompts (tests, custom sets)."""
     prompts = prompts if prompts is not None else {s: source_prompts(s, tinystories_n) for s in sources}
-    sources = list(prompts)
     phases = [[Job("eval", i, t, 0.0, 0) for i, t in enumerate(prompts.get("eval", []))]]
-    train = [s for s in sources if s != "eval"]
+    train = [s for s in prompts if s != "eval"]
     for r in range(rounds + 1):
         for s in train:
             phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s]) for temp, seed in round_variants(r)])
@@ -265,7 +261,6 @@ def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], N
 def read_replies(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Reply]:
     """Cached replies of `sources` (greedy first, read_reply_files' order)."""
     return [load_reply(p) for p in read_reply_files(root, sources, limit_tokens)]
-
 
 
 def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[int] = None) -> list[Path]:

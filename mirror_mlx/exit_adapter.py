@@ -33,11 +33,8 @@ DEFAULT_STEPS = 6000
 
 
 class ExitAdapter(nn.Module):
-    """x ↦ x + up(act(down(x))) + bias, starting as the identity (so as the bare head).
-
-    `mlp=False` is a low-rank linear map (rank r); `mlp=True` puts a SiLU between the two factors
-    (a one-hidden-layer residual MLP of width r, which may exceed the model width).
-    """
+    """x ↦ x + up(act(down(x))) + bias, starting as the identity (so as the bare head): a low-rank linear map,
+    or with `mlp` a residual MLP of width `rank` (which may exceed the model width)."""
 
     def __init__(self, dims: int, rank: int, mlp: bool = True):
         super().__init__()
@@ -52,10 +49,6 @@ class ExitAdapter(nn.Module):
         if self.mlp:
             z = nn.silu(z)
         return (x + self.up(z)).astype(x.dtype)
-
-
-def model_dims(model: nn.Module) -> int:
-    return text_model(model).model.norm.weight.shape[-1]
 
 
 def fingerprint(model: nn.Module, rows: int = 4096) -> str:
@@ -92,22 +85,17 @@ class ExitData:
     x_final: mx.array  # (n, D)
 
 
-def _capture() -> tuple[list, Any]:
-    got: list = []
-
-    def adapter(x):
-        got.append(x)
-        return x
-
-    return got, adapter
-
-
 def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts: list[int],
                 batch_size: int = 8, progress: bool = False, label: str = "") -> ExitData:
     """Early and final normalised states at the rows of `seqs` from `starts[i]` on (right-padded batches)."""
     from .batching import padded_batches  # (training's modules load with training, not with a generation)
 
-    got, capture = _capture()
+    got: list = []
+
+    def capture(x):  # in the adapter's place: keeps the early state, changes nothing
+        got.append(x)
+        return x
+
     target = EarlyExitTarget(model, exit_layer, adapter=capture)
     inner = text_model(model).model
     xe, xf = [], []
@@ -186,7 +174,7 @@ def fit_adapter(model: nn.Module, train: ExitData, rank: int, steps: int, seed: 
                 lr: float = 3e-3, batch_size: int = 256, progress: bool = True, desc: str = "train-exit") -> ExitAdapter:
     """Adam on mean KL(final ‖ head(adapter(x_early))) over shuffled minibatches; deterministic per seed."""
     mx.random.seed(seed)
-    adapter = ExitAdapter(model_dims(model), rank, mlp)
+    adapter = ExitAdapter(text_model(model).model.norm.weight.shape[-1], rank, mlp)
     mx.eval(adapter.parameters())
     opt = optim.Adam(learning_rate=optim.cosine_decay(lr, max(steps, 1), lr * 0.01))
 
@@ -229,13 +217,9 @@ def train_exit_adapter(
     progress: bool = True,
     tokens: Optional[int] = None,
 ) -> tuple[ExitAdapter, TrainReport]:
-    """Distil an adapter at `exit_layer` on the target's greedy text over the corpus openings.
-
-    Deterministic for a given seed. Trains on the openings of the training paragraphs; KL is
-    reported on held-out openings (corpus.split, the benchmark's side).
-    `tokens` bounds the text phase (and so the states phase): at most that many target-written
-    training tokens (⌈tokens / max_tokens⌉ openings), and a held-out set a tenth of that size.
-    """
+    """Distil an adapter at `exit_layer` on the target's greedy text over the training paragraphs' openings
+    (deterministic per seed); KL is reported on the held-out openings (corpus.split, the benchmark's side).
+    `tokens` bounds the text phase: ⌈tokens / max_tokens⌉ training openings, a tenth of that held out."""
     from .corpus import split
 
     check_exit_layer(exit_layer, len(text_model(model).layers))
@@ -281,30 +265,24 @@ def adapter_meta(model: nn.Module, exit_layer: int, **extra: Any) -> dict[str, A
     return {"fingerprint": fingerprint(model), "exit_layer": exit_layer, **extra}
 
 
-def read_adapter(path: Union[str, Path]) -> tuple[ExitAdapter, dict[str, str]]:
-    """The adapter and its metadata, without any check against a model."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"no exit adapter at {path}")
-    try:
-        weights, md = mx.load(str(path), return_metadata=True)
-    except Exception as e:
-        raise ValueError(f"{path} is not a safetensors file ({e})") from None
-    if md.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a mirror-mlx exit adapter (made by `mirror-mlx train-exit`)")
-    adapter = ExitAdapter(int(md["dims"]), int(md["rank"]), bool(int(md["mlp"])))
-    adapter.load_weights(list(weights.items()), strict=True)
-    mx.eval(adapter.parameters())
-    return adapter, md
-
-
 def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[int] = None) -> ExitAdapter:
     """Load an adapter, refusing one made for another model or (if given) another exit layer.
 
     The adapter keeps its layer in `adapter.exit_layer`; an engine that picks the layer later
     calls `check_layer(adapter, layer)`.
     """
-    adapter, md = read_adapter(path)
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"no exit adapter at {file}")
+    try:
+        weights, md = mx.load(str(file), return_metadata=True)
+    except Exception as e:
+        raise ValueError(f"{file} is not a safetensors file ({e})") from None
+    if md.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a mirror-mlx exit adapter (made by `mirror-mlx train-exit`)")
+    adapter = ExitAdapter(int(md["dims"]), int(md["rank"]), bool(int(md["mlp"])))
+    adapter.load_weights(list(weights.items()), strict=True)
+    mx.eval(adapter.parameters())
     adapter.exit_layer = int(md["exit_layer"])
     if md.get("exit_layers"):
         adapter.exit_layers = tuple(int(x) for x in md["exit_layers"].split(","))

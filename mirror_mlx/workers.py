@@ -63,11 +63,6 @@ def _park(mlx: _MLXThread) -> None:
         _idle.append(mlx)
 
 
-def _park_when_idle(mlx: _MLXThread) -> None:
-    """A Worker dropped without close: its thread parks once the jobs queued before this are done."""
-    mlx.do(partial(_park, mlx))
-
-
 def _close_all() -> None:
     """At exit: let every job still running end while the interpreter is whole (then its thread parks)."""
     for worker in list(_live):
@@ -93,7 +88,8 @@ class Worker:
         self.thread, self.stream = self._mlx.thread, self._mlx.stream
         self._pending: "weakref.WeakSet[Future]" = weakref.WeakSet()
         self._closed = False
-        self._dropped = weakref.finalize(self, _park_when_idle, self._mlx)
+        # dropped without close: the thread parks once the jobs queued before are done
+        self._dropped = weakref.finalize(self, self._mlx.do, partial(_park, self._mlx))
         self._dropped.atexit = False  # at exit a parked thread must stay parked: a job then could end it
         _live.add(self)
 

@@ -28,10 +28,7 @@ def setting_results(spec: str) -> tuple[str, dict]:
 
 def categories(runs: list[tuple[str, dict]]) -> list[str]:
     """The categories the runs' summaries hold besides `all`, in first-seen order."""
-    seen: dict[str, None] = {}
-    for _, rep in runs:
-        seen.update((c, None) for c in rep["summary"] if c != "all")
-    return list(seen)
+    return list(dict.fromkeys(c for _, rep in runs for c in rep["summary"] if c != "all"))
 
 
 def headline(runs: list[tuple[str, dict]], category: str = "all") -> str:

@@ -20,13 +20,12 @@ def machine() -> dict:
     from ..blas import status
     from ..tune.profile import cpu_name
 
-    cpu = cpu_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()
     except Exception:
         commit = ""
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+    return {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
             "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "mirror_mlx": __version__, "commit": commit, "blas": status(),

@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a benchmark box
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .grid import point_name  # noqa: E402
+
 COLORS = {"mirror": "tab:red", "sd": "tab:orange", "mlx_sd": "tab:blue", "ar": "tab:gray", "auto": "tab:green"}
 PARTS = [("prefix", "target prefix", "tab:purple"), ("suffix", "target suffix / verify", "tab:blue"),
          ("rollout_wait", "branch rollout past the suffix", "tab:red"),
@@ -38,12 +40,12 @@ def label(mode: str, report: dict) -> str:
     return f"{mode} [{report.get('draft', 'draft')}]" + (f" ({inner})" if inner else "")
 
 
-def mode_table(rows: dict, report: Optional[dict] = None) -> list[str]:
+def mode_table(rows: dict, report: dict) -> list[str]:
     lines = ["| mode | tok/s | × ar | × ar (paired) | × mlx_sd | × mlx_sd (paired) | accepted / target fwd | ms / step "
              "| fallback | reuse | Ω_κ | hidden draft | peak GB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, r in rows.items():
-        if report is not None and report.get("ran"):
+        if report.get("ran"):
             name = label(mode, report)
         else:
             name = mode + (f" (k={','.join(map(str, r['num_draft_tokens']))})" if r.get("num_draft_tokens") else "")
@@ -58,7 +60,7 @@ def mode_table(rows: dict, report: Optional[dict] = None) -> list[str]:
     return lines
 
 
-def breakdown_table(rows: dict, report: Optional[dict] = None) -> list[str]:
+def breakdown_table(rows: dict, report: dict) -> list[str]:
     lines = ["| mode | target prefix | target suffix / verify | rollout past suffix | serial draft | ring "
              "| Python and scheduling | (draft hidden) | mlx-lm step (not split) | ideal (Eq. 10) | step / ideal |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -67,7 +69,7 @@ def breakdown_table(rows: dict, report: Optional[dict] = None) -> list[str]:
         cells = [_f(b.get(k), "{:.1f}") for k in ("prefix", "suffix", "rollout_wait", "draft", "ring", "overhead",
                                                     "draft_hidden", "unsplit", "ideal")]
         cells.append(_f(r["ms_per_step"] / b["ideal"]) if b.get("ideal") else "–")
-        name = label(mode, report) if report is not None and report.get("ran") else mode
+        name = label(mode, report) if report.get("ran") else mode
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -132,8 +134,7 @@ def sweep_table(report: dict) -> list[str]:
     lines = ["| κ | γ | ℓ_e | tok/s | × ar | × ar (paired) | accepted / target fwd | ms / step | fallback "
              "| hidden draft | Ω_κ |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for pt in report["points"]:
-        name = f"k{pt['kappa']}-g{pt['gamma']}-e{pt['exit_layer']}"
-        r = rows[name]
+        r = rows[point_name(pt)]
         lines.append(f"| {pt['kappa']} | {pt['gamma']} | {pt['exit_layer']} | {r['tokens_per_s']:.2f} "
                      f"| {_f(r['speedup_vs_ar'])} | {_f(r.get('paired_speedup_vs_ar'))} | {r['mean_accepted']:.2f} "
                      f"| {r['ms_per_step']:.0f} "

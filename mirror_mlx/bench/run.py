@@ -20,16 +20,14 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..drafts.recipes import DraftRecipe
+from ..drafts.recipes import DraftRecipe, mlx_draft_model, ss_draft
 from ..drafts.recipes import mlx_draft as host_mlx_draft
-from ..drafts.recipes import mlx_draft_model, ss_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
 from .summary import Sample, best_point, table
 from ..stats import Stats
-from ..options import DecodeOptions
-from ..options import PAPER_KNOBS
+from ..options import PAPER_KNOBS, DecodeOptions
 from ..prompts import load_prompts
 from ..tune.cost_model import describe
 
@@ -144,11 +142,6 @@ def mlx_draft(pipe: Any) -> Any:
     return model
 
 
-def draft_name(cfg: BenchConfig) -> str:
-    """The draft's folder name (what the tables call it)."""
-    return Path(cfg.draft_model).name if cfg.draft_model else "llama2xs (demo)"
-
-
 def check_equal(samples: Sequence[Sample], ref: Sample, p: PromptIds, what: str = "mode") -> None:
     """Raise Mismatch naming the prompt unless every sample's tokens equal `ref`'s (mlx-lm greedy)."""
     for s in samples:
@@ -205,7 +198,7 @@ def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
     finally:
         bar.close()
     result["equality_checked"] = cfg.temp == 0
-    result["ran"] = ran_with([s for s in result["samples"]], k_best)
+    result["ran"] = ran_with(result["samples"], k_best)
 
 
 def ran_with(samples: Sequence[Sample], k_best: Optional[int]) -> dict:
@@ -292,7 +285,7 @@ def bench(cfg: BenchConfig) -> dict:
         report["prompts"] = [{"category": p.category, "text": p.text, "tokens": len(p.ids), "truncated": p.truncated}
                              for p in prompts]
         report["target_layers"] = pipe.engine.n_layers
-        report["draft"] = draft_name(cfg)
+        report["draft"] = Path(cfg.draft_model).name if cfg.draft_model else "llama2xs (demo)"  # (the tables' name)
         report["pinning"] = pin_threads(pipe) if cfg.pin else {"pinned": False}
         run: dict = {"samples": []}
         try:

@@ -26,11 +26,6 @@ class Sample:
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.stats.decode_seconds if self.stats.decode_seconds else 0.0
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "Sample":
-        """A sample as results.json holds it."""
-        return cls(**dict(d, stats=Stats(**d["stats"])))
-
 
 def rollout_seconds(timeline: list) -> float:
     """Mirror: time in branch rollouts (the rest of the draft time is serial: first and fallback windows)."""

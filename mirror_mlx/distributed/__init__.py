@@ -18,10 +18,6 @@ Faults: a rank that dies makes MLX's ring raise on the others ("connection to a 
 `mlx.launch` stops every rank once one exits with an error; a rank that stalls is ended by the watchdog
 (`MIRROR_MLX_DIST_TIMEOUT` seconds without a step, 120 by default). Either way each rank ends its draft
 host, unlinks its shared memory and exits with one line on stderr.
-
-Modules: group.py (the launcher's group, `share`), pipeline.py (`DistributedPipeline`, `load`),
-shared_draft.py (`SharedHost`, `MirrorHost`), faults.py (the watchdog, one-line exits, signals),
-follow.py (a server's other ranks).
 """
 
 from importlib import import_module

@@ -6,7 +6,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Optional
+from contextlib import contextmanager, suppress
+from typing import Any, Iterator, Optional
 
 from ..drafts.host import close_all
 from .group import rank
@@ -44,8 +45,17 @@ class Watchdog:
         self.lock = threading.Lock()
         threading.Thread(target=self._watch, name="mirror-watchdog", daemon=True).start()
 
-    def waiting(self, what: str) -> "_Waiting":
-        return _Waiting(self, what)
+    @contextmanager
+    def waiting(self, what: Optional[str]) -> Iterator[None]:
+        """A wait the watchdog times (None: one it does not); nested ones restore the outer wait, its clock
+        started over."""
+        with self.lock:
+            outer, self.what, self.since = self.what, what, time.monotonic()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.what, self.since = outer, time.monotonic()
 
     def _watch(self) -> None:
         while True:
@@ -57,27 +67,10 @@ class Watchdog:
                 die(f"no answer from the other ranks in {self.timeout:g} s while waiting for {what} "
                     f"(a rank stalled or its host is unreachable; {TIMEOUT_ENV} sets the limit): stopping")
 
-
     def beat(self) -> None:
         """Progress (a prefill chunk done): the wait in course starts over."""
         with self.lock:
             self.since = time.monotonic()
-
-
-class _Waiting:
-    """A wait the watchdog times; nested ones restore the outer wait, its clock started over."""
-
-    def __init__(self, dog: Watchdog, what: str):
-        self.dog, self.what, self.outer = dog, what, None
-
-    def __enter__(self) -> None:
-        with self.dog.lock:
-            self.outer = self.dog.what
-            self.dog.what, self.dog.since = self.what, time.monotonic()
-
-    def __exit__(self, *exc: Any) -> None:
-        with self.dog.lock:
-            self.dog.what, self.dog.since = self.outer, time.monotonic()
 
 
 def on_stop_signal(signum: int, frame: Any) -> None:
@@ -135,10 +128,8 @@ def end_with_launcher(interval: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
-        try:
+        with suppress(OSError):
             os.write(2, f"mirror-mlx: rank {rank()}: the launcher is gone: stopping\n".encode())
-        except OSError:
-            pass
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)
         os.dup2(null, 2)

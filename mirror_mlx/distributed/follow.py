@@ -11,6 +11,7 @@ from .faults import collective, die, end_with_launcher, stop_within_grace
 from .group import share
 from .pipeline import IDLE, IDLE_SLEEP_S, MESSAGE, QUIT, RESET, START, STEP, STOP, DistributedPipeline, held
 
+
 def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
     """Ranks > 0 of a server: run what rank 0 (`DistributedPipeline.leading`) runs, step by step, until it
     ends. Waiting for the next request is no stall (no watchdog); within a request rank 0 is timed.
@@ -22,8 +23,6 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
     failed: Optional[BaseException] = None
 
     def receive(size: int, what: Optional[str]) -> list[int]:
-        if what is None:
-            return collective(lambda: share([], size, g))
         with pipe.watchdog.waiting(what):
             return collective(lambda: share([], size, g))
 

@@ -35,14 +35,10 @@ NO_PROMPT_CACHE = ("a prompt cache file cannot be continued across ranks: each r
 
 
 class DistributedPipeline(Pipeline):
-    """A Pipeline whose calls run on every rank of the group, in step.
-
-    Modes resolve as in one process (`Pipeline.resolve`, tune.policy.resolve) from the pair's profile for this
-    rank count, which rank 0 reads and shares (`profile`): every rank then makes the same choice. Nothing is
-    calibrated here (`mirror-mlx tune` under the launcher writes that profile); without it auto runs mirror
+    """A Pipeline whose calls run on every rank of the group, in step: modes resolve as in one process, from the
+    pair's profile for this rank count that rank 0 reads and shares (`profile`); without one auto runs mirror
     (ar without a draft) and a knob left out is a small safe one (κ=1, γ=3, ℓ_e = the adapter's layer or N/2;
-    never the paper's κ=8, γ=7 blindly), said in `stats.why`. An unseeded sample gets a seed rank 0 draws
-    (every rank must draw the same tokens)."""
+    never the paper's κ=8, γ=7 blindly), said in `stats.why`."""
 
     group: mx.distributed.Group
     watchdog: Watchdog
@@ -162,17 +158,12 @@ class DistributedPipeline(Pipeline):
     def _lead(self, chunks: Iterator) -> Iterator:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
         try:
-            while True:
+            while not ended:
                 self._tell(STEP)
-                try:
-                    chunk = next(chunks)
-                except StopIteration:
-                    ended = True
-                    return
-                ended = chunk.finish_reason is not None
-                yield chunk
-                if ended:
-                    return
+                chunk = next(chunks, None)
+                ended = chunk is None or chunk.finish_reason is not None
+                if chunk is not None:
+                    yield chunk
         finally:
             if not ended:  # closed early (a client went away, a stop string, shutdown) or failed
                 self._tell(STOP)
@@ -315,12 +306,9 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
 def quiet_other_ranks() -> None:
     """The command line on ranks > 0: nothing on stdout or stderr but `die`'s line (rank 0 prints and serves)."""
     g = group()
-    if g is None or g.rank() == 0:
+    if g is None or g.rank() == 0 or os.environ.get("MIRROR_MLX_DIST_VERBOSE") == "1":  # (verbose: debugging)
         return
-    if os.environ.get("MIRROR_MLX_DIST_VERBOSE") == "1":  # (debugging: every rank prints)
-        return
-    devnull = open(os.devnull, "w")
-    sys.stdout = sys.stderr = devnull
+    sys.stdout = sys.stderr = open(os.devnull, "w")
 
     def hook(kind, value, tb) -> None:
         os.write(2, f"mirror-mlx: rank {g.rank()}: {kind.__name__}: {value}\n".encode())

@@ -64,32 +64,31 @@ class SharedHost:
         with self.watchdog.waiting("rank 0's draft answer"):
             share(values, size, self.group)
 
-    def _answer(self, wait, size: int):
+    def _raise_held(self) -> None:
+        if self.failed is not None:
+            failed, self.failed = self.failed, None
+            raise failed
+
+    def _answer(self, wait) -> None:
         try:
-            if self.failed is not None:
-                failed, self.failed = self.failed, None
-                raise failed
-            out = wait()
+            self._raise_held()
+            wait()
         except BaseException:
-            self._status(size, [FAILED])
+            self._status(HEAD, [FAILED])
             raise
-        return out
+        self._status(HEAD, [OK] + self.tail)
 
     def wait_done(self, timeout: Optional[float]) -> None:
-        self._answer(lambda: self.real.wait_done(timeout), HEAD)
-        self._status(HEAD, [OK] + self.tail)
+        self._answer(lambda: self.real.wait_done(timeout))
 
     def reset(self, timeout: Optional[float] = None) -> None:
         self.tail = [0, -1]
-        self._answer(lambda: self.real.reset(timeout), HEAD)
-        self._status(HEAD, [OK] + self.tail)
+        self._answer(lambda: self.real.reset(timeout))
 
     async def windows(self, gamma: int) -> tuple[Rollout, float, float]:
         size = HEAD + self.n * gamma
         try:
-            if self.failed is not None:
-                failed, self.failed = self.failed, None
-                raise failed
+            self._raise_held()
             out, r0, r1 = await self.real.windows(gamma)
             flat = [t for w in out.windows for t in w]
             if len(flat) != self.n * gamma:
