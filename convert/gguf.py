@@ -72,27 +72,25 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[Tensor], int]:
 
 
 def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor], int]:
-    pos = 0
+    pos = 4
+
+    def span(n: int) -> int:
+        """The offset of the next n bytes, which the file must hold."""
+        nonlocal pos
+        if pos + n > len(buf):
+            raise GGUFError(f"{path} ends inside its header ({size} bytes): the file is truncated, download it again")
+        pos += n
+        return pos - n
 
     def take(fmt: str) -> Any:
-        nonlocal pos
-        if pos + struct.calcsize("<" + fmt) > len(buf):
-            raise GGUFError(f"{path} ends inside its header ({size} bytes): the file is truncated, download it again")
-        (v,) = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
-        return v
+        return struct.unpack_from("<" + fmt, buf, span(struct.calcsize("<" + fmt)))[0]
 
     def string() -> str:
-        nonlocal pos
         n = take("Q")
-        if pos + n > len(buf):
-            take(f"{n}s")  # raises: truncated
-        s = bytes(buf[pos:pos + n]).decode("utf-8", errors="replace")
-        pos += n
-        return s
+        start = span(n)
+        return bytes(buf[start:start + n]).decode("utf-8", errors="replace")
 
     def value(kind: int) -> Any:
-        nonlocal pos
         if kind in SCALARS:
             return take(SCALARS[kind])
         if kind == 8:
@@ -101,16 +99,12 @@ def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor
             elem, n = take("I"), take("Q")
             if elem in SCALARS:  # numbers: one read
                 dt = np.dtype("<" + SCALARS[elem])
-                if pos + n * dt.itemsize > len(buf):
-                    take(f"{n * dt.itemsize}s")  # raises: truncated
-                pos += n * dt.itemsize
-                return np.frombuffer(buf, dt, n, pos - n * dt.itemsize).tolist()
+                return np.frombuffer(buf, dt, n, span(n * dt.itemsize)).tolist()
             return [value(elem) for _ in range(n)]
         raise GGUFError(f"{path}: metadata value type {kind} is not GGUF's: the file is corrupt, download it again")
 
     if buf[:4] != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-    pos = 4
     version = take("I")
     if version not in (2, 3):
         raise GGUFError(f"{path} is GGUF version {version}; only versions 2 and 3 are read: "
@@ -213,11 +207,8 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> 
             w = mx.dequantize(w, scales, raw[key + ".biases"], group_size=32, bits=w.shape[-1] // scales.shape[-1])
         w = w.astype(dtype)
         name = hf_name(t.name, path)
-        if name.endswith("q_proj.weight"):
-            w = interleaved_to_half_split(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = interleaved_to_half_split(w, config["num_key_value_heads"])
-        out[name] = w
+        heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(name.split(".")[-2])
+        out[name] = interleaved_to_half_split(w, config[heads]) if heads else w
     return out
 
 

@@ -2,17 +2,13 @@
 
 Core ML cannot predict on Linux, but every MIL op class carries a numpy `value_inference`. We
 re-read the *saved* package (milproto -> pymil), bind inputs and state, and evaluate each op in
-order; ops without value inference (conv, silu, read_state, coreml_update_state, constexpr_*) get
-small numpy stand-ins here, and so do layer_norm (float32 statistics) and matmul (speed). Arithmetic model: each op computes in float32 and its fp16 outputs are
-rounded to fp16, like fp16 storage with wide accumulators on the ANE.
-
-Speed and memory at real size (0.6B): the runner holds every fp16 constant once, as float32
-(both functions of a package share their weights; the loaded program has a copy per function, and
-the fp16 copies are dropped), so a conv is one BLAS matmul on a view of its weight; large attention
-products go to BLAS too: a 64-row rollout call of a 0.6B draft is ~90 GFLOP of BLAS, not numpy's
-einsum loop. Ops that only move values (reshape, concat, slices, gathers, the state) are not
-rounded again: their fp16 inputs are already exact. This checks graph structure, layout and fp16
-range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
+order; ops without one (conv, silu, the state ops, constexpr_*) get numpy stand-ins, and so do
+layer_norm (float32 statistics) and matmul (speed). Each op computes in float32 and its fp16
+outputs are rounded to fp16, like fp16 storage with wide accumulators on the ANE; ops that only
+move values are not rounded again (their fp16 inputs are exact). At 0.6B, the runner holds each
+distinct constant once as float32 (both functions share it) and convs and large attention
+products run through BLAS. This checks graph structure, layout and fp16 range; ANE arithmetic
+itself only a Mac can check.
 """
 
 from dataclasses import dataclass, field
@@ -113,16 +109,21 @@ def _lut_to_dense(indices: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[ix + (indices,)]
 
 
+def _set_const(op: Any, value: Any) -> None:
+    """A const op's value, held both as its output's and as the op's own `val` input."""
+    op.outputs[0]._sym_val = value
+    inner = getattr(op, "val", None)
+    if inner is not None and hasattr(inner, "_sym_val"):
+        inner._sym_val = value
+
+
 def _release_inputs(op: Any) -> None:
     """Drop the constants only this (materialised, never run again) op reads: a lut4 package's
     indices are a byte per weight in each function, 1.2 GB at 0.6B."""
     for var in op.inputs.values():
         src = getattr(var, "op", None)
         if src is not None and src.op_type == "const" and len(var.child_ops) == 1:
-            var._sym_val = None
-            inner = getattr(src, "val", None)
-            if inner is not None and hasattr(inner, "_sym_val"):
-                inner._sym_val = None
+            _set_const(src, None)
 
 
 STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
@@ -168,14 +169,9 @@ class Weights:
             for op in f.operations:
                 if op.op_type != "const":
                     continue
-                var = op.outputs[0]
-                val = var.val
+                val = op.outputs[0].val
                 if isinstance(val, np.ndarray) and val.dtype == np.float16 and val.ndim:
-                    held = _Held(self.share(val))
-                    var._sym_val = held
-                    inner = getattr(op, "val", None)  # the const op keeps its value as an input too
-                    if inner is not None and hasattr(inner, "_sym_val"):
-                        inner._sym_val = held
+                    _set_const(op, _Held(self.share(val)))
 
 
 @dataclass
@@ -270,10 +266,8 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
             op.outputs[0]._sym_val = _Held(env.weights.share(v) if v.dtype == np.float16 else v)
             _release_inputs(op)
             continue
-        if op.op_type in STAND_INS:
-            vals = STAND_INS[op.op_type](op, env)
-        else:
-            vals = op.value_inference()
+        stand_in = STAND_INS.get(op.op_type)
+        vals = stand_in(op, env) if stand_in else op.value_inference()
         if not isinstance(vals, (tuple, list)) or len(op.outputs) == 1:
             vals = (vals,)
         exact = op.op_type in MOVES
@@ -308,8 +302,3 @@ class MilRunner:
 
     def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return run_function(self.program.functions[fn], inputs, self.env)
-
-
-def op_types(program: Any) -> set[str]:
-    """Every op type used by every function of a program."""
-    return {op.op_type for f in program.functions.values() for op in f.operations}

@@ -1,35 +1,22 @@
 """`mirror-mlx convert --verify`: the saved package against its MLX draft, on Linux.
 
-The package's MIL program is re-read from disk and evaluated op by op (mil_eval), driven by the
-very host code the Mac runtime uses (ane_draft/package_host.py): extend a real prompt, then a few
-Mirror-SD-shaped rollouts (kappa*(gamma+1) stems: the draft's own window and top-kappa candidates
-at every row), committing tokens and finally rolling back. Every logit row the package produced
-(extend rows, every rollout row, and an SS draft's stream rows) is compared with the MLX draft's
-float32 logits for the same tokens (teacher forcing, so one flipped argmax cannot cascade), and
-every row's argmax with the MLX argmax.
+The package's MIL program, re-read from disk, is evaluated op by op (mil_eval) and driven by the
+Mac runtime's own host code (ane_draft/package_host.py): extend a real prompt, a few Mirror-SD
+rollouts (kappa*(gamma+1) stems), commits, and a rollback. Every logit row the package produced
+(extend, rollout and stream rows) is compared with the MLX draft's float32 logits for the same
+tokens (teacher forcing, so one flipped argmax cannot cascade), and its argmax with MLX's.
 
-Tolerances (max |logit difference| allowed, as a fraction of the largest |logit| seen plus a
-floor): fp16 packages 3 % + 0.05; int8 10 % + 0.05; lut6 25 % + 0.1; lut4 50 % + 0.2. fp16 is not
-exact: the demo draft's residual stream reaches ~600, where fp16's spacing is 0.5, and we measured
-up to 1.7 % of the logit range against float32 (0.2 % with float32 activations and fp16 weights, so
-the graph itself is right). Argmaxes must agree except where the MLX draft's top two logits are
-closer than the tolerance (a near-tie, counted and reported). Quantized packages are compared with
-the unquantized draft, so their bounds are loose by design; the numbers are reported either way.
+Tolerance (TOLERANCE: a fraction of the largest |logit| plus a floor): fp16 is not exact (the demo
+draft's residual stream reaches ~600, where fp16's spacing is 0.5: 1.7 % of the logit range, 0.2 %
+with float32 activations, so the graph itself is right); quantized packages are compared with the
+unquantized draft, so their bounds are loose by design. An argmax may differ only where MLX's top
+two logits are closer than the tolerance (a near-tie, reported).
 
-The reference is the MLX draft cast to float32 (a bf16 or fp16 draft's weights are exact in
-float32; a 4/8-bit MLX draft keeps its integer weights and runs with float32 scales, the very
-weights the package holds, dequantized, in fp16): so every draft, quantized or not, is held to the
-fp16 tolerance of its package mode. It prefills each committed context once (its logits are the
-extend rows' reference), runs the greedy window one token at a time on that cache, and runs the
-branch rows as batches of branch paths on top of the context plus the window prefix they start
-with (no full-sequence forward per row, no shared prefix computed twice).
-
-What is checked: by default every step of every prompt; from REAL_SIZE (250M) dense parameters,
-where one step costs about a minute of CPU, the first step of each prompt (both functions, every
-row of those steps, and a rollback: every function and code path of the package, the MIL program
-being the same for every layer). `Budget` sets it otherwise: seconds (steps not started when it
-runs out are skipped), rollout rows compared (a seeded sample of whole branches per step), steps
-per prompt, or all. The verdict line says what was compared.
+The reference is the MLX draft cast to float32 (a 4/8-bit draft keeps its integer weights with
+float32 scales: the very weights the package holds), so every draft is held to its package mode's
+tolerance. It prefills each context once and runs branch rows as batches on top of the context
+plus the window prefix they share. From REAL_SIZE parameters (a minute of CPU per step) only the
+first step of each prompt is checked by default; `Budget` sets it otherwise.
 """
 
 import re
@@ -69,8 +56,7 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
-        """'300s', '5m' (time), '2000rows' (rollout rows compared), '1steps' (steps per prompt) or
-        'all' (every step and row, whatever the draft's size)."""
+        """--verify-budget: '300s', '5m', '2000rows', '1steps' or 'all' (whatever the draft's size)."""
         if (text or "").strip() == "all":
             return cls()
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|rows|steps?)\s*", text or "")
@@ -84,8 +70,8 @@ class Budget:
 
     @classmethod
     def default(cls, parameters: int) -> "Budget":
-        """Everything for a small draft; one step per prompt (both functions, every row of those
-        steps, a rollback) from REAL_SIZE parameters, where each step costs about a minute of CPU."""
+        """Everything for a small draft; from REAL_SIZE parameters, the first step of each prompt
+        (both functions, every row of it, and a rollback: every code path of the package)."""
         if parameters < REAL_SIZE:
             return cls()
         return cls(steps=1, why=f"{parameters / 1e6:.3g}M parameters: the first of each prompt by default; "
@@ -147,19 +133,25 @@ class Parity:
                 f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); greedy {self.greedy - self.mismatches - self.near_ties}"
                 f"/{self.greedy} identical, {self.near_ties} near-ties, {self.mismatches} mismatches")
 
-    def add(self, got: np.ndarray, ref: np.ndarray, chosen: Optional[np.ndarray] = None) -> None:
-        """Compare logit rows (n, V); `chosen` are the tokens the package picked (default argmax)."""
+    def add_extend(self, got: dict[int, np.ndarray], ref: np.ndarray) -> None:
+        """Compare the extend rows the package produced, by position, with the reference's."""
+        new = sorted(got)
+        if new:
+            self.add(np.stack([got[p] for p in new]), ref[new])
+            self.extend_rows += len(new)
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        """Compare logit rows (n, V)."""
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
         bad = ~np.isfinite(got).reshape(len(got), -1).all(-1)
         self.nan_rows += int(bad.sum())
         got = np.where(np.isfinite(got), got, np.float32(np.inf))  # max |dlogit| is then inf, not 0
         self.max_abs = max(self.max_abs, float(np.abs(got - ref).max()))
         self.scale = max(self.scale, float(np.abs(ref).max()))
-        chosen = got.argmax(-1) if chosen is None else np.asarray(chosen)
         top2 = np.sort(ref, axis=-1)[:, -2:]
         margin = top2[:, 1] - top2[:, 0]
-        differ = chosen != ref.argmax(-1)
-        self.greedy += len(chosen)
+        differ = got.argmax(-1) != ref.argmax(-1)
+        self.greedy += len(got)
         self.margins += [float(m) for m in margin[differ]]
 
     def settle(self) -> "Parity":
@@ -356,10 +348,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
             draft_pkg.trace.extend.clear()
             draft_pkg.trace.rows.clear()
             result = draft_pkg.rollout(context, stems, gamma)
-            new = sorted(draft_pkg.trace.extend)
-            if new:
-                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), ref.logits[new])
-                report.extend_rows += len(new)
+            report.add_extend(draft_pkg.trace.extend, ref.logits)
             rows = {tuple(path): (main, streams) for path, main, streams in draft_pkg.trace.rows}
             chosen = _sample(list(rows), per_step, rng)
             refs = ref.rows(chosen)
@@ -379,9 +368,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
                 context = context[:-3] + [(context[-3] + 1) % draft_pkg.vocab_size]
                 draft_pkg.trace.extend.clear()
                 draft_pkg.sync(context)
-                new = sorted(draft_pkg.trace.extend)
-                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), Reference(model, context).logits[new])
-                report.extend_rows += len(new)
+                report.add_extend(draft_pkg.trace.extend, Reference(model, context).logits)
             del ref, refs, rows
             mx.clear_cache()  # MLX keeps freed buffers for reuse: at 0.6B they pile up to GBs
             bar.update(1)
