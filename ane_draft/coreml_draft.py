@@ -1,12 +1,9 @@
 """The Core ML draft on macOS 15+: the package runs on the Neural Engine inside the draft host.
 
-`MLModel.predict` holds the GIL for the whole call, so the package lives in the
-draft host process (mirror_mlx/drafts/host.py), behind the same ring protocol and host loop as every other
-draft. There the platform-free host code (package_host.PackageDraft) drives the package's `extend` and
-`rollout` functions, loaded with compute units CPU_AND_NE and one shared `make_state()` KV cache.
-
-On Linux, `coreml_recipe` raises CoreMLUnavailable at once; the same host runs a package there with the
-MIL evaluator as backend (`coreml_recipe(package, backend="mil")`).
+`MLModel.predict` holds the GIL for the whole call, so the package lives in the draft host process
+(mirror_mlx/drafts/host.py), driven by package_host.PackageDraft with compute units CPU_AND_NE and one
+shared `make_state()` KV cache. Off macOS 15+ `coreml_recipe` raises CoreMLUnavailable at once; backend
+'mil' runs the same host with the MIL evaluator.
 """
 
 import json
@@ -80,10 +77,8 @@ def package_draft(package: str, backend: str = "coreml") -> Any:
 
 
 def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml") -> DraftRecipe:
-    """How the draft host runs a `.mlpackage` (CoreMLUnavailable off macOS 15+ for backend 'coreml').
-
-    Give the target's tokenizer to refuse a package built for another vocabulary up front.
-    """
+    """How the draft host runs a `.mlpackage`; with the target's tokenizer, a package built for another
+    vocabulary is refused up front."""
     if backend == "coreml" and not coreml_available():
         raise CoreMLUnavailable(MESSAGE)
     package = Path(package)

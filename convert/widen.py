@@ -163,7 +163,8 @@ def widen_weights(weights: dict[str, mx.array], config: dict, new: Shape) -> dic
         else:
             raise WidenError(f"unexpected weight {key!r}: this model is not plain llama-family")
     slots = {block_slot(i, old.layers, new.layers): i for i in range(old.layers)}
-    for slot in range(new.layers):  # slot 0 holds block 0; an identity copies the block before it
+    block: dict[str, mx.array] = {}
+    for slot in range(new.layers):  # an identity layer copies the block before it
         block = widen_layer(layers[slots[slot]], old, new, s, qk) if slot in slots else identity_layer(block)
         out.update({f"model.layers.{slot}.{k}": x for k, x in block.items()})
     return out

@@ -17,7 +17,7 @@ from mlx_lm.utils import _get_classes, load, save_config, save_model
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
 from mirror_mlx.convert import coreml, mil_eval, mil_graph
-from mirror_mlx.convert.ane_ops import FOLDED, NATIVE
+from ane_ops import FOLDED, NATIVE
 
 ANE_OPS = set(NATIVE) | set(FOLDED)  # every op the Neural Engine runs (or folds into weights)
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256
