@@ -11,7 +11,6 @@ products run through BLAS. This checks graph structure, layout and fp16 range; A
 itself only a Mac can check.
 """
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +36,7 @@ def load_program(package: Path) -> Any:
     return load(spec, spec.specificationVersion, str(weights))
 
 
-def _conv(op: Any, env: "Env") -> np.ndarray:
+def _conv(op: Any, env: "MilRunner") -> np.ndarray:
     x, w = op.x.val, op.weight.val
     if w.shape[2:] != (1, 1) or (op.groups is not None and op.groups.val != 1):
         raise NotImplementedError(f"conv stand-in handles 1x1 convolutions only ({op.name})")
@@ -49,22 +48,22 @@ def _conv(op: Any, env: "Env") -> np.ndarray:
     return y
 
 
-def _silu(op: Any, env: "Env") -> np.ndarray:
+def _silu(op: Any, env: "MilRunner") -> np.ndarray:
     x = np.asarray(op.x.val, np.float32)
     return x / (1.0 + np.exp(-x))
 
 
-def _read_state(op: Any, env: "Env") -> np.ndarray:
+def _read_state(op: Any, env: "MilRunner") -> np.ndarray:
     return env.state[op.input.name]
 
 
-def _update_state(op: Any, env: "Env") -> np.ndarray:
+def _update_state(op: Any, env: "MilRunner") -> np.ndarray:
     value = op.value.val  # slice_update's own copy of the state: held as the new state, not copied again
     env.state[op.state.name] = value if value is not env.state.get(op.state.name) else value.copy()
     return value
 
 
-def _layer_norm(op: Any, env: "Env") -> np.ndarray:
+def _layer_norm(op: Any, env: "MilRunner") -> np.ndarray:
     # float32 statistics (the op's own value_inference squares in the input dtype)
     x = np.asarray(op.x.val, np.float32)
     axes = tuple(int(a) for a in op.axes.val)
@@ -79,7 +78,7 @@ def _layer_norm(op: Any, env: "Env") -> np.ndarray:
     return y
 
 
-def _matmul(op: Any, env: "Env") -> np.ndarray:
+def _matmul(op: Any, env: "MilRunner") -> np.ndarray:
     # float32; small products through einsum's own loop (threaded BLAS on a busy machine was
     # 10-50x slower on a tiny draft's attention shapes), large ones through BLAS
     x, y = np.asarray(op.x.val, np.float32), np.asarray(op.y.val, np.float32)
@@ -92,7 +91,7 @@ def _matmul(op: Any, env: "Env") -> np.ndarray:
     return np.matmul(x, y)
 
 
-def _constexpr(op: Any, env: "Env") -> Any:
+def _constexpr(op: Any) -> Any:
     if op.op_type == "constexpr_lut_to_dense" and op.lut.val.shape[-1] == 1:
         return _lut_to_dense(op.indices.val, op.lut.val[..., 0])
     return op.materialized_val_inference()
@@ -126,7 +125,7 @@ def _release_inputs(op: Any) -> None:
             _set_const(src, None)
 
 
-STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
+STAND_INS: dict[str, Callable[[Any, "MilRunner"], Any]] = {
     "conv": _conv,
     "silu": _silu,
     "read_state": _read_state,
@@ -174,15 +173,6 @@ class Weights:
                     _set_const(op, _Held(self.share(val)))
 
 
-@dataclass
-class Env:
-    """Evaluation state: KV state arrays keyed by state input name, and the shared float32
-    weights (kept across resets: they are the package's constants)."""
-
-    state: dict[str, np.ndarray] = field(default_factory=dict)
-    weights: Weights = field(default_factory=Weights)
-
-
 _LO = np.uint32(0x38800000)  # the bits of 2**-14, fp16's smallest normal
 _SPAN = np.uint32(0x477FF000 - 0x38800000)  # up to 65520, where fp16 rounding overflows to inf
 _ZERO = np.uint32((1 << 32) - 0x38800000)  # +-0 after subtracting _LO
@@ -222,8 +212,7 @@ def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> No
 
     a = np.asarray(value)
     dt = var.dtype
-    if dt == types.fp16:
-        # fp16 storage, fp32 compute
+    if dt == types.fp16:  # fp16 storage, fp32 compute
         if exact:
             a = np.asarray(a, np.float32)
         elif a.ndim == 0:
@@ -232,16 +221,12 @@ def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> No
             if not (fresh and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable):
                 a = np.array(a, np.float32, order="C")
             a = round_fp16(a)
-    elif dt == types.fp32:
-        a = a.astype(np.float32)
-    elif types.is_int(dt):
+    elif dt in (types.fp32, types.bool) or types.is_int(dt):
         a = a.astype(types.nptype_from_builtin(dt))
-    elif dt == types.bool:
-        a = a.astype(bool)
     var._sym_val = _Held(a)
 
 
-def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict[str, np.ndarray]:
+def run_function(function: Any, inputs: dict[str, np.ndarray], env: "MilRunner") -> dict[str, np.ndarray]:
     """Evaluate one pymil Function; `env.state` is read and updated in place. Returns outputs."""
     from coremltools.converters.mil.mil import types
 
@@ -262,7 +247,7 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
         if op.op_type == "const" or (op.op_type.startswith("constexpr_") and op.outputs[0].val is not None):
             continue
         if op.op_type.startswith("constexpr_"):  # materialised once per runner, shared by functions
-            v = np.asarray(_constexpr(op, env))
+            v = np.asarray(_constexpr(op))
             op.outputs[0]._sym_val = _Held(env.weights.share(v) if v.dtype == np.float16 else v)
             _release_inputs(op)
             continue
@@ -287,18 +272,17 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
 
 
 class MilRunner:
-    """A package's `extend`/`rollout` functions evaluated with numpy, sharing one KV state.
+    """A package's `extend`/`rollout` functions evaluated with numpy, sharing one KV state; the same
+    interface as the macOS Core ML runner: call(fn, inputs) -> outputs; reset()."""
 
-    The same interface as the macOS Core ML runner: call(fn, inputs) -> outputs; reset().
-    """
-
-    def __init__(self, package: Path, program: Any = None):
-        self.program = program if program is not None else load_program(Path(package))
-        self.env = Env()
-        self.env.weights.adopt(self.program)
+    def __init__(self, package: Path):
+        self.program = load_program(Path(package))
+        self.weights = Weights()  # kept across resets: they are the package's constants
+        self.weights.adopt(self.program)
+        self.reset()
 
     def reset(self) -> None:
-        self.env = Env(weights=self.env.weights)
+        self.state: dict[str, np.ndarray] = {}  # KV state arrays by state input name
 
     def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return run_function(self.program.functions[fn], inputs, self.env)
+        return run_function(self.program.functions[fn], inputs, self)
