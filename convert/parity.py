@@ -1,22 +1,13 @@
-"""`mirror-mlx convert --verify`: the saved package against its MLX draft, on Linux.
+"""`mirror-mlx convert --verify`: the saved package against its MLX draft, on Linux (docs/ane.md).
 
 The package's MIL program, re-read from disk, is evaluated op by op (mil_eval) and driven by the
 Mac runtime's own host code (ane_draft/package_host.py): extend a real prompt, a few Mirror-SD
-rollouts (kappa*(gamma+1) stems), commits, and a rollback. Every logit row the package produced
-(extend, rollout and stream rows) is compared with the MLX draft's float32 logits for the same
-tokens (teacher forcing, so one flipped argmax cannot cascade), and its argmax with MLX's.
-
-Tolerance (TOLERANCE: a fraction of the largest |logit| plus a floor): fp16 is not exact (the demo
-draft's residual stream reaches ~600, where fp16's spacing is 0.5: 1.7 % of the logit range, 0.2 %
-with float32 activations, so the graph itself is right); quantized packages are compared with the
-unquantized draft, so their bounds are loose by design. An argmax may differ only where MLX's top
-two logits are closer than the tolerance (a near-tie, reported).
-
-The reference is the MLX draft cast to float32 (a 4/8-bit draft keeps its integer weights with
-float32 scales: the very weights the package holds), so every draft is held to its package mode's
-tolerance. It prefills each context once and runs branch rows as batches on top of the context
-plus the window prefix they share. From REAL_SIZE parameters (a minute of CPU per step) only the
-first step of each prompt is checked by default; `Budget` sets it otherwise.
+rollouts, commits, and a rollback. Every logit row the package produced (extend, rollout and stream
+rows) is compared with the MLX draft's float32 logits for the same tokens (teacher forcing, so one
+flipped argmax cannot cascade), within TOLERANCE (a fraction of the largest |logit| plus a floor:
+fp16 is not exact, and quantized packages are compared with the unquantized draft); an argmax may
+differ only where MLX's top two logits are closer than that (a near-tie, reported). A 4/8-bit MLX
+draft keeps its integer weights with float32 scales: the very weights the package holds.
 """
 
 import re
@@ -175,9 +166,8 @@ def float32_reference(model: Any) -> Any:
 
 
 class Reference:
-    """The float32 MLX draft after one committed context: the logits at every context position,
-    its greedy window, and the logits of branch rows (paths after the context), each computed on
-    top of the K/V it shares: the context's, or the context plus a prefix of the window."""
+    """The float32 MLX draft after one committed context: its logits, greedy window and branch rows,
+    each computed on the K/V it shares (the context's, or the context plus a prefix of the window)."""
 
     def __init__(self, model: Any, context: Sequence[int]):
         import mlx.core as mx
@@ -225,10 +215,8 @@ class Reference:
         return window, stems
 
     def rows(self, paths: Sequence[tuple[int, ...]], batch: int = 16) -> dict[tuple[int, ...], np.ndarray]:
-        """Logits (V,) after context + path for every path: a window prefix's are the window's own
-        rows; the rest come from one forward per branch leaf (a path no other path extends),
-        right-padded, in batches of leaves ordered by the window prefix they start with, each batch
-        on the K/V of the context plus the shortest such prefix in it."""
+        """Logits (V,) after context + path for every path: the window's own rows, else one forward per
+        branch leaf, right-padded, batched by the window prefix they start with (on its K/V)."""
         import mlx.core as mx
 
         want = set(paths)
@@ -306,10 +294,8 @@ def _check_fits(contexts: list[list[int]], steps: int, gamma: int, positions: in
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
            model: Any = None, tokenizer: Any = None, runner: Any = None,
            budget: Optional[Budget] = None, progress: bool = False) -> Parity:
-    """Evaluate the saved package against the MLX draft in `draft`; see the module docstring.
-
-    `runner` defaults to the MIL evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner runs the
-    same check on Core ML itself."""
+    """Evaluate the saved package against the MLX draft in `draft` with `runner` (default: the MIL
+    evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner checks Core ML itself)."""
     import mlx.core as mx
     from tqdm import tqdm
 
@@ -355,9 +341,8 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
             for path in chosen:
                 report.add(rows[path][0][None], refs[path][None])
             if shapes.streams:
-                got = [rows[p][1] for p in chosen]
-                for g, want in zip(got, _stream_logits(model, [context + list(p) for p in chosen])):
-                    report.add(g, want)
+                for p, want in zip(chosen, _stream_logits(model, [context + list(p) for p in chosen])):
+                    report.add(rows[p][1], want)
             report.rollout_rows += len(chosen)
             report.produced_rows += len(draft_pkg.trace.rows)
             report.calls += result.forwards

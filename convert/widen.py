@@ -1,22 +1,12 @@
 """Widen a llama-family mlx-lm model without changing its function, so it costs what a bigger model costs.
 
 Our real models are tiny (width 64), so their per-token time is dispatch overhead, not the
-memory-bound regime that speculative decoding is about (docs/design.md §7). A widened copy computes the
-very same logits while every forward does the work of the widened shape:
-
-- widths are zero-padded: the residual stream lives in the first d of D dims, the rest stay 0;
-- RMSNorm weights × √(d/D) and ε × d/D: the mean square over D padded dims is (d/D) × the one
-  over d, so the normalised values on the padded vector equal the original ones exactly;
-- attention keeps head_dim (so RoPE is unchanged); original query heads keep their own kv head
-  (kv heads are duplicated when the new GQA group is smaller), every new head is zero;
-- qwen3's per-head q/k norms share the config ε, so q/k projections are scaled by √(d/D) too
-  (x·s / √(s²·ms + s²·ε) is the original);
-- new layers copy the previous original block with zero o_proj and down_proj: identities,
-  spread evenly (original block i sits at layer ⌊i·L/n⌋);
-- a Speculative-Streaming draft (ss_llama) keeps its stream rows exact too (`widen_ss`).
-
-The benchmark pair's shapes and timings (stories260K → 98.3M parameters, llama2xs → 8.0M: a ≈12×
-target/draft cost ratio, in the range real draft pairs have) are in docs/design.md §7.
+memory-bound regime that speculative decoding is about. A widened copy computes the very same
+logits while every forward does the work of the widened shape (docs/design.md §7, with the
+benchmark pair): widths are zero-padded, RMSNorm weights scaled by √(d/D) and ε by d/D (qwen3's
+q/k projections by √(d/D) too, for its per-head norms), original query heads keep their own kv head,
+new heads are zero, and new layers are identities (a copy of the block before with zero o_proj and
+down_proj), original block i at layer ⌊i·L/n⌋. An SS draft keeps its stream rows exact too (`widen_ss`).
 """
 
 import json
