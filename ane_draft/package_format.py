@@ -67,9 +67,8 @@ def vocab_sha256(tokenizer: Any) -> str:
 
 
 def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
-    """What a package records of its draft's tokenizer: the whole hash (checked against the draft
-    folder it was built from), and the vocabulary's hash and special ids, loaded as mlx_lm.load loads
-    them (checked against a target as mirror_mlx.loading checks a draft folder)."""
+    """What a package records of its draft's tokenizer: the whole hash (checked against its draft folder),
+    and the vocabulary's hash and special ids as mlx_lm.load loads them (checked against a target)."""
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
     return {"tokenizer_sha256": tokenizer_sha256(tokenizer), "vocab_sha256": vocab_sha256(tokenizer),
             "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}

@@ -3,10 +3,8 @@
 The folder is a plain mlx-lm llama model: config.json, model.safetensors (dequantized to the
 machine's dtype), tokenizer.json (a byte-level BPE rebuilt from the file's vocabulary and merges)
 and tokenizer_config.json (its chat template and special tokens). llama.cpp stores q/k rows in
-interleaved RoPE order; they are put back in mlx-lm's half-split order, as for llama2.c.
-
-The header is read here first (tensor types, sizes, the architecture) so that a file this import
-cannot take is refused with its reason before MLX reads any weights.
+interleaved RoPE order; they are put back in mlx-lm's half-split order, as for llama2.c. The header is
+read first, so that a file this import cannot take is refused with its reason before MLX reads any weights.
 """
 
 import json
@@ -133,13 +131,6 @@ def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor
     return meta, tensors, data
 
 
-def product_dtype() -> Any:
-    """The dtype the product runs a model in on this machine: float16 on a Metal GPU, float32 on a CPU."""
-    import mlx.core as mx
-
-    return mx.float16 if mx.metal.is_available() else mx.float32
-
-
 def need(meta: dict, key: str, path: Path) -> Any:
     if key not in meta:
         raise GGUFError(f"{path} lacks the metadata key {key}: the file is incomplete; "
@@ -262,7 +253,8 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
 
 
 def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
-    """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: product_dtype())."""
+    """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: the one the product runs
+    models in here, float16 on a Metal GPU, float32 on a CPU)."""
     import mlx.core as mx
 
     path, out = Path(path), Path(out)
@@ -278,7 +270,7 @@ def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
     for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         if f"tokenizer.ggml.{key}_token_id" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{key}_token_id"])
-    dtype = dtype or product_dtype()
+    dtype = dtype or (mx.float16 if mx.metal.is_available() else mx.float32)
     config["torch_dtype"] = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32")
     weights = mlx_weights(path, tensors, config, dtype)
     embed = weights["model.embed_tokens.weight"]

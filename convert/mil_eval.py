@@ -5,10 +5,8 @@ re-read the *saved* package (milproto -> pymil), bind inputs and state, and eval
 order; ops without one (conv, silu, the state ops, constexpr_*) get numpy stand-ins, and so do
 layer_norm (float32 statistics) and matmul (speed). Each op computes in float32 and its fp16
 outputs are rounded to fp16, like fp16 storage with wide accumulators on the ANE; ops that only
-move values are not rounded again (their fp16 inputs are exact). At 0.6B, the runner holds each
-distinct constant once as float32 (both functions share it) and convs and large attention
-products run through BLAS. This checks graph structure, layout and fp16 range; ANE arithmetic
-itself only a Mac can check.
+move values are not rounded again (their fp16 inputs are exact). This checks graph structure,
+layout and fp16 range; ANE arithmetic itself only a Mac can check.
 """
 
 from pathlib import Path
@@ -98,10 +96,8 @@ def _constexpr(op: Any) -> Any:
 
 
 def _lut_to_dense(indices: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """A palettized weight: table (*groups, palette) looked up at each index, the group of an
-    element being its position divided by the block size along each axis. coremltools' own
-    lut_to_dense first repeats the palette for every weight (16 or 64 values each: 0.5-2 GB for
-    one 16384 x 1024 head piece); this is one fancy-indexing lookup."""
+    """A palettized weight: table (*groups, palette) looked up at each index, in one fancy-indexing
+    lookup (coremltools' own repeats the palette for every weight: 0.5-2 GB for one head piece)."""
     r = indices.ndim
     ix = tuple((np.arange(n) // (n // g)).reshape([-1 if j == k else 1 for j in range(r)])
                for k, (n, g) in enumerate(zip(indices.shape, table.shape[:-1])))
@@ -179,11 +175,9 @@ _ZERO = np.uint32((1 << 32) - 0x38800000)  # +-0 after subtracting _LO
 
 
 def round_fp16(a: np.ndarray) -> np.ndarray:
-    """Round a float32 array (C-contiguous, writable) to the nearest fp16 values in place, bit for
-    bit as `astype(float16).astype(float32)` does (ties to even, fp16 subnormals, overflow to inf,
-    NaN), ~3x faster: numpy's float16 cast is a scalar loop. The normal range is rounded on the
-    bits (add half an fp16 ulp minus one, plus the kept lowest bit, then cut 13 bits); the rest
-    (subnormals, overflow, inf, NaN: rare) goes through numpy's cast."""
+    """Round a float32 array (C-contiguous, writable) to fp16 values in place, bit for bit as
+    `astype(float16).astype(float32)`, ~3x faster (numpy's float16 cast is a scalar loop): the normal
+    range on the bits (round half to even, cut 13 bits), the rare rest through numpy's cast."""
     flat = a.reshape(-1)
     u = flat.view(np.uint32)
     t = u & np.uint32(0x7FFFFFFF)
@@ -204,10 +198,9 @@ def round_fp16(a: np.ndarray) -> np.ndarray:
 
 
 def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> None:
-    """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`: the value is
-    already fp16-exact), other types as their numpy type. `fresh`: an op's output, rounded in place
-    when it is float32 (it is the op's own array or, from a value_inference that passes an input
-    through, an fp16-exact value, which rounding leaves as it is); a caller's input is copied."""
+    """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`), other types as
+    their numpy type. `fresh`: an op's output, rounded in place (its own array, or an fp16-exact input
+    passed through, which rounding leaves as it is); a caller's input is copied."""
     from coremltools.converters.mil.mil import types
 
     a = np.asarray(value)

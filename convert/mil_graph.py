@@ -160,9 +160,8 @@ def _forward(ops: _Ops, inp: dict, T: int, Sk: int, NS: int, progress: Optional[
 
 
 def _layer(ops: _Ops, i: int, x: Any, cached: tuple, rot: tuple, mask: Any, smask: Any, T: int) -> tuple[Any, list]:
-    """Decoder layer i over x's rows; with `smask` the rows past T are stream rows, which attend to the main
-    rows and to each other's but are never seen by main rows and write no K/V. Returns x and the main rows'
-    new K and V."""
+    """Decoder layer i over x's rows, and the main rows' new K and V; with `smask` the rows past T are stream
+    rows, which attend to the main rows and to each other's but are never seen by main rows and write no K/V."""
     mb, w, s = ops.mb, ops.w, ops.spec
     H, KV, D, C = s.heads, s.kv_heads, s.head_dim, s.hidden
     R = x.shape[3]
