@@ -272,14 +272,12 @@ def _batch(data: Data, idx: np.ndarray):
 
 def evaluate(model: Model, data: Data, batch_size: int = 32) -> dict:
     """Loss and top-1 accuracy of the main row and of each stream on `data`."""
-    sums, n = None, 0
+    sums = 0.0
     for i in range(0, len(data.tokens), batch_size):
         idx = np.arange(i, min(i + batch_size, len(data.tokens)))
         loss, main_ce, stream_ce, acc = ss_loss(model, *_batch(data, idx))
-        vals = np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)])
-        sums = vals * len(idx) if sums is None else sums + vals * len(idx)
-        n += len(idx)
-    v = sums / n
+        sums = sums + np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)]) * len(idx)
+    v = sums / len(data.tokens)
     S = model.args.num_streams
     return {"loss": float(v[0]), "main_ce": float(v[1]), "stream_ce": v[2:2 + S].round(4).tolist(),
             "main_acc": float(v[2 + S]), "stream_acc": v[3 + S:].round(4).tolist()}

@@ -150,9 +150,8 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
 
 
 def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
-    """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the
-    model's vocabulary, or a vocabulary more than VOCAB_PAD rows larger than the tokenizer (models
-    pad a few rows, never thousands)."""
+    """Refuse a tokenizer that is not the model's: ids (special ones included) beyond the model's
+    vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)
     ids = list(tok.get_vocab().values()) + [i for i in getattr(tok, "all_special_ids", []) if i is not None]
     size, top = len(tok), max(ids) + 1
@@ -261,10 +260,9 @@ def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarr
 
 
 def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
-    """The coremltools compression pass for `mode`: convs only (a separate embedding stays fp16,
-    as in Anemll), int8 per channel or a k-means LUT per group of 16 output channels. `shared`
-    names the head's consts when the embedding lookup reads them too (tied): named, since a
-    const that feeds a conv and a gather has no single op-type config."""
+    """The coremltools compression pass for `mode` (int8 per channel, or a k-means LUT per 16 output
+    channels) of the convs: a separate embedding stays fp16, as in Anemll. `shared`: the head's consts
+    when the tied embedding lookup reads them too (a const feeding a conv and a gather has no op type)."""
     import coremltools.optimize.coreml as cto
     from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights, palettize_weights
 
@@ -323,13 +321,12 @@ def _register_finish_pass() -> str:
 
 def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
     """What the runtime checks before trusting a package (all strings, as Core ML wants)."""
-    n_heads = len(head_names(spec))
     meta = {
         "format": FORMAT, "kind": "ss" if spec.streams else "plain", "model_type": spec.model_type,
         "config": json.dumps(spec.config, sort_keys=True),
         "draft_sha256": spec.draft_sha256, "tokenizer_sha256": spec.tokenizer_sha256,
         "vocab": str(spec.vocab), "layers": str(spec.layers), "kv_heads": str(spec.kv_heads),
-        "head_dim": str(spec.head_dim), "logit_outputs": str(n_heads), "quantize": quantize,
+        "head_dim": str(spec.head_dim), "logit_outputs": str(len(head_names(spec))), "quantize": quantize,
         "compute_units": "CPU_AND_NE", "stream_layers": str(spec.stream_layers),
     }
     meta.update(spec.tokenizer_meta)
@@ -343,17 +340,14 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS
     converted once (passes, compression, weight sharing) and saved with the metadata."""
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
-    import_coremltools()  # before any work: off macOS it is an extra
-    draft = Path(draft)
-    streams = 0
-    if (draft / "config.json").is_file():
-        streams = int(json.loads((draft / "config.json").read_text()).get("num_streams", 0) or 0)
-    shapes = Shapes.make(context, kappa, gamma, chunk, streams)
-    spec = read_draft(draft, positions=shapes.slots)
-    import coremltools as ct
+    ct = import_coremltools()  # before any work: off macOS it is an extra
     from coremltools.converters.mil.mil import Program
     from tqdm import tqdm
 
+    config = Path(draft) / "config.json"
+    streams = int(json.loads(config.read_text()).get("num_streams", 0) or 0) if config.is_file() else 0
+    shapes = Shapes.make(context, kappa, gamma, chunk, streams)
+    spec = read_draft(Path(draft), positions=shapes.slots)
     out = Path(out)
     if out.suffix != ".mlpackage":
         raise ConvertError(f"--out must end in .mlpackage (got {out.name})")
