@@ -59,21 +59,19 @@ class CoreMLRunner:
         return out
 
 
-def make_runner(package: Path, backend: str) -> Any:
-    if backend == "coreml":
-        return CoreMLRunner(package)
-    if backend == "mil":
-        from mirror_mlx.convert.mil_eval import MilRunner
-
-        return MilRunner(package)
-    raise ValueError(f"unknown draft backend {backend!r} (use 'coreml' or 'mil')")
-
-
 def package_draft(package: str, backend: str = "coreml") -> Any:
     """Runs in the draft host: the package's functions under `backend` behind the Draft protocol."""
     from mirror_mlx.ane_draft.package_host import PackageDraft
 
-    return PackageDraft(make_runner(Path(package), backend), read_metadata(Path(package)))
+    if backend == "coreml":
+        runner = CoreMLRunner(Path(package))
+    elif backend == "mil":
+        from mirror_mlx.convert.mil_eval import MilRunner
+
+        runner = MilRunner(Path(package))
+    else:
+        raise ValueError(f"unknown draft backend {backend!r} (use 'coreml' or 'mil')")
+    return PackageDraft(runner, read_metadata(Path(package)))
 
 
 def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml") -> DraftRecipe:

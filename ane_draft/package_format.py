@@ -74,16 +74,13 @@ def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
             "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}
 
 
-COREMLTOOLS_MISSING = ("coremltools is not installed, and building, checking or reading a Core ML draft package "
-                       "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)")
-
-
 def import_coremltools() -> Any:
     """coremltools, or a ConvertError naming the fix: off macOS it is the `convert` extra."""
     try:
         import coremltools
     except ImportError:
-        raise ConvertError(COREMLTOOLS_MISSING) from None
+        raise ConvertError("coremltools is not installed, and building, checking or reading a Core ML draft package "
+                           "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)") from None
     return coremltools
 
 

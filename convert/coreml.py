@@ -150,7 +150,7 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
 
 
 def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
-    """Refuse a tokenizer that is not the model's: ids (special ones included) beyond the model's
+    """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the model's
     vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)
     ids = list(tok.get_vocab().values()) + [i for i in getattr(tok, "all_special_ids", []) if i is not None]

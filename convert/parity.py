@@ -47,7 +47,8 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
-        """--verify-budget: '300s', '5m', '2000rows', '1steps' or 'all' (whatever the draft's size)."""
+        """--verify-budget: '300s', '5m', '2000rows', '1steps', or 'all' (every step and row, whatever
+        the draft's size)."""
         if (text or "").strip() == "all":
             return cls()
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|rows|steps?)\s*", text or "")

@@ -162,8 +162,7 @@ def widen_weights(weights: dict[str, mx.array], config: dict, new: Shape) -> dic
 
 def widened_config(config: dict, new: Shape) -> dict:
     old = Shape.of(config)
-    c = dict(config)
-    c.update(hidden_size=new.hidden, num_attention_heads=new.heads, num_key_value_heads=new.kv_heads,
+    c = dict(config, hidden_size=new.hidden, num_attention_heads=new.heads, num_key_value_heads=new.kv_heads,
              intermediate_size=new.intermediate, num_hidden_layers=new.layers, head_dim=old.head_dim,
              rms_norm_eps=config["rms_norm_eps"] * old.hidden / new.hidden)
     if "layer_types" in c and c["layer_types"] is not None:
