@@ -169,10 +169,9 @@ class PackageDraft:
             for b in branches.values():
                 if len(b.window) >= gamma:
                     continue
-                if not b.chain and b.last in row_of:  # the leaf itself: its first token
-                    self._advance(b, [b.last], row_of, main, streams, nodes, gamma, dry)
-                elif b.chain and b.chain[0] in row_of:
-                    self._advance(b, b.chain, row_of, main, streams, nodes, gamma, dry)
+                fed = b.chain or [b.last]  # no chain yet: the leaf itself, for its first token
+                if fed[0] in row_of:
+                    self._advance(b, fed, row_of, main, streams, nodes, gamma, dry)
             calls += 1
         return [branches[leaf].window[:gamma] for leaf in leaves], calls
 
