@@ -1,12 +1,9 @@
 """The Core ML draft on macOS 15+: the package runs on the Neural Engine inside the draft host.
 
-`MLModel.predict` holds the GIL for the whole call, so the package lives in the
-draft host process (mirror_mlx/drafts/host.py), behind the same ring protocol and host loop as every other
-draft. There the platform-free host code (package_host.PackageDraft) drives the package's `extend` and
-`rollout` functions, loaded with compute units CPU_AND_NE and one shared `make_state()` KV cache.
-
-On Linux, `coreml_recipe` raises CoreMLUnavailable at once; the same host runs a package there with the
-MIL evaluator as backend (`coreml_recipe(package, backend="mil")`).
+`MLModel.predict` holds the GIL for the whole call, so the package lives in the draft host process
+(mirror_mlx/drafts/host.py), driven by package_host.PackageDraft with compute units CPU_AND_NE and one
+shared `make_state()` KV cache. Off macOS 15+ `coreml_recipe` raises CoreMLUnavailable at once; backend
+'mil' runs the same host with the MIL evaluator.
 """
 
 import json
@@ -62,28 +59,24 @@ class CoreMLRunner:
         return out
 
 
-def make_runner(package: Path, backend: str) -> Any:
-    if backend == "coreml":
-        return CoreMLRunner(package)
-    if backend == "mil":
-        from mirror_mlx.convert.mil_eval import MilRunner
-
-        return MilRunner(package)
-    raise ValueError(f"unknown draft backend {backend!r} (use 'coreml' or 'mil')")
-
-
 def package_draft(package: str, backend: str = "coreml") -> Any:
     """Runs in the draft host: the package's functions under `backend` behind the Draft protocol."""
     from mirror_mlx.ane_draft.package_host import PackageDraft
 
-    return PackageDraft(make_runner(Path(package), backend), read_metadata(Path(package)))
+    if backend == "coreml":
+        runner = CoreMLRunner(Path(package))
+    elif backend == "mil":
+        from mirror_mlx.convert.mil_eval import MilRunner
+
+        runner = MilRunner(Path(package))
+    else:
+        raise ValueError(f"unknown draft backend {backend!r} (use 'coreml' or 'mil')")
+    return PackageDraft(runner, read_metadata(Path(package)))
 
 
 def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml") -> DraftRecipe:
-    """How the draft host runs a `.mlpackage` (CoreMLUnavailable off macOS 15+ for backend 'coreml').
-
-    Give the target's tokenizer to refuse a package built for another vocabulary up front.
-    """
+    """How the draft host runs a `.mlpackage`; with the target's tokenizer, a package built for another
+    vocabulary is refused up front."""
     if backend == "coreml" and not coreml_available():
         raise CoreMLUnavailable(MESSAGE)
     package = Path(package)
@@ -94,9 +87,8 @@ def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml")
 
 
 def check_package_tokenizer(meta: dict[str, str], tokenizer: Any, package: Path) -> None:
-    """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another
-    vocabulary is refused; special ids that differ are said once, the target's decide. A package
-    that recorded only the whole tokenizer hash must match it exactly."""
+    """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another vocabulary
+    is refused, differing special ids are said once (a package with only the whole hash must match it)."""
     from mirror_mlx.draft_tokenizer import note_special_difference, special_difference
 
     whole = "vocab_sha256" not in meta  # a package that recorded only the whole hash

@@ -67,16 +67,11 @@ def vocab_sha256(tokenizer: Any) -> str:
 
 
 def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
-    """What a package records of its draft's tokenizer: the whole hash (checked against the draft
-    folder it was built from), and the vocabulary's hash and special ids, loaded as mlx_lm.load loads
-    them (checked against a target as mirror_mlx.loading checks a draft folder)."""
+    """What a package records of its draft's tokenizer: the whole hash (checked against its draft folder),
+    and the vocabulary's hash and special ids as mlx_lm.load loads them (checked against a target)."""
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
     return {"tokenizer_sha256": tokenizer_sha256(tokenizer), "vocab_sha256": vocab_sha256(tokenizer),
             "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}
-
-
-COREMLTOOLS_MISSING = ("coremltools is not installed, and building, checking or reading a Core ML draft package "
-                       "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)")
 
 
 def import_coremltools() -> Any:
@@ -84,7 +79,8 @@ def import_coremltools() -> Any:
     try:
         import coremltools
     except ImportError:
-        raise ConvertError(COREMLTOOLS_MISSING) from None
+        raise ConvertError("coremltools is not installed, and building, checking or reading a Core ML draft package "
+                           "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)") from None
     return coremltools
 
 

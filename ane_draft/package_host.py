@@ -1,26 +1,20 @@
 """The host half of a Core ML draft: chunking, tree masks, positions and the rollout loop.
 
-Pure numpy and platform-free, so the very same code drives the package on a Mac (through Core ML, inside the draft host)
-and on Linux (through the MIL evaluator, convert/mil_eval.py). A `runner` has
-`call(fn, inputs) -> outputs` and `reset()`; fn is 'extend' or 'rollout' (see convert/coreml.py
-for the static shapes).
+Pure numpy, so the same code drives the package on a Mac (Core ML, in the draft host) and on Linux
+(the MIL evaluator, convert/mil_eval.py). A `runner` has `call(fn, inputs) -> outputs` and
+`reset()`; fn is 'extend' or 'rollout' (static shapes: convert/coreml.py).
 
 Rollback is free: slots past the committed prefix are masked, never erased. The rollout puts the
-stems into a trie (stems share accepted draft tokens) and fills each call's B rows with trie nodes
-first, then with each unfinished branch's next rows; every row sees the context, its ancestors
-(scratch slots of earlier calls or rows of this call) and itself. Branch rows live in the scratch
-slots for the duration of one rollout.
-
-A plain draft feeds one row per branch per call (J = ceil(trie / B) + gamma - 1). A
-Speculative-Streaming draft feeds a chain per branch: its pending main token and its stream
-guesses; the main rows check the guesses, the branch keeps the agreeing prefix plus the main token
-after it, and the streams of the last kept row are the next guesses (SS self-verification, as in
-mirror_mlx/drafts/ss_draft.py). Windows are the draft's own greedy main-stream text either way; streams
-only cut the number of calls.
+stems into a trie and fills each call's B rows with trie nodes first, then with each unfinished
+branch's next rows; every row sees the context, its ancestors (scratch slots of earlier calls or
+rows of this call) and itself. A plain draft feeds one row per branch per call; a
+Speculative-Streaming draft feeds a chain per branch, its pending main token and its stream
+guesses, and keeps the prefix its main rows agree with (SS self-verification, as in
+mirror_mlx/drafts/ss_draft.py): the same greedy windows in fewer calls.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -28,12 +22,6 @@ from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
 from mirror_mlx.drafts.mlx_draft import check_stems, self_verify
 from mirror_mlx.model_parts import common_prefix
 from mirror_mlx.draft_api import Rollout
-
-
-class Runner(Protocol):
-    def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def reset(self) -> None: ...
 
 
 @dataclass
@@ -63,7 +51,7 @@ class Trace:
 class PackageDraft:
     """The Draft protocol over a package's `extend` and `rollout` functions."""
 
-    def __init__(self, runner: Runner, meta: dict[str, str], trace: bool = False):
+    def __init__(self, runner: Any, meta: dict[str, str], trace: bool = False):
         self.runner = runner
         self.shapes: Shapes = package_shapes(meta)
         self.vocab_size = int(meta["vocab"])
@@ -87,9 +75,7 @@ class PackageDraft:
     # ------------------------------------------------------------------ committed prefix
 
     def sync(self, context: Sequence[int]) -> int:
-        """Make the cache hold exactly `context`: keep the common prefix, extend with the rest.
-
-        Returns the `extend` calls that took."""
+        """Make the cache hold exactly `context` (the common prefix kept); returns the `extend` calls it took."""
         S, E = self.shapes.context, self.shapes.chunk
         n = len(context)
         if n > S:
@@ -183,10 +169,9 @@ class PackageDraft:
             for b in branches.values():
                 if len(b.window) >= gamma:
                     continue
-                if not b.chain and b.last in row_of:  # the leaf itself: its first token
-                    self._advance(b, [b.last], row_of, main, streams, nodes, gamma, dry)
-                elif b.chain and b.chain[0] in row_of:
-                    self._advance(b, b.chain, row_of, main, streams, nodes, gamma, dry)
+                fed = b.chain or [b.last]  # no chain yet: the leaf itself, for its first token
+                if fed[0] in row_of:
+                    self._advance(b, fed, row_of, main, streams, nodes, gamma, dry)
             calls += 1
         return [branches[leaf].window[:gamma] for leaf in leaves], calls
 

@@ -1,15 +1,9 @@
-"""Train a Speculative-Streaming draft by distillation from the target.
+"""Train a Speculative-Streaming draft by distillation from the target (docs/ss_draft.md).
 
-1. The target writes the data: greedy continuations of corpus openings (the target's own text, so
-   the draft learns what the target will say, not what the corpus says); with a .jsonl corpus of
-   chat conversations, its greedy replies to each one rendered through its chat template.
-2. The draft learns α₀·CE(main) + Σ_j α_j·CE(stream j), α₀ = 1, α_j = 0.1 (docs/design.md §5.7), on
-   hard labels: verification at temperature 0 accepts a draft token iff it is the target's argmax,
-   and the target's greedy text *is* that argmax at every position, for the main row and for every
-   stream offset alike. Soft targets would need the target's logits stored per position (or the
-   target run in the training loop) and mostly help sampled decoding; hard labels cost nothing.
-3. Checkpoints (weights, optimizer state, step, the generated data) go to OUT/checkpoint, so an
-   interrupted run resumes exactly where it stopped: the batch of step s depends on (seed, s) only.
+The target writes the data (its greedy continuations of corpus openings, or replies to chats), so
+the draft learns what the target will say; hard labels suffice, since verification at temperature 0
+accepts a draft token iff it is the target's argmax. Checkpoints go to OUT/checkpoint, and an
+interrupted run resumes exactly: the batch of step s depends on (seed, s) only.
 """
 
 import json
@@ -74,9 +68,8 @@ def read_corpus(path: str) -> str:
     p = Path(path)
     if not p.is_file():
         raise TrainError(f"corpus {path} does not exist or is not a file")
-    raw = p.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise TrainError(f"corpus {path} is not UTF-8 text (bad byte at offset {e.start}); "
                          "convert it, e.g. with iconv -t utf-8") from None
@@ -179,9 +172,8 @@ def draft_args(cfg: TrainConfig, target_dir: Path, target_tok) -> ModelArgs:
                       num_attention_heads=heads, num_key_value_heads=max(1, heads // group), head_dim=head_dim,
                       intermediate_size=int(round(ratio * hidden / 4)) * 4, tie_word_embeddings=True,
                       num_streams=cfg.streams, stream_layers=cfg.stream_layers, model_type="ss_llama")
-        config.pop("quantization", None)
-        config.pop("quantization_config", None)
-        args = ModelArgs.from_dict(config)
+        quantized = ("quantization", "quantization_config")
+        args = ModelArgs.from_dict({k: v for k, v in config.items() if k not in quantized})
     if args.vocab_size < len(target_tok.get_vocab()):
         raise TrainError(f"draft vocabulary ({args.vocab_size}) is smaller than the target tokenizer's")
     return args
@@ -280,14 +272,12 @@ def _batch(data: Data, idx: np.ndarray):
 
 def evaluate(model: Model, data: Data, batch_size: int = 32) -> dict:
     """Loss and top-1 accuracy of the main row and of each stream on `data`."""
-    sums, n = None, 0
+    sums = 0.0
     for i in range(0, len(data.tokens), batch_size):
         idx = np.arange(i, min(i + batch_size, len(data.tokens)))
         loss, main_ce, stream_ce, acc = ss_loss(model, *_batch(data, idx))
-        vals = np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)])
-        sums = vals * len(idx) if sums is None else sums + vals * len(idx)
-        n += len(idx)
-    v = sums / n
+        sums = sums + np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)]) * len(idx)
+    v = sums / len(data.tokens)
     S = model.args.num_streams
     return {"loss": float(v[0]), "main_ce": float(v[1]), "stream_ce": v[2:2 + S].round(4).tolist(),
             "main_acc": float(v[2 + S]), "stream_acc": v[3 + S:].round(4).tolist()}
@@ -343,11 +333,10 @@ def _resumed_step(cfg: TrainConfig, ckpt: Path, log: Callable[[str], None]) -> t
 def _training_data(cfg: TrainConfig, ckpt: Path, resumed: bool, make: Callable[[], "Data"]) -> "Data":
     """The target's text to train on: the checkpoint's when resuming, else `make()`'s, saved with the checkpoint."""
     if resumed and (ckpt / "data.npz").is_file():
-        z = np.load(ckpt / "data.npz")
-        return Data(z["tokens"], z["start"], z["length"])
+        return Data(**np.load(ckpt / "data.npz"))
     data = make()
     ckpt.mkdir(parents=True, exist_ok=True)
-    np.savez(ckpt / "data.npz", tokens=data.tokens, start=data.start, length=data.length)
+    np.savez(ckpt / "data.npz", **vars(data))
     (ckpt / "progress.json").write_text(json.dumps({"step": 0, "config": _run_key(cfg)}, indent=2))
     return data
 
@@ -367,9 +356,7 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     """Run (or resume) a training run; writes the draft folder to cfg.out and returns a summary.
 
     `stop_after` ends this run after that many steps with a checkpoint and no draft folder (a
-    time-boxed run; the same call again resumes it). An interrupted run resumes from the last
-    checkpoint (every `checkpoint_every` steps).
-    """
+    time-boxed run; the same call again resumes it, as an interrupted run resumes from its last one)."""
     check_config(cfg)
     train_paragraphs = _train_paragraphs(cfg)
     try:

@@ -5,29 +5,23 @@ One `.mlpackage`, two functions sharing weights and one state, all shapes static
     L layers, n_kv KV heads of size d, vocab V, context S, chunk E, rows B = kappa*(gamma+1),
     scratch W = B*(gamma+1), slots K = S + W
 
-    state   kv_cache   (2L, n_kv, d, K) fp16   K then V of every layer, channel-major (slots last)
-                       so a block of new rows is one slice_update; slots [0, S) hold committed
-                       tokens, slots [S, K) are rollout scratch.
+    state   kv_cache   (2L, n_kv, d, K) fp16   K then V of every layer, slots last (a block of new
+                       rows is one slice_update): [0, S) committed tokens, [S, K) rollout scratch.
     extend  (T = E)    input_ids (1, E) int32, positions (E,) int32, write_pos (1,) int32,
                        mask (1, S + E, E) fp16  ->  logits (1, E, V) fp16
-                       appends a chunk of committed tokens: attends to slots [0, S) and to its
-                       own rows, then writes its rows' K/V at [write_pos, write_pos + E).
-    rollout (T = B)    input_ids (1, B), positions (B,), write_pos (1,),
-                       mask (1, K + B, B)  ->  logits (1, B, V)
-                       one batched forward over branch rows: attends to all K slots and its own
-                       rows, writes its rows to scratch [write_pos, write_pos + B) (write_pos >= S).
-    SS drafts          B = kappa*(gamma+1)*(1+N) and rollout also takes stream_positions (B*N,)
-                       and stream_mask (1, K + B + B*N, B*N), returning stream_logits (1, B*N, V):
-                       in the top stream layers each main row spawns N stream rows (stream-major
-                       order: row j*B + b is stream j+1 of main row b); they never write K/V and
-                       main rows never see them.
+                       a chunk of committed tokens, its K/V written at [write_pos, write_pos + E).
+    rollout (T = B)    input_ids (1, B), positions (B,), write_pos (1,), mask (1, K + B, B)  ->  logits (1, B, V)
+                       one batched forward over branch rows, written to scratch (write_pos >= S).
+    SS drafts          B = kappa*(gamma+1)*(1+N); rollout also takes stream_positions (B*N,) and
+                       stream_mask (1, K + B + B*N, B*N) and returns stream_logits (1, B*N, V): in the
+                       top stream layers row j*B + b is stream j+1 of main row b; stream rows write no
+                       K/V and main rows never see them.
 
-The mask is additive (0 attend, -1e4 blocked) and key-major: mask[0, key, query]; keys are the
-state's slots followed by the call's own rows. The host builds masks and positions, so the same
-two functions serve prefill, tree (branch) attention, Speculative-Streaming stream rows and
-rollback (stale slots are simply masked out; nothing is ever erased). With V > 16384 the LM head
-is split (ANE's per-axis limit) and the outputs are logits_0..logits_{n-1}, concatenated by the
-host. The program itself, in the ANE's layout, is built in convert/mil_graph.py.
+The mask is additive (0 attend, -1e4 blocked) and key-major, mask[0, key, query]; keys are the
+state's slots, then the call's own rows. The host builds masks and positions, so the two functions
+serve prefill, tree attention, stream rows and rollback (stale slots are masked, never erased).
+With V > 16384 the LM head is split (ANE's per-axis limit) into logits_0..logits_{n-1}. The
+program itself is built in convert/mil_graph.py.
 """
 
 import contextlib
@@ -39,7 +33,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,7 +41,7 @@ from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Sha
                                                  tokenizer_metadata, tokenizer_sha256)
 from mirror_mlx.options import PAPER_KNOBS
 
-from .mil_graph import DraftSpec, build_program, head_names
+from .mil_graph import DraftSpec, build_function, head_names
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
 QUANTIZE = ("none", "int8", "lut4", "lut6")
@@ -78,9 +72,15 @@ def quiet_coremltools():
 # --------------------------------------------------------------------------- reading the draft
 
 
-def _dense(layer: Any, copy: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """Weight (out, in) and bias of a Linear/Embedding, dequantizing quantized MLX layers
-    (copy=False: a read-only view of MLX's float32 array where it can be, e.g. to hash it)."""
+def _np(a: Any, copy: bool = True) -> np.ndarray:
+    """float32 numpy (copy=False: a read-only view of MLX's float32 array where it can be, e.g. to hash it)."""
+    import mlx.core as mx
+
+    return (np.array if copy else np.asarray)(a.astype(mx.float32))
+
+
+def _dense(layer: Any, copy: bool = True) -> np.ndarray:
+    """Weight (out, in) of a Linear/Embedding, dequantizing quantized MLX layers."""
     import mlx.core as mx
 
     w = layer.weight
@@ -88,9 +88,7 @@ def _dense(layer: Any, copy: bool = True) -> tuple[np.ndarray, Optional[np.ndarr
         kw = {"mode": layer.mode} if hasattr(layer, "mode") else {}
         f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
         w = mx.dequantize(w, f32(layer.scales), f32(getattr(layer, "biases", None)), layer.group_size, layer.bits, **kw)
-    b = layer.bias if "bias" in layer else None
-    to_np = lambda a: (np.array if copy else np.asarray)(a.astype(mx.float32))  # noqa: E731
-    return to_np(w), (to_np(b) if b is not None else None)
+    return _np(w, copy)
 
 
 def _weights_sha256(weights: dict[str, Any]) -> str:
@@ -152,9 +150,8 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
 
 
 def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
-    """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the
-    model's vocabulary, or a vocabulary more than VOCAB_PAD rows larger than the tokenizer (models
-    pad a few rows, never thousands)."""
+    """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the model's
+    vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)
     ids = list(tok.get_vocab().values()) + [i for i in getattr(tok, "all_special_ids", []) if i is not None]
     size, top = len(tok), max(ids) + 1
@@ -165,19 +162,11 @@ def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
         )
 
 
-def _np(a: Any, copy: bool = True) -> np.ndarray:
-    import mlx.core as mx
-
-    return (np.array if copy else np.asarray)(a.astype(mx.float32))
-
-
 def _weight_sources(model: Any, copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
-    """Every weight the builder reads, by key ('embed', 'head', 'norm', '{layer}.q_proj',
-    '{layer}.q_proj.bias', ...), as a function that makes it (float32 numpy, dequantized): the
-    spec makes them all, `draft_sha256` one at a time (copy=False: views of MLX's arrays where
-    it can). A tied head is the embedding's function."""
+    """Every weight the builder reads by key ('embed', 'head', '{layer}.q_proj', ...), as a function that
+    makes it (float32, dequantized), so `draft_sha256` can hold one at a time. A tied head is the embedding's."""
     inner = getattr(model, "language_model", model).model
-    dense = lambda layer: lambda: _dense(layer, copy)[0]  # noqa: E731
+    dense = lambda layer: lambda: _dense(layer, copy)  # noqa: E731
     plain = lambda a: lambda: _np(a, copy)  # noqa: E731
     src: dict[str, Callable[[], np.ndarray]] = {"embed": dense(inner.embed_tokens)}
     for i, layer in enumerate(inner.layers):
@@ -240,12 +229,9 @@ def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> D
 
 
 def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """1-D k-means (Lloyd, quantile init): a LUT per weight group without scikit-learn. Results are
-    memoised: both functions hold the same weights, and equal LUTs keep them shared.
-
-    In one dimension each cluster is a run of the sorted values, so one sort and a prefix sum make
-    every Lloyd step a `searchsorted` of k-1 midpoints (O(k log n), not an n x k distance table:
-    4 ms of CPU for a 16 x 3072 group, against 95 ms with the table; same clusters)."""
+    """1-D k-means (Lloyd, quantile init): a LUT per weight group without scikit-learn, memoised (both
+    functions hold the same weights; equal LUTs keep them shared). Each cluster is a run of the sorted
+    values, so a Lloyd step is a `searchsorted` of k-1 midpoints, not an n x k distance table."""
     memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
     def fn(val: np.ndarray):
@@ -274,30 +260,26 @@ def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarr
 
 
 def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
-    """The coremltools compression pass for `mode`: convs only (a separate embedding stays fp16,
-    as in Anemll), int8 per channel or a k-means LUT per group of 16 output channels. `shared`
-    names the head's consts when the embedding lookup reads them too (tied): named, since a
-    const that feeds a conv and a gather has no single op-type config."""
+    """The coremltools compression pass for `mode` (int8 per channel, or a k-means LUT per 16 output
+    channels) of the convs: a separate embedding stays fp16, as in Anemll. `shared`: the head's consts
+    when the tied embedding lookup reads them too (a const feeding a conv and a gather has no op type)."""
     import coremltools.optimize.coreml as cto
     from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights, palettize_weights
 
     if mode == "int8":
         cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
-        return linear_quantize_weights(cto.OptimizationConfig(op_type_configs={"conv": cfg},
-                                                              op_name_configs=dict.fromkeys(shared, cfg)))
-    nbits = {"lut4": 4, "lut6": 6}[mode]
-    cfg = cto.OpPalettizerConfig(mode="custom", lut_function=_kmeans_lut(nbits),
-                                 granularity="per_grouped_channel", group_size=16)
-    return palettize_weights(cto.OptimizationConfig(op_type_configs={"conv": cfg},
-                                                    op_name_configs=dict.fromkeys(shared, cfg)))
+        make = linear_quantize_weights
+    else:
+        cfg = cto.OpPalettizerConfig(mode="custom", lut_function=_kmeans_lut({"lut4": 4, "lut6": 6}[mode]),
+                                     granularity="per_grouped_channel", group_size=16)
+        make = palettize_weights
+    return make(cto.OptimizationConfig(op_type_configs={"conv": cfg}, op_name_configs=dict.fromkeys(shared, cfg)))
 
 
 def _share_weights(prog: Any) -> None:
-    """Give equal consts of the two functions one weight_id, so the package stores them once.
-
-    coremltools' own `_deduplicate_const_across_functions` does this by comparing every candidate
-    pair with np.allclose (in float64: most of the build time of a 0.6B draft); our functions are
-    built from the same arrays, so a full hash of the bytes finds the very same pairs."""
+    """Give equal consts of the two functions one weight_id, so the package stores them once: by a hash
+    of their bytes (both are built from the same arrays), not coremltools' float64 np.allclose of every
+    candidate pair, which was most of a 0.6B draft's build time."""
     from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
     PASS_REGISTRY["common::const_deduplication"].apply(prog)  # within each function first
@@ -339,13 +321,12 @@ def _register_finish_pass() -> str:
 
 def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
     """What the runtime checks before trusting a package (all strings, as Core ML wants)."""
-    n_heads = len(head_names(spec))
     meta = {
         "format": FORMAT, "kind": "ss" if spec.streams else "plain", "model_type": spec.model_type,
         "config": json.dumps(spec.config, sort_keys=True),
         "draft_sha256": spec.draft_sha256, "tokenizer_sha256": spec.tokenizer_sha256,
         "vocab": str(spec.vocab), "layers": str(spec.layers), "kv_heads": str(spec.kv_heads),
-        "head_dim": str(spec.head_dim), "logit_outputs": str(n_heads), "quantize": quantize,
+        "head_dim": str(spec.head_dim), "logit_outputs": str(len(head_names(spec))), "quantize": quantize,
         "compute_units": "CPU_AND_NE", "stream_layers": str(spec.stream_layers),
     }
     meta.update(spec.tokenizer_meta)
@@ -355,27 +336,18 @@ def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
 
 def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS["kappa"],
             gamma: int = PAPER_KNOBS["gamma"], chunk: int = 16, quantize: str = "none", progress: bool = True) -> Path:
-    """Build `out` (.mlpackage) from the mlx-lm draft folder `draft`."""
+    """Build `out` (.mlpackage) from the mlx-lm draft folder `draft`: both functions into one program,
+    converted once (passes, compression, weight sharing) and saved with the metadata."""
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
-    import_coremltools()  # before any work: off macOS it is an extra
-    draft = Path(draft)
-    streams = 0
-    if (draft / "config.json").is_file():
-        streams = int(json.loads((draft / "config.json").read_text()).get("num_streams", 0) or 0)
-    shapes = Shapes.make(context, kappa, gamma, chunk, streams)
-    spec = read_draft(draft, positions=shapes.slots)
-    return convert_spec(spec, Path(out), shapes, quantize, progress)
-
-
-def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "none",
-                 progress: bool = True, build: Callable[..., Any] = build_program) -> Path:
-    """Build both functions into one program, convert it once (passes, compression, weight
-    sharing) and save it at `out` with the metadata."""
-    import coremltools as ct
+    ct = import_coremltools()  # before any work: off macOS it is an extra
     from coremltools.converters.mil.mil import Program
     from tqdm import tqdm
 
+    config = Path(draft) / "config.json"
+    streams = int(json.loads(config.read_text()).get("num_streams", 0) or 0) if config.is_file() else 0
+    shapes = Shapes.make(context, kappa, gamma, chunk, streams)
+    spec = read_draft(Path(draft), positions=shapes.slots)
     out = Path(out)
     if out.suffix != ".mlpackage":
         raise ConvertError(f"--out must end in .mlpackage (got {out.name})")
@@ -383,7 +355,7 @@ def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "no
     prog = Program()
     for fn in ("extend", "rollout"):
         bar.set_postfix_str(f"build {fn}")
-        prog.add_function(fn, build(spec, shapes, fn, progress=lambda: bar.update(1)).functions["main"])
+        prog.add_function(fn, build_function(spec, shapes, fn, progress=lambda: bar.update(1)))
     prog.default_function_name = "rollout"
     prog.export_as_multifunction = True
     pipeline = ct.PassPipeline.DEFAULT
@@ -412,13 +384,7 @@ def convert_spec(spec: DraftSpec, out: Path, shapes: Shapes, quantize: str = "no
 def check_match(meta: dict[str, str], spec: Any, package: Path) -> None:
     """Refuse a package built from another draft or tokenizer (`spec`: a DraftSpec, or anything
     with its tokenizer_sha256 and draft_sha256)."""
-    if meta["tokenizer_sha256"] != spec.tokenizer_sha256:
-        raise ConvertError(
-            f"{package} was built for another tokenizer than this draft's; "
-            "rebuild it from this draft with `mirror-mlx convert`"
-        )
-    if meta["draft_sha256"] != spec.draft_sha256:
-        raise ConvertError(
-            f"{package} was built from different draft weights than this folder's; "
-            "rebuild it from this draft with `mirror-mlx convert`"
-        )
+    for key, what in (("tokenizer_sha256", "for another tokenizer than this draft's"),
+                      ("draft_sha256", "from different draft weights than this folder's")):
+        if meta[key] != getattr(spec, key):
+            raise ConvertError(f"{package} was built {what}; rebuild it from this draft with `mirror-mlx convert`")

@@ -3,10 +3,8 @@
 The folder is a plain mlx-lm llama model: config.json, model.safetensors (dequantized to the
 machine's dtype), tokenizer.json (a byte-level BPE rebuilt from the file's vocabulary and merges)
 and tokenizer_config.json (its chat template and special tokens). llama.cpp stores q/k rows in
-interleaved RoPE order; they are put back in mlx-lm's half-split order, as for llama2.c.
-
-The header is read here first (tensor types, sizes, the architecture) so that a file this import
-cannot take is refused with its reason before MLX reads any weights.
+interleaved RoPE order; they are put back in mlx-lm's half-split order, as for llama2.c. The header is
+read first, so that a file this import cannot take is refused with its reason before MLX reads any weights.
 """
 
 import json
@@ -72,27 +70,25 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[Tensor], int]:
 
 
 def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor], int]:
-    pos = 0
+    pos = 4
+
+    def span(n: int) -> int:
+        """The offset of the next n bytes, which the file must hold."""
+        nonlocal pos
+        if pos + n > len(buf):
+            raise GGUFError(f"{path} ends inside its header ({size} bytes): the file is truncated, download it again")
+        pos += n
+        return pos - n
 
     def take(fmt: str) -> Any:
-        nonlocal pos
-        if pos + struct.calcsize("<" + fmt) > len(buf):
-            raise GGUFError(f"{path} ends inside its header ({size} bytes): the file is truncated, download it again")
-        (v,) = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
-        return v
+        return struct.unpack_from("<" + fmt, buf, span(struct.calcsize("<" + fmt)))[0]
 
     def string() -> str:
-        nonlocal pos
         n = take("Q")
-        if pos + n > len(buf):
-            take(f"{n}s")  # raises: truncated
-        s = bytes(buf[pos:pos + n]).decode("utf-8", errors="replace")
-        pos += n
-        return s
+        start = span(n)
+        return bytes(buf[start:start + n]).decode("utf-8", errors="replace")
 
     def value(kind: int) -> Any:
-        nonlocal pos
         if kind in SCALARS:
             return take(SCALARS[kind])
         if kind == 8:
@@ -101,16 +97,12 @@ def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor
             elem, n = take("I"), take("Q")
             if elem in SCALARS:  # numbers: one read
                 dt = np.dtype("<" + SCALARS[elem])
-                if pos + n * dt.itemsize > len(buf):
-                    take(f"{n * dt.itemsize}s")  # raises: truncated
-                pos += n * dt.itemsize
-                return np.frombuffer(buf, dt, n, pos - n * dt.itemsize).tolist()
+                return np.frombuffer(buf, dt, n, span(n * dt.itemsize)).tolist()
             return [value(elem) for _ in range(n)]
         raise GGUFError(f"{path}: metadata value type {kind} is not GGUF's: the file is corrupt, download it again")
 
     if buf[:4] != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-    pos = 4
     version = take("I")
     if version not in (2, 3):
         raise GGUFError(f"{path} is GGUF version {version}; only versions 2 and 3 are read: "
@@ -137,13 +129,6 @@ def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor
             raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {data + t.offset + t.nbytes} "
                             f"but the file has {size}; download it again")
     return meta, tensors, data
-
-
-def product_dtype() -> Any:
-    """The dtype the product runs a model in on this machine: float16 on a Metal GPU, float32 on a CPU."""
-    import mlx.core as mx
-
-    return mx.float16 if mx.metal.is_available() else mx.float32
 
 
 def need(meta: dict, key: str, path: Path) -> Any:
@@ -213,11 +198,8 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> 
             w = mx.dequantize(w, scales, raw[key + ".biases"], group_size=32, bits=w.shape[-1] // scales.shape[-1])
         w = w.astype(dtype)
         name = hf_name(t.name, path)
-        if name.endswith("q_proj.weight"):
-            w = interleaved_to_half_split(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = interleaved_to_half_split(w, config["num_key_value_heads"])
-        out[name] = w
+        heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(name.split(".")[-2])
+        out[name] = interleaved_to_half_split(w, config[heads]) if heads else w
     return out
 
 
@@ -271,7 +253,8 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
 
 
 def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
-    """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: product_dtype())."""
+    """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: the one the product runs
+    models in here, float16 on a Metal GPU, float32 on a CPU)."""
     import mlx.core as mx
 
     path, out = Path(path), Path(out)
@@ -287,7 +270,7 @@ def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
     for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         if f"tokenizer.ggml.{key}_token_id" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{key}_token_id"])
-    dtype = dtype or product_dtype()
+    dtype = dtype or (mx.float16 if mx.metal.is_available() else mx.float32)
     config["torch_dtype"] = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32")
     weights = mlx_weights(path, tensors, config, dtype)
     embed = weights["model.embed_tokens.weight"]

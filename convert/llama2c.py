@@ -74,27 +74,21 @@ def read_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, np.ndarray]]:
         pos += n
         return out
 
-    d, L, hs, kv = dim, n_layers, cfg.head_size, n_kv * cfg.head_size
+    d, kv = dim, n_kv * cfg.head_size
     emb = take(cfg.vocab_size, d)
-    rms_att, wq, wk = take(L, d), take(L, d, d), take(L, kv, d)
-    wv, wo, rms_ffn = take(L, kv, d), take(L, d, d), take(L, d)
-    w1, w2, w3 = take(L, hidden, d), take(L, d, hidden), take(L, hidden, d)
-    rms_final = take(d)
-    take(seq_len * hs)  # freq_cis_real, freq_cis_imag: recomputed by mlx-lm's RoPE
-    w = {"model.embed_tokens.weight": emb, "model.norm.weight": rms_final}
+    stacked = {name: take(n_layers, *shape) for name, shape in (  # every layer's, in the file's order
+        ("input_layernorm", (d,)), ("self_attn.q_proj", (d, d)), ("self_attn.k_proj", (kv, d)),
+        ("self_attn.v_proj", (kv, d)), ("self_attn.o_proj", (d, d)), ("post_attention_layernorm", (d,)),
+        ("mlp.gate_proj", (hidden, d)), ("mlp.down_proj", (d, hidden)), ("mlp.up_proj", (hidden, d)))}
+    w = {"model.embed_tokens.weight": emb, "model.norm.weight": take(d)}
+    take(seq_len * cfg.head_size)  # freq_cis_real, freq_cis_imag: recomputed by mlx-lm's RoPE
     if not cfg.shared_classifier:
         w["lm_head.weight"] = take(cfg.vocab_size, d)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = rms_att[i]
-        w[p + "self_attn.q_proj.weight"] = interleaved_to_half_split(wq[i], n_heads)
-        w[p + "self_attn.k_proj.weight"] = interleaved_to_half_split(wk[i], n_kv)
-        w[p + "self_attn.v_proj.weight"] = wv[i]
-        w[p + "self_attn.o_proj.weight"] = wo[i]
-        w[p + "post_attention_layernorm.weight"] = rms_ffn[i]
-        w[p + "mlp.gate_proj.weight"] = w1[i]
-        w[p + "mlp.down_proj.weight"] = w2[i]
-        w[p + "mlp.up_proj.weight"] = w3[i]
+    rope_heads = {"self_attn.q_proj": n_heads, "self_attn.k_proj": n_kv}
+    for name, per_layer in stacked.items():
+        for i, x in enumerate(per_layer):
+            heads = rope_heads.get(name)
+            w[f"model.layers.{i}.{name}.weight"] = x if heads is None else interleaved_to_half_split(x, heads)
     return cfg, w
 
 

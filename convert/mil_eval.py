@@ -2,20 +2,13 @@
 
 Core ML cannot predict on Linux, but every MIL op class carries a numpy `value_inference`. We
 re-read the *saved* package (milproto -> pymil), bind inputs and state, and evaluate each op in
-order; ops without value inference (conv, silu, read_state, coreml_update_state, constexpr_*) get
-small numpy stand-ins here, and so do layer_norm (float32 statistics) and matmul (speed). Arithmetic model: each op computes in float32 and its fp16 outputs are
-rounded to fp16, like fp16 storage with wide accumulators on the ANE.
-
-Speed and memory at real size (0.6B): the runner holds every fp16 constant once, as float32
-(both functions of a package share their weights; the loaded program has a copy per function, and
-the fp16 copies are dropped), so a conv is one BLAS matmul on a view of its weight; large attention
-products go to BLAS too: a 64-row rollout call of a 0.6B draft is ~90 GFLOP of BLAS, not numpy's
-einsum loop. Ops that only move values (reshape, concat, slices, gathers, the state) are not
-rounded again: their fp16 inputs are already exact. This checks graph structure, layout and fp16
-range; ANE arithmetic itself (its rounding, its kernels) only a Mac can check.
+order; ops without one (conv, silu, the state ops, constexpr_*) get numpy stand-ins, and so do
+layer_norm (float32 statistics) and matmul (speed). Each op computes in float32 and its fp16
+outputs are rounded to fp16, like fp16 storage with wide accumulators on the ANE; ops that only
+move values are not rounded again (their fp16 inputs are exact). This checks graph structure,
+layout and fp16 range; ANE arithmetic itself only a Mac can check.
 """
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,7 +34,7 @@ def load_program(package: Path) -> Any:
     return load(spec, spec.specificationVersion, str(weights))
 
 
-def _conv(op: Any, env: "Env") -> np.ndarray:
+def _conv(op: Any, env: "MilRunner") -> np.ndarray:
     x, w = op.x.val, op.weight.val
     if w.shape[2:] != (1, 1) or (op.groups is not None and op.groups.val != 1):
         raise NotImplementedError(f"conv stand-in handles 1x1 convolutions only ({op.name})")
@@ -53,22 +46,22 @@ def _conv(op: Any, env: "Env") -> np.ndarray:
     return y
 
 
-def _silu(op: Any, env: "Env") -> np.ndarray:
+def _silu(op: Any, env: "MilRunner") -> np.ndarray:
     x = np.asarray(op.x.val, np.float32)
     return x / (1.0 + np.exp(-x))
 
 
-def _read_state(op: Any, env: "Env") -> np.ndarray:
+def _read_state(op: Any, env: "MilRunner") -> np.ndarray:
     return env.state[op.input.name]
 
 
-def _update_state(op: Any, env: "Env") -> np.ndarray:
+def _update_state(op: Any, env: "MilRunner") -> np.ndarray:
     value = op.value.val  # slice_update's own copy of the state: held as the new state, not copied again
     env.state[op.state.name] = value if value is not env.state.get(op.state.name) else value.copy()
     return value
 
 
-def _layer_norm(op: Any, env: "Env") -> np.ndarray:
+def _layer_norm(op: Any, env: "MilRunner") -> np.ndarray:
     # float32 statistics (the op's own value_inference squares in the input dtype)
     x = np.asarray(op.x.val, np.float32)
     axes = tuple(int(a) for a in op.axes.val)
@@ -83,7 +76,7 @@ def _layer_norm(op: Any, env: "Env") -> np.ndarray:
     return y
 
 
-def _matmul(op: Any, env: "Env") -> np.ndarray:
+def _matmul(op: Any, env: "MilRunner") -> np.ndarray:
     # float32; small products through einsum's own loop (threaded BLAS on a busy machine was
     # 10-50x slower on a tiny draft's attention shapes), large ones through BLAS
     x, y = np.asarray(op.x.val, np.float32), np.asarray(op.y.val, np.float32)
@@ -96,21 +89,27 @@ def _matmul(op: Any, env: "Env") -> np.ndarray:
     return np.matmul(x, y)
 
 
-def _constexpr(op: Any, env: "Env") -> Any:
+def _constexpr(op: Any) -> Any:
     if op.op_type == "constexpr_lut_to_dense" and op.lut.val.shape[-1] == 1:
         return _lut_to_dense(op.indices.val, op.lut.val[..., 0])
     return op.materialized_val_inference()
 
 
 def _lut_to_dense(indices: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """A palettized weight: table (*groups, palette) looked up at each index, the group of an
-    element being its position divided by the block size along each axis. coremltools' own
-    lut_to_dense first repeats the palette for every weight (16 or 64 values each: 0.5-2 GB for
-    one 16384 x 1024 head piece); this is one fancy-indexing lookup."""
+    """A palettized weight: table (*groups, palette) looked up at each index, in one fancy-indexing
+    lookup (coremltools' own repeats the palette for every weight: 0.5-2 GB for one head piece)."""
     r = indices.ndim
     ix = tuple((np.arange(n) // (n // g)).reshape([-1 if j == k else 1 for j in range(r)])
                for k, (n, g) in enumerate(zip(indices.shape, table.shape[:-1])))
     return table[ix + (indices,)]
+
+
+def _set_const(op: Any, value: Any) -> None:
+    """A const op's value, held both as its output's and as the op's own `val` input."""
+    op.outputs[0]._sym_val = value
+    inner = getattr(op, "val", None)
+    if inner is not None and hasattr(inner, "_sym_val"):
+        inner._sym_val = value
 
 
 def _release_inputs(op: Any) -> None:
@@ -119,13 +118,10 @@ def _release_inputs(op: Any) -> None:
     for var in op.inputs.values():
         src = getattr(var, "op", None)
         if src is not None and src.op_type == "const" and len(var.child_ops) == 1:
-            var._sym_val = None
-            inner = getattr(src, "val", None)
-            if inner is not None and hasattr(inner, "_sym_val"):
-                inner._sym_val = None
+            _set_const(src, None)
 
 
-STAND_INS: dict[str, Callable[[Any, "Env"], Any]] = {
+STAND_INS: dict[str, Callable[[Any, "MilRunner"], Any]] = {
     "conv": _conv,
     "silu": _silu,
     "read_state": _read_state,
@@ -168,23 +164,9 @@ class Weights:
             for op in f.operations:
                 if op.op_type != "const":
                     continue
-                var = op.outputs[0]
-                val = var.val
+                val = op.outputs[0].val
                 if isinstance(val, np.ndarray) and val.dtype == np.float16 and val.ndim:
-                    held = _Held(self.share(val))
-                    var._sym_val = held
-                    inner = getattr(op, "val", None)  # the const op keeps its value as an input too
-                    if inner is not None and hasattr(inner, "_sym_val"):
-                        inner._sym_val = held
-
-
-@dataclass
-class Env:
-    """Evaluation state: KV state arrays keyed by state input name, and the shared float32
-    weights (kept across resets: they are the package's constants)."""
-
-    state: dict[str, np.ndarray] = field(default_factory=dict)
-    weights: Weights = field(default_factory=Weights)
+                    _set_const(op, _Held(self.share(val)))
 
 
 _LO = np.uint32(0x38800000)  # the bits of 2**-14, fp16's smallest normal
@@ -193,11 +175,9 @@ _ZERO = np.uint32((1 << 32) - 0x38800000)  # +-0 after subtracting _LO
 
 
 def round_fp16(a: np.ndarray) -> np.ndarray:
-    """Round a float32 array (C-contiguous, writable) to the nearest fp16 values in place, bit for
-    bit as `astype(float16).astype(float32)` does (ties to even, fp16 subnormals, overflow to inf,
-    NaN), ~3x faster: numpy's float16 cast is a scalar loop. The normal range is rounded on the
-    bits (add half an fp16 ulp minus one, plus the kept lowest bit, then cut 13 bits); the rest
-    (subnormals, overflow, inf, NaN: rare) goes through numpy's cast."""
+    """Round a float32 array (C-contiguous, writable) to fp16 values in place, bit for bit as
+    `astype(float16).astype(float32)`, ~3x faster (numpy's float16 cast is a scalar loop): the normal
+    range on the bits (round half to even, cut 13 bits), the rare rest through numpy's cast."""
     flat = a.reshape(-1)
     u = flat.view(np.uint32)
     t = u & np.uint32(0x7FFFFFFF)
@@ -218,16 +198,14 @@ def round_fp16(a: np.ndarray) -> np.ndarray:
 
 
 def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> None:
-    """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`: the value is
-    already fp16-exact), other types as their numpy type. `fresh`: an op's output, rounded in place
-    when it is float32 (it is the op's own array or, from a value_inference that passes an input
-    through, an fp16-exact value, which rounding leaves as it is); a caller's input is copied."""
+    """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`), other types as
+    their numpy type. `fresh`: an op's output, rounded in place (its own array, or an fp16-exact input
+    passed through, which rounding leaves as it is); a caller's input is copied."""
     from coremltools.converters.mil.mil import types
 
     a = np.asarray(value)
     dt = var.dtype
-    if dt == types.fp16:
-        # fp16 storage, fp32 compute
+    if dt == types.fp16:  # fp16 storage, fp32 compute
         if exact:
             a = np.asarray(a, np.float32)
         elif a.ndim == 0:
@@ -236,16 +214,12 @@ def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> No
             if not (fresh and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable):
                 a = np.array(a, np.float32, order="C")
             a = round_fp16(a)
-    elif dt == types.fp32:
-        a = a.astype(np.float32)
-    elif types.is_int(dt):
+    elif dt in (types.fp32, types.bool) or types.is_int(dt):
         a = a.astype(types.nptype_from_builtin(dt))
-    elif dt == types.bool:
-        a = a.astype(bool)
     var._sym_val = _Held(a)
 
 
-def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict[str, np.ndarray]:
+def run_function(function: Any, inputs: dict[str, np.ndarray], env: "MilRunner") -> dict[str, np.ndarray]:
     """Evaluate one pymil Function; `env.state` is read and updated in place. Returns outputs."""
     from coremltools.converters.mil.mil import types
 
@@ -266,14 +240,12 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
         if op.op_type == "const" or (op.op_type.startswith("constexpr_") and op.outputs[0].val is not None):
             continue
         if op.op_type.startswith("constexpr_"):  # materialised once per runner, shared by functions
-            v = np.asarray(_constexpr(op, env))
+            v = np.asarray(_constexpr(op))
             op.outputs[0]._sym_val = _Held(env.weights.share(v) if v.dtype == np.float16 else v)
             _release_inputs(op)
             continue
-        if op.op_type in STAND_INS:
-            vals = STAND_INS[op.op_type](op, env)
-        else:
-            vals = op.value_inference()
+        stand_in = STAND_INS.get(op.op_type)
+        vals = stand_in(op, env) if stand_in else op.value_inference()
         if not isinstance(vals, (tuple, list)) or len(op.outputs) == 1:
             vals = (vals,)
         exact = op.op_type in MOVES
@@ -293,23 +265,17 @@ def run_function(function: Any, inputs: dict[str, np.ndarray], env: Env) -> dict
 
 
 class MilRunner:
-    """A package's `extend`/`rollout` functions evaluated with numpy, sharing one KV state.
+    """A package's `extend`/`rollout` functions evaluated with numpy, sharing one KV state; the same
+    interface as the macOS Core ML runner: call(fn, inputs) -> outputs; reset()."""
 
-    The same interface as the macOS Core ML runner: call(fn, inputs) -> outputs; reset().
-    """
-
-    def __init__(self, package: Path, program: Any = None):
-        self.program = program if program is not None else load_program(Path(package))
-        self.env = Env()
-        self.env.weights.adopt(self.program)
+    def __init__(self, package: Path):
+        self.program = load_program(Path(package))
+        self.weights = Weights()  # kept across resets: they are the package's constants
+        self.weights.adopt(self.program)
+        self.reset()
 
     def reset(self) -> None:
-        self.env = Env(weights=self.env.weights)
+        self.state: dict[str, np.ndarray] = {}  # KV state arrays by state input name
 
     def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return run_function(self.program.functions[fn], inputs, self.env)
-
-
-def op_types(program: Any) -> set[str]:
-    """Every op type used by every function of a program."""
-    return {op.op_type for f in program.functions.values() for op in f.operations}
+        return run_function(self.program.functions[fn], inputs, self)

@@ -53,11 +53,11 @@ def _conv_w(w: np.ndarray, scale: float = 1.0) -> np.ndarray:
     return _f16(w * scale)[:, :, None, None]
 
 
-def build_program(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
-    """The MIL program of one function ('extend' or 'rollout') of the package."""
+def build_function(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
+    """The MIL function 'extend' or 'rollout' of the package."""
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, Program, types
+    from coremltools.converters.mil.mil import Function, types
 
     T = shapes.chunk if fn == "extend" else shapes.rows
     Sk = shapes.context if fn == "extend" else shapes.slots  # state slots this function reads
@@ -76,9 +76,7 @@ def build_program(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[C
     specs["kv_cache"] = mb.StateTensorSpec((2 * L, KV, D, shapes.slots), dtype=types.fp16)
     with Function(specs, opset_version=ct.target.iOS18) as func:
         func.set_outputs(_forward(_Ops(mb, spec), func.inputs, T, Sk, NS, progress))
-    prog = Program()
-    prog.add_function("main", func)
-    return prog
+    return func
 
 
 class _Ops:
@@ -162,9 +160,8 @@ def _forward(ops: _Ops, inp: dict, T: int, Sk: int, NS: int, progress: Optional[
 
 
 def _layer(ops: _Ops, i: int, x: Any, cached: tuple, rot: tuple, mask: Any, smask: Any, T: int) -> tuple[Any, list]:
-    """Decoder layer i over x's rows; with `smask` the rows past T are stream rows, which attend to the main
-    rows and to each other's but are never seen by main rows and write no K/V. Returns x and the main rows'
-    new K and V."""
+    """Decoder layer i over x's rows, and the main rows' new K and V; with `smask` the rows past T are stream
+    rows, which attend to the main rows and to each other's but are never seen by main rows and write no K/V."""
     mb, w, s = ops.mb, ops.w, ops.spec
     H, KV, D, C = s.heads, s.kv_heads, s.head_dim, s.hidden
     R = x.shape[3]
@@ -180,9 +177,7 @@ def _layer(ops: _Ops, i: int, x: Any, cached: tuple, rot: tuple, mask: Any, smas
     q, k = ops.rope(q, *rot), ops.rope(k, *rot)
     kc, vc = cached
     if smask is not None:
-        qm, qs = mb.split(x=q, split_sizes=[T, R - T], axis=2)
-        km, ks = mb.split(x=k, split_sizes=[T, R - T], axis=2)
-        vm, vs = mb.split(x=v, split_sizes=[T, R - T], axis=2)
+        (qm, qs), (km, ks), (vm, vs) = (mb.split(x=t, split_sizes=[T, R - T], axis=2) for t in (q, k, v))
         o = mb.concat(values=[ops.attend(qm, [kc, km], [vc, vm], mask, T),  # main rows never see streams
                               ops.attend(qs, [kc, km, ks], [vc, vm, vs], smask, R - T)], axis=3)
     else:

@@ -1,35 +1,13 @@
-"""`mirror-mlx convert --verify`: the saved package against its MLX draft, on Linux.
+"""`mirror-mlx convert --verify`: the saved package against its MLX draft, on Linux (docs/ane.md).
 
-The package's MIL program is re-read from disk and evaluated op by op (mil_eval), driven by the
-very host code the Mac runtime uses (ane_draft/package_host.py): extend a real prompt, then a few
-Mirror-SD-shaped rollouts (kappa*(gamma+1) stems: the draft's own window and top-kappa candidates
-at every row), committing tokens and finally rolling back. Every logit row the package produced
-(extend rows, every rollout row, and an SS draft's stream rows) is compared with the MLX draft's
-float32 logits for the same tokens (teacher forcing, so one flipped argmax cannot cascade), and
-every row's argmax with the MLX argmax.
-
-Tolerances (max |logit difference| allowed, as a fraction of the largest |logit| seen plus a
-floor): fp16 packages 3 % + 0.05; int8 10 % + 0.05; lut6 25 % + 0.1; lut4 50 % + 0.2. fp16 is not
-exact: the demo draft's residual stream reaches ~600, where fp16's spacing is 0.5, and we measured
-up to 1.7 % of the logit range against float32 (0.2 % with float32 activations and fp16 weights, so
-the graph itself is right). Argmaxes must agree except where the MLX draft's top two logits are
-closer than the tolerance (a near-tie, counted and reported). Quantized packages are compared with
-the unquantized draft, so their bounds are loose by design; the numbers are reported either way.
-
-The reference is the MLX draft cast to float32 (a bf16 or fp16 draft's weights are exact in
-float32; a 4/8-bit MLX draft keeps its integer weights and runs with float32 scales, the very
-weights the package holds, dequantized, in fp16): so every draft, quantized or not, is held to the
-fp16 tolerance of its package mode. It prefills each committed context once (its logits are the
-extend rows' reference), runs the greedy window one token at a time on that cache, and runs the
-branch rows as batches of branch paths on top of the context plus the window prefix they start
-with (no full-sequence forward per row, no shared prefix computed twice).
-
-What is checked: by default every step of every prompt; from REAL_SIZE (250M) dense parameters,
-where one step costs about a minute of CPU, the first step of each prompt (both functions, every
-row of those steps, and a rollback: every function and code path of the package, the MIL program
-being the same for every layer). `Budget` sets it otherwise: seconds (steps not started when it
-runs out are skipped), rollout rows compared (a seeded sample of whole branches per step), steps
-per prompt, or all. The verdict line says what was compared.
+The package's MIL program, re-read from disk, is evaluated op by op (mil_eval) and driven by the
+Mac runtime's own host code (ane_draft/package_host.py): extend a real prompt, a few Mirror-SD
+rollouts, commits, and a rollback. Every logit row the package produced (extend, rollout and stream
+rows) is compared with the MLX draft's float32 logits for the same tokens (teacher forcing, so one
+flipped argmax cannot cascade), within TOLERANCE (a fraction of the largest |logit| plus a floor:
+fp16 is not exact, and quantized packages are compared with the unquantized draft); an argmax may
+differ only where MLX's top two logits are closer than that (a near-tie, reported). A 4/8-bit MLX
+draft keeps its integer weights with float32 scales: the very weights the package holds.
 """
 
 import re
@@ -69,8 +47,8 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
-        """'300s', '5m' (time), '2000rows' (rollout rows compared), '1steps' (steps per prompt) or
-        'all' (every step and row, whatever the draft's size)."""
+        """--verify-budget: '300s', '5m', '2000rows', '1steps', or 'all' (every step and row, whatever
+        the draft's size)."""
         if (text or "").strip() == "all":
             return cls()
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|rows|steps?)\s*", text or "")
@@ -84,8 +62,8 @@ class Budget:
 
     @classmethod
     def default(cls, parameters: int) -> "Budget":
-        """Everything for a small draft; one step per prompt (both functions, every row of those
-        steps, a rollback) from REAL_SIZE parameters, where each step costs about a minute of CPU."""
+        """Everything for a small draft; from REAL_SIZE parameters, the first step of each prompt
+        (both functions, every row of it, and a rollback: every code path of the package)."""
         if parameters < REAL_SIZE:
             return cls()
         return cls(steps=1, why=f"{parameters / 1e6:.3g}M parameters: the first of each prompt by default; "
@@ -147,19 +125,25 @@ class Parity:
                 f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); greedy {self.greedy - self.mismatches - self.near_ties}"
                 f"/{self.greedy} identical, {self.near_ties} near-ties, {self.mismatches} mismatches")
 
-    def add(self, got: np.ndarray, ref: np.ndarray, chosen: Optional[np.ndarray] = None) -> None:
-        """Compare logit rows (n, V); `chosen` are the tokens the package picked (default argmax)."""
+    def add_extend(self, got: dict[int, np.ndarray], ref: np.ndarray) -> None:
+        """Compare the extend rows the package produced, by position, with the reference's."""
+        new = sorted(got)
+        if new:
+            self.add(np.stack([got[p] for p in new]), ref[new])
+            self.extend_rows += len(new)
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        """Compare logit rows (n, V)."""
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
         bad = ~np.isfinite(got).reshape(len(got), -1).all(-1)
         self.nan_rows += int(bad.sum())
         got = np.where(np.isfinite(got), got, np.float32(np.inf))  # max |dlogit| is then inf, not 0
         self.max_abs = max(self.max_abs, float(np.abs(got - ref).max()))
         self.scale = max(self.scale, float(np.abs(ref).max()))
-        chosen = got.argmax(-1) if chosen is None else np.asarray(chosen)
         top2 = np.sort(ref, axis=-1)[:, -2:]
         margin = top2[:, 1] - top2[:, 0]
-        differ = chosen != ref.argmax(-1)
-        self.greedy += len(chosen)
+        differ = got.argmax(-1) != ref.argmax(-1)
+        self.greedy += len(got)
         self.margins += [float(m) for m in margin[differ]]
 
     def settle(self) -> "Parity":
@@ -183,9 +167,8 @@ def float32_reference(model: Any) -> Any:
 
 
 class Reference:
-    """The float32 MLX draft after one committed context: the logits at every context position,
-    its greedy window, and the logits of branch rows (paths after the context), each computed on
-    top of the K/V it shares: the context's, or the context plus a prefix of the window."""
+    """The float32 MLX draft after one committed context: its logits, greedy window and branch rows,
+    each computed on the K/V it shares (the context's, or the context plus a prefix of the window)."""
 
     def __init__(self, model: Any, context: Sequence[int]):
         import mlx.core as mx
@@ -233,10 +216,8 @@ class Reference:
         return window, stems
 
     def rows(self, paths: Sequence[tuple[int, ...]], batch: int = 16) -> dict[tuple[int, ...], np.ndarray]:
-        """Logits (V,) after context + path for every path: a window prefix's are the window's own
-        rows; the rest come from one forward per branch leaf (a path no other path extends),
-        right-padded, in batches of leaves ordered by the window prefix they start with, each batch
-        on the K/V of the context plus the shortest such prefix in it."""
+        """Logits (V,) after context + path for every path: the window's own rows, else one forward per
+        branch leaf, right-padded, batched by the window prefix they start with (on its K/V)."""
         import mlx.core as mx
 
         want = set(paths)
@@ -314,10 +295,8 @@ def _check_fits(contexts: list[list[int]], steps: int, gamma: int, positions: in
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
            model: Any = None, tokenizer: Any = None, runner: Any = None,
            budget: Optional[Budget] = None, progress: bool = False) -> Parity:
-    """Evaluate the saved package against the MLX draft in `draft`; see the module docstring.
-
-    `runner` defaults to the MIL evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner runs the
-    same check on Core ML itself."""
+    """Evaluate the saved package against the MLX draft in `draft` with `runner` (default: the MIL
+    evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner checks Core ML itself)."""
     import mlx.core as mx
     from tqdm import tqdm
 
@@ -356,19 +335,15 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
             draft_pkg.trace.extend.clear()
             draft_pkg.trace.rows.clear()
             result = draft_pkg.rollout(context, stems, gamma)
-            new = sorted(draft_pkg.trace.extend)
-            if new:
-                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), ref.logits[new])
-                report.extend_rows += len(new)
+            report.add_extend(draft_pkg.trace.extend, ref.logits)
             rows = {tuple(path): (main, streams) for path, main, streams in draft_pkg.trace.rows}
             chosen = _sample(list(rows), per_step, rng)
             refs = ref.rows(chosen)
             for path in chosen:
                 report.add(rows[path][0][None], refs[path][None])
             if shapes.streams:
-                got = [rows[p][1] for p in chosen]
-                for g, want in zip(got, _stream_logits(model, [context + list(p) for p in chosen])):
-                    report.add(g, want)
+                for p, want in zip(chosen, _stream_logits(model, [context + list(p) for p in chosen])):
+                    report.add(rows[p][1], want)
             report.rollout_rows += len(chosen)
             report.produced_rows += len(draft_pkg.trace.rows)
             report.calls += result.forwards
@@ -379,9 +354,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
                 context = context[:-3] + [(context[-3] + 1) % draft_pkg.vocab_size]
                 draft_pkg.trace.extend.clear()
                 draft_pkg.sync(context)
-                new = sorted(draft_pkg.trace.extend)
-                report.add(np.stack([draft_pkg.trace.extend[p] for p in new]), Reference(model, context).logits[new])
-                report.extend_rows += len(new)
+                report.add_extend(draft_pkg.trace.extend, Reference(model, context).logits)
             del ref, refs, rows
             mx.clear_cache()  # MLX keeps freed buffers for reuse: at 0.6B they pile up to GBs
             bar.update(1)

@@ -98,25 +98,21 @@ class Made:
 def real_pair(out: Path, cache: Optional[Path] = None) -> list[Made]:
     """OUT/target imported from the GGUF (fetched if absent) and OUT/draft cut from the target; what is
     already there is reused (the GGUF is not needed then). Returns what it made or reused, in order."""
-    out, cache = Path(out), Path(cache) if cache is not None else models_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:  # two runs at once (test workers): one makes, the other reuses
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _make(out, cache)
-
-
-def _make(out: Path, cache: Path) -> list[Made]:
     from .gguf import import_gguf
 
+    out, cache = Path(out), Path(cache) if cache is not None else models_dir()
+    out.mkdir(parents=True, exist_ok=True)
     target, draft = Made(out / "target", False), Made(out / "draft", False)
     done = []
-    if not (target.path / "config.json").is_file():  # config.json is written last
-        fresh = not (cache / Path(MEMBER).name).is_file()
-        gguf = Made(fetch_smollm2(cache), fresh)
-        import_gguf(gguf.path, target.path)
-        target.made = True
-        done.append(gguf)
-    if target.made or not (draft.path / "config.json").is_file():
-        first_layers(target.path, draft.path, DRAFT_LAYERS)
-        draft.made = True
+    with open(out / ".lock", "w") as lock:  # two runs at once (test workers): one makes, the other reuses
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target.path / "config.json").is_file():  # config.json is written last
+            fresh = not (cache / Path(MEMBER).name).is_file()
+            gguf = Made(fetch_smollm2(cache), fresh)
+            import_gguf(gguf.path, target.path)
+            target.made = True
+            done.append(gguf)
+        if target.made or not (draft.path / "config.json").is_file():
+            first_layers(target.path, draft.path, DRAFT_LAYERS)
+            draft.made = True
     return done + [target, draft]

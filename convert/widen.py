@@ -1,32 +1,12 @@
 """Widen a llama-family mlx-lm model without changing its function, so it costs what a bigger model costs.
 
 Our real models are tiny (width 64), so their per-token time is dispatch overhead, not the
-memory-bound regime that speculative decoding is about (docs/design.md §7). A widened copy computes the
-very same logits while every forward does the work of the widened shape:
-
-- widths are zero-padded: the residual stream lives in the first d of D dims, the rest stay 0;
-- RMSNorm weights × √(d/D) and ε × d/D: the mean square over D padded dims is (d/D) × the one
-  over d, so the normalised values on the padded vector equal the original ones exactly;
-- attention keeps head_dim (so RoPE is unchanged); original query heads keep their own kv head
-  (kv heads are duplicated when the new GQA group is smaller), every new head is zero;
-- qwen3's per-head q/k norms share the config ε, so q/k projections are scaled by √(d/D) too
-  (x·s / √(s²·ms + s²·ε) is the original);
-- new layers copy the previous original block with zero o_proj and down_proj: identities,
-  spread evenly (original block i sits at layer ⌊i·L/n⌋);
-- a Speculative-Streaming draft (ss_llama) keeps its stream rows too: its stream embeddings are
-  zero-padded and its stream layers become every layer from the one holding the original spawn
-  block up (`widen_ss`), so main and stream logits are both unchanged.
-
-Headline shapes (vocab stays 512, so the parameters are in the layers; counts from `param_count`):
-
-    target  stories260K → hidden 768, heads 96, kv 48, intermediate 2064, layers 15: 98.3M params
-            (12× the width and MLP, 3× the depth; 260K originally)
-    draft   llama2xs    → hidden 256, heads 32, kv 16, intermediate 768, layers 10: 8.0M params
-            (4× the width and MLP, 2× the depth)
-
-a ≈12× target/draft cost ratio, in the range real draft pairs have. Measured with `run_ar` (64
-tokens, best of 3, a contended 2-core x86 VM): target 132 ms/token (stories260K: 4 ms), draft 10 ms
-(llama2xs: 4 ms) with OpenBLAS on one thread; 323 and 41 ms with MLX's reference BLAS.
+memory-bound regime that speculative decoding is about. A widened copy computes the very same
+logits while every forward does the work of the widened shape (docs/design.md §7, with the
+benchmark pair): widths are zero-padded, RMSNorm weights scaled by √(d/D) and ε by d/D (qwen3's
+q/k projections by √(d/D) too, for its per-head norms), original query heads keep their own kv head,
+new heads are zero, and new layers are identities (a copy of the block before with zero o_proj and
+down_proj), original block i at layer ⌊i·L/n⌋. An SS draft keeps its stream rows exact too (`widen_ss`).
 """
 
 import json
@@ -63,31 +43,10 @@ class Shape:
                    config["intermediate_size"], config["num_hidden_layers"], hd)
 
 
-def param_count(config: dict) -> int:
-    """Parameters of a llama/mistral/qwen2/qwen3 model with this config (no quantization)."""
-    s = Shape.of(config)
-    D, F, hd, q, kv = s.hidden, s.intermediate, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    mt = config["model_type"]
-    layer = 2 * D + 2 * D * q + 2 * D * kv + 3 * D * F
-    if mt == "qwen2" or (mt in ("llama", "mistral") and config.get("attention_bias")):
-        layer += q + 2 * kv
-    if mt in ("llama", "mistral") and config.get("attention_bias"):
-        layer += D
-    if mt in ("llama", "mistral") and config.get("mlp_bias"):
-        layer += 2 * F + D
-    if mt == "qwen3":
-        layer += 2 * hd
-    V = config["vocab_size"]
-    head = 0 if config.get("tie_word_embeddings", True) else V * D
-    return V * D + D + head + s.layers * layer
-
-
 def head_layout(h: int, k: int, H: int, K: int) -> tuple[list[int], list[Optional[int]]]:
-    """New position of each original query head, and the original kv head each new kv head copies.
-
-    mlx attention gives query head p the kv head p // (H/K); original group j (g = h/k query heads)
-    takes ⌈g/G⌉ consecutive new kv heads, all copies of kv head j, and fills their first slots.
-    """
+    """New position of each original query head, and the original kv head each new kv head copies:
+    mlx attention gives query head p the kv head p // (H/K), so original group j (g = h/k query
+    heads) takes ⌈g/G⌉ consecutive new kv heads, all copies of kv head j, and fills their first slots."""
     g, G = h // k, H // K
     per = -(-g // G)
     q_pos = [((i // g) * per + (i % g) // G) * G + (i % g) % G for i in range(h)]
@@ -145,31 +104,26 @@ def widen_layer(w: dict[str, mx.array], old: Shape, new: Shape, s: float, qk: fl
     q_src: list[Optional[int]] = [None] * new.heads
     for i, p in enumerate(q_pos):
         q_src[p] = i
+    heads = {"self_attn.q_proj": (q_src, qk), "self_attn.k_proj": (kv_src, qk), "self_attn.v_proj": (kv_src, 1.0)}
+    padded = {"self_attn.o_proj.bias": (D,), "mlp.down_proj.bias": (D,), "mlp.gate_proj.weight": (F, D),
+              "mlp.up_proj.weight": (F, D), "mlp.gate_proj.bias": (F,), "mlp.up_proj.bias": (F,),
+              "mlp.down_proj.weight": (D, F)}
     out = {}
     for key, x in w.items():
+        proj = key.rpartition(".")[0]
         if key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            y = _pad(x * s, (D,))
+            out[key] = _pad(x * s, (D,))
         elif key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-            y = x
-        elif key.startswith("self_attn.q_proj."):
-            y = _blocks(_pad_in(x, D), q_src, hd) * qk
-        elif key.startswith("self_attn.k_proj."):
-            y = _blocks(_pad_in(x, D), kv_src, hd) * qk
-        elif key.startswith("self_attn.v_proj."):
-            y = _blocks(_pad_in(x, D), kv_src, hd)
+            out[key] = x
+        elif proj in heads:
+            src, scale = heads[proj]
+            out[key] = _blocks(_pad_in(x, D), src, hd) * scale
         elif key == "self_attn.o_proj.weight":
-            y = _pad(_blocks(x.T, q_src, hd).T, (D, new.heads * hd))
-        elif key in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
-            y = _pad(x, (D,))
-        elif key in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            y = _pad(x, (F, D))
-        elif key in ("mlp.gate_proj.bias", "mlp.up_proj.bias"):
-            y = _pad(x, (F,))
-        elif key == "mlp.down_proj.weight":
-            y = _pad(x, (D, F))
+            out[key] = _pad(_blocks(x.T, q_src, hd).T, (D, new.heads * hd))
+        elif key in padded:
+            out[key] = _pad(x, padded[key])
         else:
             raise WidenError(f"unexpected weight {key!r} in a transformer block: this model is not plain llama-family")
-        out[key] = y
     return out
 
 
@@ -199,21 +153,16 @@ def widen_weights(weights: dict[str, mx.array], config: dict, new: Shape) -> dic
         else:
             raise WidenError(f"unexpected weight {key!r}: this model is not plain llama-family")
     slots = {block_slot(i, old.layers, new.layers): i for i in range(old.layers)}
-    prev: dict[str, mx.array] = {}
-    for slot in range(new.layers):
-        if slot in slots:
-            prev = widen_layer(layers[slots[slot]], old, new, s, qk)
-            block = prev
-        else:
-            block = identity_layer(prev)
+    block: dict[str, mx.array] = {}
+    for slot in range(new.layers):  # an identity layer copies the block before it
+        block = widen_layer(layers[slots[slot]], old, new, s, qk) if slot in slots else identity_layer(block)
         out.update({f"model.layers.{slot}.{k}": x for k, x in block.items()})
     return out
 
 
 def widened_config(config: dict, new: Shape) -> dict:
     old = Shape.of(config)
-    c = dict(config)
-    c.update(hidden_size=new.hidden, num_attention_heads=new.heads, num_key_value_heads=new.kv_heads,
+    c = dict(config, hidden_size=new.hidden, num_attention_heads=new.heads, num_key_value_heads=new.kv_heads,
              intermediate_size=new.intermediate, num_hidden_layers=new.layers, head_dim=old.head_dim,
              rms_norm_eps=config["rms_norm_eps"] * old.hidden / new.hidden)
     if "layer_types" in c and c["layer_types"] is not None:
@@ -229,14 +178,10 @@ def block_slot(block: int, old_layers: int, new_layers: int) -> int:
 
 
 def widen_ss(weights: dict[str, mx.array], config: dict, new: Shape) -> tuple[dict[str, mx.array], dict]:
-    """A Speculative-Streaming draft's weights and config in the shape `new`, main and stream rows exact.
-
-    The llama part widens as any llama; the stream embeddings are zero-padded like the residual
-    stream they are added to. Stream rows spawn at the input of the original first stream layer;
-    the widened model holds that block at `block_slot`, after the very same residual state (earlier
-    blocks and identities), so every layer from that slot up becomes a stream layer. Identity layers
-    among them add nothing to stream rows either (their output projections are zero).
-    """
+    """A Speculative-Streaming draft's weights and config in the shape `new`, main and stream rows exact:
+    the stream embeddings are zero-padded like the residual stream they are added to, and every layer
+    from the one holding the original first stream block up (the same residual state; identities add
+    nothing to stream rows either) becomes a stream layer."""
     llama_config = {k: v for k, v in config.items() if k not in ("num_streams", "stream_layers")}
     llama_config["model_type"] = "llama"
     weights = dict(weights)
@@ -254,13 +199,9 @@ def widen_ss(weights: dict[str, mx.array], config: dict, new: Shape) -> tuple[di
 
 def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
           kv_heads: Optional[int] = None, progress: bool = False) -> Path:
-    """Write a function-preserving widened copy of the mlx-lm model folder `model_dir` to `out`.
+    """Write a function-preserving widened copy of the mlx-lm model folder (or SS draft) `model_dir` to `out`.
 
-    `progress`: a bar over the widened tensors as they are computed (the seconds a big copy takes), on stderr.
-
-    kv_heads defaults to keeping the model's heads/kv-heads ratio. An SS draft folder (model_type
-    ss_llama) widens with its stream rows exact too (`widen_ss`).
-    """
+    kv_heads defaults to the model's heads/kv-heads ratio; `progress`: a bar on stderr over the tensors."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
@@ -304,11 +245,8 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
 
 
 def exact_exit_layers(exit_layer: int, old_layers: int, new_layers: int) -> list[int]:
-    """The widened exit layers whose state is the original state after `exit_layer` blocks.
-
-    Original block ℓ−1 sits at slot ⌊(ℓ−1)·L/n⌋ and identities follow it up to original block ℓ,
-    so exiting after any of those layers sees the very same residual stream.
-    """
+    """The widened exit layers whose state is the original state after `exit_layer` blocks: original
+    block ℓ−1 sits at slot ⌊(ℓ−1)·L/n⌋ and only identities follow it up to original block ℓ."""
     first = block_slot(exit_layer - 1, old_layers, new_layers) + 1
     last = exit_layer * new_layers // old_layers if exit_layer < old_layers else new_layers
     return list(range(first, last + 1))
@@ -316,11 +254,7 @@ def exact_exit_layers(exit_layer: int, old_layers: int, new_layers: int) -> list
 
 def widen_adapter(adapter_path: Path, model_dir: Path, widened_dir: Path, out: Path) -> list[int]:
     """Write the exit adapter of `model_dir` for its widened copy `widened_dir`; returns its exact layers.
-
-    The adapter is x ↦ x + up(act(down(x))): zero-padding down's inputs and up's outputs keeps it
-    exact on the widened normalised state (the original state in the first d dims, zeros after),
-    as widening keeps the model's own logits.
-    """
+    The adapter x ↦ x + up(act(down(x))) stays exact with down's inputs and up's outputs zero-padded."""
     from mlx_lm.utils import load_model
 
     from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapter, save_adapter

@@ -17,12 +17,12 @@ from mlx_lm.utils import _get_classes, load, save_config, save_model
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
 from mirror_mlx.convert import coreml, mil_eval, mil_graph
-from mirror_mlx.convert.ane_ops import FOLDED, NATIVE
+from ane_ops import FOLDED, NATIVE
 
 ANE_OPS = set(NATIVE) | set(FOLDED)  # every op the Neural Engine runs (or folds into weights)
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256
 from mirror_mlx.convert.coreml import convert
-from mirror_mlx.convert.mil_eval import MilRunner, load_program, op_types
+from mirror_mlx.convert.mil_eval import MilRunner, load_program
 from mirror_mlx.convert.parity import PROMPTS, verify
 from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
 from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
@@ -39,6 +39,11 @@ FAMILIES = {
     "qwen2": dict(TINY, model_type="qwen2", tie_word_embeddings=True, vocab_size=513),
     "qwen3": dict(TINY, model_type="qwen3", tie_word_embeddings=False),  # q/k norms, own head
 }
+
+
+def op_types(program) -> set[str]:
+    """Every op type used by every function of a program."""
+    return {op.op_type for f in program.functions.values() for op in f.operations}
 
 
 def make_draft(root: Path, family: str, seed: int = 0, **overrides) -> Path:

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
 from mirror_mlx.cli import main
-from mirror_mlx.convert.widen import Shape, WidenError, check_shape, head_layout, param_count, widen_weights, widened_config
+from mirror_mlx.convert.widen import Shape, WidenError, check_shape, head_layout, widen_weights, widened_config
 from mirror_mlx.convert.widen import exact_exit_layers
 from mirror_mlx.exit_adapter import check_layer, load_adapter
 from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
@@ -22,6 +22,25 @@ from models import CONFIGS, TARGET_PATH, tiny_model
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
 SHAPE = ["--hidden", "256", "--heads", "32", "--kv-heads", "16", "--intermediate", "688", "--layers", "8"]
+
+
+def param_count(config: dict) -> int:
+    """Parameters of a llama/mistral/qwen2/qwen3 model with this config (no quantization)."""
+    s = Shape.of(config)
+    D, F, hd, q, kv = s.hidden, s.intermediate, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    mt = config["model_type"]
+    layer = 2 * D + 2 * D * q + 2 * D * kv + 3 * D * F
+    if mt == "qwen2" or (mt in ("llama", "mistral") and config.get("attention_bias")):
+        layer += q + 2 * kv
+    if mt in ("llama", "mistral") and config.get("attention_bias"):
+        layer += D
+    if mt in ("llama", "mistral") and config.get("mlp_bias"):
+        layer += 2 * F + D
+    if mt == "qwen3":
+        layer += 2 * hd
+    V = config["vocab_size"]
+    head = 0 if config.get("tie_word_embeddings", True) else V * D
+    return V * D + D + head + s.layers * layer
 
 
 def widened(tmp_path_factory, source, shape):

@@ -6,8 +6,8 @@ catalog of ANEForge (github.com/sbryngelson/ANEForge, `aneforge/_op_catalog.py`,
 M1 silicon; columns M1..M5. We keep only ops that are 'native' on every family M1..M5, plus the
 constant ops the compiler folds into the weights (never executed as ops). The note is the
 catalog's, shortened. Eligibility is not placement: Core ML still decides at load time, and only a
-Mac (Xcode performance report, MLComputePlan) shows where each op ran. A test checks that every
-op in every converted program is listed here, so a builder change that adds an op fails loudly.
+Mac (Xcode performance report, MLComputePlan) shows where each op ran. tests/test_coreml_convert.py checks
+that every op in every converted program is listed here, so a builder change that adds an op fails loudly.
 """
 
 # op -> catalog note (native on M1, M2, M3, M4/M5)
