@@ -1,22 +1,16 @@
 """Prompt lookup (n-gram) drafting: proposals copied from the context, at no draft cost.
 
-Code edits, summaries, retrieval answers and tool results repeat their context verbatim. The lookup
-takes the longest recent n-gram of the tokens so far (n from `n_max` down to `n_min`) that occurred
-earlier in the context (prompt + committed) and proposes the tokens that followed its most recent
-earlier occurrence, up to γ. Nothing found: no proposal, and the step is the target's alone (or the
-model draft's, beside one). The target verifies a proposal like any draft window, so every mode stays
-lossless whatever the lookup proposes.
+Code edits, summaries, retrieval answers and tool results repeat their context verbatim. The lookup takes
+the longest recent n-gram (n from `n_max` down to `n_min`) that occurred earlier in the context (prompt +
+committed) and proposes up to γ of the tokens that followed its most recent earlier occurrence. The target
+verifies a proposal like any draft window, so every mode stays lossless whatever it proposes. `NgramIndex`
+is updated as tokens are committed, so a step costs O(new tokens), not O(context).
 
-`propose` is the rule written plainly (a scan of the context); `NgramIndex` gives the same answers
-from an index updated as tokens are committed, so a step costs O(new tokens), not O(context).
-
-A wrong window is not free: the target verifies its rows, and a verify of γ + 1 rows costs more than a
-one-row forward. `Lookup` (the engine's lookup draft for one generation) therefore cuts each proposal to
-the length that pays (`best_length`): every proposal, verified or not, is scored against the tokens that
-were then committed (`ProposalRecord`), which is what its verify would have accepted (at temperature 0
-exactly; above it, a committed token equals the proposal's with the probability the verify would have
-accepted it), so text whose context misleads the lookup (a question answered in new words) soon gets no
-windows, and a verbatim copy gets long ones.
+A wrong window is not free (a verify of γ + 1 rows costs more than a one-row forward), so `Lookup` cuts each
+proposal to the length that pays (`best_length`) at the acceptance its kind has had: every proposal is scored
+against the tokens then committed (`ProposalRecord`), which is what its verify would have accepted (in
+distribution above temperature 0). Text whose context misleads the lookup soon gets no windows; a verbatim
+copy gets long ones.
 """
 
 from typing import Optional, Sequence
@@ -33,21 +27,9 @@ MARGIN = 1.05  # a window must promise this many times a one-row forward's token
 POOL_WEIGHT = 4.0  # a kind's own counts weigh against every kind's rate this much
 
 
-def propose(tokens: Sequence[int], gamma: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
-    """The lookup's proposal after `tokens`: for n from n_max down to n_min, the last n tokens' most recent
-    earlier occurrence (one that some token follows), and up to γ of the tokens after it; [] if none."""
-    tokens = list(tokens)
-    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first; the tail itself excluded
-            if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + gamma]
-    return []
-
-
 class NgramIndex:
     """For every n-gram (n_min ≤ n ≤ n_max) of the tokens so far, where the token after its most recent
-    occurrence is; `extend` adds committed tokens, `propose` answers as `propose(self.tokens, ...)` does."""
+    occurrence is; `extend` adds committed tokens."""
 
     def __init__(self, tokens: Sequence[int] = (), n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN):
         self.n_max, self.n_min = n_max, n_min
