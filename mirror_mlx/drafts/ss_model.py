@@ -32,6 +32,9 @@ from mlx_lm.utils import load_config, load_model
 MODEL_TYPE = "ss_llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "rope_theta", "rope_traditional",
+                 "max_position_embeddings", "tie_word_embeddings", "num_streams", "stream_layers")
 
 
 @dataclass
@@ -140,19 +143,15 @@ def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
     return x + block.mlp(block.post_attention_layernorm(x)), new_kv
 
 
-def ss_forward(
-    model: Model,
-    tokens: mx.array,
-    offset: Union[int, mx.array] = 0,
-    past: Optional[list[tuple[mx.array, mx.array]]] = None,
-    past_valid: Optional[mx.array] = None,
-) -> SSOutput:
+def ss_forward(model: Model, tokens: mx.array, offset: Union[int, mx.array] = 0,
+               past: Optional[list[tuple[mx.array, mx.array]]] = None,
+               past_valid: Optional[mx.array] = None) -> SSOutput:
     """Main and stream logits for main rows `tokens` (B, L) at positions offset + t.
 
-    `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix
-    and the branch's own earlier rows), each given whole or as a list of parts along P (the block
-    concatenates them with the new rows once, so a batch-1 prefix is copied once per forward); `past_valid` (B, P) says which of them each row sees (None:
-    all). Training calls it with the tokens only.
+    `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix and the
+    branch's own earlier rows), whole or as a list of parts along P (the block concatenates them with the new
+    rows once, so a batch-1 prefix is copied once per forward); `past_valid` (B, P): which of them each row
+    sees (None: all). Training calls it with the tokens only.
     """
     B, L = tokens.shape
     S = model.args.num_streams
@@ -204,16 +203,8 @@ def save_ss_draft(model: Model, path: Union[str, Path], tokenizer_from: Union[st
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     a = model.args
-    config = {
-        "model_type": MODEL_TYPE, "architectures": ["SSLlamaForCausalLM"],
-        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
-        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
-        "rms_norm_eps": a.rms_norm_eps, "vocab_size": a.vocab_size, "rope_theta": a.rope_theta,
-        "rope_traditional": a.rope_traditional, "max_position_embeddings": a.max_position_embeddings,
-        "tie_word_embeddings": a.tie_word_embeddings, "num_streams": a.num_streams,
-        "stream_layers": a.stream_layers, "torch_dtype": "float32",
-    }
+    config = {"model_type": MODEL_TYPE, "architectures": ["SSLlamaForCausalLM"], "torch_dtype": "float32",
+              **{name: getattr(a, name) for name in CONFIG_FIELDS}}
     for name in ("attention_bias", "mlp_bias", "rope_scaling"):  # an --init-from model's, kept when set
         if getattr(a, name, None):
             config[name] = getattr(a, name)
@@ -243,10 +234,8 @@ def float_weights(folder: Union[str, Path]) -> dict:
 
 
 def new_model(args: ModelArgs, init_from: Union[str, Path, None] = None) -> Model:
-    """A fresh SS model, with every llama weight taken from `init_from` when given.
-
-    Stream embeddings come from `init_from` only if it is an SS draft with the same stream count.
-    """
+    """A fresh SS model, with every llama weight taken from `init_from` when given (its stream embeddings only
+    if it is an SS draft with the same stream count)."""
     model = Model(args)
     if init_from is not None:
         weights = model.sanitize(float_weights(init_from))
