@@ -1,31 +1,26 @@
 """The Mirror-SD generation loop (docs/design.md §3-4), one code path for `mirror`, `sd` and `ar`.
 
-State between steps: `committed` holds every committed token; the target's cache holds all of
-them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.
+State between steps: `committed` holds every committed token; the target's cache holds all but the last
+(the *pending* token); `window` holds the γ draft tokens proposed after it.
 
-mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring
-              → (target suffix ‖ the draft host rolls out every branch, or the top B: branch_budget.py)
-              → verify → reuse or fallback.
-sd step:      draft rolls out one window, then the target verifies it (serial).
-lookup step:  (sd with lookup) the context's continuation (mirror_mlx/lookup.py) is the window, at no draft
-              cost; where it offers none the step is sd's (beside a model draft) or ar's (the lookup alone).
-              (mirror with lookup) where no branch was reused, the lookup's window, if any, replaces the
-              draft's serial rollout on the critical path.
-ar step:      the target alone, one token per forward.
-Every committed token is the target's own choice (argmax, or a sample of its processed
-distribution) given the committed prefix, so every mode returns what the target alone would.
-Each step returns a StepRecord (what it committed, what it spent where); the loop makes each step's Stats
-from it, and a generation's Stats is their sum.
+mirror: target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring → (target suffix ‖ the
+        draft host rolls out every branch, or the top B: branch_budget.py) → verify → reuse or fallback;
+        with the lookup, its window (if any) replaces a fallback's serial rollout.
+sd:     the draft rolls out one window, then the target verifies it (serial); with the lookup, the
+        context's continuation (lookup.py) is the window where it offers one, at no draft cost.
+ar:     the target alone, one token per forward.
+Every committed token is the target's own choice given the committed prefix, so every mode returns what
+the target alone would. Each step returns a StepRecord; a generation's Stats is the sum of theirs.
 
-The draft lives behind a DraftHost (mirror_mlx/drafts/host.py): the scheduler posts requests on the ring
-and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
-drafts in this process, on the target's own thread (a copy of the draft built there): a serial window
-hides nothing, so the ring's round trip per window would only add to it. The scheduler is one
-asyncio loop on its own thread, so the synchronous API also works from inside a running event loop.
+The draft lives behind a DraftHost (drafts/host.py): the scheduler posts on the ring and awaits windows.
+One exception: sd with an MLX draft drafts on the target's own thread (a serial window hides nothing, so a
+ring round trip would only add to it). The scheduler is an asyncio loop on its own thread, so the
+synchronous API also works from inside a running event loop.
 """
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,9 +57,8 @@ T = TypeVar("T")
 
 @dataclass
 class StepRecord:
-    """What one step committed and what it spent where. The steps return these and never touch the
-    generation's Stats: the loop makes each step's Stats from its record (`counts`), and a generation's
-    Stats is their sum (Stats.__add__)."""
+    """What one step committed and what it spent where: steps never touch Stats; the loop makes each step's
+    Stats from its record (`counts`)."""
 
     tokens: list[int] = field(default_factory=list)  # the accepted window tokens, then the target's own
     offered: int = 0  # window tokens the target verified
@@ -160,9 +154,7 @@ class Generation:
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
     """The precomputed window w(A, c) if the correction c was among row A's candidates (and its branch was
     rolled out, under a branch budget), else None."""
-    if c in cand[a]:
-        return windows[a][cand[a].index(c)]
-    return None
+    return windows[a][cand[a].index(c)] if c in cand[a] else None
 
 
 def cut(tokens: list[int], budget: int, stop_tokens) -> tuple[list[int], bool]:
@@ -182,10 +174,6 @@ def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
         post(*args)
     except Exception as e:  # noqa: BLE001
         failed.append(e)
-
-
-def _no_post(cand: list[list[int]], view: Optional[ExitView] = None) -> None:
-    """A step that needs no branch rollout posts nothing."""
 
 
 def _post_budgeted(host: Any, plan: BranchBudget, context: list[int], window: list[int], cand: list[list[int]],
@@ -319,8 +307,6 @@ class Engine:
     @property
     def draft_threads(self) -> list[int]:
         """The native ids of the draft host's threads: every thread of its process, or its one thread here."""
-        import os
-
         if self.host is None:
             return []
         if self.host.pid:
@@ -381,15 +367,11 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
                  leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
-        """Yield a `Step` per step, until max_tokens or a stop token. `prompt` and `opts` are a resolved Plan's
-        (checked once by validate.request, before any work starts).
+        """Yield a `Step` per step, until max_tokens or a stop token; `prompt` and `opts` are a resolved Plan's.
 
-        `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or
-        None (mode auto's test of the text at hand; the draft is idle between steps).
-        `prompt_cache`: the target continues this cache, extended in place, as mlx_lm.generate with a
-        prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see validate.request). When the generation ends (or
-        is closed) the cache holds the prompt and every committed token, the last (or the
-        end-of-sequence token) included, as mlx-lm leaves it, and the engine goes on with a cache of its own.
+        `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or None.
+        `prompt_cache`: the target continues it in place, as mlx_lm.generate does; when the generation ends it
+        holds the prompt and every committed token, as mlx-lm leaves it, and the engine takes a fresh cache.
         """
         if self.target.adopted:  # (a caller's cache is released when its generation ends; never reused)
             self.target_worker.call(self._reset_target)
@@ -589,7 +571,7 @@ class Engine:
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
         post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,
-                       failed=failed) if branches else _no_post
+                       failed=failed) if branches else (lambda *_: None)
         if branches:  # the draft feeds the window during the prefix: the rollout then feeds one token per branch
             _post_or_note(self.host.post_prepare, committed + window, failed=failed)
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, [committed[-1]] + window, opts.kappa,

@@ -44,10 +44,8 @@ NO_TEMPLATE = "the model has no chat template: each turn continues the text (pla
 
 def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optional[int] = None) -> DraftRecipe:
     """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package;
-    `draft_vocab`: its head scores only that many ids (draft_vocab.py).
-
-    The tokenizer is checked here; the weights are loaded by the host process only.
-    """
+    `draft_vocab`: its head scores only that many ids. The tokenizer is checked here, the weights loaded by
+    the host process only."""
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
         if draft_vocab is not None:
@@ -139,10 +137,10 @@ class Pipeline:
             finally:
                 self._owner = None
 
-    def _check_not_iterating(self) -> None:
+    def _check_not_iterating(self, before: str = "starting another generation") -> None:
         if self._owner == threading.get_ident():
-            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
-                             "before starting another generation")
+            raise ValueError(f"this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             f"before {before}")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -200,12 +198,9 @@ class Pipeline:
         return replace(plan, opts=opts, run=run, resolved=True)
 
     def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
-        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
-
-        Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
-        is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
-        that the prompt follows, as mlx_lm.generate --prompt-cache-file.
-        """
+        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards. Bad input raises here, at
+        the call; the pipeline is held from the first chunk until the stream is exhausted or closed.
+        `prompt_cache`: a prompt cache file (prompt_cache.read) the prompt follows, as mlx_lm.generate's."""
         return self.run(self.plan(prompt, prompt_cache, **kwargs))
 
     def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
@@ -301,9 +296,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the workers (waits for a generation in flight in another thread); idempotent."""
-        if self._owner == threading.get_ident():
-            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
-                             "before closing the Pipeline")
+        self._check_not_iterating("closing the Pipeline")
         with self.lock:
             if not self._closed:
                 self._closed = True

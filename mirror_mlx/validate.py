@@ -1,12 +1,10 @@
 """One place that checks every option and prompt before any work starts (API, CLI and server).
 
-Each check either returns the value the engine will use or raises one sentence that names the
-argument and the fix: `BadType` (a TypeError) for the wrong kind of value (a float token id, a bool
-knob), `BadValue` (a ValueError) for a value out of range, `ContextError` (a BadValue) for a prompt and
-max_tokens the context cannot hold. Each carries `param`, the option at fault, so the server answers
-it as its JSON field and the command line as its flag without reading the sentence. Nothing is cast
-silently: `True` is not a token id and 2.5 is not a κ. Nothing here allocates (no shared memory, no
-model work), so a refused call leaves nothing behind.
+Each check returns the value the engine will use or raises one sentence naming the argument and the fix:
+`BadType` (a TypeError: a float token id, a bool knob), `BadValue` (a ValueError: out of range),
+`ContextError` (a BadValue: more than the context holds). Each carries `param`, the option at fault, so the
+server answers it as its JSON field and the command line as its flag. Nothing is cast silently (`True` is
+not a token id, 2.5 not a κ), and nothing here allocates, so a refused call leaves nothing behind.
 """
 
 import json
@@ -153,10 +151,8 @@ def fit(length: int, max_tokens: int, context: Optional[int], cap: bool = False)
 
 
 def clean_text(text: Any) -> tuple[str, bool]:
-    """Text as valid UTF-8: undecodable bytes (surrogate-escaped, or lone surrogates) become U+FFFD.
-
-    Returns (text, replaced); the caller says once that something was replaced.
-    """
+    """(text as valid UTF-8, whether anything was replaced): undecodable bytes (surrogate-escaped, or lone
+    surrogates) become U+FFFD; the caller says so once."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, not {_kind(text)}")
     try:
@@ -186,11 +182,8 @@ def exit_layer(value: Any, n_layers: int) -> int:
 
 
 def check_layer(adapter: Any, exit_layer: int, path: Any = "the exit adapter") -> None:
-    """Refuse an adapter trained at another exit layer (its state space is another layer's).
-
-    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
-    block and the identity layers after it.
-    """
+    """Refuse an adapter trained at another exit layer (its state space is another layer's); a widened one
+    (convert/widen.py) is exact at every layer of its `exit_layers`."""
     trained = getattr(adapter, "exit_layer", None)
     if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
         raise BadValue("exit_layer", "{path} was trained for exit layer {trained}, not {layer} (use {exit_layer} "
@@ -326,12 +319,8 @@ def draft_vocab(value: Any, has_draft: bool, vocab_size: Optional[int] = None) -
 
 
 def model_folder(path: Path) -> Path:
-    """A local model folder that mlx-lm can load, or one sentence naming the file at fault and the fix.
-
-    Checks what mlx-lm would otherwise report without a file name (or with a traceback): the path is a
-    folder, config.json exists and is a JSON object, no weights file is empty or truncated, and the
-    merges of a BPE tokenizer.json name only tokens of its vocabulary.
-    """
+    """A local model folder that mlx-lm can load, or one sentence naming the file at fault and the fix (what
+    mlx-lm would report without a file name, or with a traceback)."""
     if not path.is_dir():
         raise ValueError(f"model path {path} is a file, not a folder: give the model's folder "
                          "(the one holding config.json and the *.safetensors weights)")
