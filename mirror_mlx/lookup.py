@@ -46,11 +46,8 @@ class NgramIndex:
                 after[tuple(toks[i - n : i])] = i
             toks.append(int(t))
 
-    def propose(self, gamma: int) -> list[int]:
-        return self.match(gamma)[1]
-
     def match(self, gamma: int) -> tuple[int, list[int]]:
-        """(n, proposal): the length of the n-gram that matched (0 if none) and what `propose` answers."""
+        """(n, proposal): the length of the n-gram that matched (0 if none), and up to γ tokens after it."""
         toks = self.tokens
         for n in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
             i = self.after.get(tuple(toks[len(toks) - n :]))
