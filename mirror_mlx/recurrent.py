@@ -309,15 +309,9 @@ def branches(c: RecurrentCache, points: Sequence[int]) -> ArraysCache:
     return out
 
 
-def droppable(cache: Sequence[Any]) -> Optional[int]:
-    """How many last tokens every layer can drop (None: no recurrent layer, any number)."""
-    rec = layers(cache)
-    return min(c.droppable() for c in rec) if rec else None
-
-
 def can_drop(cache: Sequence[Any], n: int) -> bool:
-    d = droppable(cache)
-    return d is None or n <= d
+    """Every recurrent layer can drop the last `n` tokens (with none, any number can)."""
+    return n <= min((c.droppable() for c in layers(cache)), default=n)
 
 
 def check(model: nn.Module, cache: list, family: str) -> None:
