@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
@@ -193,12 +194,8 @@ def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
     if model is not None:
         return getattr(getattr(text_model(model), "args", None), "max_position_embeddings", None)
     if isinstance(draft, DraftRecipe) and draft.args:
-        config = Path(str(draft.args[0])) / "config.json"
-        if config.is_file():
-            try:
-                return json.loads(config.read_text()).get("max_position_embeddings")
-            except (OSError, ValueError):
-                return None
+        with suppress(OSError, ValueError):  # no config.json, or not JSON: unknown
+            return json.loads((Path(str(draft.args[0])) / "config.json").read_text()).get("max_position_embeddings")
     return None
 
 
@@ -222,11 +219,8 @@ def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[],
 
 
 class Engine:
-    """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
-
-    `draft`: a DraftRecipe (the host process builds it: the default, see mirror_mlx/drafts/host.py), or a
-    draft object built in this process (its host loop runs on a thread).
-    """
+    """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens. `draft`: a
+    DraftRecipe (the host process builds it), or a draft object built here (its host loop runs on a thread)."""
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
                  exit_adapter: Optional[Callable] = None, draftless: Optional[str] = None):
@@ -450,7 +444,7 @@ class Engine:
         local = gen.mode == "sd" and self.local_build is not None
         if gen.drafts and not local:  # the draft prefills beside the target
             _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-        ran = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
+        ran = self.target_worker.call(self.target.hold, prompt[:-1], opts.prefill_step_size,  # the last is pending
                                       prefill_progress(opts.prompt_progress_callback, given), K if gen.tree else 0)
         if gen.tree is not None and self.target.seen is not None:  # the recycled table learns the prompt's rows
             gen.tree.learn_prefill(*self.target.seen)
@@ -562,10 +556,9 @@ class Engine:
 
     async def _mirror_step(self, gen: Generation, window: list[int], from_lookup: bool, budget: int,
                            rec: StepRecord) -> StepRecord:
-        """One Mirror-SD step; `budget` tokens are still wanted. A window after the step can change the output
-        only if two more tokens are wanted then (the first is the target's own at the pending row, whatever the
-        window proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
-        With the lookup on, a fallback leaves the next window unknown (the next step's `_mirror_window`)."""
+        """One Mirror-SD step; `budget` tokens are still wanted. A next window matters only if two more tokens
+        are wanted after the step (the first is the target's own), so no branches when budget < 3 and no
+        fallback after it; with the lookup on, a fallback leaves the next window to `_mirror_window`."""
         opts, plan, committed, gamma = gen.opts, gen.plan, gen.committed, len(window)
         exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         failed: list[BaseException] = []

@@ -55,10 +55,8 @@ def check_exit_layer(exit_layer: int, n_layers: int) -> None:
 
 
 class EarlyExitTarget:
-    """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit).
-
-    A stage of a model split by layers across ranks (mlx-lm's pipeline) holds blocks first..first+len-1 of
-    `n_layers`; the tapped block must be one of them."""
+    """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit); a stage of a
+    model split by layers across ranks holds blocks first..first+len-1 of `n_layers`, the tapped one among them."""
 
     def __init__(self, model: nn.Module, exit_layer: int, adapter: Optional[Callable] = None,
                  n_layers: Optional[int] = None, first: int = 0):
@@ -256,11 +254,6 @@ class TargetSide:
             seconds[w] = sorted(runs)[repeats // 2]
         return seconds
 
-    def start(self, prompt: Sequence[int], step_size: int = 2048,
-              progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
-        """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
-        return self.hold(prompt[:-1], step_size, progress, top)
-
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
                post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
         """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once (with the exit's
@@ -321,14 +314,10 @@ class TargetSide:
 
 
 class StageTargetSide(TargetSide):
-    """The target split by layers across ranks (mlx-lm's pipeline split): this rank holds one stage, and block
-    ℓ_e runs on one rank only. That rank takes the early exit and top-κ and shares them with one all_sum that
-    only it fills; every rank then posts or mirrors the same sets, and the verify (after the model's own
-    all_gather) decides alike everywhere (docs/design.md §8).
-
-    The stages before the exit's (higher ranks: mlx-lm gives rank 0 the last layers) first evaluate their
-    last cache, which mlx-lm makes depend on the send of their output, so the exit's rank is never waiting on
-    a rank that waits on it."""
+    """The target split by layers across ranks (mlx-lm's pipeline split; docs/design.md §8): the rank whose stage
+    holds block ℓ_e takes the early exit and top-κ and shares them with one all_sum that only it fills, so
+    every rank posts or mirrors the same sets. The stages before the exit's (higher ranks) first evaluate their
+    last cache, which depends on the send of their output, so the exit's rank never waits on one waiting on it."""
 
     def __init__(self, model: nn.Module, group: Any, n_layers: int):
         super().__init__(model)

@@ -252,10 +252,9 @@ def lookup_options(opts: Any) -> Any:
 
 
 def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap: bool = False) -> Any:
-    """The one check of a call against the pair (`engine`'s facts), before any work starts (no ring, no
-    forward): the options, the prompt ids and the context fit. Returns the `Plan`; mode auto is checked as
-    its stand-in (mirror; without a draft model sd with the lookup, else ar), κ and γ left out as the paper's.
-    With a `prompt_cache`, `tokens` follow its prefix, whose ids (when known) the plan's ids start with."""
+    """The one check of a call against the pair (`engine`'s facts), before any work starts: the options, the
+    prompt ids and the context fit, as a `Plan`. Mode auto is checked as its stand-in (mirror; without a draft
+    model sd with the lookup, else ar). With a `prompt_cache`, `tokens` follow its prefix."""
     from .options import CHOICES, MODES, Plan
 
     if not isinstance(asked.mode, str) or asked.mode not in CHOICES:

@@ -129,11 +129,8 @@ def _text(ints: Sequence[int]) -> str:
 
 
 def serve(draft: Draft, req: Channel, rep: Channel) -> None:
-    """Answer requests until STOP or until the engine's end of the pipe closes. Every request gets one reply.
-
-    Requests carry [keep, n_new, new tokens..., body...]: the context is the host's first `keep`
-    tokens plus the new ones (contexts travel as deltas).
-    """
+    """Answer requests, one reply each, until STOP or the engine's end of the pipe closes. A request carries
+    [keep, n_new, new tokens..., body...]: the context is the host's first `keep` tokens plus the new ones."""
     context: list[int] = []
     while True:
         try:
@@ -227,10 +224,7 @@ atexit.register(close_all)
 
 class DraftHost:
     """The engine's handle on a draft host: posts requests, awaits replies, owns the process and rings.
-
-    `draft` is a DraftRecipe (built inside the host) or a draft object built here (run on a thread).
-    One request is outstanding at a time.
-    """
+    `draft`: a DraftRecipe (built inside the host) or a draft object built here (run on a thread)."""
 
     def __init__(self, draft: Union[Draft, "DraftRecipe"], process: Optional[bool] = None,
                  start_timeout: float = 120.0):

@@ -1,20 +1,14 @@
 """The Speculative-Streaming draft model: a llama decoder whose top layers also carry stream rows.
 
 One forward over main rows x_0..x_{L-1} emits, per main row t, the main prediction (token t+1) and
-`num_streams` stream predictions (stream j predicts token t+1+j), all from one shared LM head.
+`num_streams` stream predictions (stream j predicts token t+1+j), all from one shared LM head. At layer
+N-N_s every main row t spawns stream rows h_t + P_j (P_j learned); in the top N_s layers (docs/design.md
+§5.3) main row t attends to main rows <= t only, so the main stream *is* a plain llama, and stream (t, j)
+to main rows <= t and streams 1..j of row t, at position t + j (RoPE tells it how far ahead it looks).
+Stream rows are never cached.
 
-- Layers 0 .. N-N_s-1 are plain llama blocks over main rows only.
-- At layer N-N_s every main row t spawns stream rows h_t + P_j (j = 1..S, P_j learned).
-- In the top N_s layers (lossless-mode mask, docs/design.md §5.3): main row t attends to main rows <= t
-  only, so streams never change the main rows (the main stream *is* a plain llama); stream (t, j)
-  attends to main rows <= t and to streams 1..j of row t.
-- Only main rows produce K/V worth keeping: stream rows are never cached.
-- Positions: main row t sits at position t; stream (t, j) sits at position t + j, the position of
-  the (unseen) main row whose next token it predicts, so RoPE tells it how far ahead it looks.
-
-The weights are llama's (same parameter names) plus `stream_embeddings` (S, D), so any mlx-lm llama
-with the target's tokenizer initialises it, and `Model.__call__` is the plain llama forward (main
-rows only), so the folder also works anywhere a plain draft does.
+The weights are llama's plus `stream_embeddings` (S, D), so any mlx-lm llama with the target's tokenizer
+initialises it, and `Model.__call__` is the plain llama forward: the folder works wherever a plain draft does.
 """
 
 import json
@@ -91,11 +85,9 @@ def _main_mask(L: int, past_valid: Optional[mx.array]) -> mx.array:
 def _stream_attention(q, k, v, ks, vs, mask, scale):
     """Stream rows' attention: to the main keys under `mask`, and to streams 1..j of their own row.
 
-    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys (past and new); ks, vs (B, Hkv, S, L, hd)
-    stream keys; mask (B or 1, L, N): stream (j, t) sees the main keys main row t sees. One softmax
-    over both key sets; (rep, S, L) are flattened into one row axis so each (batch, kv head) is one
-    matmul, and the (S·L)² scores of a single masked attention over all rows are never formed.
-    """
+    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys; ks, vs (B, Hkv, S, L, hd) stream keys; mask (B or
+    1, L, N). One softmax over both key sets; (rep, S, L) flattened into one row axis, so the (S·L)² scores
+    of one masked attention over all rows are never formed."""
     B, H, S, L, hd = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     rep = H // Hkv
@@ -114,10 +106,8 @@ def _stream_attention(q, k, v, ks, vs, mask, scale):
 
 def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
            past: Optional[tuple[mx.array, mx.array]], mask: mx.array):
-    """A llama TransformerBlock over row groups of L rows: main rows, then S stream groups.
-
-    Group g (g = 0 main, g = j stream j) sits at positions offset + g + t.
-    """
+    """A llama TransformerBlock over row groups of L rows: main rows, then S stream groups (group g at
+    positions offset + g + t)."""
     attn = block.self_attn
     B, R, _ = x.shape
     G = R // L
