@@ -13,7 +13,7 @@ descends while a child holds it. The drafts proposing a tree are deterministic, 
 a sample of the target's distribution given what precedes it, whatever the tree held.
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -45,10 +45,8 @@ class Tree:
 
     def child(self, node: int, token: int) -> Optional[int]:
         """The child of `node` holding `token`, or None."""
-        for i in range(node + 1, len(self.tokens)):
-            if self.parents[i] == node and self.tokens[i] == token:
-                return i
-        return None
+        return next((i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node
+                     and self.tokens[i] == token), None)
 
     def mask(self) -> np.ndarray:
         """(n, n) bool: node i sees node j iff j is i or one of its ancestors."""
@@ -129,10 +127,8 @@ def _tree_forward(model: nn.Module, cache: list[Any], tree: Tree) -> Iterator[No
 
         def __call__(self_, x, offset=0, _cls=cls):
             if x.shape[0] == 1:  # each row a sequence of one, in the batch, at its own position: one call
-                try:
+                with suppress(TypeError, ValueError):  # a rope that takes no positions array: a call per depth
                     return _cls.__call__(self_, x.swapaxes(0, 2), offset=offset + depths).swapaxes(0, 2)
-                except (TypeError, ValueError):  # a rope that takes no positions array: a call per depth
-                    pass
             return mx.concatenate([_cls.__call__(self_, x[..., s:e, None, :], offset=offset + d)[..., 0, :]
                                    for d, s, e in groups], axis=-2)
 

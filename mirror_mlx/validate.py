@@ -10,6 +10,7 @@ not a token id, 2.5 not a κ), and nothing here allocates, so a refused call lea
 import json
 import math
 import numbers
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -155,11 +156,9 @@ def clean_text(text: Any) -> tuple[str, bool]:
     surrogates) become U+FFFD; the caller says so once."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, not {_kind(text)}")
-    try:
+    with suppress(UnicodeEncodeError):
         text.encode("utf-8")
         return text, False
-    except UnicodeEncodeError:
-        pass
     try:
         raw = text.encode("utf-8", "surrogateescape")  # bytes that came in through sys.argv / stdin
     except UnicodeEncodeError:

@@ -194,7 +194,7 @@ def main(argv: Sequence[str]) -> None:
 
 def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
     """Build the draft, say READY (vocabulary size, class) or ERROR, then serve until stopped."""
-    try:
+    with suppress(OSError, DraftHostError):  # the engine closed its ends while we were busy (dropped us): end
         try:
             draft = build()
         except Exception as e:  # noqa: BLE001
@@ -202,8 +202,6 @@ def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
             return
         rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
         serve(draft, req, rep)
-    except (OSError, DraftHostError):  # the engine closed its ends while we were busy (dropped or closed us): end
-        pass
 
 
 # ------------------------------------------------------------------ the engine's side

@@ -13,6 +13,7 @@ initialises it, and `Model.__call__` is the plain llama forward: the folder work
 
 import json
 import shutil
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -164,13 +165,9 @@ def ss_forward(model: Model, tokens: mx.array, offset: Union[int, mx.array] = 0,
 
 def is_ss_draft(path: Union[str, Path]) -> bool:
     """True for a local folder holding an SS draft (what `mirror_mlx.load(draft_model=...)` asks)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError):
-        return False
+    with suppress(OSError, ValueError):  # no config.json, or not JSON
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+    return False
 
 
 def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
@@ -213,10 +210,7 @@ def float_weights(folder: Union[str, Path]) -> dict:
     """A model folder's weights by name; a 4/8-bit (mlx-lm quantized) model's dequantized by mlx-lm."""
     config = load_config(Path(folder))
     if "quantization" not in config and "quantization_config" not in config:
-        weights = {}
-        for wf in sorted(Path(folder).glob("model*.safetensors")):
-            weights.update(mx.load(str(wf)))
-        return weights
+        return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
     from mlx_lm.utils import dequantize_model
 
     model, _ = load_model(Path(folder))
