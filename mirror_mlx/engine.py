@@ -202,9 +202,7 @@ def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
 def prefill_progress(callback: Optional[Callable[[int, int], None]], given: int):
     """mlx-lm's prompt_progress_callback(done, total) over the `given` prompt tokens, from the prefill's chunks
     of the new ones (the rest came from a cache; the last is the pending token, done with the first step)."""
-    if callback is None:
-        return None
-    return lambda done, new: callback(max(0, given - 1 - new + done), given)
+    return None if callback is None else lambda done, new: callback(max(0, given - 1 - new + done), given)
 
 
 def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[], Draft]]:

@@ -255,9 +255,7 @@ class Pipeline:
         return self._reply(messages, plan)
 
     def _reply(self, messages: list[ChatMessage], plan: Plan) -> Iterator[Chunk]:
-        committed: list[int] = []
-        said: list[str] = []
-        stop: Optional[int] = None
+        committed, said, stop = [], [], None  # the reply's tokens, its texts, the end-of-sequence token
         with self._turn():  # the pipeline is held for the whole reply
             try:
                 for chunk in self._chunks(plan):

@@ -21,6 +21,7 @@ import inspect
 import sys
 import threading
 from dataclasses import dataclass, field
+from functools import wraps
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -202,6 +203,7 @@ def _take_touched() -> tuple[Optional[RecurrentCache], Any, bool]:
 def _noting_update(fn: Callable, per_token: tuple[str, ...]) -> Callable:
     sig = inspect.signature(fn)
 
+    @wraps(fn)
     def update(*args, **kwargs):
         cache, slot, _ = _take_touched()
         bound = sig.bind(*args, **kwargs)
@@ -212,8 +214,6 @@ def _noting_update(fn: Callable, per_token: tuple[str, ...]) -> Callable:
             cache._note(slot, _Update(fn, dict(bound.arguments), per_token), rows)
         return out
 
-    update.__wrapped__ = fn
-    update.__name__ = fn.__name__
     return update
 
 

@@ -138,10 +138,7 @@ def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
     """A: the longest prefix of the window that equals the target's own tokens."""
-    a = 0
-    while a < len(window) and window[a] == ys[a]:
-        a += 1
-    return a
+    return common_prefix(window, ys)
 
 
 class TargetSide:

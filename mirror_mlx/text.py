@@ -45,10 +45,8 @@ def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None
     already starts with the template's own opening (templated by the caller, as mlx-lm's README does): then
     it is encoded as is, never templated twice."""
     template_kwargs = template_kwargs or {}
-    if not has_chat_template(tokenizer):
-        return as_is(tokenizer, text)
-    opening = template_opening(tokenizer, **template_kwargs)
-    if opening and text.startswith(opening):  # the caller templated it already
+    opening = template_opening(tokenizer, **template_kwargs)  # "" without a template
+    if not has_chat_template(tokenizer) or (opening and text.startswith(opening)):  # (or templated already)
         return as_is(tokenizer, text)
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               **template_kwargs))
@@ -129,10 +127,8 @@ def _render(tokenizer: Any, messages: Sequence[ChatMessage], generation_prompt: 
 
 def _turns(tokenizer: Any, messages: Sequence[ChatMessage], first: bool) -> list[int]:
     """Plain continuation: the turns' texts one after another (a BOS only at the very start)."""
-    ids: list[int] = []
-    for i, m in enumerate(messages):
-        ids += tokenizer.encode(m["content"], add_special_tokens=first and i == 0)
-    return ids
+    return [t for i, m in enumerate(messages)
+            for t in tokenizer.encode(m["content"], add_special_tokens=first and i == 0)]
 
 
 def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwargs: Any) -> Optional[list[int]]:
@@ -145,9 +141,7 @@ def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwa
     if at < 0 or not full.startswith(prev[: at + len(reply)]):
         return None
     ids = after_cache(tokenizer, full[at + len(reply):])
-    if conv.stop_token is not None and ids[:1] == [conv.stop_token]:
-        return ids[1:]
-    return ids
+    return ids[1:] if conv.stop_token is not None and ids[:1] == [conv.stop_token] else ids
 
 
 def conversation(tokenizer: Any, conv: Conversation, messages: Sequence[ChatMessage],

@@ -201,8 +201,6 @@ class SSDraft(MLXDraft):
         apart: ss_forward's blocks join them with the new rows in one concatenation)."""
         if prefix is None and not scratch:
             return None
-        layers = []
-        for i in range(len(prefix if prefix is not None else scratch)):
-            parts = ([prefix[i]] if prefix is not None else []) + ([scratch[i]] if scratch else [])
-            layers.append(([k for k, _ in parts], [v for _, v in parts]))
-        return layers
+        layers = [([prefix[i]] if prefix is not None else []) + ([scratch[i]] if scratch else [])
+                  for i in range(len(prefix if prefix is not None else scratch))]
+        return [([k for k, _ in parts], [v for _, v in parts]) for parts in layers]
