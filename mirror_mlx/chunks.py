@@ -59,9 +59,8 @@ class Chunk:
 
 
 class Detokenizer:
-    """One generation's tokens → text, as they are committed: each shown token's text, end-of-sequence
-    tokens dropped, and the finish reason ("stop", "length" once `max_tokens` are committed, else None).
-    A server's request keeps one across its switches between decoding alone and in the batch."""
+    """One generation's tokens → text as they are committed (end-of-sequence tokens dropped) and the finish
+    reason; a server's request keeps one across its switches between decoding alone and in the batch."""
 
     def __init__(self, tokenizer: Any, max_tokens: int, stop_tokens: Sequence[int] = ()):
         self.detok, self.max_tokens, self.stop_tokens = tokenizer.detokenizer, max_tokens, tuple(stop_tokens)

@@ -207,8 +207,7 @@ def prefill_progress(callback: Optional[Callable[[int, int], None]], given: int)
 
 def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[], Draft]]:
     """How sd builds its in-process copy of the draft (on the target's thread), or None where sd keeps the
-    host: MLX drafts only (a plain mlx-lm model or an SS draft; a Core ML package runs in its host), and of
-    a draft object only a plain MLXDraft (a copy with its own cache over the same weights)."""
+    host: MLX recipes (a Core ML package runs in its host), or a plain MLXDraft (a copy over its weights)."""
     if isinstance(draft, DraftRecipe):
         return partial(draft.build, *draft.args) if draft.build in (mlx_draft, ss_draft) else None
     if type(draft) is MLXDraft:
@@ -475,9 +474,8 @@ class Engine:
     # --- steps: each returns its StepRecord -----------------------------------------------------------
 
     def _step(self, gen: Generation, budget: int) -> StepRecord:
-        """The next step; `budget` tokens are still wanted. Mirror's; else the lookup's window where the context
-        offers one (no draft runs); else sd's; else the target alone (ar, and sd's last token: it is the target's
-        own at the pending row, a window cannot help)."""
+        """The next step (`budget` tokens still wanted): mirror's; else the lookup's window where the context offers
+        one; else sd's; else the target alone (ar, and the last token, which is the target's own whatever)."""
         if gen.mode == "mirror" and self.draft_failure is None:
             rec = StepRecord()
             window, from_lookup = self._mirror_window(gen, budget, rec)
@@ -540,9 +538,8 @@ class Engine:
         return None
 
     def _mirror_window(self, gen: Generation, budget: int, rec: StepRecord) -> tuple[Optional[list[int]], bool]:
-        """The window of mirror's step, and whether the lookup proposed it: with one token wanted none (the
-        pending row's token is committed whatever it proposes); the one the last step left; else (not known yet)
-        the lookup's, else the draft's rollout on the critical path, counted in `rec` (None if the draft failed)."""
+        """The window of mirror's step and whether the lookup proposed it: none when one token is wanted; the one
+        the last step left; else the lookup's, else the draft's rollout, counted in `rec` (None if it failed)."""
         if budget == 1:
             return [], False
         if gen.window is not None:

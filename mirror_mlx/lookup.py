@@ -57,8 +57,7 @@ class NgramIndex:
 
 
 class ProposalRecord:
-    """How far the lookup's proposals were right, per kind of proposal (as `Lookup` keys it: its n-gram length,
-    and whether the context is being copied just now): of the proposals scored that reached position i (their
+    """Per kind of proposal (n-gram length, copying just now): of the proposals that reached position i (their
     first i - 1 tokens right), how many were right at i too."""
 
     def __init__(self) -> None:
@@ -99,9 +98,8 @@ def _rate(right: int, reached: int, prior: float, weight: float = POOL_WEIGHT) -
 
 def best_length(survival: Sequence[float], row_cost: float) -> int:
     """The window length g (0: none) with the most tokens per unit of time: a verify of g + 1 rows costs
-    1 + row_cost * g one-row forwards and commits 1 + sum(survival[:g]) tokens on average (the accepted ones
-    and the target's own); no window commits one token for one forward, and a window must beat that by MARGIN
-    (the estimate is a few proposals' worth, and a verify has costs the rows do not count)."""
+    1 + row_cost * g one-row forwards and commits 1 + sum(survival[:g]) tokens on average; it must beat no
+    window's one token a forward by MARGIN (the estimate is a few proposals' worth; a verify has other costs)."""
     best, rate, expected = 0, MARGIN, 1.0
     for g, s in enumerate(survival, start=1):
         expected += s
@@ -111,9 +109,8 @@ def best_length(survival: Sequence[float], row_cost: float) -> int:
 
 
 class Lookup:
-    """The lookup draft of one generation: the index's proposals, each cut to the length that pays at the
-    acceptance its kind has had in this generation so far (`best_length`), and `held`, the steps whose
-    proposal paid at no length. A `row_cost` of 0 makes every row free: the whole proposal, always."""
+    """The lookup draft of one generation: the index's proposals, each cut to the length that pays at its kind's
+    acceptance so far (a `row_cost` of 0: the whole proposal), and `held`, the steps none paid at any length."""
 
     def __init__(self, tokens: Sequence[int] = (), n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN,
                  row_cost: Optional[float] = None):

@@ -32,10 +32,9 @@ WIDTHS = (1, 2, 4, 8, 16, 32)  # verify widths (rows) the engine times once per 
 
 
 def verify_cost(row_cost: Optional[float], widths: Optional[dict[int, float]]) -> Callable[[int], float]:
-    """The cost of verifying n nodes (n + 1 rows) in one-row forwards: 1 + row_cost · n where a row cost is
-    given; else the timed widths (seconds by rows), interpolated, and extended past the widest by its last
-    slope (a CPU's or a GPU's rows are near free up to some width, then linear: no one slope fits both);
-    else 1 + ROW_COST · n."""
+    """The cost of verifying n nodes (n + 1 rows) in one-row forwards: 1 + row_cost · n where given; else the
+    timed widths interpolated, past the widest by its last slope (rows are near free up to some width, then
+    linear: no one slope fits both); else 1 + ROW_COST · n."""
     if row_cost is not None or not widths:
         c = ROW_COST if row_cost is None else row_cost
         return lambda n: 1.0 + c * n

@@ -171,9 +171,8 @@ class TargetSide:
         self.base = recurrent.held(self.cache[:1]) - len(self.cached)
 
     def release(self, tokens: Optional[list[int]]) -> None:
-        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
-        last committed token too, which no step ran); with None (a step was cut), only the rows known to be
-        right. Then take a fresh cache: no later call touches the caller's."""
+        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (with None,
+        a step was cut: the rows known right); then take a fresh cache, so no later call touches the caller's."""
         for c in self.cache:  # rows a cut forward added and no verify trimmed
             if recurrent.held([c]) > self.base + len(self.cached):
                 c.trim(recurrent.held([c]) - self.base - len(self.cached))
@@ -212,9 +211,8 @@ class TargetSide:
 
     def hold(self, tokens: Sequence[int], step_size: int = 2048,
              progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
-        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
-        len(new))` after each chunk of the new ones. With `top`, `self.seen` is then (the tokens run, each one's
-        top next ids by the target, (n, top) numpy): what the recycled draft learns from a prefill."""
+        """Make the cache hold `tokens` (the longest cached prefix reused); the tokens run. With `top`, `self.seen`
+        is (the tokens run, each one's top next ids, (n, top) numpy): what the recycled draft learns from."""
         tokens = list(tokens)
         keep = common_prefix(self.cached, tokens)
         if keep < len(self.cached) and not recurrent.can_drop(self.cache, len(self.cached) - keep):

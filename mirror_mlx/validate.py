@@ -136,9 +136,8 @@ def prompt_tokens(prompt: Any, vocab_size: Optional[int]) -> list[int]:
 
 
 def fit(length: int, max_tokens: int, context: Optional[int], cap: bool = False) -> int:
-    """The context rule, written once: a prompt of `length` tokens leaves the target's `context` room for a
-    token, and max_tokens more fit after it. `cap`: max_tokens is a ceiling, lowered to what fits (a server's
-    default, a chat's turn, mlx-lm's -1). Returns max_tokens as it runs."""
+    """The context rule, written once: a prompt of `length` tokens and max_tokens more must fit the target's
+    `context`. Returns max_tokens as it runs (`cap`: a ceiling, lowered to what fits: a server's default)."""
     if not context or length + max_tokens <= context:
         return max_tokens
     if length >= context:
