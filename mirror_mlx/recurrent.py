@@ -183,10 +183,6 @@ class RecurrentCache(ArraysCache):
         new._offset, new.frozen = self._offset, True
         return new
 
-    def thaw(self) -> None:
-        """A stored copy in use again: it can drop the rows of forwards made from now on."""
-        self.frozen = False
-
     def unreached(self) -> list[int]:
         """Slots the model set in its last forward that no noted update restores."""
         self._close()
@@ -269,7 +265,7 @@ def plain(cache: Sequence[Any]) -> list:
 
 def _one(c: Any, offset: int) -> Any:
     if isinstance(c, RecurrentCache):
-        c.thaw()
+        c.frozen = False  # a stored copy in use again: it can drop the rows of forwards made from now on
         return c
     if type(c) is ArraysCache:
         return RecurrentCache.of(c, offset)
