@@ -62,15 +62,12 @@ class PromptCache:
                            n=n_layers)
         if mode == "ar":
             return
-        if self.tokens is None and listed:
-            raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
-                           "{prompt_cache} holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill it "
-                           "only with mirror_mlx.stream_generate/generate calls, from an empty "
-                           "make_prompt_cache(model), or use {mode='ar'}", asked=mode)
         if self.tokens is None:
+            why = ("holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill it only with "
+                   "mirror_mlx.stream_generate/generate calls, from an empty make_prompt_cache(model)" if listed else
+                   "has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx cache-prompt` instead")
             raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
-                           "{prompt_cache} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
-                           "cache-prompt` instead, or use {mode='ar'}", asked=mode)
+                           "{prompt_cache} " + why + ", or use {mode='ar'}", asked=mode)
         fixed = next((type(c).__name__ for c in self.cache if isinstance(c, RotatingKVCache)
                       or not (c.is_trimmable() or recurrent.convertible(c))), None)
         if fixed is not None:
