@@ -23,12 +23,9 @@ class Result:
 
 @dataclass
 class Chunk:
-    """Text committed by one step (one or more tokens), with mlx-lm's GenerationResponse fields.
-
-    `from_draft[i]` says whether `tokens[i]` was the draft's proposal (accepted), not the target's own
-    correction or bonus token. `finish_reason` is None until the last chunk: "stop" (then `stop_token`
-    is the end-of-sequence token, which `tokens` leaves out) or "length".
-    """
+    """Text committed by one step, with mlx-lm's GenerationResponse fields. `from_draft[i]`: `tokens[i]` was
+    the draft's (accepted) proposal. `finish_reason`: None until the last chunk, then "stop" (`stop_token`
+    the end-of-sequence token, which `tokens` leaves out) or "length"."""
 
     text: str
     tokens: list[int] = field(default_factory=list)
@@ -62,13 +59,12 @@ class Chunk:
 
 
 class Detokenizer:
-    """One generation's tokens → text, as they are committed: each shown token's text, end-of-sequence
-    tokens dropped, and the finish reason ("stop", "length" once `max_tokens` are committed, else None).
-    A server's request keeps one across its switches between decoding alone and in the batch."""
+    """One generation's tokens → text as they are committed (end-of-sequence tokens dropped) and the finish
+    reason; a server's request keeps one across its switches between decoding alone and in the batch."""
 
     def __init__(self, tokenizer: Any, max_tokens: int, stop_tokens: Sequence[int] = ()):
-        self.detok, self.max_tokens, self.stop_tokens, self.produced = tokenizer.detokenizer, max_tokens, \
-            tuple(stop_tokens), 0
+        self.detok, self.max_tokens, self.stop_tokens = tokenizer.detokenizer, max_tokens, tuple(stop_tokens)
+        self.produced = 0
         self.detok.reset()
 
     def add(self, tokens: Sequence[int], stop: Optional[int]) -> tuple[list[str], str, Optional[str]]:

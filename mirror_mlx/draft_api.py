@@ -16,14 +16,10 @@ class Rollout:
 class Draft(Protocol):
     """A draft keeps a KV cache of committed tokens only; branch rows are scratch.
 
-    `rollout(context, stems, gamma)`: `context` is every committed token so far (the draft syncs its
-    cache to it: extends with new tokens, trims what no longer matches); each stem is a non-empty
-    list of tokens after the context (e.g. accepted draft tokens plus one early-exit candidate).
-    All stems are rolled out together, batched, never one at a time.
-
-    A draft may also offer `sync(context)` (MLX drafts and the Core ML host do): the engine then
-    prefills the draft with the prompt while the target prefills, so the first window costs no
-    prefill forward on the decode clock.
+    `rollout(context, stems, gamma)`: `context` is every committed token so far (the draft syncs its cache
+    to it); each stem is a non-empty list of tokens after it (accepted draft tokens plus one early-exit
+    candidate), all rolled out together, batched. A draft may also offer `sync(context)`: the engine then
+    prefills it while the target prefills, so the first window costs no prefill forward on the decode clock.
     """
 
     vocab_size: int

@@ -1,20 +1,14 @@
 """A trimmed head for any draft (`load(..., draft_vocab=V)`, `--draft-vocab V`): the draft scores only V token ids.
 
 Why: a small draft's head is a large share of its step (SmolLM2's 49,152 rows, Qwen3's 151,669), and most of
-its rows are ids that text rarely holds. Scoring V rows costs V/vocab of the head (FR-Spec, arXiv 2502.14856;
-VocabTrim, arXiv 2506.22694). Every mode stays lossless: the draft proposes only kept ids, and the target
-verifies every token; a token the draft cannot propose is still the target's own (its argmax at temperature 0,
-its own sample above).
+its rows are ids text rarely holds; scoring V rows costs V/vocab of it (FR-Spec, arXiv 2502.14856; VocabTrim,
+arXiv 2506.22694). Lossless: the target verifies every token, so one the draft cannot propose is still its own.
 
-Which ids (`kept_ids`): the package's shipped text (data/: TinyStories' training paragraphs, Spec-Bench's
-training part, which holds MT-Bench's questions, and the code-edit prompts; never Spec-Bench's evaluation part,
-which the benchmark reads) tokenized with the draft's tokenizer and counted; the V most frequent are kept, ties
-broken by the lower id, and the tokenizer's end-of-sequence and special ids always (so the set is deterministic).
-Computed at each load (about a second), cached nowhere.
-
-How (`trim`): the model's lm_head keeps the kept rows (a tied head: a copy of those embedding rows, the
-embedding itself still reads every id), and its logits keep the whole vocabulary's width, -inf off the kept
-ids (the distilled draft's way, distilled.py): the drafts, their argmax and mlx-lm read real token ids unchanged.
+Which ids (`kept_ids`): the shipped training text (data/; never Spec-Bench's evaluation part) tokenized with
+the draft's tokenizer; the V most frequent, ties by lower id, and the end-of-sequence and special ids always.
+Computed at each load (about a second). How (`trim`): the lm_head keeps the kept rows (a tied head: a copy of
+those embedding rows), and its logits keep the vocabulary's width, -inf off the kept ids (as distilled.py), so
+the drafts and mlx-lm read real token ids unchanged.
 """
 
 import copy
@@ -124,11 +118,8 @@ def full_logits(small: mx.array, index: mx.array) -> mx.array:
 
 
 def trim(model: nn.Module, kept: KeptIds) -> nn.Module:
-    """`model` (in place) with a head that scores only the kept ids; ValueError for a head this cannot reach.
-
-    The lm_head (plain or quantized) keeps its kept rows; a tied head scores them with a copy of those embedding
-    rows. One forward then checks that every other id scores below every kept one: a family whose logits come
-    from elsewhere is refused, never left untrimmed unseen."""
+    """`model` (in place) with a head that scores only the kept ids; ValueError for a head this cannot reach (one
+    forward checks it: a family whose logits come from elsewhere is refused, never left untrimmed unseen)."""
     ids = mx.array(kept.ids)
     tm, inner = text_model(model), inner_model(model)
     if isinstance(tm.get("lm_head"), nn.Module):

@@ -1,37 +1,33 @@
 """The Mirror-SD generation loop (docs/design.md §3-4), one code path for `mirror`, `sd` and `ar`.
 
-State between steps: `committed` holds every committed token; the target's cache holds all of
-them but the last (the *pending* token); `window` holds the γ draft tokens proposed after it.
+State between steps: `committed` holds every committed token; the target's cache holds all but the last
+(the *pending* token); `window` holds the γ draft tokens proposed after it.
 
-mirror step:  target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring
-              → (target suffix ‖ the draft host rolls out every branch, or the top B: branch_budget.py)
-              → verify → reuse or fallback.
-sd step:      draft rolls out one window, then the target verifies it (serial).
-lookup step:  (sd with lookup) the context's continuation (mirror_mlx/lookup.py) is the window, at no draft
-              cost; where it offers none the step is sd's (beside a model draft) or ar's (the lookup alone).
-              (mirror with lookup) where no branch was reused, the lookup's window, if any, replaces the
-              draft's serial rollout on the critical path.
-ar step:      the target alone, one token per forward.
-Every committed token is the target's own choice (argmax, or a sample of its processed
-distribution) given the committed prefix, so every mode returns what the target alone would.
-Each step returns a StepRecord (what it committed, what it spent where); the loop makes each step's Stats
-from it, and a generation's Stats is their sum.
+mirror: target prefix over [pending, ŷ1..ŷγ] → early-exit top-κ sets on the ring → (target suffix ‖ the
+        draft host rolls out every branch, or the top B: branch_budget.py) → verify → reuse or fallback;
+        with the lookup, its window (if any) replaces a fallback's serial rollout.
+sd:     the draft rolls out one window, then the target verifies it (serial); with the lookup, the
+        context's continuation (lookup.py) is the window where it offers one, at no draft cost.
+ar:     the target alone, one token per forward.
+Every committed token is the target's own choice given the committed prefix, so every mode returns what
+the target alone would. Each step returns a StepRecord; a generation's Stats is the sum of theirs.
 
-The draft lives behind a DraftHost (mirror_mlx/drafts/host.py): the scheduler posts requests on the ring
-and awaits the windows; it never calls the draft. One exception: sd with an MLX draft (plain or SS)
-drafts in this process, on the target's own thread (a copy of the draft built there): a serial window
-hides nothing, so the ring's round trip per window would only add to it. The scheduler is one
-asyncio loop on its own thread, so the synchronous API also works from inside a running event loop.
+The draft lives behind a DraftHost (drafts/host.py): the scheduler posts on the ring and awaits windows.
+One exception: sd with an MLX draft drafts on the target's own thread (a serial window hides nothing, so a
+ring round trip would only add to it). The scheduler is an asyncio loop on its own thread, so the
+synchronous API also works from inside a running event loop.
 """
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
@@ -62,9 +58,8 @@ T = TypeVar("T")
 
 @dataclass
 class StepRecord:
-    """What one step committed and what it spent where. The steps return these and never touch the
-    generation's Stats: the loop makes each step's Stats from its record (`counts`), and a generation's
-    Stats is their sum (Stats.__add__)."""
+    """What one step committed and what it spent where: steps never touch Stats; the loop makes each step's
+    Stats from its record (`counts`)."""
 
     tokens: list[int] = field(default_factory=list)  # the accepted window tokens, then the target's own
     offered: int = 0  # window tokens the target verified
@@ -160,9 +155,7 @@ class Generation:
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
     """The precomputed window w(A, c) if the correction c was among row A's candidates (and its branch was
     rolled out, under a branch budget), else None."""
-    if c in cand[a]:
-        return windows[a][cand[a].index(c)]
-    return None
+    return windows[a][cand[a].index(c)] if c in cand[a] else None
 
 
 def cut(tokens: list[int], budget: int, stop_tokens) -> tuple[list[int], bool]:
@@ -184,10 +177,6 @@ def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
         failed.append(e)
 
 
-def _no_post(cand: list[list[int]], view: Optional[ExitView] = None) -> None:
-    """A step that needs no branch rollout posts nothing."""
-
-
 def _post_budgeted(host: Any, plan: BranchBudget, context: list[int], window: list[int], cand: list[list[int]],
                    view: ExitView) -> None:
     """Post the step's branches: every one (no budget), or the top B by the early exit's score as stems."""
@@ -205,27 +194,20 @@ def draft_context(draft: Union[Draft, DraftRecipe, None]) -> Optional[int]:
     if model is not None:
         return getattr(getattr(text_model(model), "args", None), "max_position_embeddings", None)
     if isinstance(draft, DraftRecipe) and draft.args:
-        config = Path(str(draft.args[0])) / "config.json"
-        if config.is_file():
-            try:
-                return json.loads(config.read_text()).get("max_position_embeddings")
-            except (OSError, ValueError):
-                return None
+        with suppress(OSError, ValueError):  # no config.json, or not JSON: unknown
+            return json.loads((Path(str(draft.args[0])) / "config.json").read_text()).get("max_position_embeddings")
     return None
 
 
 def prefill_progress(callback: Optional[Callable[[int, int], None]], given: int):
     """mlx-lm's prompt_progress_callback(done, total) over the `given` prompt tokens, from the prefill's chunks
     of the new ones (the rest came from a cache; the last is the pending token, done with the first step)."""
-    if callback is None:
-        return None
-    return lambda done, new: callback(max(0, given - 1 - new + done), given)
+    return None if callback is None else lambda done, new: callback(max(0, given - 1 - new + done), given)
 
 
 def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[], Draft]]:
     """How sd builds its in-process copy of the draft (on the target's thread), or None where sd keeps the
-    host: MLX drafts only (a plain mlx-lm model or an SS draft; a Core ML package runs in its host), and of
-    a draft object only a plain MLXDraft (a copy with its own cache over the same weights)."""
+    host: MLX recipes (a Core ML package runs in its host), or a plain MLXDraft (a copy over its weights)."""
     if isinstance(draft, DraftRecipe):
         return partial(draft.build, *draft.args) if draft.build in (mlx_draft, ss_draft) else None
     if type(draft) is MLXDraft:
@@ -234,11 +216,8 @@ def local_build(draft: Union[Draft, DraftRecipe, None]) -> Optional[Callable[[],
 
 
 class Engine:
-    """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens.
-
-    `draft`: a DraftRecipe (the host process builds it: the default, see mirror_mlx/drafts/host.py), or a
-    draft object built in this process (its host loop runs on a thread).
-    """
+    """Owns the target worker, the draft host and the scheduler's loop; `generate` yields tokens. `draft`: a
+    DraftRecipe (the host process builds it), or a draft object built here (its host loop runs on a thread)."""
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
                  exit_adapter: Optional[Callable] = None, draftless: Optional[str] = None):
@@ -319,8 +298,6 @@ class Engine:
     @property
     def draft_threads(self) -> list[int]:
         """The native ids of the draft host's threads: every thread of its process, or its one thread here."""
-        import os
-
         if self.host is None:
             return []
         if self.host.pid:
@@ -381,15 +358,11 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
                  leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
-        """Yield a `Step` per step, until max_tokens or a stop token. `prompt` and `opts` are a resolved Plan's
-        (checked once by validate.request, before any work starts).
+        """Yield a `Step` per step, until max_tokens or a stop token; `prompt` and `opts` are a resolved Plan's.
 
-        `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or
-        None (mode auto's test of the text at hand; the draft is idle between steps).
-        `prompt_cache`: the target continues this cache, extended in place, as mlx_lm.generate with a
-        prompt_cache; `prompt` is `prompt_cache.prompt(ids)` (see validate.request). When the generation ends (or
-        is closed) the cache holds the prompt and every committed token, the last (or the
-        end-of-sequence token) included, as mlx-lm leaves it, and the engine goes on with a cache of its own.
+        `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or None.
+        `prompt_cache`: the target continues it in place, as mlx_lm.generate does; when the generation ends it
+        holds the prompt and every committed token, as mlx-lm leaves it, and the engine takes a fresh cache.
         """
         if self.target.adopted:  # (a caller's cache is released when its generation ends; never reused)
             self.target_worker.call(self._reset_target)
@@ -468,7 +441,7 @@ class Engine:
         local = gen.mode == "sd" and self.local_build is not None
         if gen.drafts and not local:  # the draft prefills beside the target
             _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
-        ran = self.target_worker.call(self.target.start, prompt, opts.prefill_step_size,
+        ran = self.target_worker.call(self.target.hold, prompt[:-1], opts.prefill_step_size,  # the last is pending
                                       prefill_progress(opts.prompt_progress_callback, given), K if gen.tree else 0)
         if gen.tree is not None and self.target.seen is not None:  # the recycled table learns the prompt's rows
             gen.tree.learn_prefill(*self.target.seen)
@@ -501,9 +474,8 @@ class Engine:
     # --- steps: each returns its StepRecord -----------------------------------------------------------
 
     def _step(self, gen: Generation, budget: int) -> StepRecord:
-        """The next step; `budget` tokens are still wanted. Mirror's; else the lookup's window where the context
-        offers one (no draft runs); else sd's; else the target alone (ar, and sd's last token: it is the target's
-        own at the pending row, a window cannot help)."""
+        """The next step (`budget` tokens still wanted): mirror's; else the lookup's window where the context offers
+        one; else sd's; else the target alone (ar, and the last token, which is the target's own whatever)."""
         if gen.mode == "mirror" and self.draft_failure is None:
             rec = StepRecord()
             window, from_lookup = self._mirror_window(gen, budget, rec)
@@ -566,9 +538,8 @@ class Engine:
         return None
 
     def _mirror_window(self, gen: Generation, budget: int, rec: StepRecord) -> tuple[Optional[list[int]], bool]:
-        """The window of mirror's step, and whether the lookup proposed it: with one token wanted none (the
-        pending row's token is committed whatever it proposes); the one the last step left; else (not known yet)
-        the lookup's, else the draft's rollout on the critical path, counted in `rec` (None if the draft failed)."""
+        """The window of mirror's step and whether the lookup proposed it: none when one token is wanted; the one
+        the last step left; else the lookup's, else the draft's rollout, counted in `rec` (None if it failed)."""
         if budget == 1:
             return [], False
         if gen.window is not None:
@@ -580,16 +551,15 @@ class Engine:
 
     async def _mirror_step(self, gen: Generation, window: list[int], from_lookup: bool, budget: int,
                            rec: StepRecord) -> StepRecord:
-        """One Mirror-SD step; `budget` tokens are still wanted. A window after the step can change the output
-        only if two more tokens are wanted then (the first is the target's own at the pending row, whatever the
-        window proposes), so the draft is asked for no other: no branches when budget < 3, no fallback after it.
-        With the lookup on, a fallback leaves the next window unknown (the next step's `_mirror_window`)."""
+        """One Mirror-SD step; `budget` tokens are still wanted. A next window matters only if two more tokens
+        are wanted after the step (the first is the target's own), so no branches when budget < 3 and no
+        fallback after it; with the lookup on, a fallback leaves the next window to `_mirror_window`."""
         opts, plan, committed, gamma = gen.opts, gen.plan, gen.committed, len(window)
         exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
         post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,
-                       failed=failed) if branches else _no_post
+                       failed=failed) if branches else (lambda *_: None)
         if branches:  # the draft feeds the window during the prefix: the rollout then feeds one token per branch
             _post_or_note(self.host.post_prepare, committed + window, failed=failed)
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, [committed[-1]] + window, opts.kappa,

@@ -1,8 +1,5 @@
-"""Loading a model, once: a folder or Hugging Face id → (model, tokenizer). A draft's tokenizer is checked in
-draft_tokenizer.py.
-
-Every command and the API load targets and drafts here: plain mlx-lm folders through mlx_lm, and
-Speculative-Streaming draft folders through their own classes. Errors are one ValueError sentence.
+"""Loading a model, once: a folder or Hugging Face id → (model, tokenizer), for every command and the API
+(plain mlx-lm folders through mlx_lm, SS drafts through their own classes). Errors are one ValueError sentence.
 """
 
 import os
@@ -30,18 +27,15 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
                                                               "*.tiktoken", "*.txt", "*.jinja"]))
     except Exception as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise ValueError(
-            f"model {name!r} is not a local folder and could not be fetched from the Hugging Face hub"
-            f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with network "
-            f"(`hf download {name}`) or pass a local folder"
-        ) from None
+        raise ValueError(f"model {name!r} is not a local folder and could not be fetched from the Hugging Face hub"
+                         f"{' (HF_HUB_OFFLINE=1)' if offline else ''}: {type(e).__name__}. Download it once with "
+                         f"network (`hf download {name}`) or pass a local folder") from None
     return validate.model_folder(folder)
 
 
 def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, Any]:
-    """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder.
-
-    `mlx_lm_options` (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
+    """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder; `mlx_lm_options`
+    (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
     from mirror_mlx.drafts.ss_model import is_ss_draft, load_ss_draft
 
     folder = resolve_model(path_or_id)

@@ -1,22 +1,16 @@
 """Prompt lookup (n-gram) drafting: proposals copied from the context, at no draft cost.
 
-Code edits, summaries, retrieval answers and tool results repeat their context verbatim. The lookup
-takes the longest recent n-gram of the tokens so far (n from `n_max` down to `n_min`) that occurred
-earlier in the context (prompt + committed) and proposes the tokens that followed its most recent
-earlier occurrence, up to γ. Nothing found: no proposal, and the step is the target's alone (or the
-model draft's, beside one). The target verifies a proposal like any draft window, so every mode stays
-lossless whatever the lookup proposes.
+Code edits, summaries, retrieval answers and tool results repeat their context verbatim. The lookup takes
+the longest recent n-gram (n from `n_max` down to `n_min`) that occurred earlier in the context (prompt +
+committed) and proposes up to γ of the tokens that followed its most recent earlier occurrence. The target
+verifies a proposal like any draft window, so every mode stays lossless whatever it proposes. `NgramIndex`
+is updated as tokens are committed, so a step costs O(new tokens), not O(context).
 
-`propose` is the rule written plainly (a scan of the context); `NgramIndex` gives the same answers
-from an index updated as tokens are committed, so a step costs O(new tokens), not O(context).
-
-A wrong window is not free: the target verifies its rows, and a verify of γ + 1 rows costs more than a
-one-row forward. `Lookup` (the engine's lookup draft for one generation) therefore cuts each proposal to
-the length that pays (`best_length`): every proposal, verified or not, is scored against the tokens that
-were then committed (`ProposalRecord`), which is what its verify would have accepted (at temperature 0
-exactly; above it, a committed token equals the proposal's with the probability the verify would have
-accepted it), so text whose context misleads the lookup (a question answered in new words) soon gets no
-windows, and a verbatim copy gets long ones.
+A wrong window is not free (a verify of γ + 1 rows costs more than a one-row forward), so `Lookup` cuts each
+proposal to the length that pays (`best_length`) at the acceptance its kind has had: every proposal is scored
+against the tokens then committed (`ProposalRecord`), which is what its verify would have accepted (in
+distribution above temperature 0). Text whose context misleads the lookup soon gets no windows; a verbatim
+copy gets long ones.
 """
 
 from typing import Optional, Sequence
@@ -33,21 +27,9 @@ MARGIN = 1.05  # a window must promise this many times a one-row forward's token
 POOL_WEIGHT = 4.0  # a kind's own counts weigh against every kind's rate this much
 
 
-def propose(tokens: Sequence[int], gamma: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
-    """The lookup's proposal after `tokens`: for n from n_max down to n_min, the last n tokens' most recent
-    earlier occurrence (one that some token follows), and up to γ of the tokens after it; [] if none."""
-    tokens = list(tokens)
-    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first; the tail itself excluded
-            if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + gamma]
-    return []
-
-
 class NgramIndex:
     """For every n-gram (n_min ≤ n ≤ n_max) of the tokens so far, where the token after its most recent
-    occurrence is; `extend` adds committed tokens, `propose` answers as `propose(self.tokens, ...)` does."""
+    occurrence is; `extend` adds committed tokens."""
 
     def __init__(self, tokens: Sequence[int] = (), n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN):
         self.n_max, self.n_min = n_max, n_min
@@ -64,11 +46,8 @@ class NgramIndex:
                 after[tuple(toks[i - n : i])] = i
             toks.append(int(t))
 
-    def propose(self, gamma: int) -> list[int]:
-        return self.match(gamma)[1]
-
     def match(self, gamma: int) -> tuple[int, list[int]]:
-        """(n, proposal): the length of the n-gram that matched (0 if none) and what `propose` answers."""
+        """(n, proposal): the length of the n-gram that matched (0 if none), and up to γ tokens after it."""
         toks = self.tokens
         for n in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
             i = self.after.get(tuple(toks[len(toks) - n :]))
@@ -78,8 +57,7 @@ class NgramIndex:
 
 
 class ProposalRecord:
-    """How far the lookup's proposals were right, per kind of proposal (as `Lookup` keys it: its n-gram length,
-    and whether the context is being copied just now): of the proposals scored that reached position i (their
+    """Per kind of proposal (n-gram length, copying just now): of the proposals that reached position i (their
     first i - 1 tokens right), how many were right at i too."""
 
     def __init__(self) -> None:
@@ -120,9 +98,8 @@ def _rate(right: int, reached: int, prior: float, weight: float = POOL_WEIGHT) -
 
 def best_length(survival: Sequence[float], row_cost: float) -> int:
     """The window length g (0: none) with the most tokens per unit of time: a verify of g + 1 rows costs
-    1 + row_cost * g one-row forwards and commits 1 + sum(survival[:g]) tokens on average (the accepted ones
-    and the target's own); no window commits one token for one forward, and a window must beat that by MARGIN
-    (the estimate is a few proposals' worth, and a verify has costs the rows do not count)."""
+    1 + row_cost * g one-row forwards and commits 1 + sum(survival[:g]) tokens on average; it must beat no
+    window's one token a forward by MARGIN (the estimate is a few proposals' worth; a verify has other costs)."""
     best, rate, expected = 0, MARGIN, 1.0
     for g, s in enumerate(survival, start=1):
         expected += s
@@ -132,9 +109,8 @@ def best_length(survival: Sequence[float], row_cost: float) -> int:
 
 
 class Lookup:
-    """The lookup draft of one generation: the index's proposals, each cut to the length that pays at the
-    acceptance its kind has had in this generation so far (`best_length`), and `held`, the steps whose
-    proposal paid at no length. A `row_cost` of 0 makes every row free: the whole proposal, always."""
+    """The lookup draft of one generation: the index's proposals, each cut to the length that pays at its kind's
+    acceptance so far (a `row_cost` of 0: the whole proposal), and `held`, the steps none paid at any length."""
 
     def __init__(self, tokens: Sequence[int] = (), n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN,
                  row_cost: Optional[float] = None):

@@ -19,11 +19,7 @@ def text_model(model: nn.Module) -> nn.Module:
 def inner_model(model: nn.Module) -> nn.Module:
     """The module that holds the blocks (mlx-lm calls it `model`, or `backbone` in the SSM families)."""
     tm = text_model(model)
-    for name in ("model", "backbone"):
-        inner = getattr(tm, name, None)
-        if inner is not None:
-            return inner
-    return tm
+    return next((m for m in (getattr(tm, "model", None), getattr(tm, "backbone", None)) if m is not None), tm)
 
 
 def vocab_size(model: nn.Module) -> Optional[int]:
@@ -44,12 +40,8 @@ def family(model: nn.Module) -> str:
 
 def trimmable_cache(model: nn.Module) -> list[Any]:
     """The model's prompt cache with every layer able to drop its last tokens: sliding-window layers get a
-    plain KVCache, recurrent ones (mlx-lm's ArraysCache) a RecurrentCache (mirror_mlx/recurrent.py).
-
-    mlx-lm's RotatingKVCache silently refuses to trim once full (mlx-lm #1914); the window still
-    applies through the attention mask, so a plain cache is exact and always trimmable. A model whose
-    recurrent state no rollback reaches is refused (ValueError, naming the family and why), once per model.
-    """
+    plain KVCache (mlx-lm's RotatingKVCache silently refuses to trim once full, mlx-lm #1914, and the mask
+    still applies the window), recurrent ones a RecurrentCache (recurrent.py). Anything else: ValueError."""
     recurrent.install(model)
     cache = recurrent.convert([KVCache() if isinstance(c, RotatingKVCache) else c for c in make_prompt_cache(model)])
     if not getattr(model, "_rollback_checked", False):  # (a plain attribute: not a parameter)
@@ -57,19 +49,13 @@ def trimmable_cache(model: nn.Module) -> list[Any]:
         model._rollback_checked = True
     for c in cache:
         if not (hasattr(c, "is_trimmable") and c.is_trimmable()):
-            raise ValueError(
-                f"this {family(model)} model's {type(c).__name__} layers cannot drop rejected tokens, and every mode "
-                "of mirror-mlx rolls its caches back (to reuse a prompt's prefix; speculation also drops the draft's "
-                "rejected tokens): as a target, generate with mlx_lm.generate; as a draft, choose another model"
-            )
+            raise ValueError(f"this {family(model)} model's {type(c).__name__} layers cannot drop rejected tokens, "
+                             "and every mode of mirror-mlx rolls its caches back (to reuse a prompt's prefix; "
+                             "speculation also drops the draft's rejected tokens): as a target, generate with "
+                             "mlx_lm.generate; as a draft, choose another model")
     return cache
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many tokens `a` and `b` share from their start: what a cache holding `a` keeps for `b`."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

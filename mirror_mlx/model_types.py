@@ -1,9 +1,8 @@
 """Model types of mirror-mlx's own that mlx-lm loads by name: `mlx_lm.models.<type>` resolves to our module.
 
-mlx-lm builds a model folder's class from `mlx_lm.models.<model_type>` (mlx_lm.utils._get_classes).
-A distilled draft (mirror_mlx/drafts/distilled.py, model_type `mirror_distilled`) is then a folder every
-loader takes as it is, in this process and in the draft host: the finder below, installed when
-mirror_mlx is imported, answers that one name with our module (imported on first use, never before).
+mlx-lm builds a folder's class from `mlx_lm.models.<model_type>`, so with the finder below (installed when
+mirror_mlx is imported) a distilled draft (drafts/distilled.py) is a folder every loader takes as it is, in
+this process and in the draft host; our module is imported on first use, never before.
 """
 
 import importlib

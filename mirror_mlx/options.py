@@ -1,8 +1,5 @@
-"""How to decode, written once: the modes, Mirror-SD's knobs and their defaults, the sampling settings.
-
-`DecodeOptions` is the one source of every default (κ, γ, ℓ_e, timeouts, mlx-lm's sampling flags):
-the API (`Pipeline.generate`), the command line and the benchmark read them from here. No MLX
-import, so the command line can show them in `--help` without loading MLX.
+"""How to decode, written once: the modes, Mirror-SD's knobs, the sampling settings, and every default (the
+API, the command line and the benchmark read them here). No MLX import, so `--help` shows them without it.
 """
 
 from dataclasses import dataclass, fields, replace
@@ -77,10 +74,8 @@ def given(opts: DecodeOptions) -> dict:
 
 @dataclass(frozen=True)
 class Plan:
-    """One call as a value, made once (`validate.request`) and read downstream, never rebuilt: the prompt ids
-    the engine runs, the options checked (mode auto as its stand-in, the context fit in max_tokens) and the
-    caller's as given. `Pipeline.resolve` fills in the concrete mode, knobs, row cost and why (opts.why),
-    with mode auto's watch over the generation (`run`)."""
+    """One call as a value, made once (`validate.request`), never rebuilt: the prompt ids, the options checked
+    and the caller's as given; `Pipeline.resolve` fills in the concrete mode, knobs and mode auto's watch."""
 
     ids: list  # after a prompt cache's prefix: its ids (when known), then the rest
     opts: DecodeOptions

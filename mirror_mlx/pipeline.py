@@ -44,10 +44,8 @@ NO_TEMPLATE = "the model has no chat template: each turn continues the text (pla
 
 def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optional[int] = None) -> DraftRecipe:
     """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package;
-    `draft_vocab`: its head scores only that many ids (draft_vocab.py).
-
-    The tokenizer is checked here; the weights are loaded by the host process only.
-    """
+    `draft_vocab`: its head scores only that many ids. The tokenizer is checked here, the weights loaded by
+    the host process only."""
     path_str = str(path)
     if path_str.endswith(".mlpackage"):
         if draft_vocab is not None:
@@ -78,12 +76,10 @@ def trimmed_head(folder: Path, tokenizer: Any, size: Any) -> tuple:
 class Pipeline:
     """A target (and optionally a draft) ready to generate in any mode.
 
-    Safe to share between threads: generations run one at a time, each from start to end (a stream
-    holds the pipeline until it is exhausted or closed), so each is lossless and seeded as if alone;
-    other callers wait. Iterating a stream and starting another generation in the same thread is
-    refused (it would wait on itself). After `close()` every call raises ValueError. Shared, read each
-    call's own `Result.stats` (`pipe.stats` is whichever generation ran last); `chat` keeps one
-    conversation per Pipeline, so give each conversation its own.
+    Safe to share between threads: generations run one at a time, start to end (a stream holds the pipeline
+    until exhausted or closed), each lossless and seeded as if alone. Starting another generation while this
+    thread iterates a stream is refused (it would wait on itself); after `close()` every call raises
+    ValueError. Shared, read each call's own `Result.stats`; `chat` keeps one conversation per Pipeline.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
@@ -139,10 +135,10 @@ class Pipeline:
             finally:
                 self._owner = None
 
-    def _check_not_iterating(self) -> None:
+    def _check_not_iterating(self, before: str = "starting another generation") -> None:
         if self._owner == threading.get_ident():
-            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
-                             "before starting another generation")
+            raise ValueError(f"this thread is still iterating a stream of this Pipeline: exhaust or close() it "
+                             f"before {before}")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -166,9 +162,8 @@ class Pipeline:
 
     def check(self, tokens: Sequence[int], prompt_cache: Optional[PromptCache] = None, cap: bool = False,
               **kwargs: Any) -> Plan:
-        """The call as a `Plan`: its prompt ids and options checked once, before any work starts (one sentence
-        naming the option at fault: validate.BadOption); mode auto is resolved when it runs (`resolve`).
-        `cap`: max_tokens is a ceiling, lowered to what the context leaves (validate.fit)."""
+        """The call as a `Plan`, its ids and options checked once, before any work starts (validate.BadOption
+        names the option at fault). `cap`: max_tokens is a ceiling, lowered to what the context leaves."""
         self._check_open()
         opts = self.options(**kwargs)
         if prompt_cache is not None and prompt_cache.tokens is None and opts.mode == "auto":
@@ -177,9 +172,8 @@ class Pipeline:
 
     def plan(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
              **kwargs: Any) -> Plan:
-        """`check` of a prompt given as text or ids. Text that is not valid UTF-8 (lone surrogates) is decoded
-        with replacement, with one warning. With a `prompt_cache` (prompt_cache.read), the prompt is what
-        follows the cached prefix: text is then encoded as is, with no template and no BOS."""
+        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. With a
+        `prompt_cache`, the prompt follows the cached prefix: text is encoded with no template and no BOS."""
         self._check_open()
         if isinstance(prompt, str):
             clean, replaced = validate.clean_text(prompt)
@@ -190,7 +184,7 @@ class Pipeline:
 
     def resolve(self, plan: Plan) -> Plan:
         """The plan with its mode and knobs concrete (tune.policy.resolve: explicit ones win, the rest from the
-        pair's profile; a first call may calibrate, which needs the pipeline) and auto's watch over the run."""
+        pair's profile, which a first call may calibrate) and auto's watch over the run."""
         if plan.resolved:
             return plan
         self._check_not_iterating()
@@ -200,22 +194,17 @@ class Pipeline:
         return replace(plan, opts=opts, run=run, resolved=True)
 
     def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
-        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards.
-
-        Bad input raises here, at the call; the pipeline is held from the first chunk until the stream
-        is exhausted or closed. `prompt_cache`: a loaded prompt cache file (mirror_mlx.prompt_cache.read)
-        that the prompt follows, as mlx_lm.generate --prompt-cache-file.
-        """
+        """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards. Bad input raises here, at
+        the call; the pipeline is held from the first chunk until the stream is exhausted or closed.
+        `prompt_cache`: a prompt cache file (prompt_cache.read) the prompt follows, as mlx_lm.generate's."""
         return self.run(self.plan(prompt, prompt_cache, **kwargs))
 
     def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
-        """`stream` of a checked plan (a server's request, checked when it came in); `detokenizer`: one that goes
-        on from earlier tokens (a request that resumes), else a fresh one."""
+        """`stream` of a checked plan (a server's request); `detokenizer`: one going on from earlier tokens."""
         return self._chunks(self.resolve(plan), hold=True, detokenizer=detokenizer)
 
     def _chunks(self, plan: Plan, hold: bool = False, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
-        """The engine's steps as Chunks; `hold`: hold the pipeline from the first chunk to the last (else
-        the caller holds it). `stats` is the sum of this generation's step records so far."""
+        """The engine's steps as Chunks (`stats`: their sum so far); `hold`: hold the pipeline meanwhile."""
         with self._turn() if hold else nullcontext(), placed(self, plan.opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(plan.ids, opts, plan.prompt_cache, leave_draft=plan.run)
             detok = detokenizer or Detokenizer(self.tokenizer, opts.max_tokens, opts.stop_tokens)
@@ -251,15 +240,13 @@ class Pipeline:
     # --- chat -------------------------------------------------------------------------------------
 
     def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The ids `chat` runs for `messages` plus the assistant's turn (text.conversation): the earlier
-        turns keep the ids the caches hold."""
+        """The ids `chat` runs for `messages` plus the assistant's turn (earlier turns keep the cached ids)."""
         return text.conversation(self.tokenizer, self.conversation, messages, self.chat_template_kwargs)
 
     def chat_stream(self, messages: Sequence[ChatMessage], *, plan: Optional[Plan] = None,
                     **kwargs: Any) -> Iterator[Chunk]:
-        """`chat`, yielding text as tokens are committed; stopping early keeps what was committed.
-        Bad input raises here, at the call, and leaves the conversation as it was. `plan`: the turn already
-        checked (`check` of `chat_ids(messages)`: a chat that caps the turn to the context first)."""
+        """`chat`, yielding text as tokens are committed; stopping early keeps what was committed. Bad input
+        raises here and leaves the conversation as it was. `plan`: the turn already checked (`chat_ids`)."""
         self._check_open()
         messages = [text.clean_message(m) for m in messages]
         if not messages:
@@ -268,9 +255,7 @@ class Pipeline:
         return self._reply(messages, plan)
 
     def _reply(self, messages: list[ChatMessage], plan: Plan) -> Iterator[Chunk]:
-        committed: list[int] = []
-        said: list[str] = []
-        stop: Optional[int] = None
+        committed, said, stop = [], [], None  # the reply's tokens, its texts, the end-of-sequence token
         with self._turn():  # the pipeline is held for the whole reply
             try:
                 for chunk in self._chunks(plan):
@@ -301,9 +286,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Stop the workers (waits for a generation in flight in another thread); idempotent."""
-        if self._owner == threading.get_ident():
-            raise ValueError("this thread is still iterating a stream of this Pipeline: exhaust or close() it "
-                             "before closing the Pipeline")
+        self._check_not_iterating("closing the Pipeline")
         with self.lock:
             if not self._closed:
                 self._closed = True

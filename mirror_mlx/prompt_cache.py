@@ -1,14 +1,10 @@
 """mlx_lm.cache_prompt's files: read for `generate --prompt-cache-file`, written by `mirror-mlx cache-prompt`.
 
-mlx-lm's file (mlx_lm.models.cache.save_prompt_cache) holds the target's keys and values for a
-prompt prefix and the metadata `model` and `tokenizer_config`, but not the prefix's token ids. The
-target continues from the keys and values alone (mode ar, exactly as mlx_lm.generate does); the
-draft needs the tokens themselves, so sd and mirror need a file that also holds them:
-`mirror-mlx cache-prompt` writes mlx-lm's format, computed as mlx_lm.cache_prompt computes it, plus
-the ids in the metadata entry TOKENS (mlx-lm reads such a file as its own).
-
-The same class carries `prompt_cache=` of mirror_mlx.stream_generate (origin "list": the caller's
-make_prompt_cache list, whose ids are known when mirror-mlx's own calls filled it).
+mlx-lm's file holds the target's keys and values for a prompt prefix, but not the prefix's token ids: the
+target continues from it alone (mode ar, as mlx_lm.generate does), but the draft needs the tokens, so
+`mirror-mlx cache-prompt` writes mlx-lm's format plus the ids in the metadata entry TOKENS (mlx-lm reads
+such a file as its own). The same class carries stream_generate's `prompt_cache=` (origin "list": the
+caller's make_prompt_cache list, whose ids are known when mirror-mlx's own calls filled it).
 """
 
 import json
@@ -28,10 +24,9 @@ PARAM = "prompt_cache"  # what a refusal names (the command line: --prompt-cache
 
 @dataclass
 class PromptCache:
-    """A prompt cache: the target's per-layer caches, the prefix's ids (None in mlx-lm's own files,
-    and in a list that mlx-lm filled) and the file's metadata. The prompt given with it is what
-    follows the prefix. `origin`: "file" (read) or "list" (stream_generate's prompt_cache=), for the
-    errors' advice."""
+    """The target's per-layer caches, the prefix's ids (None in mlx-lm's own files, and in a list mlx-lm
+    filled) and the file's metadata; the prompt given with it follows the prefix. `origin`: "file" or "list"
+    (stream_generate's prompt_cache=), for the errors' advice."""
 
     cache: list
     tokens: Optional[list[int]]
@@ -67,15 +62,12 @@ class PromptCache:
                            n=n_layers)
         if mode == "ar":
             return
-        if self.tokens is None and listed:
-            raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
-                           "{prompt_cache} holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill it "
-                           "only with mirror_mlx.stream_generate/generate calls, from an empty "
-                           "make_prompt_cache(model), or use {mode='ar'}", asked=mode)
         if self.tokens is None:
+            why = ("holds tokens that mirror-mlx did not put there (mlx-lm filled it): fill it only with "
+                   "mirror_mlx.stream_generate/generate calls, from an empty make_prompt_cache(model)" if listed else
+                   "has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx cache-prompt` instead")
             raise BadValue(PARAM, "mode {asked!r} needs the cached prompt's token ids (the draft reads them) and this "
-                           "{prompt_cache} has none (mlx_lm.cache_prompt's file): make it with `mirror-mlx "
-                           "cache-prompt` instead, or use {mode='ar'}", asked=mode)
+                           "{prompt_cache} " + why + ", or use {mode='ar'}", asked=mode)
         fixed = next((type(c).__name__ for c in self.cache if isinstance(c, RotatingKVCache)
                       or not (c.is_trimmable() or recurrent.convertible(c))), None)
         if fixed is not None:

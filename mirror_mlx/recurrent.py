@@ -1,30 +1,19 @@
 """Rollback of recurrent state (SSM, gated delta, short convolutions): drop a forward's last rows exactly.
 
-mlx-lm keeps a recurrent layer's state in an ArraysCache that holds only the state after the last token
-(slot 0: the short convolution's window, slot 1: the SSM or gated-delta state), so a rejected draft
-token cannot be trimmed away. `RecurrentCache` is an ArraysCache that can: during each forward it keeps
-what its layer fed the two updates mlx-lm's models call,
+mlx-lm's ArraysCache holds only the state after the last token (slot 0: the short convolution's window,
+slot 1: the SSM or gated-delta state), so a rejected draft token cannot be trimmed away. `RecurrentCache`
+can: during each forward it keeps the convolution's padded input (seen by the layer's own nn.Conv1d, whose
+class is swapped for a noting subclass) and the arguments and start state of the recurrent update (mlx-lm's
+`gated_delta_update` or `ssm_update`, wrapped in the model's module). `trim(n)` reruns the update alone
+over the kept rows with mlx-lm's own function: a plain forward costs as before, a rollback one recurrence
+over the accepted rows, only when a window is cut (capturing every row's state inside the update measured
+dearer: BENCHMARKS.md, "Recurrent rollback"). One mechanism for every family that calls these updates
+(qwen3_next, qwen3_5, mamba2, nemotron_h, falcon_h1, lfm2, ...).
 
-- the convolution's padded input (the window after any row is a slice of it: free), seen by the layer's
-  own nn.Conv1d, whose class is swapped for a subclass that notes its input;
-- the arguments of the recurrent update (mlx-lm's `gated_delta_update` or `ssm_update`, wrapped in the
-  model's module), and the state it started from.
-
-`trim(n)` then restores the state after the first rows of a recent forward by running the update again
-over those rows only (the update alone: no projection, no MLP), with mlx-lm's own function. A plain
-forward costs as before (the saved inputs are arrays the forward computes anyway); a rollback costs one
-recurrence over the accepted rows per layer, only when a window is cut. Capturing the state after every
-row inside the update instead costs that row-by-row recurrence on every verify, and measured dearer for the
-SSM (BENCHMARKS.md, "Recurrent rollback"). One mechanism for every family that calls these updates
-(qwen3_next, qwen3_5, mamba2, nemotron_h, falcon_h1, lfm2, ...): no per-model code.
-
-Only recent rows can be dropped: the last forward (up to MAX_FORWARD rows) and KEEP_ROWS rows before it,
-whose inputs stay in memory. A cut further back is refused (`droppable` says how far is possible; callers
-then prefill again from none), and a stored copy (deepcopy: the server's prefix cache) is exact at its
-point and frozen (is_trimmable False), so mlx-lm's LRUPromptCache reuses it only as an exact prefix.
-
-A family whose recurrent state some other code updates (mamba's own scan, ...) is refused at load,
-named, with the reason: a two-token probe forward finds a slot that no noted update set.
+Only recent rows can be dropped: the last forward (up to MAX_FORWARD rows) and KEEP_ROWS rows before it.
+A cut further back is refused (`droppable`; callers then prefill again), and a stored copy (deepcopy: the
+server's prefix cache) is frozen (is_trimmable False), so mlx-lm's LRUPromptCache reuses it only as an
+exact prefix. A family whose state other code updates (mamba's own scan, ...) is refused at load (`check`).
 """
 
 import copy
@@ -32,6 +21,7 @@ import inspect
 import sys
 import threading
 from dataclasses import dataclass, field
+from functools import wraps
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -59,6 +49,9 @@ class _Conv:
     def after(self, rows: int) -> mx.array:
         return self.padded[:, rows : rows + self.n_keep, :]
 
+    def first(self, rows: int) -> "_Conv":
+        return _Conv(self.padded[:, : self.n_keep + rows], self.n_keep)
+
 
 @dataclass
 class _Update:
@@ -67,10 +60,12 @@ class _Update:
     per_token: tuple[str, ...]
 
     def after(self, rows: int) -> Optional[mx.array]:
-        if rows == 0:
-            return self.args.get("state")
+        return self.fn(**self.first(rows).args)[1] if rows else self.args.get("state")
+
+    def first(self, rows: int) -> "_Update":
+        """The update over its first `rows` rows only."""
         args = {k: (v[:, :rows] if k in self.per_token and v is not None else v) for k, v in self.args.items()}
-        return self.fn(**args)[1]
+        return _Update(self.fn, args, self.per_token)
 
 
 @dataclass
@@ -141,10 +136,6 @@ class RecurrentCache(ArraysCache):
         while len(self.recent) > 1 and sum(r.rows for r in self.recent[:-1]) > KEEP_ROWS:
             self.recent.pop(0)
 
-    def settle(self) -> None:
-        """Close the forward in flight (a layer whose slots were not all noted, e.g. conv only)."""
-        self._close()
-
     def droppable(self) -> int:
         """How many of the last tokens `trim` can drop."""
         self._close()
@@ -171,7 +162,7 @@ class RecurrentCache(ArraysCache):
             if keep == 0:
                 self.recent.pop()
             else:
-                f.slots = {s: _cut(rec, keep) for s, rec in f.slots.items()}
+                f.slots = {s: rec.first(keep) for s, rec in f.slots.items()}
                 f.rows = keep
         self._offset -= n
         return n
@@ -192,21 +183,10 @@ class RecurrentCache(ArraysCache):
         new._offset, new.frozen = self._offset, True
         return new
 
-    def thaw(self) -> None:
-        """A stored copy in use again: it can drop the rows of forwards made from now on."""
-        self.frozen = False
-
     def unreached(self) -> list[int]:
         """Slots the model set in its last forward that no noted update restores."""
         self._close()
         return sorted(set().union(*(f.set - set(f.slots) for f in self.recent))) if self.recent else []
-
-
-def _cut(rec: Any, keep: int) -> Any:
-    if isinstance(rec, _Conv):
-        return _Conv(rec.padded[:, : rec.n_keep + keep], rec.n_keep)
-    args = {k: (v[:, :keep] if k in rec.per_token and v is not None else v) for k, v in rec.args.items()}
-    return _Update(rec.fn, args, rec.per_token)
 
 
 def _take_touched() -> tuple[Optional[RecurrentCache], Any, bool]:
@@ -219,6 +199,7 @@ def _take_touched() -> tuple[Optional[RecurrentCache], Any, bool]:
 def _noting_update(fn: Callable, per_token: tuple[str, ...]) -> Callable:
     sig = inspect.signature(fn)
 
+    @wraps(fn)
     def update(*args, **kwargs):
         cache, slot, _ = _take_touched()
         bound = sig.bind(*args, **kwargs)
@@ -229,8 +210,6 @@ def _noting_update(fn: Callable, per_token: tuple[str, ...]) -> Callable:
             cache._note(slot, _Update(fn, dict(bound.arguments), per_token), rows)
         return out
 
-    update.__wrapped__ = fn
-    update.__name__ = fn.__name__
     return update
 
 
@@ -286,7 +265,7 @@ def plain(cache: Sequence[Any]) -> list:
 
 def _one(c: Any, offset: int) -> Any:
     if isinstance(c, RecurrentCache):
-        c.thaw()
+        c.frozen = False  # a stored copy in use again: it can drop the rows of forwards made from now on
         return c
     if type(c) is ArraysCache:
         return RecurrentCache.of(c, offset)
@@ -326,20 +305,9 @@ def branches(c: RecurrentCache, points: Sequence[int]) -> ArraysCache:
     return out
 
 
-def settle(cache: Sequence[Any]) -> None:
-    for c in layers(cache):
-        c.settle()
-
-
-def droppable(cache: Sequence[Any]) -> Optional[int]:
-    """How many last tokens every layer can drop (None: no recurrent layer, any number)."""
-    rec = layers(cache)
-    return min(c.droppable() for c in rec) if rec else None
-
-
 def can_drop(cache: Sequence[Any], n: int) -> bool:
-    d = droppable(cache)
-    return d is None or n <= d
+    """Every recurrent layer can drop the last `n` tokens (with none, any number can)."""
+    return n <= min((c.droppable() for c in layers(cache)), default=n)
 
 
 def check(model: nn.Module, cache: list, family: str) -> None:

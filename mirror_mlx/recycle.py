@@ -1,20 +1,16 @@
 """Recycled predictions (Token Recycling, arXiv 2408.08696): a draft with no draft model.
 
-Every verify computes the target's distribution after every row it ran, and all but the committed rows'
-are thrown away. Kept instead, for each token t, the K tokens the target ranked highest after t (its top-K
-the last time t was a row of a verify) form an adjacency table (vocab × K ids: 49k × 8 int32 is 1.5 MB).
-A tree is grown from it: the pending token's candidates, their candidates, and so on; the target verifies
-the whole tree in one forward (mirror_mlx/tree.py) and commits the longest path it agrees with.
+Every verify computes the target's distribution after every row it ran, and all but the committed rows' are
+thrown away. Kept instead, for each token t, the target's top-K after t (the last time t was a verify row)
+form an adjacency table (vocab × K ids: 49k × 8 int32 is 1.5 MB). A tree grown from it (the pending token's
+candidates, theirs, ...) is verified in one forward (tree.py), which commits the longest path it agrees with.
 
-The tree's shape is chosen by measured cost, as the lookup's window is (mirror_mlx/lookup.py): a verify of
-n + 1 rows costs about 1 + row_cost · n one-row forwards, and a node at depth d reached through candidate
-ranks r1..rd is accepted with probability p(1, r1) ⋯ p(d, rd), where p(d, r) is how often the target's token
-at a node of depth d was that node's rank-r candidate (counted at every node a walk visited, for every rank,
-grown or not; priors until then). The shape is the n most probable nodes (a tree, since a child is never
-more probable than its parent), n the count with the most committed tokens per unit of time; none where no
-n beats a one-row forward by MARGIN. The table lives as long as the pipeline: later requests start warm. A
-prefill's rows fill it too (the target's top-K after each prompt token, from logits the prefill computes
-anyway): measured on SmolLM2-135M over Spec-Bench, 1.56 tokens per forward against 1.33 without.
+The tree's shape is chosen by measured cost, as the lookup's window is: a verify of n + 1 rows costs about
+1 + row_cost · n one-row forwards, and a node reached through ranks r1..rd is accepted with probability
+p(1, r1) ⋯ p(d, rd), p(d, r) being how often the target's token at depth d was the node's rank-r candidate
+(priors until walks count it). The shape is the n most probable nodes, n the count with the most tokens per
+unit of time (none where no n beats a one-row forward by MARGIN). The table lives as long as the pipeline,
+and a prefill's rows fill it too (SmolLM2-135M over Spec-Bench: 1.56 tokens per forward against 1.33 without).
 """
 
 import heapq
@@ -36,10 +32,9 @@ WIDTHS = (1, 2, 4, 8, 16, 32)  # verify widths (rows) the engine times once per 
 
 
 def verify_cost(row_cost: Optional[float], widths: Optional[dict[int, float]]) -> Callable[[int], float]:
-    """The cost of verifying n nodes (n + 1 rows) in one-row forwards: 1 + row_cost · n where a row cost is
-    given; else the timed widths (seconds by rows), interpolated, and extended past the widest by its last
-    slope (a CPU's or a GPU's rows are near free up to some width, then linear: no one slope fits both);
-    else 1 + ROW_COST · n."""
+    """The cost of verifying n nodes (n + 1 rows) in one-row forwards: 1 + row_cost · n where given; else the
+    timed widths interpolated, past the widest by its last slope (rows are near free up to some width, then
+    linear: no one slope fits both); else 1 + ROW_COST · n."""
     if row_cost is not None or not widths:
         c = ROW_COST if row_cost is None else row_cost
         return lambda n: 1.0 + c * n

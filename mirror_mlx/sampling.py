@@ -22,11 +22,8 @@ def samplers(opts: "DecodeOptions") -> tuple[Callable[[mx.array], mx.array], lis
 def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler,
                 processors) -> tuple[list[int], mx.array]:
     """The target's token at every row, exactly as mlx-lm's generate_step would choose it, and the rows'
-    log-probabilities (after the logits processors, before the sampler: what mlx-lm reports as `logprobs`).
-
-    Row j follows history + window[:j]; logits processors see that row's own history. `sampler` is a
-    `row_sampler`: it gets the absolute position of row 0, len(history), for position-keyed seeds.
-    """
+    log-probabilities (what mlx-lm reports as `logprobs`). Row j follows history + window[:j], which its logits
+    processors see; `sampler` (a `row_sampler`) gets row 0's absolute position, len(history)."""
     if processors:
         rows = []
         for j in range(logits.shape[0]):
@@ -72,11 +69,8 @@ def token_ids(outs: list) -> list:
 
 
 def row_sampler(sampler: Callable[[mx.array], mx.array], seed: Optional[int]) -> Callable[[mx.array, int], list[int]]:
-    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`.
-
-    With a seed, the draw for position p is keyed by (seed, p), not by how many draws came before,
-    so ar, sd and mirror (which sample different numbers of rows per step) commit the same tokens.
-    """
+    """`sampler` (mlx-lm's) over rows whose first row samples absolute position `first`. With a seed, the draw
+    for position p is keyed by (seed, p), not by how many draws came before, so every mode commits the same."""
     if seed is None or sampler is greedy_sampler:
         return lambda logprobs, first: token_ids([sampler(logprobs)])
 

@@ -131,10 +131,9 @@ _LATEST = ("lookup", "recycle", "chosen_mode", "kappa", "gamma", "exit_layer", "
 
 @dataclass
 class Step:
-    """What one step committed, with its facts (as mlx-lm's speculative_generate_step yields each token with
-    `from_draft`): the tokens, which of them the draft proposed, and how the step's window fared.
-    `stats` holds this step's own counts and seconds (the first step's also the prefill's) and what describes
-    the generation as it stands; a generation's Stats is the sum of its steps' (`Stats.__add__`)."""
+    """What one step committed (as mlx-lm's speculative_generate_step yields tokens with `from_draft`) and how
+    its window fared. `stats`: this step's own counts and seconds (the first's also the prefill's) and what
+    describes the generation as it stands; a generation's Stats is the sum of its steps'."""
 
     tokens: list[int]
     from_draft: list[bool]

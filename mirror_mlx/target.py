@@ -1,12 +1,14 @@
 """The target side: an early-exit tap (one forward gives the logits at layer ℓ_e and at layer N), top-κ,
 and `TargetSide`, the target's cache and the forwards of a step, run on the target's thread.
 
-No per-architecture code. Block ℓ_e's class is swapped for a subclass that records its output, and
-the early head reuses the model's own final norm + head code by calling the outer model with an
-inner model whose `__call__` only normalises the recorded state. Tied or
-untied heads, logit soft-caps and logit scaling all come along for free.
+No per-architecture code: block ℓ_e's class is swapped for a subclass that records its output, and the early
+head calls the outer model with an inner model whose `__call__` returns the normalised recorded state, so
+tied or untied heads, logit soft-caps and logit scaling come along for free.
 """
 
+import copy
+import time
+from types import SimpleNamespace
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -34,13 +36,8 @@ def final_norm(model: nn.Module) -> nn.Module:
     return inner[name]
 
 
-class _Tap:
-    """Holds the output of the tapped block for the forward in flight."""
-
-    h: Optional[mx.array] = None
-
-
-def _install_tap(block: nn.Module, tap: _Tap) -> type:
+def _install_tap(block: nn.Module, tap: SimpleNamespace) -> type:
+    """Swap `block`'s class for one that keeps its output of the forward in flight in `tap.h`; the old class."""
     cls = type(block)
 
     def __call__(self, *args, **kwargs):
@@ -53,17 +50,13 @@ def _install_tap(block: nn.Module, tap: _Tap) -> type:
 
 def check_exit_layer(exit_layer: int, n_layers: int) -> None:
     if not 1 <= exit_layer <= n_layers - 1:
-        raise ValueError(
-            f"exit layer {exit_layer} is outside 1..{n_layers - 1} for a target with {n_layers} layers "
-            f"(choose a layer in that range, e.g. {default_exit_layer(n_layers)})"
-        )
+        raise ValueError(f"exit layer {exit_layer} is outside 1..{n_layers - 1} for a target with {n_layers} layers "
+                         f"(choose a layer in that range, e.g. {default_exit_layer(n_layers)})")
 
 
 class EarlyExitTarget:
-    """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit).
-
-    A stage of a model split by layers across ranks (mlx-lm's pipeline) holds blocks first..first+len-1 of
-    `n_layers`; the tapped block must be one of them."""
+    """An mlx-lm model tapped at block `exit_layer` (1-based count of blocks before the exit); a stage of a
+    model split by layers across ranks holds blocks first..first+len-1 of `n_layers`, the tapped one among them."""
 
     def __init__(self, model: nn.Module, exit_layer: int, adapter: Optional[Callable] = None,
                  n_layers: Optional[int] = None, first: int = 0):
@@ -75,7 +68,7 @@ class EarlyExitTarget:
             raise ValueError(f"block {exit_layer} is not on this stage (blocks {first + 1}..{first + len(self.layers)})")
         self.exit_layer = exit_layer
         self.adapter = adapter  # maps the normalised exit state before the head; never the final logits
-        self._tap = _Tap()
+        self._tap = SimpleNamespace(h=None)
         self._block = self.layers[exit_layer - 1 - first]
         self._block_cls = _install_tap(self._block, self._tap)
 
@@ -84,11 +77,8 @@ class EarlyExitTarget:
         self._block.__class__ = self._block_cls
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
-        """Build one forward over `tokens` (B, T); returns lazy (early_logits, final_logits).
-
-        Evaluate the early logits first: that computes only embedding + blocks 1..ℓ_e + head.
-        Evaluating the final logits afterwards reuses the block-ℓ_e result. The cache is updated once.
-        """
+        """Lazy (early_logits, final_logits) of one forward over `tokens` (B, T): evaluating the early ones first
+        runs only blocks 1..ℓ_e and the head; the final ones then reuse block ℓ_e's output."""
         final = self.model(tokens, cache=cache)
         early = self.head(self._tap.h)
         self._tap.h = None
@@ -101,11 +91,8 @@ class EarlyExitTarget:
 
 
 def apply_head(model: nn.Module, x: mx.array) -> mx.array:
-    """The model's own head (tied or not, soft-caps, logit scaling) on an already normalised state (B, T, D).
-
-    The inner model's class is swapped for a subclass whose `__call__` returns `x`, and the outer
-    model runs as usual: no per-architecture code.
-    """
+    """The model's own head (tied or not, soft-caps, logit scaling) on an already normalised state (B, T, D):
+    the outer model runs as usual over an inner model whose `__call__` returns `x`."""
     tm = text_model(model)
     inner = inner_model(model)
     cls = type(inner)
@@ -117,11 +104,8 @@ def apply_head(model: nn.Module, x: mx.array) -> mx.array:
 
 
 def top_k(logits: mx.array, k: int, exclude: Optional[list[int]] = None) -> tuple[mx.array, mx.array]:
-    """Top-k ids and log-probs of each row of `logits` (T, V), sorted by probability.
-
-    `exclude[r]` (or -1) is a token that row r must not propose: for window rows r < γ the
-    correction can never be the draft token it rejected (docs/design.md §3 step 2, the excluded-token rule).
-    """
+    """Top-k ids and log-probs of each row of `logits` (T, V), most likely first. `exclude[r]` (or -1): a token
+    row r must not propose (a correction is never the draft token it rejected: docs/design.md §3 step 2)."""
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     scores = logprobs
@@ -154,10 +138,7 @@ def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
 
 def accept(window: Sequence[int], ys: Sequence[int]) -> int:
     """A: the longest prefix of the window that equals the target's own tokens."""
-    a = 0
-    while a < len(window) and window[a] == ys[a]:
-        a += 1
-    return a
+    return common_prefix(window, ys)
 
 
 class TargetSide:
@@ -190,9 +171,8 @@ class TargetSide:
         self.base = recurrent.held(self.cache[:1]) - len(self.cached)
 
     def release(self, tokens: Optional[list[int]]) -> None:
-        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (the
-        last committed token too, which no step ran); with None (a step was cut), only the rows known to be
-        right. Then take a fresh cache: no later call touches the caller's."""
+        """Hand the caller's cache back holding `tokens` after its unknown prefix, as mlx-lm leaves it (with None,
+        a step was cut: the rows known right); then take a fresh cache, so no later call touches the caller's."""
         for c in self.cache:  # rows a cut forward added and no verify trimmed
             if recurrent.held([c]) > self.base + len(self.cached):
                 c.trim(recurrent.held([c]) - self.base - len(self.cached))
@@ -226,16 +206,13 @@ class TargetSide:
 
     def copy(self) -> Optional[tuple[list[int], list[Any]]]:
         """A deep copy of our own cache and the tokens it holds, or None (nothing held, or not our own)."""
-        import copy
-
         tokens = self.own_tokens()
         return (tokens, copy.deepcopy(self.cache)) if tokens else None
 
     def hold(self, tokens: Sequence[int], step_size: int = 2048,
              progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
-        """Make the cache hold `tokens`; reuse the longest cached prefix. Returns tokens run; `progress(done,
-        len(new))` after each chunk of the new ones. With `top`, `self.seen` is then (the tokens run, each one's
-        top next ids by the target, (n, top) numpy): what the recycled draft learns from a prefill."""
+        """Make the cache hold `tokens` (the longest cached prefix reused); the tokens run. With `top`, `self.seen`
+        is (the tokens run, each one's top next ids, (n, top) numpy): what the recycled draft learns from."""
         tokens = list(tokens)
         keep = common_prefix(self.cached, tokens)
         if keep < len(self.cached) and not recurrent.can_drop(self.cache, len(self.cached) - keep):
@@ -259,11 +236,8 @@ class TargetSide:
         return len(new)
 
     def time_widths(self, widths: Sequence[int], k: int, repeats: int = 3) -> dict[int, float]:
-        """Seconds of a tree verify of each width (rows) after the cache, as `verify_tree` runs it (the tree's
-        mask and positions, every row's top-k; the median of `repeats`; the rows are dropped again): what a tree
-        of that many rows costs on this machine, with this thread's settings."""
-        import time
-
+        """Seconds of a tree verify of each width (rows) after the cache, as `verify_tree` runs it (the median of
+        `repeats`; the rows are dropped again): what a tree of that many rows costs here, on this thread."""
         last, seconds = (self.cached or [0])[-1], {}
         for w in widths:
             tree, runs = trees.build(last, [(0, last, "", None)] * (w - 1)), []  # the root and w - 1 children
@@ -274,11 +248,6 @@ class TargetSide:
                 trim_prompt_cache(self.cache, w)
             seconds[w] = sorted(runs)[repeats // 2]
         return seconds
-
-    def start(self, prompt: Sequence[int], step_size: int = 2048,
-              progress: Optional[Callable[[int, int], None]] = None, top: int = 0) -> int:
-        """Make the cache hold prompt[:-1] (the last token is the pending one). Returns tokens run."""
-        return self.hold(prompt[:-1], step_size, progress, top)
 
     def prefix(self, rows: list[int], kappa: int, exclude: Optional[list[int]],
                post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
@@ -340,14 +309,10 @@ class TargetSide:
 
 
 class StageTargetSide(TargetSide):
-    """The target split by layers across ranks (mlx-lm's pipeline split): this rank holds one stage, and block
-    ℓ_e runs on one rank only. That rank takes the early exit and top-κ and shares them with one all_sum that
-    only it fills; every rank then posts or mirrors the same sets, and the verify (after the model's own
-    all_gather) decides alike everywhere (docs/design.md §8).
-
-    The stages before the exit's (higher ranks: mlx-lm gives rank 0 the last layers) first evaluate their
-    last cache, which mlx-lm makes depend on the send of their output, so the exit's rank is never waiting on
-    a rank that waits on it."""
+    """The target split by layers across ranks (mlx-lm's pipeline split; docs/design.md §8): the rank whose stage
+    holds block ℓ_e takes the early exit and top-κ and shares them with one all_sum that only it fills, so
+    every rank posts or mirrors the same sets. The stages before the exit's (higher ranks) first evaluate their
+    last cache, which depends on the send of their output, so the exit's rank never waits on one waiting on it."""
 
     def __init__(self, model: nn.Module, group: Any, n_layers: int):
         super().__init__(model)

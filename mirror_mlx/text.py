@@ -1,16 +1,5 @@
-"""Text → token ids, every way a prompt comes in, written once.
-
-- `plain`: the tokenizer's own encoding (mlx_lm.generate without a template, /v1/completions);
-- `as_is`: mlx-lm's stream_generate rule (a BOS unless the text has one; mirror_mlx.stream_generate);
-- `api_prompt`: `Pipeline.generate("text")`: one user message through the chat template, unless the
-  caller templated it already;
-- `after_cache`: what follows a cached prefix (no template, no BOS);
-- `cli_prompt`: mlx_lm.generate's --prompt / --system-prompt / --prompt-cache-file rules;
-- `cache_prefix`: mlx_lm.cache_prompt's open user message;
-- `conversation`: a chat's messages, keeping the ids of the turns the caches already hold.
-
-Nothing here validates ids or options: the Pipeline does that once per call.
-"""
+"""Text → token ids, every way a prompt comes in (API, command line, server, chat), written once. Nothing here
+validates ids or options: the Pipeline does that once per call."""
 
 import warnings
 from dataclasses import dataclass, field
@@ -26,7 +15,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def plain(tokenizer: Any, text: str) -> list[int]:
-    """The tokenizer's own encoding, special tokens as it adds them."""
+    """The tokenizer's own encoding (mlx_lm.generate without a template, /v1/completions)."""
     return list(tokenizer.encode(text))
 
 
@@ -56,10 +45,8 @@ def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None
     already starts with the template's own opening (templated by the caller, as mlx-lm's README does): then
     it is encoded as is, never templated twice."""
     template_kwargs = template_kwargs or {}
-    if not has_chat_template(tokenizer):
-        return as_is(tokenizer, text)
-    opening = template_opening(tokenizer, **template_kwargs)
-    if opening and text.startswith(opening):  # the caller templated it already
+    opening = template_opening(tokenizer, **template_kwargs)  # "" without a template
+    if not has_chat_template(tokenizer) or (opening and text.startswith(opening)):  # (or templated already)
         return as_is(tokenizer, text)
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               **template_kwargs))
@@ -68,11 +55,8 @@ def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None
 def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_template: bool,
                template_kwargs: dict, cached: bool = False, prefill_response: Optional[str] = None) -> list[int]:
     """The prompt as mlx_lm.generate builds it: through the chat template if `use_template`, else plain.
-
-    `prefill_response` (--prefill-response): the reply's start, an open assistant message the model continues.
-    `cached` (--prompt-cache-file): as mlx-lm, only the templated text from the last message's content
-    on, since the cached prefix (mlx_lm.cache_prompt's open user message) holds what precedes it.
-    """
+    `prefill_response`: an open assistant message the model continues. `cached` (--prompt-cache-file): only
+    the templated text from the last message's content on (the cached prefix holds what precedes it)."""
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     if not use_template:
         return plain(tokenizer, prompt)
@@ -104,13 +88,9 @@ def cache_prefix(tokenizer: Any, prompt: str) -> list[int]:
     return plain(tokenizer, prompt)
 
 
-# --- conversations --------------------------------------------------------------------------------
-#
-# The engine reuses the target's and the draft's caches by longest common prefix, so a turn is cheap
-# only if the token ids of the earlier turns stay exactly as the engine saw them. Re-encoding the whole
-# conversation would not guarantee that (a reply's generated ids need not be how the tokenizer would
-# encode its text), so the pipeline remembers the ids it ran (prompt + every committed reply token)
-# and a new turn appends the new messages' ids to them.
+# --- conversations: the caches are reused by longest common prefix, so a turn is cheap only if the earlier
+# turns keep the ids the engine ran (a reply's ids need not be how its text re-encodes): a new turn appends
+# the new messages' ids to the remembered ones.
 
 
 @dataclass
@@ -147,29 +127,21 @@ def _render(tokenizer: Any, messages: Sequence[ChatMessage], generation_prompt: 
 
 def _turns(tokenizer: Any, messages: Sequence[ChatMessage], first: bool) -> list[int]:
     """Plain continuation: the turns' texts one after another (a BOS only at the very start)."""
-    ids: list[int] = []
-    for i, m in enumerate(messages):
-        ids += tokenizer.encode(m["content"], add_special_tokens=first and i == 0)
-    return ids
+    return [t for i, m in enumerate(messages)
+            for t in tokenizer.encode(m["content"], add_special_tokens=first and i == 0)]
 
 
 def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwargs: Any) -> Optional[list[int]]:
-    """The ids that follow `conv.tokens` in the rendered `full` text, or None when it cannot tell.
-
-    The text so far is rendered without a generation prompt; it must end with the last reply plus the
-    template's closing text (say "<|im_end|>\\n"), and what follows the reply in `full` is encoded.
-    When the reply ended on a stop token, that token's text is encoded along and its id dropped, so
-    the boundary tokenizes as it would in one piece (SentencePiece would add a space otherwise).
-    """
+    """The ids that follow `conv.tokens` in the rendered `full` text (what follows the last reply), or None when
+    it cannot tell. A stop token that ended the reply is encoded along and its id dropped, so the boundary
+    tokenizes as it would in one piece (SentencePiece would add a space otherwise)."""
     reply = conv.messages[-1]["content"]
     prev = _render(tokenizer, conv.messages, False, **template_kwargs)
     at = prev.rfind(reply) if reply else -1
     if at < 0 or not full.startswith(prev[: at + len(reply)]):
         return None
     ids = after_cache(tokenizer, full[at + len(reply):])
-    if conv.stop_token is not None and ids[:1] == [conv.stop_token]:
-        return ids[1:]
-    return ids
+    return ids[1:] if conv.stop_token is not None and ids[:1] == [conv.stop_token] else ids
 
 
 def conversation(tokenizer: Any, conv: Conversation, messages: Sequence[ChatMessage],

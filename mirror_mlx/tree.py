@@ -1,25 +1,21 @@
 """A token tree verified in one target forward, through mlx-lm's own model objects.
 
-A tree holds the pending token (node 0, the root) and proposed continuations, each node a child of an
-earlier one, in breadth-first order (a node's depth is never less than the one before it). One forward
-over all nodes gives the target's distribution after every path at once: node i attends to the cache and
-to its own ancestors only (a tree mask), at position offset + depth(i).
+A tree holds the pending token (node 0, the root) and proposed continuations in breadth-first order. One
+forward over all nodes gives the target's distribution after every path: node i attends to the cache and its
+own ancestors only, at position offset + depth(i). No per-architecture code: the mask comes from each cache's
+own `make_mask` (with the layer's sliding window), the positions from each attention's own rope module (each
+row a sequence of one at its own position, so every rope variant places a node as it would a token). A model
+that does not fit (a recurrent state, another cache kind, an attention with no `rope`) is refused by
+`takes_tree`, and only a chain (a plain window) is verified.
 
-No per-architecture code: the mask comes from each cache's own `make_mask` (every mlx-lm attention asks
-its cache for the mask, with the sliding window where it has one), and the positions from each
-attention's own rope module, each row a sequence of one at its own position (so every rope variant, scaled
-or not, places a node as it would place a token at that position). Where a model does not fit this (a
-recurrent state, which holds one path only; a cache of another kind; an attention with no `rope` module)
-the tree is refused by `takes_tree` and only a chain (a plain window) is verified.
-
-The walk (`walk`) commits, at each node, the target's own token there (its argmax, or a sample of its
-processed distribution given the committed prefix and the path), and descends while a child holds that
-token. The drafts proposing a tree are deterministic, so this is exact sampling: each committed token is a
-sample of the target's distribution given what precedes it, whatever the tree held.
+`walk` commits, at each node, the target's own token there given the committed prefix and the path, and
+descends while a child holds it. The drafts proposing a tree are deterministic, so each committed token is
+a sample of the target's distribution given what precedes it, whatever the tree held.
 """
 
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,10 +45,8 @@ class Tree:
 
     def child(self, node: int, token: int) -> Optional[int]:
         """The child of `node` holding `token`, or None."""
-        for i in range(node + 1, len(self.tokens)):
-            if self.parents[i] == node and self.tokens[i] == token:
-                return i
-        return None
+        return next((i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node
+                     and self.tokens[i] == token), None)
 
     def mask(self) -> np.ndarray:
         """(n, n) bool: node i sees node j iff j is i or one of its ancestors."""
@@ -104,57 +98,47 @@ def takes_tree(model: nn.Module, cache: list[Any]) -> Optional[str]:
     return None
 
 
-class _TreeForward:
+def _mask_for(offset: int, ancestors: mx.array, depths: mx.array):
+    def make_mask(n, return_array=False, window_size=None, **_):
+        seen = mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), ancestors], axis=1)
+        if window_size is not None:  # key k is seen by query q only within the window of q's position
+            q = offset + depths[:, None]
+            k = mx.concatenate([mx.arange(offset), offset + depths])[None, :]
+            seen = seen & (q - k < window_size)
+        return seen
+
+    return make_mask
+
+
+@contextmanager
+def _tree_forward(model: nn.Module, cache: list[Any], tree: Tree) -> Iterator[None]:
     """While active: each cache's mask is the tree's (with the layer's sliding window), each rope places the
     rows of depth d at offset + d. Undone on exit, so the model and caches are as they were."""
+    ropes, groups, start = _ropes(model), [], 0
+    for i in range(1, len(tree) + 1):
+        if i == len(tree) or tree.depths[i] != tree.depths[start]:
+            groups.append((tree.depths[start], start, i))
+            start = i
+    ancestors, depths = mx.array(tree.mask()), mx.array(tree.depths)
+    for c in cache:
+        c.make_mask = _mask_for(c.offset, ancestors, depths)
+    for rope in ropes:
+        cls = type(rope)
 
-    def __init__(self, model: nn.Module, cache: list[Any], tree: Tree):
-        self.model, self.cache, self.tree = model, cache, tree
-        self.ropes = _ropes(model)
-        groups, start = [], 0
-        for i in range(1, len(tree) + 1):
-            if i == len(tree) or tree.depths[i] != tree.depths[start]:
-                groups.append((tree.depths[start], start, i))
-                start = i
-        self.groups = groups
+        def __call__(self_, x, offset=0, _cls=cls):
+            if x.shape[0] == 1:  # each row a sequence of one, in the batch, at its own position: one call
+                with suppress(TypeError, ValueError):  # a rope that takes no positions array: a call per depth
+                    return _cls.__call__(self_, x.swapaxes(0, 2), offset=offset + depths).swapaxes(0, 2)
+            return mx.concatenate([_cls.__call__(self_, x[..., s:e, None, :], offset=offset + d)[..., 0, :]
+                                   for d, s, e in groups], axis=-2)
 
-    def __enter__(self) -> "_TreeForward":
-        ancestors = mx.array(self.tree.mask())
-        depths = mx.array(self.tree.depths)
-        for c in self.cache:
-            c.make_mask = self._mask_for(c.offset, ancestors, depths)
-        groups = self.groups
-        for rope in self.ropes:
-            cls = type(rope)
-
-            def __call__(self_, x, offset=0, _cls=cls):
-                if x.shape[0] == 1:  # each row a sequence of one, in the batch, at its own position: one call
-                    try:
-                        return _cls.__call__(self_, x.swapaxes(0, 2), offset=offset + depths).swapaxes(0, 2)
-                    except (TypeError, ValueError):  # a rope that takes no positions array: a call per depth
-                        pass
-                return mx.concatenate([_cls.__call__(self_, x[..., s:e, None, :], offset=offset + d)[..., 0, :]
-                                       for d, s, e in groups], axis=-2)
-
-            rope.__class__ = type("Tree" + cls.__name__, (cls,), {"__call__": __call__})
-        return self
-
-    @staticmethod
-    def _mask_for(offset: int, ancestors: mx.array, depths: mx.array):
-        def make_mask(n, return_array=False, window_size=None, **_):
-            seen = mx.concatenate([mx.ones((n, offset), dtype=mx.bool_), ancestors], axis=1)
-            if window_size is not None:  # key k is seen by query q only within the window of q's position
-                q = offset + depths[:, None]
-                k = mx.concatenate([mx.arange(offset), offset + depths])[None, :]
-                seen = seen & (q - k < window_size)
-            return seen
-
-        return make_mask
-
-    def __exit__(self, *exc: Any) -> None:
-        for c in self.cache:
+        rope.__class__ = type("Tree" + cls.__name__, (cls,), {"__call__": __call__})
+    try:
+        yield
+    finally:
+        for c in cache:
             c.__dict__.pop("make_mask", None)
-        for rope in self.ropes:
+        for rope in ropes:
             rope.__class__ = type(rope).__mro__[1]
 
 
@@ -163,7 +147,7 @@ def forward(model: nn.Module, cache: list[Any], tree: Tree) -> mx.array:
     tokens = mx.array([tree.tokens])
     if tree.is_chain:
         return model(tokens, cache=cache)[0]
-    with _TreeForward(model, cache, tree):
+    with _tree_forward(model, cache, tree):
         return model(tokens, cache=cache)[0]
 
 

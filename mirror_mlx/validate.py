@@ -1,17 +1,16 @@
 """One place that checks every option and prompt before any work starts (API, CLI and server).
 
-Each check either returns the value the engine will use or raises one sentence that names the
-argument and the fix: `BadType` (a TypeError) for the wrong kind of value (a float token id, a bool
-knob), `BadValue` (a ValueError) for a value out of range, `ContextError` (a BadValue) for a prompt and
-max_tokens the context cannot hold. Each carries `param`, the option at fault, so the server answers
-it as its JSON field and the command line as its flag without reading the sentence. Nothing is cast
-silently: `True` is not a token id and 2.5 is not a κ. Nothing here allocates (no shared memory, no
-model work), so a refused call leaves nothing behind.
+Each check returns the value the engine will use or raises one sentence naming the argument and the fix:
+`BadType` (a TypeError: a float token id, a bool knob), `BadValue` (a ValueError: out of range),
+`ContextError` (a BadValue: more than the context holds). Each carries `param`, the option at fault, so the
+server answers it as its JSON field and the command line as its flag. Nothing is cast silently (`True` is
+not a token id, 2.5 not a κ), and nothing here allocates, so a refused call leaves nothing behind.
 """
 
 import json
 import math
 import numbers
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -137,9 +136,8 @@ def prompt_tokens(prompt: Any, vocab_size: Optional[int]) -> list[int]:
 
 
 def fit(length: int, max_tokens: int, context: Optional[int], cap: bool = False) -> int:
-    """The context rule, written once: a prompt of `length` tokens leaves the target's `context` room for a
-    token, and max_tokens more fit after it. `cap`: max_tokens is a ceiling, lowered to what fits (a server's
-    default, a chat's turn, mlx-lm's -1). Returns max_tokens as it runs."""
+    """The context rule, written once: a prompt of `length` tokens and max_tokens more must fit the target's
+    `context`. Returns max_tokens as it runs (`cap`: a ceiling, lowered to what fits: a server's default)."""
     if not context or length + max_tokens <= context:
         return max_tokens
     if length >= context:
@@ -153,17 +151,13 @@ def fit(length: int, max_tokens: int, context: Optional[int], cap: bool = False)
 
 
 def clean_text(text: Any) -> tuple[str, bool]:
-    """Text as valid UTF-8: undecodable bytes (surrogate-escaped, or lone surrogates) become U+FFFD.
-
-    Returns (text, replaced); the caller says once that something was replaced.
-    """
+    """(text as valid UTF-8, whether anything was replaced): undecodable bytes (surrogate-escaped, or lone
+    surrogates) become U+FFFD; the caller says so once."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, not {_kind(text)}")
-    try:
+    with suppress(UnicodeEncodeError):
         text.encode("utf-8")
         return text, False
-    except UnicodeEncodeError:
-        pass
     try:
         raw = text.encode("utf-8", "surrogateescape")  # bytes that came in through sys.argv / stdin
     except UnicodeEncodeError:
@@ -186,11 +180,8 @@ def exit_layer(value: Any, n_layers: int) -> int:
 
 
 def check_layer(adapter: Any, exit_layer: int, path: Any = "the exit adapter") -> None:
-    """Refuse an adapter trained at another exit layer (its state space is another layer's).
-
-    A widened adapter (convert/widen.py) is exact at every layer of `exit_layers`: the original
-    block and the identity layers after it.
-    """
+    """Refuse an adapter trained at another exit layer (its state space is another layer's); a widened one
+    (convert/widen.py) is exact at every layer of its `exit_layers`."""
     trained = getattr(adapter, "exit_layer", None)
     if trained is not None and exit_layer not in getattr(adapter, "exit_layers", (trained,)):
         raise BadValue("exit_layer", "{path} was trained for exit layer {trained}, not {layer} (use {exit_layer} "
@@ -259,10 +250,9 @@ def lookup_options(opts: Any) -> Any:
 
 
 def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap: bool = False) -> Any:
-    """The one check of a call against the pair (`engine`'s facts), before any work starts (no ring, no
-    forward): the options, the prompt ids and the context fit. Returns the `Plan`; mode auto is checked as
-    its stand-in (mirror; without a draft model sd with the lookup, else ar), κ and γ left out as the paper's.
-    With a `prompt_cache`, `tokens` follow its prefix, whose ids (when known) the plan's ids start with."""
+    """The one check of a call against the pair (`engine`'s facts), before any work starts: the options, the
+    prompt ids and the context fit, as a `Plan`. Mode auto is checked as its stand-in (mirror; without a draft
+    model sd with the lookup, else ar). With a `prompt_cache`, `tokens` follow its prefix."""
     from .options import CHOICES, MODES, Plan
 
     if not isinstance(asked.mode, str) or asked.mode not in CHOICES:
@@ -326,12 +316,8 @@ def draft_vocab(value: Any, has_draft: bool, vocab_size: Optional[int] = None) -
 
 
 def model_folder(path: Path) -> Path:
-    """A local model folder that mlx-lm can load, or one sentence naming the file at fault and the fix.
-
-    Checks what mlx-lm would otherwise report without a file name (or with a traceback): the path is a
-    folder, config.json exists and is a JSON object, no weights file is empty or truncated, and the
-    merges of a BPE tokenizer.json name only tokens of its vocabulary.
-    """
+    """A local model folder that mlx-lm can load, or one sentence naming the file at fault and the fix (what
+    mlx-lm would report without a file name, or with a traceback)."""
     if not path.is_dir():
         raise ValueError(f"model path {path} is a file, not a folder: give the model's folder "
                          "(the one holding config.json and the *.safetensors weights)")

@@ -13,7 +13,13 @@ from mlx_lm.utils import load
 
 from mirror_mlx import distill, distill_data
 from mirror_mlx.demo_pair import TARGET
-from mirror_mlx.drafts.distilled import MODEL_TYPE, is_distilled
+from mirror_mlx.drafts.distilled import MODEL_TYPE
+
+
+def is_distilled(folder: Path) -> bool:
+    config = Path(folder) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE
+
 
 PROMPTS = {"eval": ["Once upon a time", "The cat sat"],
            "spec_bench": ["Tom and Lily went to", "One day a little bird", "The sun was", "Sam had a red ball"],

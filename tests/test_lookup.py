@@ -11,11 +11,24 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mirror_mlx
-from mirror_mlx.lookup import NGRAM_LIMIT, ProposalRecord, Lookup, NgramIndex, best_length, propose
+from mirror_mlx.lookup import NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN, ProposalRecord, Lookup, NgramIndex, best_length
 from mirror_mlx.stats import Stats
 
 
 # --- the rule --------------------------------------------------------------------------------------
+
+def propose(tokens, gamma: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
+    """The lookup's rule written plainly, a scan of the context (NgramIndex must answer as it does): for n
+    from n_max down to n_min, the last n tokens' most recent earlier occurrence (one that some token
+    follows), and up to γ of the tokens after it; [] if none."""
+    tokens = list(tokens)
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first; the tail itself excluded
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + gamma]
+    return []
+
 
 def test_the_tokens_after_the_earlier_occurrence_are_proposed():
     assert propose([1, 2, 3, 4, 1, 2], gamma=5, n_max=2, n_min=1) == [3, 4, 1, 2]
@@ -54,7 +67,7 @@ def test_the_index_answers_as_the_rule_as_tokens_come(seed):
     tokens = [rng.randrange(6) for _ in range(rng.randint(0, 10))]
     index = NgramIndex(tokens, n_max, n_min)
     for _ in range(40):
-        assert index.propose(gamma) == propose(tokens, gamma, n_max, n_min), (tokens, n_max, n_min, gamma)
+        assert index.match(gamma)[1] == propose(tokens, gamma, n_max, n_min), (tokens, n_max, n_min, gamma)
         new = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
         tokens += new
         index.extend(new)

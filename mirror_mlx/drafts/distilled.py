@@ -1,13 +1,10 @@
 """A distilled draft (model_type `mirror_distilled`): a llama's first layers, a trimmed head, real token ids.
 
 The body is mlx-lm's LlamaModel with E + k layers: the target's first E (frozen in training) and k more,
-initialised from the target's layers E..E+k-1 and trained. The head scores only the V kept token ids
-(`kept_ids`, stored with the weights), which costs V/vocab of a full head. Its forward returns logits over
-the whole vocabulary, -inf off the kept ids: every consumer (MLXDraft's argmax, the engine, mlx-lm) reads
-real token ids, and the draft simply never proposes an id it does not keep. Lossless as every draft is:
-the target verifies each proposed token.
-
-mlx-lm loads such a folder by its model_type (mirror_mlx/model_types.py maps the name to this module).
+initialised from the target's layers E..E+k-1 and trained. The head scores only the V kept ids (`kept_ids`,
+stored with the weights), V/vocab of a full head's cost, and the forward returns logits over the whole
+vocabulary, -inf off the kept ids, so every consumer reads real token ids. mlx-lm loads such a folder by its
+model_type (model_types.py maps the name to this module).
 """
 
 import json
@@ -18,6 +15,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from .. import draft_vocab
@@ -78,8 +76,6 @@ def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int,
     """A draft from a loaded (float) llama target: its embedding, its layers 0..E-1, then k layers copied from
     the target's `init_layers` (default E..E+k-1), its final norm, and the head initialised from the (tied or
     own) output rows of the kept ids."""
-    from mlx.utils import tree_flatten
-
     kept = mx.array(sorted(int(i) for i in kept_ids), dtype=mx.int32)
     args = ModelArgs.from_dict(config_for(target_config, frozen, trained, int(kept.size)))
     draft = Model(args)
@@ -87,11 +83,7 @@ def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int,
     source = list(range(frozen)) + list(init_layers if init_layers is not None else range(frozen, frozen + trained))
     if len(source) != frozen + trained or not all(0 <= i < len(inner.layers) for i in source):
         raise ValueError(f"init layers {init_layers} do not give {trained} of the target's {len(inner.layers)} layers")
-    weights = {}
-    for k, v in tree_flatten(inner.parameters()):
-        if k.startswith("layers."):
-            continue
-        weights["model." + k] = v
+    weights = {"model." + k: v for k, v in tree_flatten(inner.parameters()) if not k.startswith("layers.")}
     for mine, theirs in enumerate(source):
         for k, v in tree_flatten(inner.layers[theirs].parameters()):
             weights[f"model.layers.{mine}.{k}"] = v
@@ -105,8 +97,6 @@ def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int,
 
 def save_draft(draft: Model, out: Path, tokenizer_from: Path, extra: Optional[dict] = None) -> Path:
     """The draft as a model folder: config.json, model.safetensors (kept_ids among the weights), tokenizer."""
-    from mlx.utils import tree_flatten
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(draft.parameters()))
@@ -114,12 +104,6 @@ def save_draft(draft: Model, out: Path, tokenizer_from: Path, extra: Optional[di
     for p in Path(tokenizer_from).iterdir():
         if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or p.suffix in (".model", ".jinja"):
             shutil.copyfile(p, out / p.name)
-    config = {k: v for k, v in vars(draft.args).items()}
-    config.update(extra or {})
+    config = dict(vars(draft.args), **(extra or {}))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     return out
-
-
-def is_distilled(folder: Path) -> bool:
-    config = Path(folder) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE

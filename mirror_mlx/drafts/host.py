@@ -1,14 +1,12 @@
-"""The draft host: one loop that owns the draft and answers the engine over the TokenRing.
+"""The draft host: one loop that owns the draft (plain MLX, Speculative-Streaming, Core ML) and answers the
+engine over the TokenRing: read a request, roll out every branch, post the windows. The engine never calls
+the draft as a function.
 
-Every kind of draft (plain MLX, Speculative-Streaming, a Core ML package) runs behind the same loop:
-read a request from the request ring, roll out every branch, post the windows on the reply ring. The
-engine posts and awaits; it never calls the draft as a function.
-
-By default the host is its own process (`python -m mirror_mlx.drafts.host_process`, a fresh interpreter:
-never a fork of a process that holds MLX threads, and never a re-run of the user's `__main__` as
-multiprocessing's spawn would do). MLX serializes two threads of one process that evaluate model
-graphs (docs/design.md §4), and Core ML's `predict` holds the GIL, so a thread cannot hide the draft. A draft
-object built in this process (tests, notebooks) runs the very same loop on a thread instead.
+By default the host is its own process (`python -m mirror_mlx.drafts.host_process`: a fresh interpreter,
+never a fork of a process that holds MLX threads, never a re-run of the user's `__main__`): MLX serializes
+two threads of one process that evaluate graphs (docs/design.md §4), and Core ML's `predict` holds the GIL,
+so a thread cannot hide the draft. A draft object built in this process (tests, notebooks) runs the same
+loop on a thread.
 
 Each direction is a TokenRing (data) plus a pipe (one byte per message: wake-up without spinning, and
 end-of-file the moment the other side dies). Contexts travel as deltas against what the host holds.
@@ -27,6 +25,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, wait
+from contextlib import suppress
 from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
@@ -105,10 +104,7 @@ class Channel:
 
 def encode_stems(gamma: int, stems: Sequence[Sequence[int]]) -> list[int]:
     """[gamma, n_stems, len_0..len_k, stem tokens...]"""
-    out = [gamma, len(stems)] + [len(s) for s in stems]
-    for s in stems:
-        out += s
-    return out
+    return [gamma, len(stems)] + [len(s) for s in stems] + [t for s in stems for t in s]
 
 
 def decode_stems(ints: list[int]) -> tuple[int, list[list[int]]]:
@@ -133,11 +129,8 @@ def _text(ints: Sequence[int]) -> str:
 
 
 def serve(draft: Draft, req: Channel, rep: Channel) -> None:
-    """Answer requests until STOP or until the engine's end of the pipe closes. Every request gets one reply.
-
-    Requests carry [keep, n_new, new tokens..., body...]: the context is the host's first `keep`
-    tokens plus the new ones (contexts travel as deltas).
-    """
+    """Answer requests, one reply each, until STOP or the engine's end of the pipe closes. A request carries
+    [keep, n_new, new tokens..., body...]: the context is the host's first `keep` tokens plus the new ones."""
     context: list[int] = []
     while True:
         try:
@@ -201,7 +194,7 @@ def main(argv: Sequence[str]) -> None:
 
 def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
     """Build the draft, say READY (vocabulary size, class) or ERROR, then serve until stopped."""
-    try:
+    with suppress(OSError, DraftHostError):  # the engine closed its ends while we were busy (dropped us): end
         try:
             draft = build()
         except Exception as e:  # noqa: BLE001
@@ -209,8 +202,6 @@ def host(build: Callable[[], Draft], req: Channel, rep: Channel) -> None:
             return
         rep.send(READY, 0, [int(getattr(draft, "vocab_size", 0))] + list(type(draft).__name__.encode()))
         serve(draft, req, rep)
-    except (OSError, DraftHostError):  # the engine closed its ends while we were busy (dropped or closed us): end
-        pass
 
 
 # ------------------------------------------------------------------ the engine's side
@@ -231,10 +222,7 @@ atexit.register(close_all)
 
 class DraftHost:
     """The engine's handle on a draft host: posts requests, awaits replies, owns the process and rings.
-
-    `draft` is a DraftRecipe (built inside the host) or a draft object built here (run on a thread).
-    One request is outstanding at a time.
-    """
+    `draft`: a DraftRecipe (built inside the host) or a draft object built here (run on a thread)."""
 
     def __init__(self, draft: Union[Draft, "DraftRecipe"], process: Optional[bool] = None,
                  start_timeout: float = 120.0):
@@ -350,12 +338,10 @@ class DraftHost:
         """Prefill the draft's cache with `context` (answer with `wait_done`)."""
         self._post(SYNC, context)
 
-    def post_prepare(self, context: Sequence[int]) -> None:
-        """Have the draft's cache hold `context` before the next request comes: mirror posts the committed
-        tokens and the window being verified when the target starts its prefix, so the draft feeds the
-        window then, and the branch rollout that follows feeds only each branch's own token. Nothing
-        waits for it: the next answer read takes its acknowledgement first."""
-        self._post(SYNC, context)
+    # mirror posts the committed tokens and the window when the target starts its prefix, so the draft feeds
+    # the window then and the branch rollout only each branch's own token; the next answer read takes its
+    # acknowledgement first
+    post_prepare = post_sync
 
     def wait_done(self, timeout: Optional[float]) -> None:
         if self._last(timeout).kind != DONE:
@@ -406,11 +392,9 @@ class DraftHost:
                 self._close(grace)
 
     def _close(self, grace: float) -> None:
-        try:
+        with suppress(Exception):  # a full ring or a closed pipe: the host is going anyway
             if self.proc is not None and self.proc.poll() is None or self.thread is not None:
                 self.req.send(STOP, 0, [0, 0])
-        except Exception:  # noqa: BLE001 - a full ring or a closed pipe: the host is going anyway
-            pass
         if self.proc is not None:
             _end_process(self.proc, grace)
         stalled = False
@@ -419,16 +403,13 @@ class DraftHost:
             stalled = not wait([self._served], grace).done
             self._worker.close(join_timeout=0.0 if stalled else 5.0)
         for fd in [self.req.fd, self.rep.fd] + self._theirs:
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
-        if not stalled:
-            self.req.ring.close()
-            self.rep.ring.close()
-        else:  # the stalled thread still maps them: unlink the names, keep the mappings
-            for ring in (self.req.ring, self.rep.ring):
+        for ring in (self.req.ring, self.rep.ring):
+            if stalled:  # the stalled thread still maps it: unlink the name, keep the mapping
                 ring.shm.unlink()
+            else:
+                ring.close()
         self.req = self.rep = None
         _live.discard(self)
 
@@ -441,9 +422,7 @@ def _end_process(proc: subprocess.Popen, grace: float) -> None:
     for step in (None, proc.terminate, proc.kill):
         if step is not None:
             step()
-        try:
+        with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=grace if step is None else 2.0)
             return
-        except subprocess.TimeoutExpired:
-            continue
 

@@ -1,13 +1,11 @@
 """The draft host's process: `python -m mirror_mlx.drafts.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
 
-`--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load a model's weights from
-a local folder and never a tokenizer (the engine's process resolved the folder and checked the draft's
-tokenizer against the target's). mlx-lm's package `__init__` and `mlx_lm.utils` import transformers for
-their tokenizers, and huggingface_hub for downloads: about a second of CPU, two thirds of a host's start,
-on a core the target's own load wants at the same moment. With the flag, `mlx_lm` is registered as a bare
-package (its submodules import as usual; its `__init__` does not run, so `from mlx_lm import load` fails),
-`mlx_lm.tokenizer_utils` as a module that refuses to load a tokenizer, and `huggingface_hub` as one that
-refuses to download. A builder of your own gets the plain interpreter.
+`--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load weights from a local folder
+and never a tokenizer (the engine checked it). mlx-lm's `__init__` and `mlx_lm.utils` import transformers and
+huggingface_hub: about a second of CPU, two thirds of a host's start, on a core the target's own load wants.
+With the flag, `mlx_lm` is registered as a bare package (its `__init__` does not run), and
+`mlx_lm.tokenizer_utils` and `huggingface_hub` as modules that refuse to load a tokenizer or download. A
+builder of your own gets the plain interpreter.
 """
 
 import importlib.util

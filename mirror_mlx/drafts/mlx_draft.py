@@ -1,11 +1,9 @@
 """A plain mlx-lm model as draft (η̄ = 1): batched greedy rollouts over a shared committed prefix.
 
-The engine's stems are spine-shaped: stem = ŷ_1..ŷ_r + [v], every stem minus its last token a
-prefix of one spine ŷ. The spine is fed once on the committed cache; every branch is then one
-row of `BranchRows` (branch scratch kept for the whole generation, holding context + spine; a mask
-hides the spine past each row's stem, RoPE takes each row's own position), and all rows advance
-together, one token per forward, lazily, with one evaluation at the end. Afterwards the spine is
-trimmed again: the draft's own cache keeps committed tokens only.
+The engine's stems are spine-shaped (stem = ŷ_1..ŷ_r + [v], every stem minus its last token a prefix of one
+spine ŷ). The spine is fed once on the committed cache; every branch is then one row of `BranchRows`, and all
+rows advance together, one token per forward, lazily. The spine is then trimmed again: the draft's own cache
+keeps committed tokens only.
 """
 
 from typing import Any, Optional, Sequence
@@ -36,14 +34,10 @@ def spine_of(stems: Sequence[Sequence[int]]) -> list[int]:
 
 
 def self_verify(fed: Sequence[int], pred: Sequence[int]) -> tuple[int, list[int]]:
-    """Speculative Streaming's self-verification (docs/design.md §5.4) of one chain fed in one forward.
-
-    fed = [main token, guess_1, .., guess_k]; pred[i] is the draft's main prediction after fed[:i+1].
-    The guesses the main predictions before them agree with are kept (a prefix), then the main
-    prediction after the last kept row: returns (keep, fed[1:keep+1] + [pred[keep]]), the tokens gained.
-    The SS draft in MLX (mirror_mlx/drafts/ss_draft.py) and the Core ML package host (package_host.py) both
-    verify this way, so their windows are the draft's own greedy main-stream text.
-    """
+    """Speculative Streaming's self-verification (docs/design.md §5.4) of one chain fed in one forward, as both
+    SS hosts (ss_draft.py, the Core ML package_host.py) verify: fed = [main token, guess_1, .., guess_k],
+    pred[i] the main prediction after fed[:i+1]. Returns (keep, fed[1:keep+1] + [pred[keep]]), the tokens
+    gained: the agreeing guesses, then the main prediction after them."""
     keep = 0
     while keep + 1 < len(fed) and fed[keep + 1] == pred[keep]:
         keep += 1
@@ -66,10 +60,7 @@ class MLXDraft:
         self.rows_valid = 0  # leading cache slots whose keys/values the rows hold as they are
 
     def sync(self, context: Sequence[int], extra: Sequence[int] = ()) -> int:
-        """Make the cache hold exactly `context` (+ `extra`): trim what diverged, feed what is new.
-
-        Returns the forwards that took (0 when nothing was new).
-        """
+        """Make the cache hold exactly `context` (+ `extra`); the forwards that took (0 when nothing was new)."""
         self._trim_to(common_prefix(self.cached, context))
         return self._feed(list(context[len(self.cached):]) + list(extra))
 
@@ -153,14 +144,10 @@ class MLXDraft:
 
 
 class BranchRows:
-    """One layer's branch scratch, allocated once and reused by every rollout of a generation.
-
-    Row b holds a copy of the draft's cache (context + spine) in slots [0, S) and its own γ tokens
-    in slots S.. . Rows are not shifted: a mask hides the spine tokens past row b's stem, and RoPE
-    takes row b's own position (context + its stem) from `offset`. Between rollouts only the slots
-    whose tokens changed are copied again (a few per step), never the whole prefix; the rows are
-    fed lazily, one token each per forward, through the model's own attention.
-    """
+    """One layer's branch scratch, allocated once and reused by every rollout of a generation: row b holds the
+    draft's cache (context + spine) in slots [0, S) and its own γ tokens after. A mask hides the spine past
+    row b's stem, RoPE takes row b's own position from `offset`, and between rollouts only the slots whose
+    tokens changed are copied again."""
 
     step = 256
 

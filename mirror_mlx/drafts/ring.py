@@ -1,14 +1,13 @@
 """TokenRing: fixed preallocated message slots in shared memory, one writer and one reader.
 
-Each slot is [seq, kind, step, n_ints, n_floats | ints | floats]. The writer marks a slot busy
-(seq = -1), writes the payload, then publishes its sequence number; the reader copies a slot
-only when its seq equals the one it expects and re-checks it after the copy, so a slot that is
-stale (not yet written) is never consumed and one that was overwritten is detected. Messages are
-a few hundred bytes: early-exit top-κ sets going to the draft host, windows coming back
-(mirror_mlx/drafts/host.py defines the messages and wakes the reader through a pipe). The engine creates
-(and unlinks) both rings; the host process attaches to them by name.
+Each slot is [seq, kind, step, n_ints, n_floats | ints | floats]. The writer marks a slot busy (seq = -1),
+writes the payload, then publishes its sequence number; the reader copies a slot only when its seq is the one
+it expects and re-checks it after the copy, so a stale slot is never consumed and an overwritten one is
+detected. drafts/host.py defines the messages and wakes the reader through a pipe; the engine creates (and
+unlinks) both rings, the host process attaches to them by name.
 """
 
+from contextlib import suppress
 from dataclasses import dataclass
 import mmap
 import os
@@ -86,10 +85,6 @@ class TokenRing:
     def name(self) -> str:
         return self.shm.name
 
-    @property
-    def consumed(self) -> int:
-        return int(self._words[1])
-
     def put(self, kind: int, step: int, ints=(), floats=()) -> int:
         """Write one message; returns its sequence number (1, 2, ...)."""
         ints = np.asarray(ints, dtype=np.int64).ravel()
@@ -131,7 +126,5 @@ class TokenRing:
         self._slots = self._fslots = self._words = None
         self.shm.close()
         if unlink:
-            try:
+            with suppress(FileNotFoundError):
                 self.shm.unlink()
-            except FileNotFoundError:
-                pass

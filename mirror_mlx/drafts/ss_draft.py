@@ -1,27 +1,21 @@
 """The Speculative-Streaming draft behind the engine's Draft protocol: several tokens per forward.
 
-The engine's stems share one spine (stem b = ŷ_1..ŷ_{r_b} + [v_b]), and the spine is the window the
-draft itself proposed one rollout earlier. So the draft keeps the keys/values its last rollout
-computed (the spine's, and every branch's own rows) and *recalls* them for the next one: the
-committed prefix and most of the spine come back without a forward. Each branch is one batch row
-over the shared prefix (broadcast, not copied), masked to context + ŷ_1..ŷ_{r_b}.
+The engine's stems share one spine (stem b = ŷ_1..ŷ_{r_b} + [v_b]), the window the draft proposed one
+rollout earlier, so the draft keeps the keys/values its last rollout computed and *recalls* them: the
+committed prefix and most of the spine come back without a forward. Each branch is one batch row over
+the shared prefix (broadcast, not copied), masked to context + ŷ_1..ŷ_{r_b}.
 
-Forward 1 feeds every branch what it must still see (the few tokens no rollout computed yet:
-the last window's final main token and trusted guesses) followed by v_b, and yields its main token
-plus S stream guesses. Every later forward feeds [main token, guesses]; the main rows verify the
-guesses (SS self-verification, docs/design.md §5.4): branch i keeps the agreeing prefix a_i of its
-guesses plus the main token after them, so it gains a_i + 1 tokens, and that row's streams become
-its next guesses. Rejected rows stay in the branch's scratch K/V but are masked out. Because main
-rows never see stream rows, the window is exactly the draft's own greedy main-stream continuation
-(the same text a plain llama forward would give), reached in J ≈ ⌈γ/η̄⌉ forwards instead of γ.
-When nothing can be recalled (a new prompt, a reset) the unseen tokens are fed first, in a
-forward of their own, counted in J like every other.
+Forward 1 feeds every branch the few tokens no rollout computed yet, then v_b, and yields its main token
+plus S stream guesses. Every later forward feeds [main token, guesses] and the main rows verify the
+guesses (SS self-verification, docs/design.md §5.4): a branch gains its agreeing guesses plus the main
+token after them, and that row's streams become its next guesses. Rejected rows stay in the scratch K/V,
+masked out. Main rows never see stream rows, so the window is the draft's own greedy main-stream text,
+reached in J ≈ ⌈γ/η̄⌉ forwards instead of γ.
 
-With `trust_streams` (the default), the last forward's unchecked stream guesses complete the
-windows as soon as the slowest branch is within S tokens of γ; those windows end with guesses the
-draft did not verify (still valid proposals: the target verifies every token). This trades a few
-accepted tokens per target forward for fewer forwards (docs/ss_draft.md). `trust_streams=False`
-gives exactly the draft's greedy main-stream text, as the Core ML host does.
+With `trust_streams` (the default), the last forward's unchecked guesses complete the windows once the
+slowest branch is within S tokens of γ (still valid proposals: the target verifies every token), fewer
+forwards for a few accepted tokens (docs/ss_draft.md); `trust_streams=False` gives exactly the main-stream
+text, as the Core ML host does.
 """
 
 from dataclasses import dataclass, field
@@ -48,11 +42,8 @@ class RolloutStats:
 
 @dataclass
 class Extension:
-    """Keys/values a rollout computed for `tokens`, which follow the first `start` tokens of its sequence.
-
-    Token t's keys/values are column cols[t] of kv: a branch keeps its scratch as it is (rejected
-    guesses included) and only a recalled one is ever gathered.
-    """
+    """Keys/values a rollout computed for `tokens`, which follow the first `start` tokens of its sequence:
+    token t's are column cols[t] of kv (a branch's scratch is kept as it is; only a recalled one is gathered)."""
 
     start: int
     tokens: list[int]
@@ -108,9 +99,7 @@ class SSDraft(MLXDraft):
         return Rollout(windows=[w[:gamma] for w in windows], forwards=fed + forwards, tokens=gamma)
 
     def _recall(self, seq: list[int]) -> int:
-        """Grow the cache along `seq` with keys/values the last rollout computed (no forward).
-
-        Returns how many tokens came back that way."""
+        """Grow the cache along `seq` with keys/values the last rollout computed (no forward); how many."""
         self._trim_to(common_prefix(self.cached, seq))
         kept = len(self.cached)
         shared = common_prefix(self.base, seq)  # extensions are valid where seq follows the same tokens
@@ -130,11 +119,8 @@ class SSDraft(MLXDraft):
             self.cached += seq[n:n + best_m]
 
     def _branches(self, seq: list[int], n_context: int, stems: Sequence[Sequence[int]], gamma: int):
-        """Roll every branch out from its last stem token; branch b sees seq[:n_context + len(stem_b) - 1].
-
-        Returns (windows, forwards, one Extension per branch). A branch whose window is complete
-        leaves the batch, so the last forwards run only the slow branches.
-        """
+        """(windows, forwards, one Extension per branch): every branch rolled out from its last stem token,
+        branch b seeing seq[:n_context + len(stem_b) - 1]; a complete branch leaves the batch."""
         S, P = self.num_streams, len(self.cached)
         prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.cache] if P else None
         sees = [n_context + len(s) - 1 for s in stems]  # how much of seq branch b sees before v_b
@@ -211,14 +197,10 @@ class SSDraft(MLXDraft):
 
     @staticmethod
     def _past(prefix, scratch):
-        """Per layer, the parts a branch row may see: the shared prefix (batch 1), then its own scratch.
-
-        Parts stay separate: ss_forward's blocks join them with the new rows in one concatenation.
-        """
+        """Per layer, the parts a branch row may see: the shared prefix (batch 1), then its own scratch (kept
+        apart: ss_forward's blocks join them with the new rows in one concatenation)."""
         if prefix is None and not scratch:
             return None
-        layers = []
-        for i in range(len(prefix if prefix is not None else scratch)):
-            parts = ([prefix[i]] if prefix is not None else []) + ([scratch[i]] if scratch else [])
-            layers.append(([k for k, _ in parts], [v for _, v in parts]))
-        return layers
+        layers = [([prefix[i]] if prefix is not None else []) + ([scratch[i]] if scratch else [])
+                  for i in range(len(prefix if prefix is not None else scratch))]
+        return [([k for k, _ in parts], [v for _, v in parts]) for parts in layers]

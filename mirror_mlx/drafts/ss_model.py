@@ -1,24 +1,19 @@
 """The Speculative-Streaming draft model: a llama decoder whose top layers also carry stream rows.
 
 One forward over main rows x_0..x_{L-1} emits, per main row t, the main prediction (token t+1) and
-`num_streams` stream predictions (stream j predicts token t+1+j), all from one shared LM head.
+`num_streams` stream predictions (stream j predicts token t+1+j), all from one shared LM head. At layer
+N-N_s every main row t spawns stream rows h_t + P_j (P_j learned); in the top N_s layers (docs/design.md
+§5.3) main row t attends to main rows <= t only, so the main stream *is* a plain llama, and stream (t, j)
+to main rows <= t and streams 1..j of row t, at position t + j (RoPE tells it how far ahead it looks).
+Stream rows are never cached.
 
-- Layers 0 .. N-N_s-1 are plain llama blocks over main rows only.
-- At layer N-N_s every main row t spawns stream rows h_t + P_j (j = 1..S, P_j learned).
-- In the top N_s layers (lossless-mode mask, docs/design.md §5.3): main row t attends to main rows <= t
-  only, so streams never change the main rows (the main stream *is* a plain llama); stream (t, j)
-  attends to main rows <= t and to streams 1..j of row t.
-- Only main rows produce K/V worth keeping: stream rows are never cached.
-- Positions: main row t sits at position t; stream (t, j) sits at position t + j, the position of
-  the (unseen) main row whose next token it predicts, so RoPE tells it how far ahead it looks.
-
-The weights are llama's (same parameter names) plus `stream_embeddings` (S, D), so any mlx-lm llama
-with the target's tokenizer initialises it, and `Model.__call__` is the plain llama forward (main
-rows only), so the folder also works anywhere a plain draft does.
+The weights are llama's plus `stream_embeddings` (S, D), so any mlx-lm llama with the target's tokenizer
+initialises it, and `Model.__call__` is the plain llama forward: the folder works wherever a plain draft does.
 """
 
 import json
 import shutil
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -32,6 +27,9 @@ from mlx_lm.utils import load_config, load_model
 MODEL_TYPE = "ss_llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "rope_theta", "rope_traditional",
+                 "max_position_embeddings", "tie_word_embeddings", "num_streams", "stream_layers")
 
 
 @dataclass
@@ -88,11 +86,9 @@ def _main_mask(L: int, past_valid: Optional[mx.array]) -> mx.array:
 def _stream_attention(q, k, v, ks, vs, mask, scale):
     """Stream rows' attention: to the main keys under `mask`, and to streams 1..j of their own row.
 
-    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys (past and new); ks, vs (B, Hkv, S, L, hd)
-    stream keys; mask (B or 1, L, N): stream (j, t) sees the main keys main row t sees. One softmax
-    over both key sets; (rep, S, L) are flattened into one row axis so each (batch, kv head) is one
-    matmul, and the (S·L)² scores of a single masked attention over all rows are never formed.
-    """
+    q (B, H, S, L, hd); k, v (B, Hkv, N, hd) main keys; ks, vs (B, Hkv, S, L, hd) stream keys; mask (B or
+    1, L, N). One softmax over both key sets; (rep, S, L) flattened into one row axis, so the (S·L)² scores
+    of one masked attention over all rows are never formed."""
     B, H, S, L, hd = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     rep = H // Hkv
@@ -111,10 +107,8 @@ def _stream_attention(q, k, v, ks, vs, mask, scale):
 
 def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
            past: Optional[tuple[mx.array, mx.array]], mask: mx.array):
-    """A llama TransformerBlock over row groups of L rows: main rows, then S stream groups.
-
-    Group g (g = 0 main, g = j stream j) sits at positions offset + g + t.
-    """
+    """A llama TransformerBlock over row groups of L rows: main rows, then S stream groups (group g at
+    positions offset + g + t)."""
     attn = block.self_attn
     B, R, _ = x.shape
     G = R // L
@@ -140,19 +134,15 @@ def _block(block: nn.Module, x: mx.array, L: int, offset: Union[int, mx.array],
     return x + block.mlp(block.post_attention_layernorm(x)), new_kv
 
 
-def ss_forward(
-    model: Model,
-    tokens: mx.array,
-    offset: Union[int, mx.array] = 0,
-    past: Optional[list[tuple[mx.array, mx.array]]] = None,
-    past_valid: Optional[mx.array] = None,
-) -> SSOutput:
+def ss_forward(model: Model, tokens: mx.array, offset: Union[int, mx.array] = 0,
+               past: Optional[list[tuple[mx.array, mx.array]]] = None,
+               past_valid: Optional[mx.array] = None) -> SSOutput:
     """Main and stream logits for main rows `tokens` (B, L) at positions offset + t.
 
-    `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix
-    and the branch's own earlier rows), each given whole or as a list of parts along P (the block
-    concatenates them with the new rows once, so a batch-1 prefix is copied once per forward); `past_valid` (B, P) says which of them each row sees (None:
-    all). Training calls it with the tokens only.
+    `past`: per layer, keys/values (B or 1, Hkv, P, hd) the rows may attend to (the committed prefix and the
+    branch's own earlier rows), whole or as a list of parts along P (the block concatenates them with the new
+    rows once, so a batch-1 prefix is copied once per forward); `past_valid` (B, P): which of them each row
+    sees (None: all). Training calls it with the tokens only.
     """
     B, L = tokens.shape
     S = model.args.num_streams
@@ -175,13 +165,9 @@ def ss_forward(
 
 def is_ss_draft(path: Union[str, Path]) -> bool:
     """True for a local folder holding an SS draft (what `mirror_mlx.load(draft_model=...)` asks)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError):
-        return False
+    with suppress(OSError, ValueError):  # no config.json, or not JSON
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+    return False
 
 
 def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
@@ -204,16 +190,8 @@ def save_ss_draft(model: Model, path: Union[str, Path], tokenizer_from: Union[st
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     a = model.args
-    config = {
-        "model_type": MODEL_TYPE, "architectures": ["SSLlamaForCausalLM"],
-        "hidden_size": a.hidden_size, "num_hidden_layers": a.num_hidden_layers,
-        "intermediate_size": a.intermediate_size, "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
-        "rms_norm_eps": a.rms_norm_eps, "vocab_size": a.vocab_size, "rope_theta": a.rope_theta,
-        "rope_traditional": a.rope_traditional, "max_position_embeddings": a.max_position_embeddings,
-        "tie_word_embeddings": a.tie_word_embeddings, "num_streams": a.num_streams,
-        "stream_layers": a.stream_layers, "torch_dtype": "float32",
-    }
+    config = {"model_type": MODEL_TYPE, "architectures": ["SSLlamaForCausalLM"], "torch_dtype": "float32",
+              **{name: getattr(a, name) for name in CONFIG_FIELDS}}
     for name in ("attention_bias", "mlp_bias", "rope_scaling"):  # an --init-from model's, kept when set
         if getattr(a, name, None):
             config[name] = getattr(a, name)
@@ -232,10 +210,7 @@ def float_weights(folder: Union[str, Path]) -> dict:
     """A model folder's weights by name; a 4/8-bit (mlx-lm quantized) model's dequantized by mlx-lm."""
     config = load_config(Path(folder))
     if "quantization" not in config and "quantization_config" not in config:
-        weights = {}
-        for wf in sorted(Path(folder).glob("model*.safetensors")):
-            weights.update(mx.load(str(wf)))
-        return weights
+        return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
     from mlx_lm.utils import dequantize_model
 
     model, _ = load_model(Path(folder))
@@ -243,10 +218,8 @@ def float_weights(folder: Union[str, Path]) -> dict:
 
 
 def new_model(args: ModelArgs, init_from: Union[str, Path, None] = None) -> Model:
-    """A fresh SS model, with every llama weight taken from `init_from` when given.
-
-    Stream embeddings come from `init_from` only if it is an SS draft with the same stream count.
-    """
+    """A fresh SS model, with every llama weight taken from `init_from` when given (its stream embeddings only
+    if it is an SS draft with the same stream count)."""
     model = Model(args)
     if init_from is not None:
         weights = model.sanitize(float_weights(init_from))
