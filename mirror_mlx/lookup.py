@@ -122,19 +122,26 @@ class Lookup:
         self.held = 0
         self._held_at = -1  # (where the last held proposal was counted: once per place)
 
+    def offer(self, gamma: int) -> tuple[list[int], list[float]]:
+        """The whole proposal after the tokens so far (up to γ; [] if none) and P(its first i tokens are right),
+        i = 1..len: for a caller that weighs its own verify costs (the server's batch). It is scored as `propose`'s."""
+        at = len(self.index.tokens)
+        n, proposal = self.index.match(gamma)
+        if not proposal:
+            return [], []
+        kind = (n, self.copying)
+        if len(proposal) >= len(self.pending.get(at, ((), []))[1]):
+            self.pending[at] = (kind, proposal)
+        return proposal, self.acceptance.survival(kind, len(proposal))
+
     def propose(self, gamma: int) -> list[int]:
         """The window to verify after the tokens so far: the proposal, cut; [] when there is none or none pays
         (then counted in `held`). Asking again at the same place gives the same answer."""
         at = len(self.index.tokens)
-        n, proposal = self.index.match(gamma)
-        if not proposal:
-            return []
-        kind = (n, self.copying)
-        if len(proposal) >= len(self.pending.get(at, ((), []))[1]):
-            self.pending[at] = (kind, proposal)
-        if self.row_cost == 0:
+        proposal, survival = self.offer(gamma)
+        if not proposal or self.row_cost == 0:
             return proposal
-        g = best_length(self.acceptance.survival(kind, len(proposal)), self.row_cost)
+        g = best_length(survival, self.row_cost)
         if g == 0 and at != self._held_at:
             self.held, self._held_at = self.held + 1, at
         return proposal[:g]

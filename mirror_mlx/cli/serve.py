@@ -74,6 +74,9 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
               help="Requests that decode together in one batch (as mlx_lm.server); 1: one at a time.")
 @click.option("--prompt-concurrency", type=click.IntRange(min=1), default=8, show_default=True,
               help="Prompts prefilled together when requests join the batch (as mlx_lm.server).")
+@click.option("--batch-speculation", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="When requests decode together, each row verifies its own prompt-lookup window in the batch's "
+                   "one forward, at the width that pays (off: one token a row per step, as mlx_lm.server).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default="INFO", show_default=True,
               help="WARNING and above: no line per request.")
 @decode_options(max_tokens=512, seed=None)
@@ -81,7 +84,7 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
 @refused_options("serve")
 def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port, max_queue,
               allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
-              prompt_concurrency, log_level, max_tokens,
+              prompt_concurrency, batch_speculation, log_level, max_tokens,
               temp, **decode) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
     import logging
@@ -115,7 +118,8 @@ def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust
         serve(pipe, host, port, defaults, max_tokens=max_tokens, max_queue=max_queue, allowed_origins=allowed,
               log_level=getattr(logging, log_level.upper()), prompt_cache_size=prompt_cache_size,
               prompt_cache_bytes=cache_bytes, decode_concurrency=decode_concurrency,
-              prompt_concurrency=prompt_concurrency, across=across, on_signal=on_signal)
+              prompt_concurrency=prompt_concurrency, across=across, on_signal=on_signal,
+              batch_speculation=batch_speculation == "on")
     except ValueError as e:
         raise click.UsageError(str(e))
     except OSError as e:

@@ -56,7 +56,7 @@ class Server(ThreadingHTTPServer):
                  allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
                  prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
                  decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY,
-                 across: Optional[dict] = None):
+                 across: Optional[dict] = None, batch_speculation: bool = True):
         self.across = across or {}  # across ranks (mlx.launch): {"ranks": N, what runs differently and why}
         self.request_queue_size = max(64, 2 * max_queue + 8)  # listen backlog: a burst is queued or 429, not reset
         self.reading: set = set()  # connections still sending their request: closed at once on shutdown
@@ -68,7 +68,7 @@ class Server(ThreadingHTTPServer):
         self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
         self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
         self.scheduler = Scheduler(pipe, self.prefixes, self.note, max_queue, decode_concurrency, prompt_concurrency,
-                                   defaults.get("prefill_step_size") or 2048)
+                                   defaults.get("prefill_step_size") or 2048, batch_speculation)
         self.stopping = threading.Event()
         self.counts = {"requests": 0, "completed": 0, "rejected": 0, "disconnected": 0, "errors": 0}
         self.log = log

@@ -33,6 +33,7 @@ from ..target import TargetSide
 from ..text import Conversation
 from .prefix_cache import PrefixCache
 from .request import APIError
+from .spec_batch import Out, SpecBatch, supports
 
 DECODE_CONCURRENCY, PROMPT_CONCURRENCY = 32, 8  # mlx_lm.server's defaults
 
@@ -52,6 +53,8 @@ class Job:
     cached: int = 0  # prompt tokens not prefilled (a cache held them)
     restored: int = 0  # of them, from the prefix cache across requests (PrefixCache)
     batched_tokens: int = 0
+    batch_steps: int = 0  # batched steps it took part in
+    batch_accepted: int = 0  # of its batched tokens, those its windows proposed (speculation in the batch)
     stats: Optional[Stats] = None  # its last run alone
     finish_reason: Optional[str] = None
     uid: Optional[int] = None  # in the batch
@@ -79,7 +82,8 @@ class Job:
     def x_stats(self) -> dict:
         """What the reply's x_mirror says: the last run alone's stats (if any) and the regimes."""
         out = dict((self.stats or Stats(mode="batch")).as_dict(), generation_tokens=len(self.generated),
-                   regimes=list(self.regimes), batched_tokens=self.batched_tokens)
+                   regimes=list(self.regimes), batched_tokens=self.batched_tokens, batch_steps=self.batch_steps,
+                   batch_accepted=self.batch_accepted)
         if self.batched_tokens and self.t_decode is not None:  # its own rate over both regimes
             out["tokens_per_second"] = len(self.generated) / max(1e-9, time.perf_counter() - self.t_decode)
         return out
@@ -90,12 +94,19 @@ class Costs:
 
     def __init__(self) -> None:
         self.batch_step: dict[int, float] = {}  # rows → seconds per batched decode step (running mean)
+        self.batch_tokens: dict[int, float] = {}  # rows → tokens committed per batched step (speculation: > rows)
         self.solo_rate: Optional[float] = None  # tokens/s of requests decoding alone (running mean)
         self.solo_forward: Optional[float] = None  # seconds per target forward alone (a batched step's prior)
 
-    def note_batch(self, rows: int, seconds: float) -> None:
+    def note_batch(self, rows: int, seconds: float, tokens: Optional[int] = None) -> None:
         old = self.batch_step.get(rows)
         self.batch_step[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        tokens, old = rows if tokens is None else tokens, self.batch_tokens.get(rows)
+        self.batch_tokens[rows] = tokens if old is None else 0.8 * old + 0.2 * tokens
+
+    def tokens(self, rows: int) -> float:
+        """Tokens per batched step at `rows` rows: as measured there (speculation commits more), else one a row."""
+        return self.batch_tokens.get(rows, rows)
 
     def note_solo(self, stats: Stats) -> None:
         if stats.generation_tokens >= 4 and stats.decode_seconds > 0:
@@ -121,9 +132,11 @@ class Costs:
         t, how = self.step(rows)
         if t is None or solo_rate is None:
             return True, f"{rows} requests: batched (no measurement alone yet)"
-        batched = rows / t
+        n = self.tokens(rows)
+        batched = n / t
         pays = batched >= solo_rate
-        return pays, (f"{rows} requests: {'batched' if pays else 'one at a time'} ({rows} rows / "
+        what = f"{rows} rows" if n == rows else f"{n:.1f} tokens ({rows} rows)"
+        return pays, (f"{rows} requests: {'batched' if pays else 'one at a time'} ({what} / "
                       f"{t * 1e3:.2f} ms per step ({how}) = {batched:.0f} tok/s vs {solo_rate:.0f} tok/s alone)")
 
     def solo_pays(self) -> tuple[bool, str]:
@@ -131,12 +144,14 @@ class Costs:
         t = self.batch_step.get(1)
         if t is None or self.solo_rate is None:
             return True, "one request: alone (not measured both ways yet)"
-        pays = self.solo_rate > 1 / t
+        rate = self.tokens(1) / t
+        pays = self.solo_rate > rate
         return pays, (f"one request: {'alone' if pays else 'stays batched'} ({self.solo_rate:.0f} tok/s alone vs "
-                      f"{1 / t:.0f} tok/s as a batch of one)")
+                      f"{rate:.0f} tok/s as a batch of one)")
 
     def as_dict(self) -> dict:
         return {"batch_step_ms": {str(n): round(t * 1e3, 3) for n, t in sorted(self.batch_step.items())},
+                "batch_step_tokens": {str(n): round(t, 2) for n, t in sorted(self.batch_tokens.items())},
                 "solo_tokens_per_second": None if self.solo_rate is None else round(self.solo_rate, 1)}
 
 
@@ -145,7 +160,8 @@ class Scheduler:
 
     def __init__(self, pipe: Pipeline, prefixes: Optional[PrefixCache], note: Callable[[str], None],
                  max_queue: int = 32, decode_concurrency: int = DECODE_CONCURRENCY,
-                 prompt_concurrency: int = PROMPT_CONCURRENCY, prefill_step_size: int = 2048):
+                 prompt_concurrency: int = PROMPT_CONCURRENCY, prefill_step_size: int = 2048,
+                 batch_speculation: bool = True):
         self.pipe, self.prefixes, self.note = pipe, prefixes, note
         self.engine = pipe.engine  # its doors only: on_target, with_target
         self.max_queue, self.decode_concurrency = max_queue, decode_concurrency
@@ -160,7 +176,10 @@ class Scheduler:
         self.waiting: deque = deque()  # admitted, not yet decoding (scheduler thread only)
         self.solo: Optional[Job] = None
         self.batch: dict[int, Job] = {}  # uid → job
-        self._gen: Any = None  # the BatchGenerator, made on the target's thread
+        self._gen: Any = None  # the SpecBatch or BatchGenerator, made on the target's thread
+        self.speculation: Optional[bool] = batch_speculation if not batch_speculation else None  # None: not yet known
+        self.speculation_why = "" if batch_speculation else "off (--batch-speculation off)"
+        self.spec_counts: dict = {}  # the last SpecBatch's counts, kept when it closes
         self._closed = False
         self._seconds = 1.0  # running mean of a request's time, for Retry-After
         self._thread = threading.Thread(target=self._run, name="serve-scheduler", daemon=True)
@@ -194,9 +213,11 @@ class Scheduler:
         self._thread.join(60)
 
     def health(self) -> dict:
+        spec = self._gen.health() if isinstance(self._gen, SpecBatch) else self.spec_counts
         return {"regime": self.regime, "active": (self.solo is not None) + len(self.batch),
                 "scheduler": dict(self.counts, decode_concurrency=self.decode_concurrency,
-                                  prompt_concurrency=self.prompt_concurrency, costs=self.costs.as_dict())}
+                                  prompt_concurrency=self.prompt_concurrency, costs=self.costs.as_dict(),
+                                  batch_speculation=dict(spec, on=self.speculation, why=self.speculation_why))}
 
     # --- the scheduler thread
 
@@ -370,6 +391,12 @@ class Scheduler:
     def _generator(self) -> Any:
         from mlx_lm.generate import BatchGenerator
 
+        if self.speculation is None:  # (once: whether this model's caches let each row drop its own tokens)
+            self.speculation, why = supports(self.pipe.model)
+            self.speculation_why = "on" if self.speculation else f"off: {why} (the batch decodes without it)"
+            self.note(f"scheduler: speculation in the batch {self.speculation_why}")
+        if self._gen is None and self.speculation:
+            self._gen = SpecBatch(self.pipe.model, self.prompt_concurrency, self.prefill_step_size)
         if self._gen is None:
             self._gen = BatchGenerator(self.pipe.model, completion_batch_size=self.decode_concurrency,
                                        prefill_batch_size=self.prompt_concurrency,
@@ -395,10 +422,13 @@ class Scheduler:
         left = job.max_tokens - len(job.generated)
 
         def insert() -> int:
-            [uid] = self._generator().insert([committed[held:]], max_tokens=[left],
+            if isinstance(self._generator(), SpecBatch):
+                uid = self._gen.insert(committed, held, cache, opts, left)
+            else:
+                [uid] = self._gen.insert([committed[held:]], max_tokens=[left],
                                              caches=[cache] if cache is not None else None,
-                                             all_tokens=[committed[:held]], samplers=[sampler],
-                                             logits_processors=[processors], stop_sequences=[stops])
+                                         all_tokens=[committed[:held]], samplers=[sampler],
+                                         logits_processors=[processors], stop_sequences=[stops])
             if self.prefixes is not None:
                 self.prefixes.give_way(self._gen.prompt_cache_nbytes)
             return uid
@@ -417,26 +447,34 @@ class Scheduler:
         return n
 
     def _step_batch(self) -> None:
-        rows = len(self._gen._generation_batch) if self._gen is not None else 0
+        gen = self._gen
+        rows = len(gen) if isinstance(gen, SpecBatch) else len(gen._generation_batch) if gen is not None else 0
 
-        def step() -> tuple[list, list, float]:
+        def step() -> tuple[bool, list[Out], float]:
             t = time.perf_counter()
-            prompts, gens = self._gen.next()
-            return prompts, [(g.uid, g.token, g.logprobs, g.finish_reason, g.prompt_cache, g.all_tokens)
-                             for g in gens], time.perf_counter() - t
+            if isinstance(gen, SpecBatch):
+                prefilled, outs = gen.next()
+            else:
+                prompts, gens = gen.next()
+                prefilled, outs = bool(prompts), [Out(g.uid, [g.token], [False], [g.logprobs], g.finish_reason,
+                                                      g.prompt_cache, g.all_tokens) for g in gens]
+            return prefilled, outs, time.perf_counter() - t
 
-        prompts, gens, seconds = self.engine.on_target(step)
-        if gens and not prompts and rows == len(gens):
-            self.costs.note_batch(rows, seconds)
-        if gens:
+        prefilled, outs, seconds = self.engine.on_target(step)
+        if outs and not prefilled and rows == len(outs):
+            self.costs.note_batch(rows, seconds, sum(len(o.tokens) for o in outs))
+        if outs:
             self.counts["batch_steps"] += 1
-        for uid, token, row, finish, cache, tokens in gens:
+        for out in outs:
+            uid, finish, cache, tokens = out.uid, out.finish, out.cache, out.all_tokens
             job = self.batch.get(uid)
             if job is None:
                 continue
-            job.batched_tokens += 1
-            stop = token if finish == "stop" else None
-            self._emit(job, [token], [False], [row], stop)
+            job.batched_tokens += len(out.tokens)
+            job.batch_steps += 1
+            job.batch_accepted += sum(out.drafted)
+            stop = out.tokens[-1] if finish == "stop" else None
+            self._emit(job, out.tokens, out.drafted, out.logprobs, stop)
             if finish is not None:
                 del self.batch[uid]
                 if self.prefixes is not None and self.prefixes.lru is not None and cache is not None:
@@ -446,6 +484,8 @@ class Scheduler:
     def _close_batch(self) -> None:
         if self._gen is not None:
             gen, self._gen = self._gen, None
+            if isinstance(gen, SpecBatch):
+                self.spec_counts = gen.health()
             try:
                 self.engine.on_target(gen.close)
             except Exception:  # noqa: BLE001 - the engine is closing anyway

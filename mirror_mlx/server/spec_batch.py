@@ -1,0 +1,283 @@
+"""Speculation inside the server's batch: each row proposes its own window (the prompt lookup over its own
+context), the target verifies every row in one forward over the batch's caches, and each row keeps exactly its
+own accepted tokens plus the target's token after them. No row is cut back to another row's acceptance.
+
+The windows are right-padded to the widest: a causal forward never lets a row's real positions see its padding.
+After the verify each row's cache drops its own rejected positions: the fewest any row rejected are trimmed off
+the shared end, the rest of each row's are rolled into its left padding (mlx-lm's BatchKVCache
+`prepare(right_padding=)` + `finalize()`, the step mlx-lm itself takes after a right-padded prefill). So each
+row's cache holds exactly its committed tokens but the pending one, as the engine's does (docs/design.md §6),
+and each row's tokens are the target's own: argmax, or its sampler's draw keyed by (seed, position), matched
+against the window (the sample-and-match rule of §6).
+
+The width is chosen each step (`choose_width`) for the most committed tokens per second over all rows: the
+verify's measured seconds by (rows, width) (`VerifyCost`) against each row's expected accepted tokens (its
+lookup's acceptance so far). Width 1 is a plain batched decode step. A model whose caches are not all plain
+KVCaches (recurrent state) batches through mlx-lm's BatchGenerator instead, without speculation (`supports`).
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import greedy_sampler
+
+from ..lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
+from ..model_parts import trimmable_cache
+from ..options import DecodeOptions
+from ..sampling import row_sampler, sample_rows, samplers
+from ..target import accept
+
+GAMMA = 8  # the longest window a row proposes (the lookup alone's, tune.policy.LOOKUP_GAMMA)
+COMPACT = 64  # left padding every row shares beyond this is cut off (rows that accepted less grow it)
+
+
+def supports(model: Any) -> tuple[bool, str]:
+    """Whether the batch can speculate with this model (every layer a plain KVCache, whose rows can drop their
+    own rejected positions), and why not."""
+    kinds = {type(c).__name__ for c in trimmable_cache(model) if type(c) is not KVCache}
+    if kinds:
+        return False, f"its {', '.join(sorted(kinds))} layers cannot drop a row's own rejected tokens in a batch"
+    return True, ""
+
+
+def choose_width(survivals: Sequence[Sequence[float]], seconds: Callable[[int], float], widest: int) -> int:
+    """The verify width w (1 + the longest window) with the most expected committed tokens per second over all
+    rows: at width w row i commits 1 + sum(survival_i[:w - 1]) on average (P(its first j tokens are right));
+    a wider step must beat a plain one (w = 1) by MARGIN, as a lone lookup window must (lookup.best_length)."""
+    best, rate = 1, MARGIN * len(survivals) / seconds(1)
+    for w in range(2, widest + 1):
+        r = sum(1 + sum(s[: w - 1]) for s in survivals) / seconds(w)
+        if r > rate:
+            best, rate = w, r
+    return best
+
+
+class VerifyCost:
+    """Seconds per batched step by (rows, width): the running mean where measured; else a line through the
+    measured sizes in the tokens they run (rows × width), a fixed part and a part per token; with one size
+    measured, ROW_COST of it per token past the first (the lookup's prior)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, int], float] = {}
+        self.times: dict[tuple[int, int], int] = {}
+
+    def note(self, rows: int, width: int, seconds: float) -> None:
+        """A step's seconds; a size's first one is replaced by its second (a new shape's first run allocates)."""
+        key = (rows, width)
+        n = self.times[key] = self.times.get(key, 0) + 1
+        self.seen[key] = seconds if n <= 2 else 0.8 * self.seen[key] + 0.2 * seconds
+
+    def seconds(self, rows: int, width: int) -> float:
+        if (rows, width) in self.seen:
+            return self.seen[(rows, width)]
+        points = [(r * w, t) for (r, w), t in self.seen.items()]
+        n = rows * width
+        if len({x for x, _ in points}) >= 2:
+            mx_, mt = sum(x for x, _ in points) / len(points), sum(t for _, t in points) / len(points)
+            slope = sum((x - mx_) * (t - mt) for x, t in points) / sum((x - mx_) ** 2 for x, _ in points)
+            slope = max(slope, 0.0)
+            return max(mt + slope * (n - mx_), 1e-6)
+        if points:
+            x, t = points[0]
+            return t * (1 + ROW_COST * (n - 1)) / (1 + ROW_COST * (x - 1))
+        return 1 + ROW_COST * (n - 1)
+
+    def as_dict(self) -> dict:
+        return {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(self.seen.items())}
+
+
+@dataclass
+class Row:
+    """One request in the batch: its committed tokens (the cache holds all but the last, the pending token)."""
+
+    uid: int
+    tokens: list[int]
+    left: int  # tokens it may still commit
+    sample: Callable  # sampling.row_sampler: position-keyed draws
+    processors: list
+    greedy: bool  # mlx-lm's greedy sampler, no processors: the batch's argmax decides
+    stops: frozenset
+    lookup: Lookup
+    cache: Optional[list] = None  # until it joins: its own cache of tokens[:held]
+    held: int = 0
+
+
+@dataclass
+class Out:
+    """What one row committed in a step; with `finish`, its cache and the tokens it holds (for the prefix cache)."""
+
+    uid: int
+    tokens: list[int]
+    drafted: list[bool]  # each token was a window's (accepted), else the target's own at the correction
+    logprobs: list
+    finish: Optional[str] = None
+    cache: Optional[list] = None
+    all_tokens: Optional[list[int]] = None
+
+
+class SpecBatch:
+    """The server's batch with speculation: rows join (prefilled together, as mlx-lm's BatchGenerator prefills)
+    and leave between steps; each step verifies every row's window in one forward. Call on the target's thread."""
+
+    def __init__(self, model: Any, prompt_concurrency: int = 8, prefill_step_size: int = 2048,
+                 gamma: int = GAMMA):
+        self.model, self.prompt_concurrency, self.prefill_step_size, self.gamma = \
+            model, prompt_concurrency, prefill_step_size, gamma
+        self.rows: list[Row] = []
+        self.joining: list[Row] = []
+        self.cache: list = []
+        self.cost = VerifyCost()
+        self.counts = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "proposed": 0, "accepted": 0,
+                       "committed": 0}
+        self.widths: dict[int, int] = {}
+        self._uid = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def insert(self, tokens: list[int], held: int, cache: Optional[list], opts: DecodeOptions, left: int) -> int:
+        """A request joins at the next step: `tokens` committed so far, `cache` holding tokens[:held] (or None)."""
+        base, processors = samplers(opts)
+        lookup = Lookup(tokens, opts.ngram_max, opts.ngram_min or NGRAM_MIN, row_cost=0)
+        row = Row(self._uid, list(tokens), left, row_sampler(base, opts.seed), processors,
+                  base is greedy_sampler and not processors, frozenset(opts.stop_tokens), lookup,
+                  cache if cache is not None else trimmable_cache(self.model), held if cache is not None else 0)
+        self._uid += 1
+        self.joining.append(row)
+        return row.uid
+
+    def next(self) -> tuple[bool, list[Out]]:
+        """One step: rows waiting to join are prefilled (up to prompt_concurrency together), then every row
+        verifies its window. (Whether a prompt was prefilled, what each row committed.)"""
+        prefilled = self._join()
+        return prefilled, (self._step() if self.rows else [])
+
+    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict:
+        """Rows leave; with return_prompt_caches, uid → (its cache, the tokens it holds), as BatchGenerator's."""
+        out = {}
+        for row in [r for r in self.joining if r.uid in uids]:
+            self.joining.remove(row)
+            out[row.uid] = (row.cache, row.tokens[: row.held])
+        gone = [i for i, r in enumerate(self.rows) if r.uid in uids]
+        if return_prompt_caches:
+            for i in gone:
+                out[self.rows[i].uid] = ([c.extract(i) for c in self.cache], self.rows[i].tokens[:-1])
+        if gone:
+            self._keep([i for i in range(len(self.rows)) if i not in gone])
+        return out if return_prompt_caches else {}
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for r in self.joining for c in r.cache)
+
+    def close(self) -> None:
+        self.rows, self.joining, self.cache = [], [], []
+
+    def health(self) -> dict:
+        c = self.counts
+        return dict(c, accepted_per_row_step=round(c["accepted"] / c["row_steps"], 3) if c["row_steps"] else 0.0,
+                    widths={str(w): n for w, n in sorted(self.widths.items())}, step_ms=self.cost.as_dict())
+
+    # --- a step
+
+    def _join(self) -> bool:
+        if not self.joining:
+            return False
+        from mlx_lm.generate import PromptProcessingBatch
+
+        group, self.joining = self.joining[: self.prompt_concurrency], self.joining[self.prompt_concurrency:]
+        batch = PromptProcessingBatch(self.model, [r.uid for r in group], [r.cache for r in group],
+                                      [r.tokens[: r.held] for r in group], prefill_step_size=self.prefill_step_size)
+        rest = [r.tokens[r.held : -1] for r in group]
+        if any(rest):
+            batch.prompt(rest)  # right-padded, then rolled into left padding (mlx-lm's own prefill)
+        for r in group:
+            r.cache = None
+        if self.rows:
+            for mine, theirs in zip(self.cache, batch.prompt_cache):
+                mine.extend(theirs)
+        else:
+            self.cache = batch.prompt_cache
+        self.rows += group
+        return any(rest)
+
+    def _step(self) -> list[Out]:
+        rows = self.rows
+        offers = [r.lookup.offer(min(self.gamma, r.left - 1)) if r.left > 1 else ([], []) for r in rows]
+        widest = 1 + max(len(p) for p, _ in offers)
+        width = choose_width([s for _, s in offers], lambda w: self.cost.seconds(len(rows), w), widest)
+        windows = [p[: width - 1] for p, _ in offers]
+        width = 1 + max(len(w) for w in windows)
+        x = mx.array([[r.tokens[-1]] + w + [0] * (width - 1 - len(w)) for r, w in zip(rows, windows)])
+        t = time.perf_counter()
+        logits = self.model(x, cache=self.cache)
+        chosen = self._choose(rows, windows, logits)
+        self.cost.note(len(rows), width, time.perf_counter() - t)
+        outs, drops = [], []
+        for r, w, (ys, lp) in zip(rows, windows, chosen):
+            a = accept(w, ys)
+            new = w[:a] + [ys[a]]
+            stop = next((k for k, y in enumerate(new) if y in r.stops), None)
+            new = new[: r.left if stop is None else min(r.left, stop + 1)]
+            finish = "stop" if new[-1] in r.stops else "length" if len(new) >= r.left else None
+            r.tokens += new
+            r.left -= len(new)
+            r.lookup.extend(new)
+            drops.append(width - len(new))
+            outs.append(Out(r.uid, new, [j < a for j in range(len(new))], [lp[j] for j in range(len(new))], finish))
+            self.counts["proposed"] += len(w)
+            self.counts["accepted"] += min(a, len(new))
+            self.counts["committed"] += len(new)
+        self._drop(drops)
+        self.counts["steps"] += 1
+        self.counts["row_steps"] += len(rows)
+        self.counts["speculative_steps"] += width > 1
+        self.widths[width] = self.widths.get(width, 0) + 1
+        done = [i for i, o in enumerate(outs) if o.finish is not None]
+        for i in done:
+            outs[i].cache, outs[i].all_tokens = [c.extract(i) for c in self.cache], rows[i].tokens[:-1]
+        if done:
+            self._keep([i for i in range(len(rows)) if i not in done])
+        return outs
+
+    def _choose(self, rows: list[Row], windows: list[list[int]], logits: mx.array) -> list[tuple[list[int], Any]]:
+        """Each row's token at each of its positions and their log-probabilities, as mlx-lm's loop would choose
+        them: greedy rows by the batch's argmax of the log-probabilities, the others by their own sampler and
+        processors (sampling.sample_rows: row j sees the row's tokens + window[:j], its draw keyed by position)."""
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked: list = []
+        for i, (r, w) in enumerate(zip(rows, windows)):
+            if r.greedy:
+                picked.append((None, logprobs[i, : len(w) + 1]))
+            else:
+                picked.append(sample_rows(logits[i, : len(w) + 1], r.tokens, w, r.sample, r.processors))
+        if any(r.greedy for r in rows):
+            top = mx.argmax(logprobs, axis=-1).tolist()
+            picked = [(top[i][: len(w) + 1] if ys is None else ys, lp)
+                      for i, ((ys, lp), w) in enumerate(zip(picked, windows))]
+        return picked
+
+    def _drop(self, drops: list[int]) -> None:
+        """Row i's cache drops its last drops[i] positions: the fewest any row drops come off the shared end, the
+        rest of each row's are rolled into its left padding; left padding every row shares is cut off."""
+        least = min(drops)
+        rest = [d - least for d in drops]
+        for c in self.cache:
+            if least:
+                c.trim(least)
+            if any(rest):
+                c.prepare(right_padding=rest)
+                c.finalize()
+        if any(rest) and min(self.cache[0].left_padding.tolist()) > COMPACT:
+            self._keep(list(range(len(self.rows))))  # (mlx-lm's filter shifts the shared padding off)
+
+    def _keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = []
+            return
+        for c in self.cache:
+            c.filter(keep)
