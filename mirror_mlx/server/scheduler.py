@@ -64,6 +64,8 @@ class Job:
     t0: float = field(default_factory=time.perf_counter)
     t_decode: Optional[float] = None  # when it began decoding (alone or batched)
     told: int = 0  # the scheduler logged that batching `told` requests did not pay
+    admitted_step: int = 0  # batched steps run before it was admitted
+    first_token_steps: Optional[int] = None  # batched steps from its admission to its first token
 
     @property
     def ids(self) -> list[int]:
@@ -83,7 +85,7 @@ class Job:
         """What the reply's x_mirror says: the last run alone's stats (if any) and the regimes."""
         out = dict((self.stats or Stats(mode="batch")).as_dict(), generation_tokens=len(self.generated),
                    regimes=list(self.regimes), batched_tokens=self.batched_tokens, batch_steps=self.batch_steps,
-                   batch_accepted=self.batch_accepted)
+                   batch_accepted=self.batch_accepted, steps_to_first_token=self.first_token_steps)
         if self.batched_tokens and self.t_decode is not None:  # its own rate over both regimes
             out["tokens_per_second"] = len(self.generated) / max(1e-9, time.perf_counter() - self.t_decode)
         return out
@@ -203,6 +205,7 @@ class Scheduler:
                 retry = max(1, int(self._seconds * (queued + 1) / max(1, len(self.batch) or 1) + 0.999))
                 raise APIError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {retry} s",
                                kind="rate_limit_error", code="queue_full", retry_after=retry)
+            job.admitted_step = self.counts["batch_steps"]
             self._inbox.append(job)
             self._cond.notify_all()
 
@@ -523,6 +526,8 @@ class Scheduler:
         """Committed tokens as a Chunk for the handler, in the request's own detokenizer: `said` is the
         pipeline's (texts, text, finish) when it detokenized them (alone), else (the batch) they are here."""
         job.generated += ids
+        if job.first_token_steps is None:
+            job.first_token_steps = self.counts["batch_steps"] - job.admitted_step
         if job.logprobs:
             mx.eval(rows)  # (made on this thread: the handler's thread cannot evaluate this thread's graph)
         else:
