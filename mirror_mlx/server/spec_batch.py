@@ -189,20 +189,24 @@ class SpecBatch:
         from mlx_lm.generate import PromptProcessingBatch
 
         group, self.joining = self.joining[: self.prompt_concurrency], self.joining[self.prompt_concurrency:]
-        batch = PromptProcessingBatch(self.model, [r.uid for r in group], [r.cache for r in group],
-                                      [r.tokens[: r.held] for r in group], prefill_step_size=self.prefill_step_size)
-        rest = [r.tokens[r.held : -1] for r in group]
-        if any(rest):
-            batch.prompt(rest)  # right-padded, then rolled into left padding (mlx-lm's own prefill)
-        for r in group:
-            r.cache = None
-        if self.rows:
-            for mine, theirs in zip(self.cache, batch.prompt_cache):
-                mine.extend(theirs)
-        else:
-            self.cache = batch.prompt_cache
-        self.rows += group
-        return any(rest)
+        ready = [r for r in group if r.held == len(r.tokens) - 1]  # (a request that decoded alone: nothing to run)
+        prefilled = [r for r in group if r.held < len(r.tokens) - 1]
+        for part in (ready, prefilled):
+            if not part:
+                continue
+            batch = PromptProcessingBatch(self.model, [r.uid for r in part], [r.cache for r in part],
+                                          [r.tokens[: r.held] for r in part], prefill_step_size=self.prefill_step_size)
+            if part is prefilled:  # right-padded, then rolled into left padding (mlx-lm's own prefill)
+                batch.prompt([r.tokens[r.held : -1] for r in part])
+            for r in part:
+                r.cache = None
+            if self.rows:
+                for mine, theirs in zip(self.cache, batch.prompt_cache):
+                    mine.extend(theirs)
+            else:
+                self.cache = batch.prompt_cache
+            self.rows += part
+        return bool(prefilled)
 
     def _step(self) -> list[Out]:
         rows = self.rows
