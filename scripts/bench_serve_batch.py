@@ -120,31 +120,50 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--servers", nargs="+", default=["spec", "plain", "mlx_lm"])
     ap.add_argument("--mixes", nargs="+", default=["copy", "nocopy"])
+    ap.add_argument("--repeats", type=int, default=1, help="each run this many times, the servers' order reversed")
     ap.add_argument("--pin", action="store_true", help="the Mac analog: each server on core 0")
     ap.add_argument("--out", default=None, help="a JSON file for every number")
     args = ap.parse_args()
     if args.pin:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # (one core: one BLAS thread)
-    results = []
+    servers = {}  # all started first, then the runs interleaved: the machine's load moves between runs
     for kind in args.servers:
-        log = Path(f"/tmp/bench_serve_{kind}.log")
-        proc, url = start(kind, args.model, args.pin, log)
         try:
-            model = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
-            run(url, model, prompts("nocopy", 1), 8)  # warm
+            servers[kind] = start(kind, args.model, args.pin, Path(f"/tmp/bench_serve_{kind}.log"))
+        except RuntimeError as e:  # (mlx_lm.server may not run here: said, and the others still run)
+            print(e, flush=True)
+    results = []
+    try:
+        models = {}
+        for kind, (_, url) in servers.items():
+            try:
+                models[kind] = json.loads(urllib.request.urlopen(url + "/v1/models").read())["data"][0]["id"]
+            except ValueError:  # (mlx_lm.server answers the loaded model as "default_model")
+                models[kind] = "default_model"
+            run(url, models[kind], prompts("nocopy", 1), 8)  # warm
+        for rep in range(args.repeats):
             for mix in args.mixes:
                 for n in args.clients:
-                    r = dict(run(url, model, prompts(mix, n), args.tokens), server=kind, mix=mix, clients=n)
-                    results.append(r)
-                    print(f"{kind:7s} {mix:7s} {n} clients: {r['tok_s']:6.1f} tok/s  p50 {r['p50']:6.2f} s  "
-                          f"p95 {r['p95']:6.2f} s  ttft p95 {r['ttft_p95']:5.2f} s  accepted/row-step "
-                          f"{r['accepted_per_row_step']}", flush=True)
-        finally:
+                    order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
+                    for kind in order:
+                        url = servers[kind][1]
+                        r = dict(run(url, models[kind], prompts(mix, n), args.tokens), server=kind, mix=mix, clients=n,
+                                 repeat=rep, load=os.getloadavg()[0])
+                        results.append(r)
+                        if args.out:
+                            Path(args.out).write_text(json.dumps(results, indent=1))
+                        print(f"{kind:7s} {mix:7s} {n} clients: {r['tok_s']:6.1f} tok/s  p50 {r['p50']:6.2f} s  "
+                              f"p95 {r['p95']:6.2f} s  ttft p95 {r['ttft_p95']:5.2f} s  accepted/row-step "
+                              f"{r['accepted_per_row_step']}  load {r['load']:.1f}", flush=True)
+        for kind, (_, url) in servers.items():
+            print(kind, json.dumps(health(url).get("scheduler", {})), flush=True)
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(60)
     same = {}
     for r in results:  # greedy: our server with and without speculation in the batch answer the same texts
-        same.setdefault((r["mix"], r["clients"]), {})[r["server"]] = r["texts"]
+        same.setdefault((r["mix"], r["clients"], r["repeat"]), {})[r["server"]] = r["texts"]
     for key, by in same.items():
         if "spec" in by and "plain" in by and by["spec"] != by["plain"]:
             print(f"texts differ between spec and plain at {key}", flush=True)

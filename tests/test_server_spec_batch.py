@@ -157,3 +157,58 @@ def test_recurrent_layers_batch_without_speculation_and_say_why():
     assert supports(tiny_model("llama_tied")) == (True, "")
     ok, why = supports(tiny_model("mamba2"))
     assert not ok and "cannot drop a row's own rejected tokens" in why, why
+
+
+def test_with_batch_speculation_off_the_batch_decodes_one_token_a_row(tmp_path, greedy):
+    log = tmp_path / "server.log"
+    with running(log, *SPECULATE, "--batch-speculation", "off") as (proc, url):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        a, a0 = stream_first(client, PROMPTS[0], 200)
+        r = client.completions.create(model="stories260K", prompt=PROMPTS[1], max_tokens=30)
+        assert r.model_extra["x_mirror"]["regimes"] == ["batch"] and r.model_extra["x_mirror"]["batch_accepted"] == 0
+        spec = health(url)["scheduler"]["batch_speculation"]
+        assert spec == {"on": False, "why": "off (--batch-speculation off)"}, spec
+        assert [r.choices[0].text, rest(a, [a0])[0]] == [greedy(PROMPTS[1], 30), greedy(PROMPTS[0], 200)]
+        assert stop_server(proc) == 0
+
+
+@pytest.mark.parametrize("squeeze", [False, True])
+def test_holes_masked_or_squeezed_out_and_caches_taken_out_keep_each_row_exact(monkeypatch, squeeze):
+    """Rows that accept different counts leave holes in the batch cache: masked (never squeezed out here), or
+    squeezed out at every step that left some. Either way rows joining and leaving get mlx-lm's greedy tokens
+    alone, and a finished row's cache taken out of the batch holds exactly its tokens (the next token from it is
+    the one a fresh forward gives)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import greedy_sampler
+
+    import mirror_mlx.server.spec_batch as spec_batch
+
+    monkeypatch.setattr(spec_batch, "COMPACT", 1)
+    monkeypatch.setattr(spec_batch.HoleKVCache, "waste", lambda self: 2 if squeeze else 0)
+    squeezed = []
+    monkeypatch.setattr(spec_batch.HoleKVCache, "compact",
+                        lambda self, real=spec_batch.HoleKVCache.compact: squeezed.append(1) or real(self))
+    model, tokenizer = mlx_load(str(TARGET))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    lengths = [60, 45, 50, 20]
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, sampler=greedy_sampler)]
+            for p, n in zip(prompts, lengths)]
+    batch = SpecBatch(model)
+    got: dict = {}
+    uids = {batch.insert(p, 0, None, DecodeOptions(max_tokens=n), n): i
+            for i, (p, n) in enumerate(zip(prompts[:2], lengths[:2]))}
+    step = 0
+    while batch.rows or batch.joining or len(uids) < 4:
+        if step in (3, 7):  # joining mid-batch
+            i = len(uids)
+            uids[batch.insert(prompts[i], 0, None, DecodeOptions(max_tokens=lengths[i]), lengths[i])] = i
+        for out in batch.next()[1]:
+            got.setdefault(uids[out.uid], []).extend(out.tokens)
+            if out.finish:
+                held = out.all_tokens + out.tokens[-1:]
+                assert all(c.offset == len(out.all_tokens) for c in out.cache)
+                assert (model(mx.array([held[-1:]]), cache=out.cache)[0, -1].argmax().item()
+                        == model(mx.array([held]))[0, -1].argmax().item())
+        step += 1
+    assert [got[i] for i in range(4)] == want
+    assert batch._holed and bool(squeezed) == squeeze, (batch._holed, len(squeezed), batch.counts)

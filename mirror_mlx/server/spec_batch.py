@@ -4,11 +4,11 @@ own accepted tokens plus the target's token after them. No row is cut back to an
 
 The windows are right-padded to the widest: a causal forward never lets a row's real positions see its padding.
 After the verify each row's cache drops its own rejected positions: the fewest any row rejected are trimmed off
-the shared end, the rest of each row's are rolled into its left padding (mlx-lm's BatchKVCache
-`prepare(right_padding=)` + `finalize()`, the step mlx-lm itself takes after a right-padded prefill). So each
-row's cache holds exactly its committed tokens but the pending one, as the engine's does (docs/design.md §6),
-and each row's tokens are the target's own: argmax, or its sampler's draw keyed by (seed, position), matched
-against the window (the sample-and-match rule of §6).
+the shared end, the rest of each row's become holes its mask hides (`HoleKVCache`, mlx-lm's BatchKVCache with
+a per-row mask of dropped positions; its RoPE offset drops by as many). So each row attends to exactly its
+committed tokens but the pending one, as the engine's cache holds them (docs/design.md §6), and each row's
+tokens are the target's own: argmax, or its sampler's draw keyed by (seed, position), matched against the
+window (the sample-and-match rule of §6).
 
 The width is chosen each step (`choose_width`) for the most committed tokens per second over all rows: the
 verify's measured seconds by (rows, width) (`VerifyCost`) against each row's expected accepted tokens (its
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
@@ -31,7 +32,7 @@ from ..sampling import row_sampler, sample_rows, samplers
 from ..target import accept
 
 GAMMA = 8  # the longest window a row proposes (the lookup alone's, tune.policy.LOOKUP_GAMMA)
-COMPACT = 64  # left padding every row shares beyond this is cut off (rows that accepted less grow it)
+COMPACT = 64  # holes and padding beyond this many positions a row are squeezed out (rows that accepted less add them)
 
 
 def supports(model: Any) -> tuple[bool, str]:
@@ -89,6 +90,97 @@ class VerifyCost:
         return {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(self.seen.items())}
 
 
+class HoleKVCache(BatchKVCache):
+    """mlx-lm's BatchKVCache whose rows can drop positions inside it: `drop` hides each row's last r_i positions
+    from every later query (its mask) and lowers the row's RoPE offset by r_i, so its next token is numbered
+    right after its kept ones. Moving a row's keys to drop them instead (mlx-lm's right-padding roll) costs a
+    copy of the whole batch cache every step; a hole costs nothing until `compact` squeezes them out. `keep`
+    (rows × positions, True where kept) covers the positions the cache held at the last drop; later ones are
+    kept. Built from mlx-lm's own cache (`adopt`), so its prefill, merge and extend are mlx-lm's."""
+
+    keep: Optional[mx.array] = None
+
+    @classmethod
+    def adopt(cls, cache: BatchKVCache) -> "HoleKVCache":
+        c = cls([])
+        c.state = cache.state
+        return c
+
+    def _kept(self, n: int) -> mx.array:
+        """The keep mask over the first n positions (those past `keep` are kept)."""
+        rows = self.offset.shape[0]
+        if self.keep is None:
+            return mx.ones((rows, n), dtype=mx.bool_)
+        k = self.keep[:, :n]
+        return k if k.shape[1] == n else mx.concatenate([k, mx.ones((rows, n - k.shape[1]), dtype=mx.bool_)], 1)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        mask = super().make_mask(N, return_array=True, **kwargs)
+        return mask if self.keep is None else mask & self._kept(self.size() + N)[:, None, None, :]
+
+    def drop(self, rest: list[int]) -> None:
+        """Row i's last rest[i] positions are hidden from now on; its offset drops by as many."""
+        n = self.size()
+        cols = mx.arange(n)[None, :]
+        self.keep = self._kept(n) & (cols < (n - mx.array(rest))[:, None])
+        self.offset = self.offset - mx.array(rest)
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self.keep is not None:
+            self.keep = self.keep[:, : self.size()]
+        return n
+
+    def filter(self, batch_indices) -> None:
+        shift = min(self.left_padding[mx.array(batch_indices)].tolist())
+        super().filter(batch_indices)
+        if self.keep is not None:
+            self.keep = self.keep[mx.array(batch_indices)][:, shift:]
+
+    def extend(self, other: BatchKVCache) -> None:
+        mine, theirs = self.size(), other.size()
+        if self.keep is not None:
+            rows = other.offset.shape[0]
+            width = max(mine, theirs)
+            kept = mx.pad(self._kept(mine), [(0, 0), (width - mine, 0)], constant_values=True)
+            self.keep = mx.concatenate([kept, mx.ones((rows, width), dtype=mx.bool_)])
+        super().extend(other)
+
+    def extract(self, idx: int) -> KVCache:
+        """Row idx's kept positions as a plain KVCache (holes and padding left out)."""
+        cache = super().extract(idx)
+        if self.keep is not None:
+            pad = self.left_padding[idx].item()
+            at = mx.array(np.flatnonzero(np.array(self._kept(self.size())[idx, pad:])))
+            cache.keys, cache.values = mx.contiguous(cache.keys[:, :, at]), mx.contiguous(cache.values[:, :, at])
+            cache.offset = cache.keys.shape[2]
+        return cache
+
+    def waste(self) -> int:
+        """Positions every row leaves unused (padding and holes): what `compact` would save."""
+        n = self.size()
+        if self.keep is None:
+            return min(self.left_padding.tolist())
+        used = (self._kept(n) & (mx.arange(n)[None, :] >= self.left_padding[:, None])).sum(axis=1)
+        return n - max(used.tolist())
+
+    def compact(self) -> None:
+        """Each row's kept positions moved to the end, in order; the rest becomes left padding (a gather of the
+        whole cache: done only when the waste is worth it)."""
+        n = self.size()
+        kept = self._kept(n) & (mx.arange(n)[None, :] >= self.left_padding[:, None])
+        counts = kept.sum(axis=1)
+        width = max(counts.tolist())
+        # (position order within a row, kept ones last: a stable sort on "kept")
+        order = mx.argsort(kept.astype(mx.int32) * (n + 1) + mx.arange(n)[None, :], axis=1)[:, n - width :]
+        idx = order[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys[..., :n, :], idx, axis=2)
+        self.values = mx.take_along_axis(self.values[..., :n, :], idx, axis=2)
+        self.left_padding = width - counts
+        self.state = (self.keys, self.values, self.offset, self.left_padding, width)
+        self.keep = None
+
+
 @dataclass
 class Row:
     """One request in the batch: its committed tokens (the cache holds all but the last, the pending token)."""
@@ -134,6 +226,7 @@ class SpecBatch:
                        "committed": 0}
         self.widths: dict[int, int] = {}
         self._uid = 0
+        self._holed = 0  # steps that left holes
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -204,7 +297,7 @@ class SpecBatch:
                 for mine, theirs in zip(self.cache, batch.prompt_cache):
                     mine.extend(theirs)
             else:
-                self.cache = batch.prompt_cache
+                self.cache = [HoleKVCache.adopt(c) for c in batch.prompt_cache]
             self.rows += part
         return bool(prefilled)
 
@@ -266,17 +359,20 @@ class SpecBatch:
 
     def _drop(self, drops: list[int]) -> None:
         """Row i's cache drops its last drops[i] positions: the fewest any row drops come off the shared end, the
-        rest of each row's are rolled into its left padding; left padding every row shares is cut off."""
+        rest of each row's become holes; every COMPACT steps that dropped some, the holes are squeezed out if
+        they waste more than COMPACT positions a row."""
         least = min(drops)
         rest = [d - least for d in drops]
         for c in self.cache:
             if least:
                 c.trim(least)
             if any(rest):
-                c.prepare(right_padding=rest)
-                c.finalize()
-        if any(rest) and min(self.cache[0].left_padding.tolist()) > COMPACT:
-            self._keep(list(range(len(self.rows))))  # (mlx-lm's filter shifts the shared padding off)
+                c.drop(rest)
+        if any(rest):
+            self._holed += 1
+            if self._holed % COMPACT == 0 and self.cache[0].waste() > COMPACT:
+                for c in self.cache:
+                    c.compact()
 
     def _keep(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
