@@ -153,10 +153,12 @@ def test_the_width_is_the_one_with_the_most_tokens_per_second():
     assert cost.seconds(4, 5) == pytest.approx(0.04)
 
 
-def test_recurrent_layers_batch_without_speculation_and_say_why():
+def test_recurrent_or_sliding_window_layers_batch_without_speculation_and_say_why():
     assert supports(tiny_model("llama_tied")) == (True, "")
     ok, why = supports(tiny_model("mamba2"))
     assert not ok and "cannot drop a row's own rejected tokens" in why, why
+    ok, why = supports(tiny_model("gemma3_text"))
+    assert not ok and "sliding-window layers" in why, why
 
 
 def test_with_batch_speculation_off_the_batch_decodes_one_token_a_row(tmp_path, greedy):

@@ -13,7 +13,8 @@ window (the sample-and-match rule of §6).
 The width is chosen each step (`choose_width`) for the most committed tokens per second over all rows: the
 verify's measured seconds by (rows, width) (`VerifyCost`) against each row's expected accepted tokens (its
 lookup's acceptance so far). Width 1 is a plain batched decode step. A model whose caches are not all plain
-KVCaches (recurrent state) batches through mlx-lm's BatchGenerator instead, without speculation (`supports`).
+KVCaches (recurrent state) or that has sliding-window layers batches through mlx-lm's BatchGenerator instead,
+without speculation (`supports`).
 """
 
 import time
@@ -22,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
@@ -37,10 +38,12 @@ COMPACT = 64  # holes and padding beyond this many positions a row are squeezed 
 
 def supports(model: Any) -> tuple[bool, str]:
     """Whether the batch can speculate with this model (every layer a plain KVCache, whose rows can drop their
-    own rejected positions), and why not."""
+    own rejected positions as masked holes; no sliding window), and why not."""
     kinds = {type(c).__name__ for c in trimmable_cache(model) if type(c) is not KVCache}
     if kinds:
         return False, f"its {', '.join(sorted(kinds))} layers cannot drop a row's own rejected tokens in a batch"
+    if any(isinstance(c, RotatingKVCache) for c in make_prompt_cache(model)):
+        return False, "its sliding-window layers count their window in cache positions, which holes would shift"
     return True, ""
 
 
