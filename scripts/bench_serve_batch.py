@@ -113,6 +113,31 @@ def run(url: str, model: str, texts: list[str], tokens: int) -> dict:
             "accepted_per_row_step": accepted / steps if steps else None, "texts": [o["text"] for o in out]}
 
 
+def table(results: list[dict]) -> str:
+    """The markdown table BENCHMARKS.md shows: per client count and mix, each server's numbers (the median over
+    repeats) and our speculating batch's ratio to each other server's tokens/s."""
+    cell: dict = {}
+    for r in results:
+        cell.setdefault((r["clients"], r["mix"], r["server"]), []).append(r)
+    kinds = list(dict.fromkeys(r["server"] for r in results))
+    out = ["| clients | mix | server | tok/s | p50 s | p95 s | TTFT p95 s | accepted / row-step | spec × this |",
+           "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    for n, mix in dict.fromkeys((r["clients"], r["mix"]) for r in results):
+        for kind in kinds:
+            rs = cell.get((n, mix, kind))
+            if not rs:
+                continue
+            acc = [r["accepted_per_row_step"] for r in rs if r["accepted_per_row_step"] is not None]
+            spec = cell.get((n, mix, "spec"))
+            ratio = f"{med(spec, 'tok_s') / med(rs, 'tok_s'):.2f}" if spec and kind != "spec" else ""
+            out.append(f"| {n} | {mix} | {kind} | {med(rs, 'tok_s'):.1f} | {med(rs, 'p50'):.1f} | {med(rs, 'p95'):.1f} | "
+                       f"{med(rs, 'ttft_p95'):.1f} | {statistics.median(acc):.2f} | {ratio} |" if acc else
+                       f"| {n} | {mix} | {kind} | {med(rs, 'tok_s'):.1f} | {med(rs, 'p50'):.1f} | {med(rs, 'p95'):.1f} | "
+                       f"{med(rs, 'ttft_p95'):.1f} | | {ratio} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="build/real-pair/target")
@@ -123,7 +148,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="each run this many times, the servers' order reversed")
     ap.add_argument("--pin", action="store_true", help="the Mac analog: each server on core 0")
     ap.add_argument("--out", default=None, help="a JSON file for every number")
+    ap.add_argument("--table", default=None, help="print the markdown table of a JSON file written by --out, and stop")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
     if args.pin:
         os.environ["OPENBLAS_NUM_THREADS"] = "1"  # (one core: one BLAS thread)
     servers = {}  # all started first, then the runs interleaved: the machine's load moves between runs
@@ -142,8 +171,8 @@ def main() -> None:
                 models[kind] = "default_model"
             run(url, models[kind], prompts("nocopy", 1), 8)  # warm
         for rep in range(args.repeats):
-            for mix in args.mixes:
-                for n in args.clients:
+            for n in args.clients:  # (in the order given: the sizes that matter most first)
+                for mix in args.mixes:
                     order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
                     for kind in order:
                         url = servers[kind][1]
@@ -169,6 +198,7 @@ def main() -> None:
             print(f"texts differ between spec and plain at {key}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    print(table(results))
 
 
 if __name__ == "__main__":
