@@ -153,7 +153,7 @@ class Costs:
 
     def as_dict(self) -> dict:
         return {"batch_step_ms": {str(n): round(t * 1e3, 3) for n, t in sorted(self.batch_step.items())},
-                "batch_step_tokens": {str(n): round(t, 2) for n, t in sorted(self.batch_tokens.items())},
+                "batch_step_tokens": {str(n): round(t, 2) for n, t in sorted(dict(self.batch_tokens).items())},
                 "solo_tokens_per_second": None if self.solo_rate is None else round(self.solo_rate, 1)}
 
 

@@ -90,7 +90,7 @@ class VerifyCost:
         return 1 + ROW_COST * (n - 1)
 
     def as_dict(self) -> dict:
-        return {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(self.seen.items())}
+        return {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(dict(self.seen).items())}
 
 
 class HoleKVCache(BatchKVCache):
@@ -273,9 +273,10 @@ class SpecBatch:
         self.rows, self.joining, self.cache = [], [], []
 
     def health(self) -> dict:
-        c = self.counts
+        """Its counts for /health (read from a handler's thread: each dict copied at once, under the GIL)."""
+        c = dict(self.counts)
         return dict(c, accepted_per_row_step=round(c["accepted"] / c["row_steps"], 3) if c["row_steps"] else 0.0,
-                    widths={str(w): n for w, n in sorted(self.widths.items())}, step_ms=self.cost.as_dict())
+                    widths={str(w): n for w, n in sorted(dict(self.widths).items())}, step_ms=self.cost.as_dict())
 
     # --- a step
 
