@@ -3,8 +3,8 @@
 # `setup.sh --which-python` only says which Python it would use (exit 1 when none fits).
 # The package needs Python >= 3.10; a stock Mac's python3 is 3.9, so the first suitable one of
 # $PYTHON (if set, and then only it), python3, python3.13 .. python3.10 on PATH, uv's, or Homebrew's is used.
-# On Linux as root, also install Debian's OpenBLAS: MLX's CPU wheel links the slow reference
-# BLAS, and mirror_mlx preloads OpenBLAS when it is present (float32 matmuls ~30x faster).
+# On Linux as root, also install Debian's BLIS and OpenBLAS: MLX's CPU wheel links the slow reference
+# BLAS, and mirror_mlx preloads the faster of them for the machine (mirror_mlx/blas.py, docs/cpu.md).
 set -euo pipefail
 
 MIN_MINOR=10
@@ -94,11 +94,12 @@ if [ -x "$VENV/bin/python" ]; then
 else
   PY=$(choose_python)
 fi
+ARCH_DIR=/usr/lib/$(uname -m)-linux-gnu
 if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null \
-   && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
-  echo "setup: installing libopenblas0-pthread (apt)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) \
-    || echo "setup: could not install OpenBLAS; MLX will use its slow reference BLAS"
+   && { [ ! -e "$ARCH_DIR/blis-openmp/libblis.so.4" ] || [ ! -e "$ARCH_DIR/openblas-pthread/libopenblas.so.0" ]; }; then
+  echo "setup: installing libblis4-openmp and libopenblas0-pthread (apt)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libblis4-openmp libopenblas0-pthread) \
+    || echo "setup: could not install BLIS and OpenBLAS; MLX will use a slower BLAS (mirror-mlx doctor says which)"
 fi
 [ -z "$PY" ] || "$PY" -m venv "$VENV"
 
