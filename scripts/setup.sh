@@ -4,7 +4,8 @@
 # The package needs Python >= 3.10; a stock Mac's python3 is 3.9, so the first suitable one of
 # $PYTHON (if set, and then only it), python3, python3.13 .. python3.10 on PATH, uv's, or Homebrew's is used.
 # On Linux as root, also install Debian's OpenBLAS: MLX's CPU wheel links the slow reference
-# BLAS, and mirror_mlx preloads OpenBLAS when it is present (float32 matmuls ~30x faster).
+# BLAS, and mirror_mlx preloads OpenBLAS when it is present (float32 matmuls ~30x faster). With the test
+# extras, also Debian's chromium and chromium-driver: the chat page's tests drive a real browser.
 set -euo pipefail
 
 MIN_MINOR=10
@@ -94,11 +95,21 @@ if [ -x "$VENV/bin/python" ]; then
 else
   PY=$(choose_python)
 fi
-if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null \
-   && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
-  echo "setup: installing libopenblas0-pthread (apt)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) \
-    || echo "setup: could not install OpenBLAS; MLX will use its slow reference BLAS"
+if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+  UPDATED=""
+  apt_install() {  # PACKAGE... (one `apt-get update` for all)
+    { [ -n "$UPDATED" ] || apt-get update -qq; } && UPDATED=1 \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  }
+  if [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
+    echo "setup: installing libopenblas0-pthread (apt)"
+    apt_install libopenblas0-pthread || echo "setup: could not install OpenBLAS; MLX will use its slow reference BLAS"
+  fi
+  if [ "${2:-}" = "test" ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+    echo "setup: installing chromium and chromium-driver (apt), for the chat page's browser tests"
+    apt_install chromium chromium-driver \
+      || echo "setup: could not install chromium and chromium-driver; the chat page's browser tests skip without them (under CI they fail)"
+  fi
 fi
 [ -z "$PY" ] || "$PY" -m venv "$VENV"
 
