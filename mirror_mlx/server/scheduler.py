@@ -28,7 +28,7 @@ from ..chunks import Chunk, Detokenizer
 from ..options import Plan
 from ..pipeline import Pipeline
 from ..sampling import keyed, samplers
-from ..stats import Stats
+from ..stats import Stats, Step
 from ..target import TargetSide
 from ..text import Conversation
 from .prefix_cache import PrefixCache
@@ -310,7 +310,8 @@ class Scheduler:
         job.note(stats.mode)
         self.counts["solo_steps"] += 1
         self._emit(job, chunk.committed, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None),
-                   chunk.committed_logprobs, chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
+                   chunk.committed_logprobs, chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason),
+                   chunk.step)
         if chunk.finish_reason is not None:
             self._finish_solo(job)
 
@@ -419,13 +420,14 @@ class Scheduler:
     def _step_batch(self) -> None:
         rows = len(self._gen._generation_batch) if self._gen is not None else 0
 
-        def step() -> tuple[list, list, float]:
+        def step() -> tuple[list, list, tuple[float, float]]:
             t = time.perf_counter()
             prompts, gens = self._gen.next()
             return prompts, [(g.uid, g.token, g.logprobs, g.finish_reason, g.prompt_cache, g.all_tokens)
-                             for g in gens], time.perf_counter() - t
+                             for g in gens], (t, time.perf_counter())
 
-        prompts, gens, seconds = self.engine.on_target(step)
+        prompts, gens, span = self.engine.on_target(step)
+        seconds = span[1] - span[0]
         if gens and not prompts and rows == len(gens):
             self.costs.note_batch(rows, seconds)
         if gens:
@@ -436,7 +438,8 @@ class Scheduler:
                 continue
             job.batched_tokens += 1
             stop = token if finish == "stop" else None
-            self._emit(job, [token], [False], [row], stop)
+            batched = Stats(mode="batch", steps=1, target_forwards=1, generation_tokens=1, suffix_seconds=seconds)
+            self._emit(job, [token], [False], [row], stop, step=Step([token], [False], stats=batched, span=span))
             if finish is not None:
                 del self.batch[uid]
                 if self.prefixes is not None and self.prefixes.lru is not None and cache is not None:
@@ -479,9 +482,10 @@ class Scheduler:
         return job.detok
 
     def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int],
-              said: Optional[tuple[list[str], str, Optional[str]]] = None) -> None:
+              said: Optional[tuple[list[str], str, Optional[str]]] = None, step: Optional[Step] = None) -> None:
         """Committed tokens as a Chunk for the handler, in the request's own detokenizer: `said` is the
-        pipeline's (texts, text, finish) when it detokenized them (alone), else (the batch) they are here."""
+        pipeline's (texts, text, finish) when it detokenized them (alone), else (the batch) they are here;
+        `step`: the step that committed them (the engine's, or the batch's row)."""
         job.generated += ids
         if job.logprobs:
             mx.eval(rows)  # (made on this thread: the handler's thread cannot evaluate this thread's graph)
@@ -500,7 +504,8 @@ class Scheduler:
         job.events.put(Chunk(text, tokens=[t for t, _, _ in shown], from_draft=[d for _, d, _ in shown],
                              finish_reason=finish, stop_token=stop, prompt_tokens=len(job.ids),
                              generation_tokens=len(job.generated), token_texts=texts,
-                             logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None))
+                             logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None,
+                             step=step))
 
     def _end(self, job: Job, error: Optional[BaseException] = None) -> None:
         if error is None and job.messages is not None:
