@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
-from .blas import preload_openblas
+from .blas import preload as preload_blas
 
 if TYPE_CHECKING:  # the real import is deferred: `import mirror_mlx` stays cheap
     from .pipeline import Pipeline
@@ -13,7 +13,7 @@ __all__ = ["__version__", "generate", "load", "stream_generate"]
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
 
-preload_openblas()  # before anything imports mlx.core
+preload_blas()  # before anything imports mlx.core
 
 from . import model_types  # noqa: E402  (mlx-lm finds our draft types by name; imports nothing heavy)
 

@@ -43,6 +43,7 @@ class Chunk:
     # GenerationResponse.logprobs (the processed distribution the token was chosen from)
     logprobs: list = field(default_factory=list, repr=False)
     stop_logprobs: Any = field(default=None, repr=False)
+    step: Optional[Step] = field(default=None, repr=False)  # the engine's step (its own stats, when it ran), no rows
 
     def __str__(self) -> str:
         return self.text
@@ -96,7 +97,8 @@ class Detokenizer:
                      s.prompt_tokens, s.prompt_tokens / s.prefill_seconds if s.prefill_seconds else 0.0,
                      self.produced, self.produced / s.decode_seconds if s.decode_seconds else 0.0,
                      mx.get_peak_memory() / 1e9, texts, step.from_draft[-1] if step.from_draft else False,
-                     [r for t, r in zip(new, rows) if t != stop], rows[-1] if stop is not None else None)
+                     [r for t, r in zip(new, rows) if t != stop], rows[-1] if stop is not None else None,
+                     replace(step, logprobs=None))
 
 
 def kept(chunk: Chunk) -> Chunk:

@@ -279,3 +279,97 @@ def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[
         if n >= limit_tokens:
             break
     return out
+
+
+# ------------------------------------------------------------------- token ids that outlive a machine
+
+
+def pack_ids(root: Path, out: Path) -> dict:
+    """Every cached reply of `root` as token ids only, in one compact file (uint16 where the vocabulary fits,
+    else int32; prompts stored once per distinct prompt): what a repository keeps so another machine resumes.
+    The teacher's top-K logits are not kept: `restore_ids` recomputes them by batched prefill."""
+    files = sorted(p for p in (Path(root) / "replies").glob("*.npz") if not p.name.endswith(".tmp.npz"))
+    keys, prompts, prompt_of, replies = [], {}, [], []
+    for p in files:
+        with np.load(p) as z:
+            prompt, reply = tuple(int(t) for t in z["prompt"]), z["reply"].astype(np.int64)
+        keys.append(p.stem)
+        prompt_of.append(prompts.setdefault(prompt, len(prompts)))
+        replies.append(reply)
+    flat_prompts = [np.array(p, np.int64) for p in prompts]
+    top = max([int(a.max(initial=0)) for a in flat_prompts + replies] + [0])
+    dtype = np.uint16 if top < 2**16 else np.int32
+
+    def ragged(arrays):
+        offsets = np.cumsum([0] + [len(a) for a in arrays]).astype(np.int64)
+        return (np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)), offsets
+
+    p_ids, p_off = ragged(flat_prompts)
+    r_ids, r_off = ragged(replies)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, keys=np.array(keys), prompt_ids=p_ids, prompt_offsets=p_off,
+                        reply_prompt=np.array(prompt_of, np.int32), reply_ids=r_ids, reply_offsets=r_off)
+    os.replace(tmp, out)
+    return {"replies": len(keys), "prompts": len(prompts), "reply_tokens": int(len(r_ids)), "bytes": out.stat().st_size}
+
+
+def unpack_ids(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(key, prompt ids, reply ids) of each reply in a `pack_ids` file."""
+    with np.load(path) as z:
+        p_ids, p_off, r_ids, r_off = z["prompt_ids"], z["prompt_offsets"], z["reply_ids"], z["reply_offsets"]
+        keys, which = [str(k) for k in z["keys"]], z["reply_prompt"]
+    return [(k, p_ids[p_off[w]:p_off[w + 1]].astype(np.int32), r_ids[r_off[i]:r_off[i + 1]].astype(np.int32))
+            for i, (k, w) in enumerate(zip(keys, which))]
+
+
+def teacher_forced(model: nn.Module, pairs: Sequence[tuple[np.ndarray, np.ndarray]], top_k: int = TOP_K) -> list[Reply]:
+    """The target's top-K ids and logits at every reply position of each (prompt, reply), by one batched,
+    left-padded forward over prompt + reply[:-1] (what `batched_replies` recorded while it decoded)."""
+    seqs = [np.concatenate([p, r[:-1]]) for p, r in pairs]
+    longest = max(len(s) for s in seqs)
+    x = mx.array(np.stack([np.pad(s, (longest - len(s), 0)) for s in seqs]).astype(np.int32))
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = [BatchKVCache([longest - len(s) for s in seqs]) for _ in range(len(model.layers))]
+    logits = model(x, cache=cache)
+    out = []
+    for b, (p, r) in enumerate(pairs):
+        rows = logits[b, longest - len(r):].astype(mx.float32)  # the rows that predict reply[0..R-1]
+        ids = mx.argpartition(-rows, top_k - 1, axis=-1)[:, :top_k]
+        vals = mx.take_along_axis(rows, ids, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        ids, vals = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+        mx.eval(ids, vals)
+        out.append(Reply(p.astype(np.int32), r.astype(np.int32), np.array(ids).astype(np.int32),
+                         np.array(vals).astype(np.float16)))
+    return out
+
+
+def restore_ids(path: Path, root: Path, model: nn.Module, batch_tokens: int = PREFILL_TOKENS,
+                log: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Write each reply of a `pack_ids` file that `root` lacks, its teacher logits recomputed by batched
+    prefill. Returns counts and the prefill rate."""
+    from tqdm import tqdm
+
+    replies = Path(root) / "replies"
+    replies.mkdir(parents=True, exist_ok=True)
+    todo = sorted((e for e in unpack_ids(path) if not (replies / f"{e[0]}.npz").exists()),
+                  key=lambda e: len(e[1]) + len(e[2]))
+    log(f"distill restore: {len(todo)} replies from {path} into {root}")
+    t0, tokens, i = time.time(), 0, 0
+    bar = tqdm(total=len(todo), desc="teacher prefill", unit="reply", disable=not progress)
+    while i < len(todo):
+        n = 1
+        while i + n < len(todo) and (n + 1) * (len(todo[i + n][1]) + len(todo[i + n][2])) <= batch_tokens:
+            n += 1
+        batch = todo[i:i + n]
+        for (key, _, _), r in zip(batch, teacher_forced(model, [(p, r) for _, p, r in batch])):
+            save_reply(replies / f"{key}.npz", r)
+        tokens += sum(len(p) + len(r) for _, p, r in batch)
+        i += n
+        bar.update(n)
+        bar.set_postfix(tok_s=f"{tokens / max(1e-9, time.time() - t0):.0f}")
+    bar.close()
+    seconds = time.time() - t0
+    return {"restored": len(todo), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}

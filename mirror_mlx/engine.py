@@ -400,7 +400,7 @@ class Engine:
                         gen.mode, gen.left = "ar", f"after step {steps}: {why}"
                         stats.left_draft = gen.left
                 now = time.perf_counter()
-                stats.decode_seconds, mark = now - mark, now
+                stats.decode_seconds, step.span, mark = now - mark, (mark, now), now
                 stats.peak_memory_gb = mx.get_peak_memory() / 1e9
                 stepping = False
                 yield step

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .batching import padded_batches
-from .exit_adapter import greedy_rows
+from .train.exit_adapter import greedy_rows
 from .model_parts import text_model
 from .target import EarlyExitTarget, top_k
 

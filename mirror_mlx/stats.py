@@ -144,3 +144,6 @@ class Step:
     stats: Stats = field(default_factory=Stats, repr=False)
     # row i: the target's log-probabilities (its processed distribution, as mlx-lm reports them) at tokens[i]
     logprobs: Optional[Any] = field(default=None, repr=False)
+    # when it ran, on time.perf_counter's clock (the first step's from the prefill's end), as its stats'
+    # per-interval times are: a picture of the steps (timeline.py) places them on one axis
+    span: tuple = (0.0, 0.0)

@@ -3,8 +3,9 @@
 # `setup.sh --which-python` only says which Python it would use (exit 1 when none fits).
 # The package needs Python >= 3.10; a stock Mac's python3 is 3.9, so the first suitable one of
 # $PYTHON (if set, and then only it), python3, python3.13 .. python3.10 on PATH, uv's, or Homebrew's is used.
-# On Linux as root, also install Debian's OpenBLAS: MLX's CPU wheel links the slow reference
-# BLAS, and mirror_mlx preloads OpenBLAS when it is present (float32 matmuls ~30x faster).
+# On Linux as root, also install Debian's BLIS and OpenBLAS: MLX's CPU wheel links the slow reference
+# BLAS, and mirror_mlx preloads the faster of them for the machine (mirror_mlx/blas.py, docs/cpu.md). With
+# the test extras, also Debian's chromium and chromium-driver: the chat page's tests drive a real browser.
 set -euo pipefail
 
 MIN_MINOR=10
@@ -94,11 +95,23 @@ if [ -x "$VENV/bin/python" ]; then
 else
   PY=$(choose_python)
 fi
-if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null \
-   && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ]; then
-  echo "setup: installing libopenblas0-pthread (apt)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) \
-    || echo "setup: could not install OpenBLAS; MLX will use its slow reference BLAS"
+ARCH_DIR=/usr/lib/$(uname -m)-linux-gnu
+if [ "$(uname -s)" = "Linux" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+  UPDATED=""
+  apt_install() {  # PACKAGE... (one `apt-get update` for all)
+    { [ -n "$UPDATED" ] || apt-get update -qq; } && UPDATED=1 \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  }
+  if [ ! -e "$ARCH_DIR/blis-openmp/libblis.so.4" ] || [ ! -e "$ARCH_DIR/openblas-pthread/libopenblas.so.0" ]; then
+    echo "setup: installing libblis4-openmp and libopenblas0-pthread (apt)"
+    apt_install libblis4-openmp libopenblas0-pthread \
+      || echo "setup: could not install BLIS and OpenBLAS; MLX will use a slower BLAS (mirror-mlx doctor says which)"
+  fi
+  if [ "${2:-}" = "test" ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+    echo "setup: installing chromium and chromium-driver (apt), for the chat page's browser tests"
+    apt_install chromium chromium-driver \
+      || echo "setup: could not install chromium and chromium-driver; the chat page's browser tests skip without them (under CI they fail)"
+  fi
 fi
 [ -z "$PY" ] || "$PY" -m venv "$VENV"
 

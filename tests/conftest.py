@@ -1,14 +1,14 @@
 import os
 from pathlib import Path
 
-# One BLAS thread per process, as `make bench` runs (scripts/bench.sh). OpenBLAS (preloaded by
-# mirror_mlx/blas.py) otherwise starts a thread per core, and their spin-waits in the engine process and
-# in each draft host process beside it fight for a 2-core box's cores: on test_engine's twin-draft test
+# One BLAS thread per process, as `make bench` runs (scripts/bench.sh): OPENBLAS_NUM_THREADS is the
+# product's thread knob for whichever BLAS mirror_mlx/blas.py preloads, which otherwise starts a thread
+# per core, and their spin-waits in the engine process and in each draft host process beside it fight for a 2-core box's cores: on test_engine's twin-draft test
 # one thread per process cut the CPU time by a third, most of it system time. The tests check outputs,
 # never speed. (Set before the library loads; subprocesses inherit it.)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import mirror_mlx  # noqa: E402,F401  (preload OpenBLAS before any test imports mlx.core)
+import mirror_mlx  # noqa: E402,F401  (preload the BLAS before any test imports mlx.core)
 from multiprocessing import shared_memory
 
 import pytest

@@ -67,6 +67,32 @@ def test_data_resumes_to_the_same_replies(tmp_path, target):
     assert all((x.top_ids[:, 0] == x.reply).all() for x in greedy)
 
 
+def test_replies_kept_as_ids_restore_with_the_teacher_logits_recomputed(tmp_path, target):
+    """Token ids are what a repository keeps: packed, then restored on another machine by batched prefill, each
+    reply's file holds the same ids and the same teacher top-K (the greedy token first) as the one generated."""
+    model, tok = target
+    distill.generate_data(data_cfg(tmp_path / "made"), progress=False, log=lambda s: None, model=model, tokenizer=tok)
+    packed = distill_data.pack_ids(tmp_path / "made", tmp_path / "ids.npz")
+    made = files(tmp_path / "made")
+    assert packed["replies"] == len(made) and packed["prompts"] == 2 + 4 + 1
+    assert packed["bytes"] < 4 * packed["reply_tokens"] + 4096  # ids only: no logits
+    got = distill_data.restore_ids(tmp_path / "ids.npz", tmp_path / "restored", model, batch_tokens=64,
+                                   log=lambda s: None, progress=False)
+    assert got["restored"] == len(made) and got["tokens_per_s"] > 0
+    restored = files(tmp_path / "restored")
+    assert restored.keys() == made.keys()
+    for name, a in made.items():
+        b = restored[name]
+        assert b["prompt"] == a["prompt"] and b["reply"] == a["reply"]
+        logits = np.array(a["top_logits"])
+        clear = logits[:, 0] > logits[:, 1]  # where no two ids tie for first (in float16)
+        assert (np.array(b["top_ids"])[clear, 0] == np.array(a["top_ids"])[clear, 0]).all()
+        assert np.allclose(np.array(b["top_logits"])[:, :4], logits[:, :4], atol=0.05)
+    again = distill_data.restore_ids(tmp_path / "ids.npz", tmp_path / "restored", model, log=lambda s: None,
+                                     progress=False)
+    assert again["restored"] == 0  # resumable: only what is missing
+
+
 def test_greedy_batch_reply_matches_one_row(target):
     model, tok = target
     prompts = [distill_data.render(tok, t) for t in ("Once upon a time there was", "Hi")]
@@ -155,13 +181,16 @@ def test_loop_generates_then_trains_and_resumes(tmp_path, monkeypatch, target):
     assert latest.resolve() == (tmp_path / "drafts" / "round-000-E2k1V48").resolve() and is_distilled(latest)
 
 
-@pytest.mark.parametrize("verb", ["data", "train", "measure", "loop"])
+@pytest.mark.parametrize("verb", ["data", "train", "measure", "loop", "pack", "restore"])
 def test_a_model_that_is_no_model_folder_is_refused_in_one_sentence(tmp_path, verb):
     from click.testing import CliRunner
 
     from mirror_mlx.cli import main
 
-    out = ["--out", str(tmp_path / "d")] if verb in ("train", "loop") else []
+    out = ["--out", str(tmp_path / "d")] if verb in ("train", "loop", "pack") else []
+    if verb == "restore":
+        (tmp_path / "ids.npz").write_bytes(b"")
+        out = ["--ids", str(tmp_path / "ids.npz")]
     r = CliRunner().invoke(main, ["distill", verb, "--model", str(tmp_path / "none")] + out)
     assert r.exit_code == 2 and "is not an mlx-lm model folder (no config.json)" in r.output
     assert "Traceback" not in r.output

@@ -11,10 +11,9 @@ from mlx_lm import generate as mlx_generate
 
 from mirror_mlx.cli import main
 from mirror_mlx.corpus import CORPUS
-from mirror_mlx.exit_adapter import (
-    ExitAdapter, ExitData, apply_head, fingerprint, fit_adapter, kl, load_adapter, save_adapter, adapter_meta,
-    train_exit_adapter,
-)
+from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, fingerprint, load_adapter, save_adapter
+from mirror_mlx.target import apply_head
+from mirror_mlx.train.exit_adapter import ExitData, fit_adapter, kl, train_exit_adapter
 from mirror_mlx.omega import format_table, measure, omega_sums
 from mirror_mlx.model_parts import text_model, trimmable_cache
 from mirror_mlx.target import EarlyExitTarget

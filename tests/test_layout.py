@@ -2,7 +2,11 @@
 above it (mode auto, benchmarks, the server, the command line, chat)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"mirror_mlx": ROOT / "mirror_mlx", "mirror_mlx.convert": ROOT / "convert",
@@ -101,6 +105,22 @@ def test_the_runtime_never_imports_the_builders_or_the_command_line():
     for m in runtime:
         top = {n for n in g[m]}
         assert not [n for n in top if n.startswith(("mirror_mlx.convert", "mirror_mlx.cli"))], (m, top)
+
+
+TRAINING = ("mlx.optimizers", "tqdm", "mirror_mlx.train", "mirror_mlx.distill", "mirror_mlx.ane_draft.train")
+
+
+@pytest.mark.parametrize("module", ["mirror_mlx.engine", "mirror_mlx.server", "mirror_mlx.pipeline"])
+def test_the_runtime_loads_no_optimizer_trainer_or_progress_bar(module):
+    """What a generation or a server imports, beyond what mlx-lm's own loading and generation import (mlx-lm
+    brings tqdm through huggingface_hub), holds no optimizer, no training module and no progress bar."""
+    code = (f"import sys, mlx_lm.utils, mlx_lm.generate; before = set(sys.modules); import {module}; "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.split()
+    assert module in loaded  # (the check sees what the import brought)
+    assert not [m for m in loaded if m.startswith(TRAINING)], [m for m in loaded if m.startswith(TRAINING)]
 
 
 def test_the_graph_sees_the_imports_it_checks():

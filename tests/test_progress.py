@@ -7,7 +7,8 @@ import tqdm
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
 
-from mirror_mlx import corpus, exit_adapter
+from mirror_mlx import corpus
+from mirror_mlx.train import exit_adapter
 from mirror_mlx.cli import main
 from mirror_mlx.pipeline import load
 from mirror_mlx.tune import calibrate

@@ -170,6 +170,23 @@ def test_chat_stream_with_usage(client, model, ref):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
 
 
+def test_x_timeline_streams_each_step_s_record_and_nothing_else_changes(client, model, ref):
+    """The chat page's step records (`x_timeline`) ride on the chunks; a reply that does not ask has none."""
+    asked = list(client.chat.completions.create(model=model, messages=USER, max_tokens=40, stream=True,
+                                                extra_body={"mode": "mirror", "x_timeline": True}))
+    steps = [s for c in asked for s in c.model_extra.get("x_mirror_steps", [])]
+    assert "".join(c.choices[0].delta.content or "" for c in asked) == ref(PROMPT, 40)
+    assert "".join(t[0] for s in steps for t in s["tokens"]) == ref(PROMPT, 40)
+    assert [s["n"] for s in steps] == list(range(1, len(steps) + 1)) == list(range(1, asked[-1].model_extra[
+        "x_mirror"]["steps"] + 1)) and steps[0]["knobs"].startswith("mirror κ=")
+    assert all(s["t"][0] <= s["suffix"][0] < s["suffix"][1] <= s["t"][1] for s in steps)
+    plain = list(client.chat.completions.create(model=model, messages=USER, max_tokens=40, stream=True,
+                                                extra_body={"mode": "mirror"}))
+    assert not any("x_mirror_steps" in c.model_extra for c in plain)
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, extra_body={"x_timeline": True})
+    assert len(whole.model_extra["x_mirror_steps"]) == whole.model_extra["x_mirror"]["steps"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_equals_pipeline_generate(client, model, ref, stream):
     r = client.completions.create(model=model, prompt="The dog", max_tokens=24, stream=stream)
@@ -286,6 +303,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "exit_layer": 99}, 400, "exit_layer"),
     ("/v1/completions", {"prompt": "x", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": USER, "x_timeline": 1}, 400, "x_timeline"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/embeddings", {"input": "x"}, 404, None),

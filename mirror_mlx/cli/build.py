@@ -7,7 +7,7 @@ import click
 
 from mirror_mlx.ane_draft.train import TrainConfig
 from mirror_mlx.cli import refusing
-from mirror_mlx.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
+from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
 
 
 @click.command("import-llama2c")
@@ -111,7 +111,7 @@ def train_draft_cmd(**kwargs) -> None:
 def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
                    corpus: Path | None, steps: int, tokens: int | None, seed: int) -> None:
     """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
-    from mirror_mlx.exit_adapter import train_and_save
+    from mirror_mlx.train.exit_adapter import train_and_save
 
     r = refusing(ValueError, train_and_save, out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps,
                  seed=seed, tokens=tokens)

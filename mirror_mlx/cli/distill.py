@@ -48,6 +48,37 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
     click.echo(json.dumps(r))
 
 
+@distill_cmd.command("pack")
+@target_option
+@click.option("--data-dir", default=None, help="The reply cache [default: CACHE/distill/<target>].")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The ids file to write (.npz).")
+def pack_cmd(model, data_dir, out) -> None:
+    """Keep the cached replies as token ids only, in one compact file a repository can hold: another machine
+    restores the cache from it (`distill restore`) instead of generating again."""
+    from mirror_mlx.distill import data_root
+    from mirror_mlx.distill_data import pack_ids
+
+    click.echo(json.dumps(pack_ids(data_root(model, data_dir), Path(out))))
+
+
+@distill_cmd.command("restore")
+@target_option
+@click.option("--ids", "ids", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A file `distill pack` wrote.")
+@click.option("--data-dir", default=None, help="The reply cache to fill [default: CACHE/distill/<target>].")
+def restore_cmd(model, ids, data_dir) -> None:
+    """Fill the reply cache from packed token ids: each missing reply's teacher logits are recomputed by
+    batched prefill of the target (resumable, like `distill data`)."""
+    from mlx_lm.utils import load
+
+    from mirror_mlx.distill import data_root
+    from mirror_mlx.distill_data import restore_ids
+
+    target, _ = load(model)
+    click.echo(json.dumps(restore_ids(Path(ids), data_root(model, data_dir), target,
+                                      log=lambda s: click.echo(s, err=True))))
+
+
 @distill_cmd.command("train")
 @target_option
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="The draft folder to write.")

@@ -6,6 +6,8 @@ from pathlib import Path
 import click
 
 from mirror_mlx import text
+from mirror_mlx.chunks import kept, result as whole
+from mirror_mlx.timeline import Steps
 from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, pipeline_option, read_prompt, template_config, usage_error, xtc_options,
                             xtc_sampler)
@@ -114,10 +116,13 @@ def same_model(a, b) -> bool:
 @pipeline_option
 @refused_options("generate")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: tokens, text, stats.")
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None,
+              help="Write this run's steps as one self-contained HTML file: the target's and the draft's work on "
+                   "one time axis, each step's accepted tokens marked in the text.")
 def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
                  ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
-                 quiet, as_json, **decode) -> None:
+                 quiet, as_json, timeline, **decode) -> None:
     """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
 
     mlx_lm.generate's --kv-bits, --image and --quantize-activations are refused, each with its reason
@@ -126,6 +131,8 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
     from mirror_mlx.blas import status
 
     verbose = verbose.lower() not in ("false", "f") and not quiet  # mlx_lm.generate's str2bool
+    if timeline is not None and not Path(timeline).expanduser().resolve().parent.is_dir():
+        raise click.UsageError(f"--timeline {timeline}: its folder does not exist: give a path in an existing folder")
     cache, tokenizer_config = None, None
     if prompt_cache_file is not None:
         cache, model, tokenizer_config = read_prompt_cache(prompt_cache_file, model, decode)
@@ -145,16 +152,23 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
             click.echo("mirror-mlx: no chat template in use: --system-prompt is ignored (as mlx-lm does)", err=True)
         ids = text.cli_prompt(pipe.tokenizer, prompt, system_prompt, use_template, template_kwargs,
                               cached=cache is not None, prefill_response=prefill_response)
-        if as_json:
+        if as_json and timeline is None:
             result = pipe.generate(ids, prompt_cache=cache, **kwargs)
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
             return
-        last, said = None, []
+        last, parts, steps, drawn = None, [], Steps(), []
         for last in pipe.stream(ids, prompt_cache=cache, **kwargs):
-            said.append(last.text)
-            if verbose:
+            parts.append(kept(last))
+            drawn.append(steps.add(last.step, last.tokens, last.token_texts, last.from_draft))
+            if verbose and not as_json:
                 click.echo(last.text, nl=False)
-        click.echo("" if verbose else "".join(said))  # --quiet: as mlx-lm, the whole text at the end
+        done = whole(parts, pipe.stats, last.finish_reason if last is not None else "length")
+        name = Path(pipe.name).name if Path(pipe.name).exists() else pipe.name
+        write_timeline(timeline, drawn, done.text, f"mirror-mlx generate: {name}", pipe.stats.summary())
+        if as_json:
+            click.echo(json.dumps({"tokens": done.tokens, "text": done.text, "stats": done.stats.as_dict()}))
+            return
+        click.echo("" if verbose else done.text)  # --quiet: as mlx-lm, the whole text at the end
     except (ValueError, TypeError) as e:
         raise usage_error(e)
     finally:
@@ -164,6 +178,19 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
                     f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec\n"
                     f"Peak memory: {last.peak_memory:.3f} GB\n" + pipe.stats.summary() + f" | {status()}",
                     dim=True, err=True)
+
+
+def write_timeline(path, records: list, text_: str, title: str, summary: str) -> None:
+    """--timeline's file (mirror_mlx/timeline.py: the run as one HTML file), and one line on stderr saying so."""
+    from mirror_mlx.timeline import html
+
+    if path is None:
+        return
+    try:
+        Path(path).expanduser().write_text(html(records, text_, title, summary), encoding="utf-8")
+    except OSError as e:
+        raise click.UsageError(f"cannot write --timeline {path}: {e.strerror or e}")
+    click.echo(f"mirror-mlx: wrote the timeline of {len(records)} steps to {path}", err=True)
 
 
 @click.command("cache-prompt")

@@ -185,9 +185,9 @@ def main(argv: Sequence[str]) -> None:
     _own_process = True
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
-    from mirror_mlx.blas import preload_openblas
+    from mirror_mlx.blas import preload
 
-    preload_openblas()  # before mlx.core (idempotent), from the module itself: not the package's face
+    preload()  # before mlx.core (idempotent), from the module itself: not the package's face
 
     host(lambda: pickle.loads(base64.b64decode(spec))(), req, rep)
 

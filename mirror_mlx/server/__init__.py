@@ -13,6 +13,8 @@ Across conversations, `PrefixCache` keeps the target's caches of recent requests
 LRUPromptCache). As in mlx_lm.server: tools go to the chat template and tool calls are parsed with the
 tokenizer's own tool parser (`ToolText`); `logprobs` are the target's (Step.logprobs); browser pages
 from other origins than the allowed ones (`--allowed-origins`, by default this machine's) get 403.
+At `/`, a chat page of the package's own files (page.py) draws each reply's steps, which a request asks
+for with `x_timeline` (mirror_mlx/timeline.py).
 """
 
 from .http import Server, serve, origin_allowed

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
                       parse_request)
+from . import page
 from .prefix_cache import PrefixCache
 from .reply import Generation, Reply, ToolText
 from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
@@ -234,6 +235,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, {"status": "stopping" if s.stopping.is_set() else "ok", "model": s.model_id,
                                  "waiting": s.scheduler.queued, **s.counts, **s.scheduler.health(),
                                  "prefix_cache": s.prefixes.health(), **s.across})
+        elif path in page.FILES:
+            self.send_page(path)
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [model]})
         elif path.startswith("/v1/models/"):
@@ -244,7 +247,23 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_api_error(APIError(404, f"model {name!r} is not served here: GET /v1/models lists "
                                                   f"{self.server.model_id!r}", "model", "model_not_found"))
         else:
-            self.send_api_error(APIError(404, f"no route GET {path}: try /v1/models or /health", code="not_found"))
+            self.send_api_error(APIError(404, f"no route GET {path}: try / (the chat page), /v1/models or /health",
+                                         code="not_found"))
+
+    def send_page(self, path: str) -> None:
+        """A file of the chat page (page.py), or 403 where the page would not be allowed to use the API."""
+        h = self.headers
+        why = page.refusal(h.get("Host"), h.get("Sec-Fetch-Site"), h.get("Sec-Fetch-Dest"),
+                           lambda origin: origin_allowed(origin, self.server.allowed_origins))
+        if why is not None:
+            self.send_api_error(APIError(403, why, code="origin_not_allowed", kind="permission_error"))
+            return
+        data, kind = page.read(path)
+        self.send_head(200, {"Content-Type": kind, "Content-Length": str(len(data)), **page.HEADERS})
+        try:
+            self.wfile.write(data)
+        except OSError as e:
+            raise ClientGone(repr(e)) from None
 
     def do_POST(self) -> None:
         s = self.server
@@ -292,7 +311,8 @@ class Handler(BaseHTTPRequestHandler):
             for piece in gen:
                 piece, made = tools.feed(piece)
                 if req.stream and (piece or made):
-                    self.send_event(reply.chunk(reply.delta(piece, made), logprobs=gen.take_logprobs()))
+                    self.send_event(dict(reply.chunk(reply.delta(piece, made), logprobs=gen.take_logprobs()),
+                                         **gen.take_steps()))
                 else:
                     text.append(piece)
                     calls += made
@@ -328,7 +348,8 @@ class Handler(BaseHTTPRequestHandler):
             s.note(f"prefix cache: the target started from a stored cache of {restored} prompt tokens "
                    "(the draft re-syncs from its own cache)")
         finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
-        extra = {"usage": gen.usage(), "x_mirror": dict(gen.job.x_stats(), prefix_cache_tokens=restored)}
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.job.x_stats(), prefix_cache_tokens=restored),
+                 **gen.take_steps()}
         try:
             if not req.stream:
                 self.send_json(200, reply.whole("".join(text), finish, extra, calls, gen.take_logprobs()))
@@ -336,7 +357,7 @@ class Handler(BaseHTTPRequestHandler):
             rest = "".join(text)
             final = reply.chunk(reply.delta(rest, calls) if rest or calls else
                                 ({} if req.messages is not None else ""), finish, gen.take_logprobs())
-            final["x_mirror"] = extra["x_mirror"]
+            final.update({k: v for k, v in extra.items() if k != "usage"})
             self.send_event(final)
             if req.include_usage:
                 self.send_event(dict(reply.chunk(None), choices=[], usage=extra["usage"]))
@@ -402,12 +423,13 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
     previous = {sig: signal.signal(sig, stop) for sig in signals}  # SIGHUP: the terminal closed
     host_, port_ = server.server_address[:2]
     across, scheduler = server.across, server.scheduler
+    page_host = "localhost" if host_ in ("0.0.0.0", "") else host_  # (the page's origin must be one allowed)
     if across:
         server.note(f"across {across['ranks']} ranks: batching {across['batching']}; prefix cache "
                     f"{across['prefix_cache_across_requests']}")
     server.note(f"serving {server.model_id} (mode {defaults.get('mode', 'mirror')}) on http://{host_}:{port_}/v1 "
                 f"(queue {scheduler.max_queue}, decode concurrency {scheduler.decode_concurrency}, prompt concurrency "
-                f"{scheduler.prompt_concurrency}); Ctrl-C stops")
+                f"{scheduler.prompt_concurrency}); the chat page at http://{page_host}:{port_}/; Ctrl-C stops")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .. import text, validate
 from ..pipeline import Pipeline
+from ..timeline import Steps
 from .request import APIError, Request
 from .scheduler import Job
 
@@ -114,6 +115,8 @@ class Generation:
     finish_reason: Optional[str] = None
     job: Optional[Job] = None
     scored: list = field(default_factory=list)  # scored tokens (`score`), not yet answered
+    steps: Steps = field(default_factory=Steps)  # x_timeline: the reply's step records so far
+    drawn: list = field(default_factory=list)  # of them, those not yet answered
 
     def start(self) -> Job:
         """Tokenize and check (ValueError → 400) before anything is sent; the job to submit."""
@@ -168,6 +171,8 @@ class Generation:
                 # so no vocabulary-sized row is kept per token
                 self.scored += [score(self.pipe.tokenizer, t, r, self.req.top_logprobs)
                                 for t, r in zip(chunk.committed, chunk.committed_logprobs)]
+            if self.req.timeline and chunk.step is not None:
+                self.drawn.append(self.steps.add(chunk.step, chunk.tokens, chunk.token_texts, chunk.from_draft))
             self.completion_tokens = chunk.generation_tokens
             text, hit = stop.feed(chunk.text)
             yield text
@@ -189,6 +194,13 @@ class Generation:
             return None
         out, self.scored = self.scored, []
         return out
+
+    def take_steps(self) -> dict:
+        """{"x_mirror_steps": the step records not yet answered} when the request asked for them (x_timeline)."""
+        if not self.req.timeline:
+            return {}
+        out, self.drawn = self.drawn, []
+        return {"x_mirror_steps": out}
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

@@ -15,7 +15,7 @@ OPTIONS = ("temperature", "top_p", "min_p", "top_k", "repetition_penalty", "seed
            "branches", "mode", "lookup", "ngram_max", "ngram_min")  # the request's decode fields: DecodeOptions'
 # what a request may hold; a field outside these gets a 400 naming it (nothing is ignored in silence)
 COMMON = ("model", "stream", "stream_options", "n", "stop", "max_tokens", "max_completion_tokens", "logprobs",
-          "top_logprobs", "user") + OPTIONS
+          "top_logprobs", "user", "x_timeline") + OPTIONS
 FIELDS = {"/v1/chat/completions": COMMON + ("messages", "tools", "tool_choice", "parallel_tool_calls",
                                             "chat_template_kwargs"),
           "/v1/completions": COMMON + ("prompt",)}
@@ -51,6 +51,7 @@ class Request:
     template_kwargs: dict = field(default_factory=dict)  # chat: the request's chat_template_kwargs
     logprobs: bool = False  # answer each token's log-probability under the target
     top_logprobs: int = 0  # and this many of the likeliest tokens at each position
+    timeline: bool = False  # x_timeline: each step's record (timeline.py) in the reply's `x_mirror_steps`
     options: dict = field(default_factory=dict)  # Pipeline.stream / chat_stream keyword arguments
 
 
@@ -226,6 +227,8 @@ def _reply_shape(req: Request, body: dict, endpoint: str) -> None:
     parallel = body.get("parallel_tool_calls")
     _check(parallel in (None, True), "parallel_tool_calls", "true (a reply may hold several calls)", parallel)
     req.logprobs, req.top_logprobs = _logprobs(body, endpoint)
+    req.timeline = body.get("x_timeline", False)
+    _check(isinstance(req.timeline, bool), "x_timeline", "true or false", req.timeline)
     if body.get("max_completion_tokens") is not None:  # (checked with the options, named as sent)
         req.max_tokens, req.max_tokens_field = body["max_completion_tokens"], "max_completion_tokens"
     else:

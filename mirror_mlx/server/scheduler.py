@@ -28,7 +28,7 @@ from ..chunks import Chunk, Detokenizer
 from ..options import Plan
 from ..pipeline import Pipeline
 from ..sampling import keyed, samplers
-from ..stats import Stats
+from ..stats import Stats, Step
 from ..target import TargetSide
 from ..text import Conversation
 from .prefix_cache import PrefixCache
@@ -334,7 +334,8 @@ class Scheduler:
         job.note(stats.mode)
         self.counts["solo_steps"] += 1
         self._emit(job, chunk.committed, chunk.from_draft + [chunk.stop_from_draft] * (chunk.stop_token is not None),
-                   chunk.committed_logprobs, chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason))
+                   chunk.committed_logprobs, chunk.stop_token, (chunk.token_texts, chunk.text, chunk.finish_reason),
+                   chunk.step)
         if chunk.finish_reason is not None:
             self._finish_solo(job)
 
@@ -453,7 +454,7 @@ class Scheduler:
         gen = self._gen
         rows = len(gen) if isinstance(gen, SpecBatch) else len(gen._generation_batch) if gen is not None else 0
 
-        def step() -> tuple[bool, list[Out], float]:
+        def step() -> tuple[bool, list[Out], tuple[float, float]]:
             t = time.perf_counter()
             if isinstance(gen, SpecBatch):
                 prefilled, outs = gen.next()
@@ -461,9 +462,10 @@ class Scheduler:
                 prompts, gens = gen.next()
                 prefilled, outs = bool(prompts), [Out(g.uid, [g.token], [False], [g.logprobs], g.finish_reason,
                                                       g.prompt_cache, g.all_tokens) for g in gens]
-            return prefilled, outs, time.perf_counter() - t
+            return prefilled, outs, (t, time.perf_counter())
 
-        prefilled, outs, seconds = self.engine.on_target(step)
+        prefilled, outs, span = self.engine.on_target(step)
+        seconds = span[1] - span[0]
         if outs and not prefilled and rows == len(outs):
             self.costs.note_batch(rows, seconds, sum(len(o.tokens) for o in outs))
         if outs:
@@ -477,7 +479,10 @@ class Scheduler:
             job.batch_steps += 1
             job.batch_accepted += sum(out.drafted)
             stop = out.tokens[-1] if finish == "stop" else None
-            self._emit(job, out.tokens, out.drafted, out.logprobs, stop)
+            batched = Stats(mode="batch", steps=1, target_forwards=1, generation_tokens=len(out.tokens),
+                            accepted=sum(out.drafted), suffix_seconds=seconds)
+            self._emit(job, out.tokens, out.drafted, out.logprobs, stop,
+                       step=Step(out.tokens, out.drafted, stats=batched, span=span))
             if finish is not None:
                 del self.batch[uid]
                 if self.prefixes is not None and self.prefixes.lru is not None and cache is not None:
@@ -522,9 +527,10 @@ class Scheduler:
         return job.detok
 
     def _emit(self, job: Job, ids: list[int], from_draft: list[bool], rows: list, stop: Optional[int],
-              said: Optional[tuple[list[str], str, Optional[str]]] = None) -> None:
+              said: Optional[tuple[list[str], str, Optional[str]]] = None, step: Optional[Step] = None) -> None:
         """Committed tokens as a Chunk for the handler, in the request's own detokenizer: `said` is the
-        pipeline's (texts, text, finish) when it detokenized them (alone), else (the batch) they are here."""
+        pipeline's (texts, text, finish) when it detokenized them (alone), else (the batch) they are here;
+        `step`: the step that committed them (the engine's, or the batch's row)."""
         job.generated += ids
         if job.first_token_steps is None:
             job.first_token_steps = self.counts["batch_steps"] - job.admitted_step
@@ -545,7 +551,8 @@ class Scheduler:
         job.events.put(Chunk(text, tokens=[t for t, _, _ in shown], from_draft=[d for _, d, _ in shown],
                              finish_reason=finish, stop_token=stop, prompt_tokens=len(job.ids),
                              generation_tokens=len(job.generated), token_texts=texts,
-                             logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None))
+                             logprobs=[r for _, _, r in shown], stop_logprobs=rows[-1] if stop is not None else None,
+                             step=step))
 
     def _end(self, job: Job, error: Optional[BaseException] = None) -> None:
         if error is None and job.messages is not None:
