@@ -22,26 +22,12 @@ from mirror_mlx.server.spec_batch import SpecBatch, VerifyCost, choose_width, su
 from tests.models import tiny_model
 from tests.test_sampling_whole import KNOBS, PROMPT, SHAPE, V, conditional_test, processed_probs, rows_in_step
 from tests.test_server import health, running, stop_server
-from tests.test_server_batch import SPECULATE, rest, stream_first, wait_for
+from tests.test_server_batch import SPECULATE, client, rest, server, stream_first, wait_for  # noqa: F401 (fixtures)
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
 PROMPTS = [STORY * 3 + "Once upon a time", "The dog barked. " * 4 + "The dog", STORY + "One day,",
            "Tom and Lily went to the park. Tom and Lily"]
 LENGTHS = [120, 60, 90, 40]  # different lengths: rows leave the batch at different steps
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve-spec-batch") / "server.log"
-    with running(log, *SPECULATE) as (proc, url):
-        yield url, log
-        assert stop_server(proc) == 0, log.read_text()[-3000:]
-        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0], api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
