@@ -38,8 +38,10 @@ LIBRARIES = {
                     ("bli_thread_set_num_threads",), ("bli_thread_get_num_threads",), "BLIS_NUM_THREADS"),
     "openblas": Library("openblas", "OpenBLAS", "libopenblas0-pthread",
                         "/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0",
-                        ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"),
-                        ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"),
+                        ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                         "openblas_set_num_threads"),
+                        ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                         "openblas_get_num_threads"),
                         "OPENBLAS_NUM_THREADS"),
 }
 PREFERENCE = {"x86_64": ("openblas", "blis"), "aarch64": ("openblas", "blis")}
@@ -129,7 +131,8 @@ def _version(lib: Library, handle: ctypes.CDLL) -> str:
         if lib.key == "blis":
             handle.bli_info_get_version_str.restype = ctypes.c_char_p
             handle.bli_arch_string.restype = ctypes.c_char_p
-            return f"{handle.bli_info_get_version_str().decode()} ({handle.bli_arch_string(handle.bli_arch_query_id()).decode()})"
+            arch = handle.bli_arch_string(handle.bli_arch_query_id()).decode()
+            return f"{handle.bli_info_get_version_str().decode()} ({arch})"
         handle.openblas_get_config.restype = ctypes.c_char_p
         handle.openblas_get_corename.restype = ctypes.c_char_p
         config = handle.openblas_get_config().decode().split()

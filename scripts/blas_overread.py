@@ -45,7 +45,8 @@ def main() -> None:
             c, pc = guarded(m * n, who == "c", keep)
             print(f"m={m} n={n} k={k} B {'transposed' if trans_b == 112 else 'as is'}", flush=True)
             lib.cblas_sgemm(101, 111, trans_b, m, n, k, ctypes.c_float(1.0), ctypes.c_void_p(pa), k,
-                            ctypes.c_void_p(pb), k if trans_b == 112 else n, ctypes.c_float(0.0), ctypes.c_void_p(pc), n)
+                            ctypes.c_void_p(pb), k if trans_b == 112 else n, ctypes.c_float(0.0),
+                            ctypes.c_void_p(pc), n)
             want = a.reshape(m, k) @ (b.reshape(n, k).T if trans_b == 112 else b.reshape(k, n))
             assert np.allclose(c.reshape(m, n), want, atol=1e-3), "wrong product"
     print(f"no read past {who}'s end")
