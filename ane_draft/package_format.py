@@ -90,7 +90,8 @@ def read_metadata(package: Path) -> dict[str, str]:
 
     package = Path(package)
     if not package.exists():
-        raise ConvertError(f"{package} does not exist (build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
+        raise ConvertError(f"{package} does not exist "
+                           f"(build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
     try:
         spec = ct.utils.load_spec(str(package))
     except Exception as e:  # noqa: BLE001  (protobuf/IO errors of many kinds)

@@ -40,7 +40,8 @@ def check_writable(out: Path) -> None:
                    "of each prompt above (every function and row of it, and a rollback).")
 @click.option("--context", default=512, show_default=True, type=int,
               help="Committed tokens the draft's KV cache holds (prompt + generated).")
-@click.option("--kappa", default=PAPER_KNOBS["kappa"], show_default=True, type=int, help="Early-exit candidates per row (κ).")
+@click.option("--kappa", default=PAPER_KNOBS["kappa"], show_default=True, type=int,
+              help="Early-exit candidates per row (κ).")
 @click.option("--gamma", default=PAPER_KNOBS["gamma"], show_default=True, type=int, help="Window length (γ).")
 @click.option("--chunk", default=16, show_default=True, type=int, help="Tokens per extend call.")
 @click.option("--quantize", type=click.Choice(QUANTIZE), default="none", show_default=True,

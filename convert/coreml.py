@@ -203,7 +203,8 @@ def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> D
     """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
     inner = getattr(model, "language_model", model).model
     args = model.args
-    if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in getattr(args, "layer_types", []) or []):
+    layer_types = getattr(args, "layer_types", []) or []
+    if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in layer_types):
         raise ConvertError("sliding-window attention layers are not supported in the Core ML draft")
     attn0 = inner.layers[0].self_attn
     heads, kv_heads = attn0.n_heads, attn0.n_kv_heads

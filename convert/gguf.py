@@ -173,7 +173,8 @@ def mlx_config(meta: dict, tensors: list[Tensor], path: Path) -> dict:
 
 def hf_name(name: str, path: Path) -> str:
     m = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.weight", name)
-    if m is None or m.group(2) not in NAMES or (m.group(1) is None) != (m.group(2) in ("token_embd", "output_norm", "output")):
+    if m is None or m.group(2) not in NAMES or \
+            (m.group(1) is None) != (m.group(2) in ("token_embd", "output_norm", "output")):
         raise GGUFError(f"{path} holds tensor {name}, which a plain llama does not have "
                         "(biases, RoPE factors or another architecture's layers): " + FIX)
     layer, base = m.groups()
@@ -215,7 +216,8 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{path}: pre-tokenizer '{pre}' is not one this import rebuilds "
                         f"({', '.join(PRE_TOKENIZERS)}): " + FIX)
-    tokens, merges, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"]
+    tokens, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"]
+    types = meta["tokenizer.ggml.token_type"]
     pairs = [tuple(m.split(" ")) for m in merges]
     if any(len(p) != 2 for p in pairs):
         raise GGUFError(f"{path}: a merge is not two tokens separated by one space: the file is corrupt")

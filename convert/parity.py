@@ -122,7 +122,8 @@ class Parity:
         return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows}{of} rollout rows "
                 f"({self.calls} rollout calls{cut}); max |dlogit| {self.max_abs:.4f} "
                 f"(tolerance {self.tolerance:.3f} = {TOLERANCE[self.quantize][0]:.0%} of logit range "
-                f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); greedy {self.greedy - self.mismatches - self.near_ties}"
+                f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); "
+                f"greedy {self.greedy - self.mismatches - self.near_ties}"
                 f"/{self.greedy} identical, {self.near_ties} near-ties, {self.mismatches} mismatches")
 
     def add_extend(self, got: dict[int, np.ndarray], ref: np.ndarray) -> None:
@@ -312,7 +313,8 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     try:  # before the float32 cast: the runner's load peaks next to the draft's bf16 weights, not float32
         runner = runner if runner is not None else MilRunner(package)
     except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); it is corrupt: rebuild it") from None
+        raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); "
+                           "it is corrupt: rebuild it") from None
     model = float32_reference(model)
     budget = budget or Budget.default(dense_parameters(model))
     draft_pkg = PackageDraft(runner, meta, trace=True)

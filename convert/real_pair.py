@@ -80,7 +80,8 @@ def first_layers(target: Path, out: Path, layers: int) -> Path:
     mx.save_safetensors(str(out / "model.safetensors"), keep, metadata={"format": "mlx"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(target / name, out / name)
-    (out / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=layers), indent=2, sort_keys=True) + "\n")
+    small = dict(config, num_hidden_layers=layers)
+    (out / "config.json").write_text(json.dumps(small, indent=2, sort_keys=True) + "\n")
     return out
 
 

@@ -227,7 +227,8 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
         weights, new_config = widen_ss(dict(tree_flatten(model.parameters())), config, new)
     else:
         model, _ = load_model(model_dir, lazy=True)
-        weights, new_config = widen_weights(dict(tree_flatten(model.parameters())), config, new), widened_config(config, new)
+        weights = widen_weights(dict(tree_flatten(model.parameters())), config, new)
+        new_config = widened_config(config, new)
     if progress:  # the weights are lazy until here: compute them one by one, then the save only writes
         import sys
 
@@ -268,7 +269,8 @@ def widen_adapter(adapter_path: Path, model_dir: Path, widened_dir: Path, out: P
     wide_config = json.loads((Path(widened_dir) / "config.json").read_text())
     old, new = Shape.of(config), Shape.of(wide_config)
     if new.hidden < old.hidden or new.layers < old.layers or wide_config["vocab_size"] != config["vocab_size"]:
-        raise WidenError(f"{widened_dir} is not a widened copy of {model_dir} (its shape is smaller or its vocabulary differs)")
+        raise WidenError(f"{widened_dir} is not a widened copy of {model_dir} "
+                         "(its shape is smaller or its vocabulary differs)")
     D = new.hidden
     wide = ExitAdapter(D, adapter.rank, adapter.mlp)
     wide.down.weight = _pad(adapter.down.weight, (adapter.rank, D))

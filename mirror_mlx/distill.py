@@ -275,7 +275,8 @@ def _steps(draft, opt, loss_and_grad, exs, kept, vocab: int, cfg: TrainConfig, s
 
 
 def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bool = True,
-          log: Callable[[str], None] = print, model=None, tokenizer=None, stop_after_steps: Optional[int] = None) -> dict:
+          log: Callable[[str], None] = print, model=None, tokenizer=None,
+          stop_after_steps: Optional[int] = None) -> dict:
     """Train (or resume) a distilled draft; writes cfg.out (the draft folder) at the end and at each checkpoint.
 
     The run's data (the reply files it trains on) is fixed when it starts and listed in its run folder, so a
@@ -295,7 +296,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     target_config = json.loads((Path(cfg.target) / "config.json").read_text())
     root = data_root(cfg.target, cfg.data_dir)
     key = run_key(cfg)
-    run = Path(cfg.run_dir) if cfg.run_dir else root / "runs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    run = Path(cfg.run_dir) if cfg.run_dir else root / "runs" / digest
     replies = [load_reply(root / "replies" / f) for f in _run_files(run, root, key, cfg)]
     kept = kept_ids_by_frequency(replies, cfg.kept, eos_ids(tokenizer))
     exs = examples(replies, cfg.max_context)
@@ -318,7 +320,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
                 "reply_tokens": n_tokens, "replies": len(exs), **entry}
 
     if step:
-        if step >= total and history and history[-1].get("measured_on") == "all" and (Path(cfg.out) / "config.json").is_file():
+        if step >= total and history and history[-1].get("measured_on") == "all" and \
+                (Path(cfg.out) / "config.json").is_file():
             log(f"{run} is complete (step {step}/{total})")  # measured and written already
             return result(False, history[-1])
         log(f"resuming {run} at step {step}/{total}")

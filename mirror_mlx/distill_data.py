@@ -92,7 +92,8 @@ def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] 
     train = [s for s in prompts if s != "eval"]
     for r in range(rounds + 1):
         for s in train:
-            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s]) for temp, seed in round_variants(r)])
+            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s])
+                           for temp, seed in round_variants(r)])
     return [p for p in phases if p]
 
 
@@ -219,7 +220,8 @@ def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], N
     root = data_root(cfg.target, cfg.data_dir)
     replies = root / "replies"
     replies.mkdir(parents=True, exist_ok=True)
-    (root / "data.json").write_text(json.dumps({k: v for k, v in asdict(cfg).items() if k != "prompts"}, indent=2, default=list))
+    settings = {k: v for k, v in asdict(cfg).items() if k != "prompts"}
+    (root / "data.json").write_text(json.dumps(settings, indent=2, default=list))
     eos = eos_ids(tokenizer)
     phases = [[j for j in phase if not (replies / f"{j.key}.npz").exists()]
               for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts)]

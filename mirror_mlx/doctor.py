@@ -113,7 +113,8 @@ def coreml_lines(package: Optional[str]) -> list[str]:
 
     spec = importlib.util.find_spec("coremltools")  # found without importing it (seconds, and noisy off macOS)
     if spec is None or not spec.submodule_search_locations:
-        extra = "it comes with the package on macOS" if sys.platform == "darwin" else "pip install 'mirror-mlx[convert]'"
+        extra = ("it comes with the package on macOS" if sys.platform == "darwin"
+                 else "pip install 'mirror-mlx[convert]'")
         return [f"coremltools: not installed ({extra}); Core ML drafts cannot run or be built here"]
     version = md.version("coremltools")
     native = [p for d in spec.submodule_search_locations for p in Path(d).glob("libcoremlpython*")]
@@ -126,7 +127,8 @@ def coreml_lines(package: Optional[str]) -> list[str]:
     try:
         t0 = time.perf_counter()
         tiny_package_runs()
-        lines.append(f"Core ML: built, loaded and ran a one-op package on CPU_AND_NE in {time.perf_counter() - t0:.1f} s")
+        lines.append("Core ML: built, loaded and ran a one-op package on CPU_AND_NE "
+                     f"in {time.perf_counter() - t0:.1f} s")
     except Exception as e:
         lines.append(f"problem: Core ML could not load and run a one-op package: {type(e).__name__}: {e}")
     if package is not None and str(package).endswith(".mlpackage"):

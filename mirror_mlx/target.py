@@ -65,7 +65,8 @@ class EarlyExitTarget:
         self.n_layers = n_layers or len(self.layers)
         check_exit_layer(exit_layer, self.n_layers)
         if not first < exit_layer <= first + len(self.layers):
-            raise ValueError(f"block {exit_layer} is not on this stage (blocks {first + 1}..{first + len(self.layers)})")
+            raise ValueError(f"block {exit_layer} is not on this stage "
+                             f"(blocks {first + 1}..{first + len(self.layers)})")
         self.exit_layer = exit_layer
         self.adapter = adapter  # maps the normalised exit state before the head; never the final logits
         self._tap = SimpleNamespace(h=None)

@@ -84,7 +84,8 @@ def table(report: dict) -> list[str]:
     if not d:
         return []
     rows = report["summary"]["all"]
-    lines = ["| mode | measured step (ms) | Eq. 10 from pieces timed alone (ms) | step / Eq. 10 |", "|---|---:|---:|---:|"]
+    lines = ["| mode | measured step (ms) | Eq. 10 from pieces timed alone (ms) | step / Eq. 10 |",
+             "|---|---:|---:|---:|"]
     for mode, ideal in d["eq10"].items():
         step = rows[mode]["ms_per_step"]
         lines.append(f"| {mode} | {step:.1f} | {ideal:.1f} | {step / ideal:.2f} |")

@@ -87,7 +87,8 @@ def markdown(report: dict) -> str:
            f"- versions: mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mirror-mlx {m['mirror_mlx']} ({m['commit']}), "
            f"python {m['python']}",
            f"- pinning: {report.get('pinning')}",
-           f"- greedy tokens checked equal to mlx-lm generate_step: {'yes' if report.get('equality_checked') else 'no (sampling)'}",
+           "- greedy tokens checked equal to mlx-lm generate_step: "
+           f"{'yes' if report.get('equality_checked') else 'no (sampling)'}",
            f"- wall time {report['wall_s']:.0f} s", ""]
     if report.get("grid"):
         best = report.get("best", {})
@@ -170,7 +171,8 @@ def plot_speedup(report: dict, path: Path) -> None:
         bars = ax.bar(xs, vals, w, label=mode, color=COLORS.get(mode))
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(cats)), cats, rotation=30 if len(cats) > 3 else 0, ha="right" if len(cats) > 3 else "center")
+    tilted = len(cats) > 3
+    ax.set_xticks(range(len(cats)), cats, rotation=30 if tilted else 0, ha="right" if tilted else "center")
     ax.set_ylabel("tokens/s ÷ ar (mlx-lm generate_step)")
     ax.set_title(f"Speedup over ar — {report['config']['prompts']}, T={report['config']['temp']}")
     ax.legend(fontsize=8)
@@ -232,7 +234,8 @@ def plot_timeline(report: dict, path: Path, steps: int = 10) -> bool:
         ax.text(1000 * step["suffix"][1], 1.35, f"A={step['accepted']}", fontsize=6)
     ax.set_yticks([0, 1], ["draft (branch rollout)", "target (prefix | suffix)"])
     ax.set_xlabel("ms since the first step")
-    ax.set_title(f"Mirror-SD timeline, prompt #{sample['prompt']} (first {steps} steps; gaps: fallback windows, verify)")
+    ax.set_title(f"Mirror-SD timeline, prompt #{sample['prompt']} "
+                 f"(first {steps} steps; gaps: fallback windows, verify)")
     save(fig, path)
     return True
 

@@ -186,7 +186,8 @@ pipeline_option = click.option(
 
 # the options a refusal names, as flags
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-         "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size", "prefill_step_size": "--prefill-step-size",
+         "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size",
+         "prefill_step_size": "--prefill-step-size",
          "kappa": "--kappa", "gamma": "--gamma", "exit_layer": "--exit-layer", "branches": "--branches",
          "mode": "--mode", "lookup": "--lookup", "ngram_max": "--ngram-max", "ngram_min": "--ngram-min",
          "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",

@@ -55,7 +55,8 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
     """Widen an exit adapter along with its target: exact at the widened layers that hold its layer's state."""
     from mirror_mlx.convert.widen import WidenError, widen_adapter
 
-    for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"), (widened / "config.json", "--widened")):
+    for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"),
+                    (widened / "config.json", "--widened")):
         if not p.is_file():
             raise click.UsageError(f"{what}: {p} does not exist")
     layers = refusing(WidenError, widen_adapter, adapter, model_dir, widened, out)
@@ -64,22 +65,27 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
 
 @click.command("train-draft")
 @click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Output draft folder (resumes if it holds a checkpoint).")
 @click.option("--corpus", required=True, type=click.Path(),
               help="UTF-8 text file (blank lines separate paragraphs), or a .jsonl of chats, one "
                    '{"messages": [...]} a line, rendered through the target\'s chat template (it writes the replies).')
 @click.option("--layers", type=int, default=None, help="Draft layers [default: --init-from's, else half the target's].")
 @click.option("--hidden", type=int, default=None, help="Draft width [default: --init-from's, else the target's].")
-@click.option("--streams", type=int, default=TrainConfig.streams, show_default=True, help="Lookahead streams (tokens per forward - 1).")
-@click.option("--stream-layers", type=int, default=TrainConfig.stream_layers, show_default=True, help="Top layers that carry the streams.")
+@click.option("--streams", type=int, default=TrainConfig.streams, show_default=True,
+              help="Lookahead streams (tokens per forward - 1).")
+@click.option("--stream-layers", type=int, default=TrainConfig.stream_layers, show_default=True,
+              help="Top layers that carry the streams.")
 @click.option("--steps", type=int, default=TrainConfig.steps, show_default=True)
 @click.option("--batch-size", type=int, default=TrainConfig.batch_size, show_default=True)
 @click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
 @click.option("--seed", type=int, default=TrainConfig.seed, show_default=True)
 @click.option("--init-from", type=click.Path(file_okay=False), default=None,
               help="Start from this small model's weights (it must share the target's tokenizer).")
-@click.option("--samples", type=int, default=TrainConfig.samples, show_default=True, help="Target continuations to train on.")
-@click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True, help="Opening + continuation length.")
+@click.option("--samples", type=int, default=TrainConfig.samples, show_default=True,
+              help="Target continuations to train on.")
+@click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True,
+              help="Opening + continuation length.")
 @click.option("--holdout", type=int, default=None,
               help="Leave the corpus's first N paragraphs out of training (benchmark openings) "
                    "[default: as the one corpus split, corpus.py].")
@@ -94,11 +100,13 @@ def train_draft_cmd(**kwargs) -> None:
 
 
 @click.command("train-exit")
-@click.option("--model", default=None, help="Target model folder or Hugging Face id [default: the embedded demo target].")
+@click.option("--model", default=None,
+              help="Target model folder or Hugging Face id [default: the embedded demo target].")
 @click.option("--exit-layer", type=int, default=None, help="Blocks before the early exit, l_e [default: N//2].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Adapter file to write (.safetensors).")
-@click.option("--rank", type=click.IntRange(min=1), default=DEFAULT_RANK, show_default=True, help="Adapter hidden width.")
+@click.option("--rank", type=click.IntRange(min=1), default=DEFAULT_RANK, show_default=True,
+              help="Adapter hidden width.")
 @click.option("--linear", is_flag=True, help="A low-rank linear map instead of the residual MLP (weaker, cheaper).")
 @click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Text, paragraphs split by blank lines; trains on the target's greedy text after each "

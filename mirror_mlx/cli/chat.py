@@ -208,7 +208,8 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @draft_vocab_option
 @mlx_lm_load_options
 @click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
-@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@click.option("--chat-template-config", default=None,
+              help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @decode_options(max_tokens=256, seed=0)
 @xtc_options(min_tokens_to_keep=False)
 @pipeline_option

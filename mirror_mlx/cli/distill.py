@@ -82,7 +82,8 @@ def restore_cmd(model, ids, data_dir) -> None:
 @distill_cmd.command("train")
 @target_option
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="The draft folder to write.")
-@click.option("--frozen", type=int, default=TrainConfig.frozen, show_default=True, help="E: the target's first layers, frozen.")
+@click.option("--frozen", type=int, default=TrainConfig.frozen, show_default=True,
+              help="E: the target's first layers, frozen.")
 @click.option("--trained", type=int, default=TrainConfig.trained, show_default=True,
               help="k: layers after them, initialised from the target's next k, trained.")
 @click.option("--kept", type=int, default=TrainConfig.kept, show_default=True,
@@ -165,4 +166,5 @@ def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens
         cfgs.append(TrainConfig(target=model, out=out, data_dir=data_dir, frozen=E, trained=k, kept=V,
                                 init=parts[3] if len(parts) > 3 else "next", **kw))
     loop(DataConfig(target=model, data_dir=data_dir, rounds=rounds), cfgs, generate_minutes=generate_minutes,
-         train_minutes=train_minutes, min_new_tokens=min_new_tokens, growth=growth, log=lambda s: click.echo(s, err=True))
+         train_minutes=train_minutes, min_new_tokens=min_new_tokens, growth=growth,
+         log=lambda s: click.echo(s, err=True))

@@ -95,7 +95,8 @@ def same_model(a, b) -> bool:
 @click.option("--ignore-chat-template", is_flag=True, help="Use the prompt text as is, without the chat template.")
 @click.option("--use-default-chat-template", is_flag=True,
               help="Accepted as mlx-lm 0.32 accepts it: it has no effect there either.")
-@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@click.option("--chat-template-config", default=None,
+              help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @click.option("--extra-eos-token", multiple=True,
               help="Further tokens that end generation: `--extra-eos-token a b`, as mlx-lm (repeatable too).")
 @click.option("--prefill-response", default=None,
@@ -119,8 +120,8 @@ def same_model(a, b) -> bool:
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="Write this run's steps as one self-contained HTML file: the target's and the draft's work on "
                    "one time axis, each step's accepted tokens marked in the text.")
-def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
-                 ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
+def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt,
+                 system_prompt, ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
                  quiet, as_json, timeline, **decode) -> None:
     """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
@@ -194,7 +195,8 @@ def write_timeline(path, records: list, text_: str, title: str, summary: str) ->
 
 
 @click.command("cache-prompt")
-@click.option("--model", default=None, help="Target: model folder or Hugging Face id [default: the embedded demo target].")
+@click.option("--model", default=None,
+              help="Target: model folder or Hugging Face id [default: the embedded demo target].")
 @mlx_lm_load_options
 @click.option("--eos-token", default=None, help="End-of-sequence token for the tokenizer (as mlx_lm.cache_prompt).")
 @click.option("--prompt-cache-file", required=True, type=click.Path(dir_okay=False), help="The file to write.")

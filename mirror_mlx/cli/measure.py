@@ -18,7 +18,8 @@ BENCH = BenchConfig()
 @click.option("--prompts", "prompts_file", default=None,
               help="Calibration prompts: FILE.jsonl (a 'prompt' or 'turns' field per line) or a prompt set name "
                    "[default: held-out TinyStories openings].")
-@click.option("--limit", type=click.IntRange(min=1), default=TUNE.prompts, show_default=True, help="Calibration prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=TUNE.prompts, show_default=True,
+              help="Calibration prompts.")
 @click.option("--max-tokens", "-m", type=click.IntRange(min=4), default=TUNE.max_tokens, show_default=True,
               help="Greedy tokens per calibration prompt.")
 @click.option("--confirm", type=click.IntRange(min=1), default=TUNE.confirm, show_default=True,
@@ -28,8 +29,8 @@ BENCH = BenchConfig()
 @click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use (its own "
               "small set: not with --limit, --max-tokens, --confirm or --min-seconds).")
 @click.option("--pin", is_flag=True, help="The Mac analog, as `bench --pin`: the target side on one core in every "
-              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart from the "
-              "unpinned one. "
+              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart "
+              "from the unpinned one. "
               "Without it tune measures mirror unpinned and split (target side and draft host on cores of their "
               "own) and auto runs the faster.")
 def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
@@ -123,7 +124,8 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
 @click.option("--gamma", type=int, default=BENCH.gamma,
               help="Window length γ (mirror and sd) [default: each mode's best row in the pair's profile].")
 @click.option("--exit-layer", type=int, default=BENCH.exit_layer,
-              help="Early-exit layer ℓ_e [default: mirror's best row in the profile; the sweep: the adapter's, else N/2].")
+              help="Early-exit layer ℓ_e [default: mirror's best row in the profile; "
+                   "the sweep: the adapter's, else N/2].")
 @click.option("--seed", type=int, default=BENCH.seed, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '

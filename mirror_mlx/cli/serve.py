@@ -82,8 +82,8 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
 @decode_options(max_tokens=512, seed=None)
 @pipeline_option
 @refused_options("serve")
-def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port, max_queue,
-              allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
+def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port,
+              max_queue, allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
               prompt_concurrency, batch_speculation, log_level, max_tokens,
               temp, **decode) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""

@@ -170,7 +170,8 @@ def serve(draft: Draft, req: Channel, rep: Channel) -> None:
             else:
                 raise ValueError(f"unknown request kind {msg.kind}")
         except Exception as e:  # noqa: BLE001 - the engine decides what a failing draft means
-            rep.send(ERROR, msg.step, [int(isinstance(e, ValueError))] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
+            text = f"{type(e).__name__}: {e}".encode()[:4000]
+            rep.send(ERROR, msg.step, [int(isinstance(e, ValueError))] + list(text))
 
 
 def _attach(name: str) -> TokenRing:

@@ -1,4 +1,5 @@
-"""The draft host's process: `python -m mirror_mlx.drafts.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
+"""The draft host's process:
+`python -m mirror_mlx.drafts.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
 
 `--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load weights from a local folder
 and never a tokenizer (the engine checked it). mlx-lm's `__init__` and `mlx_lm.utils` import transformers and

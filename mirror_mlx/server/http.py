@@ -67,7 +67,8 @@ class Server(ThreadingHTTPServer):
         self.model_ids = tuple(dict.fromkeys([model_id, pipe.name]))
         self.allowed_origins = allowed_origins  # None: local pages only (origin_allowed)
         self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
-        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
+        # the target's caches of recent prompts
+        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)
         self.scheduler = Scheduler(pipe, self.prefixes, self.note, max_queue, decode_concurrency, prompt_concurrency,
                                    defaults.get("prefill_step_size") or 2048, batch_speculation)
         self.stopping = threading.Event()

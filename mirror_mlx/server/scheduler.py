@@ -227,7 +227,8 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._inbox and not self.waiting and self.solo is None and not self.batch and not self._closed:
+                while not self._inbox and not self.waiting and self.solo is None and not self.batch \
+                        and not self._closed:
                     self.regime = "idle"
                     self._cond.wait()
                 self.waiting.extend(self._inbox)

@@ -49,8 +49,8 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
     inner = text_model(model).model
     xe, xf = [], []
     try:
-        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}{label}", unit="batch",
-                                     total=-(-len(seqs) // batch_size), disable=not progress):
+        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}{label}",
+                                     unit="batch", total=-(-len(seqs) // batch_size), disable=not progress):
             got.clear()
             target.forward(tokens, cache=None)  # only the captured early state is evaluated: blocks 1..ℓ_e
             early = got[0]
@@ -67,7 +67,8 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
 
 
 def greedy_rows(model: nn.Module, tokenizer, texts: list[str], max_tokens: int,
-                max_prompt_tokens: int = 32, progress: bool = False, label: str = "") -> tuple[list[list[int]], list[int]]:
+                max_prompt_tokens: int = 32, progress: bool = False,
+                label: str = "") -> tuple[list[list[int]], list[int]]:
     """(sequences, starts): each opening plus the target's greedy continuation; rows from the last prompt token."""
     from ..corpus import eos_ids, greedy_continuations
 
@@ -120,7 +121,8 @@ def exit_data(model: nn.Module, tokenizer, exit_layer: int, texts: list[str], ma
 
 
 def fit_adapter(model: nn.Module, train: ExitData, rank: int, steps: int, seed: int = 0, mlp: bool = True,
-                lr: float = 3e-3, batch_size: int = 256, progress: bool = True, desc: str = "train-exit") -> ExitAdapter:
+                lr: float = 3e-3, batch_size: int = 256, progress: bool = True,
+                desc: str = "train-exit") -> ExitAdapter:
     """Adam on mean KL(final ‖ head(adapter(x_early))) over shuffled minibatches; deterministic per seed."""
     mx.random.seed(seed)
     adapter = ExitAdapter(text_model(model).model.norm.weight.shape[-1], rank, mlp)
