@@ -11,12 +11,15 @@ import platform
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from mirror_mlx.drafts.recipes import DraftRecipe
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256, vocab_sha256
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MESSAGE = "Core ML runs on macOS 15+; use the MLX draft folder here"
 
@@ -74,7 +77,8 @@ def package_draft(package: str, backend: str = "coreml") -> Any:
     return PackageDraft(runner, read_metadata(Path(package)))
 
 
-def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml") -> DraftRecipe:
+def coreml_recipe(package: Path, tokenizer: "Optional[TokenizerWrapper]" = None,
+                  backend: str = "coreml") -> DraftRecipe:
     """How the draft host runs a `.mlpackage`; with the target's tokenizer, a package built for another
     vocabulary is refused up front."""
     if backend == "coreml" and not coreml_available():
@@ -86,7 +90,7 @@ def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml")
     return DraftRecipe(package_draft, (str(package), backend))
 
 
-def check_package_tokenizer(meta: dict[str, str], tokenizer: Any, package: Path) -> None:
+def check_package_tokenizer(meta: dict[str, str], tokenizer: "TokenizerWrapper", package: Path) -> None:
     """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another vocabulary
     is refused, differing special ids are said once (a package with only the whole hash must match it)."""
     from mirror_mlx.draft_tokenizer import note_special_difference, special_difference

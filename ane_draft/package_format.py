@@ -9,7 +9,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 FORMAT = "1"
 META = "mirror_mlx."
@@ -50,7 +53,7 @@ class Shapes:
         return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma, streams)
 
 
-def tokenizer_sha256(tokenizer: Any) -> str:
+def tokenizer_sha256(tokenizer: "TokenizerWrapper") -> str:
     """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
@@ -59,14 +62,14 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def vocab_sha256(tokenizer: Any) -> str:
+def vocab_sha256(tokenizer: "TokenizerWrapper") -> str:
     """A hash of the vocabulary alone (token -> id): what a target and its draft must share."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
+def tokenizer_metadata(tokenizer: "TokenizerWrapper") -> dict[str, str]:
     """What a package records of its draft's tokenizer: the whole hash (checked against its draft folder),
     and the vocabulary's hash and special ids as mlx_lm.load loads them (checked against a target)."""
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())

@@ -33,7 +33,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Sha
 from mirror_mlx.options import PAPER_KNOBS
 
 from .mil_graph import DraftSpec, build_function, head_names
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
 QUANTIZE = ("none", "int8", "lut4", "lut6")
@@ -149,7 +152,7 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
     return spec
 
 
-def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
+def check_tokenizer(tokenizer: "TokenizerWrapper", vocab: int, path: Path) -> None:
     """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the model's
     vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from mirror_mlx.ane_draft.package_format import (ConvertError, package_shapes, r
 from mirror_mlx.convert.coreml import check_match, draft_sha256
 from mirror_mlx.convert.mil_eval import MilRunner
 from mirror_mlx.loading import load_model
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
 PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to play",
@@ -294,7 +297,7 @@ def _check_fits(contexts: list[list[int]], steps: int, gamma: int, positions: in
 
 
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
-           model: Any = None, tokenizer: Any = None, runner: Any = None,
+           model: Any = None, tokenizer: "Optional[TokenizerWrapper]" = None, runner: Any = None,
            budget: Optional[Budget] = None, progress: bool = False) -> Parity:
     """Evaluate the saved package against the MLX draft in `draft` with `runner` (default: the MIL
     evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner checks Core ML itself)."""

@@ -13,13 +13,16 @@ the drafts and mlx-lm read real token ids unchanged.
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .model_parts import family, inner_model, text_model
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass(frozen=True, repr=False)
@@ -72,15 +75,15 @@ def shipped_text() -> list[str]:
     return texts
 
 
-def token_counts(tokenizer: Any, vocab: int) -> np.ndarray:
+def token_counts(tokenizer: "TokenizerWrapper", vocab: int) -> np.ndarray:
     """How often each id of a vocabulary of `vocab` occurs in `shipped_text()`, tokenized without special tokens."""
     tok = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
-    rows = tok(shipped_text(), add_special_tokens=False)["input_ids"]
+    rows = tok(shipped_text(), add_special_tokens=False)["input_ids"]  # type: ignore[operator]  # (the wrapped one)
     ids = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows if len(r)])
     return np.bincount(ids[ids < vocab], minlength=vocab)
 
 
-def always_kept(tokenizer: Any) -> list[int]:
+def always_kept(tokenizer: "TokenizerWrapper") -> list[int]:
     """The ids every trimmed head keeps: the end-of-sequence ids first, then the tokenizer's other special ids."""
     eos = sorted(int(i) for i in getattr(tokenizer, "eos_token_ids", None) or ())
     special = sorted(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
@@ -96,7 +99,7 @@ def most_counted(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> n
     return np.sort(np.array((first + rest)[:size], dtype=np.int32))
 
 
-def kept_ids(tokenizer: Any, size: int, vocab: int) -> KeptIds:
+def kept_ids(tokenizer: "TokenizerWrapper", size: int, vocab: int) -> KeptIds:
     """The `size` ids a draft with this tokenizer and a head of `vocab` rows keeps (see the module's docstring)."""
     return KeptIds.of(most_counted(token_counts(tokenizer, vocab), size, always_kept(tokenizer)), vocab)
 

@@ -4,12 +4,15 @@
 
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
 from . import validate
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def resolve_model(path_or_id: Union[str, Path]) -> Path:
@@ -49,7 +52,7 @@ def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.
     return model, tokenizer
 
 
-def check_vocabulary(model: nn.Module, tokenizer: Any, folder: Path) -> None:
+def check_vocabulary(model: nn.Module, tokenizer: "TokenizerWrapper", folder: Path) -> None:
     """Refuse a tokenizer that can produce ids the model has no embedding for: such a pair decodes
     junk (or reads past the embedding) instead of failing. A model larger than its tokenizer is fine
     (Qwen pads its embedding)."""

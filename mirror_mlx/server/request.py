@@ -2,9 +2,12 @@
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .. import validate
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_BODY = 16 << 20  # bytes; a prompt this long is far beyond any context anyway
@@ -241,7 +244,7 @@ def _fits(n_bytes: int, limit: Optional[int], param: str) -> None:
                             "context: shorten it", param, "context_length_exceeded")
 
 
-def max_prompt_bytes(tokenizer: Any, context: Optional[int]) -> Optional[int]:
+def max_prompt_bytes(tokenizer: "TokenizerWrapper", context: Optional[int]) -> Optional[int]:
     """An upper bound on the UTF-8 bytes of a prompt that fits `context` tokens: context × the longest
     token's bytes (each token covers at most that much text), doubled for normalization's slack."""
     if not context:
