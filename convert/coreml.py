@@ -44,6 +44,7 @@ from mirror_mlx.options import PAPER_KNOBS
 from .mil_graph import DraftSpec, build_function, head_names
 
 if TYPE_CHECKING:
+    import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
@@ -165,7 +166,7 @@ def check_tokenizer(tokenizer: "TokenizerWrapper", vocab: int, path: Path) -> No
         )
 
 
-def _weight_sources(model: Any, copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
+def _weight_sources(model: "nn.Module", copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
     """Every weight the builder reads by key ('embed', 'head', '{layer}.q_proj', ...), as a function that
     makes it (float32, dequantized), so `draft_sha256` can hold one at a time. A tied head is the embedding's."""
     inner = getattr(model, "language_model", model).model
@@ -192,17 +193,17 @@ def _weight_sources(model: Any, copy: bool = True) -> dict[str, Callable[[], np.
     return src
 
 
-def _tied(model: Any) -> bool:
+def _tied(model: "nn.Module") -> bool:
     return getattr(model, "lm_head", None) is None or bool(getattr(model.args, "tie_word_embeddings", False))
 
 
-def draft_sha256(model: Any) -> str:
+def draft_sha256(model: "nn.Module") -> str:
     """The spec's `draft_sha256` of a loaded draft, one weight in memory at a time (a 0.6B draft's
     float32 weights are 2.4 GB)."""
     return _weights_sha256(_weight_sources(model, copy=False))
 
 
-def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> DraftSpec:
+def spec_from_model(model: "nn.Module", config: dict, tok_sha: str, positions: int) -> DraftSpec:
     """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
     inner = getattr(model, "language_model", model).model
     args = model.args

@@ -28,6 +28,8 @@ from mirror_mlx.convert.mil_eval import MilRunner
 from mirror_mlx.loading import load_model
 
 if TYPE_CHECKING:
+    from mirror_mlx.drafts.ss_model import Model as SSModel
+    import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
@@ -73,7 +75,7 @@ class Budget:
                                 "--verify-budget all runs every step")
 
 
-def dense_parameters(model: Any) -> int:
+def dense_parameters(model: "nn.Module") -> int:
     """The draft's weights as the package computes with them: a quantized MLX layer counted
     dequantized, a tied head once (norms and biases are left out: they cost nothing)."""
     n = 0
@@ -158,7 +160,7 @@ class Parity:
         return self
 
 
-def float32_reference(model: Any) -> Any:
+def float32_reference(model: "nn.Module") -> "nn.Module":
     """The MLX draft with float32 activations: its float parameters cast in place (a quantized
     layer keeps its integer weights; its scales and biases become float32)."""
     import mlx.core as mx
@@ -174,7 +176,7 @@ class Reference:
     """The float32 MLX draft after one committed context: its logits, greedy window and branch rows,
     each computed on the K/V it shares (the context's, or the context plus a prefix of the window)."""
 
-    def __init__(self, model: Any, context: Sequence[int]):
+    def __init__(self, model: "nn.Module", context: Sequence[int]):
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -256,7 +258,7 @@ class Reference:
         return out
 
 
-def _stream_logits(model: Any, seqs: Sequence[Sequence[int]], batch: int = 16) -> list[np.ndarray]:
+def _stream_logits(model: "SSModel", seqs: Sequence[Sequence[int]], batch: int = 16) -> list[np.ndarray]:
     """An SS draft's stream logits (streams, V) at the last position of each sequence (right
     padding is harmless: rows only see what comes before them)."""
     import mlx.core as mx
@@ -297,7 +299,7 @@ def _check_fits(contexts: list[list[int]], steps: int, gamma: int, positions: in
 
 
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
-           model: Any = None, tokenizer: "Optional[TokenizerWrapper]" = None, runner: Any = None,
+           model: "Optional[nn.Module]" = None, tokenizer: "Optional[TokenizerWrapper]" = None, runner: Any = None,
            budget: Optional[Budget] = None, progress: bool = False) -> Parity:
     """Evaluate the saved package against the MLX draft in `draft` with `runner` (default: the MIL
     evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner checks Core ML itself)."""

@@ -8,14 +8,18 @@ costs one target forward of γ+1 rows plus the draft's γ (or, in mirror, whatev
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from ..drafts.ss_model import Model as SSModel
+    import mlx.nn as nn
 
 PROBE = "Once upon a time, there was a little girl named Lily. She loved to play"  # a short prompt before the rows
 
 
-def forward_ms(model: Any, prompt: mx.array, rows: int, reps: int = 15) -> float:
+def forward_ms(model: "nn.Module", prompt: mx.array, rows: int, reps: int = 15) -> float:
     """Median ms of one decode forward of `rows` tokens after `prompt` (the cache trimmed back each time)."""
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -31,7 +35,7 @@ def forward_ms(model: Any, prompt: mx.array, rows: int, reps: int = 15) -> float
     return 1e3 * statistics.median(times[2:])
 
 
-def ss_forward_ms(model: Any, prompt: mx.array, reps: int = 15) -> float:
+def ss_forward_ms(model: "SSModel", prompt: mx.array, reps: int = 15) -> float:
     """Median ms of one decode forward of a Speculative-Streaming draft: one row with its streams, over the
     prompt's keys and values (what one of its windows costs: several tokens a forward)."""
     from mirror_mlx.drafts.ss_model import ss_forward

@@ -15,12 +15,15 @@ says how branches cost.
 """
 
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
 
 ROLLOUT_ROWS = (1, 2, 4, 8)
 
 
-def costs_alone(pipe: Any, context: list[int], points: dict, reps: int = 7) -> dict:
+def costs_alone(pipe: "Pipeline", context: list[int], points: dict, reps: int = 7) -> dict:
     """{"pieces": {name: ms}, "eq10": {mode: ms}, "rollout_rows": {rows: ms}} for the modes in `points`
     ({mode: dict(kappa, gamma, exit_layer, branches, reuse)}: mirror and sd as they ran)."""
     from ..tune.timing import Bench, interleaved

@@ -6,11 +6,14 @@ import re
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from .. import __version__
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
 
 
 def machine() -> dict:
@@ -37,7 +40,7 @@ def _tids() -> list[int]:
     return sorted(int(t) for t in os.listdir("/proc/self/task"))
 
 
-def pin_threads(pipe: Any) -> dict:
+def pin_threads(pipe: "Pipeline") -> dict:
     """The Mac analog, a labelled bench setting: target side (and mlx-lm baselines) on one core in every
     mode, the draft host on another. The pipeline's own core placement (tune/placement.py) is then held:
     stats.placement says "held by the caller".

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from itertools import product
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from ..drafts.recipes import DraftRecipe, mlx_draft_model, ss_draft
 from ..drafts.recipes import mlx_draft as host_mlx_draft
@@ -30,6 +30,10 @@ from ..stats import Stats
 from ..options import PAPER_KNOBS, DecodeOptions
 from ..prompts import load_prompts
 from ..tune.cost_model import describe
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from ..pipeline import Pipeline
 
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
@@ -72,7 +76,7 @@ class PromptIds:
     truncated: bool
 
 
-def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
+def select_prompts(cfg: BenchConfig, pipe: "Pipeline") -> list[PromptIds]:
     """The prompts as token ids, cut to fit the target's context with max_tokens to spare."""
     limit = None if cfg.limit is None else cfg.skip + cfg.limit
     chosen = load_prompts(cfg.prompts, limit)[cfg.skip :]
@@ -92,7 +96,7 @@ def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
     return out
 
 
-def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
+def run_engine(pipe: "Pipeline", mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
                kappa: int, gamma: int, exit_layer: Optional[int]) -> Sample:
     """`mirror` or `sd` through the Pipeline (stop=False: exactly max_tokens, as the baselines)."""
     r = pipe.generate(p.ids, max_tokens=max_tokens, temperature=temp, seed=seed, kappa=kappa, gamma=gamma,
@@ -106,7 +110,7 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
     return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline), ran_as=ran_as)
 
 
-def _since(t0: float, key: str, value: Any) -> Any:
+def _since(t0: float, key: str, value: Union[float, tuple]) -> Union[float, tuple]:
     """A timeline entry on the clock of the generation's first step: an interval's ends (a serial window's
     third element is a duration), an arrival time; counts as they are."""
     if isinstance(value, tuple):
@@ -114,7 +118,7 @@ def _since(t0: float, key: str, value: Any) -> Any:
     return value - t0 if key == "arrived" else value
 
 
-def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
+def run_baseline(pipe: "Pipeline", mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
                  k: Optional[int] = None) -> Sample:
     """`ar` (generate_step) or `mlx_sd` (speculative_generate_step with k draft tokens)."""
     if mode == "ar":
@@ -126,7 +130,7 @@ def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int
     return Sample(mode, index, p.category, list(run.tokens), stats, num_draft_tokens=k)
 
 
-def mlx_draft(pipe: Any) -> Any:
+def mlx_draft(pipe: "Pipeline") -> "nn.Module":
     """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding. An SS draft's
     forward over plain tokens is a plain llama's (its main rows), so mlx-lm drives it as a plain draft."""
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
@@ -160,7 +164,7 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dict) -> None:
+def run_modes(cfg: BenchConfig, pipe: "Pipeline", prompts: list[PromptIds], result: dict) -> None:
     """The mode comparison: warm-up, mlx_sd's k sweep, then every mode on every prompt, interleaved."""
     modes = list(cfg.modes)
     if "ar" not in modes:  # ar is the reference for the equality check and the speedups
@@ -218,7 +222,7 @@ def ran_with(samples: Sequence[Sample], k_best: Optional[int]) -> dict:
     return out
 
 
-def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs: dict, max_tokens: int,
+def one(pipe: "Pipeline", mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs: dict, max_tokens: int,
         k: Optional[int] = None) -> Sample:
     seed = cfg.seed + index
     if mode in ENGINE_MODES:
@@ -228,7 +232,7 @@ def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs:
     return run_baseline(pipe, mode, p, index, max_tokens, cfg.temp, seed, k if mode == "mlx_sd" else None)
 
 
-def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dict) -> None:
+def run_sweep(cfg: BenchConfig, pipe: "Pipeline", prompts: list[PromptIds], result: dict) -> None:
     """Mirror mode over the (κ, γ, ℓ_e) grid, with `ar` on each prompt as reference and baseline."""
     default_exit = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
     grid = parse_sweep(cfg.sweep, pipe.engine.n_layers, cfg.kappa or PAPER_KNOBS["kappa"],

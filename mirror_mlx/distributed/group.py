@@ -2,9 +2,12 @@
 
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # set by mlx.launch (ring, jaccl) and by mpirun
 
@@ -40,7 +43,7 @@ def rank() -> int:
     return _group.rank() if _group is not None else 0
 
 
-def comm_per_forward(model: Any, g: mx.distributed.Group, rows: Sequence[int] = (1, 4, 8, 16, 32),
+def comm_per_forward(model: "nn.Module", g: mx.distributed.Group, rows: Sequence[int] = (1, 4, 8, 16, 32),
                      reps: int = 20) -> dict[int, float]:
     """T_comm by row count: seconds of the all_sums one tensor-parallel forward of `rows` rows makes (2 per layer,
     each rows × hidden), measured alone. Every rank must call it (a collective)."""

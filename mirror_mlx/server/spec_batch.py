@@ -19,7 +19,7 @@ without speculation (`supports`).
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -32,11 +32,14 @@ from ..options import DecodeOptions
 from ..sampling import row_sampler, sample_rows, samplers
 from ..target import accept
 
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
 GAMMA = 8  # the longest window a row proposes (the lookup alone's, tune.policy.LOOKUP_GAMMA)
 COMPACT = 64  # holes and padding beyond this many positions a row are squeezed out (rows that accepted less add them)
 
 
-def supports(model: Any) -> tuple[bool, str]:
+def supports(model: "nn.Module") -> tuple[bool, str]:
     """Whether the batch can speculate with this model (every layer a plain KVCache, whose rows can drop their
     own rejected positions as masked holes; no sliding window), and why not."""
     kinds = {type(c).__name__ for c in trimmable_cache(model) if type(c) is not KVCache}
@@ -217,7 +220,7 @@ class SpecBatch:
     """The server's batch with speculation: rows join (prefilled together, as mlx-lm's BatchGenerator prefills)
     and leave between steps; each step verifies every row's window in one forward. Call on the target's thread."""
 
-    def __init__(self, model: Any, prompt_concurrency: int = 8, prefill_step_size: int = 2048,
+    def __init__(self, model: "nn.Module", prompt_concurrency: int = 8, prefill_step_size: int = 2048,
                  gamma: int = GAMMA):
         self.model, self.prompt_concurrency, self.prefill_step_size, self.gamma = \
             model, prompt_concurrency, prefill_step_size, gamma
