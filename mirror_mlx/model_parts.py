@@ -3,12 +3,13 @@ a prompt cache whose every layer can drop its last tokens, and how far two token
 (target.py) and the drafts (drafts/) import it; the draft host's process needs no more than this of a model.
 """
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import recurrent
+from .recurrent import LayerCache
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -38,7 +39,7 @@ def family(model: nn.Module) -> str:
     return getattr(getattr(tm, "args", None), "model_type", None) or type(tm).__module__.rsplit(".", 1)[-1]
 
 
-def trimmable_cache(model: nn.Module) -> list[Any]:
+def trimmable_cache(model: nn.Module) -> list[LayerCache]:
     """The model's prompt cache with every layer able to drop its last tokens: sliding-window layers get a
     plain KVCache (mlx-lm's RotatingKVCache silently refuses to trim once full, mlx-lm #1914, and the mask
     still applies the window), recurrent ones a RecurrentCache (recurrent.py). Anything else: ValueError."""

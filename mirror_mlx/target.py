@@ -9,7 +9,7 @@ tied or untied heads, logit soft-caps and logit scaling come along for free.
 import copy
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
 from . import recurrent
+from .recurrent import LayerCache
 from .branch_budget import ExitView
 from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
 from .options import default_exit_layer
@@ -77,7 +78,7 @@ class EarlyExitTarget:
         """Undo the class swap (the model is then exactly as loaded)."""
         self._block.__class__ = self._block_cls
 
-    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+    def forward(self, tokens: mx.array, cache: list[LayerCache]) -> tuple[mx.array, mx.array]:
         """Lazy (early_logits, final_logits) of one forward over `tokens` (B, T): evaluating the early ones first
         runs only blocks 1..ℓ_e and the head; the final ones then reuse block ℓ_e's output."""
         final = self.model(tokens, cache=cache)
@@ -148,14 +149,14 @@ class TargetSide:
     def __init__(self, model: nn.Module):
         self.model = model
         self.tapped: Optional[EarlyExitTarget] = None
-        self.cache: list[Any] = trimmable_cache(model)
+        self.cache: list[LayerCache] = trimmable_cache(model)
         self.cached: list[int] = []  # tokens whose keys/values the cache holds (after `base` rows)
         self.base = 0  # rows before `cached`: a given prompt cache's prefix of unknown tokens
         self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
         self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
-        self.seen: Optional[tuple[list[int], Any]] = None  # the last `hold(top=k)`'s tokens and their top ids
+        self.seen: Optional[tuple[list[int], np.ndarray]] = None  # the last `hold(top=k)`'s tokens and their top ids
 
     def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
         """Tap block ℓ_e, with `head` (the exit adapter's, for that layer) before the model's own head."""
@@ -164,7 +165,7 @@ class TargetSide:
                 self.tapped.remove()
             self.tapped = EarlyExitTarget(self.model, exit_layer, head)
 
-    def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
+    def adopt(self, cache: list[LayerCache], tokens: Optional[list[int]]) -> None:
         """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
         (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
         self.cache, self.cached, self.adopted = recurrent.convert(
@@ -193,7 +194,7 @@ class TargetSide:
         cache, no prefix of unknown tokens), else None."""
         return None if self.adopted or self.base else list(self.cached)
 
-    def give(self, held: list[int]) -> Optional[list[Any]]:
+    def give(self, held: list[int]) -> Optional[list[LayerCache]]:
         """Hand our cache away if it holds exactly `held` (every layer at that offset), else None; either
         way we go on with a fresh one."""
         ok = self.own_tokens() == held and all(c.offset == len(held) for c in self.cache)
@@ -201,11 +202,11 @@ class TargetSide:
         self.reset()
         return cache
 
-    def take(self, cache: list[Any], tokens: list[int]) -> None:
+    def take(self, cache: list[LayerCache], tokens: list[int]) -> None:
         """`cache` (holding `tokens`) becomes our own."""
         self.cache, self.cached, self.base, self.adopted = cache, list(tokens), 0, False
 
-    def copy(self) -> Optional[tuple[list[int], list[Any]]]:
+    def copy(self) -> Optional[tuple[list[int], list[LayerCache]]]:
         """A deep copy of our own cache and the tokens it holds, or None (nothing held, or not our own)."""
         tokens = self.own_tokens()
         return (tokens, copy.deepcopy(self.cache)) if tokens else None
@@ -278,7 +279,7 @@ class TargetSide:
         return ys, a
 
     def verify_tree(self, history: list[int], tree: trees.Tree, sampler, processors,
-                    k: int) -> tuple[trees.Walk, Any]:
+                    k: int) -> tuple[trees.Walk, np.ndarray]:
         """One forward over the tree (node 0 the pending token), then the walk; the cache keeps the committed
         path only. Returns the walk and every node's top-k next ids by the target's raw logits ((n, k) numpy)."""
         before = None if tree.is_chain else self.cache[0].offset
@@ -315,7 +316,7 @@ class StageTargetSide(TargetSide):
     every rank posts or mirrors the same sets. The stages before the exit's (higher ranks) first evaluate their
     last cache, which depends on the send of their output, so the exit's rank never waits on one waiting on it."""
 
-    def __init__(self, model: nn.Module, group: Any, n_layers: int):
+    def __init__(self, model: nn.Module, group: mx.distributed.Group, n_layers: int):
         super().__init__(model)
         inner = text_model(model).model
         self.group, self.n_layers = group, n_layers
