@@ -10,7 +10,7 @@ the runtime needs (the adapter, its file, the engine's pick per layer); training
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,7 +69,7 @@ def fingerprint(model: nn.Module, rows: int = 4096) -> str:
 # ---- files
 
 
-def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, Any]) -> None:
+def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, object]) -> None:
     """Weights as safetensors; `meta` must hold at least fingerprint and exit_layer (see adapter_meta)."""
     for key in ("fingerprint", "exit_layer"):
         if key not in meta:
@@ -80,7 +80,7 @@ def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, A
     mx.save_safetensors(str(path), dict(tree_flatten(adapter.parameters())), metadata=md)
 
 
-def adapter_meta(model: nn.Module, exit_layer: int, **extra: Any) -> dict[str, Any]:
+def adapter_meta(model: nn.Module, exit_layer: int, **extra: object) -> dict[str, object]:
     return {"fingerprint": fingerprint(model), "exit_layer": exit_layer, **extra}
 
 
@@ -132,12 +132,12 @@ class ExitAdapters:
         return self.by_layer[exit_layer]
 
 
-def adapter_for(adapter: Any, exit_layer: int) -> Any:
+def adapter_for(adapter: "Union[ExitAdapter, ExitAdapters, None]", exit_layer: int) -> Optional[ExitAdapter]:
     """The adapter that maps `exit_layer`'s state: one of several (ExitAdapters), else the one given (or None)."""
     return adapter.for_layer(exit_layer) if isinstance(adapter, ExitAdapters) else adapter
 
 
-def adapter_layers(adapter: Any) -> tuple:
+def adapter_layers(adapter: "Union[ExitAdapter, ExitAdapters, None]") -> tuple:
     """The exit layers an adapter (or several) is exact at; () for no adapter."""
     if adapter is None:
         return ()

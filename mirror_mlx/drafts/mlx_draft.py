@@ -10,9 +10,10 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, trim_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, trim_prompt_cache
 
 from .. import recurrent
+from ..recurrent import LayerCache
 from ..draft_api import Rollout
 from ..model_parts import common_prefix, trimmable_cache, vocab_size
 
@@ -54,7 +55,7 @@ class MLXDraft:
         self.vocab_size = vocab_size(model)
 
     def reset(self) -> None:
-        self.cache: list[Any] = trimmable_cache(self.model)
+        self.cache: list[LayerCache] = trimmable_cache(self.model)
         self.cached: list[int] = []
         self.rows: list[Optional[BranchRows]] = []  # branch scratch per layer cache (None: recurrent), kept
         self.rows_valid = 0  # leading cache slots whose keys/values the rows hold as they are
@@ -156,7 +157,7 @@ class BranchRows:
         self.B = self.S = self.t = 0
 
     @classmethod
-    def grow(cls, old: Optional["BranchRows"], cache: Any, B: int, cap: int, keep: int) -> "BranchRows":
+    def grow(cls, old: Optional["BranchRows"], cache: KVCache, B: int, cap: int, keep: int) -> "BranchRows":
         k, v = cache.state[:2]
         new = cls(mx.zeros((B, k.shape[1], cap, k.shape[3]), k.dtype),
                   mx.zeros((B, v.shape[1], cap, v.shape[3]), v.dtype))
@@ -165,7 +166,7 @@ class BranchRows:
             new.values[:, :, :keep, :] = old.values[:B, :, :keep, :]
         return new
 
-    def start(self, cache: Any, m: int, S: int, n: int, spine_used: list[int]) -> None:
+    def start(self, cache: KVCache, m: int, S: int, n: int, spine_used: list[int]) -> None:
         """Copy slots [m, S) from the draft's cache into every row; row b's stem ends at n + spine_used[b]."""
         if m < S:
             k, v = cache.state[:2]
