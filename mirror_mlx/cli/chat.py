@@ -5,7 +5,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from types import FrameType
+from typing import Callable, Optional, TextIO, Union
 
 import click
 
@@ -42,9 +43,9 @@ class CtrlC:
     def __init__(self) -> None:
         self.requested = False
         self.ended = False
-        self._old: Any = None
+        self._old: Union[Callable[[int, Optional[FrameType]], object], int, None] = None
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.requested and not self.ended:
             raise KeyboardInterrupt
         self.requested = True
@@ -54,7 +55,7 @@ class CtrlC:
             self._old = signal.signal(signal.SIGINT, self._handle)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
 

@@ -11,7 +11,8 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
-from typing import Any, Callable, Optional, Union
+from types import FrameType
+from typing import Any, Callable, Optional, TextIO, Union
 
 from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
@@ -53,7 +54,7 @@ class Server(ThreadingHTTPServer):
     block_on_close = True
 
     def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
-                 max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
+                 max_tokens: int = 512, max_queue: int = 32, log: TextIO = sys.stderr,
                  allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
                  prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
                  decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY,
@@ -106,7 +107,7 @@ class Server(ThreadingHTTPServer):
         super().server_close()
         self.scheduler.close()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
+    def handle_error(self, request: object, client_address: tuple) -> None:
         """One line for a client that went away; the traceback only for a bug of ours."""
         error = sys.exc_info()[1]
         if isinstance(error, (ClientGone, OSError)):
@@ -134,7 +135,7 @@ class Handler(BaseHTTPRequestHandler):
     error_message_format = ('{"error": {"message": "%(message)s: %(explain)s", "type": "invalid_request_error", '
                             '"param": null, "code": "%(code)d"}}')
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         """One line per request (the access log): at --log-level INFO or DEBUG only."""
         if self.server.log_level > logging.INFO:
             return
@@ -416,7 +417,7 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
     server = Server((host, port), pipe, name, defaults, **settings)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int, frame: Optional[FrameType]) -> None:
         if on_signal is not None:
             on_signal(signum)
         server.stop()
