@@ -33,7 +33,7 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Union
 
 import numpy as np
 
@@ -44,6 +44,10 @@ from mirror_mlx.options import PAPER_KNOBS
 from .mil_graph import DraftSpec, build_function, head_names
 
 if TYPE_CHECKING:
+    from types import SimpleNamespace
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil import Program
+    import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -76,14 +80,14 @@ def quiet_coremltools():
 # --------------------------------------------------------------------------- reading the draft
 
 
-def _np(a: Any, copy: bool = True) -> np.ndarray:
+def _np(a: "mx.array", copy: bool = True) -> np.ndarray:
     """float32 numpy (copy=False: a read-only view of MLX's float32 array where it can be, e.g. to hash it)."""
     import mlx.core as mx
 
     return (np.array if copy else np.asarray)(a.astype(mx.float32))
 
 
-def _dense(layer: Any, copy: bool = True) -> np.ndarray:
+def _dense(layer: "nn.Module", copy: bool = True) -> np.ndarray:
     """Weight (out, in) of a Linear/Embedding, dequantizing quantized MLX layers."""
     import mlx.core as mx
 
@@ -95,17 +99,18 @@ def _dense(layer: Any, copy: bool = True) -> np.ndarray:
     return _np(w, copy)
 
 
-def _weights_sha256(weights: dict[str, Any]) -> str:
+def _weights_sha256(weights: Mapping[str, Union[np.ndarray, Callable[[], np.ndarray]]]) -> str:
     """The draft's identity: every weight (an array, or a function that makes one) in key order."""
     h = hashlib.sha256()
     for k in sorted(weights):
-        w = weights[k]() if callable(weights[k]) else weights[k]
+        w = weights[k]
+        w = w() if callable(w) else w
         h.update(k.encode())
         h.update(np.ascontiguousarray(w, dtype=np.float32).view(np.uint8))  # no copy
     return h.hexdigest()
 
 
-def _rope_table(rope: Any, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+def _rope_table(rope: "nn.Module", head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of every position, read off the model's own rope module (any scaling it uses)."""
     import mlx.core as mx
 
@@ -264,7 +269,7 @@ def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarr
     return fn
 
 
-def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
+def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> "AbstractGraphPass":
     """The coremltools compression pass for `mode` (int8 per channel, or a k-means LUT per 16 output
     channels) of the convs: a separate embedding stays fp16, as in Anemll. `shared`: the head's consts
     when the tied embedding lookup reads them too (a const feeding a conv and a gather has no op type)."""
@@ -281,7 +286,7 @@ def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
     return make(cto.OptimizationConfig(op_type_configs={"conv": cfg}, op_name_configs=dict.fromkeys(shared, cfg)))
 
 
-def _share_weights(prog: Any) -> None:
+def _share_weights(prog: "Program") -> None:
     """Give equal consts of the two functions one weight_id, so the package stores them once: by a hash
     of their bytes (both are built from the same arrays), not coremltools' float64 np.allclose of every
     candidate pair, which was most of a 0.6B draft's build time."""
@@ -386,7 +391,7 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS
     return out
 
 
-def check_match(meta: dict[str, str], spec: Any, package: Path) -> None:
+def check_match(meta: dict[str, str], spec: "DraftSpec | SimpleNamespace", package: Path) -> None:
     """Refuse a package built from another draft or tokenizer (`spec`: a DraftSpec, or anything
     with its tokenizer_sha256 and draft_sha256)."""
     for key, what in (("tokenizer_sha256", "for another tokenizer than this draft's"),

@@ -14,11 +14,15 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from .llama2c import interleaved_to_half_split
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from tokenizers import Tokenizer
 
 # ggml tensor type -> (name, elements per block, bytes per block); the types this import reads.
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
@@ -69,7 +73,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[Tensor], int]:
         return _parse(path, buf, size)
 
 
-def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor], int]:
+def _parse(path: Path, buf: mmap.mmap, size: int) -> tuple[dict[str, Any], list[Tensor], int]:
     pos = 4
 
     def span(n: int) -> int:
@@ -181,7 +185,7 @@ def hf_name(name: str, path: Path) -> str:
     return f"{NAMES[base]}.weight" if layer is None else f"model.layers.{layer}.{NAMES[base]}.weight"
 
 
-def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> dict:
+def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: "mx.Dtype") -> dict:
     """The file's tensors read by MLX, dequantized to `dtype`, renamed, q/k rows put back in
     half-split RoPE order."""
     import mlx.core as mx
@@ -204,7 +208,7 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> 
     return out
 
 
-def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
+def tokenizer_files(meta: dict, path: Path, context: int) -> tuple["Tokenizer", dict]:
     """A `tokenizers.Tokenizer` (byte-level BPE, special tokens added) and tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -254,7 +258,7 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
     return tok, {k: v for k, v in config.items() if v is not None}
 
 
-def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
+def import_gguf(path: Path, out: Path, dtype: "Optional[mx.Dtype]" = None) -> Path:
     """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: the one the product runs
     models in here, float16 on a Metal GPU, float32 on a CPU)."""
     import mlx.core as mx
