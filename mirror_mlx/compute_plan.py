@@ -10,13 +10,16 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    from coremltools.models.compute_plan import MLComputePlan
 
 
 DEVICE_NAMES = {"MLNeuralEngineComputeDevice": "ANE", "MLGPUComputeDevice": "GPU", "MLCPUComputeDevice": "CPU"}
 
 
-def load_plan(package: Path) -> Any:
+def load_plan(package: Path) -> "MLComputePlan":
     """The package's MLComputePlan for CPU and Neural Engine (macOS 14.4+; compiles the package)."""
     import coremltools as ct
     from coremltools.models.compute_plan import MLComputePlan
@@ -32,7 +35,7 @@ class PlannedOp:
     cost: Optional[float]  # Core ML's estimated share of the function's work, if it gave one
 
 
-def op_devices(plan: Any) -> dict[str, list[PlannedOp]]:
+def op_devices(plan: "MLComputePlan") -> dict[str, list[PlannedOp]]:
     """Per function of a loaded MLComputePlan, every op that runs somewhere (constants run nowhere and
     are left out) with its preferred device, named by its coremltools class."""
     out = {}
@@ -49,7 +52,7 @@ def op_devices(plan: Any) -> dict[str, list[PlannedOp]]:
     return out
 
 
-def unavailable_reason(package: Any) -> Optional[str]:
+def unavailable_reason(package: Union[str, Path, None]) -> Optional[str]:
     """Why no compute plan can be reported for the draft at `package` here, or None if one can."""
     if package is None or not str(package).endswith(".mlpackage"):
         return "the draft is not a Core ML package"
@@ -65,7 +68,7 @@ def unavailable_reason(package: Any) -> Optional[str]:
     return None
 
 
-def report(package: Any) -> str:
+def report(package: Union[str, Path, None]) -> str:
     """One line per function (op counts per device) and a warning if `rollout` left the Neural Engine."""
     reason = unavailable_reason(package)
     if reason is not None:

@@ -20,7 +20,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generator, Optional
 
 import mlx.core as mx
 
@@ -58,8 +58,8 @@ class Job:
     stats: Optional[Stats] = None  # its last run alone
     finish_reason: Optional[str] = None
     uid: Optional[int] = None  # in the batch
-    stream: Any = None  # alone: the pipeline's stream
-    detok: Any = None
+    stream: Optional[Generator[Chunk, None, None]] = None  # alone: the pipeline's stream
+    detok: Optional[Detokenizer] = None
     said: list[str] = field(default_factory=list)  # the text so far
     t0: float = field(default_factory=time.perf_counter)
     t_decode: Optional[float] = None  # when it began decoding (alone or batched)
