@@ -11,7 +11,7 @@ import platform
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from mirror_mlx.drafts.recipes import DraftRecipe
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256, vocab_sha256
 
 if TYPE_CHECKING:
+    from mirror_mlx.ane_draft.package_host import PackageDraft
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MESSAGE = "Core ML runs on macOS 15+; use the MLX draft folder here"
@@ -62,7 +63,7 @@ class CoreMLRunner:
         return out
 
 
-def package_draft(package: str, backend: str = "coreml") -> Any:
+def package_draft(package: str, backend: str = "coreml") -> "PackageDraft":
     """Runs in the draft host: the package's functions under `backend` behind the Draft protocol."""
     from mirror_mlx.ane_draft.package_host import PackageDraft
 

@@ -14,7 +14,7 @@ mirror_mlx/drafts/ss_draft.py): the same greedy windows in fewer calls.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -48,10 +48,18 @@ class Trace:
     rows: list[tuple[tuple[int, ...], np.ndarray, Optional[np.ndarray]]] = field(default_factory=list)
 
 
+class Runner(Protocol):
+    """A package's functions run by name: Core ML's (coreml_draft.CoreMLRunner) or the MIL evaluator's."""
+
+    def reset(self) -> None: ...
+
+    def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
 class PackageDraft:
     """The Draft protocol over a package's `extend` and `rollout` functions."""
 
-    def __init__(self, runner: Any, meta: dict[str, str], trace: bool = False):
+    def __init__(self, runner: Runner, meta: dict[str, str], trace: bool = False):
         self.runner = runner
         self.shapes: Shapes = package_shapes(meta)
         self.vocab_size = int(meta["vocab"])

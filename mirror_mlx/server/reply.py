@@ -5,7 +5,7 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
 
@@ -50,7 +50,7 @@ class ToolText:
     (TokenizerWrapper.tool_call_start / tool_call_end, as mlx_lm.server); each call's text goes through
     the tokenizer's own `tool_parser`. A call whose text does not parse stays in the text, with a note."""
 
-    def __init__(self, tokenizer: "TokenizerWrapper", tools: Optional[list[dict]], note: Any):
+    def __init__(self, tokenizer: "TokenizerWrapper", tools: Optional[list[dict]], note: Callable[[str], None]):
         self.on = bool(tools) and tokenizer.has_tool_calling
         self.start, self.end = (tokenizer.tool_call_start, tokenizer.tool_call_end) if self.on else ("", "")
         self.parser, self.tools, self.note = tokenizer.tool_parser if self.on else None, tools, note
@@ -211,7 +211,7 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
 
-def score(tokenizer: "TokenizerWrapper", token: int, row: Any, top: int) -> dict:
+def score(tokenizer: "TokenizerWrapper", token: int, row: mx.array, top: int) -> dict:
     """One token's log-probability and the `top` likeliest at its position (as mlx_lm.server, sorted)."""
     names = tokenizer.convert_ids_to_tokens
     entry = {"id": token, "token": names(token), "logprob": row[token].item(), "top_logprobs": []}

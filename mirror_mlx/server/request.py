@@ -70,7 +70,7 @@ def _text(value: str) -> str:
     return validate.clean_text(value)[0]
 
 
-def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
         raise APIError(400, f"'{name}' must be {rule} (got {value!r})", name)
 
@@ -86,7 +86,7 @@ def _content(message: dict, i: int) -> str:
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def _message(m: Any, i: int) -> dict:
+def _message(m: object, i: int) -> dict:
     """One chat message as the chat template takes it: "developer" is "system" (as OpenAI treats it); an
     assistant's tool_calls keep their arguments as objects (templates iterate them, as mlx_lm.server)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:

@@ -9,9 +9,13 @@ from the exit's own probabilities (branch_budget.py), so it can only do better o
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from ..options import PAPER_KNOBS
+
+if TYPE_CHECKING:
+    from .profile import Profile
+    from ..stats import Stats
 
 
 @dataclass(frozen=True)
@@ -318,7 +322,7 @@ def row_config(row: dict) -> Config:
     return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"], branches=row.get("branches"))
 
 
-def describe(c: Any) -> str:
+def describe(c: Union[Config, "Profile", "Stats"]) -> str:
     mirror = c.mode == "mirror"
     return Config(c.mode, c.kappa if mirror else None, c.gamma if c.mode != "ar" else None,
                   c.exit_layer if mirror else None,

@@ -4,7 +4,7 @@ the worker that runs it in the engine, in interleaved rounds; across ranks in lo
 import statistics
 import time
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
@@ -125,7 +125,7 @@ class Bench:
 
         return self.engine.on_target(once)
 
-    def comm(self, n: int, group: Any) -> float:
+    def comm(self, n: int, group: mx.distributed.Group) -> float:
         """T_comm over `n` rows across ranks: one sharded forward's two all_sums of n × hidden per layer, chained
         in one graph as the forward chains them (an eval after each would time MLX's per-eval overhead too).
         Every rank must call it."""
