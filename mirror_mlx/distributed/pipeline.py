@@ -10,11 +10,12 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .. import validate
+from ..chunks import Chunk, Detokenizer
 from ..lookup import LOOKUP
 from ..options import given
 from ..pipeline import Pipeline, check_adapter_path, load_draft
@@ -26,6 +27,7 @@ from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
 if TYPE_CHECKING:
+    from ..options import Plan
     from ..tune.profile import Profile
 
 NO_LOOKUP = ("the prompt lookup runs in one process, not across the ranks of mlx.launch: start it without the "
@@ -52,7 +54,7 @@ class DistributedPipeline(Pipeline):
         with self.watchdog.waiting(what):
             return share(values, size, self.group)
 
-    def resolve(self, plan: Any) -> Any:
+    def resolve(self, plan: "Plan") -> "Plan":
         """`Pipeline.resolve`, then what running across ranks adds: rank 0's seed for an unseeded sample, the
         watchdog beaten by the prefill's progress, and auto's choice kept (auto's runs neither adapt it nor
         leave the draft here: each rank would judge alone)."""
@@ -114,9 +116,10 @@ class DistributedPipeline(Pipeline):
             return b""
         return b"" if prof is None else json.dumps(asdict(prof)).encode()
 
-    def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
+    def _chunks(self, plan: "Plan", hold: bool = False,
+                detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
-        steps = super()._chunks(*args, **kwargs)
+        steps = super()._chunks(plan, hold, detokenizer)
         try:
             while True:
                 with self.watchdog.waiting("a step of the other ranks"):
@@ -130,7 +133,7 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def run(self, plan: Any, detokenizer: Any = None) -> Iterator:
+    def run(self, plan: "Plan", detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
         before it runs, so every rank runs the same generation step by step (the text is this rank's own:
         `detokenizer` stays here)."""

@@ -3,7 +3,7 @@ the draft's window at every position of it, and the early exit's rank of the tar
 candidate exit layer (cost_model.Trace), all from real forwards of the loaded models."""
 
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -13,6 +13,9 @@ from ..options import DRAFT_TIMEOUT_S
 from ..target import EarlyExitTarget
 from .cost_model import Trace
 from .profile import PairView
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 
@@ -53,7 +56,7 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
     return (plain - ex_above).tolist(), plain.tolist()
 
 
-def plain_draft_model(pipe: PairView) -> Optional[Any]:
+def plain_draft_model(pipe: PairView) -> Optional["nn.Module"]:
     """The draft as a plain MLX model in this process, for the teacher-forced trace: the MLXDraft object
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
@@ -75,7 +78,8 @@ def greedy_texts(pipe: PairView, prompts: list[list[int]], max_tokens: int) -> l
 
 
 def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
-          draft_model: Any = "auto", text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
+          draft_model: "Union[str, nn.Module, None]" = "auto",
+          text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
     """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
     the prompt plus the target's greedy text (`text`, else generated here).
 
