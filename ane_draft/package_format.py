@@ -9,7 +9,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -77,7 +78,7 @@ def tokenizer_metadata(tokenizer: "TokenizerWrapper") -> dict[str, str]:
             "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}
 
 
-def import_coremltools() -> Any:
+def import_coremltools() -> ModuleType:
     """coremltools, or a ConvertError naming the fix: off macOS it is the `convert` extra."""
     try:
         import coremltools

@@ -3,7 +3,7 @@ tokens dropped, the finish reason) serves the pipeline's steps and the server's 
 `Chunk` and `Result` are what callers get."""
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 
@@ -45,7 +45,7 @@ class Chunk:
     # per token (and for stop_token): the target's log-probabilities over the vocabulary, as mlx-lm's
     # GenerationResponse.logprobs (the processed distribution the token was chosen from)
     logprobs: list = field(default_factory=list, repr=False)
-    stop_logprobs: Any = field(default=None, repr=False)
+    stop_logprobs: Optional[mx.array] = field(default=None, repr=False)
     step: Optional[Step] = field(default=None, repr=False)  # the engine's step (its own stats, when it ran), no rows
 
     def __str__(self) -> str:

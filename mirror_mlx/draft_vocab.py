@@ -13,7 +13,7 @@ the drafts and mlx-lm read real token ids unchanged.
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -155,7 +155,7 @@ def check_trimmed(model: nn.Module, kept: KeptIds) -> None:
                      "embedding, so its head cannot be trimmed: leave draft_vocab out")
 
 
-def head_rows(draft: Any) -> Optional[int]:
+def head_rows(draft: object) -> Optional[int]:
     """How many ids a draft (a DraftRecipe or a draft object) scores when trimmed; None when its head is whole."""
     for arg in getattr(draft, "args", ()):
         if isinstance(arg, KeptIds):

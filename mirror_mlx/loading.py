@@ -36,7 +36,7 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
     return validate.model_folder(folder)
 
 
-def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, Any]:
+def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, "TokenizerWrapper"]:
     """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder; `mlx_lm_options`
     (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
     from mirror_mlx.drafts.ss_model import is_ss_draft, load_ss_draft

@@ -2,7 +2,10 @@
 speculative_generate_step yields them) and the generation's `Stats` (what `--json` prints)."""
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 
 @dataclass
@@ -146,7 +149,7 @@ class Step:
     fallback: bool = False  # mirror: it was not (a serial rollout, or none)
     stats: Stats = field(default_factory=Stats, repr=False)
     # row i: the target's log-probabilities (its processed distribution, as mlx-lm reports them) at tokens[i]
-    logprobs: Optional[Any] = field(default=None, repr=False)
+    logprobs: Optional["mx.array"] = field(default=None, repr=False)
     # when it ran, on time.perf_counter's clock (the first step's from the prefill's end), as its stats'
     # per-interval times are: a picture of the steps (timeline.py) places them on one axis
     span: tuple = (0.0, 0.0)

@@ -15,9 +15,10 @@ says how branches cost.
 """
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from ..tune.timing import Bench
     from ..pipeline import Pipeline
 
 ROLLOUT_ROWS = (1, 2, 4, 8)
@@ -61,7 +62,7 @@ def costs_alone(pipe: "Pipeline", context: list[int], points: dict, reps: int = 
     return out
 
 
-def _stems(b: Any, rows: int, gamma: int) -> list[list[int]]:
+def _stems(b: "Bench", rows: int, gamma: int) -> list[list[int]]:
     """`rows` spine-shaped branches over the last γ context tokens, as a mirror step posts them."""
     kappa = -(-rows // (gamma + 1))
     stems = b.stems(kappa, gamma)

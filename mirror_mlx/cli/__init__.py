@@ -5,7 +5,7 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 import importlib
 import sys
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import click
 
@@ -195,7 +195,10 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
 
 
-def refusing(error: type, make: Callable, *args: Any, **kwargs: Any) -> Any:
+T = TypeVar("T")
+
+
+def refusing(error: type[Exception], make: Callable[..., T], *args: object, **kwargs: object) -> T:
     """`make(*args, **kwargs)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
     try:
         return make(*args, **kwargs)

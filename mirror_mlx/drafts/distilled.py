@@ -11,7 +11,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from .. import draft_vocab
+
+if TYPE_CHECKING:
+    from ..recurrent import LayerCache
 
 MODEL_TYPE = "mirror_distilled"
 
@@ -46,11 +49,12 @@ class Model(nn.Module):
             self._index = draft_vocab.full_index(self.kept_ids, self.args.vocab_size)
         return self._index
 
-    def kept_logits(self, inputs: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def kept_logits(self, inputs: mx.array, cache: "Optional[list[LayerCache]]" = None) -> mx.array:
         """(..., V) logits over the kept ids (training and measurement use these)."""
         return self.head(self.model(inputs, cache))
 
-    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
+    def __call__(self, inputs: mx.array, cache: "Optional[list[LayerCache]]" = None,
+                 input_embeddings: Optional[mx.array] = None):
         return draft_vocab.full_logits(self.head(self.model(inputs, cache, input_embeddings)), self.full_index())
 
     def load_weights(self, *args, **kwargs):

@@ -20,7 +20,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from ..exit_adapter import adapter_for, adapter_layers
 from . import profile as profiles
@@ -29,6 +29,9 @@ from .placement import candidates
 from .profile import PairView
 from .timing import MIN_TIMED_S, Bench, Lockstep, interleaved, measure_parallel, split_comm
 from .traces import calibration_prompts, greedy_texts, trace
+
+if TYPE_CHECKING:
+    from ..chunks import Result
 
 QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 
@@ -149,7 +152,7 @@ def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer, branches=c.branches) for c in configs}
 
-    def generate(c: Config, prompt: list[int], **kw: Any) -> Any:
+    def generate(c: Config, prompt: list[int], **kw: object) -> "Result":
         pipe.auto.placement_forced = c.placement  # each config in its own placement (tune/placement.py)
         try:
             return pipe.generate(prompt, **dict(knobs[c], **kw))
