@@ -12,7 +12,7 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,11 +38,16 @@ from .tune.placement import placed
 from .tune.policy import AutoState, PairFacts, profile_for, resolve
 from .tune.profile import Profile, row_cost
 
+if TYPE_CHECKING:
+    from .exit_adapter import ExitAdapter, ExitAdapters
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 PromptInput = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
 
 
-def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optional[int] = None) -> DraftRecipe:
+def load_draft(path: Union[str, Path], target_tokenizer: "TokenizerWrapper",
+               draft_vocab: Optional[int] = None) -> DraftRecipe:
     """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package;
     `draft_vocab`: its head scores only that many ids. The tokenizer is checked here, the weights loaded by
     the host process only."""
@@ -61,7 +66,7 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optio
     return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),) + kept)
 
 
-def trimmed_head(folder: Path, tokenizer: Any, size: Any) -> tuple:
+def trimmed_head(folder: Path, tokenizer: "TokenizerWrapper", size: Optional[int]) -> tuple:
     """The recipe's argument for `draft_vocab` = `size`: the kept ids, or none when `size` is the whole vocabulary
     (the head is then left whole, as without draft_vocab)."""
     config = load_config(folder)
@@ -82,8 +87,9 @@ class Pipeline:
     ValueError. Shared, read each call's own `Result.stats`; `chat` keeps one conversation per Pipeline.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Any = None, name: str = "", draftless: Optional[str] = None):
+    def __init__(self, model: nn.Module, tokenizer: "TokenizerWrapper", draft: Union[Draft, DraftRecipe, None] = None,
+                 exit_adapter: "Union[ExitAdapter, ExitAdapters, None]" = None, name: str = "",
+                 draftless: Optional[str] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
@@ -189,7 +195,8 @@ class Pipeline:
             return plan
         self._check_not_iterating()
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
-        if (opts.lookup or self.draftless == RECYCLE) and opts.row_cost is None:  # windows, trees: at the measured verify
+        # windows, trees: at the measured verify
+        if (opts.lookup or self.draftless == RECYCLE) and opts.row_cost is None:
             opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 

@@ -322,7 +322,7 @@ def row_config(row: dict) -> Config:
     return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"], branches=row.get("branches"))
 
 
-def describe(c: Union[Config, "Profile", "Stats"]) -> str:
+def describe(c: Union[Config, "Choice", "Profile", "Stats"]) -> str:
     mirror = c.mode == "mirror"
     return Config(c.mode, c.kappa if mirror else None, c.gamma if c.mode != "ar" else None,
                   c.exit_layer if mirror else None,
