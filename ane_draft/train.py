@@ -12,19 +12,20 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _download, load, load_config
 from tqdm import tqdm
 
 from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
 from mirror_mlx.draft_tokenizer import folder_tokenizer, tokenizer_mismatch
+from mirror_mlx.model_parts import flat
 from mirror_mlx.drafts.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
@@ -292,8 +293,8 @@ def _schedule(cfg: TrainConfig) -> Callable:
 
 def _save_checkpoint(ckpt: Path, model: Model, opt: optim.Optimizer, step: int, cfg: TrainConfig) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
-    arrays = {"model." + k: v for k, v in tree_flatten(model.parameters())}
-    arrays.update({"opt." + k: v for k, v in tree_flatten(opt.state)})
+    arrays = {"model." + k: v for k, v in flat(model.parameters())}
+    arrays.update({"opt." + k: v for k, v in flat(opt.state)})
     mx.save_safetensors(str(ckpt / "state.tmp.safetensors"), arrays)
     (ckpt / "state.tmp.safetensors").replace(ckpt / "state.safetensors")
     (ckpt / "progress.json").write_text(json.dumps({"step": step, "config": _run_key(cfg)}, indent=2))
@@ -379,7 +380,7 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=0.01)
     opt.init(model.trainable_parameters())
     if step > 0:
-        w = mx.load(str(ckpt / "state.safetensors"))
+        w = cast(dict[str, mx.array], mx.load(str(ckpt / "state.safetensors")))
         model.load_weights([(k[6:], v) for k, v in w.items() if k.startswith("model.")], strict=True)
         opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
     before = evaluate(model, val) if step == 0 else None

@@ -14,7 +14,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 
@@ -191,7 +191,7 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: "mx.Dtyp
     import mlx.core as mx
 
     try:
-        raw = mx.load(str(path))
+        raw = cast(dict[str, mx.array], mx.load(str(path)))  # (a .gguf file: its tensors)
     except (RuntimeError, ValueError) as e:
         raise GGUFError(f"{path} cannot be read ({e}): download it again") from None
     out = {}

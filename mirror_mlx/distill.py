@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -189,11 +189,11 @@ def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192) -> dict
 
 
 def _save_state(path: Path, draft, opt, step: int, extra: dict) -> None:
-    from mlx.utils import tree_flatten
+    from .model_parts import flat
 
     path.mkdir(parents=True, exist_ok=True)
-    arrays = {"model." + k: v for k, v in tree_flatten(draft.trainable_parameters())}
-    arrays.update({"opt." + k: v for k, v in tree_flatten(opt.state)})
+    arrays = {"model." + k: v for k, v in flat(draft.trainable_parameters())}
+    arrays.update({"opt." + k: v for k, v in flat(opt.state)})
     mx.save_safetensors(str(path / "state.tmp.safetensors"), arrays)
     os.replace(path / "state.tmp.safetensors", path / "state.safetensors")
     tmp = path / "progress.tmp.json"
@@ -242,7 +242,7 @@ def _resume(ckpt: Path, draft, opt) -> tuple[int, list]:
     if not (ckpt / "progress.json").is_file():
         return 0, []
     prog = json.loads((ckpt / "progress.json").read_text())
-    w = mx.load(str(ckpt / "state.safetensors"))
+    w = cast(dict[str, mx.array], mx.load(str(ckpt / "state.safetensors")))
     draft.update(tree_unflatten([(k[6:], v) for k, v in w.items() if k.startswith("model.")]))
     opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
     return prog["step"], prog.get("history", [])

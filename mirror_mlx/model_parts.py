@@ -3,9 +3,11 @@ a prompt cache whose every layer can drop its last tokens, and how far two token
 (target.py) and the drafts (drafts/) import it; the draft host's process needs no more than this of a model.
 """
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import recurrent
@@ -55,6 +57,11 @@ def trimmable_cache(model: nn.Module) -> list[LayerCache]:
                              "speculation also drops the draft's rejected tokens): as a target, generate with "
                              "mlx_lm.generate; as a draft, choose another model")
     return cache
+
+
+def flat(tree: object) -> list[tuple[str, mx.array]]:
+    """mlx's tree_flatten of a module's parameters (or an optimizer's state): (dotted name, array) pairs."""
+    return cast(list[tuple[str, mx.array]], tree_flatten(tree))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from .. import draft_vocab
+from ..model_parts import flat
 
 if TYPE_CHECKING:
     from ..recurrent import LayerCache
@@ -87,9 +87,9 @@ def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int,
     source = list(range(frozen)) + list(init_layers if init_layers is not None else range(frozen, frozen + trained))
     if len(source) != frozen + trained or not all(0 <= i < len(inner.layers) for i in source):
         raise ValueError(f"init layers {init_layers} do not give {trained} of the target's {len(inner.layers)} layers")
-    weights = {"model." + k: v for k, v in tree_flatten(inner.parameters()) if not k.startswith("layers.")}
+    weights = {"model." + k: v for k, v in flat(inner.parameters()) if not k.startswith("layers.")}
     for mine, theirs in enumerate(source):
-        for k, v in tree_flatten(inner.layers[theirs].parameters()):
+        for k, v in flat(inner.layers[theirs].parameters()):
             weights[f"model.layers.{mine}.{k}"] = v
     out = target.lm_head.weight if hasattr(target, "lm_head") else inner.embed_tokens.weight
     weights["head.weight"] = out[kept]
@@ -103,7 +103,7 @@ def save_draft(draft: Model, out: Path, tokenizer_from: Path, extra: Optional[di
     """The draft as a model folder: config.json, model.safetensors (kept_ids among the weights), tokenizer."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(draft.parameters()))
+    weights = dict(flat(draft.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     for p in Path(tokenizer_from).iterdir():
         if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or p.suffix in (".model", ".jinja"):

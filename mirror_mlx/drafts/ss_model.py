@@ -16,7 +16,7 @@ import shutil
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -210,7 +210,8 @@ def float_weights(folder: Union[str, Path]) -> dict:
     """A model folder's weights by name; a 4/8-bit (mlx-lm quantized) model's dequantized by mlx-lm."""
     config = load_config(Path(folder))
     if "quantization" not in config and "quantization_config" not in config:
-        return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
+        return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in
+                cast(dict[str, mx.array], mx.load(str(wf))).items()}
     from mlx_lm.utils import dequantize_model
 
     model, _ = load_model(Path(folder))

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+
+from ..model_parts import flat
 
 if TYPE_CHECKING:
     import threading
@@ -57,9 +58,9 @@ def fingerprint(module: object) -> str:
     if params is None:  # a draft that is not an mlx module (Core ML): its class and its path if any
         return hashlib.sha1(f"{type(module).__name__}:{getattr(module, 'path', '')}".encode()).hexdigest()[:16]
     h = hashlib.sha1()
-    for name, w in tree_flatten(params()):
-        flat = w.reshape(-1)
-        sample = mx.concatenate([flat[:32], flat[-32:]]).astype(mx.float32)
+    for name, w in flat(params()):
+        values = w.reshape(-1)
+        sample = mx.concatenate([values[:32], values[-32:]]).astype(mx.float32)
         h.update(f"{name}:{tuple(w.shape)}:{w.dtype};".encode())
         h.update(np.array(sample).tobytes())
     return h.hexdigest()[:16]
