@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
 from contextlib import suppress
-from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Callable, Generator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -123,8 +123,8 @@ class Generation:
     draft_host: str  # where: Stats.draft_host
     exit_layer: Optional[int]
     index: Optional[Lookup]
-    sampler: Callable[[mx.array], mx.array]
-    processors: list[Callable[[mx.array, mx.array], mx.array]]
+    sampler: Callable[[mx.array, int], list[int]]  # sampling.row_sampler
+    processors: list[Callable]
     plan: BranchBudget  # which branches each mirror step rolls out
     tree: Optional[Recycled] = None  # sd with the recycled draft: the table its trees grow from
     window: Optional[list[int]] = None  # mirror's next window; None: not known yet (the lookup's, else a rollout)
@@ -357,7 +357,7 @@ class Engine:
         return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
-                 leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
+                 leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Generator[Step, None, None]:
         """Yield a `Step` per step, until max_tokens or a stop token; `prompt` and `opts` are a resolved Plan's.
 
         `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or None.

@@ -12,7 +12,7 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -206,11 +206,12 @@ class Pipeline:
         `prompt_cache`: a prompt cache file (prompt_cache.read) the prompt follows, as mlx_lm.generate's."""
         return self.run(self.plan(prompt, prompt_cache, **kwargs))
 
-    def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+    def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """`stream` of a checked plan (a server's request); `detokenizer`: one going on from earlier tokens."""
         return self._chunks(self.resolve(plan), hold=True, detokenizer=detokenizer)
 
-    def _chunks(self, plan: Plan, hold: bool = False, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+    def _chunks(self, plan: Plan, hold: bool = False,
+                detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """The engine's steps as Chunks (`stats`: their sum so far); `hold`: hold the pipeline meanwhile."""
         with self._turn() if hold else nullcontext(), placed(self, plan.opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(plan.ids, opts, plan.prompt_cache, leave_draft=plan.run)

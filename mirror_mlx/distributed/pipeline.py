@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Generator, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -117,7 +117,7 @@ class DistributedPipeline(Pipeline):
         return b"" if prof is None else json.dumps(asdict(prof)).encode()
 
     def _chunks(self, plan: "Plan", hold: bool = False,
-                detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+                detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
         steps = super()._chunks(plan, hold, detokenizer)
         try:
@@ -133,7 +133,7 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def run(self, plan: "Plan", detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+    def run(self, plan: "Plan", detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
         before it runs, so every rank runs the same generation step by step (the text is this rank's own:
         `detokenizer` stays here)."""
@@ -158,7 +158,7 @@ class DistributedPipeline(Pipeline):
             raise
         return self._lead(chunks)
 
-    def _lead(self, chunks: Iterator) -> Iterator:
+    def _lead(self, chunks: Generator[Chunk, None, None]) -> Generator[Chunk, None, None]:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
         try:
             while not ended:
