@@ -28,7 +28,7 @@ VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "widen-exit": "mirror_mlx.cli.build:widen_exit_cmd",
     "train-draft": "mirror_mlx.cli.build:train_draft_cmd",
     "train-exit": "mirror_mlx.cli.build:train_exit_cmd",
-    "distill": "mirror_mlx.cli.distill:distill_cmd",  # a first-layers draft with a trimmed head: distill.py
+    "distill": "mirror_mlx.cli.distill:distill_cmd",  # a first-layers draft with a trimmed head: train/distill.py
     "convert": "mirror_mlx.convert.command:convert_cmd",  # ANE draft packages: convert/coreml.py
 }
 
