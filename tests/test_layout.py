@@ -172,6 +172,19 @@ def test_the_draft_host_process_imports_no_target_side():
                           "mirror_mlx.engine", "mirror_mlx.engine.loop"}, sorted(reached)
 
 
+
+def test_the_engines_parts_load_without_its_loop():
+    """mirror_mlx.engine gives the loop's names on first use: the parts a draft host imports (model_parts,
+    recurrent, workers) run the package's __init__.py, which must not bring the loop and the target side."""
+    code = ("import sys, mirror_mlx.engine.model_parts, mirror_mlx.engine.recurrent, mirror_mlx.engine.workers; "
+            "print('\\n'.join(m for m in sys.modules if m.startswith('mirror_mlx.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.split()
+    assert "mirror_mlx.engine.workers" in loaded  # (the check sees what the import brought)
+    assert not {"mirror_mlx.engine.loop", "mirror_mlx.engine.target", "mirror_mlx.drafts.host"} & set(loaded), loaded
+
+
 ENGINE_PARTS = {"target", "target_worker", "target_model", "host", "loop", "local_build", "local_draft", "draft"}
 INSIDE = ("mirror_mlx/engine/loop.py", "mirror_mlx/pipeline.py")  # the engine, and the one that builds it
 

@@ -100,7 +100,7 @@ def measure(model: nn.Module, tokenizer, draft: nn.Module, texts: list[str], lay
             max_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> list[OmegaRow]:
     """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
 
-    The draft must share the target's tokenizer (run_omega checks it with draft_tokenizer.check_draft_tokenizer).
+    The draft must share the target's tokenizer (run_omega checks it with drafts.tokenizer.check_draft_tokenizer).
     """
     n_layers = len(text_model(model).layers)
     layers = list(layers or range(1, n_layers))
