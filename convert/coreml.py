@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss/model.py
 QUANTIZE = ("none", "int8", "lut4", "lut6")
 VOCAB_PAD = 1024  # unused rows a model may pad its vocabulary with (Qwen3: 151,669 tokens in 151,936)
 

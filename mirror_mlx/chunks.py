@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 
-from .stats import Stats, Step
+from .engine.stats import Stats, Step
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper

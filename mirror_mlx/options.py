@@ -5,7 +5,7 @@ API, the command line and the benchmark read them here). No MLX import, so `--he
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from .lookup import NGRAM_MAX
+from .proposers.lookup import NGRAM_MAX
 
 if TYPE_CHECKING:
     import mlx.core as mx

@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 
 from mirror_mlx.cli import chat as chat_mod
 from mirror_mlx.cli.chat import run_chat
-from mirror_mlx.stats import Stats
+from mirror_mlx.engine.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import Pipeline, load
 from tests.models import templated_target

@@ -9,9 +9,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from mirror_mlx.drafts.mlx_draft import MLXDraft
-from mirror_mlx.draft_api import Rollout
+from mirror_mlx.drafts.api import Rollout
 from mirror_mlx.engine import reuse_window
-from mirror_mlx.target import accept
+from mirror_mlx.engine.target import accept
 from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.lanes import LANES, in_lanes
 from tests.models import DATA, DRAFT_PATH, TARGET_PATH, tiny_model

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 import mirror_mlx
 from mirror_mlx import mlx_lm_api
 from mirror_mlx.pipeline import load
-from mirror_mlx.recurrent import held
+from mirror_mlx.engine.recurrent import held
 from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
 
 SCRIPT = """

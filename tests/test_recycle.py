@@ -1,5 +1,5 @@
 """The recycled draft (draft_model="recycle"): the target's own top candidates from earlier verifies, grown
-into a token tree and verified in one forward (mirror_mlx/recycle.py, mirror_mlx/tree.py).
+into a token tree and verified in one forward (mirror_mlx/proposers/recycle.py, mirror_mlx/engine/tree.py).
 
 A tree's forward gives each node what a plain forward over its path gives; the cache then holds the
 committed path only. Every family returns mlx-lm's greedy tokens, with large trees (row_cost=0: every
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mirror_mlx import tree as trees
-from mirror_mlx.model_parts import trimmable_cache
+from mirror_mlx.engine import tree as trees
+from mirror_mlx.engine.model_parts import trimmable_cache
 from mirror_mlx.pipeline import Pipeline
-from mirror_mlx.recycle import Recycled, verify_cost
+from mirror_mlx.proposers.recycle import Recycled, verify_cost
 from tests.models import CONFIGS, tiny_model
 from tests.test_engine import _FakeTokenizer
 from tests.test_sampling_whole import PROMPT as SMALL_PROMPT

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from ..drafts.ss_model import Model as SSModel
+    from ..drafts.ss.model import Model as SSModel
     import mlx.nn as nn
 
 PROBE = "Once upon a time, there was a little girl named Lily. She loved to play"  # a short prompt before the rows
@@ -38,7 +38,7 @@ def forward_ms(model: "nn.Module", prompt: mx.array, rows: int, reps: int = 15) 
 def ss_forward_ms(model: "SSModel", prompt: mx.array, reps: int = 15) -> float:
     """Median ms of one decode forward of a Speculative-Streaming draft: one row with its streams, over the
     prompt's keys and values (what one of its windows costs: several tokens a forward)."""
-    from mirror_mlx.drafts.ss_model import ss_forward
+    from mirror_mlx.drafts.ss.model import ss_forward
 
     past = [(k, v) for k, v in ss_forward(model, prompt).kv]
     mx.eval(past)
@@ -53,7 +53,7 @@ def ss_forward_ms(model: "SSModel", prompt: mx.array, reps: int = 15) -> float:
 
 def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """{rows: ms} for the model folder at `path` (an SS draft: its one-row forward with streams)."""
-    from mirror_mlx.drafts.ss_model import is_ss_draft
+    from mirror_mlx.drafts.ss.model import is_ss_draft
     from mirror_mlx.loading import load_model
 
     model, tok = load_model(path)

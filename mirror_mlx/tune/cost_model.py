@@ -15,7 +15,7 @@ from ..options import PAPER_KNOBS
 
 if TYPE_CHECKING:
     from .profile import Profile
-    from ..stats import Stats
+    from ..engine.stats import Stats
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .. import validate
-from ..lookup import NGRAM_MIN
+from ..proposers.lookup import NGRAM_MIN
 from ..options import PAPER_KNOBS, DecodeOptions
 from . import profile as profiles
 from .profile import AutoState, PairView
 from .cost_model import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
 
 if TYPE_CHECKING:
-    from ..stats import Stats, Step
+    from ..engine.stats import Stats, Step
 
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from ..model_parts import flat
+from ..engine.model_parts import flat
 
 if TYPE_CHECKING:
     import threading
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..drafts.recipes import DraftRecipe
     from ..engine import Engine
     from ..chunks import Result
-    from ..draft_api import Draft
+    from ..drafts.api import Draft
 
 VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
 # timed after mirror's prepare, and the prepare itself

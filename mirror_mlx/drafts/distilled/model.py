@@ -17,11 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from .. import draft_vocab
-from ..model_parts import flat
+from .. import vocab as draft_vocab
+from ...engine.model_parts import flat
 
 if TYPE_CHECKING:
-    from ..recurrent import LayerCache
+    from ...engine.recurrent import LayerCache
 
 MODEL_TYPE = "mirror_distilled"
 

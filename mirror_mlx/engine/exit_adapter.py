@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .model_parts import flat, text_model
-from .validate import check_layer
+from ..validate import check_layer
 
 FORMAT = "mirror-mlx-exit-adapter"
 VERSION = "1"

@@ -20,7 +20,7 @@ from . import recurrent
 from .recurrent import LayerCache
 from .branch_budget import ExitView
 from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
-from .options import default_exit_layer
+from ..options import default_exit_layer
 from .sampling import sample_rows
 from . import tree as trees
 
