@@ -19,6 +19,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from . import recurrent
 from .recurrent import LayerCache
 from .branch_budget import ExitView
+from .readback import float_rows, floats, int_rows, integer, scalar
 from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
 from ..options import default_exit_layer
 from .sampling import sample_rows
@@ -134,7 +135,7 @@ def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
     if len(rows) < 2:
         return mx.zeros((0,), dtype=mx.float32)
     logits = logits[:-1].astype(mx.float32)
-    picked = mx.take_along_axis(logits, mx.array(rows[1:], dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    picked = mx.take_along_axis(logits, mx.array(list(rows[1:]), dtype=mx.int32)[:, None], axis=-1)[:, 0]
     return picked - mx.logsumexp(logits, axis=-1)
 
 
@@ -164,6 +165,12 @@ class TargetSide:
             if self.tapped is not None:
                 self.tapped.remove()
             self.tapped = EarlyExitTarget(self.model, exit_layer, head)
+
+    @property
+    def tap(self) -> "EarlyExitTarget":
+        """The tap at ℓ_e: mode mirror sets it (set_exit_layer) before its first prefix."""
+        assert self.tapped is not None, "set_exit_layer first"
+        return self.tapped
 
     def adopt(self, cache: list[LayerCache], tokens: Optional[list[int]]) -> None:
         """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
@@ -255,20 +262,21 @@ class TargetSide:
                post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
         """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once (with the exit's
         probabilities, for the branch budget), returns them."""
-        early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
+        early, self._final = self.tap.forward(mx.array([rows]), self.cache)
         ids, logprobs = top_k(early[0], kappa, exclude)
         own = drafted_logprobs(early[0], rows)
         mx.eval(ids, logprobs, own)
         self._ids = ids
-        cand = ids.tolist()
-        post(cand, ExitView(logprobs.tolist(), own.tolist()))
+        cand = int_rows(ids)
+        post(cand, ExitView(float_rows(logprobs), floats(own)))
         return cand
 
     def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
         """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
         ys, a, logits = self._verify(self._final, history, window, sampler, processors)
+        assert self._ids is not None, "prefix first"
         probs = mx.softmax(logits[a].astype(mx.float32), axis=-1)
-        omega = mx.take(probs, self._ids[a]).sum().item()
+        omega = scalar(mx.take(probs, self._ids[a]).sum())
         self._final = self._ids = None
         return ys, a, omega
 
@@ -326,8 +334,8 @@ class StageTargetSide(TargetSide):
 
     def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
         mine = self.first < exit_layer <= self.first + self.count
-        self.exit_rank = int(mx.distributed.all_sum(mx.array(self.group.rank() if mine else 0), group=self.group,
-                                                    stream=mx.cpu).item())
+        self.exit_rank = integer(mx.distributed.all_sum(mx.array(self.group.rank() if mine else 0), group=self.group,
+                                                        stream=mx.cpu))
         if self.tapped is not None and (not mine or self.tapped.exit_layer != exit_layer
                                         or self.tapped.adapter is not head):
             self.tapped.remove()
@@ -342,7 +350,7 @@ class StageTargetSide(TargetSide):
         flat = mx.zeros((len(rows), k), dtype=mx.int32)
         probs = mx.zeros((len(rows), k + 1), dtype=mx.float32)  # the exit's log-probs: candidates, drafted token
         if rank == self.exit_rank:
-            early, self._final = self.tapped.forward(x, self.cache)
+            early, self._final = self.tap.forward(x, self.cache)
             flat, logprobs = top_k(early[0], kappa, exclude)
             flat = flat.astype(mx.int32)
             probs = mx.concatenate([logprobs, mx.pad(drafted_logprobs(early[0], rows), (0, 1))[:, None]], axis=1)
@@ -355,6 +363,6 @@ class StageTargetSide(TargetSide):
         probs = mx.distributed.all_sum(probs, group=self.group, stream=mx.cpu)
         mx.eval(ids, probs)
         self._ids = ids
-        cand, exit_probs = ids.tolist(), probs.tolist()
+        cand, exit_probs = int_rows(ids), float_rows(probs)
         post(cand, ExitView([row[:-1] for row in exit_probs], [row[-1] for row in exit_probs[:-1]]))
         return cand

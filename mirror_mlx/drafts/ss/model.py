@@ -49,6 +49,8 @@ class ModelArgs(llama.ModelArgs):
 class Model(llama.Model):
     """llama.Model plus the stream embeddings P_j; calling it runs the main stream only."""
 
+    args: ModelArgs
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.stream_embeddings = 0.02 * mx.random.normal((args.num_streams, args.hidden_size))
