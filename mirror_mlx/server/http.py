@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 from types import FrameType
-from typing import Any, Callable, Optional, TextIO, Union
+from typing import Any, Callable, Optional, TextIO, Union, cast
 
 from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
@@ -260,7 +260,9 @@ class Handler(BaseHTTPRequestHandler):
         if why is not None:
             self.send_api_error(APIError(403, why, code="origin_not_allowed", kind="permission_error"))
             return
-        data, kind = page.read(path)
+        found = page.read(path)
+        assert found is not None, "the caller checked page.FILES"
+        data, kind = found
         self.send_head(200, {"Content-Type": kind, "Content-Length": str(len(data)), **page.HEADERS})
         try:
             self.wfile.write(data)
@@ -345,12 +347,12 @@ class Handler(BaseHTTPRequestHandler):
             self.engine_failed(e, gen, sent=req.stream)
             return
         s.count("completed")
-        restored = gen.job.restored
+        restored = gen.submitted.restored
         if restored:
             s.note(f"prefix cache: the target started from a stored cache of {restored} prompt tokens "
                    "(the draft re-syncs from its own cache)")
         finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
-        extra = {"usage": gen.usage(), "x_mirror": dict(gen.job.x_stats(), prefix_cache_tokens=restored),
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.submitted.x_stats(), prefix_cache_tokens=restored),
                  **gen.take_steps()}
         try:
             if not req.stream:
@@ -388,6 +390,7 @@ class Handler(BaseHTTPRequestHandler):
         line = " ".join(f"{type(e).__name__}: {e}".split())
         error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
         if sent:
+            assert gen is not None, "a reply was sent: its generation began"
             self.cut_short(gen.req, error)
         else:
             try:
@@ -423,7 +426,7 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
         server.stop()
 
     previous = {sig: signal.signal(sig, stop) for sig in signals}  # SIGHUP: the terminal closed
-    host_, port_ = server.server_address[:2]
+    host_, port_ = cast(tuple[str, int], server.server_address[:2])  # (AF_INET: typeshed's union has AF_UNIX's)
     across, scheduler = server.across, server.scheduler
     page_host = "localhost" if host_ in ("0.0.0.0", "") else host_  # (the page's origin must be one allowed)
     if across:

@@ -51,6 +51,7 @@ class PrefixCache:
         own = target.own_tokens()
         if own is None:
             return 0
+        assert self.lru is not None, "restore checks there is a cache first"
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
         held = len(ids) - len(rest)
         if cache is None or held <= common_prefix(own, ids):
@@ -67,5 +68,6 @@ class PrefixCache:
 
     def _store(self, target: "TargetSide") -> None:
         held = target.copy()
+        assert self.lru is not None, "store checks there is a cache first"
         if held is not None:
             self.lru.insert_cache(self.KEY, *held)

@@ -96,7 +96,8 @@ def _message(m: object, i: int) -> dict:
     calls = m.get("tool_calls")
     if role == "assistant" and calls is not None:
         _check(isinstance(calls, list), f"messages[{i}].tool_calls", "a list of tool calls", calls)
-        out = {"role": role, "content": "" if m.get("content") is None else _content(m, i), "tool_calls": []}
+        out: dict[str, Any] = {"role": role, "content": "" if m.get("content") is None else _content(m, i),
+                               "tool_calls": []}
         for j, call in enumerate(calls):
             where = f"messages[{i}].tool_calls[{j}]"
             fn = call.get("function") if isinstance(call, dict) else None
@@ -208,6 +209,8 @@ def _prompt(body: dict, max_prompt_bytes: Optional[int]) -> Union[str, list]:
     if isinstance(prompt, str):
         prompt = _text(prompt)
         _fits(len(prompt.encode()), max_prompt_bytes, "prompt")
+        return prompt
+    assert isinstance(prompt, list)  # (ids, checked above)
     return prompt
 
 

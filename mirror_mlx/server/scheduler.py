@@ -317,6 +317,7 @@ class Scheduler:
 
     def _step_solo(self) -> None:
         job = self.solo
+        assert job is not None and job.stream is not None, "a step alone runs the solo job's stream"
         try:
             chunk = next(job.stream, None)
         except Exception as e:
@@ -342,6 +343,7 @@ class Scheduler:
 
     def _leave_solo(self, job: Job) -> None:
         """The request decoding alone stops at this step boundary; its run's rate is noted for the switches."""
+        assert job.stream is not None, "a job alone has its stream"
         job.stream.close()
         job.stream = None
         self.solo = None
@@ -374,6 +376,7 @@ class Scheduler:
         if not self.engine.with_target(self._cache_from_batch, job.uid, committed[:-1]):
             self.counts["moves_prefilled"] += 1
             self.note("scheduler: the batch's cache did not hold the committed tokens: the target prefills them")
+        assert job.uid is not None, "a job in the batch has its uid"
         del self.batch[job.uid]
         job.uid = None
         self.counts["moves_out"] += 1
@@ -504,6 +507,7 @@ class Scheduler:
         """A client that went away frees its slot at this step boundary."""
         if self.solo is not None and self.solo.cancelled.is_set():
             job, self.solo = self.solo, None
+            assert job.stream is not None, "a job alone has its stream"
             job.stream.close()
             job.stream = None
             self.counts["freed"] += 1
@@ -563,6 +567,7 @@ class Scheduler:
 
     def _remember(self, job: Job) -> None:
         """A chat's turn is the pipeline's conversation (its ids as committed), as Pipeline.chat leaves it."""
+        assert job.messages is not None, "only a chat's turn is remembered"
         stop = job.generated[-1] if job.finish_reason == "stop" and job.generated else None
         text = "".join(job.said)
         self.pipe.conversation = Conversation(list(job.messages) + [{"role": "assistant", "content": text}],

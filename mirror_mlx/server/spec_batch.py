@@ -19,7 +19,7 @@ without speculation (`supports`).
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..proposers.lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
 from ..engine.model_parts import trimmable_cache
+from ..engine.readback import int_rows, ints
 from ..options import DecodeOptions
 from ..engine.sampling import row_sampler, sample_rows, samplers
 from ..engine.target import accept
@@ -138,7 +139,7 @@ class HoleKVCache(BatchKVCache):
         return n
 
     def filter(self, batch_indices) -> None:
-        shift = min(self.left_padding[mx.array(batch_indices)].tolist())
+        shift = min(ints(self.left_padding[mx.array(batch_indices)]))
         super().filter(batch_indices)
         if self.keep is not None:
             self.keep = self.keep[mx.array(batch_indices)][:, shift:]
@@ -166,9 +167,9 @@ class HoleKVCache(BatchKVCache):
         """Positions every row leaves unused (padding and holes): what `compact` would save."""
         n = self.size()
         if self.keep is None:
-            return min(self.left_padding.tolist())
+            return min(ints(self.left_padding))
         used = (self._kept(n) & (mx.arange(n)[None, :] >= self.left_padding[:, None])).sum(axis=1)
-        return n - max(used.tolist())
+        return n - max(ints(used))
 
     def compact(self) -> None:
         """Each row's kept positions moved to the end, in order; the rest becomes left padding (a gather of the
@@ -176,14 +177,13 @@ class HoleKVCache(BatchKVCache):
         n = self.size()
         kept = self._kept(n) & (mx.arange(n)[None, :] >= self.left_padding[:, None])
         counts = kept.sum(axis=1)
-        width = max(counts.tolist())
+        width = max(ints(counts))
         # (position order within a row, kept ones last: a stable sort on "kept")
         order = mx.argsort(kept.astype(mx.int32) * (n + 1) + mx.arange(n)[None, :], axis=1)[:, n - width :]
         idx = order[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., :n, :], idx, axis=2)
-        self.values = mx.take_along_axis(self.values[..., :n, :], idx, axis=2)
-        self.left_padding = width - counts
-        self.state = (self.keys, self.values, self.offset, self.left_padding, width)
+        keys, values = cast(mx.array, self.keys), cast(mx.array, self.values)  # (mlx-lm's stub: None, its start)
+        self.state = (mx.take_along_axis(keys[..., :n, :], idx, axis=2), mx.take_along_axis(values[..., :n, :], idx,
+                      axis=2), self.offset, width - counts, width)
         self.keep = None
 
 
@@ -201,6 +201,12 @@ class Row:
     lookup: Lookup
     cache: Optional[list] = None  # until it joins: its own cache of tokens[:held]
     held: int = 0
+
+    @property
+    def own_cache(self) -> list:
+        """The cache of a row still joining (it has one until it joins)."""
+        assert self.cache is not None, "a joined row's cache is the batch's"
+        return self.cache
 
 
 @dataclass
@@ -270,7 +276,7 @@ class SpecBatch:
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for r in self.joining for c in r.cache)
+        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for r in self.joining for c in r.own_cache)
 
     def close(self) -> None:
         self.rows, self.joining, self.cache = [], [], []
@@ -294,7 +300,7 @@ class SpecBatch:
         for part in (ready, prefilled):
             if not part:
                 continue
-            batch = PromptProcessingBatch(self.model, [r.uid for r in part], [r.cache for r in part],
+            batch = PromptProcessingBatch(self.model, [r.uid for r in part], [r.own_cache for r in part],
                                           [r.tokens[: r.held] for r in part], prefill_step_size=self.prefill_step_size)
             if part is prefilled:  # right-padded, then rolled into left padding (mlx-lm's own prefill)
                 batch.prompt([r.tokens[r.held : -1] for r in part])
@@ -359,7 +365,7 @@ class SpecBatch:
             else:
                 picked.append(sample_rows(logits[i, : len(w) + 1], r.tokens, w, r.sample, r.processors))
         if any(r.greedy for r in rows):
-            top = mx.argmax(logprobs, axis=-1).tolist()
+            top = int_rows(mx.argmax(logprobs, axis=-1))
             picked = [(top[i][: len(w) + 1] if ys is None else ys, lp)
                       for i, ((ys, lp), w) in enumerate(zip(picked, windows))]
         return picked
