@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 ChatMessage = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
 
-def has_chat_template(tokenizer: "TokenizerWrapper") -> bool:
+def has_chat_template(tokenizer: object) -> bool:
     return bool(getattr(tokenizer, "has_chat_template", False))
 
 
@@ -66,7 +66,7 @@ def cli_prompt(tokenizer: "TokenizerWrapper", prompt: str, system_prompt: Option
     messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": prompt})
     prefill = prefill_response is not None
-    if prefill:
+    if prefill_response is not None:
         messages.append({"role": "assistant", "content": prefill_response})
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,

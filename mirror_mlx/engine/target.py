@@ -79,7 +79,7 @@ class EarlyExitTarget:
         """Undo the class swap (the model is then exactly as loaded)."""
         self._block.__class__ = self._block_cls
 
-    def forward(self, tokens: mx.array, cache: list[LayerCache]) -> tuple[mx.array, mx.array]:
+    def forward(self, tokens: mx.array, cache: Optional[list[LayerCache]]) -> tuple[mx.array, mx.array]:
         """Lazy (early_logits, final_logits) of one forward over `tokens` (B, T): evaluating the early ones first
         runs only blocks 1..ℓ_e and the head; the final ones then reuse block ℓ_e's output."""
         final = self.model(tokens, cache=cache)

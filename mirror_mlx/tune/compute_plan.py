@@ -73,6 +73,7 @@ def report(package: Union[str, Path, None]) -> str:
     reason = unavailable_reason(package)
     if reason is not None:
         return f"Core ML compute plan: skipped ({reason})"
+    assert package is not None, "unavailable_reason names a missing package"
     return format_plan(op_devices(load_plan(Path(package))))
 
 
@@ -86,9 +87,9 @@ def format_plan(ops: dict[str, list[PlannedOp]]) -> str:
         off = Counter(op.name for op in planned if op.device != "ANE")
         line = f"Core ML compute plan, {name}: " + ", ".join(
             f"{dev} {n} ops ({100 * n / total:.0f}%)" for dev, n in counts.most_common())
-        costs = [op.cost for op in planned]
-        if costs and None not in costs and sum(costs) > 0:
-            ane = sum(op.cost for op in planned if op.device == "ANE")
+        costs = [op.cost for op in planned if op.cost is not None]
+        if costs and len(costs) == len(planned) and sum(costs) > 0:  # (every op's cost estimated)
+            ane = sum(c for op, c in zip(planned, costs) if op.device == "ANE")
             line += f"; ANE {100 * ane / sum(costs):.0f}% of the estimated cost"
         if off:
             line += "; off the Neural Engine: " + ", ".join(f"{op} x{n}" for op, n in off.most_common())

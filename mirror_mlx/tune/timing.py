@@ -29,7 +29,7 @@ class Lockstep:
     """Who decides. In one process every decision is this process's own; across ranks (a pipeline with a
     `group`) rank 0's, shared with the others (one small all_sum), so every rank runs the same forwards."""
 
-    def __init__(self, pipe: PairView):
+    def __init__(self, pipe: Optional[PairView]):
         self.pipe = pipe
         self.group = getattr(pipe, "group", None)
         self.lead = self.group is None or self.group.rank() == 0
@@ -38,14 +38,17 @@ class Lockstep:
         """Rank 0's `values` (at most `size`, padded with 0) on every rank."""
         if self.group is None:
             return list(values) + [0] * (size - len(values))
-        return self.pipe.agree(values, size, "rank 0's calibration")
+        agree: Callable[[Sequence[int], int, str], list[int]] = getattr(self.pipe, "agree")  # (distributed's)
+        return agree(values, size, "rank 0's calibration")
 
     def flags(self, flags: Sequence[bool]) -> list[bool]:
         return [bool(f) for f in self.ints([int(f) for f in flags], len(flags))]
 
     def pick(self, chosen: Optional[Sequence[Config]], among: Sequence[Config]) -> list[Config]:
         """Rank 0's `chosen` (configurations of `among`, the same list on every rank) on every rank."""
-        got = self.ints([len(chosen), *(among.index(c) for c in chosen)] if self.lead else [], len(among) + 1)
+        assert chosen is not None or not self.lead, "rank 0 chooses"
+        mine = [len(chosen), *(among.index(c) for c in chosen)] if self.lead and chosen is not None else []
+        got = self.ints(mine, len(among) + 1)
         return [among[i] for i in got[1 : 1 + got[0]]]
 
 

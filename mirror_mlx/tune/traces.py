@@ -3,7 +3,7 @@ the draft's window at every position of it, and the early exit's rank of the tar
 candidate exit layer (cost_model.Trace), all from real forwards of the loaded models."""
 
 from functools import partial
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 import mlx.core as mx
 
@@ -11,6 +11,7 @@ from ..drafts.mlx_draft import MLXDraft
 from ..engine.exit_adapter import adapter_for
 from ..options import DRAFT_TIMEOUT_S
 from ..engine.target import EarlyExitTarget
+from ..engine.readback import ints
 from .cost_model import Trace
 from .profile import PairView
 
@@ -53,7 +54,7 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
     plain = above.sum(axis=-1)
     ex = mx.array(exclude)[:, None]
     ex_above = mx.take_along_axis(above, ex, axis=-1)[:, 0] & (ex[:, 0] != t[:, 0])
-    return (plain - ex_above).tolist(), plain.tolist()
+    return ints(plain - ex_above), ints(plain)
 
 
 def plain_draft_model(pipe: PairView) -> Optional["nn.Module"]:
@@ -109,7 +110,8 @@ def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Seque
 
     def teacher_forced() -> tuple[list[int], list[int]]:
         """A plain autoregressive draft: one forward over the text gives its token at every position."""
-        first = mx.argmax(draft_model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1).tolist()
+        model = cast("nn.Module", draft_model)  # ("auto" resolved above; called only with a model)
+        first = ints(mx.argmax(model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1))
         runs = [0] * (len(text) + 1)
         for i in range(len(text) - 1, -1, -1):
             runs[i] = min(gamma_max, runs[i + 1] + 1) if first[i] == text[i] else 0
