@@ -16,6 +16,7 @@ from ..engine import recurrent
 from ..engine.recurrent import LayerCache
 from .api import Rollout
 from ..engine.model_parts import common_prefix, trimmable_cache, vocab_size
+from ..engine.readback import int_rows, ints
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:
@@ -97,7 +98,7 @@ class MLXDraft:
             y = mx.argmax(self.model(y, cache=rows)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
             mx.async_eval(y)
             out.append(y)
-        windows = mx.concatenate(out, axis=1).tolist() if out else [[] for _ in stems]
+        windows = int_rows(mx.concatenate(out, axis=1)) if out else [[] for _ in stems]
         return Rollout(windows=windows, forwards=gamma + fed, tokens=gamma)
 
     def _window(self, context: Sequence[int], stem: Sequence[int], gamma: int) -> Rollout:
@@ -115,7 +116,7 @@ class MLXDraft:
             mx.async_eval(y)
             y = mx.argmax(self.model(y.astype(mx.int32), cache=self.cache)[:, -1, :], axis=-1, keepdims=True)
             out.append(y)
-        window = mx.concatenate(out, axis=1)[0].tolist()
+        window = ints(mx.concatenate(out, axis=1)[0])
         trim_prompt_cache(self.cache, len(stem) + gamma - 1)  # the draft's cache keeps committed tokens only
         self.cached.extend(rest)
         return Rollout(windows=[window], forwards=fed + gamma, tokens=gamma)

@@ -16,7 +16,7 @@ from .recurrent import LayerCache
 
 def text_model(model: nn.Module) -> nn.Module:
     """The language model inside a VLM wrapper (gemma3, mistral3, ...), or the model itself."""
-    return getattr(model, "language_model", model)
+    return cast(nn.Module, getattr(model, "language_model", model))  # (mlx's stub: a Module's attribute is Any | dict)
 
 
 def inner_model(model: nn.Module) -> nn.Module:

@@ -205,7 +205,9 @@ class RecurrentCache(ArraysCache):
 
 def _take_touched() -> tuple[Optional[RecurrentCache], Optional[int], bool]:
     """The cache slot the model touched last on this thread (and whether it set it), once."""
-    cache, slot, was_set = (getattr(_touched, k, None) for k in ("cache", "slot", "set"))
+    cache: Optional[RecurrentCache] = getattr(_touched, "cache", None)
+    slot: Optional[int] = getattr(_touched, "slot", None)
+    was_set = bool(getattr(_touched, "set", False))
     _touched.cache = _touched.slot = None
     return cache, slot, was_set
 

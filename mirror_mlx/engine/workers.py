@@ -83,9 +83,8 @@ class Worker:
     def __init__(self, name: str):
         self.name = name
         with _idle_lock:
-            self._mlx = _idle.pop() if _idle else None
-        if self._mlx is None:
-            self._mlx = _MLXThread()
+            parked = _idle.pop() if _idle else None
+        self._mlx = parked if parked is not None else _MLXThread()
         self._mlx.thread.name = f"mirror-{name}"
         self.thread, self.stream = self._mlx.thread, self._mlx.stream
         self._pending: "weakref.WeakSet[Future]" = weakref.WeakSet()
