@@ -231,7 +231,7 @@ class DraftHost:
         self.process = isinstance(draft, DraftRecipe) if process is None else process
         if self.process and not isinstance(draft, DraftRecipe):
             raise TypeError("a draft object cannot move to another process: pass a DraftRecipe, or process=False")
-        if self.process and getattr(draft.build, "__module__", "") == "__main__":
+        if isinstance(draft, DraftRecipe) and self.process and getattr(draft.build, "__module__", "") == "__main__":
             raise TypeError(f"the draft host cannot import {draft.build.__name__} from your __main__ script: "
                             "define the DraftRecipe's builder in an importable module")
         self.draft = draft
@@ -248,7 +248,7 @@ class DraftHost:
         self._theirs = [req_r, rep_w]  # the host's ends
         _live.add(self)
         try:
-            if self.process:
+            if self.process and isinstance(draft, DraftRecipe):  # (checked above: a process builds a recipe)
                 self._start_process(draft)
             else:
                 self._start_thread(draft)
@@ -401,6 +401,7 @@ class DraftHost:
         stalled = False
         if self._worker is not None:
             # a stalled draft thread cannot be killed: it is left to finish (then it parks, see workers.py)
+            assert self._served is not None, "a host thread's loop is served"
             stalled = not wait([self._served], grace).done
             self._worker.close(join_timeout=0.0 if stalled else 5.0)
         for fd in [self.req.fd, self.rep.fd] + self._theirs:
@@ -411,7 +412,7 @@ class DraftHost:
                 ring.shm.unlink()
             else:
                 ring.close()
-        self.req = self.rep = None
+        self.req = self.rep = None  # type: ignore[assignment]  # (None: closed, what `close` reads; never used after)
         _live.discard(self)
 
     def kill(self) -> None:

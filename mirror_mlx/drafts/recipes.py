@@ -4,10 +4,13 @@ reference, so the host process builds the draft itself (its weights never cross 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from mirror_mlx.drafts.api import Draft
 from mirror_mlx.drafts.vocab import KeptIds, trim
+
+if TYPE_CHECKING:
+    from mirror_mlx.drafts.mlx_draft import MLXDraft
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,7 @@ class DraftRecipe:
         return f"{self.build.__name__}({', '.join(map(str, self.args))})"
 
 
-def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
+def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> "MLXDraft":
     """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec); `kept`: its
     head scores only those ids (vocab.py)."""
     from mlx_lm.utils import load_model

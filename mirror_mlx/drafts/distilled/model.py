@@ -41,7 +41,7 @@ class Model(nn.Module):
         self.model = llama.LlamaModel(args)
         self.head = nn.Linear(args.hidden_size, args.kept_size, bias=False)
         self.kept_ids = mx.zeros((args.kept_size,), dtype=mx.int32)
-        self._index = None
+        self._index: Optional[mx.array] = None
 
     def full_index(self) -> mx.array:
         """For each vocabulary id, its row in the head's output, or V (the -inf column) when not kept."""
