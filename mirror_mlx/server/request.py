@@ -96,8 +96,8 @@ def _message(m: object, i: int) -> dict:
     calls = m.get("tool_calls")
     if role == "assistant" and calls is not None:
         _check(isinstance(calls, list), f"messages[{i}].tool_calls", "a list of tool calls", calls)
-        out: dict[str, Any] = {"role": role, "content": "" if m.get("content") is None else _content(m, i),
-                               "tool_calls": []}
+        tool_calls: list[dict] = []
+        out = {"role": role, "content": "" if m.get("content") is None else _content(m, i), "tool_calls": tool_calls}
         for j, call in enumerate(calls):
             where = f"messages[{i}].tool_calls[{j}]"
             fn = call.get("function") if isinstance(call, dict) else None
@@ -111,7 +111,7 @@ def _message(m: object, i: int) -> dict:
                 except ValueError as e:
                     raise APIError(400, f"{where}.function.arguments is not valid JSON ({e})",
                                    f"{where}.function.arguments") from None
-            out["tool_calls"].append(dict(call, function=dict(fn, arguments=args)))
+            tool_calls.append(dict(call, function=dict(fn, arguments=args)))
         return out
     extra = {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)}
     return {"role": role, "content": _content(m, i), **extra}
