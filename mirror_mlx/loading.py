@@ -4,7 +4,7 @@
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
@@ -36,7 +36,17 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
     return validate.model_folder(folder)
 
 
-def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, "TokenizerWrapper"]:
+Pair = tuple[nn.Module, "TokenizerWrapper"]
+
+
+def mlx_lm_load(path: str) -> Pair:
+    """mlx_lm.load's (model, tokenizer): its annotation also allows the 3-tuple that return_config gives."""
+    import mlx_lm.utils
+
+    return cast(Pair, mlx_lm.utils.load(path))
+
+
+def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> Pair:
     """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder; `mlx_lm_options`
     (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
     from mirror_mlx.drafts.ss.model import is_ss_draft, load_ss_draft
@@ -45,7 +55,7 @@ def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.
     if is_ss_draft(folder):
         return load_ss_draft(folder)
     try:
-        model, tokenizer = mlx_load(str(folder), **mlx_lm_options)
+        model, tokenizer = cast(Pair, mlx_load(str(folder), **mlx_lm_options))
     except Exception as e:
         raise ValueError(f"cannot load model {path_or_id}: {type(e).__name__}: {e}") from None
     check_vocabulary(model, tokenizer, folder)

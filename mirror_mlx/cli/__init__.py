@@ -5,7 +5,7 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 import importlib
 import sys
 from functools import partial
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, Union
 
 import click
 
@@ -198,7 +198,8 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
 T = TypeVar("T")
 
 
-def refusing(error: type[Exception], make: Callable[..., T], *args: object, **kwargs: object) -> T:
+def refusing(error: Union[type[Exception], tuple[type[Exception], ...]], make: Callable[..., T], *args: object,
+             **kwargs: object) -> T:
     """`make(*args, **kwargs)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
     try:
         return make(*args, **kwargs)

@@ -69,7 +69,7 @@ def pack_cmd(model, data_dir, out) -> None:
 def restore_cmd(model, ids, data_dir) -> None:
     """Fill the reply cache from packed token ids: each missing reply's teacher logits are recomputed by
     batched prefill of the target (resumable, like `distill data`)."""
-    from mlx_lm.utils import load
+    from ..loading import mlx_lm_load as load
 
     from mirror_mlx.train.distill import data_root
     from mirror_mlx.train.distill_data import restore_ids

@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -21,7 +22,8 @@ class TakesLists(click.Command):
     LISTS = ("--extra-eos-token", "--image")
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        out, current = [], None
+        out: list[str] = []
+        current: Optional[str] = None
         for arg in args:
             if arg.startswith("-"):
                 current = arg if arg in self.LISTS else None

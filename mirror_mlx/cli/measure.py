@@ -2,6 +2,7 @@
 and BenchConfig)."""
 
 from pathlib import Path
+from typing import Union
 
 import click
 
@@ -76,6 +77,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         pipe.close()
     if prof is None:  # a rank beside rank 0 under mlx.launch: rank 0 prints and saves
         return
+    path: Union[Path, str]
     try:
         path = profile.save(prof)
     except profile.ProfileError as e:  # an unwritable cache: the table below is still worth reading

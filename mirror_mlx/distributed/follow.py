@@ -33,7 +33,7 @@ def follow(pipe: DistributedPipeline, prefixes: "Optional[PrefixCache]" = None) 
         nonlocal stream, stepped
         stepped = False
         if stream is not None:
-            stream, s = None, stream
+            s, stream = stream, None
             s.close()
 
     while True:
@@ -62,6 +62,7 @@ def follow(pipe: DistributedPipeline, prefixes: "Optional[PrefixCache]" = None) 
         elif kind == STEP:
             if stream is None:
                 die(f"rank 0 runs a request this rank could not start ({failed!r}): stopping")
+            assert stream is not None  # (die ended the process)
             stepped = True
             try:
                 chunk = next(stream, None)

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 
+from ..engine.readback import ints
+
 if TYPE_CHECKING:
     import mlx.nn as nn
 
@@ -35,7 +37,7 @@ def share(values: Sequence[int], size: int, g: mx.distributed.Group) -> list[int
     if g.rank() == 0:
         buf[: len(values)] = values
     out = mx.distributed.all_sum(mx.array(buf, dtype=mx.int32), group=g, stream=mx.cpu)
-    return out.tolist()
+    return ints(out)
 
 
 def rank() -> int:

@@ -73,7 +73,7 @@ class Recycled:
         p, width = self.p(), 1 if self.one_path else K
         heap = [(-p[0, r], 0, r, 1) for r in range(width)]  # (-probability, parent, rank, depth)
         heapq.heapify(heap)
-        slots, expected, best, rate = [], 1.0, 0, MARGIN
+        slots, expected, best, rate = list[tuple[int, int]](), 1.0, 0, MARGIN
         while heap and len(slots) < NODES:
             q, parent, rank, d = heapq.heappop(heap)
             if d > depth:

@@ -126,7 +126,7 @@ def split_forward(draft, tokens: mx.array, frozen: int) -> mx.array:
     return draft.head(inner.norm(h))
 
 
-def distill_loss(draft, tokens, rows, weights, mask, frozen: int):
+def distill_loss(draft, tokens, rows, weights, mask, *, frozen: int):
     logq = nn.log_softmax(split_forward(draft, tokens, frozen), axis=-1)
     ce = -(weights * mx.take_along_axis(logq, rows, axis=-1)).sum(-1)
     return (ce * mask).sum() / mx.maximum(mask.sum(), 1)
@@ -161,7 +161,8 @@ def run_key(cfg: TrainConfig) -> dict:
 
 def _batches(exs: list[Example], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """Examples grouped by length (little padding), groups shuffled."""
-    groups, cur = [], []
+    groups: list[list[int]] = []
+    cur: list = []
     for i in np.argsort([len(e.tokens) for e in exs], kind="stable"):
         if cur and len(exs[i].tokens) * (len(cur) + 1) > batch_tokens:  # (the longest so far: sorted by length)
             groups.append(cur)
@@ -290,7 +291,7 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
 
     t_start = time.time()
     if model is None:
-        from mlx_lm.utils import load
+        from ..loading import mlx_lm_load as load
 
         model, tokenizer = load(cfg.target)
     target_config = json.loads((Path(cfg.target) / "config.json").read_text())
@@ -332,7 +333,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
 
     def checkpoint(final: bool = False) -> dict:
         mx.eval(draft.parameters(), opt.state)
-        entry = {"step": step, "epoch": step / steps_per_epoch, "minutes": (time.time() - t_start) / 60}
+        entry: dict[str, object] = {"step": step, "epoch": step / steps_per_epoch,
+                                    "minutes": (time.time() - t_start) / 60}
         if eval_replies:  # between checkpoints a quarter of them, spread over the categories; all at the end
             entry.update(agreement(draft, eval_replies if final else eval_replies[::4]))
             entry["measured_on"] = "all" if final else "quarter"
@@ -369,13 +371,13 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
     round and shape, its draft written to OUT/round-NNN-SHAPE and OUT/latest-SHAPE), and again, until the
     schedule is generated and its last round trained. The shapes are compared on the same data each round.
     Killed and started again, it goes on: the replies are on disk, a round's runs resume from their checkpoints."""
-    from mlx_lm.utils import load
+    from ..loading import mlx_lm_load as load
 
     model, tokenizer = load(data.target)
     root = data_root(data.target, data.data_dir)
     state_file = root / "loop.json"
     while True:
-        state = json.loads(state_file.read_text()) if state_file.is_file() else {"round": 0, "trained_tokens": 0}
+        state: dict = json.loads(state_file.read_text()) if state_file.is_file() else {"round": 0, "trained_tokens": 0}
         r = state["round"]
         runs = [(c, root / "runs" / f"loop-r{r:03d}-{shape_name(c)}") for c in train_cfgs]
         mid_round = any((d / "manifest.json").is_file() for _, d in runs)

@@ -214,7 +214,7 @@ def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], N
     from mirror_mlx.corpus import eos_ids
 
     if model is None:
-        from mlx_lm.utils import load
+        from ..loading import mlx_lm_load as load
 
         model, tokenizer = load(cfg.target)
     root = data_root(cfg.target, cfg.data_dir)
@@ -291,7 +291,8 @@ def pack_ids(root: Path, out: Path) -> dict:
     else int32; prompts stored once per distinct prompt): what a repository keeps so another machine resumes.
     The teacher's top-K logits are not kept: `restore_ids` recomputes them by batched prefill."""
     files = sorted(p for p in (Path(root) / "replies").glob("*.npz") if not p.name.endswith(".tmp.npz"))
-    keys, prompts, prompt_of, replies = [], {}, [], []
+    keys, prompt_of, replies = [], [], []
+    prompts: dict[tuple[int, ...], int] = {}  # a prompt → its index
     for p in files:
         with np.load(p) as z:
             prompt, reply = tuple(int(t) for t in z["prompt"]), z["reply"].astype(np.int64)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from .. import demo as demo_pair
 from ..engine.exit_adapter import ExitAdapter, adapter_meta, save_adapter
 from ..engine.model_parts import text_model
+from ..engine.readback import scalar
 from ..options import default_exit_layer
 from ..engine.target import EarlyExitTarget, apply_head, check_exit_layer
 
@@ -84,7 +85,7 @@ def kl(model: nn.Module, adapter: Optional[nn.Module], data: ExitData, batch: in
     total = 0.0
     n = data.x_early.shape[0]
     for i in range(0, n, batch):
-        total += _kl_rows(model, adapter, data.x_early[i : i + batch], data.x_final[i : i + batch]).sum().item()
+        total += scalar(_kl_rows(model, adapter, data.x_early[i : i + batch], data.x_final[i : i + batch]).sum())
     return total / max(n, 1)
 
 
