@@ -8,7 +8,7 @@ costs one target forward of γ+1 rows plus the draft's γ (or, in mirror, whatev
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import mlx.core as mx
 
@@ -59,7 +59,7 @@ def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, floa
     model, tok = load_model(path)
     prompt = mx.array([tok.encode(PROBE)])
     if is_ss_draft(path):
-        return {1: ss_forward_ms(model, prompt)}
+        return {1: ss_forward_ms(cast("SSModel", model), prompt)}  # (is_ss_draft: load_model gave its Model)
     return {r: forward_ms(model, prompt, r) for r in rows}
 
 
@@ -72,7 +72,7 @@ def cost_line(target: str, draft: str, rows: Sequence[int] = (1, 2, 4, 8)) -> st
 
 
 def main(argv: list[str]) -> int:
-    rows = (1, 2, 4, 8)
+    rows: tuple[int, ...] = (1, 2, 4, 8)
     if "--rows" in argv:
         i = argv.index("--rows")
         rows, argv = tuple(int(r) for r in argv[i + 1].split(",")), argv[:i] + argv[i + 2:]

@@ -30,7 +30,9 @@ def machine() -> dict:
         commit = ""
     return {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
             "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+            "python": platform.python_version(),
+            "mlx": mx.__version__,  # type: ignore[attr-defined]  # (mlx's stub leaves it out)
+            "mlx_lm": mlx_lm.__version__,
             "mirror_mlx": __version__, "commit": commit, "blas": status(),
             "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
             "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}

@@ -124,6 +124,7 @@ def run_baseline(pipe: "Pipeline", mode: str, p: PromptIds, index: int, max_toke
     if mode == "ar":
         run = run_ar(pipe.model, p.ids, max_tokens, temp, seed=seed)
     else:
+        assert k is not None, "mlx_sd drafts k tokens"
         run = run_mlx_sd(pipe.model, mlx_draft(pipe), p.ids, max_tokens, k, temp, seed=seed)
     stats = Stats(mode=mode, generation_tokens=len(run.tokens), target_forwards=run.target_forwards,
                   steps=run.target_forwards, decode_seconds=run.decode_s, peak_memory_gb=run.peak_memory / 1e9)
@@ -234,6 +235,7 @@ def one(pipe: "Pipeline", mode: str, p: PromptIds, index: int, cfg: BenchConfig,
 
 def run_sweep(cfg: BenchConfig, pipe: "Pipeline", prompts: list[PromptIds], result: dict) -> None:
     """Mirror mode over the (κ, γ, ℓ_e) grid, with `ar` on each prompt as reference and baseline."""
+    assert cfg.sweep is not None, "a sweep's grid"
     default_exit = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
     grid = parse_sweep(cfg.sweep, pipe.engine.n_layers, cfg.kappa or PAPER_KNOBS["kappa"],
                        cfg.gamma or PAPER_KNOBS["gamma"], default_exit)
