@@ -19,7 +19,7 @@ from mirror_mlx.drafts.recipes import DraftRecipe
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256, vocab_sha256
 
 if TYPE_CHECKING:
-    from mirror_mlx.ane_draft.package_host import PackageDraft
+    from mirror_mlx.ane_draft.package_host import PackageDraft, Runner
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MESSAGE = "Core ML runs on macOS 15+; use the MLX draft folder here"
@@ -67,6 +67,7 @@ def package_draft(package: str, backend: str = "coreml") -> "PackageDraft":
     """Runs in the draft host: the package's functions under `backend` behind the Draft protocol."""
     from mirror_mlx.ane_draft.package_host import PackageDraft
 
+    runner: "Runner"
     if backend == "coreml":
         runner = CoreMLRunner(Path(package))
     elif backend == "mil":

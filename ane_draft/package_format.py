@@ -111,4 +111,4 @@ def read_metadata(package: Path) -> dict[str, str]:
 
 def package_shapes(meta: dict[str, str]) -> Shapes:
     keys = ("context", "chunk", "rows", "scratch", "kappa", "gamma")
-    return Shapes(*(int(meta[k]) for k in keys), streams=int(meta.get("streams", 0)))
+    return Shapes(**{k: int(meta[k]) for k in keys}, streams=int(meta.get("streams", 0)))

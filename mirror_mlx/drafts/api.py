@@ -22,7 +22,8 @@ class Draft(Protocol):
     prefills it while the target prefills, so the first window costs no prefill forward on the decode clock.
     """
 
-    vocab_size: Optional[int]  # None: the model does not say
+    @property
+    def vocab_size(self) -> Optional[int]: ...  # (None: the model does not say)
 
     def reset(self) -> None: ...
 
