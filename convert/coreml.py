@@ -95,7 +95,8 @@ def _dense(layer: "nn.Module", copy: bool = True) -> np.ndarray:
     if hasattr(layer, "scales"):  # in float32: the scales' own bf16/fp16 would round every weight
         kw = {"mode": layer.mode} if hasattr(layer, "mode") else {}
         f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
-        w = mx.dequantize(w, f32(layer.scales), f32(getattr(layer, "biases", None)), layer.group_size, layer.bits, **kw)
+        w = mx.dequantize(w, layer.scales.astype(mx.float32), f32(getattr(layer, "biases", None)), layer.group_size,
+                          layer.bits, **kw)
     return _np(w, copy)
 
 
@@ -106,7 +107,7 @@ def _weights_sha256(weights: Mapping[str, Union[np.ndarray, Callable[[], np.ndar
         w = weights[k]
         w = w() if callable(w) else w
         h.update(k.encode())
-        h.update(np.ascontiguousarray(w, dtype=np.float32).view(np.uint8))  # no copy
+        h.update(np.ascontiguousarray(w, dtype=np.float32).view(np.uint8).data)  # no copy
     return h.hexdigest()
 
 
@@ -298,7 +299,7 @@ def _share_weights(prog: "Program") -> None:
         for op in f.operations:
             val = op.outputs[0].val if op.op_type == "const" else None
             if isinstance(val, np.ndarray):
-                key = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val).view(np.uint8)).digest())
+                key = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val).view(np.uint8).data).digest())
                 groups.setdefault(key, []).append(op)
     for i, ops in enumerate(g for g in groups.values() if len(g) > 1):
         for op in ops:

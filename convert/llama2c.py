@@ -11,8 +11,14 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+Rows = TypeVar("Rows", np.ndarray, "mx.array")  # numpy's or MLX's: both reshape and transpose alike
 
 HEADER = struct.Struct("<7i")
 
@@ -92,7 +98,7 @@ def read_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, np.ndarray]]:
     return cfg, w
 
 
-def interleaved_to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
+def interleaved_to_half_split(w: Rows, n_heads: int) -> Rows:
     """Reorder q/k output rows from interleaved RoPE pairs to mlx-lm's half-split layout."""
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
 import numpy as np
 
@@ -164,9 +164,10 @@ def float32_reference(model: "nn.Module") -> "nn.Module":
     """The MLX draft with float32 activations: its float parameters cast in place (a quantized
     layer keeps its integer weights; its scales and biases become float32)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in tree_flatten(model.parameters())):
+    from mirror_mlx.engine.model_parts import flat
+
+    if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in flat(model.parameters())):
         model.set_dtype(mx.float32)
         mx.eval(model.parameters())  # now, so the half-precision weights are freed now
     return model
@@ -312,6 +313,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
         raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
     if model is None:
         model, tokenizer = load_model(draft)
+    assert tokenizer is not None, "a model is given with its tokenizer"
     shapes = package_shapes(meta)
     check_match(meta, SimpleNamespace(tokenizer_sha256=tokenizer_sha256(tokenizer), draft_sha256=draft_sha256(model)),
                 package)
@@ -349,8 +351,11 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
             for path in chosen:
                 report.add(rows[path][0][None], refs[path][None])
             if shapes.streams:
-                for p, want in zip(chosen, _stream_logits(model, [context + list(p) for p in chosen])):
-                    report.add(rows[p][1], want)
+                ss_model = cast("SSModel", model)  # (a package with streams: an SS draft's)
+                for p, want in zip(chosen, _stream_logits(ss_model, [context + list(p) for p in chosen])):
+                    streams = rows[p][1]
+                    assert streams is not None, "a package with streams traces their logits"
+                    report.add(streams, want)
             report.rollout_rows += len(chosen)
             report.produced_rows += len(draft_pkg.trace.rows)
             report.calls += result.forwards

