@@ -77,7 +77,7 @@ def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
 def import_coremltools() -> Any:
     """coremltools, or a ConvertError naming the fix: off macOS it is the `convert` extra."""
     try:
-        import coremltools
+        import coremltools  # (coremltools: an extra off macOS)
     except ImportError:
         raise ConvertError("coremltools is not installed, and building, checking or reading a Core ML draft package "
                            "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)") from None

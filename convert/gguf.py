@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .llama2c import interleaved_to_half_split
 
@@ -183,8 +185,6 @@ def hf_name(name: str, path: Path) -> str:
 def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> dict:
     """The file's tensors read by MLX, dequantized to `dtype`, renamed, q/k rows put back in
     half-split RoPE order."""
-    import mlx.core as mx
-
     try:
         raw = mx.load(str(path))
     except (RuntimeError, ValueError) as e:
@@ -205,8 +205,6 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> 
 
 def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
     """A `tokenizers.Tokenizer` (byte-level BPE, special tokens added) and tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = need(meta, "tokenizer.ggml.model", path)
     if kind != "gpt2":
         raise GGUFError(f"{path} has a '{kind}' tokenizer; this import rebuilds byte-level BPE ('gpt2') "
@@ -255,8 +253,6 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
 def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
     """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: the one the product runs
     models in here, float16 on a Metal GPU, float32 on a CPU)."""
-    import mlx.core as mx
-
     path, out = Path(path), Path(out)
     meta, tensors, _ = read_header(path)
     config = mlx_config(meta, tensors, path)

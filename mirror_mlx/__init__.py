@@ -28,7 +28,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
          draft_vocab: Optional[int] = None) -> "Pipeline":
     """Load a target and its draft; with no model, the embedded demo pair (offline). See
     `mirror_mlx.pipeline.load`."""
-    from .pipeline import load as _load
+    from .pipeline import load as _load  # (`import mirror_mlx` loads no pipeline)
 
     return _load(model, draft_model, exit_adapter, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
                  trust_remote_code=trust_remote_code, draft_vocab=draft_vocab)
@@ -36,13 +36,13 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):
     """mlx_lm.generate's signature, Mirror-SD underneath: see `mirror_mlx.mlx_lm_api.generate`."""
-    from .mlx_lm_api import generate as _generate
+    from .mlx_lm_api import generate as _generate  # (`import mirror_mlx` loads no pipeline)
 
     return _generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
     """mlx_lm.stream_generate's signature, Mirror-SD underneath: see `mirror_mlx.mlx_lm_api.stream_generate`."""
-    from .mlx_lm_api import stream_generate as _stream_generate
+    from .mlx_lm_api import stream_generate as _stream_generate  # (`import mirror_mlx` loads no pipeline)
 
     return _stream_generate(model, tokenizer, prompt, max_tokens, draft_model, **kwargs)

@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Any, Union
 
 import mlx.nn as nn
+from huggingface_hub import snapshot_download
 from mlx_lm.utils import load as mlx_load
 
+from mirror_mlx.drafts.ss.model import is_ss_draft, load_ss_draft
+
 from . import validate
+from .engine.model_parts import vocab_size
 
 
 def resolve_model(path_or_id: Union[str, Path]) -> Path:
@@ -20,7 +24,6 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
     name = str(path_or_id)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model path {name!r} does not exist: give a model folder or a Hugging Face id like org/name")
-    from huggingface_hub import snapshot_download
 
     try:
         folder = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
@@ -36,8 +39,6 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
 def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, Any]:
     """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder; `mlx_lm_options`
     (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
-    from mirror_mlx.drafts.ss.model import is_ss_draft, load_ss_draft
-
     folder = resolve_model(path_or_id)
     if is_ss_draft(folder):
         return load_ss_draft(folder)
@@ -53,8 +54,6 @@ def check_vocabulary(model: nn.Module, tokenizer: Any, folder: Path) -> None:
     """Refuse a tokenizer that can produce ids the model has no embedding for: such a pair decodes
     junk (or reads past the embedding) instead of failing. A model larger than its tokenizer is fine
     (Qwen pads its embedding)."""
-    from .engine.model_parts import vocab_size
-
     size = vocab_size(model)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     ids = max(vocab.values(), default=-1) + 1

@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_config
 
+from mirror_mlx.ane_draft.coreml_draft import coreml_recipe
+
 from . import demo as demo_pair, text, validate
 from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .drafts.distilled.model import MODEL_TYPE as DISTILLED
@@ -28,6 +30,7 @@ from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine
 from .engine.stats import Stats
 from .drafts.tokenizer import check_draft_tokenizer, folder_tokenizer
+from .engine.exit_adapter import load_adapters
 from .loading import load_model, resolve_model
 from .proposers.lookup import LOOKUP
 from .proposers.recycle import RECYCLE
@@ -51,8 +54,6 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optio
         if draft_vocab is not None:
             raise validate.BadValue("draft_vocab", "{draft_vocab} trims an MLX draft's head, and a Core ML package's "
                                     "head is fixed when it is converted: leave {draft_vocab} out")
-        from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
-
         return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
     tokenizer = folder_tokenizer(folder)
@@ -329,7 +330,5 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None and not draftless else None
     adapter = None
     if exit_adapter is not None:
-        from .engine.exit_adapter import load_adapters
-
         adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
     return Pipeline(target, tokenizer, draft, adapter, name=str(model), draftless=draftless)

@@ -9,17 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx_lm
 
 from .. import __version__
+from ..blas import status
+from ..tune.placement import hold
+from ..tune.profile import cpu_name
 
 
 def machine() -> dict:
     """What the numbers depend on: CPU, cores, load, versions, BLAS threads."""
-    import mlx_lm
-
-    from ..blas import status
-    from ..tune.profile import cpu_name
-
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()
@@ -61,7 +60,6 @@ def pin_threads(pipe: Any) -> dict:
         for tid in tids:
             os.sched_setaffinity(tid, {b})
         out["draft_host_tids"] = tids
-    from ..tune.placement import hold
 
     hold(pipe, f"Mac analog: target side on core {a} in every mode, draft host on core {b}")
     return out

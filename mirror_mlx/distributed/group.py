@@ -6,6 +6,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from ..engine.model_parts import text_model
+
 LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # set by mlx.launch (ring, jaccl) and by mpirun
 
 _group: Optional[mx.distributed.Group] = None
@@ -44,8 +46,6 @@ def comm_per_forward(model: Any, g: mx.distributed.Group, rows: Sequence[int] = 
                      reps: int = 20) -> dict[int, float]:
     """T_comm by row count: seconds of the all_sums one tensor-parallel forward of `rows` rows makes (2 per layer,
     each rows × hidden), measured alone. Every rank must call it (a collective)."""
-    from ..engine.model_parts import text_model
-
     inner = text_model(model)
     hidden, layers = inner.args.hidden_size, len(inner.layers)
     out = {}

@@ -12,6 +12,7 @@ the drafts and mlx-lm read real token ids unchanged.
 """
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -56,10 +57,8 @@ class KeptIds:
 
 def shipped_text() -> list[str]:
     """The text whose token counts choose the kept ids: what data/ holds for training, never an evaluation part."""
-    import json
-
-    from ..corpus import load_split
-    from ..prompts import DATA, SETS, is_eval
+    from ..corpus import load_split  # (the shipped text: a draft host never loads it, nor tqdm)
+    from ..prompts import DATA, SETS, is_eval  # (as above)
 
     texts = list(load_split().train)
     for line in (DATA / SETS["spec_bench"]).read_text(encoding="utf-8").splitlines():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
 
 from ..chunks import Chunk, Detokenizer
 from ..options import Plan
@@ -393,8 +394,6 @@ class Scheduler:
     # --- batched
 
     def _generator(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
         if self.speculation is None:  # (once: whether this model's caches let each row drop its own tokens)
             self.speculation, why = supports(self.pipe.model)
             self.speculation_why = "on" if self.speculation else f"off: {why} (the batch decodes without it)"
@@ -420,7 +419,6 @@ class Scheduler:
             job.cached = job.restored = held
         base, processors = samplers(opts)  # as Engine.generate
         sampler = keyed(base, opts.seed, len(committed))  # (the seed as checked: mapped into the generator's range)
-        from mlx_lm.generate import StopSequences
 
         stops = StopSequences([(t,) for t in opts.stop_tokens] or None)
         left = job.max_tokens - len(job.generated)

@@ -3,6 +3,9 @@
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 _COST_SCRIPT = r"""
 import json, sys, time
@@ -41,10 +44,6 @@ print(json.dumps({"target_ms": min(t), "draft_ms": min(d)}))
 def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 10, core: int = 0, rounds: int = 7) -> dict:
     """c: the draft's 1-row forward (KV cache of `context` tokens, float32) over the target's, each run
     on one core (OPENBLAS_NUM_THREADS=1, pinned with taskset where there is one), in a fresh process."""
-    import shutil
-    import subprocess
-    import sys
-
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-c", _COST_SCRIPT, json.dumps({"target": str(target), "draft": str(draft),
                                                            "context": context, "reps": reps,
