@@ -1,6 +1,10 @@
-"""mirror-mlx: Mirror Speculative Decoding with an MLX target and an (ANE) draft."""
+"""mirror-mlx: Mirror Speculative Decoding with an MLX target and an (ANE) draft.
 
-import os
+`import mirror_mlx` does one thing beyond defining names, on Linux only: it loads a tuned BLAS globally before
+anything imports `mlx.core` (mirror_mlx/blas.py, docs/cpu.md). MLX binds its BLAS when it loads, and neither MLX
+nor mlx-lm has a hook for it later; `MIRROR_MLX_BLAS=none` turns it off. Everything else loads on first use.
+"""
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -11,13 +15,7 @@ if TYPE_CHECKING:  # the real import is deferred: `import mirror_mlx` stays chea
 
 __all__ = ["__version__", "generate", "load", "stream_generate"]
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
-
 preload_blas()  # before anything imports mlx.core
-
-from .drafts.distilled import model_types  # noqa: E402  (mlx-lm finds our draft types by name; imports nothing heavy)
-
-model_types.install()
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,9 @@ import mlx.nn as nn
 from huggingface_hub import snapshot_download
 from mlx_lm.utils import load as mlx_load
 
+from mirror_mlx.drafts.distilled import model_types
 from mirror_mlx.drafts.ss.model import is_ss_draft, load_ss_draft
+from mirror_mlx.drafts.tokenizer import folder_tokenizer
 
 from . import validate
 from .engine.model_parts import vocab_size
@@ -43,7 +45,10 @@ def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.
     if is_ss_draft(folder):
         return load_ss_draft(folder)
     try:
-        model, tokenizer = mlx_load(str(folder), **mlx_lm_options)
+        if model_types.is_ours(folder):  # mlx_lm.load takes no get_model_classes: its two halves, with it
+            model, tokenizer = model_types.load_model(folder)[0], folder_tokenizer(folder)
+        else:
+            model, tokenizer = mlx_load(str(folder), **mlx_lm_options)
     except Exception as e:
         raise ValueError(f"cannot load model {path_or_id}: {type(e).__name__}: {e}") from None
     check_vocabulary(model, tokenizer, folder)

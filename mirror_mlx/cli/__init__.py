@@ -4,6 +4,7 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 
 import importlib
 import json
+import os
 import signal
 import sys
 from functools import partial
@@ -16,6 +17,8 @@ import mirror_mlx
 from mirror_mlx import demo as demo_pair
 from mirror_mlx.options import CHOICES, DecodeOptions
 from mirror_mlx.validate import BadOption, BadType, REPLACED, clean_text
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner (nor in the draft host)
 
 VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "generate": "mirror_mlx.cli.generate:generate_cmd",

@@ -5,9 +5,10 @@ import json
 from pathlib import Path
 
 import click
-from mlx_lm.utils import load, load_model
+from mlx_lm.utils import load
 
 from mirror_mlx.cli import refusing
+from mirror_mlx.drafts.distilled.model_types import load_model
 from mirror_mlx.train.distill import (DataConfig, TrainConfig, agreement, cost_ratio, data_root, generate_data, loop,
                                       read_replies, train)
 from mirror_mlx.train.distill_data import pack_ids, restore_ids

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from mlx_lm.utils import load_model
-
 from mirror_mlx.drafts.api import Draft
+from mirror_mlx.drafts.distilled.model_types import load_model
 from mirror_mlx.drafts.vocab import KeptIds, trim
 
 

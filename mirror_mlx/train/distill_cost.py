@@ -9,10 +9,10 @@ import sys
 
 _COST_SCRIPT = r"""
 import json, sys, time
-import mirror_mlx
+import mirror_mlx  # the BLAS preload, before mlx.core
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model
+from mirror_mlx.drafts.distilled.model_types import load_model  # mlx-lm's, with our model types
 from pathlib import Path
 
 def timer(model, context):
