@@ -146,7 +146,9 @@ class Pipeline:
             raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
     def encode(self, prompt: PromptInput) -> list[int]:
-        """Ids pass as is; text as `text.api_prompt` (through the chat template unless already templated)."""
+        """A user message's ids: ids pass as is; text as `text.api_prompt` (through the chat template unless
+        already templated), as tune and bench encode their prompt sets. `generate` and `stream` do not: text is
+        theirs as is, as mlx-lm's generate takes a string."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         return text.api_prompt(self.tokenizer, prompt, self.chat_template_kwargs)
@@ -173,14 +175,15 @@ class Pipeline:
 
     def plan(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
              **kwargs: Any) -> Plan:
-        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. With a
-        `prompt_cache`, the prompt follows the cached prefix: text is encoded with no template and no BOS."""
+        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. Text is encoded as
+        is, as mlx-lm's generate encodes a string: no chat template (`chat` takes messages through it), a BOS
+        unless the text has one; after a `prompt_cache`'s prefix, no BOS either."""
         self._check_open()
         if isinstance(prompt, str):
             clean, replaced = validate.clean_text(prompt)
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
-            prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
+            prompt = (text.as_is if prompt_cache is None else text.after_cache)(self.tokenizer, clean)
         return self.check(prompt, prompt_cache, cap, **kwargs)
 
     def resolve(self, plan: Plan) -> Plan:
@@ -227,7 +230,8 @@ class Pipeline:
             yield chunk
 
     def generate(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
-        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
+        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens. Text is
+        encoded as is, as mirror_mlx.generate and mlx-lm's generate take it (no chat template: see `chat`).
 
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
         exit_layer, mode, ...) with its defaults, plus `stop`; `prompt_cache` as for `stream`.
