@@ -450,7 +450,9 @@ class Scheduler:
 
     def _step_batch(self) -> None:
         gen = self._gen
-        rows = len(gen) if isinstance(gen, SpecBatch) else len(gen._generation_batch) if gen is not None else 0
+        # mlx-lm's BatchGenerator counts its decoding rows privately: ours are the jobs in the batch, so a step that
+        # decoded one token for each of them (no prefill) is a decode step of that many rows
+        rows = len(gen) if isinstance(gen, SpecBatch) else len(self.batch) if gen is not None else 0
 
         def step() -> tuple[bool, list[Out], tuple[float, float]]:
             t = time.perf_counter()
