@@ -52,17 +52,15 @@ class Shapes:
 
 def tokenizer_sha256(tokenizer: Any) -> str:
     """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    special = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = [getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
     blob = json.dumps([vocab, special], ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
 def vocab_sha256(tokenizer: Any) -> str:
     """A hash of the vocabulary alone (token -> id): what a target and its draft must share."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 

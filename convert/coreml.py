@@ -148,9 +148,8 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
 def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
     """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the model's
     vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    ids = list(tok.get_vocab().values()) + [i for i in getattr(tok, "all_special_ids", []) if i is not None]
-    size, top = len(tok), max(ids) + 1
+    ids = list(tokenizer.get_vocab().values()) + [i for i in getattr(tokenizer, "all_special_ids", []) if i is not None]
+    size, top = len(tokenizer), max(ids) + 1
     if top > vocab or vocab - size > VOCAB_PAD:
         raise ConvertError(
             f"the tokenizer in {path} has {size:,} tokens (ids up to {top - 1:,}) but the model's vocabulary "

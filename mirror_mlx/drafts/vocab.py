@@ -73,7 +73,8 @@ def shipped_text() -> list[str]:
 
 def token_counts(tokenizer: Any, vocab: int) -> np.ndarray:
     """How often each id of a vocabulary of `vocab` occurs in `shipped_text()`, tokenized without special tokens."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
+    # the Hugging Face tokenizer's batch call: mlx-lm's TokenizerWrapper passes attributes on, but not calls
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
     rows = tok(shipped_text(), add_special_tokens=False)["input_ids"]
     ids = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows if len(r)])
     return np.bincount(ids[ids < vocab], minlength=vocab)
