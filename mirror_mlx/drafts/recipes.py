@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from mirror_mlx.drafts.api import Draft
-from mirror_mlx.drafts.distilled.model_types import load_model
 from mirror_mlx.drafts.vocab import KeptIds, trim
 
 
@@ -25,6 +24,7 @@ class DraftRecipe:
 def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
     """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec); `kept`: its
     head scores only those ids (vocab.py)."""
+    from mirror_mlx.drafts.distilled.model_types import load_model  # (mlx-lm's loader, on a draft host's build)
     from mirror_mlx.drafts.mlx_draft import MLXDraft  # (a draft host loads its own draft kind only)
 
     model = load_model(Path(path))[0]
