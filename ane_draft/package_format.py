@@ -56,17 +56,15 @@ class Shapes:
 
 def tokenizer_sha256(tokenizer: "TokenizerWrapper") -> str:
     """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    special = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = [getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
     blob = json.dumps([vocab, special], ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
 def vocab_sha256(tokenizer: "TokenizerWrapper") -> str:
     """A hash of the vocabulary alone (token -> id): what a target and its draft must share."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -81,7 +79,7 @@ def tokenizer_metadata(tokenizer: "TokenizerWrapper") -> dict[str, str]:
 def import_coremltools() -> ModuleType:
     """coremltools, or a ConvertError naming the fix: off macOS it is the `convert` extra."""
     try:
-        import coremltools
+        import coremltools  # (coremltools: an extra off macOS)
     except ImportError:
         raise ConvertError("coremltools is not installed, and building, checking or reading a Core ML draft package "
                            "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)") from None

@@ -35,10 +35,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Union
 
+import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Shapes, import_coremltools,
                                                  tokenizer_metadata, tokenizer_sha256)
+from mirror_mlx.loading import load_model
 from mirror_mlx.options import PAPER_KNOBS
 
 from .mil_graph import DraftSpec, build_function, head_names
@@ -63,8 +66,8 @@ if sys.platform != "darwin":  # coremltools warns "Failed to load _MLModelProxy"
 @contextlib.contextmanager
 def quiet_coremltools():
     """Silence coremltools' own per-pass progress bars (we show one bar for the whole build)."""
-    from coremltools.converters.mil.mil.passes import pass_pipeline
-    from coremltools.optimize.coreml import _quantization_passes
+    from coremltools.converters.mil.mil.passes import pass_pipeline  # (coremltools: an extra off macOS)
+    from coremltools.optimize.coreml import _quantization_passes  # (coremltools: an extra off macOS)
 
     modules = (pass_pipeline, _quantization_passes)
     saved = [m.tqdm for m in modules]
@@ -82,15 +85,11 @@ def quiet_coremltools():
 
 def _np(a: "mx.array", copy: bool = True) -> np.ndarray:
     """float32 numpy (copy=False: a read-only view of MLX's float32 array where it can be, e.g. to hash it)."""
-    import mlx.core as mx
-
     return (np.array if copy else np.asarray)(a.astype(mx.float32))
 
 
 def _dense(layer: "nn.Module", copy: bool = True) -> np.ndarray:
     """Weight (out, in) of a Linear/Embedding, dequantizing quantized MLX layers."""
-    import mlx.core as mx
-
     w = layer.weight
     if hasattr(layer, "scales"):  # in float32: the scales' own bf16/fp16 would round every weight
         kw = {"mode": layer.mode} if hasattr(layer, "mode") else {}
@@ -113,8 +112,6 @@ def _weights_sha256(weights: Mapping[str, Union[np.ndarray, Callable[[], np.ndar
 
 def _rope_table(rope: "nn.Module", head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of every position, read off the model's own rope module (any scaling it uses)."""
-    import mlx.core as mx
-
     if getattr(rope, "traditional", False):
         raise ConvertError("interleaved ('traditional') RoPE is not supported; use a half-split RoPE draft")
     dims = getattr(rope, "dims", getattr(rope, "dim", head_dim))
@@ -147,7 +144,6 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
             f"draft architecture '{mt}' is not supported by the Core ML converter "
             f"(supported: {', '.join(SUPPORTED)}); use the MLX draft folder directly instead"
         )
-    from mirror_mlx.loading import load_model
 
     try:
         model, tokenizer = load_model(path)  # refuses a tokenizer with ids beyond the model's vocabulary
@@ -162,9 +158,8 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
 def check_tokenizer(tokenizer: "TokenizerWrapper", vocab: int, path: Path) -> None:
     """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the model's
     vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    ids = list(tok.get_vocab().values()) + [i for i in getattr(tok, "all_special_ids", []) if i is not None]
-    size, top = len(tok), max(ids) + 1
+    ids = list(tokenizer.get_vocab().values()) + [i for i in getattr(tokenizer, "all_special_ids", []) if i is not None]
+    size, top = len(tokenizer), max(ids) + 1
     if top > vocab or vocab - size > VOCAB_PAD:
         raise ConvertError(
             f"the tokenizer in {path} has {size:,} tokens (ids up to {top - 1:,}) but the model's vocabulary "
@@ -274,8 +269,9 @@ def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> "AbstractGraph
     """The coremltools compression pass for `mode` (int8 per channel, or a k-means LUT per 16 output
     channels) of the convs: a separate embedding stays fp16, as in Anemll. `shared`: the head's consts
     when the tied embedding lookup reads them too (a const feeding a conv and a gather has no op type)."""
-    import coremltools.optimize.coreml as cto
-    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights, palettize_weights
+    import coremltools.optimize.coreml as cto  # (coremltools: an extra off macOS)
+    from coremltools.optimize.coreml._quantization_passes import (  # (coremltools: an extra off macOS)
+        linear_quantize_weights, palettize_weights)
 
     if mode == "int8":
         cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
@@ -291,7 +287,7 @@ def _share_weights(prog: "Program") -> None:
     """Give equal consts of the two functions one weight_id, so the package stores them once: by a hash
     of their bytes (both are built from the same arrays), not coremltools' float64 np.allclose of every
     candidate pair, which was most of a 0.6B draft's build time."""
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY  # (coremltools: an extra off macOS)
 
     PASS_REGISTRY["common::const_deduplication"].apply(prog)  # within each function first
     groups: dict[tuple, list] = {}
@@ -308,8 +304,9 @@ def _share_weights(prog: "Program") -> None:
 
 def _register_finish_pass() -> str:
     """A last graph pass: compress weights, then let both functions share every weight blob."""
-    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY, register_pass
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil.mil.passes.pass_registry import (  # (coremltools: an extra off macOS)
+        PASS_REGISTRY, register_pass)
 
     name = "mirror_mlx::finish"
     if name not in PASS_REGISTRY:
@@ -352,8 +349,7 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
     ct = import_coremltools()  # before any work: off macOS it is an extra
-    from coremltools.converters.mil.mil import Program
-    from tqdm import tqdm
+    from coremltools.converters.mil.mil import Program  # (coremltools: an extra off macOS)
 
     config = Path(draft) / "config.json"
     streams = int(json.loads(config.read_text()).get("num_streams", 0) or 0) if config.is_file() else 0

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, cast
 
+import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .llama2c import interleaved_to_half_split
 
@@ -188,8 +190,6 @@ def hf_name(name: str, path: Path) -> str:
 def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: "mx.Dtype") -> dict:
     """The file's tensors read by MLX, dequantized to `dtype`, renamed, q/k rows put back in
     half-split RoPE order."""
-    import mlx.core as mx
-
     try:
         raw = cast(dict[str, mx.array], mx.load(str(path)))  # (a .gguf file: its tensors)
     except (RuntimeError, ValueError) as e:
@@ -210,8 +210,6 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: "mx.Dtyp
 
 def tokenizer_files(meta: dict, path: Path, context: int) -> tuple["Tokenizer", dict]:
     """A `tokenizers.Tokenizer` (byte-level BPE, special tokens added) and tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = need(meta, "tokenizer.ggml.model", path)
     if kind != "gpt2":
         raise GGUFError(f"{path} has a '{kind}' tokenizer; this import rebuilds byte-level BPE ('gpt2') "
@@ -261,8 +259,6 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple["Tokenizer", 
 def import_gguf(path: Path, out: Path, dtype: "Optional[mx.Dtype]" = None) -> Path:
     """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: the one the product runs
     models in here, float16 on a Metal GPU, float32 on a CPU)."""
-    import mlx.core as mx
-
     path, out = Path(path), Path(out)
     meta, tensors, _ = read_header(path)
     config = mlx_config(meta, tensors, path)

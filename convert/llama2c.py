@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import mlx.core as mx
 import numpy as np
+import sentencepiece as spm
+from transformers import LlamaTokenizer
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -127,9 +130,6 @@ def mlx_config(cfg: Llama2cConfig) -> dict:
 
 def save_tokenizer(spm_model: Path, vocab_size: int, out: Path) -> None:
     """Write the sentencepiece model as Hugging Face tokenizer files (BOS added, as llama2.c does)."""
-    import sentencepiece as spm
-    from transformers import LlamaTokenizer
-
     spm_model = Path(spm_model)
     if not spm_model.is_file():
         raise ImportError_(f"tokenizer not found: {spm_model} (give the sentencepiece .model file)")
@@ -151,8 +151,6 @@ def save_tokenizer(spm_model: Path, vocab_size: int, out: Path) -> None:
 
 def import_llama2c(checkpoint: Path, tokenizer: Path, out: Path) -> Path:
     """Convert `checkpoint` + `tokenizer` into an mlx-lm model folder at `out`."""
-    import mlx.core as mx
-
     cfg, weights = read_checkpoint(Path(checkpoint))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ class _Held:
 
 def load_program(package: Path) -> "Program":
     """The pymil Program stored in a .mlpackage (all functions)."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil.frontend.milproto.load import load  # (coremltools: an extra off macOS)
 
     spec = ct.utils.load_spec(str(package))
     weights = Path(package) / "Data" / "com.apple.CoreML" / "weights"
@@ -204,7 +204,7 @@ def _store(var: "Var", value: np.ndarray, exact: bool = False, fresh: bool = Fal
     """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`), other types as
     their numpy type. `fresh`: an op's output, rounded in place (its own array, or an fp16-exact input
     passed through, which rounding leaves as it is); a caller's input is copied."""
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # (coremltools: an extra off macOS)
 
     a = np.asarray(value)
     dt = var.dtype
@@ -224,7 +224,7 @@ def _store(var: "Var", value: np.ndarray, exact: bool = False, fresh: bool = Fal
 
 def run_function(function: "Function", inputs: dict[str, np.ndarray], env: "MilRunner") -> dict[str, np.ndarray]:
     """Evaluate one pymil Function; `env.state` is read and updated in place. Returns outputs."""
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # (coremltools: an extra off macOS)
 
     for name, var in function.inputs.items():
         if types.is_state(var.sym_type):

@@ -59,9 +59,9 @@ def _conv_w(w: np.ndarray, scale: float = 1.0) -> np.ndarray:
 
 def build_function(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
     """The MIL function 'extend' or 'rollout' of the package."""
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, types
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil import Builder as mb  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil.mil import Function, types  # (coremltools: an extra off macOS)
 
     T = shapes.chunk if fn == "extend" else shapes.rows
     Sk = shapes.context if fn == "extend" else shapes.slots  # state slots this function reads

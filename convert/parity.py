@@ -17,14 +17,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
+import mlx.core as mx
 import numpy as np
+
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from tqdm import tqdm
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
 from mirror_mlx.engine.batching import padded_batches
+from mirror_mlx.engine.model_parts import flat
 from mirror_mlx.ane_draft.package_format import (ConvertError, package_shapes, read_metadata,
                                                  tokenizer_sha256)
 from mirror_mlx.convert.coreml import check_match, draft_sha256
 from mirror_mlx.convert.mil_eval import MilRunner
+from mirror_mlx.drafts.ss.model import ss_forward
 from mirror_mlx.loading import load_model
 
 if TYPE_CHECKING:
@@ -163,10 +169,6 @@ class Parity:
 def float32_reference(model: "nn.Module") -> "nn.Module":
     """The MLX draft with float32 activations: its float parameters cast in place (a quantized
     layer keeps its integer weights; its scales and biases become float32)."""
-    import mlx.core as mx
-
-    from mirror_mlx.engine.model_parts import flat
-
     if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in flat(model.parameters())):
         model.set_dtype(mx.float32)
         mx.eval(model.parameters())  # now, so the half-precision weights are freed now
@@ -178,9 +180,6 @@ class Reference:
     each computed on the K/V it shares (the context's, or the context plus a prefix of the window)."""
 
     def __init__(self, model: "nn.Module", context: Sequence[int]):
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
         self.model, self.n = model, len(context)
         self.cache = make_prompt_cache(model)
         self.logits = np.array(model(mx.array([list(context)]), cache=self.cache)[0].astype(mx.float32))
@@ -192,9 +191,6 @@ class Reference:
 
     def _caches(self, batch: int, r: int = 0) -> list:
         """Caches holding the context and the first r window tokens, `batch` times."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import KVCache
-
         caches, end = [], self.n + r
         for k, v in self.kv:
             c = KVCache()
@@ -206,8 +202,6 @@ class Reference:
     def stems(self, kappa: int, gamma: int) -> tuple[list[int], list[list[int]]]:
         """The draft's own greedy window and kappa*(gamma+1) Mirror-SD stems (row r < gamma never
         proposes window[r] again)."""
-        import mlx.core as mx
-
         caches, rows, window = self._caches(1), [self.logits[-1]], []
         for _ in range(gamma):
             window.append(int(rows[-1].argmax()))
@@ -225,8 +219,6 @@ class Reference:
     def rows(self, paths: Sequence[tuple[int, ...]], batch: int = 16) -> dict[tuple[int, ...], np.ndarray]:
         """Logits (V,) after context + path for every path: the window's own rows, else one forward per
         branch leaf, right-padded, batched by the window prefix they start with (on its K/V)."""
-        import mlx.core as mx
-
         want = set(paths)
         out: dict[tuple[int, ...], np.ndarray] = {}
         for m in range(1, len(self.window) + 1):
@@ -262,10 +254,6 @@ class Reference:
 def _stream_logits(model: "SSModel", seqs: Sequence[Sequence[int]], batch: int = 16) -> list[np.ndarray]:
     """An SS draft's stream logits (streams, V) at the last position of each sequence (right
     padding is harmless: rows only see what comes before them)."""
-    import mlx.core as mx
-
-    from mirror_mlx.drafts.ss.model import ss_forward
-
     out = []
     for _, part, x in padded_batches(seqs, batch):
         st = np.array(ss_forward(model, x).streams.astype(mx.float32))
@@ -304,9 +292,6 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
            budget: Optional[Budget] = None, progress: bool = False) -> Parity:
     """Evaluate the saved package against the MLX draft in `draft` with `runner` (default: the MIL
     evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner checks Core ML itself)."""
-    import mlx.core as mx
-    from tqdm import tqdm
-
     package, draft = Path(package), Path(draft)
     meta = read_metadata(package)
     if not (draft / "config.json").is_file():

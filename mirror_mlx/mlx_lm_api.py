@@ -255,4 +255,8 @@ def generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Union[str,
     return text
 
 
-threading._register_atexit(close_all)  # runs before concurrent.futures' own exit hook (they run in reverse)
+# At exit, close the cached pipelines before the interpreter joins threads: concurrent.futures joins its pools'
+# threads (asyncio.to_thread's too, where a generation may still run) from a hook registered here, and these hooks
+# run in reverse, so ours comes first. atexit's handlers run only after those joins: CPython has no public hook
+# that runs before them.
+threading._register_atexit(close_all)

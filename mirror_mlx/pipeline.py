@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_config
 
+from mirror_mlx.ane_draft.coreml_draft import coreml_recipe
+
 from . import demo as demo_pair, text, validate
 from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .drafts.distilled.model import MODEL_TYPE as DISTILLED
@@ -28,6 +30,7 @@ from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine
 from .engine.stats import Stats
 from .drafts.tokenizer import check_draft_tokenizer, folder_tokenizer
+from .engine.exit_adapter import load_adapters
 from .loading import load_model, resolve_model
 from .proposers.lookup import LOOKUP
 from .proposers.recycle import RECYCLE
@@ -56,8 +59,6 @@ def load_draft(path: Union[str, Path], target_tokenizer: "TokenizerWrapper",
         if draft_vocab is not None:
             raise validate.BadValue("draft_vocab", "{draft_vocab} trims an MLX draft's head, and a Core ML package's "
                                     "head is fixed when it is converted: leave {draft_vocab} out")
-        from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
-
         return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
     tokenizer = folder_tokenizer(folder)
@@ -151,7 +152,9 @@ class Pipeline:
             raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
     def encode(self, prompt: PromptInput) -> list[int]:
-        """Ids pass as is; text as `text.api_prompt` (through the chat template unless already templated)."""
+        """A user message's ids: ids pass as is; text as `text.api_prompt` (through the chat template unless
+        already templated), as tune and bench encode their prompt sets. `generate` and `stream` do not: text is
+        theirs as is, as mlx-lm's generate takes a string."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         return text.api_prompt(self.tokenizer, prompt, self.chat_template_kwargs)
@@ -178,14 +181,15 @@ class Pipeline:
 
     def plan(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
              **kwargs: Any) -> Plan:
-        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. With a
-        `prompt_cache`, the prompt follows the cached prefix: text is encoded with no template and no BOS."""
+        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. Text is encoded as
+        is, as mlx-lm's generate encodes a string: no chat template (`chat` takes messages through it), a BOS
+        unless the text has one; after a `prompt_cache`'s prefix, no BOS either."""
         self._check_open()
         if isinstance(prompt, str):
             clean, replaced = validate.clean_text(prompt)
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
-            prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
+            prompt = (text.as_is if prompt_cache is None else text.after_cache)(self.tokenizer, clean)
         return self.check(prompt, prompt_cache, cap, **kwargs)
 
     def resolve(self, plan: Plan) -> Plan:
@@ -234,7 +238,8 @@ class Pipeline:
             yield chunk
 
     def generate(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
-        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
+        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens. Text is
+        encoded as is, as mirror_mlx.generate and mlx-lm's generate take it (no chat template: see `chat`).
 
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
         exit_layer, mode, ...) with its defaults, plus `stop`; `prompt_cache` as for `stream`.
@@ -337,7 +342,5 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None and not draftless else None
     adapter = None
     if exit_adapter is not None:
-        from .engine.exit_adapter import load_adapters
-
         adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
     return Pipeline(target, tokenizer, draft, adapter, name=str(model), draftless=draftless)

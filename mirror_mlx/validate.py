@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 if TYPE_CHECKING:
     from .options import DecodeOptions, Plan
 
+from .options import CHOICES, MODES, PAPER_KNOBS, Plan
+from .proposers.lookup import NGRAM_LIMIT, NGRAM_MIN, NGRAM_MIN_BESIDE
+
 SEED_RANGE = 2**64  # mx.random.seed takes a uint64; any Python int is mapped into it
 # Mirror-SD rolls out κ(γ+1) branches a step, each a row of the draft's cache in the draft host, and
 # sends back κ(γ+1)·γ tokens in one ring message (docs/design.md §4). 256 rows keeps the host's memory
@@ -206,7 +209,7 @@ def clean_text(text: object) -> tuple[str, bool]:
 
 def exit_layer(value: object, n_layers: int) -> int:
     """ℓ_e: an int in 1..N-1."""
-    from .engine.target import check_exit_layer
+    from .engine.target import check_exit_layer  # (MLX: the command line's --help imports this module)
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise BadType("exit_layer", "{exit_layer} must be an int or None, not {kind} ({value!r})", kind=_kind(value),
@@ -235,8 +238,6 @@ def decode_options(opts: "DecodeOptions", modes: Sequence[str], vocab_size: Opti
                    draft_context: Optional[int] = None) -> "DecodeOptions":
     """The DecodeOptions with every knob checked (κ, γ left out: the paper's) and the seed mapped into the
     generator's range."""
-    from .options import PAPER_KNOBS
-
     if not isinstance(opts.mode, str) or opts.mode not in modes:
         raise BadValue("mode", "unknown mode {mode_given!r}: choose one of {modes}", mode_given=opts.mode,
                        modes=", ".join(modes))
@@ -271,8 +272,6 @@ def decode_options(opts: "DecodeOptions", modes: Sequence[str], vocab_size: Opti
 def lookup_options(opts: "DecodeOptions") -> "DecodeOptions":
     """The prompt lookup's settings (lookup None: off here; the check resolves it first): its n-gram bounds
     within 1..NGRAM_LIMIT, and a mode that takes it (sd or mirror: ar is the target alone)."""
-    from .proposers.lookup import NGRAM_LIMIT, NGRAM_MIN
-
     if opts.lookup is not None and not isinstance(opts.lookup, bool):
         raise BadType("lookup", "{lookup} must be True, False or None, not {kind} ({value!r})",
                       kind=_kind(opts.lookup), value=opts.lookup)
@@ -293,8 +292,6 @@ def request(engine: PairFacts, tokens: object, asked: "DecodeOptions", prompt_ca
     """The one check of a call against the pair (`engine`'s facts), before any work starts: the options, the
     prompt ids and the context fit, as a `Plan`. Mode auto is checked as its stand-in (mirror; without a draft
     model sd with the lookup, else ar). With a `prompt_cache`, `tokens` follow its prefix."""
-    from .options import CHOICES, MODES, Plan
-
     if not isinstance(asked.mode, str) or asked.mode not in CHOICES:
         raise BadValue("mode", "unknown mode {given!r}: choose one of {modes}", given=asked.mode,
                        modes=", ".join(CHOICES))
@@ -305,8 +302,6 @@ def request(engine: PairFacts, tokens: object, asked: "DecodeOptions", prompt_ca
     lookup = engine.draftless is not None and mode == "sd" if asked.lookup is None else asked.lookup
     n_min = asked.ngram_min
     if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
-        from .proposers.lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
-
         n_min = NGRAM_MIN if not engine.has_draft else NGRAM_MIN_BESIDE
         if isinstance(asked.ngram_max, int) and asked.ngram_max >= 1:  # (a bad ngram_max is refused as such)
             n_min = min(n_min, asked.ngram_max)

@@ -2,8 +2,10 @@
 nothing of what sits above it (mode auto, benchmarks, the server, the command line, chat)."""
 
 import ast
+import io
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -318,3 +320,29 @@ def test_few_annotations_say_any():
     """Types say what a value is; `Any` is kept for what really is anything (a JSON body's value, say)."""
     found = any_annotations()
     assert len(found) <= 36, found
+
+
+def imports_in_functions() -> list[tuple[str, int, bool]]:
+    """(path, line, whether a comment on its lines says why) of each import statement inside a function body."""
+    found = []
+    for path in modules().values():
+        src = path.read_text()
+        comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                    if tok.type == tokenize.COMMENT}
+        seen = set()
+        for fn in ast.walk(ast.parse(src)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
+                        seen.add(node.lineno)
+                        said = any(line in comments for line in range(node.lineno, node.end_lineno + 1))
+                        found.append((path.relative_to(ROOT).as_posix(), node.lineno, said))
+    return found
+
+
+def test_imports_sit_at_the_top_unless_a_comment_says_why():
+    """An import inside a function hides what a module needs: each one left is an optional dependency, a module
+    only one command or one path loads (the command line's --help, a draft host), and says so on its line."""
+    found = imports_in_functions()
+    assert len(found) <= 110, len(found)
+    assert not [f"{path}:{line}" for path, line, said in found if not said]

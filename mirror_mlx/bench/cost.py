@@ -11,6 +11,10 @@ import time
 from typing import TYPE_CHECKING, Sequence, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from mirror_mlx.drafts.ss.model import is_ss_draft, ss_forward
+from mirror_mlx.loading import load_model
 
 if TYPE_CHECKING:
     from ..drafts.ss.model import Model as SSModel
@@ -21,8 +25,6 @@ PROBE = "Once upon a time, there was a little girl named Lily. She loved to play
 
 def forward_ms(model: "nn.Module", prompt: mx.array, rows: int, reps: int = 15) -> float:
     """Median ms of one decode forward of `rows` tokens after `prompt` (the cache trimmed back each time)."""
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
     cache = make_prompt_cache(model)
     model(prompt, cache=cache)
     mx.eval([c.state for c in cache])
@@ -38,8 +40,6 @@ def forward_ms(model: "nn.Module", prompt: mx.array, rows: int, reps: int = 15) 
 def ss_forward_ms(model: "SSModel", prompt: mx.array, reps: int = 15) -> float:
     """Median ms of one decode forward of a Speculative-Streaming draft: one row with its streams, over the
     prompt's keys and values (what one of its windows costs: several tokens a forward)."""
-    from mirror_mlx.drafts.ss.model import ss_forward
-
     past = [(k, v) for k, v in ss_forward(model, prompt).kv]
     mx.eval(past)
     times = []
@@ -53,9 +53,6 @@ def ss_forward_ms(model: "SSModel", prompt: mx.array, reps: int = 15) -> float:
 
 def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """{rows: ms} for the model folder at `path` (an SS draft: its one-row forward with streams)."""
-    from mirror_mlx.drafts.ss.model import is_ss_draft
-    from mirror_mlx.loading import load_model
-
     model, tok = load_model(path)
     prompt = mx.array([tok.encode(PROBE)])
     if is_ss_draft(path):
@@ -79,8 +76,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    import mirror_mlx  # noqa: F401  (OpenBLAS preload)
-
     print(cost_line(argv[0], argv[1], rows))
     return 0
 

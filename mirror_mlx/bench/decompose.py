@@ -21,14 +21,14 @@ if TYPE_CHECKING:
     from ..tune.timing import Bench
     from ..pipeline import Pipeline
 
+from ..tune.timing import Bench, interleaved
+
 ROLLOUT_ROWS = (1, 2, 4, 8)
 
 
 def costs_alone(pipe: "Pipeline", context: list[int], points: dict, reps: int = 7) -> dict:
     """{"pieces": {name: ms}, "eq10": {mode: ms}, "rollout_rows": {rows: ms}} for the modes in `points`
     ({mode: dict(kappa, gamma, exit_layer, branches, reuse)}: mirror and sd as they ran)."""
-    from ..tune.timing import Bench, interleaved
-
     b = Bench(pipe, context)
     pieces: dict = {}
     mirror, sd = points.get("mirror"), points.get("sd")

@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import mlx_lm
 
 from .. import __version__
+from ..blas import status
+from ..tune.placement import hold
+from ..tune.profile import cpu_name
 
 if TYPE_CHECKING:
     from ..pipeline import Pipeline
@@ -18,11 +22,6 @@ if TYPE_CHECKING:
 
 def machine() -> dict:
     """What the numbers depend on: CPU, cores, load, versions, BLAS threads."""
-    import mlx_lm
-
-    from ..blas import status
-    from ..tune.profile import cpu_name
-
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()
@@ -66,7 +65,6 @@ def pin_threads(pipe: "Pipeline") -> dict:
         for tid in tids:
             os.sched_setaffinity(tid, {b})
         out["draft_host_tids"] = tids
-    from ..tune.placement import hold
 
     hold(pipe, f"Mac analog: target side on core {a} in every mode, draft host on core {b}")
     return out

@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a benchmark box
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .decompose import table as decompose_table
 from .grid import point_name  # noqa: E402
 
 COLORS = {"mirror": "tab:red", "sd": "tab:orange", "mlx_sd": "tab:blue", "ar": "tab:gray", "auto": "tab:green"}
@@ -124,8 +125,6 @@ def markdown(report: dict) -> str:
             "the ring and the target's waits add.", ""]
     out += breakdown_table(report["summary"]["all"], report) + [""]
     if report.get("decompose"):
-        from .decompose import table as decompose_table
-
         out += ["## Eq. 10 from the pieces timed alone", ""] + decompose_table(report) + [""]
     return "\n".join(out) + "\n"
 

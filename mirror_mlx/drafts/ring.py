@@ -25,7 +25,7 @@ class _Attached:
     """A segment mapped by name without registering it with this process's resource tracker."""
 
     def __init__(self, name: str):
-        import _posixshmem
+        import _posixshmem  # (CPython's shm_open: SharedMemory(track=False) is 3.13+)
 
         fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
         try:

@@ -12,6 +12,7 @@ the drafts and mlx-lm read real token ids unchanged.
 """
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -59,10 +60,8 @@ class KeptIds:
 
 def shipped_text() -> list[str]:
     """The text whose token counts choose the kept ids: what data/ holds for training, never an evaluation part."""
-    import json
-
-    from ..corpus import load_split
-    from ..prompts import DATA, SETS, is_eval
+    from ..corpus import load_split  # (the shipped text: a draft host never loads it, nor tqdm)
+    from ..prompts import DATA, SETS, is_eval  # (as above)
 
     texts = list(load_split().train)
     for line in (DATA / SETS["spec_bench"]).read_text(encoding="utf-8").splitlines():
@@ -77,7 +76,8 @@ def shipped_text() -> list[str]:
 
 def token_counts(tokenizer: "TokenizerWrapper", vocab: int) -> np.ndarray:
     """How often each id of a vocabulary of `vocab` occurs in `shipped_text()`, tokenized without special tokens."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
+    # the Hugging Face tokenizer's batch call: mlx-lm's TokenizerWrapper passes attributes on, but not calls
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
     rows = tok(shipped_text(), add_special_tokens=False)["input_ids"]  # type: ignore[operator]  # (the wrapped one)
     ids = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows if len(r)])
     return np.bincount(ids[ids < vocab], minlength=vocab)

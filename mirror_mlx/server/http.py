@@ -19,7 +19,7 @@ from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, AP
                       parse_request)
 from . import page
 from .prefix_cache import PrefixCache
-from .reply import Generation, Reply, ToolText
+from .reply import Reply, RequestDecode, ToolText
 from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
 
 
@@ -278,12 +278,12 @@ class Handler(BaseHTTPRequestHandler):
             self.send_api_error(APIError(404, f"no route POST {path}: use {CHAT} or {COMPLETION}", code="not_found"))
             return
         s.count("requests")
-        gen: Optional[Generation] = None
+        gen: Optional[RequestDecode] = None
         try:
             raw = self.read_body()
             s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
             req = parse_request(raw, path, s.model_ids, s.defaults, s.max_prompt_bytes)
-            gen = Generation(s.pipe, req, s.max_tokens)
+            gen = RequestDecode(s.pipe, req, s.max_tokens)
             s.scheduler.submit(gen.start())
         except APIError as e:
             s.count("rejected")
@@ -300,7 +300,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             gen.close()
 
-    def serve_one(self, req: Request, gen: Generation) -> None:
+    def serve_one(self, req: Request, gen: RequestDecode) -> None:
         """Answer one admitted request as the scheduler decodes it."""
         s = self.server
         reply = Reply(req, s.model_id)
@@ -379,7 +379,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, OSError):
             pass
 
-    def engine_failed(self, e: Exception, gen: Optional[Generation], sent: bool) -> None:
+    def engine_failed(self, e: Exception, gen: Optional[RequestDecode], sent: bool) -> None:
         """500 with a one-line error (the scheduler cleared the caches: a step may have been cut); keep serving."""
         s = self.server
         s.count("errors")

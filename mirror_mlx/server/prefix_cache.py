@@ -2,6 +2,11 @@
 
 from typing import TYPE_CHECKING, Optional
 
+from mlx_lm.models.cache import LRUPromptCache
+
+from ..engine.model_parts import common_prefix
+from ..engine.recurrent import convert
+
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..engine.target import TargetSide
@@ -18,8 +23,6 @@ class PrefixCache:
     KEY = "target"
 
     def __init__(self, engine: "Engine", size: int, max_bytes: Optional[int] = None):
-        from mlx_lm.models.cache import LRUPromptCache
-
         self.engine = engine
         self.max_bytes = max_bytes
         self.lru = LRUPromptCache(size, max_bytes if max_bytes is not None else 1 << 63) if size > 0 else None
@@ -46,8 +49,6 @@ class PrefixCache:
         return self.engine.with_target(self._restore, ids[:-1])  # (the last token runs in the first step)
 
     def _restore(self, target: "TargetSide", ids: list[int]) -> int:
-        from ..engine.model_parts import common_prefix
-
         own = target.own_tokens()
         if own is None:
             return 0
@@ -56,7 +57,6 @@ class PrefixCache:
         held = len(ids) - len(rest)
         if cache is None or held <= common_prefix(own, ids):
             return 0
-        from ..engine.recurrent import convert
 
         target.take(convert(cache), ids[:held])  # (a stored recurrent copy: thawed)
         return held

@@ -110,7 +110,7 @@ class ToolText:
 
 
 @dataclass
-class Generation:
+class RequestDecode:
     """One request's decode: iterate for the text of each step ("" when a step shows nothing yet, or while
     it waits its turn: the handler then looks at its socket). The scheduler runs it (`Job`)."""
 

@@ -151,7 +151,7 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], default
                   max_prompt_bytes: Optional[int] = None) -> Request:
     """Read a request body: its shape (each fault an APIError naming the field and the fix). `defaults` are the
     server's decode settings (the `serve` flags); request fields override them, checked with the prompt's ids by
-    the pipeline's one check (`Generation.start`). A text prompt longer than `max_prompt_bytes` cannot fit the
+    the pipeline's one check (`RequestDecode.start`). A text prompt longer than `max_prompt_bytes` cannot fit the
     context: it is refused here, before it is tokenized."""
     body = _body(raw, endpoint, model_ids)
     req = Request(endpoint)

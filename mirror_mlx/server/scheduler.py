@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
 
 from ..chunks import Chunk, Detokenizer
 from ..options import Plan
@@ -397,8 +398,6 @@ class Scheduler:
     # --- batched
 
     def _generator(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
         if self.speculation is None:  # (once: whether this model's caches let each row drop its own tokens)
             self.speculation, why = supports(self.pipe.model)
             self.speculation_why = "on" if self.speculation else f"off: {why} (the batch decodes without it)"
@@ -424,7 +423,6 @@ class Scheduler:
             job.cached = job.restored = held
         base, processors = samplers(opts)  # as Engine.generate
         sampler = keyed(base, opts.seed, len(committed))  # (the seed as checked: mapped into the generator's range)
-        from mlx_lm.generate import StopSequences
 
         stops = StopSequences([(t,) for t in opts.stop_tokens] or None)
         left = job.max_tokens - len(job.generated)
@@ -456,7 +454,9 @@ class Scheduler:
 
     def _step_batch(self) -> None:
         gen = self._gen
-        rows = len(gen) if isinstance(gen, SpecBatch) else len(gen._generation_batch) if gen is not None else 0
+        # mlx-lm's BatchGenerator counts its decoding rows privately: ours are the jobs in the batch, so a step that
+        # decoded one token for each of them (no prefill) is a decode step of that many rows
+        rows = len(gen) if isinstance(gen, SpecBatch) else len(self.batch) if gen is not None else 0
 
         def step() -> tuple[bool, list[Out], tuple[float, float]]:
             t = time.perf_counter()

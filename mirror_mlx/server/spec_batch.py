@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
@@ -292,7 +293,6 @@ class SpecBatch:
     def _join(self) -> bool:
         if not self.joining:
             return False
-        from mlx_lm.generate import PromptProcessingBatch
 
         group, self.joining = self.joining[: self.prompt_concurrency], self.joining[self.prompt_concurrency:]
         ready = [r for r in group if r.held == len(r.tokens) - 1]  # (a request that decoded alone: nothing to run)

@@ -29,7 +29,16 @@ from typing import Callable, Iterable, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_unflatten
+from mlx_lm.models.base import create_attention_mask
+from mirror_mlx.loading import mlx_lm_load as load
+from tqdm import tqdm
+
+from mirror_mlx.corpus import eos_ids
+from mirror_mlx.engine.model_parts import flat
+from mirror_mlx.drafts.distilled.model import new_draft, save_draft
 
 from .distill_cost import cost_ratio  # noqa: F401  (what the command line measures with)
 from .distill_data import (  # noqa: F401  (the data half, and what the command line reads of it)
@@ -112,8 +121,6 @@ def make_batch(ex: Sequence[Example], kept: np.ndarray, vocab: int):
 
 def split_forward(draft, tokens: mx.array, frozen: int) -> mx.array:
     """Kept-id logits, with no gradient through the frozen first layers."""
-    from mlx_lm.models.base import create_attention_mask
-
     inner = draft.model
     h = inner.embed_tokens(tokens)
     mask = create_attention_mask(h, None)
@@ -190,8 +197,6 @@ def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192) -> dict
 
 
 def _save_state(path: Path, draft, opt, step: int, extra: dict) -> None:
-    from ..engine.model_parts import flat
-
     path.mkdir(parents=True, exist_ok=True)
     arrays = {"model." + k: v for k, v in flat(draft.trainable_parameters())}
     arrays.update({"opt." + k: v for k, v in flat(opt.state)})
@@ -221,8 +226,6 @@ def _run_files(run: Path, root: Path, key: dict, cfg: TrainConfig) -> list[str]:
 
 def _trainable_draft(model, target_config: dict, cfg: TrainConfig, kept: np.ndarray):
     """A fresh draft of cfg's shape: the first E layers frozen, the k trained ones, the norm and the head trainable."""
-    from mirror_mlx.drafts.distilled.model import new_draft
-
     n_target = target_config["num_hidden_layers"]
     if cfg.init not in ("next", "last"):
         raise ValueError(f"init {cfg.init!r}: use next (the target's layers E..E+k-1) or last (its last k)")
@@ -238,8 +241,6 @@ def _trainable_draft(model, target_config: dict, cfg: TrainConfig, kept: np.ndar
 
 def _resume(ckpt: Path, draft, opt) -> tuple[int, list]:
     """(step, history) of the run's last checkpoint, its weights and optimizer state loaded; (0, []) for none."""
-    from mlx.utils import tree_unflatten
-
     if not (ckpt / "progress.json").is_file():
         return 0, []
     prog = json.loads((ckpt / "progress.json").read_text())
@@ -283,16 +284,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     The run's data (the reply files it trains on) is fixed when it starts and listed in its run folder, so a
     resumed run (same settings) continues exactly where its last checkpoint stopped: batch order depends on
     (seed, epoch) only. `budget_minutes` ends this call with a checkpoint; the same call again resumes."""
-    import mlx.optimizers as optim
-    from tqdm import tqdm
-
-    from mirror_mlx.corpus import eos_ids
-    from mirror_mlx.drafts.distilled.model import save_draft
-
     t_start = time.time()
     if model is None:
-        from ..loading import mlx_lm_load as load
-
         model, tokenizer = load(cfg.target)
     target_config = json.loads((Path(cfg.target) / "config.json").read_text())
     root = data_root(cfg.target, cfg.data_dir)
@@ -371,8 +364,6 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
     round and shape, its draft written to OUT/round-NNN-SHAPE and OUT/latest-SHAPE), and again, until the
     schedule is generated and its last round trained. The shapes are compared on the same data each round.
     Killed and started again, it goes on: the replies are on disk, a round's runs resume from their checkpoints."""
-    from ..loading import mlx_lm_load as load
-
     model, tokenizer = load(data.target)
     root = data_root(data.target, data.data_dir)
     state_file = root / "loop.json"

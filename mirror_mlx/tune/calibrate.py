@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
+from tqdm import tqdm
+
 from ..engine.exit_adapter import adapter_for, adapter_layers
 from . import profile as profiles
 from .cost_model import Acceptance, Config, Timings, choose, component_time, expected_rate, grid, rank, row_config
@@ -230,8 +232,6 @@ class _Phases:
             raise OutOfTime(f"calibration passed its {self.cfg.budget_s:g} s budget")
 
     def begin(self, name: str, total: Optional[int]) -> None:
-        from tqdm import tqdm
-
         self.close()
         self.bars.append(tqdm(total=total, desc=f"tune: {name}", unit="step", disable=not self.cfg.progress,
                               file=sys.stderr, dynamic_ncols=True))

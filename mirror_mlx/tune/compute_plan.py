@@ -21,8 +21,8 @@ DEVICE_NAMES = {"MLNeuralEngineComputeDevice": "ANE", "MLGPUComputeDevice": "GPU
 
 def load_plan(package: Path) -> "MLComputePlan":
     """The package's MLComputePlan for CPU and Neural Engine (macOS 14.4+; compiles the package)."""
-    import coremltools as ct
-    from coremltools.models.compute_plan import MLComputePlan
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.models.compute_plan import MLComputePlan  # (coremltools: an extra off macOS)
 
     compiled = ct.models.utils.compile_model(str(package))
     return MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
@@ -62,7 +62,7 @@ def unavailable_reason(package: Union[str, Path, None]) -> Optional[str]:
     if mac < (14, 4):
         return f"MLComputePlan needs macOS 14.4+ (this is macOS {platform.mac_ver()[0]})"
     try:
-        import coremltools.models.compute_plan  # noqa: F401
+        import coremltools.models.compute_plan  # noqa: F401  (coremltools: an extra off macOS)
     except ImportError as e:
         return f"coremltools has no MLComputePlan here ({e})"
     return None

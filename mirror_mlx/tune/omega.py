@@ -18,11 +18,16 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..corpus import load_split
+from ..demo import DRAFT, TARGET
+from ..drafts.tokenizer import check_draft_tokenizer
 from ..engine.batching import padded_batches
+from ..engine.exit_adapter import load_adapter
 from ..train.exit_adapter import greedy_rows
 from ..engine.model_parts import text_model
 from ..engine.readback import integer, ints, scalar
 from ..engine.target import EarlyExitTarget, top_k
+from ..loading import load_model
 
 KAPPAS = (1, 2, 4, 8, 16)
 # OmegaSums' sums per κ, each an Ω view, and its label in the table
@@ -144,12 +149,6 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
               prompts: int = 50, max_tokens: int = 64, layers: Optional[Sequence[int]] = None,
               progress: bool = True) -> str:
     """`mirror-mlx omega`: the table over `prompts` held-out TinyStories openings (the demo pair by default)."""
-    from ..corpus import load_split
-    from ..demo import DRAFT, TARGET
-    from ..engine.exit_adapter import load_adapter
-    from ..drafts.tokenizer import check_draft_tokenizer
-    from ..loading import load_model
-
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")
     if draft_path is None and model_path is not None:

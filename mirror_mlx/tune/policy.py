@@ -107,7 +107,7 @@ def profile_for(pipe: PairView, asking: str = "auto") -> profiles.Profile:
 
 def _quick_calibration(pipe: PairView, key: dict, asking: str) -> profiles.Profile:
     """A first call's calibration within its budget; ar, said on stderr, when it runs out or fails."""
-    from .calibrate import OutOfTime, TuneConfig, calibrate
+    from .calibrate import OutOfTime, TuneConfig, calibrate  # (calibration loads on a pair's first auto call only)
 
     t0 = time.perf_counter()
     cfg = TuneConfig.quick()

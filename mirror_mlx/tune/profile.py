@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from ..chunks import Result
     from ..drafts.api import Draft
 
+from ..options import DecodeOptions
+from ..validate import MAX_BRANCHES, decode_options
+
 VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
 # timed after mirror's prepare, and the prepare itself
 
@@ -171,9 +174,6 @@ def saved(key: dict, engine: "Optional[Engine]" = None) -> Optional[Profile]:
 def _unusable(profile: Profile, engine: "Engine") -> str:
     """Why the engine would refuse the profile's choice (γ beyond the draft's context, ℓe beyond the
     target's layers), or ""."""
-    from ..options import DecodeOptions
-    from ..validate import decode_options
-
     opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer,
                          branches=profile.branches)
     try:
@@ -185,8 +185,6 @@ def _unusable(profile: Profile, engine: "Engine") -> str:
 
 def _out_of_range(profile: Profile) -> str:
     """What in a profile's choice no run could use ("" when nothing): an edited or damaged file."""
-    from ..validate import MAX_BRANCHES
-
     for name in ("kappa", "gamma", "exit_layer", "branches"):
         value = getattr(profile, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

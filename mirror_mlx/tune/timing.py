@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from ..engine.exit_adapter import adapter_for
-from ..engine.model_parts import trimmable_cache
+from ..engine.model_parts import text_model, trimmable_cache
 from ..options import DRAFT_TIMEOUT_S
 from ..engine.target import EarlyExitTarget, top_k
 from .cost_model import Acceptance, Config, Timings, rank
@@ -132,8 +132,6 @@ class Bench:
         """T_comm over `n` rows across ranks: one sharded forward's two all_sums of n × hidden per layer, chained
         in one graph as the forward chains them (an eval after each would time MLX's per-eval overhead too).
         Every rank must call it."""
-        from ..engine.model_parts import text_model
-
         inner = text_model(self.model)
         norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype
         dtype = norm.dtype if norm is not None else mx.float32

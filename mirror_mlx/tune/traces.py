@@ -7,11 +7,15 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 import mlx.core as mx
 
+from ..corpus import greedy_continuations, load_split
 from ..drafts.mlx_draft import MLXDraft
+from ..drafts.recipes import DraftRecipe, mlx_draft, mlx_draft_model
 from ..engine.exit_adapter import adapter_for
 from ..options import DRAFT_TIMEOUT_S
 from ..engine.target import EarlyExitTarget
 from ..engine.readback import ints
+from ..prompts import chat_calibration, load_prompts
+from ..text import has_chat_template
 from .cost_model import Trace
 from .profile import PairView
 
@@ -27,14 +31,10 @@ def calibration_prompts(pipe: PairView, n: int, path: Optional[str] = None) -> l
     take theirs from the front), as many as can be of one token length so that they share each forward of the
     traces' greedy texts. Whole openings, not cut ones: a cut opening's greedy text is less predictable (γ=3
     accepted 2.18 tokens a step on openings cut to 13 tokens, 2.43 whole)."""
-    from ..prompts import chat_calibration, load_prompts
-    from ..text import has_chat_template
-
     if path:
         return [pipe.encode(p.text) for p in load_prompts(path, n)]
     if has_chat_template(getattr(pipe, "tokenizer", None)):
         return [pipe.encode(p.text) for p in chat_calibration(n)]
-    from ..corpus import load_split
 
     pool = [pipe.encode(t) for t in reversed(load_split().held_out[-CALIBRATION_POOL:])]  # last first
     by_len: dict[int, list] = {}
@@ -62,8 +62,6 @@ def plain_draft_model(pipe: PairView) -> Optional["nn.Module"]:
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
     (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
-    from ..drafts.recipes import DraftRecipe, mlx_draft, mlx_draft_model
-
     draft = getattr(pipe, "draft", None)
     if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
         return mlx_draft_model(*draft.args)
@@ -72,8 +70,6 @@ def plain_draft_model(pipe: PairView) -> Optional["nn.Module"]:
 
 def greedy_texts(pipe: PairView, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (prompts of one length share each forward)."""
-    from ..corpus import greedy_continuations
-
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
     return pipe.engine.on_target(partial(greedy_continuations, pipe.model, prompts, max_tokens, eos=eos))
 

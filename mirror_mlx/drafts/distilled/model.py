@@ -3,8 +3,8 @@
 The body is mlx-lm's LlamaModel with E + k layers: the target's first E (frozen in training) and k more,
 initialised from the target's layers E..E+k-1 and trained. The head scores only the V kept ids (`kept_ids`,
 stored with the weights), V/vocab of a full head's cost, and the forward returns logits over the whole
-vocabulary, -inf off the kept ids, so every consumer reads real token ids. mlx-lm loads such a folder by its
-model_type (model_types.py maps the name to this module).
+vocabulary, -inf off the kept ids, so every consumer reads real token ids. Our loaders give mlx-lm this module's
+classes for its model_type (model_types.py).
 """
 
 import json

@@ -22,7 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from mlx_lm.utils import load_config, load_model
+from mlx_lm.utils import dequantize_model, load_config, load_model
+
+from mirror_mlx.drafts.tokenizer import folder_tokenizer
 
 MODEL_TYPE = "ss_llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -181,7 +183,6 @@ def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
     model, _ = load_model(path, get_model_classes=lambda config: (Model, ModelArgs))
     if not with_tokenizer:
         return model, None
-    from mirror_mlx.drafts.tokenizer import folder_tokenizer  # as mlx_lm.load reads a model's (config.json's eos ids)
 
     return model, folder_tokenizer(path)
 
@@ -214,7 +215,6 @@ def float_weights(folder: Union[str, Path]) -> dict:
     if "quantization" not in config and "quantization_config" not in config:
         return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in
                 cast(dict[str, mx.array], mx.load(str(wf))).items()}
-    from mlx_lm.utils import dequantize_model
 
     model, _ = load_model(Path(folder))
     return dict(tree_flatten(dequantize_model(model).parameters()))
