@@ -34,8 +34,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .engine import recurrent
 from .drafts.mlx_draft import MLXDraft
 from .drafts.api import Draft
-from .proposers.lookup import LOOKUP
-from .proposers.recycle import RECYCLE
+from .proposers.proposing import Proposing
 from .engine.stats import Stats
 from .options import OPTION_NAMES
 from .pipeline import Pipeline
@@ -75,8 +74,8 @@ def pipeline(model: nn.Module, tokenizer: "TokenizerWrapper",
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx-lm model (as mlx_lm.load returns), not {type(model).__name__}: "
                         "for a path use mirror_mlx.load(path)")
-    draftless = draft_model if isinstance(draft_model, str) and draft_model in (LOOKUP, RECYCLE) else None
-    if draft_model is not None and not draftless and not isinstance(draft_model, (nn.Module, Draft)):
+    named = Proposing.name_of(draft_model) if isinstance(draft_model, str) else ""  # no draft model
+    if draft_model is not None and not named and not isinstance(draft_model, (nn.Module, Draft)):
         raise TypeError(f"draft_model must be an mlx-lm model, a mirror_mlx Draft, \"lookup\" or \"recycle\", not "
                         f"{type(draft_model).__name__}")
     key = (id(model), id(draft_model), id(tokenizer))
@@ -86,9 +85,9 @@ def pipeline(model: nn.Module, tokenizer: "TokenizerWrapper",
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
         mx.eval(model.parameters(), draft_model.parameters() if isinstance(draft_model, nn.Module) else [])
-        draft = MLXDraft(draft_model) if isinstance(draft_model, nn.Module) else None if draftless else draft_model
+        draft = MLXDraft(draft_model) if isinstance(draft_model, nn.Module) else None if named else draft_model
         # (lazy weights would be computed on the workers' threads, where the loading thread's stream does not exist)
-        _pipelines[key] = (model, draft_model, tokenizer, Pipeline(model, tokenizer, draft, draftless=draftless))
+        _pipelines[key] = (model, draft_model, tokenizer, Pipeline(model, tokenizer, draft, draftless=named))
     _pipelines[key] = _pipelines.pop(key)  # most recently used last
     return _pipelines[key][-1]
 
@@ -210,7 +209,7 @@ def stream_generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Uni
         prompt = prompt.tolist()
     ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     start = given.length if given is not None else 0
-    mode = mode or ("sd" if pipe.draftless else "mirror" if draft_model is not None else "ar")  # (no model: sd)
+    mode = mode or pipe.proposing.default_mode()  # (no model: sd)
     plan = pipe.check(ids, given, cap=max_tokens == -1, max_tokens=2 ** 20 if max_tokens == -1 else max_tokens,
                       mode=mode, seed=seed, sampler=sampler, logits_processors=logits_processors or (),
                       max_kv_size=max_kv_size, prompt_progress_callback=prompt_progress_callback, **knobs)

@@ -52,6 +52,7 @@ class DecodeOptions:
     ngram_min: Optional[int] = None  # and its shortest; None: 1 alone (NGRAM_MIN), 2 beside a draft model
     row_cost: Optional[float] = None  # the lookup weighs its windows' verify rows at this (one-row forwards per row
     # past the first); None: the pair's measured verify, else ROW_COST; 0: every row free (each proposal whole)
+    proposer: str = ""  # what proposes the tokens (proposers/proposing.py KINDS): named by the Pipeline
 
     @property
     def sampling(self) -> Optional[tuple]:
@@ -66,7 +67,8 @@ class DecodeOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DecodeOptions))
-CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in ("stop_tokens", "why", "placement"))  # set by the Pipeline
+PIPELINE_SET = ("stop_tokens", "why", "placement", "proposer")  # set by the Pipeline
+CALLER_OPTIONS = tuple(n for n in OPTION_NAMES if n not in PIPELINE_SET)
 
 
 def given(opts: DecodeOptions) -> dict:

@@ -32,7 +32,7 @@ from .engine.stats import Stats
 from .drafts.tokenizer import check_draft_tokenizer, folder_tokenizer
 from .engine.exit_adapter import load_adapters
 from .loading import load_model, resolve_model
-from .proposers.lookup import LOOKUP
+from .proposers.proposing import Proposing
 from .proposers.recycle import RECYCLE
 from .options import CALLER_OPTIONS, DecodeOptions, Plan
 from .prompt_cache import PromptCache
@@ -94,10 +94,10 @@ class Pipeline:
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
-        self.draftless = draftless  # "lookup" or "recycle": no draft model (mirror_mlx/proposers/lookup.py, recycle.py)
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
-        self.engine = Engine(model, draft, exit_adapter, draftless)
+        # `draftless`: "lookup" or "recycle", no draft model (mirror_mlx/proposers/lookup.py, recycle.py)
+        self.engine = Engine(model, draft, exit_adapter, Proposing.name_of(draftless))
         # a Pipeline dropped without close() still stops its draft host and unlinks its shared memory
         self._finalizer = weakref.finalize(self, Engine.close, self.engine)
         self._finalizer.atexit = False  # at exit the hosts' and workers' own atexit hooks stop them
@@ -121,9 +121,15 @@ class Pipeline:
         names the mode `asking` for it)."""
         return profile_for(self, asking)
 
+    @property
+    def proposing(self) -> Proposing:
+        """What this pair proposes with (a draft model, the lookup alone, the recycled draft): which mode and
+        proposer a call runs is asked of it."""
+        return self.engine.proposing
+
     def facts(self) -> PairFacts:
         """What mode resolution needs to know of this pair (tune.policy.resolve)."""
-        return PairFacts(self.draft is not None, self.engine.exit_layer(DecodeOptions()), self.draftless)
+        return PairFacts(self.draft is not None, self.engine.exit_layer(DecodeOptions()), self.proposing)
 
     @property
     def context_length(self) -> Optional[int]:
@@ -194,13 +200,14 @@ class Pipeline:
 
     def resolve(self, plan: Plan) -> Plan:
         """The plan with its mode and knobs concrete (tune.policy.resolve: explicit ones win, the rest from the
-        pair's profile, which a first call may calibrate) and auto's watch over the run."""
+        pair's profile, which a first call may calibrate), its proposer named, and auto's watch over the run."""
         if plan.resolved:
             return plan
         self._check_not_iterating()
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
+        opts = replace(opts, proposer=self.proposing.kind(opts.mode, opts.lookup))  # named once, for the engine
         # windows, trees: at the measured verify
-        if (opts.lookup or self.draftless == RECYCLE) and opts.row_cost is None:
+        if (opts.lookup or self.proposing.named == RECYCLE) and opts.row_cost is None:
             opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 
@@ -326,7 +333,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     the V ids most frequent in the shipped text (mirror_mlx/drafts/vocab.py; lossless: the target verifies every
     token); V from 1 to the draft's vocabulary, which keeps the whole head. Any other keyword is a TypeError.
     """
-    draftless = str(draft_model) if str(draft_model) in (LOOKUP, RECYCLE) else None
+    draftless = Proposing.name_of(draft_model)  # "lookup" or "recycle": no draft model to load
     if model is None:
         model = demo_pair.TARGET
         draft_model = demo_pair.DRAFT if draft_model is None else draft_model

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .options import DecodeOptions, Plan
+    from .proposers.proposing import Proposing
 
 from .options import CHOICES, MODES, PAPER_KNOBS, Plan
 from .proposers.lookup import NGRAM_LIMIT, NGRAM_MIN, NGRAM_MIN_BESIDE
@@ -32,9 +33,7 @@ class PairFacts(Protocol):
     """What the check reads of a loaded pair (an Engine is one; nothing here imports it)."""
 
     @property
-    def draft(self) -> object: ...
-    @property
-    def draftless(self) -> Optional[str]: ...
+    def proposing(self) -> "Proposing": ...
     @property
     def has_draft(self) -> bool: ...
     @property
@@ -295,11 +294,8 @@ def request(engine: PairFacts, tokens: object, asked: "DecodeOptions", prompt_ca
     if not isinstance(asked.mode, str) or asked.mode not in CHOICES:
         raise BadValue("mode", "unknown mode {given!r}: choose one of {modes}", given=asked.mode,
                        modes=", ".join(CHOICES))
-    mode = asked.mode
-    if mode == "auto":
-        wants = asked.lookup or (asked.lookup is None and engine.draftless is not None)
-        mode = "mirror" if engine.draft is not None else "sd" if wants or engine.draftless == "recycle" else "ar"
-    lookup = engine.draftless is not None and mode == "sd" if asked.lookup is None else asked.lookup
+    proposing = engine.proposing  # what the pair proposes with: it says which mode and proposer a call runs
+    mode, lookup = proposing.stand_in(asked.mode, asked.lookup)
     n_min = asked.ngram_min
     if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
         n_min = NGRAM_MIN if not engine.has_draft else NGRAM_MIN_BESIDE
@@ -307,9 +303,9 @@ def request(engine: PairFacts, tokens: object, asked: "DecodeOptions", prompt_ca
             n_min = min(n_min, asked.ngram_max)
     opts = decode_options(replace(asked, mode=mode, lookup=lookup, ngram_min=n_min), MODES, engine.vocab_size,
                           engine.n_layers, engine.draft_context)
-    if opts.mode != "ar" and not engine.has_draft and engine.draft_failure is None and not (
-            opts.mode == "sd" and (opts.lookup or engine.draftless == "recycle")):
-        also = f"; the {engine.draftless} draft runs in {{mode='sd'}}" if engine.draftless else ""
+    if opts.mode != "ar" and not engine.has_draft and engine.draft_failure is None and not \
+            proposing.modelless(opts.mode, opts.lookup):
+        also = f"; the {proposing.named} draft runs in {{mode='sd'}}" if proposing.named else ""
         raise BadValue("mode", "mode {given!r} needs a draft model: pass {draft_model} (a model, or \"lookup\" for "
                        "sd), or use {mode='ar'}" + also, given=opts.mode)
     layer = exit_layer(engine.exit_layer(opts), engine.n_layers)

@@ -1,4 +1,6 @@
-"""The Mirror-SD generation loop (docs/design.md §3-4), one code path for `mirror`, `sd` and `ar`.
+"""The Mirror-SD generation loop (docs/design.md §3-4), one code path for `mirror`, `sd` and `ar`: begin →
+prefill → each step the call's proposer (proposers/proposer.py, chosen once) proposes and the target verifies →
+commit.
 
 State between steps: `committed` holds every committed token; the target's cache holds all but the last
 (the *pending* token); `window` holds the γ draft tokens proposed after it.
@@ -10,7 +12,9 @@ sd:     the draft rolls out one window, then the target verifies it (serial); wi
         context's continuation (lookup.py) is the window where it offers one, at no draft cost.
 ar:     the target alone, one token per forward.
 Every committed token is the target's own choice given the committed prefix, so every mode returns what
-the target alone would. Each step returns a StepRecord; a generation's Stats is the sum of theirs.
+the target alone would. Each step returns a StepRecord; a generation's Stats is the sum of theirs. The
+proposers call the target's forwards and the draft's windows here (`verify`, `verify_tree`, `sd_step`,
+`mirror_step`, `rollout`); a draft that fails or is left hands over to the proposer's `alone()`.
 
 The draft lives behind a DraftHost (drafts/host.py): the scheduler posts on the ring and awaits windows.
 One exception: sd with an MLX draft drafts on the target's own thread (a serial window hides nothing, so a
@@ -23,7 +27,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
@@ -32,18 +36,21 @@ from typing import Callable, Generator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..drafts.host import DraftHost
 
 from ..drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
 from ..drafts.mlx_draft import MLXDraft
-from ..drafts.api import Draft, Rollout
+from ..drafts.api import Draft
 from ..drafts.vocab import head_rows
 from .exit_adapter import ExitAdapter, ExitAdapters, adapter_for
 from ..proposers.lookup import Lookup
-from ..proposers.recycle import DEPTH, K, RECYCLE, WIDTHS, Recycled
-from .tree import takes_tree
+from ..proposers.proposer import PROPOSERS, Generating, Mirror, Proposer, RecycledTree, StepRecord
+from ..proposers.proposing import Proposing
+from ..proposers.recycle import RECYCLE, Recycled
+from .tree import Tree, Walk, takes_tree
 from ..options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
 from ..prompt_cache import PromptCache
 from .sampling import row_sampler, samplers
@@ -57,89 +64,29 @@ T = TypeVar("T")
 
 
 @dataclass
-class StepRecord:
-    """What one step committed and what it spent where: steps never touch Stats; the loop makes each step's
-    Stats from its record (`counts`)."""
-
-    tokens: list[int] = field(default_factory=list)  # the accepted window tokens, then the target's own
-    offered: int = 0  # window tokens the target verified
-    accepted: int = 0  # of them, accepted
-    from_lookup: bool = False  # the verified window was the prompt lookup's
-    lookup_offered: Optional[int] = None  # a tree's: of `offered`, the lookup's nodes (a window: all or none)
-    lookup_accepted: int = 0  # a tree's: of `accepted`, the lookup's
-    reused: bool = False  # mirror: the next window is a branch already rolled out
-    fallback: bool = False  # mirror: it is not (a serial rollout, the lookup's, or none)
-    prefix_seconds: float = 0.0
-    suffix_seconds: float = 0.0  # target suffix (mirror) or whole verify forward (sd, lookup, ar)
-    draft_seconds: float = 0.0  # every rollout of the step: branches, a serial window
-    hidden_draft_seconds: float = 0.0  # of it, what overlapped the target's suffix
-    draft_forwards: int = 0
-    draft_tokens: int = 0
-    rollouts: int = 0
-    branches_rolled: int = 0
-    omega_sum: float = 0.0  # target mass inside the posted C_A at the correction row
-    # mirror: what the step spent where on the engine's clocks (bench/summary.py): prefix, suffix, rollout,
-    # accepted, arrived, and serial for a fallback's serial window
-    timeline: Optional[dict] = None
-    window: Optional[list[int]] = None  # mirror: the next step's window; None: not known yet
-
-    def drew(self, out: Rollout, r0: float, r1: float) -> None:
-        """Count one draft rollout that ran from r0 to r1."""
-        self.draft_seconds += r1 - r0
-        self.draft_forwards += out.forwards
-        self.draft_tokens += out.tokens
-        self.rollouts += 1
-
-    def verified(self, window: list[int], ys: list[int], a: int, seconds: float) -> "StepRecord":
-        """The target verified `window` in `seconds`: `a` tokens accepted, then its own ys[a]."""
-        self.tokens, self.offered, self.accepted = window[:a] + [ys[a]], len(window), a
-        self.suffix_seconds += seconds
-        return self
-
-    def counts(self) -> dict:
-        """This step's counts and seconds, as Stats fields."""
-        rejected, lookup = int(self.accepted < self.offered), int(self.from_lookup)
-        tree = self.lookup_offered is not None
-        return dict(proposed=self.offered, accepted=self.accepted, rejections=rejected, lookup_windows=lookup,
-                    lookup_proposed=self.lookup_offered if tree else self.offered * lookup,
-                    lookup_accepted=self.lookup_accepted if tree else self.accepted * lookup,
-                    lookup_rejections=rejected * lookup, reuses=int(self.reused), fallbacks=int(self.fallback),
-                    prefix_seconds=self.prefix_seconds, suffix_seconds=self.suffix_seconds,
-                    draft_seconds=self.draft_seconds, hidden_draft_seconds=self.hidden_draft_seconds,
-                    draft_forwards=self.draft_forwards, draft_tokens=self.draft_tokens, rollouts=self.rollouts,
-                    branches_rolled=self.branches_rolled, omega_sum=self.omega_sum,
-                    timeline=[self.timeline] if self.timeline else [])
-
-
-@dataclass
 class Generation:
-    """One generation's state between steps: what is committed, which step comes next, what the steps need."""
+    """One generation's state between steps: what is committed, what proposes the next step, what steps need."""
 
     opts: DecodeOptions
     committed: list[int]
     mode: str  # the next step's: mirror, sd or ar (after a dropped draft, or leave_draft)
     ran: str  # what Stats calls the mode (ar only if the draft never ran)
-    drafts: bool  # a model draft runs (sd with the lookup alone: none)
-    draft_host: str  # where: Stats.draft_host
+    draft_host: str  # where the draft model runs: Stats.draft_host ("": none)
     exit_layer: Optional[int]
-    index: Optional[Lookup]
+    proposer: Proposer  # chosen once (Proposing.kind); its `alone()` once the draft is dropped or left
     sampler: Callable[[mx.array, int], list[int]]  # sampling.row_sampler
     processors: list[Callable]
-    plan: BranchBudget  # which branches each mirror step rolls out
-    tree: Optional[Recycled] = None  # sd with the recycled draft: the table its trees grow from
-    window: Optional[list[int]] = None  # mirror's next window; None: not known yet (the lookup's, else a rollout)
     draft_vocab: Optional[int] = None  # the ids the draft's trimmed head scores (None: its whole vocabulary)
     left: str = ""  # after which step and why it went on with the target alone
-    held: int = 0  # the lookup's `held` at the last commit
 
     def commit(self, new: list[int]) -> int:
         """Commit `new`; how often the lookup held back since the last commit."""
         self.committed += new
-        if self.index is None:
-            return 0
-        self.index.extend(new)
-        held, self.held = self.index.held - self.held, self.index.held
-        return held
+        return self.proposer.commit(new)
+
+    def alone(self) -> None:
+        """Go on with the target alone (and the lookup, where it proposes)."""
+        self.mode, self.proposer = "ar", self.proposer.alone()
 
     def stats(self, rec: StepRecord, tokens: int, held: int, draft_failure: Optional[str]) -> Stats:
         """A step's Stats: its record's counts, with what describes the generation as it stands."""
@@ -147,9 +94,9 @@ class Generation:
         return Stats(mode=self.ran, chosen_mode=o.mode, kappa=o.kappa, gamma=o.gamma, exit_layer=self.exit_layer,
                      why=o.why, draft_host=self.draft_host, draft_vocab=self.draft_vocab,
                      draft_failure=draft_failure, left_draft=self.left,
-                     placement=o.placement, branches=o.branches, lookup=self.index is not None, steps=1,
-                     recycle="" if self.tree is None else self.tree.one_path or "tree",
-                     target_forwards=1, generation_tokens=tokens, lookup_held=held, **rec.counts())
+                     placement=o.placement, branches=o.branches, lookup=self.proposer.index is not None, steps=1,
+                     recycle=self.proposer.recycle, target_forwards=1, generation_tokens=tokens, lookup_held=held,
+                     **rec.counts())
 
 
 def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
@@ -220,10 +167,9 @@ class Engine:
     DraftRecipe (the host process builds it), or a draft object built here (its host loop runs on a thread)."""
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Union[ExitAdapter, ExitAdapters, None] = None, draftless: Optional[str] = None):
+                 exit_adapter: Union[ExitAdapter, ExitAdapters, None] = None, named: str = ""):
         self.target_model = target_model
-        self.draftless = draftless  # "lookup" (the prompt lookup alone) or "recycle" (the target's recycled
-        # predictions, verified as a tree): no draft model
+        self.named = named  # "lookup" or "recycle": no draft model (`proposing`)
         self.n_layers = len(text_model(target_model).layers)
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
@@ -243,8 +189,8 @@ class Engine:
         self.draft_failure: Optional[str] = None
         self.local_build = local_build(draft)  # sd's in-process draft, built on its first generation
         self.local_draft: Optional[Draft] = None
-        self.recycled: Optional[Recycled] = None  # draftless "recycle": the table, for the pipeline's life
-        if draftless == RECYCLE:
+        self.recycled: Optional[Recycled] = None  # the recycled draft's table, for the pipeline's life
+        if named == RECYCLE:
             why = self.target_worker.call(lambda: takes_tree(target_model, self.target.cache))
             self.recycled = Recycled(self.vocab_size, f"one path: this {family(target_model)} model takes no "
                                      f"tree ({why})" if why else None)
@@ -270,6 +216,11 @@ class Engine:
         model split by layers across ranks: distributed/pipeline.py)."""
         self.target_worker.call(self.target.close)
         self.target = self.target_worker.call(build, *args)
+
+    @property
+    def proposing(self) -> Proposing:
+        """What the pair proposes with: the draft as it is now (across ranks, set after the engine is built)."""
+        return Proposing(self.draft is not None, self.named)
 
     @property
     def has_draft(self) -> bool:
@@ -378,15 +329,19 @@ class Engine:
             first.prefill_seconds = time.perf_counter() - t0
             mark = time.perf_counter()
             stepping = False
-            first += Stats(**self._first_window(gen).counts())  # the first step's record carries the prefill
+            first += Stats(**gen.proposer.first(gen).counts())  # the first step's record carries the prefill
+            if self.draft_failure is not None and gen.proposer.drafts:  # (mirror's first window failed)
+                gen.alone()
+                gen.ran = "ar"
             produced, steps = 0, 0
             while produced < opts.max_tokens:
                 stepping = True
-                rec = self._step(gen, opts.max_tokens - produced)
+                rec = gen.proposer.step(gen, opts.max_tokens - produced)
+                if self.draft_failure is not None:  # the draft failed in this step: the target goes on alone
+                    gen.proposer = gen.proposer.alone()
                 steps += 1
                 new, stopped = cut(rec.tokens, opts.max_tokens - produced, opts.stop_tokens)
                 held = gen.commit(new)
-                gen.window = rec.window
                 produced += len(new)
                 stats = gen.stats(rec, len(new), held, self.draft_failure)
                 if first is not None:
@@ -397,7 +352,8 @@ class Engine:
                 if gen.mode != "ar" and leave_draft is not None and produced < opts.max_tokens and not stopped:
                     why = leave_draft(step)
                     if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
-                        gen.mode, gen.left = "ar", f"after step {steps}: {why}"
+                        gen.alone()
+                        gen.left = f"after step {steps}: {why}"
                         stats.left_draft = gen.left
                 now = time.perf_counter()
                 stats.decode_seconds, step.span, mark = now - mark, (mark, now), now
@@ -413,12 +369,14 @@ class Engine:
                 self.target_worker.call(self._reset_target)
 
     def _begin(self, prompt: Sequence[int], opts: DecodeOptions) -> Generation:
-        """A generation's state: its mode, lookup, sampler (seeded) and branch budget; the target's exit set up."""
+        """A generation's state: its mode, proposer, sampler (seeded); the target's exit set up."""
         mode = opts.mode if self.draft_failure is None else "ar"
-        local = mode == "sd" and self.local_build is not None
-        drafts = mode != "ar" and self.host is not None  # a model draft runs (sd with the lookup alone: none)
-        host = "" if not drafts else "in-process" if local else "process" if self.host.process else "thread"
-        index = Lookup(prompt, opts.ngram_max, opts.ngram_min, opts.row_cost) if opts.lookup else None
+        proposer = self._proposer(prompt, opts)
+        if mode == "ar" or self.host is None:  # no draft model runs (dropped, or none)
+            proposer = proposer.alone()
+        drafts, local = proposer.drafts, mode == "sd" and self.local_build is not None
+        host = "" if self.host is None or not drafts else "in-process" if local else \
+            "process" if self.host.process else "thread"
         base, processors = samplers(opts)
         if opts.seed is not None:  # MLX's random state is per thread: seed the thread that samples
             self.target_worker.call(mx.random.seed, opts.seed)
@@ -426,93 +384,63 @@ class Engine:
         if mode == "mirror":
             self.target_worker.call(self.target.set_exit_layer, self.exit_layer(opts),
                                     adapter_for(self.exit_adapter, self.exit_layer(opts)))
-        # which branches each mirror step rolls out (calibrated as it goes; with no B, those that pay, by this
-        # generation's own timings: one process only, since every rank must post the same branches)
-        plan = BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost))
         exit_layer = self.exit_layer(opts) if opts.mode == "mirror" else None
-        tree = self.recycled if mode == "sd" else None
-        return Generation(opts, list(prompt), mode, mode, drafts, host, exit_layer, index, row_sampler(base, opts.seed),
-                          processors, plan, tree, draft_vocab=self.draft_head if drafts else None)
+        return Generation(opts, list(prompt), mode, mode, host, exit_layer, proposer, row_sampler(base, opts.seed),
+                          processors, draft_vocab=self.draft_head if drafts else None)
+
+    def _proposer(self, prompt: Sequence[int], opts: DecodeOptions) -> Proposer:
+        """The proposer the plan names (Proposing.kind), with its own state for this generation."""
+        kind = opts.proposer or self.proposing.kind(opts.mode, opts.lookup)
+        index = Lookup(prompt, opts.ngram_max, opts.ngram_min, opts.row_cost) if opts.lookup else None
+        if kind == "mirror":  # which branches each step rolls out (calibrated as it goes; with no B, those that
+            # pay, by this generation's own timings: one process only, since every rank must post the same ones)
+            return Mirror(self, index, BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost)))
+        if kind == RECYCLE and self.recycled is not None:
+            return RecycledTree(self, index, self.recycled)
+        return PROPOSERS[kind](self, index)
 
     def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:
         """The target prefills the prompt, the draft beside it (or, in-process, after it); a draft that cannot
         even prefill is dropped (the target goes on alone, visibly). Returns the tokens the target ran."""
-        opts, failed = gen.opts, []
+        opts, failed, host = gen.opts, list[BaseException](), self.host
+        drafts = gen.proposer.drafts and host is not None
         local = gen.mode == "sd" and self.local_build is not None
-        if gen.drafts and not local:  # the draft prefills beside the target
-            _post_or_note(self.host.post_sync, prompt[:-1], failed=failed)
+        if drafts and not local:  # the draft prefills beside the target
+            _post_or_note(host.post_sync, prompt[:-1], failed=failed)
         ran = self.target_worker.call(self.target.hold, prompt[:-1], opts.prefill_step_size,  # the last is pending
-                                      prefill_progress(opts.prompt_progress_callback, given), K if gen.tree else 0)
-        if gen.tree is not None and self.target.seen is not None:  # the recycled table learns the prompt's rows
-            gen.tree.learn_prefill(*self.target.seen)
-        if gen.tree is not None and gen.tree.widths is None and opts.row_cost is None and not gen.tree.one_path:
-            # once per pipeline: what a verify's rows cost on this machine (a recurrent target's chains: ROW_COST)
-            gen.tree.widths = self.target_worker.call(self.target.time_widths, WIDTHS, K)
-        if gen.drafts:
+                                      prefill_progress(opts.prompt_progress_callback, given), gen.proposer.top_rows())
+        gen.proposer.prefilled(self.target.seen, partial(self.target_worker.call, self.target.time_widths),
+                               opts.row_cost)
+        if drafts:
             try:
                 if failed:
                     raise failed[0]
                 if local:  # after the target, on its thread
                     self.target_worker.call(self._local_sync, prompt[:-1])
                 else:
-                    self.host.wait_done(opts.draft_timeout)
+                    host.wait_done(opts.draft_timeout)
             except Exception as e:
                 self._drop_draft(e)
-                gen.mode = gen.ran = "ar"
+                gen.alone()
+                gen.ran = "ar"
         return ran
 
-    def _first_window(self, gen: Generation) -> StepRecord:
-        """Mirror's first window, drafted before the first step unless the lookup has one or one token is wanted
-        (the target's own at the pending row, no window needed); a draft that fails leaves the target alone."""
-        rec = StepRecord()
-        if gen.mode == "mirror" and gen.opts.max_tokens > 1 and not (gen.index is not None and gen.index.propose(1)):
-            gen.window = self.loop.run(self._rollout(gen.committed, gen.opts, rec))
-            if gen.window is None:
-                gen.mode = gen.ran = "ar"
-        return rec
+    # --- what the proposers call: the target's forwards, the draft's windows; each returns a StepRecord -------
 
-    # --- steps: each returns its StepRecord -----------------------------------------------------------
-
-    def _step(self, gen: Generation, budget: int) -> StepRecord:
-        """The next step (`budget` tokens still wanted): mirror's; else the lookup's window where the context offers
-        one; else sd's; else the target alone (ar, and the last token, which is the target's own whatever)."""
-        if gen.mode == "mirror" and self.draft_failure is None:
-            rec = StepRecord()
-            window, from_lookup = self._mirror_window(gen, budget, rec)
-            if window is not None:  # (a failed rollout drops the draft: then the step is ar's)
-                return self.loop.run(self._mirror_step(gen, window, from_lookup, budget, rec))
-            return self._verify(gen, [], rec)
-        if gen.tree is not None and budget > 1:
-            return self._tree_step(gen, budget)
-        lookup = gen.index.propose(min(gen.opts.gamma, budget - 1)) if gen.index is not None and budget > 1 else []
-        if lookup:
-            return self._verify(gen, lookup, StepRecord(from_lookup=True))
-        if gen.mode == "sd" and gen.drafts and self.draft_failure is None and budget > 1:
-            return self._sd_step(gen)
-        return self._verify(gen, [], StepRecord())
-
-    def _verify(self, gen: Generation, window: list[int], rec: StepRecord) -> StepRecord:
+    def verify(self, gen: Generating, window: list[int], rec: StepRecord) -> StepRecord:
         """The target verifies `window` (ar: none) in one forward."""
         s0 = time.perf_counter()
         ys, a = self.target_worker.call(self.target.verify, gen.committed, window, gen.sampler, gen.processors)
         return rec.verified(window, ys, a, time.perf_counter() - s0)
 
-    def _tree_step(self, gen: Generation, budget: int) -> StepRecord:
-        """The recycled draft's tree (the lookup's proposal its first branch), verified in one forward; the
-        table then learns every node's top candidates from that forward."""
-        depth = min(DEPTH, budget - 1)
-        lookup = gen.index.propose(min(gen.opts.gamma, depth)) if gen.index is not None else []
-        tree = gen.tree.grow(gen.committed[-1], lookup, depth, gen.opts.row_cost)
+    def verify_tree(self, gen: Generating, tree: Tree, top: int) -> tuple[Walk, np.ndarray, float]:
+        """The target verifies `tree` in one forward: (what it committed, each node's top ids, its seconds)."""
         s0 = time.perf_counter()
-        out, top = self.target_worker.call(self.target.verify_tree, gen.committed, tree, gen.sampler,
-                                           gen.processors, K)
-        seconds = time.perf_counter() - s0
-        gen.tree.learn(tree, out.path, out.tokens, top)
-        return StepRecord(out.tokens, len(tree) - 1, len(out.path), from_lookup=bool(lookup),
-                          lookup_offered=tree.sources.count("lookup"),
-                          lookup_accepted=sum(tree.sources[i] == "lookup" for i in out.path), suffix_seconds=seconds)
+        out, ids = self.target_worker.call(self.target.verify_tree, gen.committed, tree, gen.sampler,
+                                           gen.processors, top)
+        return out, ids, time.perf_counter() - s0
 
-    def _sd_step(self, gen: Generation) -> StepRecord:
+    def sd_step(self, gen: Generating) -> StepRecord:
         """sd: the draft's window, then the target verifies it (serial); a draft that fails leaves the target alone."""
         rec = StepRecord()
         if self.local_build is not None:
@@ -520,8 +448,8 @@ class Engine:
             if failed is None:
                 return rec
             self._drop_draft(failed)
-            return self._verify(gen, [], rec)
-        return self._verify(gen, self.loop.run(self._rollout(gen.committed, gen.opts, rec)) or [], rec)
+            return self.verify(gen, [], rec)
+        return self.verify(gen, self.rollout(gen.committed, gen.opts, rec) or [], rec)
 
     def _local_sd(self, gen: Generation, rec: StepRecord) -> Optional[BaseException]:
         """sd's step on the target's thread (one hop): the in-process draft's window, then the target verifies it,
@@ -537,24 +465,21 @@ class Engine:
         rec.verified(out.windows[0], ys, a, time.perf_counter() - r1)
         return None
 
-    def _mirror_window(self, gen: Generation, budget: int, rec: StepRecord) -> tuple[Optional[list[int]], bool]:
-        """The window of mirror's step and whether the lookup proposed it: none when one token is wanted; the one
-        the last step left; else the lookup's, else the draft's rollout, counted in `rec` (None if it failed)."""
-        if budget == 1:
-            return [], False
-        if gen.window is not None:
-            return gen.window, False
-        proposal = gen.index.propose(min(gen.opts.gamma, budget - 1)) if gen.index is not None else []
-        if proposal:
-            return proposal, True
-        return self.loop.run(self._rollout(gen.committed, gen.opts, rec)), False
+    def mirror_step(self, gen: Generating, m: Mirror, window: list[int], from_lookup: bool, budget: int,
+                    rec: StepRecord) -> StepRecord:
+        """One Mirror-SD step of `m`'s (its branch budget; with its lookup, no serial window after a fallback)."""
+        return self.loop.run(self._mirror_step(gen, m.plan, m.index is not None, window, from_lookup, budget, rec))
 
-    async def _mirror_step(self, gen: Generation, window: list[int], from_lookup: bool, budget: int,
-                           rec: StepRecord) -> StepRecord:
+    def rollout(self, committed: list[int], opts: DecodeOptions, rec: StepRecord) -> Optional[list[int]]:
+        """One fresh window after `committed` (`_rollout`), from the caller's thread."""
+        return self.loop.run(self._rollout(committed, opts, rec))
+
+    async def _mirror_step(self, gen: Generating, plan: BranchBudget, lookup: bool, window: list[int],
+                           from_lookup: bool, budget: int, rec: StepRecord) -> StepRecord:
         """One Mirror-SD step; `budget` tokens are still wanted. A next window matters only if two more tokens
         are wanted after the step (the first is the target's own), so no branches when budget < 3 and no
-        fallback after it; with the lookup on, a fallback leaves the next window to `_mirror_window`."""
-        opts, plan, committed, gamma = gen.opts, gen.plan, gen.committed, len(window)
+        fallback after it; with the `lookup` on, a fallback leaves the next window to the proposer (Mirror)."""
+        opts, committed, gamma = gen.opts, gen.committed, len(window)
         exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
@@ -600,8 +525,8 @@ class Engine:
             rec.reused, rec.window = True, reused
             return rec
         rec.fallback = True
-        if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new) or gen.index is not None:
-            return rec  # no window after this step could be used, or the lookup's comes first (`_mirror_window`)
+        if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new) or lookup:
+            return rec  # no window after this step could be used, or the lookup's comes first (Mirror._window)
         f0, before = time.perf_counter(), rec.draft_seconds
         rec.window = await self._rollout(committed + new, opts, rec)  # the target waits
         rec.timeline["serial"] = (f0, time.perf_counter(), rec.draft_seconds - before)

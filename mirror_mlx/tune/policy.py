@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from .. import validate
 from ..proposers.lookup import NGRAM_MIN
 from ..options import PAPER_KNOBS, DecodeOptions
+from ..proposers.proposing import Proposing
 from . import profile as profiles
 from .profile import AutoState, PairView
 from .cost_model import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
@@ -78,7 +79,7 @@ class PairFacts:
 
     has_draft: bool
     default_exit: int
-    draftless: Optional[str] = None  # "lookup" or "recycle": the draft is no model
+    proposing: Proposing = Proposing()  # what the pair proposes with (a draft model, or "lookup" / "recycle")
 
 
 ProfileSource = Callable[[str], profiles.Profile]  # the pair's profile, loaded or calibrated when first asked
@@ -294,7 +295,7 @@ def best_point(rows: list[dict]) -> dict:
 LOOKUP_GAMMA = 8  # the lookup alone's window: a copied continuation is cheap to propose long (measured: docs)
 
 
-def draftless(opts: DecodeOptions, asked: str, gamma: Optional[int], draft: Optional[str]) -> DecodeOptions:
+def modelless(opts: DecodeOptions, asked: str, gamma: Optional[int], draft: str) -> DecodeOptions:
     """sd with no draft model (draft_model="lookup" or "recycle"): no profile to read, as no draft model runs
     (a wrong proposal costs the verify's extra rows only, and each proposal is cut to what pays at the
     measured row cost); the lookup's window γ as given, else LOOKUP_GAMMA."""
@@ -365,8 +366,9 @@ def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource
     (`asked`) and as checked (auto as its stand-in), the pair's profile (asked only where the choice needs it)
     and facts: explicit knobs win, an explicit mode's missing ones come from the profile (`explicit`), and
     mode auto gets the tuned ones and an `AutoRun` over `auto` to watch the generation."""
-    if not facts.has_draft and checked.mode == "sd" and (checked.lookup or facts.draftless == "recycle"):
-        return draftless(checked, asked.mode, asked.gamma, facts.draftless), None  # nothing to calibrate
+    alone = facts.proposing.modelless(checked.mode, checked.lookup)  # sd with the lookup or the recycled tree
+    if alone:
+        return modelless(checked, asked.mode, asked.gamma, alone), None  # nothing to calibrate
     if asked.mode != "auto":
         c = explicit(profile, facts, asked.mode, asked.kappa, asked.gamma, asked.exit_layer)
         out = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
