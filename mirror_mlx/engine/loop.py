@@ -79,6 +79,12 @@ class Generation:
     draft_vocab: Optional[int] = None  # the ids the draft's trimmed head scores (None: its whole vocabulary)
     left: str = ""  # after which step and why it went on with the target alone
 
+    @property
+    def gamma(self) -> int:
+        """γ, the window a step drafts or looks up: a resolved plan sets it for every mode."""
+        assert self.opts.gamma is not None, "a resolved plan's γ is set (tune.policy.resolve)"
+        return self.opts.gamma
+
     def commit(self, new: list[int]) -> int:
         """Commit `new`; how often the lookup held back since the last commit."""
         self.committed += new
@@ -99,7 +105,8 @@ class Generation:
                      **rec.counts())
 
 
-def reuse_window(cand: list[list[int]], windows: list[list[list[int]]], a: int, c: int) -> Optional[list[int]]:
+def reuse_window(cand: list[list[int]], windows: list[list[Optional[list[int]]]], a: int,
+                 c: int) -> Optional[list[int]]:
     """The precomputed window w(A, c) if the correction c was among row A's candidates (and its branch was
     rolled out, under a branch budget), else None."""
     return windows[a][cand[a].index(c)] if c in cand[a] else None
@@ -191,6 +198,7 @@ class Engine:
         self.local_draft: Optional[Draft] = None
         self.recycled: Optional[Recycled] = None  # the recycled draft's table, for the pipeline's life
         if named == RECYCLE:
+            assert self.vocab_size is not None, "the recycled table keeps a row per token id"
             why = self.target_worker.call(lambda: takes_tree(target_model, self.target.cache))
             self.recycled = Recycled(self.vocab_size, f"one path: this {family(target_model)} model takes no "
                                      f"tree ({why})" if why else None)
@@ -253,7 +261,8 @@ class Engine:
             return []
         if self.host.pid:
             return [int(t) for t in os.listdir(f"/proc/{self.host.pid}/task")]
-        return [self.host.thread.native_id]
+        thread = self.host.thread  # (a host without a process runs its loop on this thread)
+        return [thread.native_id] if thread is not None and thread.native_id is not None else []
 
     @property
     def drafts_locally(self) -> bool:
@@ -265,9 +274,9 @@ class Engine:
         so two new tokens reach it, as in a real step), on the target's thread (tune)."""
 
         def once() -> float:
-            self._local_sync(context[:-2])
+            draft = self._local_sync(context[:-2])
             t0 = time.perf_counter()
-            self.local_draft.rollout(context, [[last]], gamma)
+            draft.rollout(context, [[last]], gamma)
             return time.perf_counter() - t0
 
         return self.target_worker.call(once)
@@ -294,12 +303,24 @@ class Engine:
         if self.local_draft is not None:
             self.local_draft.reset()
 
-    def _local_sync(self, context: list[int]) -> None:
-        """sd's in-process draft (built on the first call, on the target's thread) holds `context`."""
+    def _local(self) -> Draft:
+        """sd's in-process draft, built on its first use, on the target's thread."""
         if self.local_draft is None:
+            assert self.local_build is not None, "sd drafts in process only where the draft builds here"
             self.local_draft = self.local_build()
-        if hasattr(self.local_draft, "sync"):
-            self.local_draft.sync(context)
+        return self.local_draft
+
+    def _local_sync(self, context: list[int]) -> Draft:
+        """sd's in-process draft holds `context`; that draft."""
+        draft = self._local()
+        if hasattr(draft, "sync"):
+            draft.sync(context)
+        return draft
+
+    def _host(self) -> DraftHost:
+        """The draft host a drafting proposer's step posts to (a dropped host hands the proposer over)."""
+        assert self.host is not None, "a proposer drafts only while its draft host is up"
+        return self.host
 
     def exit_layer(self, opts: DecodeOptions) -> int:
         """ℓ_e: as asked, else the exit adapter's layer, else N // 2 (the paper's default)."""
@@ -329,10 +350,7 @@ class Engine:
             first.prefill_seconds = time.perf_counter() - t0
             mark = time.perf_counter()
             stepping = False
-            first += Stats(**gen.proposer.first(gen).counts())  # the first step's record carries the prefill
-            if self.draft_failure is not None and gen.proposer.drafts:  # (mirror's first window failed)
-                gen.alone()
-                gen.ran = "ar"
+            first += self._first(gen)  # the first step's record carries the prefill
             produced, steps = 0, 0
             while produced < opts.max_tokens:
                 stepping = True
@@ -344,11 +362,12 @@ class Engine:
                 held = gen.commit(new)
                 produced += len(new)
                 stats = gen.stats(rec, len(new), held, self.draft_failure)
-                if first is not None:
-                    stats, first = first + stats, None
+                if steps == 1:
+                    stats = first + stats
                 drafted = len(rec.tokens) - 1  # every step commits accepted draft tokens, then one of the target's
+                rows = self.target.logprobs  # (the step's verify set them)
                 step = Step(new, [i < drafted for i in range(len(new))], rec.offered, rec.accepted, rec.reused,
-                            rec.fallback, stats, self.target.logprobs[: len(new)])
+                            rec.fallback, stats, None if rows is None else rows[: len(new)])
                 if gen.mode != "ar" and leave_draft is not None and produced < opts.max_tokens and not stopped:
                     why = leave_draft(step)
                     if why:  # on text that defeats the draft; it is idle between steps: the target goes on alone
@@ -391,7 +410,10 @@ class Engine:
     def _proposer(self, prompt: Sequence[int], opts: DecodeOptions) -> Proposer:
         """The proposer the plan names (Proposing.kind), with its own state for this generation."""
         kind = opts.proposer or self.proposing.kind(opts.mode, opts.lookup)
-        index = Lookup(prompt, opts.ngram_max, opts.ngram_min, opts.row_cost) if opts.lookup else None
+        index = None
+        if opts.lookup:
+            assert opts.ngram_min is not None, "a checked plan's shortest n-gram is set (validate.request)"
+            index = Lookup(prompt, opts.ngram_max, opts.ngram_min, opts.row_cost)
         if kind == "mirror":  # which branches each step rolls out (calibrated as it goes; with no B, those that
             # pay, by this generation's own timings: one process only, since every rank must post the same ones)
             return Mirror(self, index, BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost)))
@@ -402,16 +424,16 @@ class Engine:
     def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:
         """The target prefills the prompt, the draft beside it (or, in-process, after it); a draft that cannot
         even prefill is dropped (the target goes on alone, visibly). Returns the tokens the target ran."""
-        opts, failed, host = gen.opts, list[BaseException](), self.host
-        drafts = gen.proposer.drafts and host is not None
+        opts, failed = gen.opts, list[BaseException]()
+        host = self.host if gen.proposer.drafts else None  # (a proposer that drafts has its host: `_begin`)
         local = gen.mode == "sd" and self.local_build is not None
-        if drafts and not local:  # the draft prefills beside the target
+        if host is not None and not local:  # the draft prefills beside the target
             _post_or_note(host.post_sync, prompt[:-1], failed=failed)
         ran = self.target_worker.call(self.target.hold, prompt[:-1], opts.prefill_step_size,  # the last is pending
                                       prefill_progress(opts.prompt_progress_callback, given), gen.proposer.top_rows())
         gen.proposer.prefilled(self.target.seen, partial(self.target_worker.call, self.target.time_widths),
                                opts.row_cost)
-        if drafts:
+        if host is not None:
             try:
                 if failed:
                     raise failed[0]
@@ -424,6 +446,15 @@ class Engine:
                 gen.alone()
                 gen.ran = "ar"
         return ran
+
+    def _first(self, gen: Generation) -> Stats:
+        """Before the first step: what the proposer spent (mirror's first window); a draft that fails there leaves
+        the target alone."""
+        rec = gen.proposer.first(gen)
+        if self.draft_failure is not None and gen.proposer.drafts:
+            gen.alone()
+            gen.ran = "ar"
+        return Stats(**rec.counts())
 
     # --- what the proposers call: the target's forwards, the draft's windows; each returns a StepRecord -------
 
@@ -449,14 +480,14 @@ class Engine:
                 return rec
             self._drop_draft(failed)
             return self.verify(gen, [], rec)
-        return self.verify(gen, self.rollout(gen.committed, gen.opts, rec) or [], rec)
+        return self.verify(gen, self.rollout(gen, rec) or [], rec)
 
     def _local_sd(self, gen: Generation, rec: StepRecord) -> Optional[BaseException]:
         """sd's step on the target's thread (one hop): the in-process draft's window, then the target verifies it,
         into `rec`. Returns the draft's error (the caller drops the draft) or None."""
         committed, r0 = gen.committed, time.perf_counter()
         try:
-            out = self.local_draft.rollout(committed[:-1], [[committed[-1]]], gen.opts.gamma)
+            out = self._local().rollout(committed[:-1], [[committed[-1]]], gen.gamma)
         except Exception as e:  # noqa: BLE001 - the caller drops the draft, visibly
             return e
         r1 = time.perf_counter()
@@ -470,23 +501,23 @@ class Engine:
         """One Mirror-SD step of `m`'s (its branch budget; with its lookup, no serial window after a fallback)."""
         return self.loop.run(self._mirror_step(gen, m.plan, m.index is not None, window, from_lookup, budget, rec))
 
-    def rollout(self, committed: list[int], opts: DecodeOptions, rec: StepRecord) -> Optional[list[int]]:
-        """One fresh window after `committed` (`_rollout`), from the caller's thread."""
-        return self.loop.run(self._rollout(committed, opts, rec))
+    def rollout(self, gen: Generating, rec: StepRecord) -> Optional[list[int]]:
+        """One fresh window after what `gen` committed (`_rollout`), from the caller's thread."""
+        return self.loop.run(self._rollout(gen, gen.committed, rec))
 
     async def _mirror_step(self, gen: Generating, plan: BranchBudget, lookup: bool, window: list[int],
                            from_lookup: bool, budget: int, rec: StepRecord) -> StepRecord:
         """One Mirror-SD step; `budget` tokens are still wanted. A next window matters only if two more tokens
         are wanted after the step (the first is the target's own), so no branches when budget < 3 and no
         fallback after it; with the `lookup` on, a fallback leaves the next window to the proposer (Mirror)."""
-        opts, committed, gamma = gen.opts, gen.committed, len(window)
+        opts, committed, gamma, host = gen.opts, gen.committed, len(window), self._host()
         exclude = window + [-1]  # row r < γ never proposes ŷ_{r+1}; the bonus row keeps plain top-κ
         failed: list[BaseException] = []
         branches = budget > 2  # the step commits at least one token
-        post = partial(_post_or_note, partial(_post_budgeted, self.host, plan), list(committed), window,
+        post = partial(_post_or_note, partial(_post_budgeted, host, plan), list(committed), window,
                        failed=failed) if branches else (lambda *_: None)
         if branches:  # the draft feeds the window during the prefix: the rollout then feeds one token per branch
-            _post_or_note(self.host.post_prepare, committed + window, failed=failed)
+            _post_or_note(host.post_prepare, committed + window, failed=failed)
         cand, p0, p1 = await self.target_worker.run(self.target.prefix, [committed[-1]] + window, opts.kappa,
                                                     exclude, post)
         try:
@@ -503,7 +534,7 @@ class Engine:
                 if failed:
                     raise failed[0]
                 left = max(0.0, opts.draft_timeout - (time.perf_counter() - s1))
-                out, r0, r1 = await asyncio.wait_for(self.host.windows(gamma), left)
+                out, r0, r1 = await asyncio.wait_for(host.windows(gamma), left)
             except Exception as e:  # the draft raised, stalled or died: finish with the target alone, visibly
                 self._drop_draft(e)
                 rec.tokens = new
@@ -528,7 +559,7 @@ class Engine:
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new) or lookup:
             return rec  # no window after this step could be used, or the lookup's comes first (Mirror._window)
         f0, before = time.perf_counter(), rec.draft_seconds
-        rec.window = await self._rollout(committed + new, opts, rec)  # the target waits
+        rec.window = await self._rollout(gen, committed + new, rec)  # the target waits
         rec.timeline["serial"] = (f0, time.perf_counter(), rec.draft_seconds - before)
         plan.cost.saw_window(rec.draft_seconds - before)
         return rec
@@ -536,15 +567,16 @@ class Engine:
     async def _drain_branches(self, opts: DecodeOptions, gamma: int) -> None:
         """Take the reply to branches posted in a step that failed, so the host's next answer is the next step's."""
         try:
-            await asyncio.wait_for(self.host.windows(gamma), opts.draft_timeout)
+            await asyncio.wait_for(self._host().windows(gamma), opts.draft_timeout)
         except Exception as e:  # noqa: BLE001 - the draft failed too: dropped, visibly, as in a step
             self._drop_draft(e)
 
-    async def _rollout(self, committed: list[int], opts: DecodeOptions, rec: StepRecord) -> Optional[list[int]]:
+    async def _rollout(self, gen: Generating, committed: list[int], rec: StepRecord) -> Optional[list[int]]:
         """One fresh window after `committed`, on the critical path, counted in `rec`; None if the draft failed."""
         try:
-            self.host.post_rollout(committed[:-1], [[committed[-1]]], opts.gamma)
-            out, r0, r1 = await asyncio.wait_for(self.host.windows(opts.gamma), opts.draft_timeout)
+            host, gamma = self._host(), gen.gamma
+            host.post_rollout(committed[:-1], [[committed[-1]]], gamma)
+            out, r0, r1 = await asyncio.wait_for(host.windows(gamma), gen.opts.draft_timeout)
         except Exception as e:
             self._drop_draft(e)
             return None

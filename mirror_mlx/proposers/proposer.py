@@ -84,6 +84,8 @@ class Generating(Protocol):
     @property
     def committed(self) -> list[int]: ...
     @property
+    def gamma(self) -> int: ...
+    @property
     def sampler(self) -> Callable[[mx.array, int], list[int]]: ...
     @property
     def processors(self) -> list[Callable]: ...
@@ -101,7 +103,7 @@ class Forwards(Protocol):
     def mirror_step(self, gen: Generating, m: "Mirror", window: list[int], from_lookup: bool, budget: int,
                     rec: StepRecord) -> StepRecord: ...
 
-    def rollout(self, committed: list[int], opts: DecodeOptions, rec: StepRecord) -> Optional[list[int]]: ...
+    def rollout(self, gen: Generating, rec: StepRecord) -> Optional[list[int]]: ...
 
 
 Seen = Optional[tuple[list[int], np.ndarray]]  # a prefill's tokens and their rows' top ids (TargetSide.seen)
@@ -159,7 +161,7 @@ class LookupWindows(Proposer):
     """The prompt lookup's window where the context offers one, else `otherwise` (the target alone)."""
 
     def step(self, gen: Generating, budget: int) -> StepRecord:
-        lookup = self.index.propose(min(gen.opts.gamma, budget - 1)) if self.index is not None and budget > 1 else []
+        lookup = self.index.propose(min(gen.gamma, budget - 1)) if self.index is not None and budget > 1 else []
         if lookup:
             return self.engine.verify(gen, lookup, StepRecord(from_lookup=True))
         return self.otherwise(gen, budget)
@@ -181,7 +183,7 @@ class RecycledTree(Proposer):
         if budget < 2:
             return super().step(gen, budget)
         depth = min(DEPTH, budget - 1)
-        lookup = self.index.propose(min(gen.opts.gamma, depth)) if self.index is not None else []
+        lookup = self.index.propose(min(gen.gamma, depth)) if self.index is not None else []
         tree = self.table.grow(gen.committed[-1], lookup, depth, gen.opts.row_cost)
         out, top, seconds = self.engine.verify_tree(gen, tree, K)
         self.table.learn(tree, out.path, out.tokens, top)
@@ -227,7 +229,7 @@ class Mirror(Proposer):
         (the target's own at the pending row, no window needed); None in `window` when the draft failed."""
         rec = StepRecord()
         if gen.opts.max_tokens > 1 and not (self.index is not None and self.index.propose(1)):
-            self.window = self.engine.rollout(gen.committed, gen.opts, rec)
+            self.window = self.engine.rollout(gen, rec)
         return rec
 
     def step(self, gen: Generating, budget: int) -> StepRecord:
@@ -246,10 +248,10 @@ class Mirror(Proposer):
             return [], False
         if self.window is not None:
             return self.window, False
-        proposal = self.index.propose(min(gen.opts.gamma, budget - 1)) if self.index is not None else []
+        proposal = self.index.propose(min(gen.gamma, budget - 1)) if self.index is not None else []
         if proposal:
             return proposal, True
-        return self.engine.rollout(gen.committed, gen.opts, rec), False
+        return self.engine.rollout(gen, rec), False
 
 
 PROPOSERS: dict[str, type[Proposer]] = {"ar": TargetAlone, LOOKUP: LookupWindows, RECYCLE: RecycledTree,
