@@ -2,7 +2,7 @@
 model (SmolLM2-135M-Instruct, `make real-pair`): tokens are counted, nothing is timed, so any machine load will do.
 
 Every tree grows every node the table fills up to the limits (row_cost 0: rows priced free, as on a machine whose
-verify costs one forward up to that width). Rows: the product's limits (recycle.NODES, engine.DEPTH) and smaller ones;
+verify costs one forward up to that width). Rows: the product's limits (recycle.NODES, proposer.DEPTH) and smaller ones;
 the table cold (empty at each prompt, as the published run) or warmed on `--warm` training-part prompts of every
 Spec-Bench category. Prompts: one evaluation-part prompt of every category, 64 tokens, and the published SmolLM2-135M
 Token Recycling run's prompt (an MT-Bench coding question, 150 tokens; its README reports 2.55 cold, 2.67 warm with
@@ -24,8 +24,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core: another job can 
 
 import mirror_mlx  # noqa: E402
 from lookup_real import cap, prompts_for  # noqa: E402
-from mirror_mlx.engine import loop as engine  # noqa: E402
-from mirror_mlx.proposers import recycle  # noqa: E402
+from mirror_mlx.proposers import proposer, recycle  # noqa: E402
 from mirror_mlx.bench.baselines import run_ar  # noqa: E402
 from mirror_mlx.bench.machine import machine  # noqa: E402
 from mirror_mlx.prompts import spec_bench_part  # noqa: E402
@@ -33,7 +32,7 @@ from mirror_mlx.prompts import spec_bench_part  # noqa: E402
 TARGET = ROOT / "build/real-pair/target"
 ANCHOR = ("You are given two sorted lists of size m and n. Implement a function to find the kth smallest element in "
           "the union of the two lists with linear complexity.")
-LIMITS = ((recycle.NODES, engine.DEPTH), (64, 8), (16, 6))
+LIMITS = ((recycle.NODES, proposer.DEPTH), (64, 8), (16, 6))
 
 
 def main() -> None:
@@ -55,7 +54,7 @@ def main() -> None:
     ar = {cat: run_ar(rec.model, ids, n, stop_tokens=eos).tokens for cat, ids, n in evals}
     rows = []
     for nodes, depth in LIMITS:
-        recycle.NODES, engine.DEPTH = nodes, depth
+        recycle.NODES, proposer.DEPTH = nodes, depth
         for start in ("cold", "warm"):
             per = {}
             for cat, ids, n in evals:
