@@ -10,12 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# mypy's errors left in the package: the ceiling only comes down (0: every module type-checks)
-MYPY_ERRORS = 0
-
-
 @pytest.mark.timeout(600)
-def test_mypy_finds_no_more_errors_than_the_ceiling(tmp_path):
+def test_mypy_finds_no_error(tmp_path):
     """mypy reads modules by their folders, so the package is laid out as pyproject.toml installs it
     (convert/ and ane_draft/ inside mirror_mlx/) in links under a temporary folder and checked from there."""
     package = tmp_path / "mirror_mlx"
@@ -28,10 +24,21 @@ def test_mypy_finds_no_more_errors_than_the_ceiling(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                           "--cache-dir", str(ROOT / ".mypy_cache"), "-p", "mirror_mlx"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=580)
-    found = re.search(r"Found (\d+) errors?", out.stdout)
-    errors = int(found.group(1)) if found else 0
-    assert found or out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
-    assert errors <= MYPY_ERRORS, out.stdout[-8000:]
+    assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
+
+
+def test_no_blanket_ignores():
+    """mypy is silenced line by line only: each `# type: ignore` names its error code and says why; the config
+    skips only third-party modules that ship no types."""
+    blanket = []
+    for path in [*(ROOT / "mirror_mlx").rglob("*.py"), *(ROOT / "convert").rglob("*.py"),
+                 *(ROOT / "ane_draft").rglob("*.py")]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "type: ignore" in line and not re.search(r"# type: ignore\[[a-z-, ]+\]  # \(.+\)", line):
+                blanket.append(f"{path.relative_to(ROOT)}:{n}")
+    assert not blanket, blanket
+    config = (ROOT / "pyproject.toml").read_text()
+    assert "ignore_errors" not in config and "disable_error_code" not in config
 
 
 def test_ruff_finds_nothing():
