@@ -116,11 +116,12 @@ def pipe():
     p.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     """A factory of real `mirror-mlx serve` processes of the demo pair: serve(*args, stop=signal.SIGINT) ->
-    Served(url, log, proc), one per distinct options for the session (started on first use). At the end each
-    is stopped with its `stop` signal and must have ended cleanly: status 0, "stopped" its log's last line, no
+    Served(url, log, proc), one per distinct options for the module (started on first use; not shared across
+    modules: a server's scheduler learns its costs from the requests it served). At the module's end each is
+    stopped with its `stop` signal and must have ended cleanly: status 0, "stopped" its log's last line, no
     traceback, no shared-memory segment left behind; then its whole session is killed whatever happened."""
     import contextlib
     import signal
