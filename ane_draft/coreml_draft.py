@@ -89,7 +89,7 @@ def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml")
 def check_package_tokenizer(meta: dict[str, str], tokenizer: Any, package: Path) -> None:
     """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another vocabulary
     is refused, differing special ids are said once (a package with only the whole hash must match it)."""
-    from mirror_mlx.draft_tokenizer import note_special_difference, special_difference
+    from mirror_mlx.drafts.tokenizer import note_special_difference, special_difference
 
     whole = "vocab_sha256" not in meta  # a package that recorded only the whole hash
     key, digest = ("tokenizer_sha256", tokenizer_sha256) if whole else ("vocab_sha256", vocab_sha256)

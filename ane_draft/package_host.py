@@ -10,7 +10,7 @@ branch's next rows; every row sees the context, its ancestors (scratch slots of 
 rows of this call) and itself. A plain draft feeds one row per branch per call; a
 Speculative-Streaming draft feeds a chain per branch, its pending main token and its stream
 guesses, and keeps the prefix its main rows agree with (SS self-verification, as in
-mirror_mlx/drafts/ss_draft.py): the same greedy windows in fewer calls.
+mirror_mlx/drafts/ss/draft.py): the same greedy windows in fewer calls.
 """
 
 from dataclasses import dataclass, field
@@ -20,8 +20,8 @@ import numpy as np
 
 from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
 from mirror_mlx.drafts.mlx_draft import check_stems, self_verify
-from mirror_mlx.model_parts import common_prefix
-from mirror_mlx.draft_api import Rollout
+from mirror_mlx.engine.model_parts import common_prefix
+from mirror_mlx.drafts.api import Rollout
 
 
 @dataclass

@@ -43,7 +43,7 @@ from mirror_mlx.options import PAPER_KNOBS
 
 from .mil_graph import DraftSpec, build_function, head_names
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss_model.py
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss/model.py
 QUANTIZE = ("none", "int8", "lut4", "lut6")
 VOCAB_PAD = 1024  # unused rows a model may pad its vocabulary with (Qwen3: 151,669 tokens in 151,936)
 

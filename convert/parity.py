@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
-from mirror_mlx.batching import padded_batches
+from mirror_mlx.engine.batching import padded_batches
 from mirror_mlx.ane_draft.package_format import (ConvertError, package_shapes, read_metadata,
                                                  tokenizer_sha256)
 from mirror_mlx.convert.coreml import check_match, draft_sha256
@@ -257,7 +257,7 @@ def _stream_logits(model: Any, seqs: Sequence[Sequence[int]], batch: int = 16) -
     padding is harmless: rows only see what comes before them)."""
     import mlx.core as mx
 
-    from mirror_mlx.drafts.ss_model import ss_forward
+    from mirror_mlx.drafts.ss.model import ss_forward
 
     out = []
     for _, part, x in padded_batches(seqs, batch):

@@ -221,7 +221,7 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     new = Shape(hidden, heads, kv_heads, intermediate, layers, old.head_dim)
     check_shape(dict(config, model_type="llama") if ss else config, new)  # before reading any weights
     if ss:
-        from mirror_mlx.drafts.ss_model import load_ss_draft
+        from mirror_mlx.drafts.ss.model import load_ss_draft
 
         model, _ = load_ss_draft(model_dir, with_tokenizer=False)
         weights, new_config = widen_ss(dict(tree_flatten(model.parameters())), config, new)
@@ -257,7 +257,7 @@ def widen_adapter(adapter_path: Path, model_dir: Path, widened_dir: Path, out: P
     The adapter x ↦ x + up(act(down(x))) stays exact with down's inputs and up's outputs zero-padded."""
     from mlx_lm.utils import load_model
 
-    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapter, save_adapter
+    from mirror_mlx.engine.exit_adapter import ExitAdapter, adapter_meta, load_adapter, save_adapter
 
     small, _ = load_model(Path(model_dir), lazy=True)
     try:

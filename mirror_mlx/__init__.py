@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not 
 
 preload_blas()  # before anything imports mlx.core
 
-from . import model_types  # noqa: E402  (mlx-lm finds our draft types by name; imports nothing heavy)
+from .drafts.distilled import model_types  # noqa: E402  (mlx-lm finds our draft types by name; imports nothing heavy)
 
 model_types.install()
 

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from .stats import Stats, Step
+from .engine.stats import Stats, Step
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The TinyStories corpus shipped in data/, split once: held-out openings and training paragraphs.
 
 Every consumer takes its side of one split: the benchmark's `tinystories` prompts and the Ω_κ /
-reuse measurements use the held-out openings; the Speculative-Streaming draft (ane_draft/train.py)
+reuse measurements use the held-out openings; the Speculative-Streaming draft (mirror_mlx/train/ss_draft.py)
 and the exit adapter (exit_adapter.py) train on the target's greedy text over the training
 paragraphs. The first `HELD_OUT_PARAGRAPHS` paragraphs are held out (the shipped SS draft was
 trained with that rule, see demo/ss_draft/training.json); a held-out opening that also begins a

@@ -158,7 +158,7 @@ def tiny_package_runs() -> None:
 
 
 def compute_plan_lines(package: Optional[str]) -> list[str]:
-    from . import compute_plan
+    from .tune import compute_plan
 
     if package is None:
         return ["Core ML compute plan: skipped (give --draft-model DRAFT.mlpackage to see where its ops run)"]
@@ -181,7 +181,7 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3,
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from .model_parts import trimmable_cache
+    from .engine.model_parts import trimmable_cache
 
     engine, host, model = pipe.engine, pipe.engine.draft_host, pipe.model
     if host is None:

@@ -36,7 +36,7 @@ def resolve_model(path_or_id: Union[str, Path]) -> Path:
 def load_model(path_or_id: Union[str, Path], **mlx_lm_options: Any) -> tuple[nn.Module, Any]:
     """(model, tokenizer) of an mlx-lm model folder, a Hugging Face id, or an SS draft folder; `mlx_lm_options`
     (adapter_path, tokenizer_config, trust_remote_code) go to mlx_lm.load."""
-    from mirror_mlx.drafts.ss_model import is_ss_draft, load_ss_draft
+    from mirror_mlx.drafts.ss.model import is_ss_draft, load_ss_draft
 
     folder = resolve_model(path_or_id)
     if is_ss_draft(folder):
@@ -53,7 +53,7 @@ def check_vocabulary(model: nn.Module, tokenizer: Any, folder: Path) -> None:
     """Refuse a tokenizer that can produce ids the model has no embedding for: such a pair decodes
     junk (or reads past the embedding) instead of failing. A model larger than its tokenizer is fine
     (Qwen pads its embedding)."""
-    from .model_parts import vocab_size
+    from .engine.model_parts import vocab_size
 
     size = vocab_size(model)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}

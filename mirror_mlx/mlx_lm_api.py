@@ -31,12 +31,12 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import ArraysCache, CacheList, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import recurrent
+from .engine import recurrent
 from .drafts.mlx_draft import MLXDraft
-from .draft_api import Draft
-from .lookup import LOOKUP
-from .recycle import RECYCLE
-from .stats import Stats
+from .drafts.api import Draft
+from .proposers.lookup import LOOKUP
+from .proposers.recycle import RECYCLE
+from .engine.stats import Stats
 from .options import OPTION_NAMES
 from .pipeline import Pipeline
 from .text import as_is
@@ -66,7 +66,7 @@ class Response(GenerationResponse):
 
 def pipeline(model: nn.Module, tokenizer: Any, draft_model: Union[nn.Module, Draft, str, None] = None) -> Pipeline:
     """The cached Pipeline for this (model, draft, tokenizer), built on first use; draft_model="lookup": the
-    prompt lookup alone (mirror_mlx/lookup.py), "recycle": the target's recycled predictions (recycle.py)."""
+    prompt lookup alone (mirror_mlx/proposers/lookup.py), "recycle": the target's recycled predictions (recycle.py)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx-lm model (as mlx_lm.load returns), not {type(model).__name__}: "
                         "for a path use mirror_mlx.load(path)")

@@ -5,7 +5,7 @@ API, the command line and the benchmark read them here). No MLX import, so `--he
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional, Sequence
 
-from .lookup import NGRAM_MAX
+from .proposers.lookup import NGRAM_MAX
 
 MODES = ("mirror", "sd", "ar")  # what the engine runs
 CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune.policy)

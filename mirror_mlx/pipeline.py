@@ -18,19 +18,19 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_config
 
-from . import demo_pair, text, validate
+from . import demo as demo_pair, text, validate
 from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
-from .drafts.distilled import MODEL_TYPE as DISTILLED
-from .drafts.ss_model import is_ss_draft
-from .draft_vocab import kept_ids
-from .draft_api import Draft
+from .drafts.distilled.model import MODEL_TYPE as DISTILLED
+from .drafts.ss.model import is_ss_draft
+from .drafts.vocab import kept_ids
+from .drafts.api import Draft
 from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine
-from .stats import Stats
-from .draft_tokenizer import check_draft_tokenizer, folder_tokenizer
+from .engine.stats import Stats
+from .drafts.tokenizer import check_draft_tokenizer, folder_tokenizer
 from .loading import load_model, resolve_model
-from .lookup import LOOKUP
-from .recycle import RECYCLE
+from .proposers.lookup import LOOKUP
+from .proposers.recycle import RECYCLE
 from .options import CALLER_OPTIONS, DecodeOptions, Plan
 from .prompt_cache import PromptCache
 from .text import Conversation, ChatMessage
@@ -87,7 +87,7 @@ class Pipeline:
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
-        self.draftless = draftless  # "lookup" or "recycle": no draft model (mirror_mlx/lookup.py, recycle.py)
+        self.draftless = draftless  # "lookup" or "recycle": no draft model (mirror_mlx/proposers/lookup.py, recycle.py)
         self.name = name
         self.chat_template_kwargs: dict = {}  # e.g. {"enable_thinking": False}, as --chat-template-config
         self.engine = Engine(model, draft, exit_adapter, draftless)
@@ -310,7 +310,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     own logits). The demo pair loads its shipped layer-2 adapter unless `exit_adapter="none"`.
     `adapter_path`, `tokenizer_config`, `trust_remote_code`: as mlx_lm.load (LoRA adapters apply to the
     target; an exit adapter is then trained on the adapted target). `draft_vocab`: the draft's head scores only
-    the V ids most frequent in the shipped text (mirror_mlx/draft_vocab.py; lossless: the target verifies every
+    the V ids most frequent in the shipped text (mirror_mlx/drafts/vocab.py; lossless: the target verifies every
     token); V from 1 to the draft's vocabulary, which keeps the whole head. Any other keyword is a TypeError.
     """
     draftless = str(draft_model) if str(draft_model) in (LOOKUP, RECYCLE) else None
@@ -329,7 +329,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None and not draftless else None
     adapter = None
     if exit_adapter is not None:
-        from .exit_adapter import load_adapters
+        from .engine.exit_adapter import load_adapters
 
         adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
     return Pipeline(target, tokenizer, draft, adapter, name=str(model), draftless=draftless)

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
 
-from . import recurrent
+from .engine import recurrent
 from .validate import BadValue
 
 TOKENS = "mirror_mlx_tokens"  # metadata entry: the cached prefix's token ids, as a JSON list
@@ -108,7 +108,7 @@ def write(path: str, model: Any, ids: Sequence[int], metadata: dict) -> PromptCa
     """Run `ids` through the target as mlx_lm.cache_prompt does and save the cache with the ids."""
     from mlx_lm.generate import generate_step
 
-    from .model_parts import trimmable_cache
+    from .engine.model_parts import trimmable_cache
 
     cache = trimmable_cache(model)  # mlx-lm's make_prompt_cache, sliding-window layers plain (rollback)
     for _ in generate_step(mx.array(list(ids)), model, max_tokens=0, prompt_cache=cache):

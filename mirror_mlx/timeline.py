@@ -8,7 +8,7 @@ from html import escape
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .stats import Stats, Step
+from .engine.stats import Stats, Step
 
 PAGE = Path(__file__).parent / "page"  # the chat page's files: index.html, page.css, timeline.js, chat.js
 

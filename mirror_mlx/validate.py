@@ -167,7 +167,7 @@ def clean_text(text: Any) -> tuple[str, bool]:
 
 def exit_layer(value: Any, n_layers: int) -> int:
     """ℓ_e: an int in 1..N-1."""
-    from .target import check_exit_layer
+    from .engine.target import check_exit_layer
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise BadType("exit_layer", "{exit_layer} must be an int or None, not {kind} ({value!r})", kind=_kind(value),
@@ -232,7 +232,7 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
 def lookup_options(opts: Any) -> Any:
     """The prompt lookup's settings (lookup None: off here; the check resolves it first): its n-gram bounds
     within 1..NGRAM_LIMIT, and a mode that takes it (sd or mirror: ar is the target alone)."""
-    from .lookup import NGRAM_LIMIT, NGRAM_MIN
+    from .proposers.lookup import NGRAM_LIMIT, NGRAM_MIN
 
     if opts.lookup is not None and not isinstance(opts.lookup, bool):
         raise BadType("lookup", "{lookup} must be True, False or None, not {kind} ({value!r})",
@@ -265,7 +265,7 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
     lookup = engine.draftless is not None and mode == "sd" if asked.lookup is None else asked.lookup
     n_min = asked.ngram_min
     if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
-        from .lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
+        from .proposers.lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
 
         n_min = NGRAM_MIN if not engine.has_draft else NGRAM_MIN_BESIDE
         if isinstance(asked.ngram_max, int) and asked.ngram_max >= 1:  # (a bad ngram_max is refused as such)
@@ -303,7 +303,7 @@ def branch_budget(value: Any, kappa: int, gamma: int) -> int:
 
 
 def draft_vocab(value: Any, has_draft: bool, vocab_size: Optional[int] = None) -> Optional[int]:
-    """V, the ids a trimmed draft head scores (draft_vocab.py): None (the whole head), or an int within 1..the draft's
+    """V, the ids a trimmed draft head scores (drafts/vocab.py): None (the whole head), or an int within 1..the draft's
     vocabulary (`vocab_size`, once known); V equal to it keeps the whole head. Only with a draft model."""
     if value is None:
         return None

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from mirror_mlx import distributed  # noqa: E402
 from mirror_mlx.bench.ranks import rank0_json  # noqa: E402
-from mirror_mlx.demo_pair import DRAFT, EXIT_ADAPTER, TARGET  # noqa: E402
+from mirror_mlx.demo import DRAFT, EXIT_ADAPTER, TARGET  # noqa: E402
 
 MODES = {"ar": {}, "sd": dict(gamma=3), "mirror": dict(kappa=4, gamma=3, exit_layer=2)}
 

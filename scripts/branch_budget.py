@@ -33,7 +33,7 @@ def main() -> None:
     from mirror_mlx.bench.machine import pin_threads
     from mirror_mlx.corpus import load_split
     from mirror_mlx.pipeline import load
-    from mirror_mlx.stats import Stats
+    from mirror_mlx.engine.stats import Stats
 
     target, draft, adapters = widened(ROOT / "build")
     pipe = load(target, draft, exit_adapter=",".join(map(str, adapters)))

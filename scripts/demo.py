@@ -90,7 +90,7 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, openi
     from mirror_mlx.bench.baselines import best_mlx_sd
     from mirror_mlx.bench.run import mlx_draft
     from mirror_mlx.pipeline import load
-    from mirror_mlx.stats import Stats
+    from mirror_mlx.engine.stats import Stats
 
     pipe = load(target, draft, exit_adapter=",".join(map(str, adapters)) or None)
     try:

@@ -13,7 +13,7 @@ import argparse
 from statistics import median
 
 import mirror_mlx
-from mirror_mlx import demo_pair
+from mirror_mlx import demo as demo_pair
 from mirror_mlx.bench.baselines import run_ar, run_mlx_sd
 from mirror_mlx.loading import load_model
 

@@ -16,10 +16,10 @@ import time
 import mirror_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core)
 from mlx_lm import load as mlx_load
 
-from mirror_mlx.drafts.ss_draft import SSDraft
-from mirror_mlx.demo_pair import DRAFT, SS_DRAFT, TARGET
+from mirror_mlx.drafts.ss.draft import SSDraft
+from mirror_mlx.demo import DRAFT, SS_DRAFT, TARGET
 from mirror_mlx.drafts.mlx_draft import MLXDraft
-from mirror_mlx.stats import Stats
+from mirror_mlx.engine.stats import Stats
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import load_prompts
 

@@ -24,7 +24,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core: another job can 
 
 import mirror_mlx  # noqa: E402
 from lookup_real import cap, prompts_for  # noqa: E402
-from mirror_mlx import engine, recycle  # noqa: E402
+from mirror_mlx.engine import loop as engine  # noqa: E402
+from mirror_mlx.proposers import recycle  # noqa: E402
 from mirror_mlx.bench.baselines import run_ar  # noqa: E402
 from mirror_mlx.bench.machine import machine  # noqa: E402
 from mirror_mlx.prompts import spec_bench_part  # noqa: E402

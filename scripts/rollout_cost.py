@@ -45,7 +45,7 @@ def cost_ms(draft, context: list[int], stems: list[list[int]], gamma: int, reps:
 def softmax_floor_ms(draft, rows: int, n: int, gamma: int, reps: int) -> float:
     """CPU ms of only the attention softmax a `rows`-row rollout must do: rows × heads scores over
     the n + γ/2 keys (on average), per layer and forward. Exact attention cannot skip one of them."""
-    from mirror_mlx.model_parts import text_model
+    from mirror_mlx.engine.model_parts import text_model
 
     tm = text_model(draft.model)
     heads = tm.layers[0].self_attn.n_heads
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     if args.ss:
-        from mirror_mlx.drafts.ss_draft import SSDraft
+        from mirror_mlx.drafts.ss.draft import SSDraft
 
         draft = SSDraft.from_path(args.model)
     else:

@@ -11,7 +11,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from mirror_mlx.drafts.ss_model import load_ss_draft
+from mirror_mlx.drafts.ss.model import load_ss_draft
 from mirror_mlx.bench.baselines import run_mlx_sd
 from mirror_mlx.pipeline import load
 

@@ -41,8 +41,8 @@ def pin_demo_profiles() -> None:
 
     from mlx_lm import load as mlx_load
 
-    from mirror_mlx.demo_pair import DRAFT, EXIT_ADAPTER, SS_DRAFT, TARGET
-    from mirror_mlx.exit_adapter import load_adapters
+    from mirror_mlx.demo import DRAFT, EXIT_ADAPTER, SS_DRAFT, TARGET
+    from mirror_mlx.engine.exit_adapter import load_adapters
     from mirror_mlx.pipeline import load_draft
     from mirror_mlx.tune import profile as profiles
 

@@ -6,9 +6,9 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes, load
 
 from mirror_mlx.corpus import CORPUS
-from mirror_mlx.demo_pair import DEMO_DIR as DEMO
-from mirror_mlx.demo_pair import DRAFT as DRAFT_PATH
-from mirror_mlx.demo_pair import TARGET as TARGET_PATH
+from mirror_mlx.demo import DEMO_DIR as DEMO
+from mirror_mlx.demo import DRAFT as DRAFT_PATH
+from mirror_mlx.demo import TARGET as TARGET_PATH
 
 DATA = CORPUS.parent
 PERIOD = 426  # "." in the demo tokenizer: the demo target's greedy text reaches it within a dozen tokens

@@ -12,7 +12,7 @@ import mirror_mlx.bench.run as bench_mod
 from mirror_mlx.cli import main
 from mirror_mlx.bench.grid import layer_value, parse_modes, parse_sweep
 from mirror_mlx.bench.summary import Sample, summarize, table
-from mirror_mlx.stats import Stats
+from mirror_mlx.engine.stats import Stats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMOKE = ["bench", "--prompts", "tinystories", "--limit", "2", "--max-tokens", "16", "--modes", "mirror,sd,mlx_sd,ar"]

@@ -6,7 +6,8 @@ from math import log
 import pytest
 
 from mirror_mlx.drafts.host import branch_stems
-from mirror_mlx.branch_budget import RolloutCost, BranchBudget, Calibration, ExitView, branch_scores, pick, spread, stems
+from mirror_mlx.engine.branch_budget import (RolloutCost, BranchBudget, Calibration, ExitView, branch_scores, pick,
+                                             spread, stems)
 from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.validate import branch_budget

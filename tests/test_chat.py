@@ -12,7 +12,7 @@ import pytest
 
 from mirror_mlx.cli import chat as chat_mod
 from mirror_mlx.cli.chat import run_chat
-from mirror_mlx.stats import Stats
+from mirror_mlx.engine.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import Pipeline, load
 from tests.models import templated_target

@@ -4,7 +4,7 @@ MLX's per-thread state (the `mx.compile` cache) is destroyed when its OS thread 
 destructor takes the GIL; a thread that ends while the interpreter finalizes is stopped inside it and
 the process aborts ("terminate called without an active exception", exit status 134). The library's
 MLX threads (the target's worker, an in-process draft host) therefore never end before the process
-does (mirror_mlx/workers.py). The abort is a race at exit, so each run is a fresh process.
+does (mirror_mlx/engine/workers.py). The abort is a race at exit, so each run is a fresh process.
 """
 
 import os

@@ -8,7 +8,7 @@ from mlx_lm import load
 import pytest
 
 from mirror_mlx.cli import main
-from mirror_mlx.demo_pair import SS_DRAFT
+from mirror_mlx.demo import SS_DRAFT
 from mirror_mlx.pipeline import Pipeline, load_draft
 from mirror_mlx.pipeline import load as load_pipeline
 from tests.models import DRAFT_PATH, PERIOD, TARGET_PATH, swapped_vocab, with_config

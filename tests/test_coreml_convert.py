@@ -24,8 +24,8 @@ from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tok
 from mirror_mlx.convert.coreml import convert
 from mirror_mlx.convert.mil_eval import MilRunner, load_program
 from mirror_mlx.convert.parity import PROMPTS, verify
-from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
-from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
+from mirror_mlx.demo import DRAFT as DEMO_DRAFT
+from mirror_mlx.demo import TARGET as DEMO_TARGET
 from tests.models import PERIOD, swapped_vocab, with_config
 from tests.support import greedy_uncached
 
@@ -382,8 +382,8 @@ def test_package_draft_in_the_draft_host_process(demo_pkg, demo_model):
 
 
 def make_ss_draft(root: Path) -> Path:
-    """A tiny random SS draft (mirror_mlx/drafts/ss_model.py): 3 layers, the top 2 carry 2 streams."""
-    from mirror_mlx.drafts.ss_model import Model, ModelArgs, save_ss_draft
+    """A tiny random SS draft (mirror_mlx/drafts/ss/model.py): 3 layers, the top 2 carry 2 streams."""
+    from mirror_mlx.drafts.ss.model import Model, ModelArgs, save_ss_draft
 
     mx.random.seed(3)
     args = ModelArgs.from_dict(dict(TINY, model_type="ss_llama", num_hidden_layers=3, tie_word_embeddings=True,
@@ -398,7 +398,7 @@ def make_ss_draft(root: Path) -> Path:
 def test_ss_draft_package_has_stream_rows_and_passes_parity(work):
     import coremltools as ct
 
-    from mirror_mlx.drafts.ss_model import load_ss_draft
+    from mirror_mlx.drafts.ss.model import load_ss_draft
 
     draft = make_ss_draft(work)
     pkg = convert(draft, work / "ss.mlpackage", progress=False, context=64, kappa=1, gamma=3, chunk=8)

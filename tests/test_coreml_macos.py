@@ -11,7 +11,7 @@ from mirror_mlx.ane_draft.coreml_draft import CoreMLRunner, coreml_available, co
 from mirror_mlx.drafts.host import DraftHost
 from mirror_mlx.convert.coreml import convert
 from mirror_mlx.convert.parity import verify
-from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
+from mirror_mlx.demo import DRAFT as DEMO_DRAFT
 
 pytestmark = pytest.mark.skipif(
     not coreml_available(),

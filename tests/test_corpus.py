@@ -47,7 +47,7 @@ def test_benchmark_openings_are_the_held_out_side_in_file_order():
 def test_the_shipped_ss_draft_never_trained_on_a_benchmark_opening():
     cfg = json.loads((DEMO / "ss_draft" / "training.json").read_text())["config"]
     assert cfg["corpus"].endswith(CORPUS.name)
-    training = _raw_paragraphs()[cfg["holdout"]:]  # train.py trains on prefixes of these (and the target's text)
+    training = _raw_paragraphs()[cfg["holdout"]:]  # train/ss_draft.py trains on their prefixes (and the target's text)
     bench = [p.text for p in load_prompts("tinystories")]
     assert len(training) > 3000 and _disjoint(bench, training) == []
 

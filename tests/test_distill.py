@@ -1,5 +1,5 @@
-"""The distilled draft (mirror_mlx/distill.py, drafts/distilled.py) on the tiny demo target: data → train →
-save → load as a draft, resumption after an interrupted run, and the kept-ids mapping."""
+"""The distilled draft (mirror_mlx/train/distill.py, drafts/distilled/model.py) on the tiny demo target: data →
+train → save → load as a draft, resumption after an interrupted run, and the kept-ids mapping."""
 
 import json
 from pathlib import Path
@@ -11,9 +11,9 @@ import mirror_mlx  # noqa: F401  (OpenBLAS first)
 import mlx.core as mx
 from mlx_lm.utils import load
 
-from mirror_mlx import distill, distill_data
-from mirror_mlx.demo_pair import TARGET
-from mirror_mlx.drafts.distilled import MODEL_TYPE
+from mirror_mlx.train import distill, distill_data
+from mirror_mlx.demo import TARGET
+from mirror_mlx.drafts.distilled.model import MODEL_TYPE
 
 
 def is_distilled(folder: Path) -> bool:

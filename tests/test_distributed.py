@@ -29,7 +29,7 @@ from mlx.utils import tree_map
 from mlx_lm.utils import load, save_config, save_model
 
 from mirror_mlx.bench.ranks import run_ranks
-from mirror_mlx.demo_pair import DRAFT, TARGET
+from mirror_mlx.demo import DRAFT, TARGET
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import tinystories
 from tests.leaks import made_in, wait_unlinked

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.utils import load
 
 from mirror_mlx.bench.ranks import RankResult, run_ranks
-from mirror_mlx.demo_pair import TARGET
+from mirror_mlx.demo import TARGET
 from mirror_mlx.tune.timing import split_comm
 from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, predict
 from tests.support import assert_lossless, reference_greedy

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mirror_mlx import compute_plan, doctor
+from mirror_mlx import doctor
+from mirror_mlx.tune import compute_plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 

@@ -290,10 +290,11 @@ def test_a_host_of_mirror_mlx_s_own_drafts_loads_no_tokenizer_and_a_builder_of_y
 
 
 def test_no_runtime_module_imports_the_builders():
-    runtime = ["mirror_mlx.engine", "mirror_mlx.target", "mirror_mlx.drafts.mlx_draft", "mirror_mlx.drafts.ring", "mirror_mlx.workers",
+    runtime = ["mirror_mlx.engine.loop", "mirror_mlx.engine.target", "mirror_mlx.drafts.mlx_draft", "mirror_mlx.drafts.ring",
+               "mirror_mlx.engine.workers",
                "mirror_mlx.pipeline", "mirror_mlx.cli", "mirror_mlx.drafts.host", "mirror_mlx.ane_draft.package_host",
                "mirror_mlx.ane_draft.package_format", "mirror_mlx.ane_draft.coreml_draft",
-               "mirror_mlx.drafts.ss_draft"]
+               "mirror_mlx.drafts.ss.draft"]
     code = f"import sys, importlib\nfor m in {runtime!r}: importlib.import_module(m)\n" \
            "print(sorted(m for m in sys.modules if m.startswith('mirror_mlx.convert')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""`draft_vocab`: the draft's head scores only V token ids (mirror_mlx/draft_vocab.py), and every mode stays lossless.
+"""`draft_vocab`: the draft's head scores only V token ids (mirror_mlx/drafts/vocab.py), and every mode stays lossless.
 
 The kept ids are the V most frequent in the shipped text under the draft's tokenizer, eos and special ids always,
 ties by id: the same set every time. A trimmed draft proposes only kept ids; the target verifies every token,
@@ -13,12 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 import mirror_mlx
-from mirror_mlx import demo_pair, draft_vocab, validate
+from mirror_mlx import demo as demo_pair, validate
+from mirror_mlx.drafts import vocab as draft_vocab
 from mirror_mlx.cli import main
-from mirror_mlx.draft_tokenizer import folder_tokenizer
-from mirror_mlx.draft_vocab import KeptIds, kept_ids, trim
+from mirror_mlx.drafts.tokenizer import folder_tokenizer
+from mirror_mlx.drafts.vocab import KeptIds, kept_ids, trim
 from mirror_mlx.drafts.mlx_draft import MLXDraft
-from mirror_mlx.drafts.ss_draft import SSDraft
+from mirror_mlx.drafts.ss.draft import SSDraft
 from mirror_mlx.pipeline import Pipeline, load_draft, trimmed_head
 from tests.models import CACHE_FAMILIES, CONFIGS, RECURRENT, tiny_model
 from tests.support import assert_lossless, FakeTokenizer, reference_greedy

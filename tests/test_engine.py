@@ -8,9 +8,9 @@ import pytest
 from mlx_lm import load
 
 from mirror_mlx.drafts.mlx_draft import MLXDraft
-from mirror_mlx.draft_api import Rollout
+from mirror_mlx.drafts.api import Rollout
 from mirror_mlx.engine import reuse_window
-from mirror_mlx.target import accept
+from mirror_mlx.engine.target import accept
 from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.lanes import LANES, in_lanes
 from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model

@@ -11,12 +11,12 @@ from mlx_lm import generate as mlx_generate
 
 from mirror_mlx.cli import main
 from mirror_mlx.corpus import CORPUS
-from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, fingerprint, load_adapter, save_adapter
-from mirror_mlx.target import apply_head
+from mirror_mlx.engine.exit_adapter import ExitAdapter, adapter_meta, fingerprint, load_adapter, save_adapter
+from mirror_mlx.engine.target import apply_head
 from mirror_mlx.train.exit_adapter import ExitData, fit_adapter, kl, train_exit_adapter
-from mirror_mlx.omega import format_table, measure, omega_sums
-from mirror_mlx.model_parts import text_model, trimmable_cache
-from mirror_mlx.target import EarlyExitTarget
+from mirror_mlx.tune.omega import format_table, measure, omega_sums
+from mirror_mlx.engine.model_parts import text_model, trimmable_cache
+from mirror_mlx.engine.target import EarlyExitTarget
 from tests.models import DEMO, CONFIGS, demo_target, tiny_model
 
 SHIPPED = DEMO / "stories260K_exit2.safetensors"

@@ -6,7 +6,7 @@ runs it as llama, here with its own head), qwen2, qwen3, gemma3 with sliding-win
 few prompts, the longest past gemma3's sliding window. Two drafts per family, each in its own host
 process: the target itself (every window accepted whole: bonus tokens, reuse of the bonus row's
 branches, and γ = 6 windows) and a random model of the same family with half its layers (windows
-rejected early: fallbacks). The prompt lookup (mirror_mlx/lookup.py) decodes the same prompts and a
+rejected early: fallbacks). The prompt lookup (mirror_mlx/proposers/lookup.py) decodes the same prompts and a
 prompt that repeats itself, alone and beside the random draft, and one with no repeat (no proposal).
 """
 

@@ -1,5 +1,5 @@
-"""The package's shape: no import circle between its modules, and the engine knows nothing of what sits
-above it (mode auto, benchmarks, the server, the command line, chat)."""
+"""The package's shape: a folder per concern, no import circle between its modules, and the engine knows
+nothing of what sits above it (mode auto, benchmarks, the server, the command line, chat)."""
 
 import ast
 import subprocess
@@ -17,7 +17,7 @@ def modules() -> dict[str, Path]:
     found = {}
     for package, folder in FOLDERS.items():
         for path in folder.rglob("*.py"):
-            if package == "mirror_mlx" and path.parts[len(folder.parts)] in ("demo", "data"):
+            if package == "mirror_mlx" and path.parts[len(folder.parts)] == "data":
                 continue
             rel = path.relative_to(folder).with_suffix("").parts
             name = ".".join((package,) + rel)
@@ -75,26 +75,55 @@ def test_no_module_imports_itself_through_others():
         visit(m, [])
 
 
-def test_the_engine_imports_nothing_from_the_layers_above_it():
-    g = graph()
-    above = ("mirror_mlx.tune", "mirror_mlx.bench", "mirror_mlx.server", "mirror_mlx.cli", "mirror_mlx.pipeline",
-             "mirror_mlx.mlx_lm_api", "mirror_mlx.convert")
-    reached, todo = set(), ["mirror_mlx.engine"]
-    while todo:  # everything the engine imports, directly or not
+def reach(g: dict[str, set[str]], start: list[str]) -> set[str]:
+    """Everything the modules in `start` import, directly or not."""
+    reached, todo = set(), list(start)
+    while todo:
         for n in g[todo.pop()] - reached:
             reached.add(n)
             todo.append(n)
+    return reached
+
+
+def inside(g: dict[str, set[str]], *packages: str) -> list[str]:
+    return [m for m in g if m.startswith(tuple(p + "." for p in packages)) or m in packages]
+
+
+def test_the_engine_imports_nothing_from_the_layers_above_it():
+    g = graph()
+    above = ("mirror_mlx.tune", "mirror_mlx.bench", "mirror_mlx.server", "mirror_mlx.cli", "mirror_mlx.train",
+             "mirror_mlx.pipeline", "mirror_mlx.mlx_lm_api", "mirror_mlx.convert")
+    reached = reach(g, inside(g, "mirror_mlx.engine"))
     assert not [m for m in reached if m.startswith(above)], sorted(reached)
+
+
+def test_the_drafts_and_proposers_import_nothing_of_the_loop_or_above():
+    """A draft or a proposer is a part the loop drives: it reads the engine's parts (model_parts, recurrent,
+    tree, workers), never the loop, the server, mode auto, the command line or training."""
+    g = graph()
+    above = ("mirror_mlx.engine.loop", "mirror_mlx.server", "mirror_mlx.tune", "mirror_mlx.cli", "mirror_mlx.train",
+             "mirror_mlx.pipeline")
+    reached = reach(g, inside(g, "mirror_mlx.drafts", "mirror_mlx.proposers"))
+    assert "mirror_mlx.engine" not in reached  # (the package's names are the loop's)
+    assert not [m for m in reached if m.startswith(above)], sorted(reached)
+
+
+def test_nothing_at_run_time_imports_training():
+    g = graph()
+    runtime = inside(g, "mirror_mlx.engine", "mirror_mlx.drafts", "mirror_mlx.proposers", "mirror_mlx.server")
+    assert not [m for m in reach(g, runtime) if m.startswith("mirror_mlx.train")]
+
+
+def test_the_top_of_the_package_is_the_api_and_the_request_path():
+    """At most 15 modules at the top of mirror_mlx/; each draft kind, the engine, training, ... in its folder."""
+    top = sorted(p.name for p in (ROOT / "mirror_mlx").glob("*.py"))
+    assert len(top) <= 15, top
 
 
 def test_tune_imports_nothing_of_the_pipeline():
     """tune reads a loaded pair through its own narrow view (tune.profile.PairView), never the Pipeline."""
     g = graph()
-    reached, todo = set(), [m for m in g if m.startswith("mirror_mlx.tune")]
-    while todo:
-        for n in g[todo.pop()] - reached:
-            reached.add(n)
-            todo.append(n)
+    reached = reach(g, inside(g, "mirror_mlx.tune"))
     assert not [m for m in reached if m.startswith(("mirror_mlx.pipeline", "mirror_mlx.server", "mirror_mlx.cli"))], \
         sorted(reached)
 
@@ -107,10 +136,10 @@ def test_the_runtime_never_imports_the_builders_or_the_command_line():
         assert not [n for n in top if n.startswith(("mirror_mlx.convert", "mirror_mlx.cli"))], (m, top)
 
 
-TRAINING = ("mlx.optimizers", "tqdm", "mirror_mlx.train", "mirror_mlx.distill", "mirror_mlx.ane_draft.train")
+TRAINING = ("mlx.optimizers", "tqdm", "mirror_mlx.train")  # (every trainer: exit adapters, distill, the SS draft)
 
 
-@pytest.mark.parametrize("module", ["mirror_mlx.engine", "mirror_mlx.server", "mirror_mlx.pipeline"])
+@pytest.mark.parametrize("module", ["mirror_mlx.engine.loop", "mirror_mlx.server", "mirror_mlx.pipeline"])
 def test_the_runtime_loads_no_optimizer_trainer_or_progress_bar(module):
     """What a generation or a server imports, beyond what mlx-lm's own loading and generation import (mlx-lm
     brings tqdm through huggingface_hub), holds no optimizer, no training module and no progress bar."""
@@ -126,7 +155,9 @@ def test_the_runtime_loads_no_optimizer_trainer_or_progress_bar(module):
 def test_the_graph_sees_the_imports_it_checks():
     """(The tests above can fail: the graph finds the engine's real imports, relative and absolute.)"""
     g = graph()
-    assert {"mirror_mlx.target", "mirror_mlx.workers", "mirror_mlx.drafts.host"} <= g["mirror_mlx.engine"]
+    assert g["mirror_mlx.engine"] == {"mirror_mlx.engine.loop"}
+    assert {"mirror_mlx.engine.target", "mirror_mlx.engine.workers", "mirror_mlx.drafts.host"} <= \
+        g["mirror_mlx.engine.loop"]
     assert "mirror_mlx.drafts.ring" in g["mirror_mlx.drafts.host"]
     assert "mirror_mlx.tune.policy" in g["mirror_mlx.pipeline"]
 
@@ -135,19 +166,27 @@ def test_the_draft_host_process_imports_no_target_side():
     """The draft host's process loads the drafts and what they read of a model (model_parts), never the target
     side, sampling or the options: less to import on a core the target's own load wants at the same moment."""
     g = graph()
-    reached, todo = set(), ["mirror_mlx.drafts.host_process", "mirror_mlx.drafts.mlx_draft",
-                            "mirror_mlx.drafts.ss_draft"]
-    while todo:
-        for n in g[todo.pop()] - reached:
-            reached.add(n)
-            todo.append(n)
-    assert "mirror_mlx.model_parts" in reached
-    assert not reached & {"mirror_mlx.target", "mirror_mlx.sampling", "mirror_mlx.options", "mirror_mlx.engine"}, \
-        sorted(reached)
+    reached = reach(g, ["mirror_mlx.drafts.host_process", "mirror_mlx.drafts.mlx_draft", "mirror_mlx.drafts.ss.draft"])
+    assert "mirror_mlx.engine.model_parts" in reached
+    assert not reached & {"mirror_mlx.engine.target", "mirror_mlx.engine.sampling", "mirror_mlx.options",
+                          "mirror_mlx.engine", "mirror_mlx.engine.loop"}, sorted(reached)
+
+
+
+def test_the_engines_parts_load_without_its_loop():
+    """mirror_mlx.engine gives the loop's names on first use: the parts a draft host imports (model_parts,
+    recurrent, workers) run the package's __init__.py, which must not bring the loop and the target side."""
+    code = ("import sys, mirror_mlx.engine.model_parts, mirror_mlx.engine.recurrent, mirror_mlx.engine.workers; "
+            "print('\\n'.join(m for m in sys.modules if m.startswith('mirror_mlx.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.split()
+    assert "mirror_mlx.engine.workers" in loaded  # (the check sees what the import brought)
+    assert not {"mirror_mlx.engine.loop", "mirror_mlx.engine.target", "mirror_mlx.drafts.host"} & set(loaded), loaded
 
 
 ENGINE_PARTS = {"target", "target_worker", "target_model", "host", "loop", "local_build", "local_draft", "draft"}
-INSIDE = ("mirror_mlx/engine.py", "mirror_mlx/pipeline.py")  # the engine, and the one that builds it
+INSIDE = ("mirror_mlx/engine/loop.py", "mirror_mlx/pipeline.py")  # the engine, and the one that builds it
 
 
 def reaches() -> tuple[list[str], list[str]]:
@@ -202,7 +241,7 @@ def test_modules_and_functions_stay_small():
 
 def test_the_generation_loop_reads_in_one_screen():
     """Engine.generate, the loop a reader follows top to bottom, fits in 60 lines (each mode's step is its own)."""
-    tree = ast.parse((ROOT / "mirror_mlx" / "engine.py").read_text())
+    tree = ast.parse((ROOT / "mirror_mlx" / "engine" / "loop.py").read_text())
     loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "generate")
     assert loop.end_lineno - loop.lineno + 1 <= 60
 

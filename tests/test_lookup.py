@@ -1,4 +1,4 @@
-"""The prompt lookup's rule (mirror_mlx/lookup.py), its index, and what is refused with it.
+"""The prompt lookup's rule (mirror_mlx/proposers/lookup.py), its index, and what is refused with it.
 
 Losslessness with the lookup is checked where every mode's is: test_families_lossless.py (greedy, alone
 and beside a draft), test_seeded_sampling.py and test_sampling_whole.py (above temperature 0).
@@ -9,8 +9,9 @@ import random
 import pytest
 
 import mirror_mlx
-from mirror_mlx.lookup import NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN, ProposalRecord, Lookup, NgramIndex, best_length
-from mirror_mlx.stats import Stats
+from mirror_mlx.proposers.lookup import (NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN, ProposalRecord, Lookup, NgramIndex,
+                                         best_length)
+from mirror_mlx.engine.stats import Stats
 from tests.support import assert_lossless, profile_row, reference_greedy
 
 

@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 import mirror_mlx
 from mirror_mlx import mlx_lm_api
 from mirror_mlx.pipeline import load
-from mirror_mlx.recurrent import held
+from mirror_mlx.engine.recurrent import held
 from tests.models import DRAFT_PATH, TARGET_PATH, lora_adapter, tiny_model
 
 SCRIPT = """

@@ -13,7 +13,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from mirror_mlx.stats import Stats, Step
+from mirror_mlx.engine.stats import Stats, Step
 from mirror_mlx.timeline import Steps, lanes
 from tests import browser
 

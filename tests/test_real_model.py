@@ -14,7 +14,7 @@ from mlx_lm.utils import load_tokenizer
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
 from mirror_mlx.chunks import Detokenizer
 from mirror_mlx.pipeline import Pipeline
-from mirror_mlx.stats import Stats, Step
+from mirror_mlx.engine.stats import Stats, Step
 from tests.models import save_tiny_model
 from tests.support import assert_lossless, reference_greedy
 from tests.support.servers import in_process

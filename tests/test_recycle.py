@@ -1,5 +1,5 @@
 """The recycled draft (draft_model="recycle"): the target's own top candidates from earlier verifies, grown
-into a token tree and verified in one forward (mirror_mlx/recycle.py, mirror_mlx/tree.py).
+into a token tree and verified in one forward (mirror_mlx/proposers/recycle.py, mirror_mlx/engine/tree.py).
 
 A tree's forward gives each node what a plain forward over its path gives; the cache then holds the
 committed path only. Every family returns mlx-lm's greedy tokens, with large trees (row_cost=0: every
@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mirror_mlx import tree as trees
-from mirror_mlx.model_parts import trimmable_cache
+from mirror_mlx.engine import tree as trees
+from mirror_mlx.engine.model_parts import trimmable_cache
 from mirror_mlx.pipeline import Pipeline
-from mirror_mlx.recycle import Recycled, verify_cost
+from mirror_mlx.proposers.recycle import Recycled, verify_cost
 from tests.models import CONFIGS, tiny_model
 from tests.support import assert_lossless, FakeTokenizer, reference_greedy
 from tests.support.whole_sampling import PROMPT as SMALL_PROMPT

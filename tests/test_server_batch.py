@@ -125,7 +125,7 @@ def test_each_switch_follows_the_measured_costs():
     """Batching pays when n rows per measured batched step beat the rate measured alone; the last request
     leaves the batch when alone measured faster than a batch of one; both say why, with the numbers."""
     from mirror_mlx.server.scheduler import Costs
-    from mirror_mlx.stats import Stats
+    from mirror_mlx.engine.stats import Stats
 
     costs = Costs()
     assert costs.batch_pays(2, None)[0]  # nothing measured alone yet: batch (mlx_lm.server's choice)

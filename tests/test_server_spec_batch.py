@@ -16,9 +16,9 @@ from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 from mlx_lm.sample_utils import make_sampler
 
-from mirror_mlx.demo_pair import TARGET
+from mirror_mlx.demo import TARGET
 from mirror_mlx.options import DecodeOptions
-from mirror_mlx.sampling import row_sampler
+from mirror_mlx.engine.sampling import row_sampler
 from mirror_mlx.server.spec_batch import SpecBatch, VerifyCost, choose_width, supports
 from tests.models import tiny_model
 from tests.support.servers import SPECULATE, health, rest, running, stop_server, stream_first, wait_for

@@ -9,14 +9,14 @@ import pytest
 from click.testing import CliRunner
 from mlx_lm.models.cache import make_prompt_cache
 
-from mirror_mlx.drafts.ss_draft import SSDraft
-from mirror_mlx.drafts.ss_model import Model, ModelArgs, is_ss_draft, load_ss_draft, save_ss_draft, ss_forward
-from mirror_mlx.ane_draft.train import TrainConfig, TrainError, train
+from mirror_mlx.drafts.ss.draft import SSDraft
+from mirror_mlx.drafts.ss.model import Model, ModelArgs, is_ss_draft, load_ss_draft, save_ss_draft, ss_forward
+from mirror_mlx.train.ss_draft import TrainConfig, TrainError, train
 from mirror_mlx.cli import main as cli
 from mirror_mlx.corpus import CORPUS
-from mirror_mlx.demo_pair import DRAFT as LLAMA2XS
-from mirror_mlx.demo_pair import SS_DRAFT as SS_DEMO
-from mirror_mlx.demo_pair import TARGET
+from mirror_mlx.demo import DRAFT as LLAMA2XS
+from mirror_mlx.demo import SS_DRAFT as SS_DEMO
+from mirror_mlx.demo import TARGET
 from mirror_mlx.drafts.mlx_draft import MLXDraft
 
 
@@ -268,7 +268,7 @@ def test_init_from_a_4bit_llama_starts_from_its_dequantized_weights(tmp_path):
     from mlx_lm import convert, load
     from mlx_lm.utils import dequantize_model
 
-    from mirror_mlx.drafts.ss_model import config_args, new_model
+    from mirror_mlx.drafts.ss.model import config_args, new_model
 
     quantized = tmp_path / "llama2xs-4bit"
     convert(str(LLAMA2XS), str(quantized), quantize=True, q_bits=4, q_group_size=32)

@@ -3,7 +3,7 @@
 import pytest
 from mlx_lm import load
 
-from mirror_mlx.demo_pair import SS_DRAFT as SS_DEMO
+from mirror_mlx.demo import SS_DRAFT as SS_DEMO
 from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.models import TARGET_PATH
 from tests.support import assert_lossless, openings, reference_greedy

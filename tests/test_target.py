@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
-from mirror_mlx.model_parts import trimmable_cache
-from mirror_mlx.target import EarlyExitTarget, top_k
+from mirror_mlx.engine.model_parts import trimmable_cache
+from mirror_mlx.engine.target import EarlyExitTarget, top_k
 from tests.models import CONFIGS, demo_target, tiny_model
 from tests.support import check_two_logits
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mirror_mlx.options import MODES
-from mirror_mlx.stats import Stats
+from mirror_mlx.engine.stats import Stats
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

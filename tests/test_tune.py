@@ -12,7 +12,7 @@ from mirror_mlx.tune import calibrate, cost_model, policy, report, timing, trace
 from mirror_mlx.tune import profile as profiles
 from mirror_mlx.cli import main
 from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
-from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
+from mirror_mlx.demo import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
 from mirror_mlx.pipeline import Pipeline, load
 from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
 from tests.support import assert_lossless, profile_row, reference_greedy
@@ -285,7 +285,7 @@ def test_a_profile_is_keyed_by_the_weights_of_target_draft_and_adapter():
     key = profiles.key_for(a, b)
     assert profiles.key_for(b, a) != key and profiles.key_for(a, a) != key
     target, _ = mlx_load(str(TARGET_PATH))
-    from mirror_mlx.exit_adapter import load_adapter
+    from mirror_mlx.engine.exit_adapter import load_adapter
 
     adapter = load_adapter(DEMO_EXIT_ADAPTER, target)
     assert profiles.key_for(target, b, adapter) != profiles.key_for(target, b)
@@ -502,7 +502,7 @@ def test_tune_quick_refuses_the_flags_it_would_ignore():
 def test_the_core_ml_compute_plan_says_why_it_is_skipped():
     import sys
 
-    from mirror_mlx.compute_plan import report, unavailable_reason
+    from mirror_mlx.tune.compute_plan import report, unavailable_reason
 
     assert report(None) == "Core ML compute plan: skipped (the draft is not a Core ML package)"
     if sys.platform != "darwin":
@@ -532,7 +532,7 @@ def test_auto_with_a_failing_draft_says_so_and_runs_plain(capfd):
 
 def test_tune_calibrates_with_one_exit_adapter_per_layer(pipe, tmp_path, monkeypatch):
     """`--exit-adapter a,b`: the candidates are the usual exit layers the adapters cover, each with its own."""
-    from mirror_mlx.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
+    from mirror_mlx.engine.exit_adapter import ExitAdapter, adapter_meta, load_adapters, save_adapter
 
     monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
     first = tmp_path / "exit1.safetensors"  # the identity adapter (the bare head) at layer 1, beside the demo's at 2

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 from mirror_mlx import validate
 from mirror_mlx.drafts.host import DraftHostError
 from mirror_mlx.cli import main
-from mirror_mlx.demo_pair import DRAFT as DEMO_DRAFT
-from mirror_mlx.demo_pair import TARGET as DEMO_TARGET
+from mirror_mlx.demo import DRAFT as DEMO_DRAFT
+from mirror_mlx.demo import TARGET as DEMO_TARGET
 from mirror_mlx.pipeline import load
 from tests.models import save_tiny_model
 from tests.support import assert_lossless
@@ -322,7 +322,7 @@ def _recurrent(tmp_path):
 @pytest.mark.parametrize("as_draft", [False, True], ids=["target", "draft"])
 def test_a_model_with_recurrent_state_is_refused_with_the_reason_and_what_to_use_instead(tmp_path, as_draft):
     """Every mode rolls a cache back (prefix reuse; speculation's rejected tokens); mamba's own selective scan is
-    no update the rollback reaches (mirror_mlx/recurrent.py): refused at load, as a target or as a draft (from
+    no update the rollback reaches (mirror_mlx/engine/recurrent.py): refused at load, as a target or as a draft (from
     the draft host), in one sentence naming the family."""
     path = _recurrent(tmp_path)
     message = "this mamba model's recurrent state is updated by code mirror-mlx cannot roll back"
@@ -373,7 +373,7 @@ def test_an_interrupt_inside_a_step_leaves_no_task_pending_and_the_next_call_los
     trimmed the cache. The step's tasks are cancelled and the target's cache forgotten."""
     import gc
 
-    import mirror_mlx.target as target
+    import mirror_mlx.engine.target as target
 
     prompt = pipe.tokenizer.encode("Once upon a time")
     ref = pipe.generate(prompt, mode="ar", max_tokens=12, stop=False).tokens

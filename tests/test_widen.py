@@ -15,9 +15,9 @@ from mlx_lm.utils import _get_classes
 from mirror_mlx.cli import main
 from mirror_mlx.convert.widen import Shape, WidenError, check_shape, head_layout, widen_weights, widened_config
 from mirror_mlx.convert.widen import exact_exit_layers
-from mirror_mlx.exit_adapter import check_layer, load_adapter
-from mirror_mlx.demo_pair import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
-from mirror_mlx.target import EarlyExitTarget
+from mirror_mlx.engine.exit_adapter import check_layer, load_adapter
+from mirror_mlx.demo import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
+from mirror_mlx.engine.target import EarlyExitTarget
 from models import CONFIGS, TARGET_PATH, tiny_model
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play"
@@ -280,8 +280,8 @@ def test_widen_exit_refuses_an_adapter_of_another_model(pair, tmp_path):
 
 def test_one_adapter_per_exit_layer_and_the_engine_takes_the_one_for_its_layer(pair, tmp_path):
     """`--exit-adapter a,b`: a widened adapter (exact at 2, 3) and one for layer 5; ℓ_e picks its own."""
-    from mirror_mlx.exit_adapter import ExitAdapter, adapter_for, adapter_meta, load_adapters, save_adapter
-    from mirror_mlx.target import TargetSide
+    from mirror_mlx.engine.exit_adapter import ExitAdapter, adapter_for, adapter_meta, load_adapters, save_adapter
+    from mirror_mlx.engine.target import TargetSide
 
     model, _, wide, _, out = pair
     a = tmp_path / "exit2.safetensors"
@@ -308,8 +308,8 @@ SS_SHAPE = ["--hidden", "256", "--heads", "32", "--kv-heads", "16", "--intermedi
 
 @pytest.fixture(scope="module")
 def ss_pair(tmp_path_factory):
-    from mirror_mlx.drafts.ss_model import load_ss_draft
-    from mirror_mlx.demo_pair import SS_DRAFT
+    from mirror_mlx.drafts.ss.model import load_ss_draft
+    from mirror_mlx.demo import SS_DRAFT
 
     out = widened(tmp_path_factory, SS_DRAFT, SS_SHAPE)
     return load_ss_draft(SS_DRAFT)[0], load_ss_draft(out, with_tokenizer=False)[0], out
@@ -329,7 +329,7 @@ def test_ss_draft_widens_with_its_stream_layers_on_top(ss_pair):
 def ss_decode_gap(model, wide, ids: list[int]) -> tuple[float, mx.array]:
     """Feed `ids` token by token over the committed past: the largest difference of main and stream rows'
     logits between the two SS drafts, and the last stream logits."""
-    from mirror_mlx.drafts.ss_model import ss_forward
+    from mirror_mlx.drafts.ss.model import ss_forward
 
     past_a = past_b = None
     worst = 0.0
@@ -362,7 +362,7 @@ def test_ss_draft_many_row_logits_exact(ss_pair):
     In float32 OpenBLAS picks another small-matrix kernel for the wider projections, which reorders
     sums (as for the plain prefill above; measured up to 1.1e-4 on stream logits of magnitude ~17).
     """
-    from mirror_mlx.drafts.ss_model import ss_forward
+    from mirror_mlx.drafts.ss.model import ss_forward
 
     model, wide, _ = ss_pair
     ids = load(str(TARGET_PATH))[1].encode(PROMPT)
@@ -385,7 +385,7 @@ def test_ss_draft_many_row_logits_exact(ss_pair):
 def test_ss_draft_greedy_rollouts_identical(ss_pair):
     """Branched SS rollouts (stream guesses trusted, so stream rows shape the windows) are the same:
     windows, forwards, and tokens gained per forward."""
-    from mirror_mlx.drafts.ss_draft import SSDraft
+    from mirror_mlx.drafts.ss.draft import SSDraft
 
     model, wide, _ = ss_pair
     tok = load(str(TARGET_PATH))[1]

@@ -34,7 +34,7 @@ def forward_ms(model: Any, prompt: mx.array, rows: int, reps: int = 15) -> float
 def ss_forward_ms(model: Any, prompt: mx.array, reps: int = 15) -> float:
     """Median ms of one decode forward of a Speculative-Streaming draft: one row with its streams, over the
     prompt's keys and values (what one of its windows costs: several tokens a forward)."""
-    from mirror_mlx.drafts.ss_model import ss_forward
+    from mirror_mlx.drafts.ss.model import ss_forward
 
     past = [(k, v) for k, v in ss_forward(model, prompt).kv]
     mx.eval(past)
@@ -49,7 +49,7 @@ def ss_forward_ms(model: Any, prompt: mx.array, reps: int = 15) -> float:
 
 def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """{rows: ms} for the model folder at `path` (an SS draft: its one-row forward with streams)."""
-    from mirror_mlx.drafts.ss_model import is_ss_draft
+    from mirror_mlx.drafts.ss.model import is_ss_draft
     from mirror_mlx.loading import load_model
 
     model, tok = load_model(path)

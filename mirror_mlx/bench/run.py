@@ -26,7 +26,7 @@ from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
 from .summary import Sample, best_point, table
-from ..stats import Stats
+from ..engine.stats import Stats
 from ..options import PAPER_KNOBS, DecodeOptions
 from ..prompts import load_prompts
 from ..tune.cost_model import describe
@@ -132,7 +132,7 @@ def mlx_draft(pipe: Any) -> Any:
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
         return mlx_draft_model(*pipe.draft.args)
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:
-        from ..drafts.ss_model import load_ss_draft
+        from ..drafts.ss.model import load_ss_draft
 
         return load_ss_draft(*pipe.draft.args, with_tokenizer=False)[0]
     model = getattr(pipe.draft, "model", None)

@@ -6,7 +6,7 @@ from statistics import median
 from typing import Optional, Sequence
 
 from .grid import point_name
-from ..stats import Stats
+from ..engine.stats import Stats
 
 
 @dataclass

@@ -28,7 +28,7 @@ VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "widen-exit": "mirror_mlx.cli.build:widen_exit_cmd",
     "train-draft": "mirror_mlx.cli.build:train_draft_cmd",
     "train-exit": "mirror_mlx.cli.build:train_exit_cmd",
-    "distill": "mirror_mlx.cli.distill:distill_cmd",  # a first-layers draft with a trimmed head: distill.py
+    "distill": "mirror_mlx.cli.distill:distill_cmd",  # a first-layers draft with a trimmed head: train/distill.py
     "convert": "mirror_mlx.convert.command:convert_cmd",  # ANE draft packages: convert/coreml.py
 }
 
@@ -161,7 +161,7 @@ def decode_options(max_tokens: int, seed: Optional[int]):
                           "κ(γ+1) a step [default: those that pay, by the generation's own timings]."),
         click.option("--mode", type=click.Choice(CHOICES), default=DEFAULTS.mode, show_default=True,
                      help="auto: the tuned choice for this pair and machine (`mirror-mlx tune`)."),
-        # prompt lookup beside the draft (mirror_mlx/lookup.py)
+        # prompt lookup beside the draft (mirror_mlx/proposers/lookup.py)
         click.option("--lookup/--no-lookup", default=DEFAULTS.lookup,
                      help="Propose the context's continuation where an n-gram repeats, the draft model elsewhere "
                           "(sd; mirror: after a fallback) [default: on with --draft-model lookup, else off]."),
@@ -225,7 +225,7 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
         distributed.quiet_other_ranks()
         load = partial(distributed.load, pipeline=pipeline)
         if model is None:  # the demo pair, as below
-            from mirror_mlx import demo_pair
+            from mirror_mlx import demo as demo_pair
 
             model, draft_model = demo_pair.TARGET, demo_pair.DRAFT if draft_model is None else draft_model
             exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from mirror_mlx.ane_draft.train import TrainConfig
+from mirror_mlx.train.ss_draft import TrainConfig
 from mirror_mlx.cli import refusing
 from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
 
@@ -85,7 +85,7 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
                    "[default: as the one corpus split, corpus.py].")
 def train_draft_cmd(**kwargs) -> None:
     """Distil a Speculative-Streaming draft from the target's own greedy text."""
-    from mirror_mlx.ane_draft.train import TrainError, train
+    from mirror_mlx.train.ss_draft import TrainError, train
 
     summary = refusing(TrainError, train, TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
     after = summary["val_after"]

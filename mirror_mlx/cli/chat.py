@@ -14,7 +14,7 @@ from mirror_mlx.cli import (decode_options, draft_vocab_option, exit_on_terminat
                             mlx_lm_load_options, model_options, pipeline_option, template_config, usage_error,
                             xtc_options, xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
-from mirror_mlx.stats import Stats
+from mirror_mlx.engine.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import NO_TEMPLATE, Pipeline
 from mirror_mlx.text import ChatMessage, has_chat_template

@@ -1,5 +1,5 @@
 """`mirror-mlx distill data|train|measure`: a draft of the target's first layers with a trimmed head,
-distilled from the target's own replies (mirror_mlx/distill.py)."""
+distilled from the target's own replies (mirror_mlx/train/distill.py)."""
 
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from mirror_mlx.cli import refusing
-from mirror_mlx.distill import DataConfig, TrainConfig
+from mirror_mlx.train.distill import DataConfig, TrainConfig
 
 
 def target_folder(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -39,7 +39,7 @@ def distill_cmd() -> None:
 def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes) -> None:
     """Generate (or go on generating) the target's replies: every reply is saved as it is made, so a killed
     run continues where it stopped."""
-    from mirror_mlx.distill import generate_data
+    from mirror_mlx.train.distill import generate_data
 
     cfg = DataConfig(target=model, data_dir=data_dir, max_tokens=max_tokens, batch_size=batch_size, rounds=rounds,
                      tinystories=tinystories)
@@ -55,8 +55,8 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
 def pack_cmd(model, data_dir, out) -> None:
     """Keep the cached replies as token ids only, in one compact file a repository can hold: another machine
     restores the cache from it (`distill restore`) instead of generating again."""
-    from mirror_mlx.distill import data_root
-    from mirror_mlx.distill_data import pack_ids
+    from mirror_mlx.train.distill import data_root
+    from mirror_mlx.train.distill_data import pack_ids
 
     click.echo(json.dumps(pack_ids(data_root(model, data_dir), Path(out))))
 
@@ -71,8 +71,8 @@ def restore_cmd(model, ids, data_dir) -> None:
     batched prefill of the target (resumable, like `distill data`)."""
     from mlx_lm.utils import load
 
-    from mirror_mlx.distill import data_root
-    from mirror_mlx.distill_data import restore_ids
+    from mirror_mlx.train.distill import data_root
+    from mirror_mlx.train.distill_data import restore_ids
 
     target, _ = load(model)
     click.echo(json.dumps(restore_ids(Path(ids), data_root(model, data_dir), target,
@@ -104,7 +104,7 @@ def restore_cmd(model, ids, data_dir) -> None:
 def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
     """Train (or resume: same settings, same run folder) a distilled draft; it is written to --out at every
     checkpoint with the held-out agreement so far."""
-    from mirror_mlx.distill import train
+    from mirror_mlx.train.distill import train
 
     cfg = TrainConfig(target=model, out=out, sources=tuple(s for s in sources.split(",") if s), **kw)
     r = refusing(ValueError, train, cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
@@ -120,7 +120,7 @@ def measure_cmd(model, draft, data_dir, cost) -> None:
     """Teacher-forced greedy agreement on the evaluation part's replies, and c."""
     from mlx_lm.utils import load_model
 
-    from mirror_mlx.distill import agreement, cost_ratio, data_root, read_replies
+    from mirror_mlx.train.distill import agreement, cost_ratio, data_root, read_replies
 
     ev = read_replies(data_root(model, data_dir), ("eval",))
     if not ev:
@@ -153,7 +153,7 @@ def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens
              **kw) -> None:
     """Generate and train in one process (one PID to pause): replies for a while, then each draft shape from
     scratch on all of them, and again. Killed and started again, it goes on where it stopped."""
-    from mirror_mlx.distill import loop
+    from mirror_mlx.train.distill import loop
 
     cfgs = []
     for shape in shapes:

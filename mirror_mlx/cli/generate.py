@@ -45,7 +45,7 @@ def add_eos_tokens(tokenizer, tokens) -> None:
 def read_prompt_cache(path: str, model, decode: dict):
     """--prompt-cache-file: the loaded cache, the model to load and its tokenizer config, as mlx_lm.generate
     takes them from the file's metadata; a file without token ids (mlx_lm.cache_prompt's) turns auto into ar."""
-    from mirror_mlx import demo_pair
+    from mirror_mlx import demo as demo_pair
     from mirror_mlx.prompt_cache import read
 
     try:
@@ -201,7 +201,7 @@ def write_timeline(path, records: list, text_: str, title: str, summary: str) ->
 @click.option("--prompt", "-p", required=True, help="The prefix to cache ('-' reads stdin).")
 def cache_prompt_cmd(model, adapter_path, trust_remote_code, eos_token, prompt_cache_file, prompt) -> None:
     """mlx_lm.cache_prompt, plus the prompt's token ids: `generate --prompt-cache-file` then works in every mode."""
-    from mirror_mlx import demo_pair, prompt_cache
+    from mirror_mlx import demo as demo_pair, prompt_cache
     from mirror_mlx.loading import load_model
     from mirror_mlx.pipeline import check_adapter_path
 

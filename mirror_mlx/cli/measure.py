@@ -40,7 +40,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
     prints the table and saves the profile (kept apart by rank count)."""
     from mirror_mlx import distributed
     from mirror_mlx.bench.machine import pin_threads
-    from mirror_mlx.compute_plan import report as compute_plan_report
+    from mirror_mlx.tune.compute_plan import report as compute_plan_report
     from mirror_mlx.tune import profile, report
     from mirror_mlx.tune.calibrate import OutOfTime, calibrate
     from mirror_mlx.tune.cost_model import describe
@@ -101,7 +101,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
 def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[str, ...], prompts: int,
               max_tokens: int, layers: tuple[int, ...]) -> None:
     """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
-    from mirror_mlx.omega import run_omega
+    from mirror_mlx.tune.omega import run_omega
 
     click.echo(refusing(ValueError, run_omega, model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
 

@@ -44,7 +44,7 @@ def comm_per_forward(model: Any, g: mx.distributed.Group, rows: Sequence[int] = 
                      reps: int = 20) -> dict[int, float]:
     """T_comm by row count: seconds of the all_sums one tensor-parallel forward of `rows` rows makes (2 per layer,
     each rows × hidden), measured alone. Every rank must call it (a collective)."""
-    from ..model_parts import text_model
+    from ..engine.model_parts import text_model
 
     inner = text_model(model)
     hidden, layers = inner.args.hidden_size, len(inner.layers)

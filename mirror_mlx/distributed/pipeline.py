@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 import mlx.core as mx
 
 from .. import validate
-from ..lookup import LOOKUP
+from ..proposers.lookup import LOOKUP
 from ..options import given
 from ..pipeline import Pipeline, check_adapter_path, load_draft
-from ..model_parts import text_model
-from ..target import StageTargetSide
+from ..engine.model_parts import text_model
+from ..engine.target import StageTargetSide
 from ..tune.policy import SAFE_KNOBS
 from .faults import TIMEOUT_ENV, Watchdog, collective, on_interrupt, on_stop_signal
 from .group import group, share
@@ -271,7 +271,7 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     if exit_adapter is not None:
         from mlx_lm.utils import load_model
 
-        from ..exit_adapter import load_adapters
+        from ..engine.exit_adapter import load_adapters
 
         # checked against the whole model's fingerprint (a shard's shapes differ); lazy: only what it reads
         adapter = load_adapters(exit_adapter, load_model(folder, lazy=True, strict=False)[0])

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from ..drafts.host import DraftHost, DraftHostError
-from ..draft_api import Rollout
+from ..drafts.api import Rollout
 from .faults import Diverged, Watchdog
 from .group import share
 

@@ -1,4 +1,5 @@
-"""The drafts and their host: the plain MLX draft (mlx_draft.py), the Speculative-Streaming draft and its
-model (ss_draft.py, ss_model.py), how the host builds each (recipes.py), the draft host and its process
-(host.py, host_process.py) and the ring between them (ring.py). The Core ML (ANE) backend and the SS
-draft's training live in mirror_mlx.ane_draft."""
+"""The drafts and their host: the draft protocol (api.py), the plain MLX draft (mlx_draft.py), the
+Speculative-Streaming draft (ss/), the distilled draft (distilled/), a trimmed head for any draft (vocab.py),
+a draft's tokenizer against the target's (tokenizer.py), how the host builds each (recipes.py), the draft host
+and its process (host.py, host_process.py) and the ring between them (ring.py). The Core ML (ANE) backend
+lives in mirror_mlx.ane_draft; the SS draft's training in mirror_mlx.train."""

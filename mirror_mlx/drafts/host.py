@@ -30,11 +30,11 @@ from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
 from mirror_mlx.blas import follow_affinity
-from mirror_mlx.model_parts import common_prefix
-from mirror_mlx.draft_api import Draft, Rollout
+from mirror_mlx.engine.model_parts import common_prefix
+from mirror_mlx.drafts.api import Draft, Rollout
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from mirror_mlx.drafts.ring import TokenRing
-from mirror_mlx.workers import Worker
+from mirror_mlx.engine.workers import Worker
 
 # request kinds (engine → host)
 CONTEXT, SYNC, ROLLOUT, BRANCHES, RESET, STOP = 1, 2, 3, 4, 5, 6

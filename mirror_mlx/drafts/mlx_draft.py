@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, trim_prompt_cache
 
-from .. import recurrent
-from ..draft_api import Rollout
-from ..model_parts import common_prefix, trimmable_cache, vocab_size
+from ..engine import recurrent
+from .api import Rollout
+from ..engine.model_parts import common_prefix, trimmable_cache, vocab_size
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:
@@ -35,7 +35,7 @@ def spine_of(stems: Sequence[Sequence[int]]) -> list[int]:
 
 def self_verify(fed: Sequence[int], pred: Sequence[int]) -> tuple[int, list[int]]:
     """Speculative Streaming's self-verification (docs/design.md §5.4) of one chain fed in one forward, as both
-    SS hosts (ss_draft.py, the Core ML package_host.py) verify: fed = [main token, guess_1, .., guess_k],
+    SS hosts (ss/draft.py, the Core ML package_host.py) verify: fed = [main token, guess_1, .., guess_k],
     pred[i] the main prediction after fed[:i+1]. Returns (keep, fed[1:keep+1] + [pred[keep]]), the tokens
     gained: the agreeing guesses, then the main prediction after them."""
     keep = 0

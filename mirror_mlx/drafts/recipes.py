@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from mirror_mlx.draft_api import Draft
-from mirror_mlx.draft_vocab import KeptIds, trim
+from mirror_mlx.drafts.api import Draft
+from mirror_mlx.drafts.vocab import KeptIds, trim
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class DraftRecipe:
 
 def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
     """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec); `kept`: its
-    head scores only those ids (draft_vocab.py)."""
+    head scores only those ids (vocab.py)."""
     from mlx_lm.utils import load_model
 
     from mirror_mlx.drafts.mlx_draft import MLXDraft
@@ -41,7 +41,7 @@ def mlx_draft_model(path: str, kept: Optional[KeptIds] = None):
 
 def ss_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
     """A Speculative-Streaming draft folder; `kept` as for `mlx_draft`."""
-    from mirror_mlx.drafts.ss_draft import SSDraft
+    from mirror_mlx.drafts.ss.draft import SSDraft
 
     draft = SSDraft.from_path(path)
     if kept is not None:

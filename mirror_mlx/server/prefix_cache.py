@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..target import TargetSide
+    from ..engine.target import TargetSide
 
 
 class PrefixCache:
@@ -46,7 +46,7 @@ class PrefixCache:
         return self.engine.with_target(self._restore, ids[:-1])  # (the last token runs in the first step)
 
     def _restore(self, target: "TargetSide", ids: list[int]) -> int:
-        from ..model_parts import common_prefix
+        from ..engine.model_parts import common_prefix
 
         own = target.own_tokens()
         if own is None:
@@ -55,7 +55,7 @@ class PrefixCache:
         held = len(ids) - len(rest)
         if cache is None or held <= common_prefix(own, ids):
             return 0
-        from ..recurrent import convert
+        from ..engine.recurrent import convert
 
         target.take(convert(cache), ids[:held])  # (a stored recurrent copy: thawed)
         return held

@@ -11,7 +11,7 @@ dropped. When the batch drains to one request, it goes back to decoding alone wh
 (or when it asked for a mode): its cache comes out of the batch, and the draft host catches up on the
 committed tokens (its usual sync from the common prefix). Every step's output is the target's own
 token at each row, so each request's tokens are what it would get alone (see docs/design.md §6);
-seeded draws are keyed by (seed, position) in both regimes (mirror_mlx.sampling.position_seed).
+seeded draws are keyed by (seed, position) in both regimes (mirror_mlx.engine.sampling.position_seed).
 """
 
 import queue
@@ -27,9 +27,9 @@ import mlx.core as mx
 from ..chunks import Chunk, Detokenizer
 from ..options import Plan
 from ..pipeline import Pipeline
-from ..sampling import keyed, samplers
-from ..stats import Stats, Step
-from ..target import TargetSide
+from ..engine.sampling import keyed, samplers
+from ..engine.stats import Stats, Step
+from ..engine.target import TargetSide
 from ..text import Conversation
 from .prefix_cache import PrefixCache
 from .request import APIError

@@ -26,11 +26,11 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from ..lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
-from ..model_parts import trimmable_cache
+from ..proposers.lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
+from ..engine.model_parts import trimmable_cache
 from ..options import DecodeOptions
-from ..sampling import row_sampler, sample_rows, samplers
-from ..target import accept
+from ..engine.sampling import row_sampler, sample_rows, samplers
+from ..engine.target import accept
 
 GAMMA = 8  # the longest window a row proposes (the lookup alone's, tune.policy.LOOKUP_GAMMA)
 COMPACT = 64  # holes and padding beyond this many positions a row are squeezed out (rows that accepted less add them)

@@ -1,4 +1,4 @@
-"""Training an exit adapter (mirror_mlx/exit_adapter.py): the target's own greedy text as (early state, final
+"""Training an exit adapter (mirror_mlx/engine/exit_adapter.py): the target's own greedy text as (early state, final
 state) rows, a KL fit of the adapter, and `mirror-mlx train-exit`'s whole run. Nothing the runtime imports
 loads this module, so a generation never pulls in an optimizer or a progress bar."""
 
@@ -13,11 +13,11 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
-from .. import demo_pair
-from ..exit_adapter import ExitAdapter, adapter_meta, save_adapter
-from ..model_parts import text_model
+from .. import demo as demo_pair
+from ..engine.exit_adapter import ExitAdapter, adapter_meta, save_adapter
+from ..engine.model_parts import text_model
 from ..options import default_exit_layer
-from ..target import EarlyExitTarget, apply_head, check_exit_layer
+from ..engine.target import EarlyExitTarget, apply_head, check_exit_layer
 
 DEFAULT_RANK = 256  # hidden width of the residual MLP: on stories260K it beats a full-rank linear map
 DEFAULT_STEPS = 6000
@@ -37,7 +37,7 @@ class ExitData:
 def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts: list[int],
                 batch_size: int = 8, progress: bool = False, label: str = "") -> ExitData:
     """Early and final normalised states at the rows of `seqs` from `starts[i]` on (right-padded batches)."""
-    from ..batching import padded_batches  # (training's modules load with training, not with a generation)
+    from ..engine.batching import padded_batches  # (training's modules load with training, not with a generation)
 
     got: list = []
 

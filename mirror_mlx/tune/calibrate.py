@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..exit_adapter import adapter_for, adapter_layers
+from ..engine.exit_adapter import adapter_for, adapter_layers
 from . import profile as profiles
 from .cost_model import Acceptance, Config, Timings, choose, component_time, expected_rate, grid, rank, row_config
 from .placement import candidates

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from .. import validate
-from ..lookup import NGRAM_MIN
+from ..proposers.lookup import NGRAM_MIN
 from ..options import PAPER_KNOBS, DecodeOptions
 from . import profile as profiles
 from .profile import AutoState, PairView

@@ -9,10 +9,10 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from ..exit_adapter import adapter_for
-from ..model_parts import trimmable_cache
+from ..engine.exit_adapter import adapter_for
+from ..engine.model_parts import trimmable_cache
 from ..options import DRAFT_TIMEOUT_S
-from ..target import EarlyExitTarget, top_k
+from ..engine.target import EarlyExitTarget, top_k
 from .cost_model import Acceptance, Config, Timings, rank
 from .profile import PairView
 
@@ -129,7 +129,7 @@ class Bench:
         """T_comm over `n` rows across ranks: one sharded forward's two all_sums of n × hidden per layer, chained
         in one graph as the forward chains them (an eval after each would time MLX's per-eval overhead too).
         Every rank must call it."""
-        from ..model_parts import text_model
+        from ..engine.model_parts import text_model
 
         inner = text_model(self.model)
         norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype

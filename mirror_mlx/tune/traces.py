@@ -8,9 +8,9 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from ..drafts.mlx_draft import MLXDraft
-from ..exit_adapter import adapter_for
+from ..engine.exit_adapter import adapter_for
 from ..options import DRAFT_TIMEOUT_S
-from ..target import EarlyExitTarget
+from ..engine.target import EarlyExitTarget
 from .cost_model import Trace
 from .profile import PairView
 

@@ -18,7 +18,7 @@ import time
 from mirror_mlx.drafts.host import DraftHost
 
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
-from mirror_mlx.demo_pair import DRAFT, SS_DRAFT
+from mirror_mlx.demo import DRAFT, SS_DRAFT
 
 
 def children_cpu() -> float:

@@ -44,7 +44,7 @@ if __name__ == "__main__":
     print("load average before:", open("/proc/loadavg").read().split()[:3])
     target, tok = load(target_dir)
     prompts = [tok.encode(o) for o in openings(n)]
-    has_host = hasattr(sys.modules["mirror_mlx.engine"], "DraftHost")  # main before the draft host: threads only
+    has_host = hasattr(sys.modules["mirror_mlx.engine.loop"], "DraftHost")  # main before the draft host: threads only
     pipes = {"thread": Pipeline(target, tok, MLXDraft(load(draft_dir)[0]))}
     if has_host:
         pipes["process"] = Pipeline(target, tok, load_draft(draft_dir, tok))

@@ -23,8 +23,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
 import mirror_mlx  # noqa: E402,F401 (BLAS setup)
-from mirror_mlx import recurrent  # noqa: E402
-from mirror_mlx.target import trimmable_cache  # noqa: E402
+from mirror_mlx.engine import recurrent  # noqa: E402
+from mirror_mlx.engine.target import trimmable_cache  # noqa: E402
 from tests.models import RECURRENT, tiny_model  # noqa: E402
 
 WIDE = {

@@ -20,7 +20,7 @@ import time
 from mirror_mlx.drafts.host import DraftHost
 
 from mirror_mlx.drafts.recipes import DraftRecipe
-from mirror_mlx.draft_api import Rollout
+from mirror_mlx.drafts.api import Rollout
 from mirror_mlx.drafts.ring import TokenRing
 
 KW = dict(capacity=4, max_ints=256, max_floats=2)

@@ -21,7 +21,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import trim_prompt_cache  # noqa: E402
 
-from mirror_mlx import recycle, target, tree as trees  # noqa: E402
+from mirror_mlx.engine import target, tree as trees  # noqa: E402
+from mirror_mlx.proposers import recycle  # noqa: E402
 from mirror_mlx.pipeline import load  # noqa: E402
 from mirror_mlx.prompts import spec_bench_part  # noqa: E402
 

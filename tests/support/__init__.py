@@ -7,8 +7,8 @@ import copy
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from mirror_mlx.model_parts import text_model, trimmable_cache
-from mirror_mlx.target import EarlyExitTarget
+from mirror_mlx.engine.model_parts import text_model, trimmable_cache
+from mirror_mlx.engine.target import EarlyExitTarget
 from tests.models import DATA
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .lookup import MARGIN, ROW_COST
-from .tree import Tree, build, chain
+from ..engine.tree import Tree, build, chain
 
 RECYCLE = "recycle"  # the draft model's name that means the recycled predictions (load(draft_model="recycle"))
 K = 8  # candidates kept per token

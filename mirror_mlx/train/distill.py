@@ -220,7 +220,7 @@ def _run_files(run: Path, root: Path, key: dict, cfg: TrainConfig) -> list[str]:
 
 def _trainable_draft(model, target_config: dict, cfg: TrainConfig, kept: np.ndarray):
     """A fresh draft of cfg's shape: the first E layers frozen, the k trained ones, the norm and the head trainable."""
-    from mirror_mlx.drafts.distilled import new_draft
+    from mirror_mlx.drafts.distilled.model import new_draft
 
     n_target = target_config["num_hidden_layers"]
     if cfg.init not in ("next", "last"):
@@ -285,7 +285,7 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
     from tqdm import tqdm
 
     from mirror_mlx.corpus import eos_ids
-    from mirror_mlx.drafts.distilled import save_draft
+    from mirror_mlx.drafts.distilled.model import save_draft
 
     t_start = time.time()
     if model is None:

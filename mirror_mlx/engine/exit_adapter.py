@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .model_parts import text_model
-from .validate import check_layer
+from ..validate import check_layer
 
 FORMAT = "mirror-mlx-exit-adapter"
 VERSION = "1"

@@ -1,5 +1,5 @@
 """The distilled draft's data: the target's own replies to chat prompts, batched, cached per reply, resumable
-(mirror_mlx/distill.py trains on them; its docstring says the whole way)."""
+(mirror_mlx/train/distill.py trains on them; its docstring says the whole way)."""
 
 import hashlib
 import json

@@ -25,10 +25,10 @@ from typing import Sequence, Union
 import mlx.core as mx
 import numpy as np
 from mirror_mlx.drafts.mlx_draft import MLXDraft, self_verify, spine_of
-from mirror_mlx.model_parts import common_prefix
-from mirror_mlx.draft_api import Rollout
+from mirror_mlx.engine.model_parts import common_prefix
+from mirror_mlx.drafts.api import Rollout
 
-from mirror_mlx.drafts.ss_model import Model, load_ss_draft, ss_forward
+from mirror_mlx.drafts.ss.model import Model, load_ss_draft, ss_forward
 
 
 @dataclass

@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
 if TYPE_CHECKING:
-    from .options import DecodeOptions
+    from ..options import DecodeOptions
 
 
 def samplers(opts: "DecodeOptions") -> tuple[Callable[[mx.array], mx.array], list[Callable]]:

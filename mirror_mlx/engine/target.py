@@ -19,7 +19,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from . import recurrent
 from .branch_budget import ExitView
 from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
-from .options import default_exit_layer
+from ..options import default_exit_layer
 from .sampling import sample_rows
 from . import tree as trees
 

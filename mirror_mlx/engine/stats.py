@@ -31,13 +31,13 @@ class Stats:
     accepted: int = 0  # of them, accepted
     rejections: int = 0  # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
     lookup: bool = False  # the prompt lookup proposed where the context offered a continuation
-    lookup_windows: int = 0  # steps whose window was the prompt lookup's (mirror_mlx/lookup.py), no draft's
+    lookup_windows: int = 0  # steps whose window was the prompt lookup's (mirror_mlx/proposers/lookup.py), no draft's
     lookup_proposed: int = 0  # of `proposed`, the lookup's tokens
     lookup_accepted: int = 0  # of `accepted`, the lookup's (the rest are the model draft's)
     lookup_rejections: int = 0  # of `rejections`, in the lookup's windows
     recycle: str = ""  # the recycled draft proposed: "tree", or "one path: why" (a target that takes no tree)
     lookup_held: int = 0  # steps whose context offered a continuation the lookup held back: at the acceptance seen
-    # so far in this generation no window of it paid for its verify (mirror_mlx/lookup.py, best_length)
+    # so far in this generation no window of it paid for its verify (mirror_mlx/proposers/lookup.py, best_length)
     omega_sum: float = 0.0  # target mass inside the posted C_A at each correction row
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0

@@ -24,8 +24,8 @@ from mlx_lm.utils import _download, load, load_config
 from tqdm import tqdm
 
 from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
-from mirror_mlx.draft_tokenizer import folder_tokenizer, tokenizer_mismatch
-from mirror_mlx.drafts.ss_model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
+from mirror_mlx.drafts.tokenizer import folder_tokenizer, tokenizer_mismatch
+from mirror_mlx.drafts.ss.model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
 

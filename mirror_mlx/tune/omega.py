@@ -18,10 +18,10 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batching import padded_batches
-from .train.exit_adapter import greedy_rows
-from .model_parts import text_model
-from .target import EarlyExitTarget, top_k
+from ..engine.batching import padded_batches
+from ..train.exit_adapter import greedy_rows
+from ..engine.model_parts import text_model
+from ..engine.target import EarlyExitTarget, top_k
 
 KAPPAS = (1, 2, 4, 8, 16)
 # OmegaSums' sums per κ, each an Ω view, and its label in the table
@@ -100,7 +100,7 @@ def measure(model: nn.Module, tokenizer, draft: nn.Module, texts: list[str], lay
             max_tokens: int = 64, batch_size: int = 8, progress: bool = False) -> list[OmegaRow]:
     """Ω sums at each exit layer, bare head and (where `adapters[layer] = (name, adapter)`) with the adapter.
 
-    The draft must share the target's tokenizer (run_omega checks it with draft_tokenizer.check_draft_tokenizer).
+    The draft must share the target's tokenizer (run_omega checks it with drafts.tokenizer.check_draft_tokenizer).
     """
     n_layers = len(text_model(model).layers)
     layers = list(layers or range(1, n_layers))
@@ -143,11 +143,11 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
               prompts: int = 50, max_tokens: int = 64, layers: Optional[Sequence[int]] = None,
               progress: bool = True) -> str:
     """`mirror-mlx omega`: the table over `prompts` held-out TinyStories openings (the demo pair by default)."""
-    from .corpus import load_split
-    from .demo_pair import DRAFT, TARGET
-    from .exit_adapter import load_adapter
-    from .draft_tokenizer import check_draft_tokenizer
-    from .loading import load_model
+    from ..corpus import load_split
+    from ..demo import DRAFT, TARGET
+    from ..engine.exit_adapter import load_adapter
+    from ..drafts.tokenizer import check_draft_tokenizer
+    from ..loading import load_model
 
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")

@@ -179,7 +179,7 @@ def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
     model, _ = load_model(path, get_model_classes=lambda config: (Model, ModelArgs))
     if not with_tokenizer:
         return model, None
-    from mirror_mlx.draft_tokenizer import folder_tokenizer  # as mlx_lm.load reads a model's (config.json's eos ids)
+    from mirror_mlx.drafts.tokenizer import folder_tokenizer  # as mlx_lm.load reads a model's (config.json's eos ids)
 
     return model, folder_tokenizer(path)
 

@@ -1,7 +1,7 @@
 """Model types of mirror-mlx's own that mlx-lm loads by name: `mlx_lm.models.<type>` resolves to our module.
 
 mlx-lm builds a folder's class from `mlx_lm.models.<model_type>`, so with the finder below (installed when
-mirror_mlx is imported) a distilled draft (drafts/distilled.py) is a folder every loader takes as it is, in
+mirror_mlx is imported) a distilled draft (drafts/distilled/model.py) is a folder every loader takes as it is, in
 this process and in the draft host; our module is imported on first use, never before.
 """
 
@@ -10,7 +10,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-TYPES = {"mlx_lm.models.mirror_distilled": "mirror_mlx.drafts.distilled"}
+TYPES = {"mlx_lm.models.mirror_distilled": "mirror_mlx.drafts.distilled.model"}
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -33,19 +33,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafts.host import DraftHost
+from ..drafts.host import DraftHost
 
-from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
+from ..drafts.recipes import DraftRecipe, mlx_draft, ss_draft
 from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
-from .drafts.mlx_draft import MLXDraft
-from .draft_api import Draft, Rollout
-from .draft_vocab import head_rows
+from ..drafts.mlx_draft import MLXDraft
+from ..drafts.api import Draft, Rollout
+from ..drafts.vocab import head_rows
 from .exit_adapter import adapter_for
-from .lookup import Lookup
-from .recycle import DEPTH, K, RECYCLE, WIDTHS, Recycled
+from ..proposers.lookup import Lookup
+from ..proposers.recycle import DEPTH, K, RECYCLE, WIDTHS, Recycled
 from .tree import takes_tree
-from .options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
-from .prompt_cache import PromptCache
+from ..options import DRAFT_TIMEOUT_S, DecodeOptions, default_exit_layer
+from ..prompt_cache import PromptCache
 from .sampling import row_sampler, samplers
 from .stats import Stats, Step
 from .model_parts import family, text_model, vocab_size
@@ -228,7 +228,7 @@ class Engine:
         self.context_length = getattr(getattr(text_model(target_model), "args", None), "max_position_embeddings", None)
         self.vocab_size = vocab_size(target_model)
         self.draft_context = draft_context(draft)  # γ fits in it
-        self.draft_head = head_rows(draft)  # the ids a trimmed draft head scores (draft_vocab.py); None: all
+        self.draft_head = head_rows(draft)  # the ids a trimmed draft head scores (drafts/vocab.py); None: all
         self.draft = draft
         self.exit_adapter = exit_adapter
         self.target_worker = Worker("target")

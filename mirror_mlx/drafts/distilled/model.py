@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from .. import draft_vocab
+from .. import vocab as draft_vocab
 
 MODEL_TYPE = "mirror_distilled"
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .model_parts import family, inner_model, text_model
+from ..engine.model_parts import family, inner_model, text_model
 
 
 @dataclass(frozen=True, repr=False)
@@ -58,8 +58,8 @@ def shipped_text() -> list[str]:
     """The text whose token counts choose the kept ids: what data/ holds for training, never an evaluation part."""
     import json
 
-    from .corpus import load_split
-    from .prompts import DATA, SETS, is_eval
+    from ..corpus import load_split
+    from ..prompts import DATA, SETS, is_eval
 
     texts = list(load_split().train)
     for line in (DATA / SETS["spec_bench"]).read_text(encoding="utf-8").splitlines():

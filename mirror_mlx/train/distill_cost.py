@@ -1,5 +1,5 @@
 """The distilled draft's cost: its 1-row forward against the target's, one core each, in a fresh process
-(mirror_mlx/distill.py's measurement)."""
+(mirror_mlx/train/distill.py's measurement)."""
 
 import json
 import os
