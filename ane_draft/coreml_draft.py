@@ -11,12 +11,18 @@ import platform
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from mirror_mlx.drafts.recipes import DraftRecipe
 from mirror_mlx.ane_draft.package_format import ConvertError, read_metadata, tokenizer_sha256, vocab_sha256
+from mirror_mlx.ane_draft.package_host import PackageDraft
+from mirror_mlx.drafts.tokenizer import note_special_difference, special_difference
+
+if TYPE_CHECKING:
+    from mirror_mlx.ane_draft.package_host import PackageDraft, Runner
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 MESSAGE = "Core ML runs on macOS 15+; use the MLX draft folder here"
 
@@ -32,7 +38,7 @@ def coreml_available() -> bool:
     try:
         if int(platform.mac_ver()[0].split(".")[0]) < 15:
             return False
-        from coremltools import libcoremlpython  # noqa: F401
+        from coremltools import libcoremlpython  # noqa: F401  (coremltools: an extra off macOS)
     except Exception:  # noqa: BLE001
         return False
     return True
@@ -42,7 +48,7 @@ class CoreMLRunner:
     """The package's two functions under Core ML, sharing one KV state (macOS 15+ only)."""
 
     def __init__(self, package: Path):
-        import coremltools as ct
+        import coremltools as ct  # (coremltools: an extra off macOS)
 
         cu = ct.ComputeUnit.CPU_AND_NE
         compiled = ct.models.utils.compile_model(str(package))  # once, for both functions
@@ -59,14 +65,13 @@ class CoreMLRunner:
         return out
 
 
-def package_draft(package: str, backend: str = "coreml") -> Any:
+def package_draft(package: str, backend: str = "coreml") -> "PackageDraft":
     """Runs in the draft host: the package's functions under `backend` behind the Draft protocol."""
-    from mirror_mlx.ane_draft.package_host import PackageDraft
-
+    runner: "Runner"
     if backend == "coreml":
         runner = CoreMLRunner(Path(package))
     elif backend == "mil":
-        from mirror_mlx.convert.mil_eval import MilRunner
+        from mirror_mlx.convert.mil_eval import MilRunner  # (backend mil: no convert/ at start)
 
         runner = MilRunner(Path(package))
     else:
@@ -74,7 +79,8 @@ def package_draft(package: str, backend: str = "coreml") -> Any:
     return PackageDraft(runner, read_metadata(Path(package)))
 
 
-def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml") -> DraftRecipe:
+def coreml_recipe(package: Path, tokenizer: "Optional[TokenizerWrapper]" = None,
+                  backend: str = "coreml") -> DraftRecipe:
     """How the draft host runs a `.mlpackage`; with the target's tokenizer, a package built for another
     vocabulary is refused up front."""
     if backend == "coreml" and not coreml_available():
@@ -86,11 +92,9 @@ def coreml_recipe(package: Path, tokenizer: Any = None, backend: str = "coreml")
     return DraftRecipe(package_draft, (str(package), backend))
 
 
-def check_package_tokenizer(meta: dict[str, str], tokenizer: Any, package: Path) -> None:
+def check_package_tokenizer(meta: dict[str, str], tokenizer: "TokenizerWrapper", package: Path) -> None:
     """mirror_mlx.loading's rule for a draft folder, from what the package recorded: another vocabulary
     is refused, differing special ids are said once (a package with only the whole hash must match it)."""
-    from mirror_mlx.drafts.tokenizer import note_special_difference, special_difference
-
     whole = "vocab_sha256" not in meta  # a package that recorded only the whole hash
     key, digest = ("tokenizer_sha256", tokenizer_sha256) if whole else ("vocab_sha256", vocab_sha256)
     if meta[key] != digest(tokenizer):

@@ -9,7 +9,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 FORMAT = "1"
 META = "mirror_mlx."
@@ -50,23 +54,21 @@ class Shapes:
         return cls(context, chunk, rows, rows * (gamma + 1), kappa, gamma, streams)
 
 
-def tokenizer_sha256(tokenizer: Any) -> str:
+def tokenizer_sha256(tokenizer: "TokenizerWrapper") -> str:
     """A hash of the vocabulary (token -> id) and special ids: equal hashes, interchangeable ids."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    special = [getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = [getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
     blob = json.dumps([vocab, special], ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
-def vocab_sha256(tokenizer: Any) -> str:
+def vocab_sha256(tokenizer: "TokenizerWrapper") -> str:
     """A hash of the vocabulary alone (token -> id): what a target and its draft must share."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
+def tokenizer_metadata(tokenizer: "TokenizerWrapper") -> dict[str, str]:
     """What a package records of its draft's tokenizer: the whole hash (checked against its draft folder),
     and the vocabulary's hash and special ids as mlx_lm.load loads them (checked against a target)."""
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
@@ -74,10 +76,10 @@ def tokenizer_metadata(tokenizer: Any) -> dict[str, str]:
             "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}
 
 
-def import_coremltools() -> Any:
+def import_coremltools() -> ModuleType:
     """coremltools, or a ConvertError naming the fix: off macOS it is the `convert` extra."""
     try:
-        import coremltools
+        import coremltools  # (coremltools: an extra off macOS)
     except ImportError:
         raise ConvertError("coremltools is not installed, and building, checking or reading a Core ML draft package "
                            "needs it: pip install 'mirror-mlx[convert]' (on macOS it comes with mirror-mlx)") from None
@@ -90,7 +92,8 @@ def read_metadata(package: Path) -> dict[str, str]:
 
     package = Path(package)
     if not package.exists():
-        raise ConvertError(f"{package} does not exist (build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
+        raise ConvertError(f"{package} does not exist "
+                           f"(build it with `mirror-mlx convert --draft-model DIR --out {package.name}`)")
     try:
         spec = ct.utils.load_spec(str(package))
     except Exception as e:  # noqa: BLE001  (protobuf/IO errors of many kinds)
@@ -106,4 +109,4 @@ def read_metadata(package: Path) -> dict[str, str]:
 
 def package_shapes(meta: dict[str, str]) -> Shapes:
     keys = ("context", "chunk", "rows", "scratch", "kappa", "gamma")
-    return Shapes(*(int(meta[k]) for k in keys), streams=int(meta.get("streams", 0)))
+    return Shapes(**{k: int(meta[k]) for k in keys}, streams=int(meta.get("streams", 0)))

@@ -14,7 +14,7 @@ mirror_mlx/drafts/ss/draft.py): the same greedy windows in fewer calls.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -48,10 +48,18 @@ class Trace:
     rows: list[tuple[tuple[int, ...], np.ndarray, Optional[np.ndarray]]] = field(default_factory=list)
 
 
+class Runner(Protocol):
+    """A package's functions run by name: Core ML's (coreml_draft.CoreMLRunner) or the MIL evaluator's."""
+
+    def reset(self) -> None: ...
+
+    def call(self, fn: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
 class PackageDraft:
     """The Draft protocol over a package's `extend` and `rollout` functions."""
 
-    def __init__(self, runner: Any, meta: dict[str, str], trace: bool = False):
+    def __init__(self, runner: Runner, meta: dict[str, str], trace: bool = False):
         self.runner = runner
         self.shapes: Shapes = package_shapes(meta)
         self.vocab_size = int(meta["vocab"])
@@ -184,8 +192,12 @@ class PackageDraft:
         if dry:
             keep, gained, guesses = 0, [0], [0] * NS
         else:  # fed[0] is the leaf (a stem token) or the main token already in the window
+            assert main is not None, "a processed chain has its logits"
             keep, gained = self_verify([nodes[u].token for u in fed], [int(np.argmax(main[row_of[u]])) for u in fed])
-            guesses = [int(np.argmax(streams[j, row_of[fed[keep]]])) for j in range(NS)] if NS else []
+            guesses = []
+            if NS:
+                assert streams is not None, "a package with streams returns their logits"
+                guesses = [int(np.argmax(streams[j, row_of[fed[keep]]])) for j in range(NS)]
         b.window += gained
         tok = gained[-1]
         b.last = fed[keep]
@@ -216,7 +228,7 @@ class PackageDraft:
             paths.append(tuple(reversed(path)))
         for r in range(len(batch), B):
             mask[K + r, r] = 0.0  # padding rows see themselves only
-        inputs = {"input_ids": ids.astype(np.int32)[None, :], "positions": pos.astype(np.int32),
+        inputs: dict[str, np.ndarray] = {"input_ids": ids.astype(np.int32)[None, :], "positions": pos.astype(np.int32),
                   "write_pos": np.array([write], np.int32), "mask": mask.astype(np.float16)[None]}
         if NS:  # stream (r, j): what main row r sees, plus streams 1..j of row r
             smask = np.full((K + B + B * NS, B * NS), NEG, np.float32)
@@ -230,6 +242,6 @@ class PackageDraft:
         main = self._logits(out, "logits")
         streams = self._logits(out, "stream_logits").reshape(NS, B, -1) if NS else None
         if self.keep_trace:
-            for r, path in enumerate(paths):
-                self.trace.rows.append((path, main[r].copy(), None if streams is None else streams[:, r].copy()))
+            for r, walked in enumerate(paths):
+                self.trace.rows.append((walked, main[r].copy(), None if streams is None else streams[:, r].copy()))
         return main, streams

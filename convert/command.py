@@ -1,21 +1,20 @@
 """`mirror-mlx convert`: build an ANE draft package, or --verify a saved one against its MLX draft."""
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import click
 
-from mirror_mlx.convert.coreml import QUANTIZE
+from mirror_mlx.blas import keep_freed_memory, single_threaded
+from mirror_mlx.convert.coreml import ConvertError, QUANTIZE, convert
+from mirror_mlx.convert.parity import Budget, verify
 from mirror_mlx.options import PAPER_KNOBS
 
 
 def check_writable(out: Path) -> None:
     """Fail before the (long) build when the package cannot be written where --out says."""
-    import tempfile
-
-    from mirror_mlx.convert.coreml import ConvertError
-
     parent = out.expanduser().absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -40,7 +39,8 @@ def check_writable(out: Path) -> None:
                    "of each prompt above (every function and row of it, and a rollback).")
 @click.option("--context", default=512, show_default=True, type=int,
               help="Committed tokens the draft's KV cache holds (prompt + generated).")
-@click.option("--kappa", default=PAPER_KNOBS["kappa"], show_default=True, type=int, help="Early-exit candidates per row (κ).")
+@click.option("--kappa", default=PAPER_KNOBS["kappa"], show_default=True, type=int,
+              help="Early-exit candidates per row (κ).")
 @click.option("--gamma", default=PAPER_KNOBS["gamma"], show_default=True, type=int, help="Window length (γ).")
 @click.option("--chunk", default=16, show_default=True, type=int, help="Tokens per extend call.")
 @click.option("--quantize", type=click.Choice(QUANTIZE), default="none", show_default=True,
@@ -48,13 +48,8 @@ def check_writable(out: Path) -> None:
 def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Path], budget: Optional[str],
                 context: int, kappa: int, gamma: int, chunk: int, quantize: str) -> None:
     """Build DRAFT.mlpackage for the Neural Engine from an MLX draft, or --verify one (works on Linux)."""
-    from mirror_mlx.convert.coreml import ConvertError
-
     try:
         if verify_pkg is not None:
-            from mirror_mlx.blas import keep_freed_memory, single_threaded
-            from mirror_mlx.convert.parity import Budget, verify
-
             single_threaded()
             keep_freed_memory()
 
@@ -66,7 +61,6 @@ def convert_cmd(draft_model: Path, out: Optional[Path], verify_pkg: Optional[Pat
             raise click.UsageError("--verify-budget bounds --verify PACKAGE; give it with --verify")
         if out is None:
             raise click.UsageError("give --out DRAFT.mlpackage to build a package (or --verify PACKAGE to check one)")
-        from mirror_mlx.convert.coreml import convert
 
         check_writable(out)
         convert(draft_model, out, context=context, kappa=kappa, gamma=gamma, chunk=chunk, quantize=quantize)

@@ -33,15 +33,26 @@ import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Union
 
+import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Shapes, import_coremltools,
                                                  tokenizer_metadata, tokenizer_sha256)
+from mirror_mlx.loading import load_model
 from mirror_mlx.options import PAPER_KNOBS
 
 from .mil_graph import DraftSpec, build_function, head_names
+
+if TYPE_CHECKING:
+    from types import SimpleNamespace
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil import Program
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss/model.py
 QUANTIZE = ("none", "int8", "lut4", "lut6")
@@ -55,8 +66,8 @@ if sys.platform != "darwin":  # coremltools warns "Failed to load _MLModelProxy"
 @contextlib.contextmanager
 def quiet_coremltools():
     """Silence coremltools' own per-pass progress bars (we show one bar for the whole build)."""
-    from coremltools.converters.mil.mil.passes import pass_pipeline
-    from coremltools.optimize.coreml import _quantization_passes
+    from coremltools.converters.mil.mil.passes import pass_pipeline  # (coremltools: an extra off macOS)
+    from coremltools.optimize.coreml import _quantization_passes  # (coremltools: an extra off macOS)
 
     modules = (pass_pipeline, _quantization_passes)
     saved = [m.tqdm for m in modules]
@@ -72,39 +83,35 @@ def quiet_coremltools():
 # --------------------------------------------------------------------------- reading the draft
 
 
-def _np(a: Any, copy: bool = True) -> np.ndarray:
+def _np(a: "mx.array", copy: bool = True) -> np.ndarray:
     """float32 numpy (copy=False: a read-only view of MLX's float32 array where it can be, e.g. to hash it)."""
-    import mlx.core as mx
-
     return (np.array if copy else np.asarray)(a.astype(mx.float32))
 
 
-def _dense(layer: Any, copy: bool = True) -> np.ndarray:
+def _dense(layer: "nn.Module", copy: bool = True) -> np.ndarray:
     """Weight (out, in) of a Linear/Embedding, dequantizing quantized MLX layers."""
-    import mlx.core as mx
-
     w = layer.weight
     if hasattr(layer, "scales"):  # in float32: the scales' own bf16/fp16 would round every weight
         kw = {"mode": layer.mode} if hasattr(layer, "mode") else {}
         f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
-        w = mx.dequantize(w, f32(layer.scales), f32(getattr(layer, "biases", None)), layer.group_size, layer.bits, **kw)
+        w = mx.dequantize(w, layer.scales.astype(mx.float32), f32(getattr(layer, "biases", None)), layer.group_size,
+                          layer.bits, **kw)
     return _np(w, copy)
 
 
-def _weights_sha256(weights: dict[str, Any]) -> str:
+def _weights_sha256(weights: Mapping[str, Union[np.ndarray, Callable[[], np.ndarray]]]) -> str:
     """The draft's identity: every weight (an array, or a function that makes one) in key order."""
     h = hashlib.sha256()
     for k in sorted(weights):
-        w = weights[k]() if callable(weights[k]) else weights[k]
+        w = weights[k]
+        w = w() if callable(w) else w
         h.update(k.encode())
-        h.update(np.ascontiguousarray(w, dtype=np.float32).view(np.uint8))  # no copy
+        h.update(np.ascontiguousarray(w, dtype=np.float32).view(np.uint8).data)  # no copy
     return h.hexdigest()
 
 
-def _rope_table(rope: Any, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+def _rope_table(rope: "nn.Module", head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin of every position, read off the model's own rope module (any scaling it uses)."""
-    import mlx.core as mx
-
     if getattr(rope, "traditional", False):
         raise ConvertError("interleaved ('traditional') RoPE is not supported; use a half-split RoPE draft")
     dims = getattr(rope, "dims", getattr(rope, "dim", head_dim))
@@ -137,7 +144,6 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
             f"draft architecture '{mt}' is not supported by the Core ML converter "
             f"(supported: {', '.join(SUPPORTED)}); use the MLX draft folder directly instead"
         )
-    from mirror_mlx.loading import load_model
 
     try:
         model, tokenizer = load_model(path)  # refuses a tokenizer with ids beyond the model's vocabulary
@@ -149,12 +155,11 @@ def read_draft(path: Path, positions: int) -> DraftSpec:
     return spec
 
 
-def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
+def check_tokenizer(tokenizer: "TokenizerWrapper", vocab: int, path: Path) -> None:
     """Refuse a tokenizer that is not the model's: ids (special ones included) at or beyond the model's
     vocabulary, or a vocabulary more than VOCAB_PAD rows larger (models pad a few rows, never thousands)."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)
-    ids = list(tok.get_vocab().values()) + [i for i in getattr(tok, "all_special_ids", []) if i is not None]
-    size, top = len(tok), max(ids) + 1
+    ids = list(tokenizer.get_vocab().values()) + [i for i in getattr(tokenizer, "all_special_ids", []) if i is not None]
+    size, top = len(tokenizer), max(ids) + 1
     if top > vocab or vocab - size > VOCAB_PAD:
         raise ConvertError(
             f"the tokenizer in {path} has {size:,} tokens (ids up to {top - 1:,}) but the model's vocabulary "
@@ -162,7 +167,7 @@ def check_tokenizer(tokenizer: Any, vocab: int, path: Path) -> None:
         )
 
 
-def _weight_sources(model: Any, copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
+def _weight_sources(model: "nn.Module", copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
     """Every weight the builder reads by key ('embed', 'head', '{layer}.q_proj', ...), as a function that
     makes it (float32, dequantized), so `draft_sha256` can hold one at a time. A tied head is the embedding's."""
     inner = getattr(model, "language_model", model).model
@@ -189,21 +194,22 @@ def _weight_sources(model: Any, copy: bool = True) -> dict[str, Callable[[], np.
     return src
 
 
-def _tied(model: Any) -> bool:
+def _tied(model: "nn.Module") -> bool:
     return getattr(model, "lm_head", None) is None or bool(getattr(model.args, "tie_word_embeddings", False))
 
 
-def draft_sha256(model: Any) -> str:
+def draft_sha256(model: "nn.Module") -> str:
     """The spec's `draft_sha256` of a loaded draft, one weight in memory at a time (a 0.6B draft's
     float32 weights are 2.4 GB)."""
     return _weights_sha256(_weight_sources(model, copy=False))
 
 
-def spec_from_model(model: Any, config: dict, tok_sha: str, positions: int) -> DraftSpec:
+def spec_from_model(model: "nn.Module", config: dict, tok_sha: str, positions: int) -> DraftSpec:
     """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
     inner = getattr(model, "language_model", model).model
     args = model.args
-    if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in getattr(args, "layer_types", []) or []):
+    layer_types = getattr(args, "layer_types", []) or []
+    if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in layer_types):
         raise ConvertError("sliding-window attention layers are not supported in the Core ML draft")
     attn0 = inner.layers[0].self_attn
     heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
@@ -259,12 +265,13 @@ def _kmeans_lut(nbits: int) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarr
     return fn
 
 
-def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
+def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> "AbstractGraphPass":
     """The coremltools compression pass for `mode` (int8 per channel, or a k-means LUT per 16 output
     channels) of the convs: a separate embedding stays fp16, as in Anemll. `shared`: the head's consts
     when the tied embedding lookup reads them too (a const feeding a conv and a gather has no op type)."""
-    import coremltools.optimize.coreml as cto
-    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights, palettize_weights
+    import coremltools.optimize.coreml as cto  # (coremltools: an extra off macOS)
+    from coremltools.optimize.coreml._quantization_passes import (  # (coremltools: an extra off macOS)
+        linear_quantize_weights, palettize_weights)
 
     if mode == "int8":
         cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
@@ -276,11 +283,11 @@ def _compression_pass(mode: str, shared: tuple[str, ...] = ()) -> Any:
     return make(cto.OptimizationConfig(op_type_configs={"conv": cfg}, op_name_configs=dict.fromkeys(shared, cfg)))
 
 
-def _share_weights(prog: Any) -> None:
+def _share_weights(prog: "Program") -> None:
     """Give equal consts of the two functions one weight_id, so the package stores them once: by a hash
     of their bytes (both are built from the same arrays), not coremltools' float64 np.allclose of every
     candidate pair, which was most of a 0.6B draft's build time."""
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY  # (coremltools: an extra off macOS)
 
     PASS_REGISTRY["common::const_deduplication"].apply(prog)  # within each function first
     groups: dict[tuple, list] = {}
@@ -288,7 +295,7 @@ def _share_weights(prog: Any) -> None:
         for op in f.operations:
             val = op.outputs[0].val if op.op_type == "const" else None
             if isinstance(val, np.ndarray):
-                key = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val).view(np.uint8)).digest())
+                key = (val.dtype.str, val.shape, hashlib.sha1(np.ascontiguousarray(val).view(np.uint8).data).digest())
                 groups.setdefault(key, []).append(op)
     for i, ops in enumerate(g for g in groups.values() if len(g) > 1):
         for op in ops:
@@ -297,8 +304,9 @@ def _share_weights(prog: Any) -> None:
 
 def _register_finish_pass() -> str:
     """A last graph pass: compress weights, then let both functions share every weight blob."""
-    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY, register_pass
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil.mil.passes.pass_registry import (  # (coremltools: an extra off macOS)
+        PASS_REGISTRY, register_pass)
 
     name = "mirror_mlx::finish"
     if name not in PASS_REGISTRY:
@@ -341,8 +349,7 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS
     if quantize not in QUANTIZE:
         raise ConvertError(f"--quantize must be one of {', '.join(QUANTIZE)} (got {quantize!r})")
     ct = import_coremltools()  # before any work: off macOS it is an extra
-    from coremltools.converters.mil.mil import Program
-    from tqdm import tqdm
+    from coremltools.converters.mil.mil import Program  # (coremltools: an extra off macOS)
 
     config = Path(draft) / "config.json"
     streams = int(json.loads(config.read_text()).get("num_streams", 0) or 0) if config.is_file() else 0
@@ -381,7 +388,7 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS
     return out
 
 
-def check_match(meta: dict[str, str], spec: Any, package: Path) -> None:
+def check_match(meta: dict[str, str], spec: "DraftSpec | SimpleNamespace", package: Path) -> None:
     """Refuse a package built from another draft or tokenizer (`spec`: a DraftSpec, or anything
     with its tokenizer_sha256 and draft_sha256)."""
     for key, what in (("tokenizer_sha256", "for another tokenizer than this draft's"),

@@ -14,11 +14,17 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, cast
 
+import mlx.core as mx
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .llama2c import interleaved_to_half_split
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from tokenizers import Tokenizer
 
 # ggml tensor type -> (name, elements per block, bytes per block); the types this import reads.
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34)}
@@ -69,7 +75,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[Tensor], int]:
         return _parse(path, buf, size)
 
 
-def _parse(path: Path, buf: Any, size: int) -> tuple[dict[str, Any], list[Tensor], int]:
+def _parse(path: Path, buf: mmap.mmap, size: int) -> tuple[dict[str, Any], list[Tensor], int]:
     pos = 4
 
     def span(n: int) -> int:
@@ -173,20 +179,19 @@ def mlx_config(meta: dict, tensors: list[Tensor], path: Path) -> dict:
 
 def hf_name(name: str, path: Path) -> str:
     m = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.weight", name)
-    if m is None or m.group(2) not in NAMES or (m.group(1) is None) != (m.group(2) in ("token_embd", "output_norm", "output")):
+    if m is None or m.group(2) not in NAMES or \
+            (m.group(1) is None) != (m.group(2) in ("token_embd", "output_norm", "output")):
         raise GGUFError(f"{path} holds tensor {name}, which a plain llama does not have "
                         "(biases, RoPE factors or another architecture's layers): " + FIX)
     layer, base = m.groups()
     return f"{NAMES[base]}.weight" if layer is None else f"model.layers.{layer}.{NAMES[base]}.weight"
 
 
-def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> dict:
+def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: "mx.Dtype") -> dict:
     """The file's tensors read by MLX, dequantized to `dtype`, renamed, q/k rows put back in
     half-split RoPE order."""
-    import mlx.core as mx
-
     try:
-        raw = mx.load(str(path))
+        raw = cast(dict[str, mx.array], mx.load(str(path)))  # (a .gguf file: its tensors)
     except (RuntimeError, ValueError) as e:
         raise GGUFError(f"{path} cannot be read ({e}): download it again") from None
     out = {}
@@ -203,10 +208,8 @@ def mlx_weights(path: Path, tensors: list[Tensor], config: dict, dtype: Any) -> 
     return out
 
 
-def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
+def tokenizer_files(meta: dict, path: Path, context: int) -> tuple["Tokenizer", dict]:
     """A `tokenizers.Tokenizer` (byte-level BPE, special tokens added) and tokenizer_config.json."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = need(meta, "tokenizer.ggml.model", path)
     if kind != "gpt2":
         raise GGUFError(f"{path} has a '{kind}' tokenizer; this import rebuilds byte-level BPE ('gpt2') "
@@ -215,7 +218,8 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{path}: pre-tokenizer '{pre}' is not one this import rebuilds "
                         f"({', '.join(PRE_TOKENIZERS)}): " + FIX)
-    tokens, merges, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"], meta["tokenizer.ggml.token_type"]
+    tokens, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"]
+    types = meta["tokenizer.ggml.token_type"]
     pairs = [tuple(m.split(" ")) for m in merges]
     if any(len(p) != 2 for p in pairs):
         raise GGUFError(f"{path}: a merge is not two tokens separated by one space: the file is corrupt")
@@ -252,11 +256,9 @@ def tokenizer_files(meta: dict, path: Path, context: int) -> tuple[Any, dict]:
     return tok, {k: v for k, v in config.items() if v is not None}
 
 
-def import_gguf(path: Path, out: Path, dtype: Any = None) -> Path:
+def import_gguf(path: Path, out: Path, dtype: "Optional[mx.Dtype]" = None) -> Path:
     """Convert the GGUF file `path` into an mlx-lm model folder at `out` (dtype: the one the product runs
     models in here, float16 on a Metal GPU, float32 on a CPU)."""
-    import mlx.core as mx
-
     path, out = Path(path), Path(out)
     meta, tensors, _ = read_header(path)
     config = mlx_config(meta, tensors, path)

@@ -11,8 +11,17 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
+import mlx.core as mx
 import numpy as np
+import sentencepiece as spm
+from transformers import LlamaTokenizer
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+Rows = TypeVar("Rows", np.ndarray, "mx.array")  # numpy's or MLX's: both reshape and transpose alike
 
 HEADER = struct.Struct("<7i")
 
@@ -92,7 +101,7 @@ def read_checkpoint(path: Path) -> tuple[Llama2cConfig, dict[str, np.ndarray]]:
     return cfg, w
 
 
-def interleaved_to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
+def interleaved_to_half_split(w: Rows, n_heads: int) -> Rows:
     """Reorder q/k output rows from interleaved RoPE pairs to mlx-lm's half-split layout."""
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
@@ -121,9 +130,6 @@ def mlx_config(cfg: Llama2cConfig) -> dict:
 
 def save_tokenizer(spm_model: Path, vocab_size: int, out: Path) -> None:
     """Write the sentencepiece model as Hugging Face tokenizer files (BOS added, as llama2.c does)."""
-    import sentencepiece as spm
-    from transformers import LlamaTokenizer
-
     spm_model = Path(spm_model)
     if not spm_model.is_file():
         raise ImportError_(f"tokenizer not found: {spm_model} (give the sentencepiece .model file)")
@@ -145,8 +151,6 @@ def save_tokenizer(spm_model: Path, vocab_size: int, out: Path) -> None:
 
 def import_llama2c(checkpoint: Path, tokenizer: Path, out: Path) -> Path:
     """Convert `checkpoint` + `tokenizer` into an mlx-lm model folder at `out`."""
-    import mlx.core as mx
-
     cfg, weights = read_checkpoint(Path(checkpoint))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,12 @@ layout and fp16 range; ANE arithmetic itself only a Mac can check.
 """
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from coremltools.converters.mil.mil import Function, Operation, Program, Var
 
 
 class _Held:
@@ -24,17 +27,17 @@ class _Held:
         self.val = val
 
 
-def load_program(package: Path) -> Any:
+def load_program(package: Path) -> "Program":
     """The pymil Program stored in a .mlpackage (all functions)."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil.frontend.milproto.load import load  # (coremltools: an extra off macOS)
 
     spec = ct.utils.load_spec(str(package))
     weights = Path(package) / "Data" / "com.apple.CoreML" / "weights"
     return load(spec, spec.specificationVersion, str(weights))
 
 
-def _conv(op: Any, env: "MilRunner") -> np.ndarray:
+def _conv(op: "Operation", env: "MilRunner") -> np.ndarray:
     x, w = op.x.val, op.weight.val
     if w.shape[2:] != (1, 1) or (op.groups is not None and op.groups.val != 1):
         raise NotImplementedError(f"conv stand-in handles 1x1 convolutions only ({op.name})")
@@ -46,22 +49,22 @@ def _conv(op: Any, env: "MilRunner") -> np.ndarray:
     return y
 
 
-def _silu(op: Any, env: "MilRunner") -> np.ndarray:
+def _silu(op: "Operation", env: "MilRunner") -> np.ndarray:
     x = np.asarray(op.x.val, np.float32)
     return x / (1.0 + np.exp(-x))
 
 
-def _read_state(op: Any, env: "MilRunner") -> np.ndarray:
+def _read_state(op: "Operation", env: "MilRunner") -> np.ndarray:
     return env.state[op.input.name]
 
 
-def _update_state(op: Any, env: "MilRunner") -> np.ndarray:
+def _update_state(op: "Operation", env: "MilRunner") -> np.ndarray:
     value = op.value.val  # slice_update's own copy of the state: held as the new state, not copied again
     env.state[op.state.name] = value if value is not env.state.get(op.state.name) else value.copy()
     return value
 
 
-def _layer_norm(op: Any, env: "MilRunner") -> np.ndarray:
+def _layer_norm(op: "Operation", env: "MilRunner") -> np.ndarray:
     # float32 statistics (the op's own value_inference squares in the input dtype)
     x = np.asarray(op.x.val, np.float32)
     axes = tuple(int(a) for a in op.axes.val)
@@ -76,7 +79,7 @@ def _layer_norm(op: Any, env: "MilRunner") -> np.ndarray:
     return y
 
 
-def _matmul(op: Any, env: "MilRunner") -> np.ndarray:
+def _matmul(op: "Operation", env: "MilRunner") -> np.ndarray:
     # float32; small products through einsum's own loop (threaded BLAS on a busy machine was
     # 10-50x slower on a tiny draft's attention shapes), large ones through BLAS
     x, y = np.asarray(op.x.val, np.float32), np.asarray(op.y.val, np.float32)
@@ -89,7 +92,7 @@ def _matmul(op: Any, env: "MilRunner") -> np.ndarray:
     return np.matmul(x, y)
 
 
-def _constexpr(op: Any) -> Any:
+def _constexpr(op: "Operation") -> np.ndarray:
     if op.op_type == "constexpr_lut_to_dense" and op.lut.val.shape[-1] == 1:
         return _lut_to_dense(op.indices.val, op.lut.val[..., 0])
     return op.materialized_val_inference()
@@ -104,7 +107,7 @@ def _lut_to_dense(indices: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[ix + (indices,)]
 
 
-def _set_const(op: Any, value: Any) -> None:
+def _set_const(op: "Operation", value: "Optional[_Held]") -> None:
     """A const op's value, held both as its output's and as the op's own `val` input."""
     op.outputs[0]._sym_val = value
     inner = getattr(op, "val", None)
@@ -112,7 +115,7 @@ def _set_const(op: Any, value: Any) -> None:
         inner._sym_val = value
 
 
-def _release_inputs(op: Any) -> None:
+def _release_inputs(op: "Operation") -> None:
     """Drop the constants only this (materialised, never run again) op reads: a lut4 package's
     indices are a byte per weight in each function, 1.2 GB at 0.6B."""
     for var in op.inputs.values():
@@ -121,7 +124,7 @@ def _release_inputs(op: Any) -> None:
             _set_const(src, None)
 
 
-STAND_INS: dict[str, Callable[[Any, "MilRunner"], Any]] = {
+STAND_INS: dict[str, Callable[["Operation", "MilRunner"], np.ndarray]] = {
     "conv": _conv,
     "silu": _silu,
     "read_state": _read_state,
@@ -157,7 +160,7 @@ class Weights:
         same.append(np.array(val, np.float32, order="C"))
         return same[-1]
 
-    def adopt(self, program: Any) -> None:
+    def adopt(self, program: "Program") -> None:
         """Replace every fp16 tensor constant of `program` by its shared float32 array; the fp16
         copies the loader made are freed as it goes (peak: one function's fp16 plus the float32)."""
         for f in program.functions.values():
@@ -197,11 +200,11 @@ def round_fp16(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> None:
+def _store(var: "Var", value: np.ndarray, exact: bool = False, fresh: bool = False) -> None:
     """Hold `value` as `var`'s value: fp16 as float32 rounded to fp16 (unless `exact`), other types as
     their numpy type. `fresh`: an op's output, rounded in place (its own array, or an fp16-exact input
     passed through, which rounding leaves as it is); a caller's input is copied."""
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # (coremltools: an extra off macOS)
 
     a = np.asarray(value)
     dt = var.dtype
@@ -219,9 +222,9 @@ def _store(var: Any, value: Any, exact: bool = False, fresh: bool = False) -> No
     var._sym_val = _Held(a)
 
 
-def run_function(function: Any, inputs: dict[str, np.ndarray], env: "MilRunner") -> dict[str, np.ndarray]:
+def run_function(function: "Function", inputs: dict[str, np.ndarray], env: "MilRunner") -> dict[str, np.ndarray]:
     """Evaluate one pymil Function; `env.state` is read and updated in place. Returns outputs."""
-    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil import types  # (coremltools: an extra off macOS)
 
     for name, var in function.inputs.items():
         if types.is_state(var.sym_type):

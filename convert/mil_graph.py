@@ -8,11 +8,15 @@ described in convert/coreml.py.
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from mirror_mlx.ane_draft.package_format import Shapes
+
+if TYPE_CHECKING:
+    from coremltools.converters.mil.mil import Builder, Var
+    import numpy.typing as npt
 
 HEAD_SPLIT = 16384  # ANE per-axis limit (Anemll: "ANE tensors dimension size is limited to 16384")
 
@@ -45,7 +49,7 @@ class DraftSpec:
         return self.heads // self.kv_heads
 
 
-def _f16(a: Any) -> np.ndarray:
+def _f16(a: "npt.ArrayLike") -> np.ndarray:
     return np.asarray(a, np.float32).astype(np.float16)
 
 
@@ -55,9 +59,9 @@ def _conv_w(w: np.ndarray, scale: float = 1.0) -> np.ndarray:
 
 def build_function(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[Callable[[], None]] = None):
     """The MIL function 'extend' or 'rollout' of the package."""
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import Function, types
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil import Builder as mb  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil.mil import Function, types  # (coremltools: an extra off macOS)
 
     T = shapes.chunk if fn == "extend" else shapes.rows
     Sk = shapes.context if fn == "extend" else shapes.slots  # state slots this function reads
@@ -82,7 +86,7 @@ def build_function(spec: DraftSpec, shapes: Shapes, fn: str, progress: Optional[
 class _Ops:
     """The decoder's pieces in ANE form, over one spec's weights."""
 
-    def __init__(self, mb: Any, spec: DraftSpec):
+    def __init__(self, mb: "type[Builder]", spec: DraftSpec):
         self.mb, self.spec, self.w = mb, spec, spec.weights
 
     def rms(self, x, weight, shape):  # over axis 1
@@ -159,7 +163,8 @@ def _forward(ops: _Ops, inp: dict, T: int, Sk: int, NS: int, progress: Optional[
     return _logits(mb, head, x, T, TS)
 
 
-def _layer(ops: _Ops, i: int, x: Any, cached: tuple, rot: tuple, mask: Any, smask: Any, T: int) -> tuple[Any, list]:
+def _layer(ops: _Ops, i: int, x: "Var", cached: tuple, rot: tuple, mask: "Var", smask: "Var",
+           T: int) -> tuple["Var", list]:
     """Decoder layer i over x's rows, and the main rows' new K and V; with `smask` the rows past T are stream
     rows, which attend to the main rows and to each other's but are never seen by main rows and write no K/V."""
     mb, w, s = ops.mb, ops.w, ops.spec
@@ -190,7 +195,7 @@ def _layer(ops: _Ops, i: int, x: Any, cached: tuple, rot: tuple, mask: Any, smas
     return mb.add(x=x, y=ops.conv(act, f"{i}.down_proj")), [km, vm]
 
 
-def _logits(mb: Any, head: list, x: Any, T: int, TS: int) -> list:
+def _logits(mb: "type[Builder]", head: list, x: "Var", T: int, TS: int) -> list:
     """The LM head (split at the ANE's per-axis limit) over the main rows, then over the stream rows."""
     outs, stream_outs = [], []
     n = len(head)
@@ -211,14 +216,14 @@ def head_names(spec: DraftSpec) -> list[str]:
     return [f"lm_head_{j}" for j in range(math.ceil(spec.vocab / HEAD_SPLIT))]
 
 
-def head_consts(mb: Any, spec: DraftSpec) -> list:
+def head_consts(mb: "type[Builder]", spec: DraftSpec) -> list:
     """The LM head as named (Vj, C, 1, 1) fp16 consts, split at the ANE's per-axis limit."""
     head = spec.weights["head"]
     return [mb.const(val=_conv_w(head[j * HEAD_SPLIT : (j + 1) * HEAD_SPLIT]), name=name)
             for j, name in enumerate(head_names(spec))]
 
 
-def _lookup(mb: Any, pieces: list, ids: Any, T: int, C: int) -> Any:
+def _lookup(mb: "type[Builder]", pieces: list, ids: "Var", T: int, C: int) -> "Var":
     """Embedding rows (T, C) gathered from the head's pieces: each piece serves the ids in its
     range (index clamped, row zeroed elsewhere), and exactly one piece serves each id."""
     x, start = None, 0

@@ -15,17 +15,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
+import mlx.core as mx
 import numpy as np
+
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from tqdm import tqdm
 
 from mirror_mlx.ane_draft.package_host import PackageDraft
 from mirror_mlx.engine.batching import padded_batches
+from mirror_mlx.engine.model_parts import flat
 from mirror_mlx.ane_draft.package_format import (ConvertError, package_shapes, read_metadata,
                                                  tokenizer_sha256)
 from mirror_mlx.convert.coreml import check_match, draft_sha256
 from mirror_mlx.convert.mil_eval import MilRunner
+from mirror_mlx.drafts.ss.model import ss_forward
 from mirror_mlx.loading import load_model
+
+if TYPE_CHECKING:
+    from mirror_mlx.drafts.ss.model import Model as SSModel
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 TOLERANCE = {"none": (0.03, 0.05), "int8": (0.10, 0.05), "lut6": (0.25, 0.1), "lut4": (0.50, 0.2)}
 PROMPTS = ("Once upon a time, there was a little girl named Lily. She loved to play",
@@ -70,7 +81,7 @@ class Budget:
                                 "--verify-budget all runs every step")
 
 
-def dense_parameters(model: Any) -> int:
+def dense_parameters(model: "nn.Module") -> int:
     """The draft's weights as the package computes with them: a quantized MLX layer counted
     dequantized, a tied head once (norms and biases are left out: they cost nothing)."""
     n = 0
@@ -122,7 +133,8 @@ class Parity:
         return (f"{verdict}{q}: {self.extend_rows} extend + {self.rollout_rows}{of} rollout rows "
                 f"({self.calls} rollout calls{cut}); max |dlogit| {self.max_abs:.4f} "
                 f"(tolerance {self.tolerance:.3f} = {TOLERANCE[self.quantize][0]:.0%} of logit range "
-                f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); greedy {self.greedy - self.mismatches - self.near_ties}"
+                f"{self.scale:.2f} + {TOLERANCE[self.quantize][1]}); "
+                f"greedy {self.greedy - self.mismatches - self.near_ties}"
                 f"/{self.greedy} identical, {self.near_ties} near-ties, {self.mismatches} mismatches")
 
     def add_extend(self, got: dict[int, np.ndarray], ref: np.ndarray) -> None:
@@ -154,13 +166,10 @@ class Parity:
         return self
 
 
-def float32_reference(model: Any) -> Any:
+def float32_reference(model: "nn.Module") -> "nn.Module":
     """The MLX draft with float32 activations: its float parameters cast in place (a quantized
     layer keeps its integer weights; its scales and biases become float32)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in tree_flatten(model.parameters())):
+    if any(p.dtype in (mx.float16, mx.bfloat16) for _, p in flat(model.parameters())):
         model.set_dtype(mx.float32)
         mx.eval(model.parameters())  # now, so the half-precision weights are freed now
     return model
@@ -170,10 +179,7 @@ class Reference:
     """The float32 MLX draft after one committed context: its logits, greedy window and branch rows,
     each computed on the K/V it shares (the context's, or the context plus a prefix of the window)."""
 
-    def __init__(self, model: Any, context: Sequence[int]):
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
+    def __init__(self, model: "nn.Module", context: Sequence[int]):
         self.model, self.n = model, len(context)
         self.cache = make_prompt_cache(model)
         self.logits = np.array(model(mx.array([list(context)]), cache=self.cache)[0].astype(mx.float32))
@@ -185,9 +191,6 @@ class Reference:
 
     def _caches(self, batch: int, r: int = 0) -> list:
         """Caches holding the context and the first r window tokens, `batch` times."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import KVCache
-
         caches, end = [], self.n + r
         for k, v in self.kv:
             c = KVCache()
@@ -199,8 +202,6 @@ class Reference:
     def stems(self, kappa: int, gamma: int) -> tuple[list[int], list[list[int]]]:
         """The draft's own greedy window and kappa*(gamma+1) Mirror-SD stems (row r < gamma never
         proposes window[r] again)."""
-        import mlx.core as mx
-
         caches, rows, window = self._caches(1), [self.logits[-1]], []
         for _ in range(gamma):
             window.append(int(rows[-1].argmax()))
@@ -218,8 +219,6 @@ class Reference:
     def rows(self, paths: Sequence[tuple[int, ...]], batch: int = 16) -> dict[tuple[int, ...], np.ndarray]:
         """Logits (V,) after context + path for every path: the window's own rows, else one forward per
         branch leaf, right-padded, batched by the window prefix they start with (on its K/V)."""
-        import mlx.core as mx
-
         want = set(paths)
         out: dict[tuple[int, ...], np.ndarray] = {}
         for m in range(1, len(self.window) + 1):
@@ -252,13 +251,9 @@ class Reference:
         return out
 
 
-def _stream_logits(model: Any, seqs: Sequence[Sequence[int]], batch: int = 16) -> list[np.ndarray]:
+def _stream_logits(model: "SSModel", seqs: Sequence[Sequence[int]], batch: int = 16) -> list[np.ndarray]:
     """An SS draft's stream logits (streams, V) at the last position of each sequence (right
     padding is harmless: rows only see what comes before them)."""
-    import mlx.core as mx
-
-    from mirror_mlx.drafts.ss.model import ss_forward
-
     out = []
     for _, part, x in padded_batches(seqs, batch):
         st = np.array(ss_forward(model, x).streams.astype(mx.float32))
@@ -293,26 +288,25 @@ def _check_fits(contexts: list[list[int]], steps: int, gamma: int, positions: in
 
 
 def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = PROMPTS,
-           model: Any = None, tokenizer: Any = None, runner: Any = None,
+           model: "Optional[nn.Module]" = None, tokenizer: "Optional[TokenizerWrapper]" = None, runner: Any = None,
            budget: Optional[Budget] = None, progress: bool = False) -> Parity:
     """Evaluate the saved package against the MLX draft in `draft` with `runner` (default: the MIL
     evaluator; on a Mac, ane_draft.coreml_draft.CoreMLRunner checks Core ML itself)."""
-    import mlx.core as mx
-    from tqdm import tqdm
-
     package, draft = Path(package), Path(draft)
     meta = read_metadata(package)
     if not (draft / "config.json").is_file():
         raise ConvertError(f"{draft} is not an MLX model folder (no config.json); give --draft-model a folder")
     if model is None:
         model, tokenizer = load_model(draft)
+    assert tokenizer is not None, "a model is given with its tokenizer"
     shapes = package_shapes(meta)
     check_match(meta, SimpleNamespace(tokenizer_sha256=tokenizer_sha256(tokenizer), draft_sha256=draft_sha256(model)),
                 package)
     try:  # before the float32 cast: the runner's load peaks next to the draft's bf16 weights, not float32
         runner = runner if runner is not None else MilRunner(package)
     except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); it is corrupt: rebuild it") from None
+        raise ConvertError(f"{package} could not be read back ({type(e).__name__}: {e}); "
+                           "it is corrupt: rebuild it") from None
     model = float32_reference(model)
     budget = budget or Budget.default(dense_parameters(model))
     draft_pkg = PackageDraft(runner, meta, trace=True)
@@ -342,8 +336,11 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
             for path in chosen:
                 report.add(rows[path][0][None], refs[path][None])
             if shapes.streams:
-                for p, want in zip(chosen, _stream_logits(model, [context + list(p) for p in chosen])):
-                    report.add(rows[p][1], want)
+                ss_model = cast("SSModel", model)  # (a package with streams: an SS draft's)
+                for p, want in zip(chosen, _stream_logits(ss_model, [context + list(p) for p in chosen])):
+                    streams = rows[p][1]
+                    assert streams is not None, "a package with streams traces their logits"
+                    report.add(streams, want)
             report.rollout_rows += len(chosen)
             report.produced_rows += len(draft_pkg.trace.rows)
             report.calls += result.forwards

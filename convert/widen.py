@@ -12,11 +12,18 @@ down_proj), original block i at layer ⌊i·L/n⌋. An SS draft keeps its stream
 import json
 import math
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+from tqdm import tqdm
+
+from mirror_mlx.drafts.ss.model import load_ss_draft
+from mirror_mlx.engine.exit_adapter import ExitAdapter, adapter_meta, load_adapter, save_adapter
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json")
@@ -202,9 +209,6 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     """Write a function-preserving widened copy of the mlx-lm model folder (or SS draft) `model_dir` to `out`.
 
     kv_heads defaults to the model's heads/kv-heads ratio; `progress`: a bar on stderr over the tensors."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
     model_dir, out = Path(model_dir), Path(out)
     if not (model_dir / "config.json").is_file():
         raise WidenError(f"{model_dir} is not an mlx-lm model folder (it has no config.json)")
@@ -221,18 +225,13 @@ def widen(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int
     new = Shape(hidden, heads, kv_heads, intermediate, layers, old.head_dim)
     check_shape(dict(config, model_type="llama") if ss else config, new)  # before reading any weights
     if ss:
-        from mirror_mlx.drafts.ss.model import load_ss_draft
-
         model, _ = load_ss_draft(model_dir, with_tokenizer=False)
         weights, new_config = widen_ss(dict(tree_flatten(model.parameters())), config, new)
     else:
         model, _ = load_model(model_dir, lazy=True)
-        weights, new_config = widen_weights(dict(tree_flatten(model.parameters())), config, new), widened_config(config, new)
+        weights = widen_weights(dict(tree_flatten(model.parameters())), config, new)
+        new_config = widened_config(config, new)
     if progress:  # the weights are lazy until here: compute them one by one, then the save only writes
-        import sys
-
-        from tqdm import tqdm
-
         for name in tqdm(list(weights), desc=f"widen {model_dir.name}", unit="tensor", file=sys.stderr):
             mx.eval(weights[name])
     out.mkdir(parents=True, exist_ok=True)
@@ -255,10 +254,6 @@ def exact_exit_layers(exit_layer: int, old_layers: int, new_layers: int) -> list
 def widen_adapter(adapter_path: Path, model_dir: Path, widened_dir: Path, out: Path) -> list[int]:
     """Write the exit adapter of `model_dir` for its widened copy `widened_dir`; returns its exact layers.
     The adapter x ↦ x + up(act(down(x))) stays exact with down's inputs and up's outputs zero-padded."""
-    from mlx_lm.utils import load_model
-
-    from mirror_mlx.engine.exit_adapter import ExitAdapter, adapter_meta, load_adapter, save_adapter
-
     small, _ = load_model(Path(model_dir), lazy=True)
     try:
         adapter = load_adapter(adapter_path, small)
@@ -268,7 +263,8 @@ def widen_adapter(adapter_path: Path, model_dir: Path, widened_dir: Path, out: P
     wide_config = json.loads((Path(widened_dir) / "config.json").read_text())
     old, new = Shape.of(config), Shape.of(wide_config)
     if new.hidden < old.hidden or new.layers < old.layers or wide_config["vocab_size"] != config["vocab_size"]:
-        raise WidenError(f"{widened_dir} is not a widened copy of {model_dir} (its shape is smaller or its vocabulary differs)")
+        raise WidenError(f"{widened_dir} is not a widened copy of {model_dir} "
+                         "(its shape is smaller or its vocabulary differs)")
     D = new.hidden
     wide = ExitAdapter(D, adapter.rank, adapter.mlp)
     wide.down.weight = _pad(adapter.down.weight, (adapter.rank, D))

@@ -1,6 +1,10 @@
-"""mirror-mlx: Mirror Speculative Decoding with an MLX target and an (ANE) draft."""
+"""mirror-mlx: Mirror Speculative Decoding with an MLX target and an (ANE) draft.
 
-import os
+`import mirror_mlx` does one thing beyond defining names, on Linux only: it loads a tuned BLAS globally before
+anything imports `mlx.core` (mirror_mlx/blas.py, docs/cpu.md). MLX binds its BLAS when it loads, and neither MLX
+nor mlx-lm has a hook for it later; `MIRROR_MLX_BLAS=none` turns it off. Everything else loads on first use.
+"""
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -11,13 +15,7 @@ if TYPE_CHECKING:  # the real import is deferred: `import mirror_mlx` stays chea
 
 __all__ = ["__version__", "generate", "load", "stream_generate"]
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
-
 preload_blas()  # before anything imports mlx.core
-
-from .drafts.distilled import model_types  # noqa: E402  (mlx-lm finds our draft types by name; imports nothing heavy)
-
-model_types.install()
 
 __version__ = "0.1.0"
 
@@ -28,7 +26,7 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
          draft_vocab: Optional[int] = None) -> "Pipeline":
     """Load a target and its draft; with no model, the embedded demo pair (offline). See
     `mirror_mlx.pipeline.load`."""
-    from .pipeline import load as _load
+    from .pipeline import load as _load  # (`import mirror_mlx` loads no pipeline)
 
     return _load(model, draft_model, exit_adapter, adapter_path=adapter_path, tokenizer_config=tokenizer_config,
                  trust_remote_code=trust_remote_code, draft_vocab=draft_vocab)
@@ -36,13 +34,13 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):
     """mlx_lm.generate's signature, Mirror-SD underneath: see `mirror_mlx.mlx_lm_api.generate`."""
-    from .mlx_lm_api import generate as _generate
+    from .mlx_lm_api import generate as _generate  # (`import mirror_mlx` loads no pipeline)
 
     return _generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, draft_model=None, **kwargs):
     """mlx_lm.stream_generate's signature, Mirror-SD underneath: see `mirror_mlx.mlx_lm_api.stream_generate`."""
-    from .mlx_lm_api import stream_generate as _stream_generate
+    from .mlx_lm_api import stream_generate as _stream_generate  # (`import mirror_mlx` loads no pipeline)
 
     return _stream_generate(model, tokenizer, prompt, max_tokens, draft_model, **kwargs)

@@ -3,11 +3,14 @@ tokens dropped, the finish reason) serves the pipeline's steps and the server's 
 `Chunk` and `Result` are what callers get."""
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
 
 from .engine.stats import Stats, Step
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Chunk:
     # per token (and for stop_token): the target's log-probabilities over the vocabulary, as mlx-lm's
     # GenerationResponse.logprobs (the processed distribution the token was chosen from)
     logprobs: list = field(default_factory=list, repr=False)
-    stop_logprobs: Any = field(default=None, repr=False)
+    stop_logprobs: Optional[mx.array] = field(default=None, repr=False)
     step: Optional[Step] = field(default=None, repr=False)  # the engine's step (its own stats, when it ran), no rows
 
     def __str__(self) -> str:
@@ -63,7 +66,7 @@ class Detokenizer:
     """One generation's tokens → text as they are committed (end-of-sequence tokens dropped) and the finish
     reason; a server's request keeps one across its switches between decoding alone and in the batch."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int, stop_tokens: Sequence[int] = ()):
+    def __init__(self, tokenizer: "TokenizerWrapper", max_tokens: int, stop_tokens: Sequence[int] = ()):
         self.detok, self.max_tokens, self.stop_tokens = tokenizer.detokenizer, max_tokens, tuple(stop_tokens)
         self.produced = 0
         self.detok.reset()

@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
+from .engine.readback import int_rows
+
 CORPUS = Path(__file__).resolve().parent / "data" / "tinystories_train.txt"
 HELD_OUT_PARAGRAPHS = 200  # the corpus's first paragraphs: benchmark openings, never training text
 OPENING_WORDS = (4, 8)  # an opening has 4..8 words (very short ones, like "The end.", are skipped)
@@ -105,7 +107,7 @@ def greedy_continuations(
             y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
             mx.eval(y)
             steps.append(y)
-        gen = mx.concatenate(steps, axis=1).tolist() if steps else [[] for _ in idx]
+        gen = int_rows(mx.concatenate(steps, axis=1)) if steps else [[] for _ in idx]
         for i, g in zip(idx, gen):
             cut = next((k + 1 for k, t in enumerate(g) if t in eos), len(g))
             out[i] = g[:cut]

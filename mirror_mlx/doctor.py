@@ -7,6 +7,8 @@ parsing (`sw_vers`, `sysctl`) is plain functions of text.
 """
 
 import contextlib
+import importlib.metadata as md
+import importlib.util
 import io
 import os
 import platform
@@ -17,6 +19,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+import mirror_mlx
+
+from . import __version__, blas
+from .tune import compute_plan
 
 PROBE_TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
               "One day, she saw a big red ball under a tree.")
@@ -78,13 +87,10 @@ def machine_lines() -> list[str]:
 
 
 def mlx_lines() -> list[str]:
-    from . import blas
-
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # (the report says when MLX cannot load)
     except ImportError as e:
         return [f"MLX: not importable ({e}); reinstall with `pip install -e .`"]
-    import importlib.metadata as md
 
     line = f"MLX: {md.version('mlx')}, default device {mx.default_device()}"
     try:  # mx.device_info (MLX >= 0.30) describes the default device; older MLX has only the Metal one
@@ -108,25 +114,24 @@ def mlx_lines() -> list[str]:
 
 def coreml_lines(package: Optional[str]) -> list[str]:
     """coremltools, whether its native runtime is here, and whether it loads and runs a package."""
-    import importlib.metadata as md
-    import importlib.util
-
     spec = importlib.util.find_spec("coremltools")  # found without importing it (seconds, and noisy off macOS)
     if spec is None or not spec.submodule_search_locations:
-        extra = "it comes with the package on macOS" if sys.platform == "darwin" else "pip install 'mirror-mlx[convert]'"
+        extra = ("it comes with the package on macOS" if sys.platform == "darwin"
+                 else "pip install 'mirror-mlx[convert]'")
         return [f"coremltools: not installed ({extra}); Core ML drafts cannot run or be built here"]
     version = md.version("coremltools")
     native = [p for d in spec.submodule_search_locations for p in Path(d).glob("libcoremlpython*")]
     if not native:  # the native Core ML bridge ships in macOS wheels only
         return [f"coremltools: {version}; native runtime: absent (Core ML runs only on macOS; here "
                 "coremltools builds and --verify-checks packages)"]
-    import coremltools as ct
+    import coremltools as ct  # (coremltools: an extra off macOS)
 
     lines = [f"coremltools: {version}; native runtime: present"]
     try:
         t0 = time.perf_counter()
         tiny_package_runs()
-        lines.append(f"Core ML: built, loaded and ran a one-op package on CPU_AND_NE in {time.perf_counter() - t0:.1f} s")
+        lines.append("Core ML: built, loaded and ran a one-op package on CPU_AND_NE "
+                     f"in {time.perf_counter() - t0:.1f} s")
     except Exception as e:
         lines.append(f"problem: Core ML could not load and run a one-op package: {type(e).__name__}: {e}")
     if package is not None and str(package).endswith(".mlpackage"):
@@ -141,9 +146,8 @@ def coreml_lines(package: Optional[str]) -> list[str]:
 
 def tiny_package_runs() -> None:
     """Build a one-op ML program and run it (macOS): the shortest proof that Core ML works here."""
-    import coremltools as ct
-    import numpy as np
-    from coremltools.converters.mil import Builder as mb
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.converters.mil import Builder as mb  # (coremltools: an extra off macOS)
 
     @mb.program(input_specs=[mb.TensorSpec(shape=(1, 4))], opset_version=ct.target.macOS14)
     def prog(x):
@@ -158,8 +162,6 @@ def tiny_package_runs() -> None:
 
 
 def compute_plan_lines(package: Optional[str]) -> list[str]:
-    from .tune import compute_plan
-
     if package is None:
         return ["Core ML compute plan: skipped (give --draft-model DRAFT.mlpackage to see where its ops run)"]
     if not str(package).endswith(".mlpackage"):
@@ -178,10 +180,10 @@ def probe_overlap(pipe, seconds: float = 2.0, kappa: int = 4, gamma: int = 3,
     """Time a target forward over γ+1 rows (on the target's worker thread, in this process) and a κ(γ+1)-row
     draft rollout (in the draft host, its own process) apart and together, in interleaved rounds so a burst
     of other load hits all three alike: their medians and the number of rounds."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import trim_prompt_cache
+    import mlx.core as mx  # (MLX: the report says when it cannot load)
+    from mlx_lm.models.cache import trim_prompt_cache  # (MLX, as above)
 
-    from .engine.model_parts import trimmable_cache
+    from .engine.model_parts import trimmable_cache  # (MLX, as above)
 
     engine, host, model = pipe.engine, pipe.engine.draft_host, pipe.model
     if host is None:
@@ -236,7 +238,6 @@ def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: flo
     if draft_model is not None and str(draft_model).endswith(".mlpackage") and sys.platform != "darwin":
         return [f"overlap probe: skipped ({draft_model} is a Core ML package: it runs only on macOS; "
                 "leave out --draft-model to probe the demo pair here)"]
-    import mirror_mlx
 
     t0 = time.perf_counter()
     try:
@@ -268,8 +269,6 @@ def overlap_lines(model: Optional[str], draft_model: Optional[str], seconds: flo
 
 def report(model: Optional[str] = None, draft_model: Optional[str] = None, seconds: float = 2.0) -> Iterator[str]:
     """The doctor's lines, cheap ones first (each is yielded as soon as it is known)."""
-    from . import __version__
-
     yield f"mirror-mlx {__version__} doctor"
     yield from machine_lines()
     yield f"Python: {platform.python_version()} ({sys.executable})"

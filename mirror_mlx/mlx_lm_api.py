@@ -23,7 +23,7 @@ is only its new text:
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,6 +41,10 @@ from .options import OPTION_NAMES
 from .pipeline import Pipeline
 from .text import as_is
 from .prompt_cache import PromptCache
+
+if TYPE_CHECKING:
+    from .chunks import Chunk
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 KEEP = 2
 # (mlx-lm's QuantizedKVCache does trim: what it cannot give is mlx-lm's tokens, as KV_BITS says)
@@ -64,7 +68,8 @@ class Response(GenerationResponse):
     stats: Optional[Stats] = None
 
 
-def pipeline(model: nn.Module, tokenizer: Any, draft_model: Union[nn.Module, Draft, str, None] = None) -> Pipeline:
+def pipeline(model: nn.Module, tokenizer: "TokenizerWrapper",
+             draft_model: Union[nn.Module, Draft, str, None] = None) -> Pipeline:
     """The cached Pipeline for this (model, draft, tokenizer), built on first use; draft_model="lookup": the
     prompt lookup alone (mirror_mlx/proposers/lookup.py), "recycle": the target's recycled predictions (recycle.py)."""
     if not isinstance(model, nn.Module):
@@ -88,7 +93,7 @@ def pipeline(model: nn.Module, tokenizer: Any, draft_model: Union[nn.Module, Dra
     return _pipelines[key][-1]
 
 
-def given_cache(prompt_cache: Any) -> PromptCache:
+def given_cache(prompt_cache: list) -> PromptCache:
     """The caller's make_prompt_cache list as the engine's PromptCache: with the ids it holds when it is
     empty or our own calls filled it, else none (what mlx-lm put there is opaque: mode ar only). Ours are
     recognised by length: a cache that something else trimmed and refilled to that same length is not told apart.
@@ -134,7 +139,7 @@ def close_all() -> None:
         _pipelines.popitem()[-1][-1].close()
 
 
-def _records(chunk: Any, stats: Any) -> Iterator[Response]:
+def _records(chunk: "Chunk", stats: Optional[Stats]) -> Iterator[Response]:
     """One chunk as mlx-lm's records, one per token (and one for an end-of-sequence token); `stats` rides on
     the last record of the generation."""
     last = len(chunk.tokens) - 1
@@ -154,7 +159,7 @@ def _records(chunk: Any, stats: Any) -> Iterator[Response]:
                        finish_reason="stop", stats=stats, **common)
 
 
-def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.array, List[int]],
+def stream_generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Union[str, mx.array, List[int]],
                     max_tokens: int = 256, draft_model: Union[nn.Module, Draft, str, None] = None, *,
                     sampler: Optional[Callable[[mx.array], mx.array]] = None,
                     logits_processors: Optional[Sequence[Callable]] = None, prompt_cache: Any = None,
@@ -226,7 +231,7 @@ def stream_generate(model: nn.Module, tokenizer: Any, prompt: Union[str, mx.arra
             hand_back(given, start, ids, yielded)
 
 
-def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], verbose: bool = False,
+def generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Union[str, List[int]], verbose: bool = False,
              **kwargs: Any) -> str:
     """mlx_lm.generate: the whole text; `verbose` prints it as it comes, then mlx-lm's timing lines."""
     if verbose:
@@ -250,4 +255,8 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Union[str, List[int]], ve
     return text
 
 
-threading._register_atexit(close_all)  # runs before concurrent.futures' own exit hook (they run in reverse)
+# At exit, close the cached pipelines before the interpreter joins threads: concurrent.futures joins its pools'
+# threads (asyncio.to_thread's too, where a generation may still run) from a hook registered here, and these hooks
+# run in reverse, so ours comes first. atexit's handlers run only after those joins: CPython has no public hook
+# that runs before them.
+threading._register_atexit(close_all)

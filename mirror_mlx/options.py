@@ -3,9 +3,12 @@ API, the command line and the benchmark read them here). No MLX import, so `--he
 """
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from .proposers.lookup import NGRAM_MAX
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 MODES = ("mirror", "sd", "ar")  # what the engine runs
 CHOICES = ("auto",) + MODES  # what a caller may ask for: auto is resolved by the Pipeline (mirror_mlx.tune.policy)
@@ -37,7 +40,7 @@ class DecodeOptions:
     seed: Optional[int] = None
     stop_tokens: Sequence[int] = ()
     draft_timeout: float = DRAFT_TIMEOUT_S  # seconds; a draft slower than this is dropped (visible switch to ar)
-    sampler: Optional[Callable[[Any], Any]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
+    sampler: Optional[Callable[["mx.array"], "mx.array"]] = None  # mlx-lm's sampler= (replaces temperature..min_p)
     logits_processors: Sequence[Callable] = ()  # mlx-lm's logits_processors=, after repetition_penalty
     max_kv_size: Optional[int] = None  # mlx-lm's rotating cache size: accepted when the context never rotates
     prefill_step_size: int = 2048  # prompt tokens per target forward in the prefill (mlx-lm's, same default)

@@ -12,11 +12,13 @@ import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_config
+
+from mirror_mlx.ane_draft.coreml_draft import coreml_recipe
 
 from . import demo as demo_pair, text, validate
 from .drafts.recipes import DraftRecipe, mlx_draft, ss_draft
@@ -28,6 +30,7 @@ from .chunks import Chunk, Detokenizer, Result, kept as _kept, result
 from .engine import Engine
 from .engine.stats import Stats
 from .drafts.tokenizer import check_draft_tokenizer, folder_tokenizer
+from .engine.exit_adapter import load_adapters
 from .loading import load_model, resolve_model
 from .proposers.lookup import LOOKUP
 from .proposers.recycle import RECYCLE
@@ -38,11 +41,16 @@ from .tune.placement import placed
 from .tune.policy import AutoState, PairFacts, profile_for, resolve
 from .tune.profile import Profile, row_cost
 
+if TYPE_CHECKING:
+    from .engine.exit_adapter import ExitAdapter, ExitAdapters
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 PromptInput = Union[str, Sequence[int]]
 NO_TEMPLATE = "the model has no chat template: each turn continues the text (plain continuation)"
 
 
-def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optional[int] = None) -> DraftRecipe:
+def load_draft(path: Union[str, Path], target_tokenizer: "TokenizerWrapper",
+               draft_vocab: Optional[int] = None) -> DraftRecipe:
     """How the draft host builds a draft from a folder (plain mlx-lm model or SS draft) or a Core ML package;
     `draft_vocab`: its head scores only that many ids. The tokenizer is checked here, the weights loaded by
     the host process only."""
@@ -51,8 +59,6 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optio
         if draft_vocab is not None:
             raise validate.BadValue("draft_vocab", "{draft_vocab} trims an MLX draft's head, and a Core ML package's "
                                     "head is fixed when it is converted: leave {draft_vocab} out")
-        from mirror_mlx.ane_draft.coreml_draft import coreml_recipe  # raises a clear error off macOS
-
         return coreml_recipe(Path(path_str), target_tokenizer)
     folder = resolve_model(path)
     tokenizer = folder_tokenizer(folder)
@@ -61,7 +67,7 @@ def load_draft(path: Union[str, Path], target_tokenizer: Any, draft_vocab: Optio
     return DraftRecipe(ss_draft if is_ss_draft(folder) else mlx_draft, (str(folder),) + kept)
 
 
-def trimmed_head(folder: Path, tokenizer: Any, size: Any) -> tuple:
+def trimmed_head(folder: Path, tokenizer: "TokenizerWrapper", size: Optional[int]) -> tuple:
     """The recipe's argument for `draft_vocab` = `size`: the kept ids, or none when `size` is the whole vocabulary
     (the head is then left whole, as without draft_vocab)."""
     config = load_config(folder)
@@ -82,8 +88,9 @@ class Pipeline:
     ValueError. Shared, read each call's own `Result.stats`; `chat` keeps one conversation per Pipeline.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Any = None, name: str = "", draftless: Optional[str] = None):
+    def __init__(self, model: nn.Module, tokenizer: "TokenizerWrapper", draft: Union[Draft, DraftRecipe, None] = None,
+                 exit_adapter: "Union[ExitAdapter, ExitAdapters, None]" = None, name: str = "",
+                 draftless: Optional[str] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
@@ -145,7 +152,9 @@ class Pipeline:
             raise ValueError("this Pipeline is closed: load() a new one to generate again")
 
     def encode(self, prompt: PromptInput) -> list[int]:
-        """Ids pass as is; text as `text.api_prompt` (through the chat template unless already templated)."""
+        """A user message's ids: ids pass as is; text as `text.api_prompt` (through the chat template unless
+        already templated), as tune and bench encode their prompt sets. `generate` and `stream` do not: text is
+        theirs as is, as mlx-lm's generate takes a string."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         return text.api_prompt(self.tokenizer, prompt, self.chat_template_kwargs)
@@ -172,14 +181,15 @@ class Pipeline:
 
     def plan(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, cap: bool = False,
              **kwargs: Any) -> Plan:
-        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. With a
-        `prompt_cache`, the prompt follows the cached prefix: text is encoded with no template and no BOS."""
+        """`check` of a prompt given as text (invalid UTF-8 replaced, with one warning) or ids. Text is encoded as
+        is, as mlx-lm's generate encodes a string: no chat template (`chat` takes messages through it), a BOS
+        unless the text has one; after a `prompt_cache`'s prefix, no BOS either."""
         self._check_open()
         if isinstance(prompt, str):
             clean, replaced = validate.clean_text(prompt)
             if replaced:
                 warnings.warn(validate.REPLACED, stacklevel=3)
-            prompt = self.encode(clean) if prompt_cache is None else text.after_cache(self.tokenizer, clean)
+            prompt = (text.as_is if prompt_cache is None else text.after_cache)(self.tokenizer, clean)
         return self.check(prompt, prompt_cache, cap, **kwargs)
 
     def resolve(self, plan: Plan) -> Plan:
@@ -189,7 +199,8 @@ class Pipeline:
             return plan
         self._check_not_iterating()
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
-        if (opts.lookup or self.draftless == RECYCLE) and opts.row_cost is None:  # windows, trees: at the measured verify
+        # windows, trees: at the measured verify
+        if (opts.lookup or self.draftless == RECYCLE) and opts.row_cost is None:
             opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 
@@ -199,11 +210,12 @@ class Pipeline:
         `prompt_cache`: a prompt cache file (prompt_cache.read) the prompt follows, as mlx_lm.generate's."""
         return self.run(self.plan(prompt, prompt_cache, **kwargs))
 
-    def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+    def run(self, plan: Plan, detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """`stream` of a checked plan (a server's request); `detokenizer`: one going on from earlier tokens."""
         return self._chunks(self.resolve(plan), hold=True, detokenizer=detokenizer)
 
-    def _chunks(self, plan: Plan, hold: bool = False, detokenizer: Optional[Detokenizer] = None) -> Iterator[Chunk]:
+    def _chunks(self, plan: Plan, hold: bool = False,
+                detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """The engine's steps as Chunks (`stats`: their sum so far); `hold`: hold the pipeline meanwhile."""
         with self._turn() if hold else nullcontext(), placed(self, plan.opts) as opts:  # cores: tune/placement.py
             steps = self.engine.generate(plan.ids, opts, plan.prompt_cache, leave_draft=plan.run)
@@ -226,7 +238,8 @@ class Pipeline:
             yield chunk
 
     def generate(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
-        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens.
+        """Generate up to `max_tokens` tokens; stops early at the tokenizer's end-of-sequence tokens. Text is
+        encoded as is, as mirror_mlx.generate and mlx-lm's generate take it (no chat template: see `chat`).
 
         Options are `DecodeOptions` fields (max_tokens, temperature, top_p, top_k, seed, kappa, gamma,
         exit_layer, mode, ...) with its defaults, plus `stop`; `prompt_cache` as for `stream`.
@@ -329,7 +342,5 @@ def load(model: Optional[Union[str, Path]] = None, draft_model: Optional[Union[s
     draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None and not draftless else None
     adapter = None
     if exit_adapter is not None:
-        from .engine.exit_adapter import load_adapters
-
         adapter = load_adapters(exit_adapter, target)  # several, comma-separated: one per exit layer
     return Pipeline(target, tokenizer, draft, adapter, name=str(model), draftless=draftless)

@@ -10,13 +10,18 @@ caller's make_prompt_cache list, whose ids are known when mirror-mlx's own calls
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from .engine import recurrent
+from .engine.model_parts import trimmable_cache
 from .validate import BadValue
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 TOKENS = "mirror_mlx_tokens"  # metadata entry: the cached prefix's token ids, as a JSON list
 PARAM = "prompt_cache"  # what a refusal names (the command line: --prompt-cache-file)
@@ -104,12 +109,8 @@ def read(path: str) -> PromptCache:
     return found
 
 
-def write(path: str, model: Any, ids: Sequence[int], metadata: dict) -> PromptCache:
+def write(path: str, model: "nn.Module", ids: Sequence[int], metadata: dict) -> PromptCache:
     """Run `ids` through the target as mlx_lm.cache_prompt does and save the cache with the ids."""
-    from mlx_lm.generate import generate_step
-
-    from .engine.model_parts import trimmable_cache
-
     cache = trimmable_cache(model)  # mlx-lm's make_prompt_cache, sliding-window layers plain (rollback)
     for _ in generate_step(mx.array(list(ids)), model, max_tokens=0, prompt_cache=cache):
         pass

@@ -87,7 +87,7 @@ def spread(prompts: list[Prompt], limit: Optional[int]) -> list[Prompt]:
     by_cat: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_cat.setdefault(p.category, []).append(p)
-    out, i = [], 0
+    out, i = list[Prompt](), 0
     while len(out) < limit:
         out.extend(q[i] for q in by_cat.values() if i < len(q))
         i += 1

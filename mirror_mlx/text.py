@@ -3,34 +3,37 @@ validates ids or options: the Pipeline does that once per call."""
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from . import validate
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 ChatMessage = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
 
-def has_chat_template(tokenizer: Any) -> bool:
+def has_chat_template(tokenizer: object) -> bool:
     return bool(getattr(tokenizer, "has_chat_template", False))
 
 
-def plain(tokenizer: Any, text: str) -> list[int]:
+def plain(tokenizer: "TokenizerWrapper", text: str) -> list[int]:
     """The tokenizer's own encoding (mlx_lm.generate without a template, /v1/completions)."""
     return list(tokenizer.encode(text))
 
 
-def as_is(tokenizer: Any, text: str) -> list[int]:
+def as_is(tokenizer: "TokenizerWrapper", text: str) -> list[int]:
     """Text as is (no template), as mlx-lm's stream_generate encodes it: a BOS unless the text has one."""
     bos = getattr(tokenizer, "bos_token", None)
     return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
 
-def after_cache(tokenizer: Any, text: str) -> list[int]:
+def after_cache(tokenizer: "TokenizerWrapper", text: str) -> list[int]:
     """Text that continues a cached prefix: no template, no BOS."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def template_opening(tokenizer: Any, **template_kwargs: Any) -> str:
+def template_opening(tokenizer: "TokenizerWrapper", **template_kwargs: object) -> str:
     """What the chat template puts before a user message's content ("" without a template)."""
     if not has_chat_template(tokenizer):
         return ""
@@ -40,7 +43,7 @@ def template_opening(tokenizer: Any, **template_kwargs: Any) -> str:
     return text[: text.index(marker)] if marker in text else ""
 
 
-def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None) -> list[int]:
+def api_prompt(tokenizer: "TokenizerWrapper", text: str, template_kwargs: Optional[dict] = None) -> list[int]:
     """Text goes through the chat template as one user message when the tokenizer has one, unless the text
     already starts with the template's own opening (templated by the caller, as mlx-lm's README does): then
     it is encoded as is, never templated twice."""
@@ -52,7 +55,7 @@ def api_prompt(tokenizer: Any, text: str, template_kwargs: Optional[dict] = None
                                               **template_kwargs))
 
 
-def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_template: bool,
+def cli_prompt(tokenizer: "TokenizerWrapper", prompt: str, system_prompt: Optional[str], use_template: bool,
                template_kwargs: dict, cached: bool = False, prefill_response: Optional[str] = None) -> list[int]:
     """The prompt as mlx_lm.generate builds it: through the chat template if `use_template`, else plain.
     `prefill_response`: an open assistant message the model continues. `cached` (--prompt-cache-file): only
@@ -63,7 +66,7 @@ def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_te
     messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     messages.append({"role": "user", "content": prompt})
     prefill = prefill_response is not None
-    if prefill:
+    if prefill_response is not None:
         messages.append({"role": "assistant", "content": prefill_response})
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
@@ -79,7 +82,7 @@ def cli_prompt(tokenizer: Any, prompt: str, system_prompt: Optional[str], use_te
     return after_cache(tokenizer, text)
 
 
-def cache_prefix(tokenizer: Any, prompt: str) -> list[int]:
+def cache_prefix(tokenizer: "TokenizerWrapper", prompt: str) -> list[int]:
     """The prefix as mlx_lm.cache_prompt encodes it: an open user message of the chat template (the
     generate prompt continues it), else the plain text."""
     if has_chat_template(tokenizer):
@@ -102,7 +105,7 @@ class Conversation:
     stop_token: Optional[int] = None  # the end-of-sequence token that ended the last reply, if any
 
 
-def clean_message(m: Any) -> ChatMessage:
+def clean_message(m: object) -> ChatMessage:
     """A copy of one message whose text is valid UTF-8 (undecodable bytes replaced, with one warning)."""
     if not isinstance(m, dict) or not isinstance(m.get("content"), str):
         raise TypeError(f"each message must be a dict with a str 'content', not {m!r:.60}")
@@ -117,7 +120,8 @@ def _same(a: Sequence[ChatMessage], b: Sequence[ChatMessage]) -> bool:
                                     for x, y in zip(a, b))
 
 
-def _render(tokenizer: Any, messages: Sequence[ChatMessage], generation_prompt: bool, **template_kwargs: Any) -> str:
+def _render(tokenizer: "TokenizerWrapper", messages: Sequence[ChatMessage], generation_prompt: bool,
+            **template_kwargs: object) -> str:
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
                                              tokenize=False, **template_kwargs)
@@ -125,13 +129,14 @@ def _render(tokenizer: Any, messages: Sequence[ChatMessage], generation_prompt: 
         raise ValueError(f"the model's chat template refused the conversation: {e}") from None
 
 
-def _turns(tokenizer: Any, messages: Sequence[ChatMessage], first: bool) -> list[int]:
+def _turns(tokenizer: "TokenizerWrapper", messages: Sequence[ChatMessage], first: bool) -> list[int]:
     """Plain continuation: the turns' texts one after another (a BOS only at the very start)."""
     return [t for i, m in enumerate(messages)
             for t in tokenizer.encode(m["content"], add_special_tokens=first and i == 0)]
 
 
-def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwargs: Any) -> Optional[list[int]]:
+def _template_tail(tokenizer: "TokenizerWrapper", conv: Conversation, full: str,
+                   **template_kwargs: object) -> Optional[list[int]]:
     """The ids that follow `conv.tokens` in the rendered `full` text (what follows the last reply), or None when
     it cannot tell. A stop token that ended the reply is encoded along and its id dropped, so the boundary
     tokenizes as it would in one piece (SentencePiece would add a space otherwise)."""
@@ -144,7 +149,7 @@ def _template_tail(tokenizer: Any, conv: Conversation, full: str, **template_kwa
     return ids[1:] if conv.stop_token is not None and ids[:1] == [conv.stop_token] else ids
 
 
-def conversation(tokenizer: Any, conv: Conversation, messages: Sequence[ChatMessage],
+def conversation(tokenizer: "TokenizerWrapper", conv: Conversation, messages: Sequence[ChatMessage],
                  template_kwargs: Optional[dict] = None) -> list[int]:
     """The ids to run for `messages` plus the assistant's turn; the remembered ids (`conv`) stay a prefix
     whenever `messages` extend the remembered conversation (its last reply included)."""

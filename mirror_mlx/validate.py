@@ -13,13 +13,55 @@ import numbers
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from .options import DecodeOptions, Plan
+
+from .options import CHOICES, MODES, PAPER_KNOBS, Plan
+from .proposers.lookup import NGRAM_LIMIT, NGRAM_MIN, NGRAM_MIN_BESIDE
 
 SEED_RANGE = 2**64  # mx.random.seed takes a uint64; any Python int is mapped into it
 # Mirror-SD rolls out κ(γ+1) branches a step, each a row of the draft's cache in the draft host, and
 # sends back κ(γ+1)·γ tokens in one ring message (docs/design.md §4). 256 rows keeps the host's memory
 # bounded and the reply (at most 256·511 ints for γ < 512) within a ring slot; tune searches at most 8·8.
 MAX_BRANCHES = 256
+
+
+class PairFacts(Protocol):
+    """What the check reads of a loaded pair (an Engine is one; nothing here imports it)."""
+
+    @property
+    def draft(self) -> object: ...
+    @property
+    def draftless(self) -> Optional[str]: ...
+    @property
+    def has_draft(self) -> bool: ...
+    @property
+    def draft_failure(self) -> Optional[str]: ...
+    @property
+    def vocab_size(self) -> Optional[int]: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def context_length(self) -> Optional[int]: ...
+    @property
+    def draft_context(self) -> Optional[int]: ...
+    @property
+    def exit_adapter(self) -> object: ...
+
+    def exit_layer(self, opts: "DecodeOptions") -> int: ...
+
+
+class CachedPrefix(Protocol):
+    """What the check reads of a prompt cache (prompt_cache.PromptCache)."""
+
+    @property
+    def opaque(self) -> int: ...
+
+    def check(self, mode: str, n_layers: int) -> None: ...
+
+    def prompt(self, ids: Sequence[int]) -> list[int]: ...
 
 
 class _Spelling(dict):
@@ -31,7 +73,7 @@ class BadOption(Exception):
     """A refused option: `param` names it. The sentence names options as `{name}` in `template` (values are
     given apart), so `spelled` can write them as each front end calls them (the command line: its flags)."""
 
-    def __init__(self, param: str, template: str, **values: Any):
+    def __init__(self, param: str, template: str, **values: object):
         self.param, self.template, self.values = param, template, values
         super().__init__(self.spelled())
 
@@ -51,7 +93,7 @@ class ContextError(BadValue):
     """A prompt (param "prompt") or max_tokens (param "max_tokens") the target's context cannot hold."""
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return type(value).__name__
 
 
@@ -59,7 +101,7 @@ def _fix(fix: str) -> str:
     return fix and ": " + fix
 
 
-def as_int(name: str, value: Any, lo: int, hi: Optional[int] = None, fix: str = "") -> int:
+def as_int(name: str, value: object, lo: int, hi: Optional[int] = None, fix: str = "") -> int:
     """An int (not a bool, not a float that happens to be whole) within lo..hi. `fix` may name options as {name}."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise BadType(name, "{" + name + "} must be an int, not {kind} ({value!r})" + _fix(fix), kind=_kind(value),
@@ -71,7 +113,7 @@ def as_int(name: str, value: Any, lo: int, hi: Optional[int] = None, fix: str = 
     return value
 
 
-def as_float(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False,
+def as_float(name: str, value: object, lo: float, hi: float = math.inf, lo_open: bool = False,
              fix: str = "") -> float:
     """A finite real number within [lo, hi] (or (lo, hi] with lo_open)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -99,7 +141,7 @@ def branches(kappa: int, gamma: int, param: str = "kappa") -> int:
     return n
 
 
-def generator_seed(seed: Any) -> Optional[int]:
+def generator_seed(seed: object) -> Optional[int]:
     """Any int seed, mapped into the generator's uint64 range (-1 and 2**64 are fine); None stays None."""
     if seed is None:
         return None
@@ -108,7 +150,7 @@ def generator_seed(seed: Any) -> Optional[int]:
     return int(seed) % SEED_RANGE
 
 
-def prompt_tokens(prompt: Any, vocab_size: Optional[int]) -> list[int]:
+def prompt_tokens(prompt: object, vocab_size: Optional[int]) -> list[int]:
     """Token ids as a list of ints in [0, vocab_size): no bools, floats or bytes cast silently."""
     if isinstance(prompt, (bytes, bytearray, memoryview)):
         raise BadType("prompt", "the prompt is bytes: pass text as str (e.g. data.decode('utf-8', 'replace')) "
@@ -150,7 +192,7 @@ def fit(length: int, max_tokens: int, context: Optional[int], cap: bool = False)
                        context=context)
 
 
-def clean_text(text: Any) -> tuple[str, bool]:
+def clean_text(text: object) -> tuple[str, bool]:
     """(text as valid UTF-8, whether anything was replaced): undecodable bytes (surrogate-escaped, or lone
     surrogates) become U+FFFD; the caller says so once."""
     if not isinstance(text, str):
@@ -165,9 +207,9 @@ def clean_text(text: Any) -> tuple[str, bool]:
     return raw.decode("utf-8", "replace"), True
 
 
-def exit_layer(value: Any, n_layers: int) -> int:
+def exit_layer(value: object, n_layers: int) -> int:
     """ℓ_e: an int in 1..N-1."""
-    from .engine.target import check_exit_layer
+    from .engine.target import check_exit_layer  # (MLX: the command line's --help imports this module)
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise BadType("exit_layer", "{exit_layer} must be an int or None, not {kind} ({value!r})", kind=_kind(value),
@@ -179,7 +221,7 @@ def exit_layer(value: Any, n_layers: int) -> int:
     return int(value)
 
 
-def check_layer(adapter: Any, exit_layer: int, path: Any = "the exit adapter") -> None:
+def check_layer(adapter: object, exit_layer: int, path: object = "the exit adapter") -> None:
     """Refuse an adapter trained at another exit layer (its state space is another layer's); a widened one
     (convert/widen.py) is exact at every layer of its `exit_layers`."""
     trained = getattr(adapter, "exit_layer", None)
@@ -192,12 +234,10 @@ def check_layer(adapter: Any, exit_layer: int, path: Any = "the exit adapter") -
 REPLACED = "the text was not valid UTF-8: undecodable bytes were replaced with U+FFFD"
 
 
-def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n_layers: int,
-                   draft_context: Optional[int] = None) -> Any:
+def decode_options(opts: "DecodeOptions", modes: Sequence[str], vocab_size: Optional[int], n_layers: int,
+                   draft_context: Optional[int] = None) -> "DecodeOptions":
     """The DecodeOptions with every knob checked (κ, γ left out: the paper's) and the seed mapped into the
     generator's range."""
-    from .options import PAPER_KNOBS
-
     if not isinstance(opts.mode, str) or opts.mode not in modes:
         raise BadValue("mode", "unknown mode {mode_given!r}: choose one of {modes}", mode_given=opts.mode,
                        modes=", ".join(modes))
@@ -229,11 +269,9 @@ def decode_options(opts: Any, modes: Sequence[str], vocab_size: Optional[int], n
     return lookup_options(opts)
 
 
-def lookup_options(opts: Any) -> Any:
+def lookup_options(opts: "DecodeOptions") -> "DecodeOptions":
     """The prompt lookup's settings (lookup None: off here; the check resolves it first): its n-gram bounds
     within 1..NGRAM_LIMIT, and a mode that takes it (sd or mirror: ar is the target alone)."""
-    from .proposers.lookup import NGRAM_LIMIT, NGRAM_MIN
-
     if opts.lookup is not None and not isinstance(opts.lookup, bool):
         raise BadType("lookup", "{lookup} must be True, False or None, not {kind} ({value!r})",
                       kind=_kind(opts.lookup), value=opts.lookup)
@@ -249,12 +287,11 @@ def lookup_options(opts: Any) -> Any:
     return replace(opts, ngram_max=n_max, ngram_min=n_min, row_cost=cost)
 
 
-def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap: bool = False) -> Any:
+def request(engine: PairFacts, tokens: object, asked: "DecodeOptions", prompt_cache: Optional[CachedPrefix] = None,
+            cap: bool = False) -> "Plan":
     """The one check of a call against the pair (`engine`'s facts), before any work starts: the options, the
     prompt ids and the context fit, as a `Plan`. Mode auto is checked as its stand-in (mirror; without a draft
     model sd with the lookup, else ar). With a `prompt_cache`, `tokens` follow its prefix."""
-    from .options import CHOICES, MODES, Plan
-
     if not isinstance(asked.mode, str) or asked.mode not in CHOICES:
         raise BadValue("mode", "unknown mode {given!r}: choose one of {modes}", given=asked.mode,
                        modes=", ".join(CHOICES))
@@ -265,8 +302,6 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
     lookup = engine.draftless is not None and mode == "sd" if asked.lookup is None else asked.lookup
     n_min = asked.ngram_min
     if n_min is None:  # 1 for the lookup alone, NGRAM_MIN_BESIDE beside a draft model (measured: docs/design.md)
-        from .proposers.lookup import NGRAM_MIN, NGRAM_MIN_BESIDE
-
         n_min = NGRAM_MIN if not engine.has_draft else NGRAM_MIN_BESIDE
         if isinstance(asked.ngram_max, int) and asked.ngram_max >= 1:  # (a bad ngram_max is refused as such)
             n_min = min(n_min, asked.ngram_max)
@@ -295,14 +330,14 @@ def request(engine: Any, tokens: Any, asked: Any, prompt_cache: Any = None, cap:
     return Plan(ids, replace(opts, max_tokens=n), replace(asked, max_tokens=n), prompt_cache)
 
 
-def branch_budget(value: Any, kappa: int, gamma: int) -> int:
+def branch_budget(value: object, kappa: int, gamma: int) -> int:
     """B, the branches a mirror step rolls out: an int within 1..κ(γ+1) (None, every branch, is not checked)."""
     n = kappa * (gamma + 1)
     return as_int("branches", value, 1, n, f"a step has {{kappa}}*({{gamma}}+1) = {kappa}*({gamma}+1) = {n} to "
                   f"choose from, so give a budget from 1 to {n}, or leave it unset (None) to roll out all of them")
 
 
-def draft_vocab(value: Any, has_draft: bool, vocab_size: Optional[int] = None) -> Optional[int]:
+def draft_vocab(value: object, has_draft: bool, vocab_size: Optional[int] = None) -> Optional[int]:
     """V, the ids a trimmed draft head scores (drafts/vocab.py): None (the whole head), or an int within 1..the draft's
     vocabulary (`vocab_size`, once known); V equal to it keeps the whole head. Only with a draft model."""
     if value is None:

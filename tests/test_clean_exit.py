@@ -22,7 +22,7 @@ RUNS = 20
 SCRIPT = """
 from mlx_lm import load
 import mirror_mlx
-from mirror_mlx import demo_pair
+from mirror_mlx import demo as demo_pair
 
 model, tokenizer = load(str(demo_pair.TARGET))
 draft, _ = load(str(demo_pair.DRAFT))

@@ -168,7 +168,7 @@ def test_distilled_draft_is_lossless_in_the_pipeline(tmp_path, target):
 
 def test_loop_generates_then_trains_and_resumes(tmp_path, monkeypatch, target):
     model, tok = target
-    monkeypatch.setattr("mlx_lm.utils.load", lambda path: (model, tok))
+    monkeypatch.setattr("mirror_mlx.train.distill.load", lambda path: (model, tok))
     quiet = dict(progress=False, log=lambda s: None)
     data = data_cfg(tmp_path / "data")
     cfg = train_cfg(tmp_path, "drafts", epochs=1)

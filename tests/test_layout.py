@@ -2,8 +2,10 @@
 nothing of what sits above it (mode auto, benchmarks, the server, the command line, chat)."""
 
 import ast
+import io
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -281,3 +283,66 @@ def test_the_context_rule_and_the_range_checks_are_written_once():
     assert all(where == ["mirror_mlx.validate"] for where in ranged.values()), ranged
     assert [line for line, names in compared(ast.parse(modules()["mirror_mlx.validate"].read_text()))
             if names & {"context"}], "the rule is not where this test looks for it"
+
+
+def any_annotations() -> list[str]:
+    """'path:line' of each parameter, return or variable annotation that names typing's Any (a string annotation
+    read as one too): a layer's real type, or a small Protocol where it would be an import up, says more."""
+    def names_any(node: ast.AST | None) -> bool:
+        for sub in ast.walk(node) if node is not None else ():
+            if isinstance(sub, ast.Name) and sub.id == "Any" or isinstance(sub, ast.Attribute) and sub.attr == "Any":
+                return True
+            if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                try:
+                    if names_any(ast.parse(sub.value, mode="eval")):
+                        return True
+                except SyntaxError:
+                    pass
+        return False
+
+    found = []
+    for path in modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                annotations = [x.annotation for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                               if x is not None] + [node.returns]
+            elif isinstance(node, ast.AnnAssign):
+                annotations = [node.annotation]
+            else:
+                continue
+            found += [f"{rel}:{node.lineno}" for t in annotations if names_any(t)]
+    return found
+
+
+def test_few_annotations_say_any():
+    """Types say what a value is; `Any` is kept for what really is anything (a JSON body's value, say)."""
+    found = any_annotations()
+    assert len(found) <= 36, found
+
+
+def imports_in_functions() -> list[tuple[str, int, bool]]:
+    """(path, line, whether a comment on its lines says why) of each import statement inside a function body."""
+    found = []
+    for path in modules().values():
+        src = path.read_text()
+        comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                    if tok.type == tokenize.COMMENT}
+        seen = set()
+        for fn in ast.walk(ast.parse(src)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in seen:
+                        seen.add(node.lineno)
+                        said = any(line in comments for line in range(node.lineno, node.end_lineno + 1))
+                        found.append((path.relative_to(ROOT).as_posix(), node.lineno, said))
+    return found
+
+
+def test_imports_sit_at_the_top_unless_a_comment_says_why():
+    """An import inside a function hides what a module needs: each one left is an optional dependency, a module
+    only one command or one path loads (the command line's --help, a draft host), and says so on its line."""
+    found = imports_in_functions()
+    assert len(found) <= 110, len(found)
+    assert not [f"{path}:{line}" for path, line, said in found if not said]

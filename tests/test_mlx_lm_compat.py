@@ -12,6 +12,7 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.generate import GenerationResponse
@@ -419,5 +420,19 @@ def test_a_templated_prompt_is_not_templated_again(tmp_path):
         ours = list(mirror_mlx.stream_generate(model, tokenizer, templated, max_tokens=8))
         theirs = list(mlx_stream_generate(model, tokenizer, templated, max_tokens=8))
         assert [r.token for r in ours] == [r.token for r in theirs]
+    finally:
+        pipe.close()
+
+
+def test_a_text_prompt_is_taken_as_is_by_the_pipeline_as_by_mlx_lms_generate(tmp_path):
+    """One rule for text: Pipeline.generate and mirror_mlx.generate encode it as mlx-lm's generate does, with no
+    chat template (Pipeline.chat puts messages through it)."""
+    pipe = load(templated_copy(tmp_path), exit_adapter="none")
+    try:
+        model, tokenizer = pipe.model, pipe.tokenizer
+        assert pipe.plan("Tell a story").ids == tokenizer.encode("Tell a story")
+        theirs = mlx_generate(model, tokenizer, "Tell a story", max_tokens=8)
+        assert mirror_mlx.generate(model, tokenizer, "Tell a story", max_tokens=8) == theirs
+        assert pipe.generate("Tell a story", max_tokens=8, mode="ar").text == theirs
     finally:
         pipe.close()

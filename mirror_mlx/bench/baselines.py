@@ -10,7 +10,7 @@ mlx-lm's own `generation_tps` does. Target forwards are counted by wrapping the 
 import time
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,7 +57,7 @@ def fresh_cache(model: nn.Module) -> list[KVCache]:
 def prefill(model: nn.Module, cache: list[KVCache], tokens: Sequence[int], step: int = 2048) -> None:
     """Run `tokens` through `model` into `cache`, as mlx-lm's own prefill does."""
     for i in range(0, len(tokens), step):
-        model(mx.array(tokens[i : i + step])[None], cache=cache)
+        model(mx.array(list(tokens[i : i + step]))[None], cache=cache)
         mx.eval([c.state for c in cache])
 
 
@@ -79,7 +79,9 @@ def _start(seed: int) -> None:
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
-    mx.random.seed(generator_seed(seed))  # any int (bench --seed -1): mapped into uint64
+    mapped = generator_seed(seed)  # any int (bench --seed -1): mapped into uint64
+    assert mapped is not None
+    mx.random.seed(mapped)
 
 
 def run_ar(model: nn.Module, prompt: Sequence[int], max_tokens: int, temp: float = 0.0, top_p: float = 0.0,
@@ -90,8 +92,8 @@ def run_ar(model: nn.Module, prompt: Sequence[int], max_tokens: int, temp: float
     t0 = time.perf_counter()
     prefill(model, cache, prompt[:-1])
     prefill_s = time.perf_counter() - t0
-    steps = generate_step(mx.array(prompt[-1:]), target, max_tokens=max_tokens, prompt_cache=cache,
-                          sampler=make_sampler(temp, top_p=top_p, top_k=top_k))
+    steps = generate_step(mx.array(list(prompt[-1:])), cast(nn.Module, target), max_tokens=max_tokens,
+                          prompt_cache=cache, sampler=make_sampler(temp, top_p=top_p, top_k=top_k))
     tokens, dt = _decode(steps, max_tokens, stop_tokens)
     return Run("ar", tokens, prefill_s, dt, len(tokens) / dt, target.calls, None, mx.get_peak_memory())
 
@@ -107,8 +109,8 @@ def run_mlx_sd(model: nn.Module, draft: nn.Module, prompt: Sequence[int], max_to
     prefill(model, cache, prompt[:-1])
     prefill_s = time.perf_counter() - t0
     steps = speculative_generate_step(
-        mx.array(prompt[-1:]), target, draft, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
-        prompt_cache=cache + draft_cache, sampler=make_sampler(temp, top_p=top_p, top_k=top_k))
+        mx.array(list(prompt[-1:])), cast(nn.Module, target), draft, num_draft_tokens=num_draft_tokens,
+        max_tokens=max_tokens, prompt_cache=cache + draft_cache, sampler=make_sampler(temp, top_p=top_p, top_k=top_k))
     tokens, dt = _decode(steps, max_tokens, stop_tokens)
     return Run("mlx_sd", tokens, prefill_s, dt, len(tokens) / dt, target.calls,
                len(tokens) / max(target.calls, 1), mx.get_peak_memory(), num_draft_tokens)
@@ -138,4 +140,4 @@ def best_mlx_sd(model: nn.Module, draft: nn.Module, prompts: Sequence[Sequence[i
             runs[k].append(run_mlx_sd(model, draft, prompt, max_tokens, k, temp, seed=seed,
                                       stop_tokens=stop_tokens))
     tps = {k: median(r.tokens_per_s for r in rs) for k, rs in runs.items()}
-    return SdSweep(max(tps, key=tps.get), tps, runs)
+    return SdSweep(max(tps, key=lambda k: tps[k]), tps, runs)

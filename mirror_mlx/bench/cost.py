@@ -8,17 +8,23 @@ costs one target forward of γ+1 rows plus the draft's γ (or, in mirror, whatev
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from mirror_mlx.drafts.ss.model import is_ss_draft, ss_forward
+from mirror_mlx.loading import load_model
+
+if TYPE_CHECKING:
+    from ..drafts.ss.model import Model as SSModel
+    import mlx.nn as nn
 
 PROBE = "Once upon a time, there was a little girl named Lily. She loved to play"  # a short prompt before the rows
 
 
-def forward_ms(model: Any, prompt: mx.array, rows: int, reps: int = 15) -> float:
+def forward_ms(model: "nn.Module", prompt: mx.array, rows: int, reps: int = 15) -> float:
     """Median ms of one decode forward of `rows` tokens after `prompt` (the cache trimmed back each time)."""
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
     cache = make_prompt_cache(model)
     model(prompt, cache=cache)
     mx.eval([c.state for c in cache])
@@ -31,11 +37,9 @@ def forward_ms(model: Any, prompt: mx.array, rows: int, reps: int = 15) -> float
     return 1e3 * statistics.median(times[2:])
 
 
-def ss_forward_ms(model: Any, prompt: mx.array, reps: int = 15) -> float:
+def ss_forward_ms(model: "SSModel", prompt: mx.array, reps: int = 15) -> float:
     """Median ms of one decode forward of a Speculative-Streaming draft: one row with its streams, over the
     prompt's keys and values (what one of its windows costs: several tokens a forward)."""
-    from mirror_mlx.drafts.ss.model import ss_forward
-
     past = [(k, v) for k, v in ss_forward(model, prompt).kv]
     mx.eval(past)
     times = []
@@ -49,13 +53,10 @@ def ss_forward_ms(model: Any, prompt: mx.array, reps: int = 15) -> float:
 
 def model_costs(path: str, rows: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """{rows: ms} for the model folder at `path` (an SS draft: its one-row forward with streams)."""
-    from mirror_mlx.drafts.ss.model import is_ss_draft
-    from mirror_mlx.loading import load_model
-
     model, tok = load_model(path)
     prompt = mx.array([tok.encode(PROBE)])
     if is_ss_draft(path):
-        return {1: ss_forward_ms(model, prompt)}
+        return {1: ss_forward_ms(cast("SSModel", model), prompt)}  # (is_ss_draft: load_model gave its Model)
     return {r: forward_ms(model, prompt, r) for r in rows}
 
 
@@ -68,15 +69,13 @@ def cost_line(target: str, draft: str, rows: Sequence[int] = (1, 2, 4, 8)) -> st
 
 
 def main(argv: list[str]) -> int:
-    rows = (1, 2, 4, 8)
+    rows: tuple[int, ...] = (1, 2, 4, 8)
     if "--rows" in argv:
         i = argv.index("--rows")
         rows, argv = tuple(int(r) for r in argv[i + 1].split(",")), argv[:i] + argv[i + 2:]
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    import mirror_mlx  # noqa: F401  (OpenBLAS preload)
-
     print(cost_line(argv[0], argv[1], rows))
     return 0
 

@@ -15,16 +15,20 @@ says how branches cost.
 """
 
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ..tune.timing import Bench
+    from ..pipeline import Pipeline
+
+from ..tune.timing import Bench, interleaved
 
 ROLLOUT_ROWS = (1, 2, 4, 8)
 
 
-def costs_alone(pipe: Any, context: list[int], points: dict, reps: int = 7) -> dict:
+def costs_alone(pipe: "Pipeline", context: list[int], points: dict, reps: int = 7) -> dict:
     """{"pieces": {name: ms}, "eq10": {mode: ms}, "rollout_rows": {rows: ms}} for the modes in `points`
     ({mode: dict(kappa, gamma, exit_layer, branches, reuse)}: mirror and sd as they ran)."""
-    from ..tune.timing import Bench, interleaved
-
     b = Bench(pipe, context)
     pieces: dict = {}
     mirror, sd = points.get("mirror"), points.get("sd")
@@ -58,7 +62,7 @@ def costs_alone(pipe: Any, context: list[int], points: dict, reps: int = 7) -> d
     return out
 
 
-def _stems(b: Any, rows: int, gamma: int) -> list[list[int]]:
+def _stems(b: "Bench", rows: int, gamma: int) -> list[list[int]]:
     """`rows` spine-shaped branches over the last γ context tokens, as a mirror step posts them."""
     kappa = -(-rows // (gamma + 1))
     stems = b.stems(kappa, gamma)
@@ -84,7 +88,8 @@ def table(report: dict) -> list[str]:
     if not d:
         return []
     rows = report["summary"]["all"]
-    lines = ["| mode | measured step (ms) | Eq. 10 from pieces timed alone (ms) | step / Eq. 10 |", "|---|---:|---:|---:|"]
+    lines = ["| mode | measured step (ms) | Eq. 10 from pieces timed alone (ms) | step / Eq. 10 |",
+             "|---|---:|---:|---:|"]
     for mode, ideal in d["eq10"].items():
         step = rows[mode]["ms_per_step"]
         lines.append(f"| {mode} | {step:.1f} | {ideal:.1f} | {step / ideal:.2f} |")

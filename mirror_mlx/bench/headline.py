@@ -36,8 +36,8 @@ def headline(runs: list[tuple[str, dict]], category: str = "all") -> str:
     groups: dict[tuple, list[dict]] = {}
     for setting, rep in runs:
         groups.setdefault((setting, rep["config"]["prompts"], rep["config"]["temp"]), []).append(rep)
-    lines = ["| setting | prompts, T | mode [draft] (knobs) | tok/s | × best mlx_sd | × ar | × mlx_sd same draft (paired) "
-             "| accepted / target fwd | load |",
+    lines = ["| setting | prompts, T | mode [draft] (knobs) | tok/s | × best mlx_sd | × ar "
+             "| × mlx_sd same draft (paired) | accepted / target fwd | load |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for (setting, prompts, temp), reps in groups.items():
         sds = [(r["summary"][category]["mlx_sd"]["tokens_per_s"], r) for r in reps
@@ -57,7 +57,8 @@ def headline(runs: list[tuple[str, dict]], category: str = "all") -> str:
                 vs_ar = f"{tps / ar:.2f}" if ar else "–"
                 paired = row.get("paired_speedup_vs_mlx_sd")
                 lines.append(f"| {setting} | {prompts}, T={temp:g} | {name} | {tps:.2f} | {vs_sd} | {vs_ar} "
-                             f"| {'–' if paired is None else f'{paired:.2f}'} | {row['mean_accepted']:.2f} | {load_s} |")
+                             f"| {'–' if paired is None else f'{paired:.2f}'} | {row['mean_accepted']:.2f} "
+                             f"| {load_s} |")
     return "\n".join(lines) + "\n"
 
 

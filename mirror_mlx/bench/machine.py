@@ -6,20 +6,22 @@ import re
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import mlx_lm
 
 from .. import __version__
+from ..blas import status
+from ..tune.placement import hold
+from ..tune.profile import cpu_name
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
 
 
 def machine() -> dict:
     """What the numbers depend on: CPU, cores, load, versions, BLAS threads."""
-    import mlx_lm
-
-    from ..blas import status
-    from ..tune.profile import cpu_name
-
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()
@@ -27,7 +29,9 @@ def machine() -> dict:
         commit = ""
     return {"platform": platform.platform(), "cpu": cpu_name(), "cpus": os.cpu_count(),
             "cpus_allowed": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+            "python": platform.python_version(),
+            "mlx": mx.__version__,  # type: ignore[attr-defined]  # (mlx's stub leaves it out)
+            "mlx_lm": mlx_lm.__version__,
             "mirror_mlx": __version__, "commit": commit, "blas": status(),
             "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
             "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
@@ -37,7 +41,7 @@ def _tids() -> list[int]:
     return sorted(int(t) for t in os.listdir("/proc/self/task"))
 
 
-def pin_threads(pipe: Any) -> dict:
+def pin_threads(pipe: "Pipeline") -> dict:
     """The Mac analog, a labelled bench setting: target side (and mlx-lm baselines) on one core in every
     mode, the draft host on another. The pipeline's own core placement (tune/placement.py) is then held:
     stats.placement says "held by the caller".
@@ -61,7 +65,6 @@ def pin_threads(pipe: Any) -> dict:
         for tid in tids:
             os.sched_setaffinity(tid, {b})
         out["draft_host_tids"] = tids
-    from ..tune.placement import hold
 
     hold(pipe, f"Mac analog: target side on core {a} in every mode, draft host on core {b}")
     return out

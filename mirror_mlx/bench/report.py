@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a benchmark box
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .decompose import table as decompose_table
 from .grid import point_name  # noqa: E402
 
 COLORS = {"mirror": "tab:red", "sd": "tab:orange", "mlx_sd": "tab:blue", "ar": "tab:gray", "auto": "tab:green"}
@@ -87,7 +88,8 @@ def markdown(report: dict) -> str:
            f"- versions: mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mirror-mlx {m['mirror_mlx']} ({m['commit']}), "
            f"python {m['python']}",
            f"- pinning: {report.get('pinning')}",
-           f"- greedy tokens checked equal to mlx-lm generate_step: {'yes' if report.get('equality_checked') else 'no (sampling)'}",
+           "- greedy tokens checked equal to mlx-lm generate_step: "
+           f"{'yes' if report.get('equality_checked') else 'no (sampling)'}",
            f"- wall time {report['wall_s']:.0f} s", ""]
     if report.get("grid"):
         best = report.get("best", {})
@@ -123,8 +125,6 @@ def markdown(report: dict) -> str:
             "the ring and the target's waits add.", ""]
     out += breakdown_table(report["summary"]["all"], report) + [""]
     if report.get("decompose"):
-        from .decompose import table as decompose_table
-
         out += ["## Eq. 10 from the pieces timed alone", ""] + decompose_table(report) + [""]
     return "\n".join(out) + "\n"
 
@@ -170,7 +170,8 @@ def plot_speedup(report: dict, path: Path) -> None:
         bars = ax.bar(xs, vals, w, label=mode, color=COLORS.get(mode))
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(cats)), cats, rotation=30 if len(cats) > 3 else 0, ha="right" if len(cats) > 3 else "center")
+    tilted = len(cats) > 3
+    ax.set_xticks(range(len(cats)), cats, rotation=30 if tilted else 0, ha="right" if tilted else "center")
     ax.set_ylabel("tokens/s ÷ ar (mlx-lm generate_step)")
     ax.set_title(f"Speedup over ar — {report['config']['prompts']}, T={report['config']['temp']}")
     ax.legend(fontsize=8)
@@ -232,7 +233,8 @@ def plot_timeline(report: dict, path: Path, steps: int = 10) -> bool:
         ax.text(1000 * step["suffix"][1], 1.35, f"A={step['accepted']}", fontsize=6)
     ax.set_yticks([0, 1], ["draft (branch rollout)", "target (prefix | suffix)"])
     ax.set_xlabel("ms since the first step")
-    ax.set_title(f"Mirror-SD timeline, prompt #{sample['prompt']} (first {steps} steps; gaps: fallback windows, verify)")
+    ax.set_title(f"Mirror-SD timeline, prompt #{sample['prompt']} "
+                 f"(first {steps} steps; gaps: fallback windows, verify)")
     save(fig, path)
     return True
 

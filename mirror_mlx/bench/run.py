@@ -18,18 +18,27 @@ import time
 from dataclasses import asdict, dataclass, replace
 from itertools import product
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+from tqdm import tqdm
 
 from ..drafts.recipes import DraftRecipe, mlx_draft_model, ss_draft
 from ..drafts.recipes import mlx_draft as host_mlx_draft
+from ..drafts.ss.model import load_ss_draft
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
 from .summary import Sample, best_point, table
 from ..engine.stats import Stats
 from ..options import PAPER_KNOBS, DecodeOptions
+from ..pipeline import load
 from ..prompts import load_prompts
 from ..tune.cost_model import describe
+from .decompose import costs_alone, points_ran
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from ..pipeline import Pipeline
 
 ENGINE_MODES = ("mirror", "sd", "auto")  # auto: the tuned mode and knobs (mirror_mlx.tune), chosen at warm-up
 SD_KS = (2, 3, 4, 5, 6)
@@ -72,7 +81,7 @@ class PromptIds:
     truncated: bool
 
 
-def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
+def select_prompts(cfg: BenchConfig, pipe: "Pipeline") -> list[PromptIds]:
     """The prompts as token ids, cut to fit the target's context with max_tokens to spare."""
     limit = None if cfg.limit is None else cfg.skip + cfg.limit
     chosen = load_prompts(cfg.prompts, limit)[cfg.skip :]
@@ -92,7 +101,7 @@ def select_prompts(cfg: BenchConfig, pipe: Any) -> list[PromptIds]:
     return out
 
 
-def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
+def run_engine(pipe: "Pipeline", mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
                kappa: int, gamma: int, exit_layer: Optional[int]) -> Sample:
     """`mirror` or `sd` through the Pipeline (stop=False: exactly max_tokens, as the baselines)."""
     r = pipe.generate(p.ids, max_tokens=max_tokens, temperature=temp, seed=seed, kappa=kappa, gamma=gamma,
@@ -106,7 +115,7 @@ def run_engine(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, 
     return Sample(mode, index, p.category, list(r.tokens), replace(s, timeline=timeline), ran_as=ran_as)
 
 
-def _since(t0: float, key: str, value: Any) -> Any:
+def _since(t0: float, key: str, value: Union[float, tuple]) -> Union[float, tuple]:
     """A timeline entry on the clock of the generation's first step: an interval's ends (a serial window's
     third element is a duration), an arrival time; counts as they are."""
     if isinstance(value, tuple):
@@ -114,26 +123,25 @@ def _since(t0: float, key: str, value: Any) -> Any:
     return value - t0 if key == "arrived" else value
 
 
-def run_baseline(pipe: Any, mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
+def run_baseline(pipe: "Pipeline", mode: str, p: PromptIds, index: int, max_tokens: int, temp: float, seed: int,
                  k: Optional[int] = None) -> Sample:
     """`ar` (generate_step) or `mlx_sd` (speculative_generate_step with k draft tokens)."""
     if mode == "ar":
         run = run_ar(pipe.model, p.ids, max_tokens, temp, seed=seed)
     else:
+        assert k is not None, "mlx_sd drafts k tokens"
         run = run_mlx_sd(pipe.model, mlx_draft(pipe), p.ids, max_tokens, k, temp, seed=seed)
     stats = Stats(mode=mode, generation_tokens=len(run.tokens), target_forwards=run.target_forwards,
                   steps=run.target_forwards, decode_seconds=run.decode_s, peak_memory_gb=run.peak_memory / 1e9)
     return Sample(mode, index, p.category, list(run.tokens), stats, num_draft_tokens=k)
 
 
-def mlx_draft(pipe: Any) -> Any:
+def mlx_draft(pipe: "Pipeline") -> "nn.Module":
     """The draft as an mlx-lm model in this process, for mlx-lm's own speculative decoding. An SS draft's
     forward over plain tokens is a plain llama's (its main rows), so mlx-lm drives it as a plain draft."""
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
         return mlx_draft_model(*pipe.draft.args)
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:
-        from ..drafts.ss.model import load_ss_draft
-
         return load_ss_draft(*pipe.draft.args, with_tokenizer=False)[0]
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
@@ -155,12 +163,10 @@ def check_equal(samples: Sequence[Sample], ref: Sample, p: PromptIds, what: str 
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="run", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def run_modes(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dict) -> None:
+def run_modes(cfg: BenchConfig, pipe: "Pipeline", prompts: list[PromptIds], result: dict) -> None:
     """The mode comparison: warm-up, mlx_sd's k sweep, then every mode on every prompt, interleaved."""
     modes = list(cfg.modes)
     if "ar" not in modes:  # ar is the reference for the equality check and the speedups
@@ -218,7 +224,7 @@ def ran_with(samples: Sequence[Sample], k_best: Optional[int]) -> dict:
     return out
 
 
-def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs: dict, max_tokens: int,
+def one(pipe: "Pipeline", mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs: dict, max_tokens: int,
         k: Optional[int] = None) -> Sample:
     seed = cfg.seed + index
     if mode in ENGINE_MODES:
@@ -228,8 +234,9 @@ def one(pipe: Any, mode: str, p: PromptIds, index: int, cfg: BenchConfig, knobs:
     return run_baseline(pipe, mode, p, index, max_tokens, cfg.temp, seed, k if mode == "mlx_sd" else None)
 
 
-def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dict) -> None:
+def run_sweep(cfg: BenchConfig, pipe: "Pipeline", prompts: list[PromptIds], result: dict) -> None:
     """Mirror mode over the (κ, γ, ℓ_e) grid, with `ar` on each prompt as reference and baseline."""
+    assert cfg.sweep is not None, "a sweep's grid"
     default_exit = pipe.engine.exit_layer(DecodeOptions(exit_layer=cfg.exit_layer))  # an adapter's layer, else N/2
     grid = parse_sweep(cfg.sweep, pipe.engine.n_layers, cfg.kappa or PAPER_KNOBS["kappa"],
                        cfg.gamma or PAPER_KNOBS["gamma"], default_exit)
@@ -262,13 +269,12 @@ def run_sweep(cfg: BenchConfig, pipe: Any, prompts: list[PromptIds], result: dic
 def bench(cfg: BenchConfig) -> dict:
     """Run the comparison (or the sweep), write results.json, results.md and plots into cfg.out."""
     try:
-        from .report import write_report
+        from .report import write_report  # (optional: matplotlib, the bench extra)
     except ImportError as e:  # refused before any model is loaded or file written
         if (e.name or "").split(".")[0] != "matplotlib":
             raise
         raise ValueError("mirror-mlx bench draws its plots with matplotlib, which is not installed: "
                          "pip install 'mirror-mlx[bench]'") from None
-    from ..pipeline import load
 
     cfg.modes = parse_modes(",".join(cfg.modes)) if not isinstance(cfg.modes, str) else parse_modes(cfg.modes)
     if any(m != "ar" for m in cfg.modes) and cfg.draft_model is None and cfg.model is not None:
@@ -300,8 +306,6 @@ def bench(cfg: BenchConfig) -> dict:
         if cfg.sweep and error is None:
             report["best"] = best_point(report["summary"]["all"], run["points"])
         if cfg.decompose and samples and error is None:
-            from .decompose import costs_alone, points_ran
-
             points = points_ran(samples, report["summary"])
             ar = next(s for s in samples if s.mode == "ar")  # the run's mean context: its prompt, half its tokens
             report["decompose"] = costs_alone(pipe, prompts[ar.prompt].ids + ar.tokens[: len(ar.tokens) // 2], points)

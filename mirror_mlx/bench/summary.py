@@ -65,22 +65,24 @@ def summarize(samples: Sequence[Sample]) -> dict:
     decode, prefix, suffix = tot.decode_seconds, tot.prefix_seconds, tot.suffix_seconds
     draft, hidden = tot.draft_seconds, tot.hidden_draft_seconds
     per = 1000.0 / max(tot.steps, 1)
-    out = {"prompts": len(samples), "tokens": n_tok, "tokens_per_s": median(s.tokens_per_s for s in samples),
-           "mean_accepted": n_tok / max(tot.target_forwards, 1), "ms_per_step": decode * per,
-           "peak_memory_gb": tot.peak_memory_gb,
-           "fallback_rate": None, "reuse_rate": None, "omega_kappa": None, "hidden_draft_fraction": None}
+    out: dict[str, object] = {
+        "prompts": len(samples), "tokens": n_tok, "tokens_per_s": median(s.tokens_per_s for s in samples),
+        "mean_accepted": n_tok / max(tot.target_forwards, 1), "ms_per_step": decode * per,
+        "peak_memory_gb": tot.peak_memory_gb,
+        "fallback_rate": None, "reuse_rate": None, "omega_kappa": None, "hidden_draft_fraction": None}
     if suffix:  # the engine's modes: the critical path of a step, in order; hidden draft time runs beside the suffix
         wait, ring = rollout_wait_seconds(tot.timeline), ring_wait_seconds(tot.timeline)
         serial = draft - rollout_seconds(tot.timeline)  # (sd: its windows; mirror: the first and fallback windows)
         ring += serial_seconds(tot.timeline)[1]
-        out["breakdown_ms"] = {"prefix": prefix * per, "suffix": suffix * per, "rollout_wait": wait * per,
-                               "draft": serial * per, "ring": ring * per,
-                               "overhead": max(0.0, decode - prefix - suffix - wait - serial - ring) * per,
-                               "draft_hidden": hidden * per}
+        breakdown = {"prefix": prefix * per, "suffix": suffix * per, "rollout_wait": wait * per,
+                     "draft": serial * per, "ring": ring * per,
+                     "overhead": max(0.0, decode - prefix - suffix - wait - serial - ring) * per,
+                     "draft_hidden": hidden * per}
         if tot.timeline:  # Eq. 10: the ideal step plus the fallback windows, which no overlap can hide
-            out["breakdown_ms"]["ideal"] = (ideal_step_seconds(tot.timeline) + serial) * per
+            breakdown["ideal"] = (ideal_step_seconds(tot.timeline) + serial) * per
     else:  # mlx-lm's loops: one number per step, not split
-        out["breakdown_ms"] = {"unsplit": decode * per}
+        breakdown = {"unsplit": decode * per}
+    out["breakdown_ms"] = breakdown
     if prefix:  # mirror: only it has a target prefix
         out.update(fallback_rate=tot.fallback_rate, reuse_rate=tot.reuse_rate, omega_kappa=tot.omega_kappa,
                    hidden_draft_fraction=tot.hidden_draft_fraction)

@@ -3,14 +3,22 @@ from DecodeOptions). Each group of verbs is a small module, imported only when o
 (so `generate` never loads coremltools or the trainers)."""
 
 import importlib
+import json
+import os
+import signal
 import sys
 from functools import partial
-from typing import Any, Callable, Optional
+from multiprocessing import resource_tracker
+from typing import Callable, Optional, TypeVar, Union
 
 import click
 
 import mirror_mlx
+from mirror_mlx import demo as demo_pair
 from mirror_mlx.options import CHOICES, DecodeOptions
+from mirror_mlx.validate import BadOption, BadType, REPLACED, clean_text
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner (nor in the draft host)
 
 VERBS = {  # verb -> "module:command"; the order `--help` lists them in
     "generate": "mirror_mlx.cli.generate:generate_cmd",
@@ -76,8 +84,6 @@ def exit_on_terminate() -> None:
     """SIGTERM and SIGHUP (the terminal closed) end the command through its `finally`, so the pipeline
     stops its draft host and unlinks its shared memory itself: a hang-up reaches the whole process
     group, multiprocessing's resource tracker included, which would otherwise leave them behind."""
-    import signal
-
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
@@ -90,9 +96,6 @@ def tracker_ignores_hangup() -> None:
     """Start multiprocessing's resource tracker with SIGHUP ignored (it inherits that, as it already
     ignores SIGINT and SIGTERM): a hang-up of the process group must leave it there to see the shared
     memory unlinked. Call before anything makes shared memory."""
-    import signal
-    from multiprocessing import resource_tracker
-
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         resource_tracker.ensure_running()
@@ -186,7 +189,8 @@ pipeline_option = click.option(
 
 # the options a refusal names, as flags
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-         "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size", "prefill_step_size": "--prefill-step-size",
+         "min_p": "--min-p", "seed": "--seed", "max_kv_size": "--max-kv-size",
+         "prefill_step_size": "--prefill-step-size",
          "kappa": "--kappa", "gamma": "--gamma", "exit_layer": "--exit-layer", "branches": "--branches",
          "mode": "--mode", "lookup": "--lookup", "ngram_max": "--ngram-max", "ngram_min": "--ngram-min",
          "draft_model": "--draft-model", "draft_vocab": "--draft-vocab", "adapter_path": "--adapter-path",
@@ -194,7 +198,11 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "mode='ar'": "--mode ar", "mode='sd'": "--mode sd", "lookup=True": "--lookup"}
 
 
-def refusing(error: type, make: Callable, *args: Any, **kwargs: Any) -> Any:
+T = TypeVar("T")
+
+
+def refusing(error: Union[type[Exception], tuple[type[Exception], ...]], make: Callable[..., T], *args: object,
+             **kwargs: object) -> T:
     """`make(*args, **kwargs)`; its own error (bad input, said in one sentence) becomes a one-line usage error."""
     try:
         return make(*args, **kwargs)
@@ -204,8 +212,6 @@ def refusing(error: type, make: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def usage_error(e: Exception) -> click.UsageError:
     """The API's one sentence, naming the options as flags ("temperature must ..." -> "--temp must ...")."""
-    from mirror_mlx.validate import BadOption
-
     return click.UsageError(e.spelled(FLAGS) if isinstance(e, BadOption) else str(e))
 
 
@@ -213,9 +219,8 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
                   tokenizer_config=None, pipeline: bool = False, draft_vocab=None):
     """Load for the CLI: bad paths and mismatched pairs become one-line usage errors. Under mlx.launch
     (more than one rank), every rank loads its shard of the target (mirror_mlx/distributed/)."""
-    from mirror_mlx import distributed
-    from mirror_mlx.pipeline import load
-    from mirror_mlx.validate import BadType
+    from mirror_mlx import distributed  # (MLX loads when a verb runs: --help stays fast)
+    from mirror_mlx.pipeline import load  # (MLX loads when a verb runs: --help stays fast)
 
     if distributed.group() is not None:
         verb = click.get_current_context().info_name
@@ -225,8 +230,6 @@ def load_pipeline(model, draft_model, exit_adapter, mode: str, adapter_path=None
         distributed.quiet_other_ranks()
         load = partial(distributed.load, pipeline=pipeline)
         if model is None:  # the demo pair, as below
-            from mirror_mlx import demo as demo_pair
-
             model, draft_model = demo_pair.TARGET, demo_pair.DRAFT if draft_model is None else draft_model
             exit_adapter = demo_pair.EXIT_ADAPTER if exit_adapter is None else exit_adapter
     elif pipeline:
@@ -266,7 +269,7 @@ def xtc_options(min_tokens_to_keep: bool):
 def xtc_sampler(tokenizer, kwargs: dict, xtc_probability: float, xtc_threshold: float, min_tokens_to_keep: int = 1):
     """Put mlx-lm's sampler into `kwargs` when XTC or --min-tokens-to-keep change it (at --temp 0 mlx-lm's is greedy,
     whatever they say); the sampler is mlx_lm.generate's own make_sampler call."""
-    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.sample_utils import make_sampler  # (MLX loads when a verb runs: --help stays fast)
 
     if not 0.0 <= xtc_probability <= 1.0:
         raise click.UsageError(f"--xtc-probability must be in [0, 1] (got {xtc_probability}): 0 turns XTC off")
@@ -283,8 +286,6 @@ def xtc_sampler(tokenizer, kwargs: dict, xtc_probability: float, xtc_threshold: 
 
 def template_config(text, flag: str = "--chat-template-config"):
     """--chat-template-config (serve: --chat-template-args): a JSON object of extra template variables."""
-    import json
-
     if text is None:
         return {}
     try:
@@ -299,8 +300,6 @@ def template_config(text, flag: str = "--chat-template-config"):
 
 def read_prompt(prompt: str) -> str:
     """--prompt: '-' reads stdin; text that is not valid UTF-8 is decoded with U+FFFD, said once."""
-    from mirror_mlx.validate import REPLACED, clean_text
-
     if prompt == "-":
         prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
     prompt, replaced = clean_text(prompt)

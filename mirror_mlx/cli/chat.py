@@ -5,7 +5,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from types import FrameType
+from typing import Callable, Optional, TextIO, Union
 
 import click
 
@@ -42,9 +43,9 @@ class CtrlC:
     def __init__(self) -> None:
         self.requested = False
         self.ended = False
-        self._old: Any = None
+        self._old: Union[Callable[[int, Optional[FrameType]], object], int, None] = None
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.requested and not self.ended:
             raise KeyboardInterrupt
         self.requested = True
@@ -54,7 +55,7 @@ class CtrlC:
             self._old = signal.signal(signal.SIGINT, self._handle)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
 
@@ -208,7 +209,8 @@ def run_chat(pipe: Pipeline, kwargs: dict, system_prompt: Optional[str] = None, 
 @draft_vocab_option
 @mlx_lm_load_options
 @click.option("--system-prompt", default=None, help="A system message that opens the conversation.")
-@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@click.option("--chat-template-config", default=None,
+              help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @decode_options(max_tokens=256, seed=0)
 @xtc_options(min_tokens_to_keep=False)
 @pipeline_option

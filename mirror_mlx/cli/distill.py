@@ -5,9 +5,13 @@ import json
 from pathlib import Path
 
 import click
+from mirror_mlx.loading import mlx_lm_load as load
 
 from mirror_mlx.cli import refusing
-from mirror_mlx.train.distill import DataConfig, TrainConfig
+from mirror_mlx.drafts.distilled.model_types import load_model
+from mirror_mlx.train.distill import (DataConfig, TrainConfig, agreement, cost_ratio, data_root, generate_data, loop,
+                                      read_replies, train)
+from mirror_mlx.train.distill_data import pack_ids, restore_ids
 
 
 def target_folder(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -39,8 +43,6 @@ def distill_cmd() -> None:
 def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes) -> None:
     """Generate (or go on generating) the target's replies: every reply is saved as it is made, so a killed
     run continues where it stopped."""
-    from mirror_mlx.train.distill import generate_data
-
     cfg = DataConfig(target=model, data_dir=data_dir, max_tokens=max_tokens, batch_size=batch_size, rounds=rounds,
                      tinystories=tinystories)
     r = generate_data(cfg, log=lambda s: click.echo(s, err=True),
@@ -55,9 +57,6 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
 def pack_cmd(model, data_dir, out) -> None:
     """Keep the cached replies as token ids only, in one compact file a repository can hold: another machine
     restores the cache from it (`distill restore`) instead of generating again."""
-    from mirror_mlx.train.distill import data_root
-    from mirror_mlx.train.distill_data import pack_ids
-
     click.echo(json.dumps(pack_ids(data_root(model, data_dir), Path(out))))
 
 
@@ -69,11 +68,6 @@ def pack_cmd(model, data_dir, out) -> None:
 def restore_cmd(model, ids, data_dir) -> None:
     """Fill the reply cache from packed token ids: each missing reply's teacher logits are recomputed by
     batched prefill of the target (resumable, like `distill data`)."""
-    from mlx_lm.utils import load
-
-    from mirror_mlx.train.distill import data_root
-    from mirror_mlx.train.distill_data import restore_ids
-
     target, _ = load(model)
     click.echo(json.dumps(restore_ids(Path(ids), data_root(model, data_dir), target,
                                       log=lambda s: click.echo(s, err=True))))
@@ -82,7 +76,8 @@ def restore_cmd(model, ids, data_dir) -> None:
 @distill_cmd.command("train")
 @target_option
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="The draft folder to write.")
-@click.option("--frozen", type=int, default=TrainConfig.frozen, show_default=True, help="E: the target's first layers, frozen.")
+@click.option("--frozen", type=int, default=TrainConfig.frozen, show_default=True,
+              help="E: the target's first layers, frozen.")
 @click.option("--trained", type=int, default=TrainConfig.trained, show_default=True,
               help="k: layers after them, initialised from the target's next k, trained.")
 @click.option("--kept", type=int, default=TrainConfig.kept, show_default=True,
@@ -104,8 +99,6 @@ def restore_cmd(model, ids, data_dir) -> None:
 def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
     """Train (or resume: same settings, same run folder) a distilled draft; it is written to --out at every
     checkpoint with the held-out agreement so far."""
-    from mirror_mlx.train.distill import train
-
     cfg = TrainConfig(target=model, out=out, sources=tuple(s for s in sources.split(",") if s), **kw)
     r = refusing(ValueError, train, cfg, budget_minutes=budget_minutes, log=lambda s: click.echo(s, err=True))
     click.echo(json.dumps(r))
@@ -118,10 +111,6 @@ def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
 @click.option("--cost/--no-cost", default=True, help="Also measure c, the 1-row forward cost ratio (one core each).")
 def measure_cmd(model, draft, data_dir, cost) -> None:
     """Teacher-forced greedy agreement on the evaluation part's replies, and c."""
-    from mlx_lm.utils import load_model
-
-    from mirror_mlx.train.distill import agreement, cost_ratio, data_root, read_replies
-
     ev = read_replies(data_root(model, data_dir), ("eval",))
     if not ev:
         raise click.UsageError("no evaluation replies cached: run `mirror-mlx distill data` first")
@@ -153,8 +142,6 @@ def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens
              **kw) -> None:
     """Generate and train in one process (one PID to pause): replies for a while, then each draft shape from
     scratch on all of them, and again. Killed and started again, it goes on where it stopped."""
-    from mirror_mlx.train.distill import loop
-
     cfgs = []
     for shape in shapes:
         parts = shape.split(",")
@@ -165,4 +152,5 @@ def loop_cmd(model, out, shapes, generate_minutes, train_minutes, min_new_tokens
         cfgs.append(TrainConfig(target=model, out=out, data_dir=data_dir, frozen=E, trained=k, kept=V,
                                 init=parts[3] if len(parts) > 3 else "next", **kw))
     loop(DataConfig(target=model, data_dir=data_dir, rounds=rounds), cfgs, generate_minutes=generate_minutes,
-         train_minutes=train_minutes, min_new_tokens=min_new_tokens, growth=growth, log=lambda s: click.echo(s, err=True))
+         train_minutes=train_minutes, min_new_tokens=min_new_tokens, growth=growth,
+         log=lambda s: click.echo(s, err=True))

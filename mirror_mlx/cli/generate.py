@@ -2,16 +2,21 @@
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import click
 
-from mirror_mlx import text
+from mirror_mlx import demo as demo_pair, prompt_cache, text
+from mirror_mlx.blas import status
 from mirror_mlx.chunks import kept, result as whole
-from mirror_mlx.timeline import Steps
+from mirror_mlx.timeline import Steps, html
 from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, pipeline_option, read_prompt, template_config, usage_error, xtc_options,
                             xtc_sampler)
 from mirror_mlx.cli.refused import refused_options
+from mirror_mlx.loading import load_model
+from mirror_mlx.pipeline import check_adapter_path
+from mirror_mlx.prompt_cache import read
 
 
 class TakesLists(click.Command):
@@ -21,7 +26,8 @@ class TakesLists(click.Command):
     LISTS = ("--extra-eos-token", "--image")
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        out, current = [], None
+        out: list[str] = []
+        current: Optional[str] = None
         for arg in args:
             if arg.startswith("-"):
                 current = arg if arg in self.LISTS else None
@@ -45,9 +51,6 @@ def add_eos_tokens(tokenizer, tokens) -> None:
 def read_prompt_cache(path: str, model, decode: dict):
     """--prompt-cache-file: the loaded cache, the model to load and its tokenizer config, as mlx_lm.generate
     takes them from the file's metadata; a file without token ids (mlx_lm.cache_prompt's) turns auto into ar."""
-    from mirror_mlx import demo as demo_pair
-    from mirror_mlx.prompt_cache import read
-
     try:
         cache = read(path)
     except ValueError as e:
@@ -95,7 +98,8 @@ def same_model(a, b) -> bool:
 @click.option("--ignore-chat-template", is_flag=True, help="Use the prompt text as is, without the chat template.")
 @click.option("--use-default-chat-template", is_flag=True,
               help="Accepted as mlx-lm 0.32 accepts it: it has no effect there either.")
-@click.option("--chat-template-config", default=None, help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
+@click.option("--chat-template-config", default=None,
+              help='Extra template variables, JSON: \'{"enable_thinking": false}\'.')
 @click.option("--extra-eos-token", multiple=True,
               help="Further tokens that end generation: `--extra-eos-token a b`, as mlx-lm (repeatable too).")
 @click.option("--prefill-response", default=None,
@@ -119,8 +123,8 @@ def same_model(a, b) -> bool:
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="Write this run's steps as one self-contained HTML file: the target's and the draft's work on "
                    "one time axis, each step's accepted tokens marked in the text.")
-def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt, system_prompt,
-                 ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
+def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, prompt,
+                 system_prompt, ignore_chat_template, use_default_chat_template, chat_template_config, extra_eos_token,
                  prefill_response, prompt_cache_file, xtc_probability, xtc_threshold, min_tokens_to_keep, verbose,
                  quiet, as_json, timeline, **decode) -> None:
     """Generate from a prompt; prints the text as it is committed, then the stats on stderr.
@@ -128,8 +132,6 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
     mlx_lm.generate's --kv-bits, --image and --quantize-activations are refused, each with its reason
     (docs/mlx-lm-flags.md has every flag).
     """
-    from mirror_mlx.blas import status
-
     verbose = verbose.lower() not in ("false", "f") and not quiet  # mlx_lm.generate's str2bool
     if timeline is not None and not Path(timeline).expanduser().resolve().parent.is_dir():
         raise click.UsageError(f"--timeline {timeline}: its folder does not exist: give a path in an existing folder")
@@ -182,8 +184,6 @@ def generate_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, tr
 
 def write_timeline(path, records: list, text_: str, title: str, summary: str) -> None:
     """--timeline's file (mirror_mlx/timeline.py: the run as one HTML file), and one line on stderr saying so."""
-    from mirror_mlx.timeline import html
-
     if path is None:
         return
     try:
@@ -194,17 +194,14 @@ def write_timeline(path, records: list, text_: str, title: str, summary: str) ->
 
 
 @click.command("cache-prompt")
-@click.option("--model", default=None, help="Target: model folder or Hugging Face id [default: the embedded demo target].")
+@click.option("--model", default=None,
+              help="Target: model folder or Hugging Face id [default: the embedded demo target].")
 @mlx_lm_load_options
 @click.option("--eos-token", default=None, help="End-of-sequence token for the tokenizer (as mlx_lm.cache_prompt).")
 @click.option("--prompt-cache-file", required=True, type=click.Path(dir_okay=False), help="The file to write.")
 @click.option("--prompt", "-p", required=True, help="The prefix to cache ('-' reads stdin).")
 def cache_prompt_cmd(model, adapter_path, trust_remote_code, eos_token, prompt_cache_file, prompt) -> None:
     """mlx_lm.cache_prompt, plus the prompt's token ids: `generate --prompt-cache-file` then works in every mode."""
-    from mirror_mlx import demo as demo_pair, prompt_cache
-    from mirror_mlx.loading import load_model
-    from mirror_mlx.pipeline import check_adapter_path
-
     prompt = read_prompt(prompt)
     tokenizer_config = {"trust_remote_code": trust_remote_code}
     if eos_token is not None:

@@ -2,12 +2,19 @@
 and BenchConfig)."""
 
 from pathlib import Path
+from typing import Union
 
 import click
 
-from mirror_mlx.bench.run import BenchConfig
+from mirror_mlx import distributed, doctor
+from mirror_mlx.bench.machine import pin_threads
+from mirror_mlx.bench.run import BenchConfig, Mismatch, bench
 from mirror_mlx.cli import load_pipeline, model_options, refusing
-from mirror_mlx.tune.calibrate import TuneConfig
+from mirror_mlx.tune import profile, report
+from mirror_mlx.tune.calibrate import OutOfTime, TuneConfig, calibrate
+from mirror_mlx.tune.compute_plan import report as compute_plan_report
+from mirror_mlx.tune.cost_model import describe
+from mirror_mlx.tune.omega import run_omega
 
 TUNE = TuneConfig()
 BENCH = BenchConfig()
@@ -18,7 +25,8 @@ BENCH = BenchConfig()
 @click.option("--prompts", "prompts_file", default=None,
               help="Calibration prompts: FILE.jsonl (a 'prompt' or 'turns' field per line) or a prompt set name "
                    "[default: held-out TinyStories openings].")
-@click.option("--limit", type=click.IntRange(min=1), default=TUNE.prompts, show_default=True, help="Calibration prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=TUNE.prompts, show_default=True,
+              help="Calibration prompts.")
 @click.option("--max-tokens", "-m", type=click.IntRange(min=4), default=TUNE.max_tokens, show_default=True,
               help="Greedy tokens per calibration prompt.")
 @click.option("--confirm", type=click.IntRange(min=1), default=TUNE.confirm, show_default=True,
@@ -28,8 +36,8 @@ BENCH = BenchConfig()
 @click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use (its own "
               "small set: not with --limit, --max-tokens, --confirm or --min-seconds).")
 @click.option("--pin", is_flag=True, help="The Mac analog, as `bench --pin`: the target side on one core in every "
-              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart from the "
-              "unpinned one. "
+              "mode and the draft on another (Linux; set OPENBLAS_NUM_THREADS=1 too); its profile is kept apart "
+              "from the unpinned one. "
               "Without it tune measures mirror unpinned and split (target side and draft host on cores of their "
               "own) and auto runs the faster.")
 def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
@@ -38,13 +46,6 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
 
     Under mlx.launch every rank measures the sharded target in step with rank 0, which times the draft,
     prints the table and saves the profile (kept apart by rank count)."""
-    from mirror_mlx import distributed
-    from mirror_mlx.bench.machine import pin_threads
-    from mirror_mlx.tune.compute_plan import report as compute_plan_report
-    from mirror_mlx.tune import profile, report
-    from mirror_mlx.tune.calibrate import OutOfTime, calibrate
-    from mirror_mlx.tune.cost_model import describe
-
     if pin and distributed.group() is not None:
         raise click.UsageError("--pin pins one process's threads: under mlx.launch run tune without it")
     ctx = click.get_current_context()
@@ -75,6 +76,7 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
         pipe.close()
     if prof is None:  # a rank beside rank 0 under mlx.launch: rank 0 prints and saves
         return
+    path: Union[Path, str]
     try:
         path = profile.save(prof)
     except profile.ProfileError as e:  # an unwritable cache: the table below is still worth reading
@@ -101,8 +103,6 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
 def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[str, ...], prompts: int,
               max_tokens: int, layers: tuple[int, ...]) -> None:
     """Print Omega_kappa, the target's mass inside the early-exit top-kappa, at every exit layer."""
-    from mirror_mlx.tune.omega import run_omega
-
     click.echo(refusing(ValueError, run_omega, model, draft_model, exit_adapters, prompts, max_tokens, layers or None))
 
 
@@ -123,7 +123,8 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
 @click.option("--gamma", type=int, default=BENCH.gamma,
               help="Window length γ (mirror and sd) [default: each mode's best row in the pair's profile].")
 @click.option("--exit-layer", type=int, default=BENCH.exit_layer,
-              help="Early-exit layer ℓ_e [default: mirror's best row in the profile; the sweep: the adapter's, else N/2].")
+              help="Early-exit layer ℓ_e [default: mirror's best row in the profile; "
+                   "the sweep: the adapter's, else N/2].")
 @click.option("--seed", type=int, default=BENCH.seed, show_default=True, help="Seed of prompt i is seed + i.")
 @click.option("--sweep", default=None,
               help='Instead of the mode comparison, mirror over a grid, e.g. "kappa=1,4,8,16 gamma=3,5,7 '
@@ -137,8 +138,6 @@ def omega_cmd(model: str | None, draft_model: str | None, exit_adapters: tuple[s
               help="Folder for results.json, results.md and the plots.")
 def bench_cmd(**kwargs) -> None:
     """Mirror-SD against mlx-lm's generate_step and speculative decoding, same prompts, one process."""
-    from mirror_mlx.bench.run import Mismatch, bench
-
     try:
         report = bench(BenchConfig(**kwargs))
     except Mismatch as e:
@@ -156,7 +155,5 @@ def bench_cmd(**kwargs) -> None:
 @click.option("--seconds", type=click.FloatRange(min=0.5), default=2.0, show_default=True, help="Overlap probe length.")
 def doctor_cmd(model: str | None, draft_model: str | None, seconds: float) -> None:
     """What this machine can do: OS, chip, Python, MLX, Core ML, and a target ‖ draft overlap probe."""
-    from mirror_mlx.doctor import report
-
-    for line in report(model, draft_model, seconds):
+    for line in doctor.report(model, draft_model, seconds):
         click.echo(line)

@@ -31,14 +31,16 @@ ALIASES = {"--quantize-activations": ("-qa",)}  # mlx_lm.generate's short names 
 
 
 def refused_options(command: str):
-    """Hidden options for REFUSED[command]: given, each stops the command with `FLAG is refused: the reason` (exit 2)."""
+    """Hidden options for REFUSED[command]: given, each stops the command with `FLAG is refused: the reason`
+    (exit 2)."""
     def refuse(ctx: click.Context, param: click.Parameter, value) -> None:
         if value not in (None, False, ()):
             raise click.UsageError(f"{param.opts[0]} is refused: {REFUSED[command][param.opts[0]][1]}", ctx)
 
     def apply(f):
         for flag, (takes_value, _) in REFUSED[command].items():
-            f = click.option(flag, *ALIASES.get(flag, ()), is_flag=not takes_value, multiple=flag == "--image", hidden=True,
-                             expose_value=False, callback=refuse, default=None if takes_value else False)(f)
+            f = click.option(flag, *ALIASES.get(flag, ()), is_flag=not takes_value, multiple=flag == "--image",
+                             hidden=True, expose_value=False, callback=refuse,
+                             default=None if takes_value else False)(f)
         return f
     return apply

@@ -1,11 +1,16 @@
 """`mirror-mlx serve`: the OpenAI-compatible server (mirror_mlx.server) over one pipeline."""
 
+import logging
+import re
+
 import click
 
 from mirror_mlx.cli import (decode_options, draft_vocab_option, generation_kwargs, load_pipeline, mlx_lm_load_options,
                             model_options, pipeline_option, template_config, tracker_ignores_hangup)
 from mirror_mlx.cli.refused import refused_options
 from mirror_mlx import distributed
+from mirror_mlx.server import serve
+from mirror_mlx.server.prefix_cache import PrefixCache
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -27,7 +32,6 @@ def size(text):
     """--prompt-cache-bytes: a byte count with an optional unit (KB, MB, GB, TB: powers of 1024)."""
     if text is None:
         return None
-    import re
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", text.upper())
     if not m or m.group(2) not in UNITS:
@@ -82,15 +86,11 @@ def across_ranks(ranks: int, prompt_cache_size: int, prompt_cache_bytes) -> dict
 @decode_options(max_tokens=512, seed=None)
 @pipeline_option
 @refused_options("serve")
-def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port, max_queue,
-              allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
+def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust_remote_code, pipeline, host, port,
+              max_queue, allowed_origins, chat_template_args, prompt_cache_size, prompt_cache_bytes, decode_concurrency,
               prompt_concurrency, batch_speculation, log_level, max_tokens,
               temp, **decode) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions) with Mirror-SD behind it."""
-    import logging
-
-    from mirror_mlx.server import serve
-
     allowed = origins(allowed_origins)
     template_kwargs = template_config(chat_template_args, "--chat-template-args")
     cache_bytes = size(prompt_cache_bytes)
@@ -107,8 +107,6 @@ def serve_cmd(model, draft_model, draft_vocab, exit_adapter, adapter_path, trust
             if cache_bytes is not None:
                 prompt_cache_size = 0
             if g.rank() > 0:
-                from mirror_mlx.server.prefix_cache import PrefixCache
-
                 prefixes = PrefixCache(pipe.engine, prompt_cache_size) if prompt_cache_size else None
                 distributed.serve_follower(pipe, prefixes)
                 return

@@ -22,7 +22,8 @@ host, unlinks its shared memory and exits with one line on stderr.
 
 from importlib import import_module
 
-from .group import comm_per_forward, group, launched, share  # (light: a call in one process asks group())
+# (light: a call in one process asks group()); `x as x` marks a re-export
+from .group import comm_per_forward as comm_per_forward, group as group, launched as launched, share as share
 
 _FROM = {"die": "faults", "end_with_launcher": "faults", "lost_peer": "faults", "stop_within_grace": "faults",
          "serve_follower": "follow", "DistributedPipeline": "pipeline", "load": "pipeline",

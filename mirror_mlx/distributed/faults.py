@@ -7,11 +7,13 @@ import signal
 import threading
 import time
 from contextlib import contextmanager, suppress
-from typing import Any, Iterator, Optional
+from types import FrameType
+from typing import Callable, Iterator, Optional, TypeVar
 
 from ..drafts.host import close_all
 from .group import rank
 
+T = TypeVar("T")
 TIMEOUT_ENV = "MIRROR_MLX_DIST_TIMEOUT"
 GRACE_S = 10.0  # a rank told to stop (a server's, or Ctrl-C on a run) ends within this long (stop_within_grace)
 
@@ -73,12 +75,12 @@ class Watchdog:
             self.since = time.monotonic()
 
 
-def on_stop_signal(signum: int, frame: Any) -> None:
+def on_stop_signal(signum: int, frame: Optional[FrameType]) -> None:
     """SIGTERM or SIGHUP ends this rank with one line (`die`)."""
     die(f"stopped by {signal.Signals(signum).name} (mlx.launch stops every rank once one has failed)", 128 + signum)
 
 
-def on_interrupt(signum: int, frame: Any) -> None:
+def on_interrupt(signum: int, frame: Optional[FrameType]) -> None:
     """Ctrl-C ends a rank as it ends one process (the step in course ends, then KeyboardInterrupt, 130),
     within GRACE_S s: a step whose peer has already gone (its own Ctrl-C came between two steps) never
     ends, since the ring waits for it, so the grace timer ends this rank with one line instead."""
@@ -91,7 +93,7 @@ def lost_peer(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "[ring]" in str(e) or isinstance(e, Diverged)
 
 
-def collective(fn: Any) -> Any:
+def collective(fn: Callable[[], T]) -> T:
     """Run `fn` (a collective): a lost peer ends this rank with one line instead of an MLX traceback."""
     try:
         return fn()
@@ -104,7 +106,7 @@ def collective(fn: Any) -> Any:
 _grace: list = []
 
 
-def stop_within_grace(signum: int, frame: Any = None) -> None:
+def stop_within_grace(signum: int, frame: Optional[FrameType] = None) -> None:
     """A server's rank asked to stop (SIGINT/SIGTERM/SIGHUP, or its launcher gone) ends within GRACE_S s:
     rank 0 stops as one process does (the step in course ends, the other ranks are told QUIT); a step that
     cannot end (a rank lost or stalled: the ring may wait for it forever) or a rank 0 that never says QUIT

@@ -5,14 +5,17 @@ import json
 import signal
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from .faults import collective, die, end_with_launcher, stop_within_grace
 from .group import share
 from .pipeline import IDLE, IDLE_SLEEP_S, MESSAGE, QUIT, RESET, START, STEP, STOP, DistributedPipeline, held
 
+if TYPE_CHECKING:
+    from ..server.prefix_cache import PrefixCache
 
-def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
+
+def follow(pipe: DistributedPipeline, prefixes: "Optional[PrefixCache]" = None) -> None:
     """Ranks > 0 of a server: run what rank 0 (`DistributedPipeline.leading`) runs, step by step, until it
     ends. Waiting for the next request is no stall (no watchdog); within a request rank 0 is timed.
     `prefixes`: this rank's PrefixCache, restored and stored where rank 0's scheduler does (before a request;
@@ -30,7 +33,7 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
         nonlocal stream, stepped
         stepped = False
         if stream is not None:
-            stream, s = None, stream
+            s, stream = stream, None
             s.close()
 
     while True:
@@ -59,6 +62,7 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
         elif kind == STEP:
             if stream is None:
                 die(f"rank 0 runs a request this rank could not start ({failed!r}): stopping")
+            assert stream is not None  # (die ended the process)
             stepped = True
             try:
                 chunk = next(stream, None)
@@ -79,7 +83,7 @@ def follow(pipe: DistributedPipeline, prefixes: Any = None) -> None:
                 "rank?): stopping")
 
 
-def serve_follower(pipe: DistributedPipeline, prefixes: Any = None) -> None:
+def serve_follower(pipe: DistributedPipeline, prefixes: "Optional[PrefixCache]" = None) -> None:
     """`mirror-mlx serve` on ranks > 0: no server, only `follow`. SIGINT/SIGTERM/SIGHUP or the launcher
     gone: rank 0 got it too and ends the run (QUIT); if it has not in GRACE_S s, this rank ends alone."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

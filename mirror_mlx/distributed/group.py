@@ -2,9 +2,15 @@
 
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import mlx.core as mx
+
+from ..engine.model_parts import text_model
+from ..engine.readback import ints
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # set by mlx.launch (ring, jaccl) and by mpirun
 
@@ -32,7 +38,7 @@ def share(values: Sequence[int], size: int, g: mx.distributed.Group) -> list[int
     if g.rank() == 0:
         buf[: len(values)] = values
     out = mx.distributed.all_sum(mx.array(buf, dtype=mx.int32), group=g, stream=mx.cpu)
-    return out.tolist()
+    return ints(out)
 
 
 def rank() -> int:
@@ -40,12 +46,10 @@ def rank() -> int:
     return _group.rank() if _group is not None else 0
 
 
-def comm_per_forward(model: Any, g: mx.distributed.Group, rows: Sequence[int] = (1, 4, 8, 16, 32),
+def comm_per_forward(model: "nn.Module", g: mx.distributed.Group, rows: Sequence[int] = (1, 4, 8, 16, 32),
                      reps: int = 20) -> dict[int, float]:
     """T_comm by row count: seconds of the all_sums one tensor-parallel forward of `rows` rows makes (2 per layer,
     each rows × hidden), measured alone. Every rank must call it (a collective)."""
-    from ..engine.model_parts import text_model
-
     inner = text_model(model)
     hidden, layers = inner.args.hidden_size, len(inner.layers)
     out = {}

@@ -10,23 +10,31 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Generator, Optional, Sequence, Union
 
 import mlx.core as mx
+from mlx_lm.utils import load_model, sharded_load
 
 from .. import validate
+from ..chunks import Chunk, Detokenizer
+from ..engine import draft_context
+from ..engine.exit_adapter import load_adapters
 from ..proposers.lookup import LOOKUP
 from ..options import given
 from ..pipeline import Pipeline, check_adapter_path, load_draft
 from ..engine.model_parts import text_model
 from ..engine.target import StageTargetSide
+from ..loading import check_vocabulary, resolve_model
+from ..tune import profile as profiles
+from ..tune.cost_model import describe
 from ..tune.policy import SAFE_KNOBS
+from ..tune.profile import Profile
 from .faults import TIMEOUT_ENV, Watchdog, collective, on_interrupt, on_stop_signal
 from .group import group, share
 from .shared_draft import MirrorHost, SharedHost
 
 if TYPE_CHECKING:
-    from ..tune.profile import Profile
+    from ..options import Plan
 
 NO_LOOKUP = ("the prompt lookup runs in one process, not across the ranks of mlx.launch: start it without the "
              "launcher, or drop lookup")
@@ -52,7 +60,7 @@ class DistributedPipeline(Pipeline):
         with self.watchdog.waiting(what):
             return share(values, size, self.group)
 
-    def resolve(self, plan: Any) -> Any:
+    def resolve(self, plan: "Plan") -> "Plan":
         """`Pipeline.resolve`, then what running across ranks adds: rank 0's seed for an unseeded sample, the
         watchdog beaten by the prefill's progress, and auto's choice kept (auto's runs neither adapt it nor
         leave the draft here: each rank would judge alone)."""
@@ -92,9 +100,6 @@ class DistributedPipeline(Pipeline):
         return self.auto.profile
 
     def _shared_profile(self) -> "Profile":
-        from ..tune.cost_model import describe
-        from ..tune.profile import Profile
-
         sent = list(self._read_profile()) if self.group.rank() == 0 else []
         size = self.agree([len(sent)], 1, "rank 0's tuning profile")[0]
         if not size:
@@ -105,8 +110,6 @@ class DistributedPipeline(Pipeline):
 
     def _read_profile(self) -> bytes:
         """Rank 0: this pair's profile for this rank count as JSON, or b"" (none, or a broken one, said)."""
-        from ..tune import profile as profiles
-
         try:
             prof = profiles.saved(profiles.pipe_key(self), self.engine)
         except profiles.ProfileError as e:
@@ -114,9 +117,10 @@ class DistributedPipeline(Pipeline):
             return b""
         return b"" if prof is None else json.dumps(asdict(prof)).encode()
 
-    def _chunks(self, *args: Any, **kwargs: Any) -> Iterator:
+    def _chunks(self, plan: "Plan", hold: bool = False,
+                detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """The steps, each timed by the watchdog; a lost peer ends this rank with one line."""
-        steps = super()._chunks(*args, **kwargs)
+        steps = super()._chunks(plan, hold, detokenizer)
         try:
             while True:
                 with self.watchdog.waiting("a step of the other ranks"):
@@ -130,7 +134,7 @@ class DistributedPipeline(Pipeline):
 
     # --- a server across ranks: rank 0 leads (these overrides), the other ranks `follow`
 
-    def run(self, plan: Any, detokenizer: Any = None) -> Iterator:
+    def run(self, plan: "Plan", detokenizer: Optional[Detokenizer] = None) -> Generator[Chunk, None, None]:
         """Leading: the request (its ids and options) goes to the other ranks first, then each step is told
         before it runs, so every rank runs the same generation step by step (the text is this rank's own:
         `detokenizer` stays here)."""
@@ -155,7 +159,7 @@ class DistributedPipeline(Pipeline):
             raise
         return self._lead(chunks)
 
-    def _lead(self, chunks: Iterator) -> Iterator:
+    def _lead(self, chunks: Generator[Chunk, None, None]) -> Generator[Chunk, None, None]:
         ended = False  # the other ranks saw the end too (their stream ended at the same chunk)
         try:
             while not ended:
@@ -212,8 +216,6 @@ KEPT = "across ranks auto keeps this choice (adapting to auto's runs and leaving
 def stand_in(reason: str) -> "Profile":
     """The profile across ranks without a tuned one: mirror with the small safe knobs, said uncalibrated with
     `reason`. Its table is empty, so an explicit mode's missing knobs are the safe ones too (policy.knobs_from)."""
-    from ..tune.profile import Profile
-
     safe = "; ".join(f"{knob} {value} (small safe default, uncalibrated)" for knob, value in SAFE_KNOBS.items())
     return Profile(key={}, mode="mirror", kappa=SAFE_KNOBS["kappa"], gamma=SAFE_KNOBS["gamma"],
                    why=f"mirror ({reason}); {safe}")
@@ -241,10 +243,6 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
 
     The split is sharded_load's: tensor parallel where the family has `model.shard`, else its pipeline split
     (layers by rank); `pipeline=True` asks for the pipeline split (mlx-lm's `--pipeline`)."""
-    from mlx_lm.utils import sharded_load
-
-    from ..loading import check_vocabulary, resolve_model
-
     if str(draft_model) == LOOKUP:
         raise ValueError(NO_LOOKUP)
     validate.draft_vocab(draft_vocab, draft_model is not None)
@@ -269,10 +267,6 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
     draft = load_draft(draft_model, tokenizer, draft_vocab) if draft_model is not None else None
     adapter = None
     if exit_adapter is not None:
-        from mlx_lm.utils import load_model
-
-        from ..engine.exit_adapter import load_adapters
-
         # checked against the whole model's fingerprint (a shard's shapes differ); lazy: only what it reads
         adapter = load_adapters(exit_adapter, load_model(folder, lazy=True, strict=False)[0])
     watchdog = Watchdog(float(os.environ.get(TIMEOUT_ENV, "120")))
@@ -294,8 +288,6 @@ def load(model: Union[str, Path], draft_model: Optional[Union[str, Path]] = None
         if rank == 0:
             engine.host = SharedHost(engine.host, g, watchdog)
         else:
-            from ..engine import draft_context
-
             pipe.draft = engine.draft = draft
             engine.draft_context = draft_context(draft)
             engine.host = MirrorHost(g, engine.vocab_size, watchdog)

@@ -1,7 +1,7 @@
 """What the engine asks of a draft, whatever runs it (MLX thread, SS model, Core ML process)."""
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 
 @dataclass
@@ -22,7 +22,8 @@ class Draft(Protocol):
     prefills it while the target prefills, so the first window costs no prefill forward on the decode clock.
     """
 
-    vocab_size: int
+    @property
+    def vocab_size(self) -> Optional[int]: ...  # (None: the model does not say)
 
     def reset(self) -> None: ...
 

@@ -29,7 +29,7 @@ from contextlib import suppress
 from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
-from mirror_mlx.blas import follow_affinity
+from mirror_mlx.blas import follow_affinity, preload
 from mirror_mlx.engine.model_parts import common_prefix
 from mirror_mlx.drafts.api import Draft, Rollout
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft, ss_draft
@@ -170,7 +170,8 @@ def serve(draft: Draft, req: Channel, rep: Channel) -> None:
             else:
                 raise ValueError(f"unknown request kind {msg.kind}")
         except Exception as e:  # noqa: BLE001 - the engine decides what a failing draft means
-            rep.send(ERROR, msg.step, [int(isinstance(e, ValueError))] + list(f"{type(e).__name__}: {e}".encode()[:4000]))
+            text = f"{type(e).__name__}: {e}".encode()[:4000]
+            rep.send(ERROR, msg.step, [int(isinstance(e, ValueError))] + list(text))
 
 
 def _attach(name: str) -> TokenRing:
@@ -185,7 +186,6 @@ def main(argv: Sequence[str]) -> None:
     _own_process = True
     req_name, req_fd, rep_name, rep_fd, spec = argv
     req, rep = Channel(_attach(req_name), int(req_fd)), Channel(_attach(rep_name), int(rep_fd))
-    from mirror_mlx.blas import preload
 
     preload()  # before mlx.core (idempotent), from the module itself: not the package's face
 
@@ -230,7 +230,7 @@ class DraftHost:
         self.process = isinstance(draft, DraftRecipe) if process is None else process
         if self.process and not isinstance(draft, DraftRecipe):
             raise TypeError("a draft object cannot move to another process: pass a DraftRecipe, or process=False")
-        if self.process and getattr(draft.build, "__module__", "") == "__main__":
+        if isinstance(draft, DraftRecipe) and self.process and getattr(draft.build, "__module__", "") == "__main__":
             raise TypeError(f"the draft host cannot import {draft.build.__name__} from your __main__ script: "
                             "define the DraftRecipe's builder in an importable module")
         self.draft = draft
@@ -247,7 +247,7 @@ class DraftHost:
         self._theirs = [req_r, rep_w]  # the host's ends
         _live.add(self)
         try:
-            if self.process:
+            if self.process and isinstance(draft, DraftRecipe):  # (checked above: a process builds a recipe)
                 self._start_process(draft)
             else:
                 self._start_thread(draft)
@@ -400,6 +400,7 @@ class DraftHost:
         stalled = False
         if self._worker is not None:
             # a stalled draft thread cannot be killed: it is left to finish (then it parks, see workers.py)
+            assert self._served is not None, "a host thread's loop is served"
             stalled = not wait([self._served], grace).done
             self._worker.close(join_timeout=0.0 if stalled else 5.0)
         for fd in [self.req.fd, self.rep.fd] + self._theirs:
@@ -410,7 +411,7 @@ class DraftHost:
                 ring.shm.unlink()
             else:
                 ring.close()
-        self.req = self.rep = None
+        self.req = self.rep = None  # type: ignore[assignment]  # (None: closed, what `close` reads; never used after)
         _live.discard(self)
 
     def kill(self) -> None:

@@ -1,4 +1,5 @@
-"""The draft host's process: `python -m mirror_mlx.drafts.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
+"""The draft host's process:
+`python -m mirror_mlx.drafts.host_process [--weights-only] REQ_RING REQ_FD REP_RING REP_FD SPEC`.
 
 `--weights-only` is for mirror-mlx's own builders (host.WEIGHTS_ONLY), which load weights from a local folder
 and never a tokenizer (the engine checked it). mlx-lm's `__init__` and `mlx_lm.utils` import transformers and
@@ -18,7 +19,9 @@ def without_tokenizers() -> None:
     process."""
     if "mlx_lm" in sys.modules:
         raise RuntimeError("mlx_lm is already imported: without_tokenizers() must come first")
-    sys.modules["mlx_lm"] = importlib.util.module_from_spec(importlib.util.find_spec("mlx_lm"))
+    spec = importlib.util.find_spec("mlx_lm")
+    assert spec is not None, "mlx-lm is installed"
+    sys.modules["mlx_lm"] = importlib.util.module_from_spec(spec)
 
     def refuse(what: str):
         def refused(*args, **kwargs):
@@ -26,11 +29,11 @@ def without_tokenizers() -> None:
         return refused
 
     tokenizers = types.ModuleType("mlx_lm.tokenizer_utils", "mlx-lm's tokenizer module, refused in a weights-only host")
-    tokenizers.TokenizerWrapper = type("TokenizerWrapper", (), {"__init__": refuse("loads no tokenizer")})
-    tokenizers.load = refuse("loads no tokenizer")
+    vars(tokenizers).update(TokenizerWrapper=type("TokenizerWrapper", (), {"__init__": refuse("loads no tokenizer")}),
+                            load=refuse("loads no tokenizer"))
     sys.modules["mlx_lm.tokenizer_utils"] = tokenizers
     hub = types.ModuleType("huggingface_hub", "the Hub client, refused in a weights-only host (its folder is local)")
-    hub.snapshot_download = refuse("downloads nothing (the engine passes a local folder)")
+    vars(hub).update(snapshot_download=refuse("downloads nothing (the engine passes a local folder)"))
     sys.modules.setdefault("huggingface_hub", hub)
 
 

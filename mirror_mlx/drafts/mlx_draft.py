@@ -10,11 +10,13 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, trim_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, trim_prompt_cache
 
 from ..engine import recurrent
+from ..engine.recurrent import LayerCache
 from .api import Rollout
 from ..engine.model_parts import common_prefix, trimmable_cache, vocab_size
+from ..engine.readback import int_rows, ints
 
 
 def check_stems(stems: Sequence[Sequence[int]]) -> None:
@@ -54,7 +56,7 @@ class MLXDraft:
         self.vocab_size = vocab_size(model)
 
     def reset(self) -> None:
-        self.cache: list[Any] = trimmable_cache(self.model)
+        self.cache: list[LayerCache] = trimmable_cache(self.model)
         self.cached: list[int] = []
         self.rows: list[Optional[BranchRows]] = []  # branch scratch per layer cache (None: recurrent), kept
         self.rows_valid = 0  # leading cache slots whose keys/values the rows hold as they are
@@ -96,7 +98,7 @@ class MLXDraft:
             y = mx.argmax(self.model(y, cache=rows)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
             mx.async_eval(y)
             out.append(y)
-        windows = mx.concatenate(out, axis=1).tolist() if out else [[] for _ in stems]
+        windows = int_rows(mx.concatenate(out, axis=1)) if out else [[] for _ in stems]
         return Rollout(windows=windows, forwards=gamma + fed, tokens=gamma)
 
     def _window(self, context: Sequence[int], stem: Sequence[int], gamma: int) -> Rollout:
@@ -114,7 +116,7 @@ class MLXDraft:
             mx.async_eval(y)
             y = mx.argmax(self.model(y.astype(mx.int32), cache=self.cache)[:, -1, :], axis=-1, keepdims=True)
             out.append(y)
-        window = mx.concatenate(out, axis=1)[0].tolist()
+        window = ints(mx.concatenate(out, axis=1)[0])
         trim_prompt_cache(self.cache, len(stem) + gamma - 1)  # the draft's cache keeps committed tokens only
         self.cached.extend(rest)
         return Rollout(windows=[window], forwards=fed + gamma, tokens=gamma)
@@ -156,7 +158,7 @@ class BranchRows:
         self.B = self.S = self.t = 0
 
     @classmethod
-    def grow(cls, old: Optional["BranchRows"], cache: Any, B: int, cap: int, keep: int) -> "BranchRows":
+    def grow(cls, old: Optional["BranchRows"], cache: KVCache, B: int, cap: int, keep: int) -> "BranchRows":
         k, v = cache.state[:2]
         new = cls(mx.zeros((B, k.shape[1], cap, k.shape[3]), k.dtype),
                   mx.zeros((B, v.shape[1], cap, v.shape[3]), v.dtype))
@@ -165,7 +167,7 @@ class BranchRows:
             new.values[:, :, :keep, :] = old.values[:B, :, :keep, :]
         return new
 
-    def start(self, cache: Any, m: int, S: int, n: int, spine_used: list[int]) -> None:
+    def start(self, cache: KVCache, m: int, S: int, n: int, spine_used: list[int]) -> None:
         """Copy slots [m, S) from the draft's cache into every row; row b's stem ends at n + spine_used[b]."""
         if m < S:
             k, v = cache.state[:2]

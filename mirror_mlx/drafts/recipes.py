@@ -4,10 +4,13 @@ reference, so the host process builds the draft itself (its weights never cross 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from mirror_mlx.drafts.api import Draft
 from mirror_mlx.drafts.vocab import KeptIds, trim
+
+if TYPE_CHECKING:
+    from mirror_mlx.drafts.mlx_draft import MLXDraft
 
 
 @dataclass(frozen=True)
@@ -21,12 +24,11 @@ class DraftRecipe:
         return f"{self.build.__name__}({', '.join(map(str, self.args))})"
 
 
-def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
+def mlx_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> "MLXDraft":
     """A plain mlx-lm model folder as draft (the tokenizer was checked by whoever made the spec); `kept`: its
     head scores only those ids (vocab.py)."""
-    from mlx_lm.utils import load_model
-
-    from mirror_mlx.drafts.mlx_draft import MLXDraft
+    from mirror_mlx.drafts.distilled.model_types import load_model  # (mlx-lm's loader, on a draft host's build)
+    from mirror_mlx.drafts.mlx_draft import MLXDraft  # (a draft host loads its own draft kind only)
 
     model = load_model(Path(path))[0]
     return MLXDraft(model if kept is None else trim(model, kept))
@@ -41,7 +43,7 @@ def mlx_draft_model(path: str, kept: Optional[KeptIds] = None):
 
 def ss_draft(path: Union[str, Path], kept: Optional[KeptIds] = None) -> Draft:
     """A Speculative-Streaming draft folder; `kept` as for `mlx_draft`."""
-    from mirror_mlx.drafts.ss.draft import SSDraft
+    from mirror_mlx.drafts.ss.draft import SSDraft  # (a draft host loads its own draft kind only)
 
     draft = SSDraft.from_path(path)
     if kept is not None:

@@ -13,7 +13,7 @@ import mmap
 import os
 import sys
 from multiprocessing import shared_memory
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -25,7 +25,7 @@ class _Attached:
     """A segment mapped by name without registering it with this process's resource tracker."""
 
     def __init__(self, name: str):
-        import _posixshmem
+        import _posixshmem  # (CPython's shm_open: SharedMemory(track=False) is 3.13+)
 
         fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
         try:
@@ -67,9 +67,11 @@ class TokenRing:
         self.capacity, self.max_ints, self.max_floats = capacity, max_ints, max_floats
         self.slot_words = HEADER_INTS + max_ints + max_floats
         nbytes = 8 * (2 + capacity * self.slot_words)  # [next_seq, read_seq] + slots
+        self.shm: Union[shared_memory.SharedMemory, _Attached]
         if create or track:
             self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
         else:  # another process created it and unlinks it: no resource tracker of ours may (Python < 3.13)
+            assert name is not None, "a ring is attached by its name"
             self.shm = _Attached(name)
         self._words = np.ndarray((2 + capacity * self.slot_words,), dtype=np.int64, buffer=self.shm.buf)
         if create:

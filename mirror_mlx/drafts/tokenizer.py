@@ -3,12 +3,15 @@ its ids compared, and special ids that differ said once (the target's decide).""
 
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from mlx_lm.utils import load_config, load_tokenizer
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-def folder_tokenizer(folder: Union[str, Path]) -> Any:
+
+def folder_tokenizer(folder: Union[str, Path]) -> "TokenizerWrapper":
     """A draft folder's tokenizer as mlx_lm.load gives a model's: its end-of-sequence ids are
     config.json's (generation_config.json's where it names them, as mlx_lm.utils.load_config reads
     them) plus the tokenizer's own, so a draft compares like with like against a loaded target."""
@@ -16,7 +19,7 @@ def folder_tokenizer(folder: Union[str, Path]) -> Any:
     return load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
 
 
-def tokenizer_mismatch(target_tok: Any, draft_tok: Any) -> Optional[str]:
+def tokenizer_mismatch(target_tok: "TokenizerWrapper", draft_tok: "TokenizerWrapper") -> Optional[str]:
     """Why a draft's tokenizer cannot be verified against the target's (one sentence), or None when
     both map the same strings to the same ids: otherwise every draft id means another token."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
@@ -29,7 +32,7 @@ def tokenizer_mismatch(target_tok: Any, draft_tok: Any) -> Optional[str]:
     return None
 
 
-def special_difference(target_tok: Any, draft_tok: Any) -> Optional[str]:
+def special_difference(target_tok: object, draft_tok: object) -> Optional[str]:
     """Which special ids differ (a phrase), or None. They never break verification: the draft is fed
     the target's token ids (the target's bos included) and never stops a generation, the target's
     end-of-sequence ids do. A draft trained with another bos or eos may only be accepted less."""
@@ -43,7 +46,8 @@ def special_difference(target_tok: Any, draft_tok: Any) -> Optional[str]:
     return "; ".join(parts) or None
 
 
-def check_draft_tokenizer(target_tok: Any, draft_tok: Any, draft: Any = "the draft") -> None:
+def check_draft_tokenizer(target_tok: "TokenizerWrapper", draft_tok: "TokenizerWrapper",
+                          draft: object = "the draft") -> None:
     """Raise ValueError unless the draft's ids are the target's; say once on stderr (one line) where
     only their special ids differ, since the target's decide."""
     why = tokenizer_mismatch(target_tok, draft_tok)
@@ -52,7 +56,7 @@ def check_draft_tokenizer(target_tok: Any, draft_tok: Any, draft: Any = "the dra
     note_special_difference(special_difference(target_tok, draft_tok), draft)
 
 
-def note_special_difference(difference: Optional[str], draft: Any) -> None:
+def note_special_difference(difference: Optional[str], draft: object) -> None:
     """The one stderr line for special ids that differ between a target and its draft."""
     if difference is not None:
         print(f"mirror-mlx: note: {draft} shares the target's vocabulary but not its special ids ({difference}): "

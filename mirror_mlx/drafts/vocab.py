@@ -12,14 +12,18 @@ the drafts and mlx-lm read real token ids unchanged.
 """
 
 import copy
+import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..engine.model_parts import family, inner_model, text_model
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @dataclass(frozen=True, repr=False)
@@ -56,10 +60,8 @@ class KeptIds:
 
 def shipped_text() -> list[str]:
     """The text whose token counts choose the kept ids: what data/ holds for training, never an evaluation part."""
-    import json
-
-    from ..corpus import load_split
-    from ..prompts import DATA, SETS, is_eval
+    from ..corpus import load_split  # (the shipped text: a draft host never loads it, nor tqdm)
+    from ..prompts import DATA, SETS, is_eval  # (as above)
 
     texts = list(load_split().train)
     for line in (DATA / SETS["spec_bench"]).read_text(encoding="utf-8").splitlines():
@@ -72,15 +74,16 @@ def shipped_text() -> list[str]:
     return texts
 
 
-def token_counts(tokenizer: Any, vocab: int) -> np.ndarray:
+def token_counts(tokenizer: "TokenizerWrapper", vocab: int) -> np.ndarray:
     """How often each id of a vocabulary of `vocab` occurs in `shipped_text()`, tokenized without special tokens."""
-    tok = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the Hugging Face one
-    rows = tok(shipped_text(), add_special_tokens=False)["input_ids"]
+    # the Hugging Face tokenizer's batch call: mlx-lm's TokenizerWrapper passes attributes on, but not calls
+    tok = getattr(tokenizer, "_tokenizer", tokenizer)
+    rows = tok(shipped_text(), add_special_tokens=False)["input_ids"]  # type: ignore[operator]  # (the wrapped one)
     ids = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows if len(r)])
     return np.bincount(ids[ids < vocab], minlength=vocab)
 
 
-def always_kept(tokenizer: Any) -> list[int]:
+def always_kept(tokenizer: "TokenizerWrapper") -> list[int]:
     """The ids every trimmed head keeps: the end-of-sequence ids first, then the tokenizer's other special ids."""
     eos = sorted(int(i) for i in getattr(tokenizer, "eos_token_ids", None) or ())
     special = sorted(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
@@ -96,7 +99,7 @@ def most_counted(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> n
     return np.sort(np.array((first + rest)[:size], dtype=np.int32))
 
 
-def kept_ids(tokenizer: Any, size: int, vocab: int) -> KeptIds:
+def kept_ids(tokenizer: "TokenizerWrapper", size: int, vocab: int) -> KeptIds:
     """The `size` ids a draft with this tokenizer and a head of `vocab` rows keeps (see the module's docstring)."""
     return KeptIds.of(most_counted(token_counts(tokenizer, vocab), size, always_kept(tokenizer)), vocab)
 
@@ -152,7 +155,7 @@ def check_trimmed(model: nn.Module, kept: KeptIds) -> None:
                      "embedding, so its head cannot be trimmed: leave draft_vocab out")
 
 
-def head_rows(draft: Any) -> Optional[int]:
+def head_rows(draft: object) -> Optional[int]:
     """How many ids a draft (a DraftRecipe or a draft object) scores when trimmed; None when its head is whole."""
     for arg in getattr(draft, "args", ()):
         if isinstance(arg, KeptIds):

@@ -13,7 +13,7 @@ __all__ = list(LOOP)
 
 def __getattr__(name: str):
     if name in LOOP:
-        from . import loop
+        from . import loop  # (on first use: a draft host's engine parts load no loop)
 
         return getattr(loop, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,14 +10,13 @@ the runtime needs (the adapter, its file, the engine's pick per layer); training
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
-from .model_parts import text_model
+from .model_parts import flat, text_model
 from ..validate import check_layer
 
 FORMAT = "mirror-mlx-exit-adapter"
@@ -52,14 +51,14 @@ def fingerprint(model: nn.Module, rows: int = 4096) -> str:
     args = getattr(text_model(model), "args", None) or getattr(model, "args", None)
     if args is not None:
         h.update(json.dumps(vars(args), sort_keys=True, default=str).encode())
-    for name, a in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+    for name, a in sorted(flat(model.parameters()), key=lambda kv: kv[0]):
         h.update(f"{name}:{tuple(a.shape)}:{a.dtype};".encode())
     inner = text_model(model).model
     for part in ("embed_tokens", "norm"):
         mod = getattr(inner, part, None)
         if mod is None:
             continue
-        for name, a in sorted(tree_flatten(mod.parameters()), key=lambda kv: kv[0]):
+        for name, a in sorted(flat(mod.parameters()), key=lambda kv: kv[0]):
             a = a[:: max(1, a.shape[0] // rows)] if a.ndim > 1 else a
             h.update(name.encode())
             h.update(np.array(a.view(mx.uint8) if a.dtype == mx.bfloat16 else a).tobytes())
@@ -69,7 +68,7 @@ def fingerprint(model: nn.Module, rows: int = 4096) -> str:
 # ---- files
 
 
-def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, Any]) -> None:
+def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, object]) -> None:
     """Weights as safetensors; `meta` must hold at least fingerprint and exit_layer (see adapter_meta)."""
     for key in ("fingerprint", "exit_layer"):
         if key not in meta:
@@ -77,10 +76,10 @@ def save_adapter(path: Union[str, Path], adapter: ExitAdapter, meta: dict[str, A
     md = {k: str(v) for k, v in meta.items()}
     md.update(format=FORMAT, version=VERSION, dims=str(adapter.dims), rank=str(adapter.rank),
               mlp=str(int(adapter.mlp)))
-    mx.save_safetensors(str(path), dict(tree_flatten(adapter.parameters())), metadata=md)
+    mx.save_safetensors(str(path), dict(flat(adapter.parameters())), metadata=md)
 
 
-def adapter_meta(model: nn.Module, exit_layer: int, **extra: Any) -> dict[str, Any]:
+def adapter_meta(model: nn.Module, exit_layer: int, **extra: object) -> dict[str, object]:
     return {"fingerprint": fingerprint(model), "exit_layer": exit_layer, **extra}
 
 
@@ -94,7 +93,7 @@ def load_adapter(path: Union[str, Path], model: nn.Module, exit_layer: Optional[
     if not file.is_file():
         raise ValueError(f"no exit adapter at {file}")
     try:
-        weights, md = mx.load(str(file), return_metadata=True)
+        weights, md = cast(tuple[dict[str, mx.array], dict[str, str]], mx.load(str(file), return_metadata=True))
     except Exception as e:
         raise ValueError(f"{file} is not a safetensors file ({e})") from None
     if md.get("format") != FORMAT:
@@ -132,12 +131,12 @@ class ExitAdapters:
         return self.by_layer[exit_layer]
 
 
-def adapter_for(adapter: Any, exit_layer: int) -> Any:
+def adapter_for(adapter: "Union[ExitAdapter, ExitAdapters, None]", exit_layer: int) -> Optional[ExitAdapter]:
     """The adapter that maps `exit_layer`'s state: one of several (ExitAdapters), else the one given (or None)."""
     return adapter.for_layer(exit_layer) if isinstance(adapter, ExitAdapters) else adapter
 
 
-def adapter_layers(adapter: Any) -> tuple:
+def adapter_layers(adapter: "Union[ExitAdapter, ExitAdapters, None]") -> tuple:
     """The exit layers an adapter (or several) is exact at; () for no adapter."""
     if adapter is None:
         return ()

@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from concurrent.futures import Future
 from contextlib import suppress
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Callable, Generator, Optional, Sequence, TypeVar, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,7 +40,7 @@ from .branch_budget import BranchBudget, ExitView, spread, stems as branch_stems
 from ..drafts.mlx_draft import MLXDraft
 from ..drafts.api import Draft, Rollout
 from ..drafts.vocab import head_rows
-from .exit_adapter import adapter_for
+from .exit_adapter import ExitAdapter, ExitAdapters, adapter_for
 from ..proposers.lookup import Lookup
 from ..proposers.recycle import DEPTH, K, RECYCLE, WIDTHS, Recycled
 from .tree import takes_tree
@@ -123,8 +123,8 @@ class Generation:
     draft_host: str  # where: Stats.draft_host
     exit_layer: Optional[int]
     index: Optional[Lookup]
-    sampler: Any
-    processors: Any
+    sampler: Callable[[mx.array, int], list[int]]  # sampling.row_sampler
+    processors: list[Callable]
     plan: BranchBudget  # which branches each mirror step rolls out
     tree: Optional[Recycled] = None  # sd with the recycled draft: the table its trees grow from
     window: Optional[list[int]] = None  # mirror's next window; None: not known yet (the lookup's, else a rollout)
@@ -169,7 +169,7 @@ def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
+def _post_or_note(post: Callable, *args: object, failed: list) -> None:
     """Post on the target worker; a failure is noted for the scheduler (which drops the draft), not raised there."""
     try:
         post(*args)
@@ -177,7 +177,7 @@ def _post_or_note(post: Callable, *args: Any, failed: list) -> None:
         failed.append(e)
 
 
-def _post_budgeted(host: Any, plan: BranchBudget, context: list[int], window: list[int], cand: list[list[int]],
+def _post_budgeted(host: DraftHost, plan: BranchBudget, context: list[int], window: list[int], cand: list[list[int]],
                    view: ExitView) -> None:
     """Post the step's branches: every one (no budget), or the top B by the early exit's score as stems."""
     picked = plan.choose(window, cand, view)
@@ -220,7 +220,7 @@ class Engine:
     DraftRecipe (the host process builds it), or a draft object built here (its host loop runs on a thread)."""
 
     def __init__(self, target_model: nn.Module, draft: Union[Draft, DraftRecipe, None] = None,
-                 exit_adapter: Optional[Callable] = None, draftless: Optional[str] = None):
+                 exit_adapter: Union[ExitAdapter, ExitAdapters, None] = None, draftless: Optional[str] = None):
         self.target_model = target_model
         self.draftless = draftless  # "lookup" (the prompt lookup alone) or "recycle" (the target's recycled
         # predictions, verified as a tree): no draft model
@@ -253,19 +253,19 @@ class Engine:
 
     # --- the doors the layers above use (the server, tune, bench, doctor): never the parts themselves
 
-    def on_target(self, fn: Callable[..., T], *args: Any) -> T:
+    def on_target(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) on the target's thread (MLX state and the target's cache live there); its result."""
         return self.target_worker.call(fn, *args)
 
-    def submit_on_target(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+    def submit_on_target(self, fn: Callable[..., T], *args: object) -> "Future[T]":
         """fn(*args) queued on the target's thread; the future of its result (to time work beside it)."""
         return self.target_worker.submit(fn, *args)
 
-    def with_target(self, fn: Callable[..., T], *args: Any) -> T:
+    def with_target(self, fn: Callable[..., T], *args: object) -> T:
         """fn(target_side, *args) on the target's thread: the target's cache through TargetSide's doors."""
         return self.target_worker.call(fn, self.target, *args)
 
-    def replace_target(self, build: Callable[..., TargetSide], *args: Any) -> None:
+    def replace_target(self, build: Callable[..., TargetSide], *args: object) -> None:
         """Close the target side and go on with build(*args), made on the target's thread (a stage of a
         model split by layers across ranks: distributed/pipeline.py)."""
         self.target_worker.call(self.target.close)
@@ -357,7 +357,7 @@ class Engine:
         return getattr(self.exit_adapter, "exit_layer", None) or default_exit_layer(self.n_layers)
 
     def generate(self, prompt: Sequence[int], opts: DecodeOptions, prompt_cache: Optional[PromptCache] = None,
-                 leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Iterator[Step]:
+                 leave_draft: Optional[Callable[[Step], Optional[str]]] = None) -> Generator[Step, None, None]:
         """Yield a `Step` per step, until max_tokens or a stop token; `prompt` and `opts` are a resolved Plan's.
 
         `leave_draft(step)`, after each step that leaves more to do: why to go on with the target alone, or None.
@@ -596,7 +596,8 @@ class Engine:
         rec.timeline = {"prefix": (p0, p1), "suffix": (s0, s1), "rollout": (r0, r1), "accepted": a, "arrived": arrived}
         reused = reuse_window(cand, windows, a, new[-1]) if windows is not None else None
         if new[-1] in cand[a] and (windows is None or reused is not None):
-            rec.reused, rec.window = True, reused  # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
+            # c ∈ C_A (and rolled out, under a budget): the next window is w(A, c)
+            rec.reused, rec.window = True, reused
             return rec
         rec.fallback = True
         if budget - len(new) < 2 or any(t in opts.stop_tokens for t in new) or gen.index is not None:

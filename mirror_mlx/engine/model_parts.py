@@ -3,17 +3,20 @@ a prompt cache whose every layer can drop its last tokens, and how far two token
 (target.py) and the drafts (drafts/) import it; the draft host's process needs no more than this of a model.
 """
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence, cast
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import recurrent
+from .recurrent import LayerCache
 
 
 def text_model(model: nn.Module) -> nn.Module:
     """The language model inside a VLM wrapper (gemma3, mistral3, ...), or the model itself."""
-    return getattr(model, "language_model", model)
+    return cast(nn.Module, getattr(model, "language_model", model))  # (mlx's stub: a Module's attribute is Any | dict)
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -38,7 +41,7 @@ def family(model: nn.Module) -> str:
     return getattr(getattr(tm, "args", None), "model_type", None) or type(tm).__module__.rsplit(".", 1)[-1]
 
 
-def trimmable_cache(model: nn.Module) -> list[Any]:
+def trimmable_cache(model: nn.Module) -> list[LayerCache]:
     """The model's prompt cache with every layer able to drop its last tokens: sliding-window layers get a
     plain KVCache (mlx-lm's RotatingKVCache silently refuses to trim once full, mlx-lm #1914, and the mask
     still applies the window), recurrent ones a RecurrentCache (recurrent.py). Anything else: ValueError."""
@@ -54,6 +57,11 @@ def trimmable_cache(model: nn.Module) -> list[Any]:
                              "speculation also drops the draft's rejected tokens): as a target, generate with "
                              "mlx_lm.generate; as a draft, choose another model")
     return cache
+
+
+def flat(tree: object) -> list[tuple[str, mx.array]]:
+    """mlx's tree_flatten of a module's parameters (or an optimizer's state): (dotted name, array) pairs."""
+    return cast(list[tuple[str, mx.array]], tree_flatten(tree))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -22,7 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from functools import wraps
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +39,20 @@ UPDATES: dict[str, tuple[Callable, tuple[str, ...]]] = {
 }
 
 _touched = threading.local()  # the RecurrentCache whose slot the model read or set last (this thread)
+
+
+class LayerCache(Protocol):
+    """One layer's prompt cache as the pair rolls it back (mlx-lm's KVCache, a RecurrentCache, a CacheList of
+    such): its arrays, the tokens it holds, and its last tokens dropped."""
+
+    offset: int
+
+    @property
+    def state(self) -> object: ...
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int: ...
 
 
 @dataclass
@@ -113,7 +127,7 @@ class RecurrentCache(ArraysCache):
             self._open = _Forward(0)
         return self._open
 
-    def _note(self, slot: int, record: Any, rows: int) -> None:
+    def _note(self, slot: int, record: "Union[_Update, _Conv]", rows: int) -> None:
         f = self._forward()
         if slot in f.slots:  # a second forward before the first closed (a layer without the other slot)
             self._close()
@@ -189,9 +203,11 @@ class RecurrentCache(ArraysCache):
         return sorted(set().union(*(f.set - set(f.slots) for f in self.recent))) if self.recent else []
 
 
-def _take_touched() -> tuple[Optional[RecurrentCache], Any, bool]:
+def _take_touched() -> tuple[Optional[RecurrentCache], Optional[int], bool]:
     """The cache slot the model touched last on this thread (and whether it set it), once."""
-    cache, slot, was_set = (getattr(_touched, k, None) for k in ("cache", "slot", "set"))
+    cache: Optional[RecurrentCache] = getattr(_touched, "cache", None)
+    slot: Optional[int] = getattr(_touched, "slot", None)
+    was_set = bool(getattr(_touched, "set", False))
     _touched.cache = _touched.slot = None
     return cache, slot, was_set
 
@@ -250,7 +266,7 @@ def convert(cache: list, offset: int = 0) -> list:
     return cache
 
 
-def plain(cache: Sequence[Any]) -> list:
+def plain(cache: Sequence[LayerCache]) -> list:
     """A copy of the list with mlx-lm's own classes only (RecurrentCache as ArraysCache), for its files."""
     def one(c):
         if isinstance(c, CacheList):
@@ -263,7 +279,7 @@ def plain(cache: Sequence[Any]) -> list:
     return [one(c) for c in cache]
 
 
-def _one(c: Any, offset: int) -> Any:
+def _one(c: LayerCache, offset: int) -> LayerCache:
     if isinstance(c, RecurrentCache):
         c.frozen = False  # a stored copy in use again: it can drop the rows of forwards made from now on
         return c
@@ -272,25 +288,25 @@ def _one(c: Any, offset: int) -> Any:
     return c
 
 
-def held(cache: Sequence[Any], default: int = 0) -> int:
+def held(cache: Sequence[LayerCache], default: int = 0) -> int:
     """Tokens a cache list holds, from its first layer that counts them (mlx-lm's ArraysCache does not)."""
     return next((int(x.offset) for x in leaves(cache) if hasattr(x, "offset") and type(x) is not ArraysCache),
                 default)
 
 
-def convertible(c: Any) -> bool:
+def convertible(c: LayerCache) -> bool:
     """A layer cache `convert` makes droppable: mlx-lm's ArraysCache, or a CacheList of such and trimmable ones."""
     if isinstance(c, CacheList):
         return all(x.is_trimmable() or convertible(x) for x in c.caches)
     return type(c) is ArraysCache or isinstance(c, RecurrentCache)
 
 
-def leaves(cache: Sequence[Any]) -> list:
+def leaves(cache: Sequence[LayerCache]) -> list:
     """Every layer cache of a list, CacheLists opened."""
     return [x for c in cache for x in (c.caches if isinstance(c, CacheList) else (c,))]
 
 
-def layers(cache: Sequence[Any]) -> list[RecurrentCache]:
+def layers(cache: Sequence[LayerCache]) -> list[RecurrentCache]:
     """The RecurrentCaches in a cache list (inside CacheLists too)."""
     return [x for x in leaves(cache) if isinstance(x, RecurrentCache)]
 
@@ -305,7 +321,7 @@ def branches(c: RecurrentCache, points: Sequence[int]) -> ArraysCache:
     return out
 
 
-def can_drop(cache: Sequence[Any], n: int) -> bool:
+def can_drop(cache: Sequence[LayerCache], n: int) -> bool:
     """Every recurrent layer can drop the last `n` tokens (with none, any number can)."""
     return n <= min((c.droppable() for c in layers(cache)), default=n)
 

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
+from .readback import ints
+
 if TYPE_CHECKING:
     from ..options import DecodeOptions
 
@@ -37,7 +39,7 @@ def sample_rows(logits: mx.array, history: list[int], window: list[int], sampler
     return checked(sampler(logprobs, len(history)), logprobs.shape), logprobs
 
 
-def checked(ys: list, shape: tuple[int, int]) -> list[int]:
+def checked(ys: list, shape: tuple[int, ...]) -> list[int]:
     """The sampler's tokens, one int id in [0, vocab) per row; anything else names the sampler (a wrong id
     would be committed as if the target had chosen it)."""
     rows, vocab = shape
@@ -62,7 +64,7 @@ def token_ids(outs: list) -> list:
         raise ValueError(f"the sampler returned a {type(bad).__name__}: a sampler returns an mx.array of token ids, "
                          "one per row of the log-probabilities it is given")
     try:
-        return (outs[0].reshape(-1) if len(outs) == 1 else mx.concatenate([o.reshape(-1) for o in outs])).tolist()
+        return ints(outs[0].reshape(-1) if len(outs) == 1 else mx.concatenate([o.reshape(-1) for o in outs]))
     except ValueError as e:
         raise ValueError(f"the sampler's output could not be read as token ids ({e}): a sampler returns an mx.array "
                          "of token ids, one per row") from None

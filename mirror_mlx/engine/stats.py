@@ -2,7 +2,10 @@
 speculative_generate_step yields them) and the generation's `Stats` (what `--json` prints)."""
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 
 @dataclass
@@ -29,7 +32,8 @@ class Stats:
     fallbacks: int = 0
     proposed: int = 0  # draft tokens the target verified
     accepted: int = 0  # of them, accepted
-    rejections: int = 0  # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
+    # steps whose window had a token rejected (acceptance_rate = accepted / (accepted + rejections))
+    rejections: int = 0
     lookup: bool = False  # the prompt lookup proposed where the context offered a continuation
     lookup_windows: int = 0  # steps whose window was the prompt lookup's (mirror_mlx/proposers/lookup.py), no draft's
     lookup_proposed: int = 0  # of `proposed`, the lookup's tokens
@@ -83,8 +87,9 @@ class Stats:
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "timeline"}
-        for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
-                     "tokens_per_second", "eta", "draft_forwards_per_window", "branches_per_step"):
+        for name in ("mean_accepted", "acceptance_rate", "fallback_rate", "reuse_rate", "omega_kappa",
+                     "hidden_draft_fraction", "tokens_per_second", "eta", "draft_forwards_per_window",
+                     "branches_per_step"):
             d[name] = getattr(self, name)
         return d
 
@@ -100,7 +105,8 @@ class Stats:
         if self.draft_vocab is not None and self.mode != "ar":
             line += f" | draft vocab {self.draft_vocab}"
         if self.recycle:
-            line += (f" | accepted: recycled {self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
+            line += (" | accepted: recycled "
+                     f"{self.accepted - self.lookup_accepted}/{self.proposed - self.lookup_proposed}"
                      + (f", lookup {self.lookup_accepted}/{self.lookup_proposed}" if self.lookup else ""))
         elif self.lookup:
             line += f" | accepted: lookup {self.lookup_accepted}/{self.lookup_proposed}"
@@ -143,7 +149,7 @@ class Step:
     fallback: bool = False  # mirror: it was not (a serial rollout, or none)
     stats: Stats = field(default_factory=Stats, repr=False)
     # row i: the target's log-probabilities (its processed distribution, as mlx-lm reports them) at tokens[i]
-    logprobs: Optional[Any] = field(default=None, repr=False)
+    logprobs: Optional["mx.array"] = field(default=None, repr=False)
     # when it ran, on time.perf_counter's clock (the first step's from the prefill's end), as its stats'
     # per-interval times are: a picture of the steps (timeline.py) places them on one axis
     span: tuple = (0.0, 0.0)

@@ -9,7 +9,7 @@ tied or untied heads, logit soft-caps and logit scaling come along for free.
 import copy
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,7 +17,9 @@ import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
 from . import recurrent
+from .recurrent import LayerCache
 from .branch_budget import ExitView
+from .readback import float_rows, floats, int_rows, integer, scalar
 from .model_parts import common_prefix, family, inner_model, text_model, trimmable_cache, vocab_size
 from ..options import default_exit_layer
 from .sampling import sample_rows
@@ -65,7 +67,8 @@ class EarlyExitTarget:
         self.n_layers = n_layers or len(self.layers)
         check_exit_layer(exit_layer, self.n_layers)
         if not first < exit_layer <= first + len(self.layers):
-            raise ValueError(f"block {exit_layer} is not on this stage (blocks {first + 1}..{first + len(self.layers)})")
+            raise ValueError(f"block {exit_layer} is not on this stage "
+                             f"(blocks {first + 1}..{first + len(self.layers)})")
         self.exit_layer = exit_layer
         self.adapter = adapter  # maps the normalised exit state before the head; never the final logits
         self._tap = SimpleNamespace(h=None)
@@ -76,7 +79,7 @@ class EarlyExitTarget:
         """Undo the class swap (the model is then exactly as loaded)."""
         self._block.__class__ = self._block_cls
 
-    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+    def forward(self, tokens: mx.array, cache: Optional[list[LayerCache]]) -> tuple[mx.array, mx.array]:
         """Lazy (early_logits, final_logits) of one forward over `tokens` (B, T): evaluating the early ones first
         runs only blocks 1..ℓ_e and the head; the final ones then reuse block ℓ_e's output."""
         final = self.model(tokens, cache=cache)
@@ -132,7 +135,7 @@ def drafted_logprobs(logits: mx.array, rows: Sequence[int]) -> mx.array:
     if len(rows) < 2:
         return mx.zeros((0,), dtype=mx.float32)
     logits = logits[:-1].astype(mx.float32)
-    picked = mx.take_along_axis(logits, mx.array(rows[1:], dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    picked = mx.take_along_axis(logits, mx.array(list(rows[1:]), dtype=mx.int32)[:, None], axis=-1)[:, 0]
     return picked - mx.logsumexp(logits, axis=-1)
 
 
@@ -147,14 +150,14 @@ class TargetSide:
     def __init__(self, model: nn.Module):
         self.model = model
         self.tapped: Optional[EarlyExitTarget] = None
-        self.cache: list[Any] = trimmable_cache(model)
+        self.cache: list[LayerCache] = trimmable_cache(model)
         self.cached: list[int] = []  # tokens whose keys/values the cache holds (after `base` rows)
         self.base = 0  # rows before `cached`: a given prompt cache's prefix of unknown tokens
         self.adopted = False  # the cache is the caller's (a prompt cache), until `release`
         self._final: Optional[mx.array] = None
         self._ids: Optional[mx.array] = None
         self.logprobs: Optional[mx.array] = None  # the last verify's rows (sample_rows), for Step.logprobs
-        self.seen: Optional[tuple[list[int], Any]] = None  # the last `hold(top=k)`'s tokens and their top ids
+        self.seen: Optional[tuple[list[int], np.ndarray]] = None  # the last `hold(top=k)`'s tokens and their top ids
 
     def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
         """Tap block ℓ_e, with `head` (the exit adapter's, for that layer) before the model's own head."""
@@ -163,7 +166,13 @@ class TargetSide:
                 self.tapped.remove()
             self.tapped = EarlyExitTarget(self.model, exit_layer, head)
 
-    def adopt(self, cache: list[Any], tokens: Optional[list[int]]) -> None:
+    @property
+    def tap(self) -> "EarlyExitTarget":
+        """The tap at ℓ_e: mode mirror sets it (set_exit_layer) before its first prefix."""
+        assert self.tapped is not None, "set_exit_layer first"
+        return self.tapped
+
+    def adopt(self, cache: list[LayerCache], tokens: Optional[list[int]]) -> None:
         """Continue the caller's prompt cache (extended in place, until `release`): it holds `tokens`, or
         (None) a prefix of unknown tokens that the prompt follows (mlx-lm's; mode ar only)."""
         self.cache, self.cached, self.adopted = recurrent.convert(
@@ -192,7 +201,7 @@ class TargetSide:
         cache, no prefix of unknown tokens), else None."""
         return None if self.adopted or self.base else list(self.cached)
 
-    def give(self, held: list[int]) -> Optional[list[Any]]:
+    def give(self, held: list[int]) -> Optional[list[LayerCache]]:
         """Hand our cache away if it holds exactly `held` (every layer at that offset), else None; either
         way we go on with a fresh one."""
         ok = self.own_tokens() == held and all(c.offset == len(held) for c in self.cache)
@@ -200,11 +209,11 @@ class TargetSide:
         self.reset()
         return cache
 
-    def take(self, cache: list[Any], tokens: list[int]) -> None:
+    def take(self, cache: list[LayerCache], tokens: list[int]) -> None:
         """`cache` (holding `tokens`) becomes our own."""
         self.cache, self.cached, self.base, self.adopted = cache, list(tokens), 0, False
 
-    def copy(self) -> Optional[tuple[list[int], list[Any]]]:
+    def copy(self) -> Optional[tuple[list[int], list[LayerCache]]]:
         """A deep copy of our own cache and the tokens it holds, or None (nothing held, or not our own)."""
         tokens = self.own_tokens()
         return (tokens, copy.deepcopy(self.cache)) if tokens else None
@@ -253,20 +262,21 @@ class TargetSide:
                post: Callable[[list[list[int]], ExitView], None]) -> list[list[int]]:
         """Blocks 1..ℓ_e over the rows; `post`s the early-exit top-κ sets C_0..C_γ at once (with the exit's
         probabilities, for the branch budget), returns them."""
-        early, self._final = self.tapped.forward(mx.array([rows]), self.cache)
+        early, self._final = self.tap.forward(mx.array([rows]), self.cache)
         ids, logprobs = top_k(early[0], kappa, exclude)
         own = drafted_logprobs(early[0], rows)
         mx.eval(ids, logprobs, own)
         self._ids = ids
-        cand = ids.tolist()
-        post(cand, ExitView(logprobs.tolist(), own.tolist()))
+        cand = int_rows(ids)
+        post(cand, ExitView(float_rows(logprobs), floats(own)))
         return cand
 
     def suffix(self, history: list[int], window: list[int], sampler, processors) -> tuple[list[int], int, float]:
         """Blocks ℓ_e+1..N, then verify. Returns (target tokens, A, target mass inside C_A)."""
         ys, a, logits = self._verify(self._final, history, window, sampler, processors)
+        assert self._ids is not None, "prefix first"
         probs = mx.softmax(logits[a].astype(mx.float32), axis=-1)
-        omega = mx.take(probs, self._ids[a]).sum().item()
+        omega = scalar(mx.take(probs, self._ids[a]).sum())
         self._final = self._ids = None
         return ys, a, omega
 
@@ -277,7 +287,7 @@ class TargetSide:
         return ys, a
 
     def verify_tree(self, history: list[int], tree: trees.Tree, sampler, processors,
-                    k: int) -> tuple[trees.Walk, Any]:
+                    k: int) -> tuple[trees.Walk, np.ndarray]:
         """One forward over the tree (node 0 the pending token), then the walk; the cache keeps the committed
         path only. Returns the walk and every node's top-k next ids by the target's raw logits ((n, k) numpy)."""
         before = None if tree.is_chain else self.cache[0].offset
@@ -314,7 +324,7 @@ class StageTargetSide(TargetSide):
     every rank posts or mirrors the same sets. The stages before the exit's (higher ranks) first evaluate their
     last cache, which depends on the send of their output, so the exit's rank never waits on one waiting on it."""
 
-    def __init__(self, model: nn.Module, group: Any, n_layers: int):
+    def __init__(self, model: nn.Module, group: mx.distributed.Group, n_layers: int):
         super().__init__(model)
         inner = text_model(model).model
         self.group, self.n_layers = group, n_layers
@@ -324,8 +334,8 @@ class StageTargetSide(TargetSide):
 
     def set_exit_layer(self, exit_layer: int, head: Optional[Callable] = None) -> None:
         mine = self.first < exit_layer <= self.first + self.count
-        self.exit_rank = int(mx.distributed.all_sum(mx.array(self.group.rank() if mine else 0), group=self.group,
-                                                    stream=mx.cpu).item())
+        self.exit_rank = integer(mx.distributed.all_sum(mx.array(self.group.rank() if mine else 0), group=self.group,
+                                                        stream=mx.cpu))
         if self.tapped is not None and (not mine or self.tapped.exit_layer != exit_layer
                                         or self.tapped.adapter is not head):
             self.tapped.remove()
@@ -340,7 +350,7 @@ class StageTargetSide(TargetSide):
         flat = mx.zeros((len(rows), k), dtype=mx.int32)
         probs = mx.zeros((len(rows), k + 1), dtype=mx.float32)  # the exit's log-probs: candidates, drafted token
         if rank == self.exit_rank:
-            early, self._final = self.tapped.forward(x, self.cache)
+            early, self._final = self.tap.forward(x, self.cache)
             flat, logprobs = top_k(early[0], kappa, exclude)
             flat = flat.astype(mx.int32)
             probs = mx.concatenate([logprobs, mx.pad(drafted_logprobs(early[0], rows), (0, 1))[:, None]], axis=1)
@@ -353,6 +363,6 @@ class StageTargetSide(TargetSide):
         probs = mx.distributed.all_sum(probs, group=self.group, stream=mx.cpu)
         mx.eval(ids, probs)
         self._ids = ids
-        cand, exit_probs = ids.tolist(), probs.tolist()
+        cand, exit_probs = int_rows(ids), float_rows(probs)
         post(cand, ExitView([row[:-1] for row in exit_probs], [row[-1] for row in exit_probs[:-1]]))
         return cand

@@ -178,7 +178,7 @@ class Walk:
 def walk(logits: mx.array, tree: Tree, history: list[int], sampler, processors) -> Walk:
     """From the root, the target's token at each node (given the committed prefix and the path): descend to the
     child that holds it, until none does. Only the walked rows are sampled, each at its absolute position."""
-    node, path, tokens, rows = 0, [], [], []
+    node, path, tokens, rows = 0, list[int](), list[int](), []
     while True:
         ys, logprobs = sample_rows(logits[node:node + 1], list(history) + tokens, [], sampler, processors)
         rows.append(logprobs)

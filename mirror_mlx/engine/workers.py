@@ -14,9 +14,11 @@ import time
 import weakref
 from concurrent.futures import Future, wait
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 import mlx.core as mx
+
+T = TypeVar("T")
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
@@ -81,9 +83,8 @@ class Worker:
     def __init__(self, name: str):
         self.name = name
         with _idle_lock:
-            self._mlx = _idle.pop() if _idle else None
-        if self._mlx is None:
-            self._mlx = _MLXThread()
+            parked = _idle.pop() if _idle else None
+        self._mlx = parked if parked is not None else _MLXThread()
         self._mlx.thread.name = f"mirror-{name}"
         self.thread, self.stream = self._mlx.thread, self._mlx.stream
         self._pending: "weakref.WeakSet[Future]" = weakref.WeakSet()
@@ -93,7 +94,7 @@ class Worker:
         self._dropped.atexit = False  # at exit a parked thread must stay parked: a job then could end it
         _live.add(self)
 
-    def submit(self, fn: Callable, *args: Any) -> Future:
+    def submit(self, fn: Callable[..., T], *args: object) -> "Future[T]":
         if self._closed:
             raise RuntimeError(f"worker {self.name!r} is closed")
 
@@ -105,11 +106,11 @@ class Worker:
         self._pending.add(future)
         return future
 
-    def call(self, fn: Callable, *args: Any) -> Any:
+    def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the worker thread and wait for it."""
         return self.submit(fn, *args).result()
 
-    async def run(self, fn: Callable, *args: Any) -> tuple[Any, float, float]:
+    async def run(self, fn: Callable[..., T], *args: object) -> tuple[T, float, float]:
         """Await `fn(*args)` on the worker; returns (result, start, end) perf_counter timestamps."""
 
         def timed():
@@ -133,7 +134,7 @@ class Worker:
             _park(self._mlx)
 
 
-async def _boxed(coro) -> tuple[bool, Any]:
+async def _boxed(coro: Coroutine[object, object, T]) -> tuple[bool, Any]:
     """(raised, value): a KeyboardInterrupt or SystemExit from a worker thread comes back to the caller
     as a value; raised inside the loop it would stop the loop for good (asyncio re-raises them)."""
     try:
@@ -155,7 +156,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def run(self, coro) -> Any:
+    def run(self, coro: Coroutine[object, object, T]) -> T:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("the engine is closed")

@@ -24,7 +24,8 @@ from ..engine.tree import Tree, build, chain
 RECYCLE = "recycle"  # the draft model's name that means the recycled predictions (load(draft_model="recycle"))
 K = 8  # candidates kept per token
 DEPTH = 10  # deepest node grown
-NODES = 128  # most nodes grown (rows free: SmolLM2-135M 2.39 tokens a forward, 64 nodes 2.21; docs/bench/recycle-sizes.md)
+# most nodes grown (rows free: SmolLM2-135M 2.39 tokens a forward, 64 nodes 2.21; docs/bench/recycle-sizes.md)
+NODES = 128
 BUCKETS = 4  # p(d, r) is kept per depth 1, 2, 3 and 4 or more
 PRIOR = (0.3, 0.12, 0.07, 0.05, 0.04, 0.03, 0.02, 0.02)  # p(d, r) before any walk, by rank
 PRIOR_WEIGHT = 4.0
@@ -72,7 +73,7 @@ class Recycled:
         p, width = self.p(), 1 if self.one_path else K
         heap = [(-p[0, r], 0, r, 1) for r in range(width)]  # (-probability, parent, rank, depth)
         heapq.heapify(heap)
-        slots, expected, best, rate = [], 1.0, 0, MARGIN
+        slots, expected, best, rate = list[tuple[int, int]](), 1.0, 0, MARGIN
         while heap and len(slots) < NODES:
             q, parent, rank, d = heapq.heappop(heap)
             if d > depth:

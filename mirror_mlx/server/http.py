@@ -11,14 +11,15 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
-from typing import Any, Callable, Optional, Union
+from types import FrameType
+from typing import Any, Callable, Optional, TextIO, Union, cast
 
 from ..pipeline import Pipeline
 from .request import (CHAT, COMPLETION, DEFAULT_MODEL, LOCAL_HOSTS, MAX_BODY, APIError, Request, max_prompt_bytes,
                       parse_request)
 from . import page
 from .prefix_cache import PrefixCache
-from .reply import Generation, Reply, ToolText
+from .reply import Reply, RequestDecode, ToolText
 from .scheduler import DECODE_CONCURRENCY, PROMPT_CONCURRENCY, Scheduler
 
 
@@ -53,7 +54,7 @@ class Server(ThreadingHTTPServer):
     block_on_close = True
 
     def __init__(self, address: tuple[str, int], pipe: Pipeline, model_id: str, defaults: dict,
-                 max_tokens: int = 512, max_queue: int = 32, log: Any = sys.stderr,
+                 max_tokens: int = 512, max_queue: int = 32, log: TextIO = sys.stderr,
                  allowed_origins: Optional[tuple[str, ...]] = None, log_level: int = logging.INFO,
                  prompt_cache_size: int = 10, prompt_cache_bytes: Optional[int] = None,
                  decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY,
@@ -67,7 +68,8 @@ class Server(ThreadingHTTPServer):
         self.model_ids = tuple(dict.fromkeys([model_id, pipe.name]))
         self.allowed_origins = allowed_origins  # None: local pages only (origin_allowed)
         self.log_level = log_level  # above INFO: no access log, only failures and the start/stop lines
-        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)  # the target's caches of recent prompts
+        # the target's caches of recent prompts
+        self.prefixes = PrefixCache(pipe.engine, prompt_cache_size, prompt_cache_bytes)
         self.scheduler = Scheduler(pipe, self.prefixes, self.note, max_queue, decode_concurrency, prompt_concurrency,
                                    defaults.get("prefill_step_size") or 2048, batch_speculation)
         self.stopping = threading.Event()
@@ -105,7 +107,7 @@ class Server(ThreadingHTTPServer):
         super().server_close()
         self.scheduler.close()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
+    def handle_error(self, request: object, client_address: tuple) -> None:
         """One line for a client that went away; the traceback only for a bug of ours."""
         error = sys.exc_info()[1]
         if isinstance(error, (ClientGone, OSError)):
@@ -133,7 +135,7 @@ class Handler(BaseHTTPRequestHandler):
     error_message_format = ('{"error": {"message": "%(message)s: %(explain)s", "type": "invalid_request_error", '
                             '"param": null, "code": "%(code)d"}}')
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         """One line per request (the access log): at --log-level INFO or DEBUG only."""
         if self.server.log_level > logging.INFO:
             return
@@ -258,7 +260,9 @@ class Handler(BaseHTTPRequestHandler):
         if why is not None:
             self.send_api_error(APIError(403, why, code="origin_not_allowed", kind="permission_error"))
             return
-        data, kind = page.read(path)
+        found = page.read(path)
+        assert found is not None, "the caller checked page.FILES"
+        data, kind = found
         self.send_head(200, {"Content-Type": kind, "Content-Length": str(len(data)), **page.HEADERS})
         try:
             self.wfile.write(data)
@@ -274,12 +278,12 @@ class Handler(BaseHTTPRequestHandler):
             self.send_api_error(APIError(404, f"no route POST {path}: use {CHAT} or {COMPLETION}", code="not_found"))
             return
         s.count("requests")
-        gen: Optional[Generation] = None
+        gen: Optional[RequestDecode] = None
         try:
             raw = self.read_body()
             s.reading_done(self.connection, False)  # the request is in: shutdown now ends it after a step
             req = parse_request(raw, path, s.model_ids, s.defaults, s.max_prompt_bytes)
-            gen = Generation(s.pipe, req, s.max_tokens)
+            gen = RequestDecode(s.pipe, req, s.max_tokens)
             s.scheduler.submit(gen.start())
         except APIError as e:
             s.count("rejected")
@@ -296,7 +300,7 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             gen.close()
 
-    def serve_one(self, req: Request, gen: Generation) -> None:
+    def serve_one(self, req: Request, gen: RequestDecode) -> None:
         """Answer one admitted request as the scheduler decodes it."""
         s = self.server
         reply = Reply(req, s.model_id)
@@ -343,12 +347,12 @@ class Handler(BaseHTTPRequestHandler):
             self.engine_failed(e, gen, sent=req.stream)
             return
         s.count("completed")
-        restored = gen.job.restored
+        restored = gen.submitted.restored
         if restored:
             s.note(f"prefix cache: the target started from a stored cache of {restored} prompt tokens "
                    "(the draft re-syncs from its own cache)")
         finish = "tool_calls" if tools.made and gen.finish_reason == "stop" else gen.finish_reason  # as mlx-lm
-        extra = {"usage": gen.usage(), "x_mirror": dict(gen.job.x_stats(), prefix_cache_tokens=restored),
+        extra = {"usage": gen.usage(), "x_mirror": dict(gen.submitted.x_stats(), prefix_cache_tokens=restored),
                  **gen.take_steps()}
         try:
             if not req.stream:
@@ -375,7 +379,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, OSError):
             pass
 
-    def engine_failed(self, e: Exception, gen: Optional[Generation], sent: bool) -> None:
+    def engine_failed(self, e: Exception, gen: Optional[RequestDecode], sent: bool) -> None:
         """500 with a one-line error (the scheduler cleared the caches: a step may have been cut); keep serving."""
         s = self.server
         s.count("errors")
@@ -386,6 +390,7 @@ class Handler(BaseHTTPRequestHandler):
         line = " ".join(f"{type(e).__name__}: {e}".split())
         error = APIError(500, f"generation failed: {line}", kind="server_error", code="engine_error")
         if sent:
+            assert gen is not None, "a reply was sent: its generation began"
             self.cut_short(gen.req, error)
         else:
             try:
@@ -415,13 +420,13 @@ def serve(pipe: Pipeline, host: str = "127.0.0.1", port: int = 8080, defaults: O
     server = Server((host, port), pipe, name, defaults, **settings)
     signals = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int, frame: Optional[FrameType]) -> None:
         if on_signal is not None:
             on_signal(signum)
         server.stop()
 
     previous = {sig: signal.signal(sig, stop) for sig in signals}  # SIGHUP: the terminal closed
-    host_, port_ = server.server_address[:2]
+    host_, port_ = cast(tuple[str, int], server.server_address[:2])  # (AF_INET: typeshed's union has AF_UNIX's)
     across, scheduler = server.across, server.scheduler
     page_host = "localhost" if host_ in ("0.0.0.0", "") else host_  # (the page's origin must be one allowed)
     if across:

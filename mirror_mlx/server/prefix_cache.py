@@ -2,6 +2,11 @@
 
 from typing import TYPE_CHECKING, Optional
 
+from mlx_lm.models.cache import LRUPromptCache
+
+from ..engine.model_parts import common_prefix
+from ..engine.recurrent import convert
+
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..engine.target import TargetSide
@@ -18,8 +23,6 @@ class PrefixCache:
     KEY = "target"
 
     def __init__(self, engine: "Engine", size: int, max_bytes: Optional[int] = None):
-        from mlx_lm.models.cache import LRUPromptCache
-
         self.engine = engine
         self.max_bytes = max_bytes
         self.lru = LRUPromptCache(size, max_bytes if max_bytes is not None else 1 << 63) if size > 0 else None
@@ -46,16 +49,14 @@ class PrefixCache:
         return self.engine.with_target(self._restore, ids[:-1])  # (the last token runs in the first step)
 
     def _restore(self, target: "TargetSide", ids: list[int]) -> int:
-        from ..engine.model_parts import common_prefix
-
         own = target.own_tokens()
         if own is None:
             return 0
+        assert self.lru is not None, "restore checks there is a cache first"
         cache, rest = self.lru.fetch_nearest_cache(self.KEY, ids)
         held = len(ids) - len(rest)
         if cache is None or held <= common_prefix(own, ids):
             return 0
-        from ..engine.recurrent import convert
 
         target.take(convert(cache), ids[:held])  # (a stored recurrent copy: thawed)
         return held
@@ -67,5 +68,6 @@ class PrefixCache:
 
     def _store(self, target: "TargetSide") -> None:
         held = target.copy()
+        assert self.lru is not None, "store checks there is a cache first"
         if held is not None:
             self.lru.insert_cache(self.KEY, *held)

@@ -5,15 +5,19 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
 
 from .. import text, validate
+from ..engine.readback import floats, ints, scalar
 from ..pipeline import Pipeline
 from ..timeline import Steps
 from .request import APIError, Request
 from .scheduler import Job
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 class StopText:
     """Cut the text at the first stop string; hold back a tail that could be the start of one."""
@@ -47,10 +51,12 @@ class ToolText:
     (TokenizerWrapper.tool_call_start / tool_call_end, as mlx_lm.server); each call's text goes through
     the tokenizer's own `tool_parser`. A call whose text does not parse stays in the text, with a note."""
 
-    def __init__(self, tokenizer: Any, tools: Optional[list[dict]], note: Any):
+    def __init__(self, tokenizer: "TokenizerWrapper", tools: Optional[list[dict]], note: Callable[[str], None]):
         self.on = bool(tools) and tokenizer.has_tool_calling
-        self.start, self.end = (tokenizer.tool_call_start, tokenizer.tool_call_end) if self.on else ("", "")
-        self.parser, self.tools, self.note = tokenizer.tool_parser if self.on else None, tools, note
+        self.start: str = tokenizer.tool_call_start if self.on else ""
+        self.end: str = tokenizer.tool_call_end if self.on else ""
+        self.parser: Optional[Callable] = tokenizer.tool_parser if self.on else None
+        self.tools, self.note = tools, note
         self.held, self.inside, self.made = "", False, 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -58,7 +64,7 @@ class ToolText:
         if not self.on:
             return text, []
         self.held += text
-        plain, calls = "", []
+        plain, calls = "", list[dict]()
         while True:
             if self.inside:
                 at = self.held.find(self.end) if self.end else -1
@@ -85,6 +91,7 @@ class ToolText:
         return (self.start + held, []) if parsed is None else ("", parsed)
 
     def parse(self, body: str) -> Optional[list[dict]]:
+        assert self.parser is not None, "parsed only when on"
         try:
             parsed = self.parser(body, self.tools)
         except Exception as e:  # (mlx_lm.server drops such a call; here it stays visible in the text)
@@ -103,7 +110,7 @@ class ToolText:
 
 
 @dataclass
-class Generation:
+class RequestDecode:
     """One request's decode: iterate for the text of each step ("" when a step shows nothing yet, or while
     it waits its turn: the handler then looks at its socket). The scheduler runs it (`Job`)."""
 
@@ -135,6 +142,7 @@ class Generation:
         elif isinstance(req.prompt, str):
             ids = text.plain(pipe.tokenizer, req.prompt)
         else:
+            assert req.prompt is not None, "a request without messages has its prompt"
             ids = list(req.prompt)
         self.prompt_tokens = len(ids)
         options = dict(req.options, max_tokens=self.default_max_tokens if req.max_tokens is None else req.max_tokens)
@@ -149,6 +157,12 @@ class Generation:
         self.job = Job(plan, messages, logprobs=req.logprobs)
         return self.job
 
+    @property
+    def submitted(self) -> Job:
+        """The job `start` made (read only after it)."""
+        assert self.job is not None, "start first"
+        return self.job
+
     def field(self, param: str) -> str:
         """The request's field for an option: the prompt of a chat is its messages, max_tokens as it was sent."""
         if param == "prompt" and self.req.messages is not None:
@@ -159,7 +173,7 @@ class Generation:
         stop = StopText(self.req.stop)
         while True:
             try:
-                chunk = self.job.events.get(timeout=0.2)
+                chunk = self.submitted.events.get(timeout=0.2)
             except queue.Empty:
                 yield ""
                 continue
@@ -181,7 +195,7 @@ class Generation:
                 self.close()
                 return
         yield stop.flush()
-        self.finish_reason = self.job.finish_reason or "length"
+        self.finish_reason = self.submitted.finish_reason or "length"
 
     def close(self) -> None:
         """Stop decoding at the next step boundary (the scheduler frees its slot)."""
@@ -205,19 +219,20 @@ class Generation:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
+                "prompt_tokens_details": {"cached_tokens": self.submitted.cached}}
 
 
-def score(tokenizer: Any, token: int, row: Any, top: int) -> dict:
+def score(tokenizer: "TokenizerWrapper", token: int, row: mx.array, top: int) -> dict:
     """One token's log-probability and the `top` likeliest at its position (as mlx_lm.server, sorted)."""
     names = tokenizer.convert_ids_to_tokens
-    entry = {"id": token, "token": names(token), "logprob": row[token].item(), "top_logprobs": []}
+    entry = {"id": token, "token": names(token), "logprob": scalar(row[token]), "top_logprobs": []}
     if top:
         ids = mx.argpartition(-row, kth=top - 1)[:top]
         values = row[ids]
         order = mx.argsort(-values)
-        ids, values = ids[order].tolist(), values[order].tolist()
-        entry["top_logprobs"] = [{"id": i, "token": n, "logprob": v} for i, n, v in zip(ids, names(ids), values)]
+        top_ids, top_values = ints(ids[order]), floats(values[order])
+        entry["top_logprobs"] = [{"id": i, "token": n, "logprob": v}
+                                 for i, n, v in zip(top_ids, names(top_ids), top_values)]
     return entry
 
 

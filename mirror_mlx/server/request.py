@@ -2,9 +2,12 @@
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .. import validate
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_BODY = 16 << 20  # bytes; a prompt this long is far beyond any context anyway
@@ -67,7 +70,7 @@ def _text(value: str) -> str:
     return validate.clean_text(value)[0]
 
 
-def _check(ok: bool, name: str, rule: str, value: Any) -> None:
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
         raise APIError(400, f"'{name}' must be {rule} (got {value!r})", name)
 
@@ -83,7 +86,7 @@ def _content(message: dict, i: int) -> str:
     raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def _message(m: Any, i: int) -> dict:
+def _message(m: object, i: int) -> dict:
     """One chat message as the chat template takes it: "developer" is "system" (as OpenAI treats it); an
     assistant's tool_calls keep their arguments as objects (templates iterate them, as mlx_lm.server)."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -93,7 +96,8 @@ def _message(m: Any, i: int) -> dict:
     calls = m.get("tool_calls")
     if role == "assistant" and calls is not None:
         _check(isinstance(calls, list), f"messages[{i}].tool_calls", "a list of tool calls", calls)
-        out = {"role": role, "content": "" if m.get("content") is None else _content(m, i), "tool_calls": []}
+        tool_calls: list[dict] = []
+        out = {"role": role, "content": "" if m.get("content") is None else _content(m, i), "tool_calls": tool_calls}
         for j, call in enumerate(calls):
             where = f"messages[{i}].tool_calls[{j}]"
             fn = call.get("function") if isinstance(call, dict) else None
@@ -107,7 +111,7 @@ def _message(m: Any, i: int) -> dict:
                 except ValueError as e:
                     raise APIError(400, f"{where}.function.arguments is not valid JSON ({e})",
                                    f"{where}.function.arguments") from None
-            out["tool_calls"].append(dict(call, function=dict(fn, arguments=args)))
+            tool_calls.append(dict(call, function=dict(fn, arguments=args)))
         return out
     extra = {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)}
     return {"role": role, "content": _content(m, i), **extra}
@@ -147,7 +151,7 @@ def parse_request(raw: bytes, endpoint: str, model_ids: tuple[str, ...], default
                   max_prompt_bytes: Optional[int] = None) -> Request:
     """Read a request body: its shape (each fault an APIError naming the field and the fix). `defaults` are the
     server's decode settings (the `serve` flags); request fields override them, checked with the prompt's ids by
-    the pipeline's one check (`Generation.start`). A text prompt longer than `max_prompt_bytes` cannot fit the
+    the pipeline's one check (`RequestDecode.start`). A text prompt longer than `max_prompt_bytes` cannot fit the
     context: it is refused here, before it is tokenized."""
     body = _body(raw, endpoint, model_ids)
     req = Request(endpoint)
@@ -205,6 +209,8 @@ def _prompt(body: dict, max_prompt_bytes: Optional[int]) -> Union[str, list]:
     if isinstance(prompt, str):
         prompt = _text(prompt)
         _fits(len(prompt.encode()), max_prompt_bytes, "prompt")
+        return prompt
+    assert isinstance(prompt, list)  # (ids, checked above)
     return prompt
 
 
@@ -241,7 +247,7 @@ def _fits(n_bytes: int, limit: Optional[int], param: str) -> None:
                             "context: shorten it", param, "context_length_exceeded")
 
 
-def max_prompt_bytes(tokenizer: Any, context: Optional[int]) -> Optional[int]:
+def max_prompt_bytes(tokenizer: "TokenizerWrapper", context: Optional[int]) -> Optional[int]:
     """An upper bound on the UTF-8 bytes of a prompt that fits `context` tokens: context × the longest
     token's bytes (each token covers at most that much text), doubled for normalization's slack."""
     if not context:

@@ -20,9 +20,10 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generator, Optional
 
 import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
 
 from ..chunks import Chunk, Detokenizer
 from ..options import Plan
@@ -58,8 +59,8 @@ class Job:
     stats: Optional[Stats] = None  # its last run alone
     finish_reason: Optional[str] = None
     uid: Optional[int] = None  # in the batch
-    stream: Any = None  # alone: the pipeline's stream
-    detok: Any = None
+    stream: Optional[Generator[Chunk, None, None]] = None  # alone: the pipeline's stream
+    detok: Optional[Detokenizer] = None
     said: list[str] = field(default_factory=list)  # the text so far
     t0: float = field(default_factory=time.perf_counter)
     t_decode: Optional[float] = None  # when it began decoding (alone or batched)
@@ -227,7 +228,8 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._inbox and not self.waiting and self.solo is None and not self.batch and not self._closed:
+                while not self._inbox and not self.waiting and self.solo is None and not self.batch \
+                        and not self._closed:
                     self.regime = "idle"
                     self._cond.wait()
                 self.waiting.extend(self._inbox)
@@ -316,6 +318,7 @@ class Scheduler:
 
     def _step_solo(self) -> None:
         job = self.solo
+        assert job is not None and job.stream is not None, "a step alone runs the solo job's stream"
         try:
             chunk = next(job.stream, None)
         except Exception as e:
@@ -341,6 +344,7 @@ class Scheduler:
 
     def _leave_solo(self, job: Job) -> None:
         """The request decoding alone stops at this step boundary; its run's rate is noted for the switches."""
+        assert job.stream is not None, "a job alone has its stream"
         job.stream.close()
         job.stream = None
         self.solo = None
@@ -373,6 +377,7 @@ class Scheduler:
         if not self.engine.with_target(self._cache_from_batch, job.uid, committed[:-1]):
             self.counts["moves_prefilled"] += 1
             self.note("scheduler: the batch's cache did not hold the committed tokens: the target prefills them")
+        assert job.uid is not None, "a job in the batch has its uid"
         del self.batch[job.uid]
         job.uid = None
         self.counts["moves_out"] += 1
@@ -393,8 +398,6 @@ class Scheduler:
     # --- batched
 
     def _generator(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
         if self.speculation is None:  # (once: whether this model's caches let each row drop its own tokens)
             self.speculation, why = supports(self.pipe.model)
             self.speculation_why = "on" if self.speculation else f"off: {why} (the batch decodes without it)"
@@ -420,7 +423,6 @@ class Scheduler:
             job.cached = job.restored = held
         base, processors = samplers(opts)  # as Engine.generate
         sampler = keyed(base, opts.seed, len(committed))  # (the seed as checked: mapped into the generator's range)
-        from mlx_lm.generate import StopSequences
 
         stops = StopSequences([(t,) for t in opts.stop_tokens] or None)
         left = job.max_tokens - len(job.generated)
@@ -452,7 +454,9 @@ class Scheduler:
 
     def _step_batch(self) -> None:
         gen = self._gen
-        rows = len(gen) if isinstance(gen, SpecBatch) else len(gen._generation_batch) if gen is not None else 0
+        # mlx-lm's BatchGenerator counts its decoding rows privately: ours are the jobs in the batch, so a step that
+        # decoded one token for each of them (no prefill) is a decode step of that many rows
+        rows = len(gen) if isinstance(gen, SpecBatch) else len(self.batch) if gen is not None else 0
 
         def step() -> tuple[bool, list[Out], tuple[float, float]]:
             t = time.perf_counter()
@@ -503,6 +507,7 @@ class Scheduler:
         """A client that went away frees its slot at this step boundary."""
         if self.solo is not None and self.solo.cancelled.is_set():
             job, self.solo = self.solo, None
+            assert job.stream is not None, "a job alone has its stream"
             job.stream.close()
             job.stream = None
             self.counts["freed"] += 1
@@ -562,6 +567,7 @@ class Scheduler:
 
     def _remember(self, job: Job) -> None:
         """A chat's turn is the pipeline's conversation (its ids as committed), as Pipeline.chat leaves it."""
+        assert job.messages is not None, "only a chat's turn is remembered"
         stop = job.generated[-1] if job.finish_reason == "stop" and job.generated else None
         text = "".join(job.said)
         self.pipe.conversation = Conversation(list(job.messages) + [{"role": "assistant", "content": text}],

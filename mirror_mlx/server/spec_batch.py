@@ -19,24 +19,29 @@ without speculation (`supports`).
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..proposers.lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
 from ..engine.model_parts import trimmable_cache
+from ..engine.readback import int_rows, ints
 from ..options import DecodeOptions
 from ..engine.sampling import row_sampler, sample_rows, samplers
 from ..engine.target import accept
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 GAMMA = 8  # the longest window a row proposes (the lookup alone's, tune.policy.LOOKUP_GAMMA)
 COMPACT = 64  # holes and padding beyond this many positions a row are squeezed out (rows that accepted less add them)
 
 
-def supports(model: Any) -> tuple[bool, str]:
+def supports(model: "nn.Module") -> tuple[bool, str]:
     """Whether the batch can speculate with this model (every layer a plain KVCache, whose rows can drop their
     own rejected positions as masked holes; no sliding window), and why not."""
     kinds = {type(c).__name__ for c in trimmable_cache(model) if type(c) is not KVCache}
@@ -135,7 +140,7 @@ class HoleKVCache(BatchKVCache):
         return n
 
     def filter(self, batch_indices) -> None:
-        shift = min(self.left_padding[mx.array(batch_indices)].tolist())
+        shift = min(ints(self.left_padding[mx.array(batch_indices)]))
         super().filter(batch_indices)
         if self.keep is not None:
             self.keep = self.keep[mx.array(batch_indices)][:, shift:]
@@ -163,9 +168,9 @@ class HoleKVCache(BatchKVCache):
         """Positions every row leaves unused (padding and holes): what `compact` would save."""
         n = self.size()
         if self.keep is None:
-            return min(self.left_padding.tolist())
+            return min(ints(self.left_padding))
         used = (self._kept(n) & (mx.arange(n)[None, :] >= self.left_padding[:, None])).sum(axis=1)
-        return n - max(used.tolist())
+        return n - max(ints(used))
 
     def compact(self) -> None:
         """Each row's kept positions moved to the end, in order; the rest becomes left padding (a gather of the
@@ -173,14 +178,13 @@ class HoleKVCache(BatchKVCache):
         n = self.size()
         kept = self._kept(n) & (mx.arange(n)[None, :] >= self.left_padding[:, None])
         counts = kept.sum(axis=1)
-        width = max(counts.tolist())
+        width = max(ints(counts))
         # (position order within a row, kept ones last: a stable sort on "kept")
         order = mx.argsort(kept.astype(mx.int32) * (n + 1) + mx.arange(n)[None, :], axis=1)[:, n - width :]
         idx = order[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., :n, :], idx, axis=2)
-        self.values = mx.take_along_axis(self.values[..., :n, :], idx, axis=2)
-        self.left_padding = width - counts
-        self.state = (self.keys, self.values, self.offset, self.left_padding, width)
+        keys, values = cast(mx.array, self.keys), cast(mx.array, self.values)  # (mlx-lm's stub: None, its start)
+        self.state = (mx.take_along_axis(keys[..., :n, :], idx, axis=2), mx.take_along_axis(values[..., :n, :], idx,
+                      axis=2), self.offset, width - counts, width)
         self.keep = None
 
 
@@ -198,6 +202,12 @@ class Row:
     lookup: Lookup
     cache: Optional[list] = None  # until it joins: its own cache of tokens[:held]
     held: int = 0
+
+    @property
+    def own_cache(self) -> list:
+        """The cache of a row still joining (it has one until it joins)."""
+        assert self.cache is not None, "a joined row's cache is the batch's"
+        return self.cache
 
 
 @dataclass
@@ -217,7 +227,7 @@ class SpecBatch:
     """The server's batch with speculation: rows join (prefilled together, as mlx-lm's BatchGenerator prefills)
     and leave between steps; each step verifies every row's window in one forward. Call on the target's thread."""
 
-    def __init__(self, model: Any, prompt_concurrency: int = 8, prefill_step_size: int = 2048,
+    def __init__(self, model: "nn.Module", prompt_concurrency: int = 8, prefill_step_size: int = 2048,
                  gamma: int = GAMMA):
         self.model, self.prompt_concurrency, self.prefill_step_size, self.gamma = \
             model, prompt_concurrency, prefill_step_size, gamma
@@ -267,7 +277,7 @@ class SpecBatch:
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for r in self.joining for c in r.cache)
+        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for r in self.joining for c in r.own_cache)
 
     def close(self) -> None:
         self.rows, self.joining, self.cache = [], [], []
@@ -283,7 +293,6 @@ class SpecBatch:
     def _join(self) -> bool:
         if not self.joining:
             return False
-        from mlx_lm.generate import PromptProcessingBatch
 
         group, self.joining = self.joining[: self.prompt_concurrency], self.joining[self.prompt_concurrency:]
         ready = [r for r in group if r.held == len(r.tokens) - 1]  # (a request that decoded alone: nothing to run)
@@ -291,7 +300,7 @@ class SpecBatch:
         for part in (ready, prefilled):
             if not part:
                 continue
-            batch = PromptProcessingBatch(self.model, [r.uid for r in part], [r.cache for r in part],
+            batch = PromptProcessingBatch(self.model, [r.uid for r in part], [r.own_cache for r in part],
                                           [r.tokens[: r.held] for r in part], prefill_step_size=self.prefill_step_size)
             if part is prefilled:  # right-padded, then rolled into left padding (mlx-lm's own prefill)
                 batch.prompt([r.tokens[r.held : -1] for r in part])
@@ -356,7 +365,7 @@ class SpecBatch:
             else:
                 picked.append(sample_rows(logits[i, : len(w) + 1], r.tokens, w, r.sample, r.processors))
         if any(r.greedy for r in rows):
-            top = mx.argmax(logprobs, axis=-1).tolist()
+            top = int_rows(mx.argmax(logprobs, axis=-1))
             picked = [(top[i][: len(w) + 1] if ys is None else ys, lp)
                       for i, ((ys, lp), w) in enumerate(zip(picked, windows))]
         return picked

@@ -25,11 +25,20 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_unflatten
+from mlx_lm.models.base import create_attention_mask
+from mirror_mlx.loading import mlx_lm_load as load
+from tqdm import tqdm
+
+from mirror_mlx.corpus import eos_ids
+from mirror_mlx.engine.model_parts import flat
+from mirror_mlx.drafts.distilled.model import new_draft, save_draft
 
 from .distill_cost import cost_ratio  # noqa: F401  (what the command line measures with)
 from .distill_data import (  # noqa: F401  (the data half, and what the command line reads of it)
@@ -112,8 +121,6 @@ def make_batch(ex: Sequence[Example], kept: np.ndarray, vocab: int):
 
 def split_forward(draft, tokens: mx.array, frozen: int) -> mx.array:
     """Kept-id logits, with no gradient through the frozen first layers."""
-    from mlx_lm.models.base import create_attention_mask
-
     inner = draft.model
     h = inner.embed_tokens(tokens)
     mask = create_attention_mask(h, None)
@@ -126,7 +133,7 @@ def split_forward(draft, tokens: mx.array, frozen: int) -> mx.array:
     return draft.head(inner.norm(h))
 
 
-def distill_loss(draft, tokens, rows, weights, mask, frozen: int):
+def distill_loss(draft, tokens, rows, weights, mask, *, frozen: int):
     logq = nn.log_softmax(split_forward(draft, tokens, frozen), axis=-1)
     ce = -(weights * mx.take_along_axis(logq, rows, axis=-1)).sum(-1)
     return (ce * mask).sum() / mx.maximum(mask.sum(), 1)
@@ -161,7 +168,8 @@ def run_key(cfg: TrainConfig) -> dict:
 
 def _batches(exs: list[Example], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """Examples grouped by length (little padding), groups shuffled."""
-    groups, cur = [], []
+    groups: list[list[int]] = []
+    cur: list = []
     for i in np.argsort([len(e.tokens) for e in exs], kind="stable"):
         if cur and len(exs[i].tokens) * (len(cur) + 1) > batch_tokens:  # (the longest so far: sorted by length)
             groups.append(cur)
@@ -189,11 +197,9 @@ def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192) -> dict
 
 
 def _save_state(path: Path, draft, opt, step: int, extra: dict) -> None:
-    from mlx.utils import tree_flatten
-
     path.mkdir(parents=True, exist_ok=True)
-    arrays = {"model." + k: v for k, v in tree_flatten(draft.trainable_parameters())}
-    arrays.update({"opt." + k: v for k, v in tree_flatten(opt.state)})
+    arrays = {"model." + k: v for k, v in flat(draft.trainable_parameters())}
+    arrays.update({"opt." + k: v for k, v in flat(opt.state)})
     mx.save_safetensors(str(path / "state.tmp.safetensors"), arrays)
     os.replace(path / "state.tmp.safetensors", path / "state.safetensors")
     tmp = path / "progress.tmp.json"
@@ -220,8 +226,6 @@ def _run_files(run: Path, root: Path, key: dict, cfg: TrainConfig) -> list[str]:
 
 def _trainable_draft(model, target_config: dict, cfg: TrainConfig, kept: np.ndarray):
     """A fresh draft of cfg's shape: the first E layers frozen, the k trained ones, the norm and the head trainable."""
-    from mirror_mlx.drafts.distilled.model import new_draft
-
     n_target = target_config["num_hidden_layers"]
     if cfg.init not in ("next", "last"):
         raise ValueError(f"init {cfg.init!r}: use next (the target's layers E..E+k-1) or last (its last k)")
@@ -237,12 +241,10 @@ def _trainable_draft(model, target_config: dict, cfg: TrainConfig, kept: np.ndar
 
 def _resume(ckpt: Path, draft, opt) -> tuple[int, list]:
     """(step, history) of the run's last checkpoint, its weights and optimizer state loaded; (0, []) for none."""
-    from mlx.utils import tree_unflatten
-
     if not (ckpt / "progress.json").is_file():
         return 0, []
     prog = json.loads((ckpt / "progress.json").read_text())
-    w = mx.load(str(ckpt / "state.safetensors"))
+    w = cast(dict[str, mx.array], mx.load(str(ckpt / "state.safetensors")))
     draft.update(tree_unflatten([(k[6:], v) for k, v in w.items() if k.startswith("model.")]))
     opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
     return prog["step"], prog.get("history", [])
@@ -275,27 +277,21 @@ def _steps(draft, opt, loss_and_grad, exs, kept, vocab: int, cfg: TrainConfig, s
 
 
 def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bool = True,
-          log: Callable[[str], None] = print, model=None, tokenizer=None, stop_after_steps: Optional[int] = None) -> dict:
+          log: Callable[[str], None] = print, model=None, tokenizer=None,
+          stop_after_steps: Optional[int] = None) -> dict:
     """Train (or resume) a distilled draft; writes cfg.out (the draft folder) at the end and at each checkpoint.
 
     The run's data (the reply files it trains on) is fixed when it starts and listed in its run folder, so a
     resumed run (same settings) continues exactly where its last checkpoint stopped: batch order depends on
     (seed, epoch) only. `budget_minutes` ends this call with a checkpoint; the same call again resumes."""
-    import mlx.optimizers as optim
-    from tqdm import tqdm
-
-    from mirror_mlx.corpus import eos_ids
-    from mirror_mlx.drafts.distilled.model import save_draft
-
     t_start = time.time()
     if model is None:
-        from mlx_lm.utils import load
-
         model, tokenizer = load(cfg.target)
     target_config = json.loads((Path(cfg.target) / "config.json").read_text())
     root = data_root(cfg.target, cfg.data_dir)
     key = run_key(cfg)
-    run = Path(cfg.run_dir) if cfg.run_dir else root / "runs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    run = Path(cfg.run_dir) if cfg.run_dir else root / "runs" / digest
     replies = [load_reply(root / "replies" / f) for f in _run_files(run, root, key, cfg)]
     kept = kept_ids_by_frequency(replies, cfg.kept, eos_ids(tokenizer))
     exs = examples(replies, cfg.max_context)
@@ -318,7 +314,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
                 "reply_tokens": n_tokens, "replies": len(exs), **entry}
 
     if step:
-        if step >= total and history and history[-1].get("measured_on") == "all" and (Path(cfg.out) / "config.json").is_file():
+        if step >= total and history and history[-1].get("measured_on") == "all" and \
+                (Path(cfg.out) / "config.json").is_file():
             log(f"{run} is complete (step {step}/{total})")  # measured and written already
             return result(False, history[-1])
         log(f"resuming {run} at step {step}/{total}")
@@ -329,7 +326,8 @@ def train(cfg: TrainConfig, budget_minutes: Optional[float] = None, progress: bo
 
     def checkpoint(final: bool = False) -> dict:
         mx.eval(draft.parameters(), opt.state)
-        entry = {"step": step, "epoch": step / steps_per_epoch, "minutes": (time.time() - t_start) / 60}
+        entry: dict[str, object] = {"step": step, "epoch": step / steps_per_epoch,
+                                    "minutes": (time.time() - t_start) / 60}
         if eval_replies:  # between checkpoints a quarter of them, spread over the categories; all at the end
             entry.update(agreement(draft, eval_replies if final else eval_replies[::4]))
             entry["measured_on"] = "all" if final else "quarter"
@@ -366,13 +364,11 @@ def loop(data: DataConfig, train_cfgs: Sequence[TrainConfig], generate_minutes: 
     round and shape, its draft written to OUT/round-NNN-SHAPE and OUT/latest-SHAPE), and again, until the
     schedule is generated and its last round trained. The shapes are compared on the same data each round.
     Killed and started again, it goes on: the replies are on disk, a round's runs resume from their checkpoints."""
-    from mlx_lm.utils import load
-
     model, tokenizer = load(data.target)
     root = data_root(data.target, data.data_dir)
     state_file = root / "loop.json"
     while True:
-        state = json.loads(state_file.read_text()) if state_file.is_file() else {"round": 0, "trained_tokens": 0}
+        state: dict = json.loads(state_file.read_text()) if state_file.is_file() else {"round": 0, "trained_tokens": 0}
         r = state["round"]
         runs = [(c, root / "runs" / f"loop-r{r:03d}-{shape_name(c)}") for c in train_cfgs]
         mid_round = any((d / "manifest.json").is_file() for _, d in runs)

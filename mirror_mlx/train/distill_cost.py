@@ -3,13 +3,16 @@
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 _COST_SCRIPT = r"""
 import json, sys, time
-import mirror_mlx
+import mirror_mlx  # the BLAS preload, before mlx.core
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model
+from mirror_mlx.drafts.distilled.model_types import load_model  # mlx-lm's, with our model types
 from pathlib import Path
 
 def timer(model, context):
@@ -41,10 +44,6 @@ print(json.dumps({"target_ms": min(t), "draft_ms": min(d)}))
 def cost_ratio(target: str, draft: str, context: int = 256, reps: int = 10, core: int = 0, rounds: int = 7) -> dict:
     """c: the draft's 1-row forward (KV cache of `context` tokens, float32) over the target's, each run
     on one core (OPENBLAS_NUM_THREADS=1, pinned with taskset where there is one), in a fresh process."""
-    import shutil
-    import subprocess
-    import sys
-
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-c", _COST_SCRIPT, json.dumps({"target": str(target), "draft": str(draft),
                                                            "context": context, "reps": reps,

@@ -12,6 +12,13 @@ from typing import Callable, Iterable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+from mirror_mlx.loading import mlx_lm_load as load
+from tqdm import tqdm
+
+from mirror_mlx.corpus import distinct_openings, eos_ids, load_split
+from mirror_mlx.prompts import DATA, jsonl, spec_bench_part
+from mirror_mlx.tune.profile import cache_dir
 
 TOP_K = 32  # teacher logits kept per reply position
 MAX_PROMPT = 1536  # longer rendered prompts are skipped (a few Spec-Bench rag/summarization ones)
@@ -21,8 +28,6 @@ TRAIN_SOURCES = SOURCES[1:]
 
 
 def distill_dir() -> Path:
-    from mirror_mlx.tune.profile import cache_dir
-
     return cache_dir() / "distill"
 
 
@@ -59,15 +64,11 @@ class Job:
 
 def source_prompts(source: str, tinystories_n: int = 1000) -> list[str]:
     """The user messages of one source, in a fixed order."""
-    from mirror_mlx.prompts import DATA, jsonl, spec_bench_part
-
     if source in ("eval", "spec_bench"):
         return [p.text for p in spec_bench_part("eval" if source == "eval" else "train")]
     if source == "code_edit":
         return [p.text for p in jsonl(DATA / "code_edit.jsonl")]
     if source == "tinystories":
-        from mirror_mlx.corpus import distinct_openings, load_split
-
         openings = distinct_openings(load_split().train)[:tinystories_n]
         return [f"Write a short story for children that begins with: \"{o}\"" for o in openings]
     raise ValueError(f"unknown data source {source!r}: use one of {', '.join(SOURCES)}")
@@ -92,7 +93,8 @@ def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] 
     train = [s for s in prompts if s != "eval"]
     for r in range(rounds + 1):
         for s in train:
-            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s]) for temp, seed in round_variants(r)])
+            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s])
+                           for temp, seed in round_variants(r)])
     return [p for p in phases if p]
 
 
@@ -131,8 +133,6 @@ def batched_replies(model: nn.Module, prompts: list[list[int]], variants: list[l
     per (temperature, seed) of its `variants` (its cache rows repeated); a row leaves at its first EOS.
     A sampled row draws with its own key (its seed and the step), so a reply does not depend on its batch.
     Returns, per prompt, one Reply per variant."""
-    from mlx_lm.models.cache import BatchKVCache
-
     eos = set(int(e) for e in eos)
     longest = max(len(p) for p in prompts)
     pads = [longest - len(p) for p in prompts]
@@ -208,18 +208,13 @@ def data_root(target: str, data_dir: Optional[str] = None) -> Path:
 def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], None] = print,
                   stop_after_s: Optional[float] = None, model=None, tokenizer=None) -> dict:
     """Generate every missing reply of the schedule into DATA/replies (one .npz each). Returns counts."""
-    from tqdm import tqdm
-
-    from mirror_mlx.corpus import eos_ids
-
     if model is None:
-        from mlx_lm.utils import load
-
         model, tokenizer = load(cfg.target)
     root = data_root(cfg.target, cfg.data_dir)
     replies = root / "replies"
     replies.mkdir(parents=True, exist_ok=True)
-    (root / "data.json").write_text(json.dumps({k: v for k, v in asdict(cfg).items() if k != "prompts"}, indent=2, default=list))
+    settings = {k: v for k, v in asdict(cfg).items() if k != "prompts"}
+    (root / "data.json").write_text(json.dumps(settings, indent=2, default=list))
     eos = eos_ids(tokenizer)
     phases = [[j for j in phase if not (replies / f"{j.key}.npz").exists()]
               for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts)]
@@ -289,7 +284,8 @@ def pack_ids(root: Path, out: Path) -> dict:
     else int32; prompts stored once per distinct prompt): what a repository keeps so another machine resumes.
     The teacher's top-K logits are not kept: `restore_ids` recomputes them by batched prefill."""
     files = sorted(p for p in (Path(root) / "replies").glob("*.npz") if not p.name.endswith(".tmp.npz"))
-    keys, prompts, prompt_of, replies = [], {}, [], []
+    keys, prompt_of, replies = [], [], []
+    prompts: dict[tuple[int, ...], int] = {}  # a prompt → its index
     for p in files:
         with np.load(p) as z:
             prompt, reply = tuple(int(t) for t in z["prompt"]), z["reply"].astype(np.int64)
@@ -329,7 +325,6 @@ def teacher_forced(model: nn.Module, pairs: Sequence[tuple[np.ndarray, np.ndarra
     seqs = [np.concatenate([p, r[:-1]]) for p, r in pairs]
     longest = max(len(s) for s in seqs)
     x = mx.array(np.stack([np.pad(s, (longest - len(s), 0)) for s in seqs]).astype(np.int32))
-    from mlx_lm.models.cache import BatchKVCache
 
     cache = [BatchKVCache([longest - len(s) for s in seqs]) for _ in range(len(model.layers))]
     logits = model(x, cache=cache)
@@ -350,8 +345,6 @@ def restore_ids(path: Path, root: Path, model: nn.Module, batch_tokens: int = PR
                 log: Callable[[str], None] = print, progress: bool = True) -> dict:
     """Write each reply of a `pack_ids` file that `root` lacks, its teacher logits recomputed by batched
     prefill. Returns counts and the prefill rate."""
-    from tqdm import tqdm
-
     replies = Path(root) / "replies"
     replies.mkdir(parents=True, exist_ok=True)
     todo = sorted((e for e in unpack_ids(path) if not (replies / f"{e[0]}.npz").exists()),

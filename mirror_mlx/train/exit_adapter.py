@@ -14,10 +14,14 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import demo as demo_pair
+from ..corpus import CORPUS, HELD_OUT_PARAGRAPHS, eos_ids, greedy_continuations, split
+from ..engine.batching import padded_batches
 from ..engine.exit_adapter import ExitAdapter, adapter_meta, save_adapter
 from ..engine.model_parts import text_model
+from ..engine.readback import scalar
 from ..options import default_exit_layer
 from ..engine.target import EarlyExitTarget, apply_head, check_exit_layer
+from ..loading import load_model
 
 DEFAULT_RANK = 256  # hidden width of the residual MLP: on stories260K it beats a full-rank linear map
 DEFAULT_STEPS = 6000
@@ -37,8 +41,6 @@ class ExitData:
 def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts: list[int],
                 batch_size: int = 8, progress: bool = False, label: str = "") -> ExitData:
     """Early and final normalised states at the rows of `seqs` from `starts[i]` on (right-padded batches)."""
-    from ..engine.batching import padded_batches  # (training's modules load with training, not with a generation)
-
     got: list = []
 
     def capture(x):  # in the adapter's place: keeps the early state, changes nothing
@@ -49,8 +51,8 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
     inner = text_model(model).model
     xe, xf = [], []
     try:
-        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}{label}", unit="batch",
-                                     total=-(-len(seqs) // batch_size), disable=not progress):
+        for j, chunk, tokens in tqdm(padded_batches(seqs, batch_size), desc=f"states L{exit_layer}{label}",
+                                     unit="batch", total=-(-len(seqs) // batch_size), disable=not progress):
             got.clear()
             target.forward(tokens, cache=None)  # only the captured early state is evaluated: blocks 1..ℓ_e
             early = got[0]
@@ -67,10 +69,9 @@ def exit_states(model: nn.Module, exit_layer: int, seqs: list[list[int]], starts
 
 
 def greedy_rows(model: nn.Module, tokenizer, texts: list[str], max_tokens: int,
-                max_prompt_tokens: int = 32, progress: bool = False, label: str = "") -> tuple[list[list[int]], list[int]]:
+                max_prompt_tokens: int = 32, progress: bool = False,
+                label: str = "") -> tuple[list[list[int]], list[int]]:
     """(sequences, starts): each opening plus the target's greedy continuation; rows from the last prompt token."""
-    from ..corpus import eos_ids, greedy_continuations
-
     prompts = [tokenizer.encode(s)[:max_prompt_tokens] for s in texts]
     gens = greedy_continuations(model, prompts, max_tokens, eos_ids(tokenizer), progress=progress,
                                 desc=f"greedy text{label}")
@@ -83,7 +84,7 @@ def kl(model: nn.Module, adapter: Optional[nn.Module], data: ExitData, batch: in
     total = 0.0
     n = data.x_early.shape[0]
     for i in range(0, n, batch):
-        total += _kl_rows(model, adapter, data.x_early[i : i + batch], data.x_final[i : i + batch]).sum().item()
+        total += scalar(_kl_rows(model, adapter, data.x_early[i : i + batch], data.x_final[i : i + batch]).sum())
     return total / max(n, 1)
 
 
@@ -120,7 +121,8 @@ def exit_data(model: nn.Module, tokenizer, exit_layer: int, texts: list[str], ma
 
 
 def fit_adapter(model: nn.Module, train: ExitData, rank: int, steps: int, seed: int = 0, mlp: bool = True,
-                lr: float = 3e-3, batch_size: int = 256, progress: bool = True, desc: str = "train-exit") -> ExitAdapter:
+                lr: float = 3e-3, batch_size: int = 256, progress: bool = True,
+                desc: str = "train-exit") -> ExitAdapter:
     """Adam on mean KL(final ‖ head(adapter(x_early))) over shuffled minibatches; deterministic per seed."""
     mx.random.seed(seed)
     adapter = ExitAdapter(text_model(model).model.norm.weight.shape[-1], rank, mlp)
@@ -169,8 +171,6 @@ def train_exit_adapter(
     """Distil an adapter at `exit_layer` on the target's greedy text over the training paragraphs' openings
     (deterministic per seed); KL is reported on the held-out openings (corpus.split, the benchmark's side).
     `tokens` bounds the text phase: ⌈tokens / max_tokens⌉ training openings, a tenth of that held out."""
-    from ..corpus import split
-
     check_exit_layer(exit_layer, len(text_model(model).layers))
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
@@ -202,9 +202,6 @@ def train_exit_adapter(
 def train_and_save(out: Path, model_path: Optional[str] = None, exit_layer: Optional[int] = None,
                    corpus: Optional[Path] = None, progress: bool = True, **kwargs: Any) -> TrainReport:
     """`mirror-mlx train-exit`: check the inputs before any work, train, write the adapter file."""
-    from ..corpus import CORPUS, HELD_OUT_PARAGRAPHS
-    from ..loading import load_model
-
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")

@@ -12,19 +12,21 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _download, load, load_config
+from mlx_lm.utils import _download, load_config
 from tqdm import tqdm
 
 from mirror_mlx.corpus import HELD_OUT_PARAGRAPHS, paragraphs, split
+from mirror_mlx.loading import mlx_lm_load
 from mirror_mlx.drafts.tokenizer import folder_tokenizer, tokenizer_mismatch
+from mirror_mlx.engine.model_parts import flat
 from mirror_mlx.drafts.ss.model import MODEL_TYPE, Model, ModelArgs, config_args, new_model, save_ss_draft, ss_forward
 
 STREAM_WEIGHT = 0.1  # α_j for every stream, α₀ = 1 (docs/design.md §5.7)
@@ -272,12 +274,12 @@ def _batch(data: Data, idx: np.ndarray):
 
 def evaluate(model: Model, data: Data, batch_size: int = 32) -> dict:
     """Loss and top-1 accuracy of the main row and of each stream on `data`."""
-    sums = 0.0
+    rows = []
     for i in range(0, len(data.tokens), batch_size):
         idx = np.arange(i, min(i + batch_size, len(data.tokens)))
         loss, main_ce, stream_ce, acc = ss_loss(model, *_batch(data, idx))
-        sums = sums + np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)]) * len(idx)
-    v = sums / len(data.tokens)
+        rows.append(np.concatenate([[loss.item(), main_ce.item()], np.array(stream_ce), np.array(acc)]) * len(idx))
+    v = np.sum(rows, axis=0) / len(data.tokens)
     S = model.args.num_streams
     return {"loss": float(v[0]), "main_ce": float(v[1]), "stream_ce": v[2:2 + S].round(4).tolist(),
             "main_acc": float(v[2 + S]), "stream_acc": v[3 + S:].round(4).tolist()}
@@ -292,8 +294,8 @@ def _schedule(cfg: TrainConfig) -> Callable:
 
 def _save_checkpoint(ckpt: Path, model: Model, opt: optim.Optimizer, step: int, cfg: TrainConfig) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
-    arrays = {"model." + k: v for k, v in tree_flatten(model.parameters())}
-    arrays.update({"opt." + k: v for k, v in tree_flatten(opt.state)})
+    arrays = {"model." + k: v for k, v in flat(model.parameters())}
+    arrays.update({"opt." + k: v for k, v in flat(opt.state)})
     mx.save_safetensors(str(ckpt / "state.tmp.safetensors"), arrays)
     (ckpt / "state.tmp.safetensors").replace(ckpt / "state.safetensors")
     (ckpt / "progress.json").write_text(json.dumps({"step": step, "config": _run_key(cfg)}, indent=2))
@@ -306,6 +308,7 @@ def _run_key(cfg: TrainConfig) -> dict:
 
 def _train_paragraphs(cfg: TrainConfig) -> list:
     """The corpus's training part: its paragraphs (or conversations) after the held-out ones."""
+    train_paragraphs: list  # paragraphs, or conversations (lists of messages)
     if cfg.corpus.endswith(".jsonl"):
         chats = read_chats(cfg.corpus)
         train_paragraphs, count = chats[cfg.holdout:], f"{len(chats)} conversations"
@@ -361,7 +364,7 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     train_paragraphs = _train_paragraphs(cfg)
     try:
         target_dir = _download(cfg.model)
-        target, target_tok = load(str(target_dir))
+        target, target_tok = mlx_lm_load(str(target_dir))
     except Exception as e:  # not found / not a model: say so plainly
         raise TrainError(f"cannot load target --model {cfg.model}: {e}") from None
     args = draft_args(cfg, target_dir, target_tok)
@@ -379,7 +382,7 @@ def train(cfg: TrainConfig, progress: bool = True, log: Callable[[str], None] = 
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=0.01)
     opt.init(model.trainable_parameters())
     if step > 0:
-        w = mx.load(str(ckpt / "state.safetensors"))
+        w = cast(dict[str, mx.array], mx.load(str(ckpt / "state.safetensors")))
         model.load_weights([(k[6:], v) for k, v in w.items() if k.startswith("model.")], strict=True)
         opt.state = tree_unflatten([(k[4:], v) for k, v in w.items() if k.startswith("opt.")])
     before = evaluate(model, val) if step == 0 else None

@@ -20,7 +20,9 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+from tqdm import tqdm
 
 from ..engine.exit_adapter import adapter_for, adapter_layers
 from . import profile as profiles
@@ -29,6 +31,9 @@ from .placement import candidates
 from .profile import PairView
 from .timing import MIN_TIMED_S, Bench, Lockstep, interleaved, measure_parallel, split_comm
 from .traces import calibration_prompts, greedy_texts, trace
+
+if TYPE_CHECKING:
+    from ..chunks import Result
 
 QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 
@@ -127,7 +132,7 @@ def measure_timings(pipe: PairView, b: Bench, cfg: TuneConfig, layers: list[int]
 def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
     """The `n` best predictions, at most ⌊n/2⌋ (at least one) of one window γ: the user's text may accept
     more or less than the calibration's, which moves whole γ groups (`adapt`), so alternatives stay measured."""
-    cap, out, per = max(1, n // 2), [], {}
+    cap, out, per = max(1, n // 2), list[Config](), dict[Optional[int], int]()
     for r in ranked:
         g = r["config"].gamma
         if len(out) < n and per.get(g, 0) < cap:
@@ -149,10 +154,10 @@ def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer, branches=c.branches) for c in configs}
 
-    def generate(c: Config, prompt: list[int], **kw: Any) -> Any:
+    def generate(c: Config, prompt: list[int], **kw: object) -> "Result":
         pipe.auto.placement_forced = c.placement  # each config in its own placement (tune/placement.py)
         try:
-            return pipe.generate(prompt, **dict(knobs[c], **kw))
+            return pipe.generate(prompt, None, **dict(knobs[c], **kw))
         finally:
             pipe.auto.placement_forced = None
 
@@ -172,7 +177,7 @@ def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[
                 sums[c][i] += v
         r += 1
         # a config is done after whole passes over its prompts that add up to min_seconds
-        more = [r < len(own[c]) or r % len(own[c]) or sums[c][3] < min_seconds for c in todo]
+        more = [r < len(own[c]) or r % len(own[c]) != 0 or sums[c][3] < min_seconds for c in todo]
         if step is not None and step.group is not None:
             more = step.flags(more)
         todo = [c for c, m in zip(todo, more) if m]
@@ -227,8 +232,6 @@ class _Phases:
             raise OutOfTime(f"calibration passed its {self.cfg.budget_s:g} s budget")
 
     def begin(self, name: str, total: Optional[int]) -> None:
-        from tqdm import tqdm
-
         self.close()
         self.bars.append(tqdm(total=total, desc=f"tune: {name}", unit="step", disable=not self.cfg.progress,
                               file=sys.stderr, dynamic_ncols=True))
@@ -275,7 +278,7 @@ def _prompts(pipe: PairView, cfg: TuneConfig, path: Optional[str], step: Lockste
 
 
 def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, prompts: list[list[int]],
-             layers: list[int], configs: list[Config], probes: list[Config], placements: list[str]
+             layers: list[int], configs: list[Config], probes: list[Config], placements: Sequence[str]
              ) -> tuple[Acceptance, Timings, dict, list[Config], int]:
     """Steps 1-4 of the module's docstring, in that order: the traces' acceptance, the component timings, the
     real runs by configuration, the configurations confirmed, and how many suffix ‖ rollout points were timed."""
@@ -334,7 +337,7 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
     return acc, t, runs, confirm, n_parallel
 
 
-def _to_confirm(configs: list[Config], t: Timings, acc: Acceptance, cfg: TuneConfig, placements: list[str],
+def _to_confirm(configs: list[Config], t: Timings, acc: Acceptance, cfg: TuneConfig, placements: Sequence[str],
                 step: Lockstep) -> list[Config]:
     """The configurations run for real to confirm: the best predictions (`pick_confirm`), ar, and where mirror
     may run split, the best mirror prediction at least; rank 0's pick on every rank."""
@@ -345,7 +348,10 @@ def _to_confirm(configs: list[Config], t: Timings, acc: Acceptance, cfg: TuneCon
         confirm += [Config("ar")] if Config("ar") not in confirm else []
         if "split" in placements and not any(c.mode == "mirror" for c in confirm):
             confirm += [next(r["config"] for r in ranked if r["config"].mode == "mirror")]
-    return step.pick(confirm, configs) if step.group is not None else confirm
+    if step.group is not None:
+        return step.pick(confirm, configs)
+    assert confirm is not None, "in one process this process is rank 0"
+    return confirm
 
 
 def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Optional[str] = None,

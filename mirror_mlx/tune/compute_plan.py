@@ -10,16 +10,19 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    from coremltools.models.compute_plan import MLComputePlan
 
 
 DEVICE_NAMES = {"MLNeuralEngineComputeDevice": "ANE", "MLGPUComputeDevice": "GPU", "MLCPUComputeDevice": "CPU"}
 
 
-def load_plan(package: Path) -> Any:
+def load_plan(package: Path) -> "MLComputePlan":
     """The package's MLComputePlan for CPU and Neural Engine (macOS 14.4+; compiles the package)."""
-    import coremltools as ct
-    from coremltools.models.compute_plan import MLComputePlan
+    import coremltools as ct  # (coremltools: an extra off macOS)
+    from coremltools.models.compute_plan import MLComputePlan  # (coremltools: an extra off macOS)
 
     compiled = ct.models.utils.compile_model(str(package))
     return MLComputePlan.load_from_path(path=compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
@@ -32,7 +35,7 @@ class PlannedOp:
     cost: Optional[float]  # Core ML's estimated share of the function's work, if it gave one
 
 
-def op_devices(plan: Any) -> dict[str, list[PlannedOp]]:
+def op_devices(plan: "MLComputePlan") -> dict[str, list[PlannedOp]]:
     """Per function of a loaded MLComputePlan, every op that runs somewhere (constants run nowhere and
     are left out) with its preferred device, named by its coremltools class."""
     out = {}
@@ -49,7 +52,7 @@ def op_devices(plan: Any) -> dict[str, list[PlannedOp]]:
     return out
 
 
-def unavailable_reason(package: Any) -> Optional[str]:
+def unavailable_reason(package: Union[str, Path, None]) -> Optional[str]:
     """Why no compute plan can be reported for the draft at `package` here, or None if one can."""
     if package is None or not str(package).endswith(".mlpackage"):
         return "the draft is not a Core ML package"
@@ -59,17 +62,18 @@ def unavailable_reason(package: Any) -> Optional[str]:
     if mac < (14, 4):
         return f"MLComputePlan needs macOS 14.4+ (this is macOS {platform.mac_ver()[0]})"
     try:
-        import coremltools.models.compute_plan  # noqa: F401
+        import coremltools.models.compute_plan  # noqa: F401  (coremltools: an extra off macOS)
     except ImportError as e:
         return f"coremltools has no MLComputePlan here ({e})"
     return None
 
 
-def report(package: Any) -> str:
+def report(package: Union[str, Path, None]) -> str:
     """One line per function (op counts per device) and a warning if `rollout` left the Neural Engine."""
     reason = unavailable_reason(package)
     if reason is not None:
         return f"Core ML compute plan: skipped ({reason})"
+    assert package is not None, "unavailable_reason names a missing package"
     return format_plan(op_devices(load_plan(Path(package))))
 
 
@@ -83,9 +87,9 @@ def format_plan(ops: dict[str, list[PlannedOp]]) -> str:
         off = Counter(op.name for op in planned if op.device != "ANE")
         line = f"Core ML compute plan, {name}: " + ", ".join(
             f"{dev} {n} ops ({100 * n / total:.0f}%)" for dev, n in counts.most_common())
-        costs = [op.cost for op in planned]
-        if costs and None not in costs and sum(costs) > 0:
-            ane = sum(op.cost for op in planned if op.device == "ANE")
+        costs = [op.cost for op in planned if op.cost is not None]
+        if costs and len(costs) == len(planned) and sum(costs) > 0:  # (every op's cost estimated)
+            ane = sum(c for op, c in zip(planned, costs) if op.device == "ANE")
             line += f"; ANE {100 * ane / sum(costs):.0f}% of the estimated cost"
         if off:
             line += "; off the Neural Engine: " + ", ".join(f"{op} x{n}" for op, n in off.most_common())

@@ -9,9 +9,13 @@ from the exit's own probabilities (branch_budget.py), so it can only do better o
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from ..options import PAPER_KNOBS
+
+if TYPE_CHECKING:
+    from .profile import Profile
+    from ..engine.stats import Stats
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,27 @@ class Config:
         return f"mirror κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}{budget}"
 
     @property
+    def g(self) -> int:
+        """γ, set for modes sd and mirror (the ones that draft)."""
+        assert self.gamma is not None, f"{self.mode} drafts no window"
+        return self.gamma
+
+    @property
+    def k(self) -> int:
+        """κ, set for mode mirror."""
+        assert self.kappa is not None, f"{self.mode} reuses no candidates"
+        return self.kappa
+
+    @property
+    def e(self) -> int:
+        """ℓ_e, set for mode mirror."""
+        assert self.exit_layer is not None, f"{self.mode} has no early exit"
+        return self.exit_layer
+
+    @property
     def rows(self) -> int:
         """Branches a mirror step rolls out: κ(γ+1), or B under a budget."""
-        every = self.kappa * (self.gamma + 1)
+        every = self.k * (self.g + 1)
         return every if self.branches is None else min(self.branches, every)
 
 
@@ -73,6 +95,7 @@ def replay(trace: Trace, gamma: int, kappa: Optional[int] = None, exit_layer: Op
     steps = tokens = reuses = end = 0
     for p, a in _steps(trace, gamma):
         if kappa is not None:
+            assert exit_layer is not None, "mirror's κ comes with its ℓ_e"
             r = (trace.rank_excl if a < gamma else trace.rank_plain)[exit_layer][p + a]
             reuses += r < kappa
             if cells is not None and r < kappa:
@@ -159,18 +182,18 @@ def component_time(cfg: Config, t: Timings, reuse: float = 0.0) -> float:
     """Seconds per step without the per-mode overhead."""
     if cfg.mode == "ar":
         return t.verify[1] + comm_time(t, 1)
-    g = cfg.gamma
+    g = cfg.g
     if cfg.mode == "sd":
         return (t.local_window or t.window)[g] + t.verify[g + 1] + comm_time(t, g + 1)
     rows = g + 1
-    return (t.prefix[(cfg.exit_layer, rows)] + comm_time(t, rows, cfg.exit_layer, "prefix") + parallel_time(cfg, t)
+    return (t.prefix[(cfg.e, rows)] + comm_time(t, rows, cfg.e, "prefix") + parallel_time(cfg, t)
             + (1 - reuse) * t.window[g])
 
 
 def suffix_and_late(cfg: Config, t: Timings) -> tuple[float, float]:
     """A mirror point's suffix (with its T_comm), and how late its rollout starts past the prefix: by the
     prepare that outlasts the prefix."""
-    g, e = cfg.gamma, cfg.exit_layer
+    g, e = cfg.g, cfg.e
     return (t.suffix[(e, g + 1)] + comm_time(t, g + 1, e, "suffix"),
             max(0.0, t.prepare.get(g, 0.0) - t.prefix[(e, g + 1)]))
 
@@ -179,9 +202,9 @@ def parallel_time(cfg: Config, t: Timings) -> float:
     """T_par: measured when `t.parallel` has the point (the suffix's collectives in it), else its floor
     max(T_suffix + its T_comm, T_rollout alone) (running both at once only adds contention), so a
     prediction without it is an upper bound."""
-    g = cfg.gamma
-    measured = t.parallel.get((cfg.exit_layer, cfg.kappa, g))
-    every = cfg.kappa * (g + 1)
+    g = cfg.g
+    measured = t.parallel.get((cfg.e, cfg.k, g))
+    every = cfg.k * (g + 1)
     if measured is not None and cfg.rows == every:
         return measured
     suffix, late = suffix_and_late(cfg, t)
@@ -219,7 +242,7 @@ def fitted(cfg: Config, t: Timings) -> Config:
     if cfg.mode != "mirror" or cfg.branches is not None or not any(g == cfg.gamma for _, g in t.rollout):
         return cfg
     every, (suffix, late) = cfg.rows, suffix_and_late(cfg, t)
-    n = max([1] + [n for n in range(1, every + 1) if late + rollout_time(t, n, cfg.gamma) <= suffix])
+    n = max([1] + [n for n in range(1, every + 1) if late + rollout_time(t, n, cfg.g) <= suffix])
     return cfg if n == every else replace(cfg, branches=n)
 
 
@@ -227,14 +250,14 @@ def predict(cfg: Config, t: Timings, acc: Acceptance) -> dict:
     """Predicted tokens/s of `cfg`, with the terms behind it ("bound": suffix ‖ rollout not measured at this
     point, so an upper bound, see parallel_time)."""
     ran = fitted(cfg, t)  # (the point as it runs: its branches fitted to the suffix when no B is given)
-    tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.gamma)
-    reuse = acc.reuse_rate(ran.kappa, ran.gamma, ran.exit_layer, ran.branches) if cfg.mode == "mirror" else 0.0
+    tokens = 1.0 if cfg.mode == "ar" else acc.mean_tokens(cfg.g)
+    reuse = acc.reuse_rate(ran.k, ran.g, ran.e, ran.branches) if cfg.mode == "mirror" else 0.0
     component = component_time(ran, t, reuse)
     step = max(component + overhead(cfg, t), component / 2)  # (a negative overhead is a correction)
     bound = cfg.mode == "mirror" and (cfg.exit_layer, cfg.kappa, cfg.gamma) not in t.parallel
     return {"config": cfg, "tokens_per_step": tokens, "reuse": reuse, "step_s": step,
             "tokens_per_second": tokens / step if step > 0 else 0.0, "bound": bound,
-            "comm_s": comm_time(t, 1 if cfg.mode == "ar" else cfg.gamma + 1)}  # the step's target forwards
+            "comm_s": comm_time(t, 1 if cfg.mode == "ar" else cfg.g + 1)}  # the step's target forwards
 
 
 def rank(configs: Iterable[Config], t: Timings, acc: Acceptance) -> list[dict]:
@@ -318,7 +341,7 @@ def row_config(row: dict) -> Config:
     return Config(row["mode"], row["kappa"], row["gamma"], row["exit_layer"], branches=row.get("branches"))
 
 
-def describe(c: Any) -> str:
+def describe(c: Union[Config, "Choice", "Profile", "Stats"]) -> str:
     mirror = c.mode == "mirror"
     return Config(c.mode, c.kappa if mirror else None, c.gamma if c.mode != "ar" else None,
                   c.exit_layer if mirror else None,

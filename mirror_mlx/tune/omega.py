@@ -18,10 +18,16 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..corpus import load_split
+from ..demo import DRAFT, TARGET
+from ..drafts.tokenizer import check_draft_tokenizer
 from ..engine.batching import padded_batches
+from ..engine.exit_adapter import load_adapter
 from ..train.exit_adapter import greedy_rows
 from ..engine.model_parts import text_model
+from ..engine.readback import integer, ints, scalar
 from ..engine.target import EarlyExitTarget, top_k
+from ..loading import load_model
 
 KAPPAS = (1, 2, 4, 8, 16)
 # OmegaSums' sums per κ, each an Ω view, and its label in the table
@@ -78,13 +84,13 @@ def omega_sums(early: mx.array, final: mx.array, draft: Sequence[int], kappas: S
     miss = y != d
     y_in = mx.cumsum((ids == y[:, None]).astype(mx.int32), axis=-1)
     y_in_ex = mx.cumsum((ids_ex == y[:, None]).astype(mx.int32), axis=-1)
-    s = OmegaSums(kappas, rows=early.shape[0], rejected=(1 - p_d).sum().item(), misses=miss.sum().item())
+    s = OmegaSums(kappas, rows=early.shape[0], rejected=scalar((1 - p_d).sum()), misses=integer(miss.sum()))
     for j, k in enumerate(kappas):
-        s.plain[j] = p_top[:, k - 1].sum().item()
-        s.bare[j] = (p_top[:, k - 1] - d_in[:, k - 1] * p_d).sum().item()
-        s.rule[j] = p_ex[:, k - 1].sum().item()
-        s.hit_bare[j] = (miss & (y_in[:, k - 1] > 0)).sum().item()
-        s.hit_rule[j] = (miss & (y_in_ex[:, k - 1] > 0)).sum().item()
+        s.plain[j] = scalar(p_top[:, k - 1].sum())
+        s.bare[j] = scalar((p_top[:, k - 1] - d_in[:, k - 1] * p_d).sum())
+        s.rule[j] = scalar(p_ex[:, k - 1].sum())
+        s.hit_bare[j] = integer((miss & (y_in[:, k - 1] > 0)).sum())
+        s.hit_rule[j] = integer((miss & (y_in_ex[:, k - 1] > 0)).sum())
     return s
 
 
@@ -111,7 +117,7 @@ def measure(model: nn.Module, tokenizer, draft: nn.Module, texts: list[str], lay
     for j, chunk, tokens in padded_batches(seqs, batch_size):
         rows = [(b, t) for b, s in enumerate(chunk) for t in range(starts[j + b], len(s) - 1)]
         bi, ti = mx.array([b for b, _ in rows]), mx.array([t for _, t in rows])
-        d_ids = mx.argmax(draft(tokens)[bi, ti], axis=-1).tolist()
+        d_ids = ints(mx.argmax(draft(tokens)[bi, ti], axis=-1))
         for L, name, adapter in variants:
             target = EarlyExitTarget(model, L, adapter)
             try:
@@ -143,12 +149,6 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
               prompts: int = 50, max_tokens: int = 64, layers: Optional[Sequence[int]] = None,
               progress: bool = True) -> str:
     """`mirror-mlx omega`: the table over `prompts` held-out TinyStories openings (the demo pair by default)."""
-    from ..corpus import load_split
-    from ..demo import DRAFT, TARGET
-    from ..engine.exit_adapter import load_adapter
-    from ..drafts.tokenizer import check_draft_tokenizer
-    from ..loading import load_model
-
     if prompts < 1:
         raise ValueError(f"--prompts must be at least 1, got {prompts}")
     if draft_path is None and model_path is not None:
@@ -160,7 +160,7 @@ def run_omega(model_path: Optional[str] = None, draft_path: Optional[str] = None
     for L in layers or ():
         if not 1 <= L <= n_layers - 1:
             raise ValueError(f"exit layer {L} is outside 1..{n_layers - 1}")
-    adapters = {}
+    adapters: dict[int, tuple[str, nn.Module]] = {}
     for p in adapter_paths:
         a = load_adapter(p, model)
         if a.exit_layer in adapters:

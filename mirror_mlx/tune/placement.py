@@ -11,11 +11,14 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from .. import blas
 from . import profile as profiles
 from .profile import PairView
+
+if TYPE_CHECKING:
+    from ..options import DecodeOptions
 
 def split_unavailable() -> str:
     """Why this machine cannot split (not Linux, fewer than two allowed cores), or ""."""
@@ -121,7 +124,7 @@ def split(pipe: PairView) -> Iterator[str]:
 
 
 @contextmanager
-def placed(pipe: PairView, opts: Any) -> Iterator[Any]:
+def placed(pipe: PairView, opts: "DecodeOptions") -> Iterator["DecodeOptions"]:
     """Run one generation in its placement: yields `opts` with `placement` saying which and why."""
     name, why = pick(pipe, opts.mode, opts.kappa, opts.gamma,
                        pipe.engine.exit_layer(opts) if opts.mode == "mirror" else opts.exit_layer)

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .. import validate
 from ..proposers.lookup import NGRAM_MIN
@@ -16,6 +16,9 @@ from ..options import PAPER_KNOBS, DecodeOptions
 from . import profile as profiles
 from .profile import AutoState, PairView
 from .cost_model import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
+
+if TYPE_CHECKING:
+    from ..engine.stats import Stats, Step
 
 PRIOR_TOKENS = 64  # in `adapt` the calibration's acceptance weighs at most this many tokens of the user's text
 PRIOR_STEPS = 16  # and the table's predicted reuse this many Mirror-SD steps (about as many tokens)
@@ -39,14 +42,14 @@ class AutoRun:
     test: Optional[Callable[[Counts], Optional[str]]] = None
     counts: Counts = field(default_factory=lambda: [0, 0, 0, 0])
 
-    def __call__(self, step: Any) -> Optional[str]:
+    def __call__(self, step: "Step") -> Optional[str]:
         if step.stats.lookup_windows:  # the prompt lookup's window, not the draft's: nothing on the draft
             return None
         for i, n in enumerate((step.accepted, step.offered > step.accepted, step.reused, step.fallback)):
             self.counts[i] += int(n)
         return self.test(list(self.counts)) if self.test is not None else None
 
-    def done(self, stats: Any) -> None:
+    def done(self, stats: "Stats") -> None:
         """Learn the model draft's counts (the lookup's windows left out)."""
         if self.sampling is None or stats.proposed <= stats.lookup_proposed:  # a custom sampler: nothing to key
             return
@@ -104,7 +107,7 @@ def profile_for(pipe: PairView, asking: str = "auto") -> profiles.Profile:
 
 def _quick_calibration(pipe: PairView, key: dict, asking: str) -> profiles.Profile:
     """A first call's calibration within its budget; ar, said on stderr, when it runs out or fails."""
-    from .calibrate import OutOfTime, TuneConfig, calibrate
+    from .calibrate import OutOfTime, TuneConfig, calibrate  # (calibration loads on a pair's first auto call only)
 
     t0 = time.perf_counter()
     cfg = TuneConfig.quick()
@@ -327,7 +330,8 @@ def explicit(profile: ProfileSource, facts: PairFacts, mode: str, kappa: Optiona
     return knobs_from(profile(mode), facts.default_exit, mode, kappa, gamma, exit_layer)
 
 
-def knobs_from(prof: Any, default_exit: Optional[int], mode: str, kappa: Optional[int], gamma: Optional[int],
+def knobs_from(prof: Optional[profiles.Profile], default_exit: Optional[int], mode: str, kappa: Optional[int],
+               gamma: Optional[int],
                exit_layer: Optional[int]) -> Choice:
     """`explicit`'s knobs from a given profile (across ranks, the one `tune` wrote for them): its best row for
     `mode` that has the knobs given, else SAFE_KNOBS (ℓ_e the exit adapter's layer or N/2)."""

@@ -14,11 +14,26 @@ import sys
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+
+from ..engine.model_parts import flat
+
+if TYPE_CHECKING:
+    import threading
+
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from ..drafts.recipes import DraftRecipe
+    from ..engine import Engine
+    from ..chunks import Result
+    from ..drafts.api import Draft
+
+from ..options import DecodeOptions
+from ..validate import MAX_BRANCHES, decode_options
 
 VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
 # timed after mirror's prepare, and the prepare itself
@@ -36,25 +51,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mirror-mlx"
 
 
-def fingerprint(module: Any) -> str:
+def fingerprint(module: object) -> str:
     """A short hash of a module's weights: every tensor's name, shape, dtype and first/last values."""
     if module is None:
         return "none"
     if hasattr(module, "build") and hasattr(module, "args"):  # a DraftRecipe: the draft lives in its host
-        return _recipe_fingerprint(module)
+        return _recipe_fingerprint(module)  # type: ignore[arg-type]  # (hasattr narrows to no class)
     params = getattr(module, "parameters", None)
     if params is None:  # a draft that is not an mlx module (Core ML): its class and its path if any
         return hashlib.sha1(f"{type(module).__name__}:{getattr(module, 'path', '')}".encode()).hexdigest()[:16]
     h = hashlib.sha1()
-    for name, w in tree_flatten(params()):
-        flat = w.reshape(-1)
-        sample = mx.concatenate([flat[:32], flat[-32:]]).astype(mx.float32)
+    for name, w in flat(params()):
+        values = w.reshape(-1)
+        sample = mx.concatenate([values[:32], values[-32:]]).astype(mx.float32)
         h.update(f"{name}:{tuple(w.shape)}:{w.dtype};".encode())
         h.update(np.array(sample).tobytes())
     return h.hexdigest()[:16]
 
 
-def _recipe_fingerprint(recipe: Any) -> str:
+def _recipe_fingerprint(recipe: "DraftRecipe") -> str:
     """A DraftRecipe's builder and the files it reads: each file's name, size and first/last 4 KiB."""
     h = hashlib.sha1(f"{getattr(recipe.build, '__name__', recipe.build)}".encode())
     for arg in recipe.args:
@@ -101,7 +116,7 @@ class Profile:
     version: int = VERSION
 
 
-def key_for(target: Any, draft: Any = None, adapter: Any = None) -> dict:
+def key_for(target: object, draft: object = None, adapter: object = None) -> dict:
     return {"target": fingerprint(target), "draft": fingerprint(getattr(draft, "model", draft)),
             "adapter": fingerprint(adapter), "machine": machine()}
 
@@ -132,7 +147,7 @@ def save(profile: Profile) -> Path:
     return path
 
 
-def saved(key: dict, engine: Any = None) -> Optional[Profile]:
+def saved(key: dict, engine: "Optional[Engine]" = None) -> Optional[Profile]:
     """The profile for `key`, None if there is none; ProfileError if the file is unreadable, or holds
     knobs out of range (for `engine`'s target and draft when given)."""
     path = path_for(key)
@@ -156,12 +171,9 @@ def saved(key: dict, engine: Any = None) -> Optional[Profile]:
     return profile
 
 
-def _unusable(profile: Profile, engine: Any) -> str:
+def _unusable(profile: Profile, engine: "Engine") -> str:
     """Why the engine would refuse the profile's choice (γ beyond the draft's context, ℓe beyond the
     target's layers), or ""."""
-    from ..options import DecodeOptions
-    from ..validate import decode_options
-
     opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer,
                          branches=profile.branches)
     try:
@@ -173,13 +185,11 @@ def _unusable(profile: Profile, engine: Any) -> str:
 
 def _out_of_range(profile: Profile) -> str:
     """What in a profile's choice no run could use ("" when nothing): an edited or damaged file."""
-    from ..validate import MAX_BRANCHES
-
     for name in ("kappa", "gamma", "exit_layer", "branches"):
         value = getattr(profile, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             return f"{name}: {value!r} (must be an int of at least 1)"
-    if profile.mode == "mirror" and None not in (profile.kappa, profile.gamma) and (
+    if profile.mode == "mirror" and profile.kappa is not None and profile.gamma is not None and (
             profile.kappa * (profile.gamma + 1) > MAX_BRANCHES or profile.gamma >= 512):
         return (f"kappa: {profile.kappa}, gamma: {profile.gamma} (kappa*(gamma+1) must be at most "
                 f"{MAX_BRANCHES})")
@@ -216,16 +226,19 @@ class PairView(Protocol):
     """A loaded pair as tune reads it (a Pipeline is one; tune imports nothing of it): its models, its engine's
     doors, mode auto's state, the lock a measurement holds, and a generation to time."""
 
-    model: Any
-    draft: Any
-    tokenizer: Any
-    engine: Any
-    auto: AutoState
-    lock: Any
+    model: "nn.Module"
+    draft: "Union[Draft, DraftRecipe, None]"
+    tokenizer: "TokenizerWrapper"
+    engine: "Engine"
+    lock: "threading.Lock"
+
+    @property
+    def auto(self) -> AutoState: ...
 
     def encode(self, prompt: str) -> list[int]: ...
 
-    def generate(self, prompt: Any, **options: Any) -> Any: ...
+    def generate(self, prompt: Union[str, Sequence[int]], prompt_cache: None = None,
+                 **options: object) -> "Result": ...
 
 
 def pipe_key(pipe: PairView) -> dict:

@@ -45,6 +45,7 @@ def contention(prof: Profile) -> str:
         return ""
     t = prof.calibration["timings"]
     k, g, e = prof.kappa, prof.gamma, prof.exit_layer
+    assert k is not None and g is not None and e is not None, "a mirror profile holds κ, γ and ℓ_e"
     suffix = t["suffix"][str((e, g + 1))]
     if t.get("comm"):  # across ranks: the suffix with its collectives, as suffix ‖ rollout was timed
         suffix += t["comm"][str(g + 1)] - t["comm_prefix"][str((e, g + 1))]

@@ -4,13 +4,13 @@ the worker that runs it in the engine, in interleaved rounds; across ranks in lo
 import statistics
 import time
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
 from ..engine.exit_adapter import adapter_for
-from ..engine.model_parts import trimmable_cache
+from ..engine.model_parts import text_model, trimmable_cache
 from ..options import DRAFT_TIMEOUT_S
 from ..engine.target import EarlyExitTarget, top_k
 from .cost_model import Acceptance, Config, Timings, rank
@@ -29,7 +29,7 @@ class Lockstep:
     """Who decides. In one process every decision is this process's own; across ranks (a pipeline with a
     `group`) rank 0's, shared with the others (one small all_sum), so every rank runs the same forwards."""
 
-    def __init__(self, pipe: PairView):
+    def __init__(self, pipe: Optional[PairView]):
         self.pipe = pipe
         self.group = getattr(pipe, "group", None)
         self.lead = self.group is None or self.group.rank() == 0
@@ -38,14 +38,17 @@ class Lockstep:
         """Rank 0's `values` (at most `size`, padded with 0) on every rank."""
         if self.group is None:
             return list(values) + [0] * (size - len(values))
-        return self.pipe.agree(values, size, "rank 0's calibration")
+        agree: Callable[[Sequence[int], int, str], list[int]] = getattr(self.pipe, "agree")  # (distributed's)
+        return agree(values, size, "rank 0's calibration")
 
     def flags(self, flags: Sequence[bool]) -> list[bool]:
         return [bool(f) for f in self.ints([int(f) for f in flags], len(flags))]
 
     def pick(self, chosen: Optional[Sequence[Config]], among: Sequence[Config]) -> list[Config]:
         """Rank 0's `chosen` (configurations of `among`, the same list on every rank) on every rank."""
-        got = self.ints([len(chosen), *(among.index(c) for c in chosen)] if self.lead else [], len(among) + 1)
+        assert chosen is not None or not self.lead, "rank 0 chooses"
+        mine = [len(chosen), *(among.index(c) for c in chosen)] if self.lead and chosen is not None else []
+        got = self.ints(mine, len(among) + 1)
         return [among[i] for i in got[1 : 1 + got[0]]]
 
 
@@ -125,12 +128,10 @@ class Bench:
 
         return self.engine.on_target(once)
 
-    def comm(self, n: int, group: Any) -> float:
+    def comm(self, n: int, group: mx.distributed.Group) -> float:
         """T_comm over `n` rows across ranks: one sharded forward's two all_sums of n × hidden per layer, chained
         in one graph as the forward chains them (an eval after each would time MLX's per-eval overhead too).
         Every rank must call it."""
-        from ..engine.model_parts import text_model
-
         inner = text_model(self.model)
         norm = getattr(getattr(inner, "norm", None), "weight", None)  # the activations' dtype
         dtype = norm.dtype if norm is not None else mx.float32

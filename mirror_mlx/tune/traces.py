@@ -3,16 +3,24 @@ the draft's window at every position of it, and the early exit's rank of the tar
 candidate exit layer (cost_model.Trace), all from real forwards of the loaded models."""
 
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 import mlx.core as mx
 
+from ..corpus import greedy_continuations, load_split
 from ..drafts.mlx_draft import MLXDraft
+from ..drafts.recipes import DraftRecipe, mlx_draft, mlx_draft_model
 from ..engine.exit_adapter import adapter_for
 from ..options import DRAFT_TIMEOUT_S
 from ..engine.target import EarlyExitTarget
+from ..engine.readback import ints
+from ..prompts import chat_calibration, load_prompts
+from ..text import has_chat_template
 from .cost_model import Trace
 from .profile import PairView
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 CALIBRATION_POOL = 40  # tune's prompts come from the last this-many held-out openings
 
@@ -23,14 +31,10 @@ def calibration_prompts(pipe: PairView, n: int, path: Optional[str] = None) -> l
     take theirs from the front), as many as can be of one token length so that they share each forward of the
     traces' greedy texts. Whole openings, not cut ones: a cut opening's greedy text is less predictable (γ=3
     accepted 2.18 tokens a step on openings cut to 13 tokens, 2.43 whole)."""
-    from ..prompts import chat_calibration, load_prompts
-    from ..text import has_chat_template
-
     if path:
         return [pipe.encode(p.text) for p in load_prompts(path, n)]
     if has_chat_template(getattr(pipe, "tokenizer", None)):
         return [pipe.encode(p.text) for p in chat_calibration(n)]
-    from ..corpus import load_split
 
     pool = [pipe.encode(t) for t in reversed(load_split().held_out[-CALIBRATION_POOL:])]  # last first
     by_len: dict[int, list] = {}
@@ -50,16 +54,14 @@ def _ranks(logits: mx.array, targets: list[int], exclude: list[int]) -> tuple[li
     plain = above.sum(axis=-1)
     ex = mx.array(exclude)[:, None]
     ex_above = mx.take_along_axis(above, ex, axis=-1)[:, 0] & (ex[:, 0] != t[:, 0])
-    return (plain - ex_above).tolist(), plain.tolist()
+    return ints(plain - ex_above), ints(plain)
 
 
-def plain_draft_model(pipe: PairView) -> Optional[Any]:
+def plain_draft_model(pipe: PairView) -> Optional["nn.Module"]:
     """The draft as a plain MLX model in this process, for the teacher-forced trace: the MLXDraft object
     itself, or for `load()`'s recipe of a plain mlx-lm draft (it lives in the host process) a copy loaded
     here (small; one forward per prompt instead of one host rollout per position). None for other drafts
     (SS drafts propose more than argmax chains, Core ML runs elsewhere): the trace then uses host rollouts."""
-    from ..drafts.recipes import DraftRecipe, mlx_draft, mlx_draft_model
-
     draft = getattr(pipe, "draft", None)
     if isinstance(draft, DraftRecipe) and draft.build is mlx_draft:
         return mlx_draft_model(*draft.args)
@@ -68,14 +70,13 @@ def plain_draft_model(pipe: PairView) -> Optional[Any]:
 
 def greedy_texts(pipe: PairView, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The target's greedy continuation of each prompt (prompts of one length share each forward)."""
-    from ..corpus import greedy_continuations
-
     eos = tuple(getattr(pipe.tokenizer, "eos_token_ids", ()) or ())
     return pipe.engine.on_target(partial(greedy_continuations, pipe.model, prompts, max_tokens, eos=eos))
 
 
 def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Sequence[int], gamma_max: int,
-          draft_model: Any = "auto", text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
+          draft_model: "Union[str, nn.Module, None]" = "auto",
+          text: Optional[list[int]] = None) -> tuple[Trace, list[int]]:
     """The acceptance trace of one prompt (cost_model.Trace) from real forwards of both models, and
     the prompt plus the target's greedy text (`text`, else generated here).
 
@@ -105,7 +106,8 @@ def trace(pipe: PairView, prompt: list[int], max_tokens: int, exit_layers: Seque
 
     def teacher_forced() -> tuple[list[int], list[int]]:
         """A plain autoregressive draft: one forward over the text gives its token at every position."""
-        first = mx.argmax(draft_model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1).tolist()
+        model = cast("nn.Module", draft_model)  # ("auto" resolved above; called only with a model)
+        first = ints(mx.argmax(model(mx.array([full[:-1]]))[0, n0 - 1:], axis=-1))
         runs = [0] * (len(text) + 1)
         for i in range(len(text) - 1, -1, -1):
             runs[i] = min(gamma_max, runs[i + 1] + 1) if first[i] == text[i] else 0

@@ -1,2 +1,2 @@
-"""The distilled draft: its model (model.py, model_type mirror_distilled) and the finder that lets mlx-lm load
-it by that name (model_types.py)."""
+"""The distilled draft: its model (model.py, model_type mirror_distilled) and its loading through mlx-lm's
+get_model_classes hook (model_types.py)."""

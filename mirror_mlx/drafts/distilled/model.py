@@ -3,22 +3,25 @@
 The body is mlx-lm's LlamaModel with E + k layers: the target's first E (frozen in training) and k more,
 initialised from the target's layers E..E+k-1 and trained. The head scores only the V kept ids (`kept_ids`,
 stored with the weights), V/vocab of a full head's cost, and the forward returns logits over the whole
-vocabulary, -inf off the kept ids, so every consumer reads real token ids. mlx-lm loads such a folder by its
-model_type (model_types.py maps the name to this module).
+vocabulary, -inf off the kept ids, so every consumer reads real token ids. Our loaders give mlx-lm this module's
+classes for its model_type (model_types.py).
 """
 
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from .. import vocab as draft_vocab
+from ...engine.model_parts import flat
+
+if TYPE_CHECKING:
+    from ...engine.recurrent import LayerCache
 
 MODEL_TYPE = "mirror_distilled"
 
@@ -38,7 +41,7 @@ class Model(nn.Module):
         self.model = llama.LlamaModel(args)
         self.head = nn.Linear(args.hidden_size, args.kept_size, bias=False)
         self.kept_ids = mx.zeros((args.kept_size,), dtype=mx.int32)
-        self._index = None
+        self._index: Optional[mx.array] = None
 
     def full_index(self) -> mx.array:
         """For each vocabulary id, its row in the head's output, or V (the -inf column) when not kept."""
@@ -46,11 +49,12 @@ class Model(nn.Module):
             self._index = draft_vocab.full_index(self.kept_ids, self.args.vocab_size)
         return self._index
 
-    def kept_logits(self, inputs: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def kept_logits(self, inputs: mx.array, cache: "Optional[list[LayerCache]]" = None) -> mx.array:
         """(..., V) logits over the kept ids (training and measurement use these)."""
         return self.head(self.model(inputs, cache))
 
-    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
+    def __call__(self, inputs: mx.array, cache: "Optional[list[LayerCache]]" = None,
+                 input_embeddings: Optional[mx.array] = None):
         return draft_vocab.full_logits(self.head(self.model(inputs, cache, input_embeddings)), self.full_index())
 
     def load_weights(self, *args, **kwargs):
@@ -83,9 +87,9 @@ def new_draft(target: nn.Module, target_config: dict, frozen: int, trained: int,
     source = list(range(frozen)) + list(init_layers if init_layers is not None else range(frozen, frozen + trained))
     if len(source) != frozen + trained or not all(0 <= i < len(inner.layers) for i in source):
         raise ValueError(f"init layers {init_layers} do not give {trained} of the target's {len(inner.layers)} layers")
-    weights = {"model." + k: v for k, v in tree_flatten(inner.parameters()) if not k.startswith("layers.")}
+    weights = {"model." + k: v for k, v in flat(inner.parameters()) if not k.startswith("layers.")}
     for mine, theirs in enumerate(source):
-        for k, v in tree_flatten(inner.layers[theirs].parameters()):
+        for k, v in flat(inner.layers[theirs].parameters()):
             weights[f"model.layers.{mine}.{k}"] = v
     out = target.lm_head.weight if hasattr(target, "lm_head") else inner.embed_tokens.weight
     weights["head.weight"] = out[kept]
@@ -99,7 +103,7 @@ def save_draft(draft: Model, out: Path, tokenizer_from: Path, extra: Optional[di
     """The draft as a model folder: config.json, model.safetensors (kept_ids among the weights), tokenizer."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(draft.parameters()))
+    weights = dict(flat(draft.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     for p in Path(tokenizer_from).iterdir():
         if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or p.suffix in (".model", ".jinja"):

@@ -1,31 +1,33 @@
-"""Model types of mirror-mlx's own that mlx-lm loads by name: `mlx_lm.models.<type>` resolves to our module.
+"""Model types of mirror-mlx's own, loaded through mlx-lm's `get_model_classes=` hook.
 
-mlx-lm builds a folder's class from `mlx_lm.models.<model_type>`, so with the finder below (installed when
-mirror_mlx is imported) a distilled draft (drafts/distilled/model.py) is a folder every loader takes as it is, in
-this process and in the draft host; our module is imported on first use, never before.
+mlx-lm builds a folder's model from `mlx_lm.models.<model_type>`, where a distilled draft's type
+(`mirror_distilled`, drafts/distilled/model.py) is not: every loader of ours passes mlx-lm's `load_model` our
+classes for it (`load_model` below: the draft host's recipes, the trainers; mirror_mlx.loading for a model and
+its tokenizer). Nothing is installed into mlx-lm: its own `mlx_lm.load` does not know these folders.
 """
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import sys
+from pathlib import Path
+from typing import Union
 
-TYPES = {"mlx_lm.models.mirror_distilled": "mirror_mlx.drafts.distilled.model"}
+import mlx.nn as nn
+from mlx_lm.utils import load_config
+from mlx_lm.utils import load_model as mlx_load_model
 
+from .model import MODEL_TYPE, Model, ModelArgs
 
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in TYPES:
-            return importlib.machinery.ModuleSpec(fullname, self)
-        return None
-
-    def create_module(self, spec):
-        return importlib.import_module(TYPES[spec.name])  # the same module object under both names
-
-    def exec_module(self, module):
-        pass
+CLASSES = {MODEL_TYPE: (Model, ModelArgs)}
 
 
-def install() -> None:
-    if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+def is_ours(folder: Union[str, Path]) -> bool:
+    """Whether the folder's config.json names one of our model types."""
+    return load_config(Path(folder)).get("model_type") in CLASSES
+
+
+def load_model(folder: Union[str, Path], lazy: bool = False) -> tuple[nn.Module, dict]:
+    """mlx_lm.utils.load_model(folder, lazy); a folder of one of our model types gets its classes through the
+    `get_model_classes` hook."""
+    folder = Path(folder)
+    model_type = load_config(folder).get("model_type")
+    if model_type in CLASSES:
+        return mlx_load_model(folder, lazy, get_model_classes=lambda config: CLASSES[model_type])
+    return mlx_load_model(folder, lazy)

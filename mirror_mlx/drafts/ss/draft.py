@@ -20,10 +20,11 @@ text, as the Core ML host does.
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 from mirror_mlx.drafts.mlx_draft import MLXDraft, self_verify, spine_of
 from mirror_mlx.engine.model_parts import common_prefix
 from mirror_mlx.drafts.api import Rollout
@@ -54,11 +55,18 @@ class Extension:
 class SSDraft(MLXDraft):
     """An SS model as draft; between rollouts its cache holds committed main rows only."""
 
+    model: Model
+
     def __init__(self, model: Model, trust_streams: bool = True, prefill_step_size: int = 512):
         super().__init__(model, prefill_step_size)
         self.num_streams = model.args.num_streams
         self.trust_streams = trust_streams
         self.stats = RolloutStats()
+
+    @property
+    def kv(self) -> list[KVCache]:
+        """The cache as what it is: an SS model is a llama, one KVCache per layer."""
+        return cast(list[KVCache], self.cache)
 
     def reset(self) -> None:
         super().reset()
@@ -91,7 +99,7 @@ class SSDraft(MLXDraft):
             n = len(self.cached) - len(context)
             extensions.append(Extension(len(context), self.cached[len(context):],
                                         [(c.state[0][..., len(context):len(self.cached), :],
-                                          c.state[1][..., len(context):len(self.cached), :]) for c in self.cache],
+                                          c.state[1][..., len(context):len(self.cached), :]) for c in self.kv],
                                         np.arange(n)))
             self._trim_to(len(context))
         self.base, self.extensions = seq, extensions
@@ -114,7 +122,7 @@ class SSDraft(MLXDraft):
                 return len(self.cached) - kept
             i = n - best.start
             cols = mx.array(best.cols[i:i + best_m])
-            for c, (k, v) in zip(self.cache, best.kv):
+            for c, (k, v) in zip(self.kv, best.kv):
                 c.update_and_fetch(k[:, :, cols], v[:, :, cols])
             self.cached += seq[n:n + best_m]
 
@@ -122,7 +130,7 @@ class SSDraft(MLXDraft):
         """(windows, forwards, one Extension per branch): every branch rolled out from its last stem token,
         branch b seeing seq[:n_context + len(stem_b) - 1]; a complete branch leaves the batch."""
         S, P = self.num_streams, len(self.cached)
-        prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.cache] if P else None
+        prefix = [(c.state[0][..., :P, :], c.state[1][..., :P, :]) for c in self.kv] if P else None
         sees = [n_context + len(s) - 1 for s in stems]  # how much of seq branch b sees before v_b
         start = np.array([min(P, n) for n in sees])  # position of each row's first input
         firsts = [seq[a:n] + [s[-1]] for a, n, s in zip(start, sees, stems)]  # unseen tokens, then v_b
@@ -142,15 +150,14 @@ class SSDraft(MLXDraft):
             past = self._past(prefix, scratch)
             valid = mx.array(np.concatenate([prefix_valid, scratch_valid], axis=1)) if past else None
             out = ss_forward(self.model, mx.array(rows), mx.array(offset.astype(np.int32)), past, valid)
-            main = mx.argmax(out.main, axis=-1)
-            streams = mx.argmax(out.streams, axis=-1)
-            mx.eval(main, streams, out.kv)
+            main_ids, stream_ids = mx.argmax(out.main, axis=-1), mx.argmax(out.streams, axis=-1)
+            mx.eval(main_ids, stream_ids, out.kv)
             forwards += 1
-            main, streams = np.array(main), np.array(streams)  # (B, L), (B, S, L)
+            main, streams = np.array(main_ids), np.array(stream_ids)  # (B, L), (B, S, L)
             L = rows.shape[1]
             if guessing:  # rows are [main token, last forward's guesses]: the main rows verify the guesses
                 last = np.zeros(len(act), dtype=int)
-            for i, b in enumerate(act):
+            for i, b in enumerate(act.tolist()):
                 if guessing:  # gains the agreeing guesses plus the main token after them
                     last[i], gained = self_verify(rows[i].tolist(), main[i].tolist())
                     fed[b] += rows[i, :last[i] + 1].tolist()
@@ -159,7 +166,7 @@ class SSDraft(MLXDraft):
                 before = len(windows[b])
                 windows[b] += gained
                 self._note(b, before, len(windows[b]), gamma, forwards)
-            i = np.arange(len(act))
+            every = np.arange(len(act))
             scratch = [(k, v) for k, v in out.kv] if not scratch else [
                 (mx.concatenate([sk, k], axis=2), mx.concatenate([sv, v], axis=2))
                 for (sk, sv), (k, v) in zip(scratch, out.kv)]
@@ -167,18 +174,18 @@ class SSDraft(MLXDraft):
             short = min(len(windows[b]) for b in act)
             done = short >= gamma or (self.trust_streams and short + S >= gamma)
             if done and short < gamma:
-                for j, b in enumerate(act):
+                for j, b in enumerate(act.tolist()):
                     before = len(windows[b])
                     windows[b] += streams[j, :, last[j]].tolist()[: max(0, gamma - before)]
                     self._note(b, before, len(windows[b]), gamma, forwards)
             finished = np.array([done or len(windows[b]) >= gamma for b in act])
-            for j in np.flatnonzero(finished):
+            for j in np.flatnonzero(finished).tolist():
                 extensions.append(Extension(int(start[act[j]]), fed[act[j]],
                                             [(k[j:j + 1], v[j:j + 1]) for k, v in scratch],
                                             np.flatnonzero(scratch_valid[j])))
             if done:
                 break
-            rows = np.concatenate([main[i, last][:, None], streams[i, :, last]], axis=1).astype(np.int32)
+            rows = np.concatenate([main[every, last][:, None], streams[every, :, last]], axis=1).astype(np.int32)
             offset = offset + last + 1
             guessing = True
             keep = np.flatnonzero(~finished)

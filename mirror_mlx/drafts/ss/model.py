@@ -16,13 +16,15 @@ import shutil
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from mlx_lm.utils import load_config, load_model
+from mlx_lm.utils import dequantize_model, load_config, load_model
+
+from mirror_mlx.drafts.tokenizer import folder_tokenizer
 
 MODEL_TYPE = "ss_llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -48,6 +50,8 @@ class ModelArgs(llama.ModelArgs):
 
 class Model(llama.Model):
     """llama.Model plus the stream embeddings P_j; calling it runs the main stream only."""
+
+    args: ModelArgs
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -179,7 +183,6 @@ def load_ss_draft(path: Union[str, Path], with_tokenizer: bool = True):
     model, _ = load_model(path, get_model_classes=lambda config: (Model, ModelArgs))
     if not with_tokenizer:
         return model, None
-    from mirror_mlx.drafts.tokenizer import folder_tokenizer  # as mlx_lm.load reads a model's (config.json's eos ids)
 
     return model, folder_tokenizer(path)
 
@@ -210,8 +213,8 @@ def float_weights(folder: Union[str, Path]) -> dict:
     """A model folder's weights by name; a 4/8-bit (mlx-lm quantized) model's dequantized by mlx-lm."""
     config = load_config(Path(folder))
     if "quantization" not in config and "quantization_config" not in config:
-        return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
-    from mlx_lm.utils import dequantize_model
+        return {k: v for wf in sorted(Path(folder).glob("model*.safetensors")) for k, v in
+                cast(dict[str, mx.array], mx.load(str(wf))).items()}
 
     model, _ = load_model(Path(folder))
     return dict(tree_flatten(dequantize_model(model).parameters()))
