@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Shapes, import_coremltools,
                                                  tokenizer_metadata, tokenizer_sha256)
+from mirror_mlx.engine.model_parts import text_model
 from mirror_mlx.loading import load_model
 from mirror_mlx.options import PAPER_KNOBS
 
@@ -170,7 +171,7 @@ def check_tokenizer(tokenizer: "TokenizerWrapper", vocab: int, path: Path) -> No
 def _weight_sources(model: "nn.Module", copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
     """Every weight the builder reads by key ('embed', 'head', '{layer}.q_proj', ...), as a function that
     makes it (float32, dequantized), so `draft_sha256` can hold one at a time. A tied head is the embedding's."""
-    inner = getattr(model, "language_model", model).model
+    inner = text_model(model).model
     dense = lambda layer: lambda: _dense(layer, copy)  # noqa: E731
     plain = lambda a: lambda: _np(a, copy)  # noqa: E731
     src: dict[str, Callable[[], np.ndarray]] = {"embed": dense(inner.embed_tokens)}
@@ -206,7 +207,7 @@ def draft_sha256(model: "nn.Module") -> str:
 
 def spec_from_model(model: "nn.Module", config: dict, tok_sha: str, positions: int) -> DraftSpec:
     """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
-    inner = getattr(model, "language_model", model).model
+    inner = text_model(model).model
     args = model.args
     layer_types = getattr(args, "layer_types", []) or []
     if getattr(args, "sliding_window", None) and any(t != "full_attention" for t in layer_types):

@@ -59,7 +59,7 @@ def _read_state(op: "Operation", env: "MilRunner") -> np.ndarray:
 
 
 def _update_state(op: "Operation", env: "MilRunner") -> np.ndarray:
-    value = op.value.val  # slice_update's own copy of the state: held as the new state, not copied again
+    value: np.ndarray = op.value.val  # slice_update's own copy of the state: held as the new state, not copied again
     env.state[op.state.name] = value if value is not env.state.get(op.state.name) else value.copy()
     return value
 
@@ -187,14 +187,14 @@ def round_fp16(a: np.ndarray) -> np.ndarray:
     t -= _LO
     odd = t >= _SPAN
     odd &= t != _ZERO
-    idx = np.flatnonzero(odd) if odd.any() else None
-    keep = None if idx is None else flat[idx]
+    idx = np.flatnonzero(odd) if odd.any() else np.empty(0, np.intp)
+    keep = flat[idx]
     np.right_shift(u, np.uint32(13), out=t)
     t &= np.uint32(1)
     t += np.uint32(0xFFF)
     u += t
     u &= np.uint32(0xFFFFE000)
-    if idx is not None:
+    if idx.size:
         with np.errstate(over="ignore"):  # overflow is inf, as on the ANE; the parity check reports it
             flat[idx] = keep.astype(np.float16).astype(np.float32)
     return a

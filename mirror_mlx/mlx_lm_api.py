@@ -23,7 +23,8 @@ is only its new text:
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Union
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -86,7 +87,8 @@ def pipeline(model: nn.Module, tokenizer: "TokenizerWrapper",
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
         mx.eval(model.parameters(), draft_model.parameters() if isinstance(draft_model, nn.Module) else [])
-        draft = MLXDraft(draft_model) if isinstance(draft_model, nn.Module) else None if draftless else draft_model
+        draft = MLXDraft(draft_model) if isinstance(draft_model, nn.Module) else \
+            draft_model if isinstance(draft_model, Draft) else None
         # (lazy weights would be computed on the workers' threads, where the loading thread's stream does not exist)
         _pipelines[key] = (model, draft_model, tokenizer, Pipeline(model, tokenizer, draft, draftless=draftless))
     _pipelines[key] = _pipelines.pop(key)  # most recently used last
@@ -144,19 +146,19 @@ def _records(chunk: "Chunk", stats: Optional[Stats]) -> Iterator[Response]:
     the last record of the generation."""
     last = len(chunk.tokens) - 1
     done = chunk.generation_tokens - len(chunk.tokens) - (chunk.stop_token is not None)
-    common = dict(prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
-                  generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
+    record = partial(Response, prompt_tokens=chunk.prompt_tokens, prompt_tps=chunk.prompt_tps,
+                     generation_tps=chunk.generation_tps, peak_memory=chunk.peak_memory)
     for i, (token, text, drafted, logprobs) in enumerate(zip(chunk.tokens, chunk.token_texts, chunk.from_draft,
                                                               chunk.logprobs)):
         final = chunk.finish_reason == "length" and i == last
-        yield Response(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
-                       token=token, logprobs=logprobs, from_draft=drafted, generation_tokens=done + i + 1,
-                       finish_reason="length" if final else None, stats=stats if final else None, **common)
-    if chunk.finish_reason == "stop":  # as mlx-lm: a last record carries the end-of-sequence token
-        yield Response(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
-                       logprobs=chunk.stop_logprobs, from_draft=chunk.stop_from_draft,
-                       generation_tokens=chunk.generation_tokens,
-                       finish_reason="stop", stats=stats, **common)
+        yield record(text=text + (chunk.text[len("".join(chunk.token_texts)):] if final else ""),
+                     token=token, logprobs=logprobs, from_draft=drafted, generation_tokens=done + i + 1,
+                     finish_reason="length" if final else None, stats=stats if final else None)
+    if chunk.stop_token is not None:  # finish "stop": as mlx-lm, a last record carries the end-of-sequence token
+        assert chunk.stop_logprobs is not None, "the engine's steps carry the target's logprobs"
+        yield record(text=chunk.text[len("".join(chunk.token_texts)):], token=chunk.stop_token,
+                     logprobs=chunk.stop_logprobs, from_draft=chunk.stop_from_draft,
+                     generation_tokens=chunk.generation_tokens, finish_reason="stop", stats=stats)
 
 
 def stream_generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Union[str, mx.array, List[int]],
@@ -206,8 +208,8 @@ def stream_generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Uni
         given = given_cache(prompt_cache)
         max_kv_size = None  # as mlx-lm: a given cache is used as it is
     pipe = pipeline(model, tokenizer, draft_model)
-    if isinstance(prompt, mx.array):
-        prompt = prompt.tolist()
+    if isinstance(prompt, mx.array):  # (1-D, as mlx-lm takes it: mlx's stub says a scalar or any nesting)
+        prompt = cast(List[int], prompt.tolist())
     ids = as_is(pipe.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     start = given.length if given is not None else 0
     mode = mode or ("sd" if pipe.draftless else "mirror" if draft_model is not None else "ar")  # (no model: sd)
@@ -259,4 +261,4 @@ def generate(model: nn.Module, tokenizer: "TokenizerWrapper", prompt: Union[str,
 # threads (asyncio.to_thread's too, where a generation may still run) from a hook registered here, and these hooks
 # run in reverse, so ours comes first. atexit's handlers run only after those joins: CPython has no public hook
 # that runs before them.
-threading._register_atexit(close_all)
+threading._register_atexit(close_all)  # type: ignore[attr-defined]  # (CPython's, private: typeshed omits it)

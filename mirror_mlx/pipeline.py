@@ -76,7 +76,7 @@ def trimmed_head(folder: Path, tokenizer: "TokenizerWrapper", size: Optional[int
                                 "its {n} kept ids; leave {draft_vocab} out", n=config.get("kept_size"))
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or len(tokenizer.get_vocab())
     size = validate.draft_vocab(size, True, vocab)
-    return () if size == vocab else (kept_ids(tokenizer, size, vocab),)
+    return () if size is None or size == vocab else (kept_ids(tokenizer, size, vocab),)
 
 
 class Pipeline:
@@ -204,7 +204,8 @@ class Pipeline:
             opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 
-    def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **kwargs: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None,
+               **kwargs: Any) -> Generator[Chunk, None, None]:
         """Yield text as tokens are committed; `pipe.stats` holds the stats afterwards. Bad input raises here, at
         the call; the pipeline is held from the first chunk until the stream is exhausted or closed.
         `prompt_cache`: a prompt cache file (prompt_cache.read) the prompt follows, as mlx_lm.generate's."""
@@ -233,8 +234,7 @@ class Pipeline:
     async def astream(self, prompt: PromptInput, **kwargs: Any) -> AsyncIterator[Chunk]:
         """`stream` for async apps: each step runs off the caller's event loop, which keeps running."""
         chunks = self.stream(prompt, **kwargs)
-        done = object()
-        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
             yield chunk
 
     def generate(self, prompt: PromptInput, prompt_cache: Optional[PromptCache] = None, **options: Any) -> Result:
@@ -248,7 +248,7 @@ class Pipeline:
         with self._turn():
             parts = [_kept(c) for c in self._chunks(plan)]
             stats = self.stats
-        return result(parts, stats, parts[-1].finish_reason if parts else "length")
+        return result(parts, stats, (parts[-1].finish_reason if parts else None) or "length")
 
     # --- chat -------------------------------------------------------------------------------------
 
@@ -257,7 +257,7 @@ class Pipeline:
         return text.conversation(self.tokenizer, self.conversation, messages, self.chat_template_kwargs)
 
     def chat_stream(self, messages: Sequence[ChatMessage], *, plan: Optional[Plan] = None,
-                    **kwargs: Any) -> Iterator[Chunk]:
+                    **kwargs: Any) -> Generator[Chunk, None, None]:
         """`chat`, yielding text as tokens are committed; stopping early keeps what was committed. Bad input
         raises here and leaves the conversation as it was. `plan`: the turn already checked (`chat_ids`)."""
         self._check_open()
@@ -267,7 +267,7 @@ class Pipeline:
         plan = self.resolve(plan or self.check(self.chat_ids(messages), **kwargs))
         return self._reply(messages, plan)
 
-    def _reply(self, messages: list[ChatMessage], plan: Plan) -> Iterator[Chunk]:
+    def _reply(self, messages: list[ChatMessage], plan: Plan) -> Generator[Chunk, None, None]:
         committed, said, stop = [], [], None  # the reply's tokens, its texts, the end-of-sequence token
         with self._turn():  # the pipeline is held for the whole reply
             try:

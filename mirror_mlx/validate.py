@@ -242,15 +242,18 @@ def decode_options(opts: "DecodeOptions", modes: Sequence[str], vocab_size: Opti
         raise BadValue("mode", "unknown mode {mode_given!r}: choose one of {modes}", mode_given=opts.mode,
                        modes=", ".join(modes))
     asked = "kappa" if opts.kappa is not None else "gamma"  # the knob to name when κ(γ+1) is too many
-    opts = replace(opts, kappa=PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa,
-                   gamma=PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma)
     vocab_hint = f"at most the vocabulary size {vocab_size}" if vocab_size else ""
     gamma_hint = f"the draft's context is {draft_context} tokens" if draft_context else ""
+    max_tokens = as_int("max_tokens", opts.max_tokens, 1)  # checked in this order: the first bad one is named
+    kappa = as_int("kappa", PAPER_KNOBS["kappa"] if opts.kappa is None else opts.kappa, 1, vocab_size,
+                   vocab_hint and f"use a width {vocab_hint}")
+    gamma = as_int("gamma", PAPER_KNOBS["gamma"] if opts.gamma is None else opts.gamma, 1, draft_context,
+                   gamma_hint and f"use a window within it ({gamma_hint})")
     opts = replace(
         opts,
-        max_tokens=as_int("max_tokens", opts.max_tokens, 1),
-        kappa=as_int("kappa", opts.kappa, 1, vocab_size, vocab_hint and f"use a width {vocab_hint}"),
-        gamma=as_int("gamma", opts.gamma, 1, draft_context, gamma_hint and f"use a window within it ({gamma_hint})"),
+        max_tokens=max_tokens,
+        kappa=kappa,
+        gamma=gamma,
         exit_layer=None if opts.exit_layer is None else exit_layer(opts.exit_layer, n_layers),
         temperature=as_float("temperature", opts.temperature, 0.0, fix="use 0 for greedy decoding"),
         top_p=as_float("top_p", opts.top_p, 0.0, 1.0, lo_open=True, fix="use 1.0 to turn top-p off"),
@@ -263,9 +266,9 @@ def decode_options(opts: "DecodeOptions", modes: Sequence[str], vocab_size: Opti
         prefill_step_size=as_int("prefill_step_size", opts.prefill_step_size, 1),
     )
     if opts.mode == "mirror":
-        branches(opts.kappa, opts.gamma, asked)
+        branches(kappa, gamma, asked)
     if opts.branches is not None:
-        opts = replace(opts, branches=branch_budget(opts.branches, opts.kappa, opts.gamma))
+        opts = replace(opts, branches=branch_budget(opts.branches, kappa, gamma))
     return lookup_options(opts)
 
 

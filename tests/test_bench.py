@@ -188,6 +188,23 @@ def test_headline_names_each_rows_draft_and_compares_with_mlx_sds_best_over_draf
     assert any("mirror [ss-8M] (κ=1 γ=3 ℓe=3) | 30.00 | 1.20 | 3.00 |" in x for x in lines)
 
 
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_mlx_sd_drives_an_ss_draft_with_the_head_the_host_runs(draft_vocab):
+    """mlx_sd's copy of an SS draft folder, with draft_vocab or without: the host's head, whole or trimmed."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mirror_mlx.demo import SS_DRAFT, TARGET
+    from mirror_mlx.drafts.tokenizer import folder_tokenizer
+    from mirror_mlx.pipeline import load_draft
+
+    pipe = SimpleNamespace(draft=load_draft(SS_DRAFT, folder_tokenizer(TARGET), draft_vocab))
+    logits = np.array(bench_mod.mlx_draft(pipe)(mx.array([[5, 61, 2]])))
+    assert (~np.isneginf(logits)).sum(-1).max() == (draft_vocab or logits.shape[-1])
+
+
 def test_smoke_on_spec_bench_eval_through_the_real_tokenizers_chat_template(smollm2, tmp_path):
     """`make bench`'s real-pair path at smoke size, on tiny random weights behind SmolLM2's tokenizer: one
     evaluation question per category, rendered through the chat template, every mode equal to mlx-lm's

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # mypy's errors left in the package: the ceiling only comes down (0: every module type-checks)
-MYPY_ERRORS = 72
+MYPY_ERRORS = 32
 
 
 @pytest.mark.timeout(600)

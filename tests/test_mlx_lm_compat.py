@@ -159,6 +159,19 @@ def test_one_pipeline_per_model_pair(pair):
     assert mlx_lm_api.pipeline(model, tokenizer, None) is not first
 
 
+def test_a_mirror_mlx_draft_drives_the_stream_and_anything_else_is_refused(pair):
+    """draft_model may be a mirror_mlx Draft (here an MLXDraft of the draft model): mlx-lm's greedy tokens."""
+    from mirror_mlx.drafts.mlx_draft import MLXDraft
+
+    model, tokenizer, draft = pair
+    theirs = [r.token for r in mlx_stream_generate(model, tokenizer, "Once upon a time", max_tokens=20)]
+    ours = mirror_mlx.stream_generate(model, tokenizer, mx.array(tokenizer.encode("Once upon a time")),
+                                      max_tokens=20, draft_model=MLXDraft(draft))
+    assert [r.token for r in ours] == theirs
+    with pytest.raises(TypeError, match="draft_model must be an mlx-lm model, a mirror_mlx Draft"):
+        next(mirror_mlx.stream_generate(model, tokenizer, "Hi", draft_model=3))
+
+
 def test_unsupported_mlx_lm_arguments_are_refused_with_the_alternative(pair):
     model, tokenizer, draft = pair
     with pytest.raises(ValueError, match="max_kv_size 8 is smaller than the prompt"):

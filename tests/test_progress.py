@@ -2,12 +2,13 @@
 rounds are not known ahead) and never past it; train-exit's bars name the set they run over; widen shows
 a bar over its tensors instead of seconds of silence."""
 
+import sys
+
 import pytest
 import tqdm
 from click.testing import CliRunner
 from mlx_lm import load as mlx_load
 
-from mirror_mlx import corpus
 from mirror_mlx.train import exit_adapter
 from mirror_mlx.cli import main
 from mirror_mlx.pipeline import load
@@ -17,7 +18,7 @@ from tests.models import TARGET_PATH
 
 @pytest.fixture
 def bars(monkeypatch):
-    """Every tqdm bar made while the test runs (the modules import tqdm.tqdm when they run or load)."""
+    """Every tqdm bar made while the test runs: tqdm.tqdm, and each loaded module's own `tqdm` name for it."""
     made = []
 
     class Recorded(tqdm.tqdm):
@@ -26,9 +27,11 @@ def bars(monkeypatch):
             self.label = kwargs.get("desc") or ""  # (a disabled bar keeps no desc)
             made.append(self)
 
+    original = tqdm.tqdm
     monkeypatch.setattr(tqdm, "tqdm", Recorded)
-    for module in (corpus, exit_adapter):  # these import it when they load
-        monkeypatch.setattr(module, "tqdm", Recorded)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mirror_mlx") and getattr(module, "tqdm", None) is original:
+            monkeypatch.setattr(module, "tqdm", Recorded)
     return made
 
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..drafts.recipes import DraftRecipe, mlx_draft_model, ss_draft
 from ..drafts.recipes import mlx_draft as host_mlx_draft
 from ..drafts.ss.model import load_ss_draft
+from ..drafts.vocab import trim
 from .baselines import best_mlx_sd, run_ar, run_mlx_sd
 from .grid import DEFAULT_MODES, parse_modes, parse_sweep, point_name
 from .machine import machine, pin_threads, thread_report
@@ -141,8 +142,10 @@ def mlx_draft(pipe: "Pipeline") -> "nn.Module":
     forward over plain tokens is a plain llama's (its main rows), so mlx-lm drives it as a plain draft."""
     if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is host_mlx_draft:
         return mlx_draft_model(*pipe.draft.args)
-    if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:
-        return load_ss_draft(*pipe.draft.args, with_tokenizer=False)[0]
+    if isinstance(pipe.draft, DraftRecipe) and pipe.draft.build is ss_draft:  # (path,) or (path, kept ids)
+        path, *kept = pipe.draft.args
+        model = load_ss_draft(path, with_tokenizer=False)[0]
+        return trim(model, *kept) if kept else model
     model = getattr(pipe.draft, "model", None)
     if model is None or not hasattr(model, "layers"):
         raise ValueError("mode mlx_sd needs a plain mlx-lm draft model (mlx-lm cannot drive this draft): "

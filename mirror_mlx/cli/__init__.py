@@ -9,7 +9,7 @@ import signal
 import sys
 from functools import partial
 from multiprocessing import resource_tracker
-from typing import Callable, Optional, TypeVar, Union
+from typing import Callable, Literal, NoReturn, Optional, Sequence, TypeVar, Union, overload
 
 import click
 
@@ -54,11 +54,21 @@ class Verbs(click.Group):
         module, attr = VERBS[name].split(":")
         return getattr(importlib.import_module(module), attr)
 
-    def main(self, *args, standalone_mode: bool = True, **kwargs):
+    @overload  # click's two signatures: standalone, it exits; otherwise it returns what the verb returned
+    def main(self, args: Optional[Sequence[str]] = None, prog_name: Optional[str] = None,
+             complete_var: Optional[str] = None, standalone_mode: Literal[True] = True, **extra: object
+             ) -> NoReturn: ...
+
+    @overload
+    def main(self, args: Optional[Sequence[str]] = None, prog_name: Optional[str] = None,
+             complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: object) -> object: ...
+
+    def main(self, args: Optional[Sequence[str]] = None, prog_name: Optional[str] = None,
+             complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: object) -> object:
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "mirror-mlx"
             click.echo(f"{where}: error: {e.format_message()}", err=True)

@@ -5,8 +5,9 @@ import json
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Generator, Optional
 
+from ..chunks import Chunk
 from .faults import collective, die, end_with_launcher, stop_within_grace
 from .group import share
 from .pipeline import IDLE, IDLE_SLEEP_S, MESSAGE, QUIT, RESET, START, STEP, STOP, DistributedPipeline, held
@@ -21,7 +22,7 @@ def follow(pipe: DistributedPipeline, prefixes: "Optional[PrefixCache]" = None) 
     `prefixes`: this rank's PrefixCache, restored and stored where rank 0's scheduler does (before a request;
     after one that ended by itself), so it holds what rank 0's holds, for this rank's shard."""
     g = pipe.group
-    stream: Optional[Iterator] = None
+    stream: Optional[Generator[Chunk, None, None]] = None
     stepped = False  # a step of `stream` ran
     failed: Optional[BaseException] = None
 

@@ -1,7 +1,7 @@
 """What the engine asks of a draft, whatever runs it (MLX thread, SS model, Core ML process)."""
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 
 @dataclass
@@ -13,6 +13,7 @@ class Rollout:
     tokens: int  # draft tokens emitted per branch summed over forwards / forwards gives eta-bar
 
 
+@runtime_checkable
 class Draft(Protocol):
     """A draft keeps a KV cache of committed tokens only; branch rows are scratch.
 

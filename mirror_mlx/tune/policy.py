@@ -123,6 +123,7 @@ def _quick_calibration(pipe: PairView, key: dict, asking: str) -> profiles.Profi
         prof = profiles.Profile(key=key, mode="ar", why=f"{failed}, so ar")
         print(f"mirror-mlx: warning: mode {asking}: {failed}, so {_instead(asking, 'ar')}; not saved", file=sys.stderr)
     else:
+        assert prof is not None, "one process: calibrate returns the profile (ranks beside rank 0 read rank 0's)"
         prof.why = "quick " + prof.why
         try:
             saved = f"saved {profiles.save(prof)}"
@@ -144,7 +145,7 @@ def pooled_ratio(counts: list[tuple[float, int, int]], prior_weight: int) -> tup
     """(the weighted mean of seen / expected, how many seen): `counts` holds (expected rate, hits, misses)
     per group; each group's rate is pooled with its expected one, which weighs as `prior_weight` hits and
     misses (the user's text need not be like the calibration's, so it soon outweighs it)."""
-    num = n = 0
+    num, n = 0.0, 0
     for expected, hits, misses in counts:
         if expected <= 0 or not hits + misses:
             continue
@@ -212,7 +213,7 @@ def leave_draft(prof: profiles.Profile, c: Choice) -> Optional[Callable[[Counts]
             return None
         s = observed(prof, {config: counts}, WITHIN_PRIOR_TOKENS, WITHIN_PRIOR_STEPS)
         rate, plain = expected_rate(here, s), expected_rate(ar, s)
-        if plain < AR_MARGIN * rate:
+        if s is None or plain < AR_MARGIN * rate:
             return None
         reuse = f", its branches reused {s.reuse:.2f}x as often as predicted" if s.steps else ""
         return (f"the draft is right {s.acceptance:.2f}x as often in this text ({s.tokens} draft tokens judged) "
@@ -259,7 +260,7 @@ def choice(profile: ProfileSource, auto: AutoState, facts: PairFacts, kappa: Opt
         # a copy (dict() is one step under the GIL): a generation on another thread may add to it meanwhile
         seen = {c: list(v) for c, v in dict(auto.seen.get(sampling) or {}).items()} \
             if sampling is not None else None
-        adapted = adapt(prof, seen, setting_name(sampling)) if seen else None
+        adapted = adapt(prof, seen, setting_name(sampling)) if seen and sampling is not None else None
         if adapted is not None:
             c = replace(adapted, why="auto: " + adapted.why)
         else:
@@ -330,7 +331,7 @@ def explicit(profile: ProfileSource, facts: PairFacts, mode: str, kappa: Optiona
     return knobs_from(profile(mode), facts.default_exit, mode, kappa, gamma, exit_layer)
 
 
-def knobs_from(prof: Optional[profiles.Profile], default_exit: Optional[int], mode: str, kappa: Optional[int],
+def knobs_from(prof: profiles.Profile, default_exit: Optional[int], mode: str, kappa: Optional[int],
                gamma: Optional[int],
                exit_layer: Optional[int]) -> Choice:
     """`explicit`'s knobs from a given profile (across ranks, the one `tune` wrote for them): its best row for
@@ -372,7 +373,7 @@ def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource
         out = replace(checked, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer, why=checked.why or c.why,
                       branches=checked.branches if checked.branches is not None else c.branches)
         if out.mode == "mirror" and asked.branches is not None:  # the caller's B against the picked κ, γ
-            validate.branch_budget(out.branches, out.kappa, out.gamma)
+            validate.branch_budget(out.branches, c.kappa, c.gamma)
         return out, None
     kappa, gamma = (None if a is None else b for a, b in ((asked.kappa, checked.kappa), (asked.gamma, checked.gamma)))
     c, test = choice(profile, auto, facts, kappa, gamma, checked.exit_layer, checked.sampling, bool(checked.lookup))
