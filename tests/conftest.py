@@ -105,3 +105,52 @@ def one_group_at_a_time():
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    """The demo pair as `mirror_mlx.load()` gives it (512-token vocabulary, target context 512, draft context
+    256; the draft host a process of its own), once per module: tests that change its state undo it or own it."""
+    p = mirror_mlx.load()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    """A factory of real `mirror-mlx serve` processes of the demo pair: serve(*args, stop=signal.SIGINT) ->
+    Served(url, log, proc), one per distinct options for the module (started on first use; not shared across
+    modules: a server's scheduler learns its costs from the requests it served). At the module's end each is
+    stopped with its `stop` signal and must have ended cleanly: status 0, "stopped" its log's last line, no
+    traceback, no shared-memory segment left behind; then its whole session is killed whatever happened."""
+    import contextlib
+    import signal
+
+    from tests import leaks
+    from tests.support.servers import Served, running
+
+    started: dict = {}
+    with contextlib.ExitStack() as stack:
+        def start(*args: str, stop: int = signal.SIGINT) -> Served:
+            if (args, stop) not in started:
+                log = tmp_path_factory.mktemp("serve") / "server.log"
+                proc, url = stack.enter_context(running(log, *args))
+                started[args, stop] = Served(url, log, proc)
+            return started[args, stop]
+
+        yield start
+        for (args, stop), (_, log, proc) in started.items():
+            proc.send_signal(stop)
+            assert proc.wait(timeout=30) == 0, (args, log.read_text()[-3000:])
+            text = log.read_text()
+            assert text.rstrip().endswith("stopped") and "Traceback" not in text, (args, text[-3000:])
+            made = leaks.made_in(text)
+            assert made and leaks.wait_unlinked(made) == [], f"the server {args} left a shared-memory segment behind"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real `openai` client of the module's `server` (each server test module names its options)."""
+    from tests.support.servers import client
+
+    return client(server.url, timeout=120)

@@ -11,6 +11,7 @@ from mirror_mlx.demo import DRAFT as DRAFT_PATH
 from mirror_mlx.demo import TARGET as TARGET_PATH
 
 DATA = CORPUS.parent
+PERIOD = 426  # "." in the demo tokenizer: the demo target's greedy text reaches it within a dozen tokens
 
 BASE = dict(
     hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
@@ -59,6 +60,7 @@ REFUSED = {  # families mirror-mlx refuses at load (recurrent state that no roll
                   num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4),
 }
 FAMILIES = {**CONFIGS, **RECURRENT, **REFUSED}
+CACHE_FAMILIES = ["gemma3_text", "llama_tied", "mistral", "qwen2", "qwen3"]  # (llama_untied: mistral as built here)
 
 
 def tiny_model(name: str, seed: int = 0, **overrides):
@@ -94,6 +96,23 @@ TEMPLATE = (  # a small chat template for the demo tokenizer, which has none
     "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}")
 
+TOOL_TEMPLATE = (  # a Qwen-like chat template with tools: mlx-lm recognizes its <tool_call> markers (json_tools)
+    "{{ bos_token }}{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}"
+    "{% for tool_call in m.tool_calls or [] %}{% if tool_call.function is defined %}"
+    "{% set tool_call = tool_call.function %}{% endif %}"
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>"
+    "{% endfor %}{{ eos_token }}\n{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+
 
 def templated_target(folder: Path) -> Path:
     """A copy of the demo target whose tokenizer has TEMPLATE as its chat template."""
@@ -103,4 +122,50 @@ def templated_target(folder: Path) -> Path:
     shutil.copytree(TARGET_PATH, folder)
     config = folder / "tokenizer_config.json"
     config.write_text(json.dumps(dict(json.loads(config.read_text()), chat_template=TEMPLATE)))
+    return folder
+
+
+def swapped_vocab(folder, to):
+    """A copy of `folder` whose tokenizer swaps two ids: same size, another vocabulary."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, to)
+    (to / "tokenizer.model").unlink()  # transformers would rebuild the vocabulary from it
+    tok = json.loads((to / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "▁the", "▁a"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (to / "tokenizer.json").write_text(json.dumps(tok))
+    return to
+
+
+def with_config(folder, to, **config):
+    """A copy of model folder `folder` with `config` set in its config.json."""
+    import json
+    import shutil
+
+    shutil.copytree(folder, to)
+    path = to / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **config)))
+    return to
+
+
+def lora_adapter(folder):
+    """A small LoRA adapter for the demo target, as mlx_lm.lora writes it (random, so it changes the output)."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(TARGET_PATH))
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, params)
+    mx.random.seed(0)
+    weights = {k: mx.random.normal(v.shape) * 0.5 for k, v in tree_flatten(model.trainable_parameters())
+               if k.endswith(("lora_a", "lora_b"))}
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    (folder / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2,
+                                                             "lora_parameters": params}))
     return folder

@@ -1,11 +1,11 @@
 """mlx-lm's own loops as baselines: greedy tokens match a hand-written loop, and each other."""
 
-import mlx.core as mx
 import pytest
 from mlx_lm import load
 
 from mirror_mlx.bench.baselines import best_mlx_sd, run_ar, run_mlx_sd
 from models import DRAFT_PATH, TARGET_PATH
+from tests.support import assert_lossless, greedy_uncached
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "Tom and his dog went to the park"]
 N = 16
@@ -18,19 +18,11 @@ def pair():
     return model, draft, [tok.encode(p) for p in PROMPTS]
 
 
-def greedy_by_hand(model, prompt: list[int], n: int) -> list[int]:
-    """No cache at all: the whole sequence through the model for every token."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(mx.argmax(model(mx.array([seq]))[0, -1]).item())
-    return seq[len(prompt):]
-
-
 def test_ar_greedy_is_greedy(pair):
     model, _, prompts = pair
     for p in prompts:
         r = run_ar(model, p, N)
-        assert r.tokens == greedy_by_hand(model, p, N)
+        assert_lossless(r.tokens, greedy_uncached(model, p, N))
         assert r.mode == "ar" and r.target_forwards == N + 1  # mlx-lm computes one token ahead
         assert r.decode_s > 0 and r.tokens_per_s == pytest.approx(N / r.decode_s)
         assert r.prefill_s > 0 and r.peak_memory > 0 and r.accepted_per_forward is None
@@ -42,7 +34,7 @@ def test_mlx_sd_greedy_equals_ar(pair):
         ar = run_ar(model, p, N)
         for k in (2, 4):
             sd = run_mlx_sd(model, draft, p, N, k)
-            assert sd.tokens == ar.tokens
+            assert_lossless(sd.tokens, ar.tokens)
             assert 1 <= sd.target_forwards < N  # the draft is right sometimes
             assert sd.accepted_per_forward == pytest.approx(N / sd.target_forwards)
             assert 1 < sd.accepted_per_forward <= k + 1 and sd.num_draft_tokens == k

@@ -12,7 +12,7 @@ from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.validate import branch_budget
 from tests.models import tiny_model
-from tests.test_engine import _FakeTokenizer, mlx_greedy
+from tests.support import assert_lossless, FakeTokenizer, profile_row, reference_greedy
 
 WINDOW = [5, 6, 7]  # γ = 3
 CAND = [[10, 11], [20, 21], [30, 31], [40, 41]]  # C_0..C_3, κ = 2
@@ -103,7 +103,7 @@ class _Stems(MLXDraft):
 def pair():
     target, draft = tiny_model("llama_tied", seed=31, vocab_size=64), _Stems(tiny_model("llama_tied", seed=32,
                                                                                           vocab_size=64))
-    pipe = Pipeline(target, _FakeTokenizer(64), draft)
+    pipe = Pipeline(target, FakeTokenizer(64), draft)
     yield target, draft, pipe
     pipe.close()
 
@@ -117,7 +117,7 @@ def test_the_budget_caps_the_branches_the_draft_rolls_out(pair, branches):
     draft.asked.clear()
     out = pipe.generate(prompt, max_tokens=30, mode="mirror", kappa=4, gamma=3, exit_layer=1, branches=branches,
                         stop=False)
-    assert out.tokens == mlx_greedy(target, prompt, 30)
+    assert_lossless(out.tokens, reference_greedy(target, prompt, 30))
     assert max(len(s) for s in draft.asked) <= branches
     assert out.stats.branches_rolled <= branches * out.stats.steps
     assert out.stats.reuses + out.stats.fallbacks == out.stats.steps and out.stats.branches == branches
@@ -173,12 +173,11 @@ def test_a_budget_is_checked_against_the_knobs_the_profile_picks():
     (its row κ=2, γ=3 has 8 branches), with the same sentence as knobs given by hand."""
     import mirror_mlx
     from mirror_mlx.tune import profile as profiles
-    from tests.test_tune import row
 
     pipe = mirror_mlx.load()
     pipe.auto.profile = profiles.Profile(key={}, mode="mirror", kappa=2, gamma=3, exit_layer=2, why="tuned",
-                                         table=[row("ar", None, 1.0, 10.0),
-                                                row("mirror", 3, 2.3, 20.0, kappa=2, exit_layer=2)])
+                                         table=[profile_row("ar", None, 1.0, 10.0),
+                                                profile_row("mirror", 3, 2.3, 20.0, kappa=2, exit_layer=2)])
     try:
         with pytest.raises(ValueError, match=re.escape("kappa*(gamma+1) = 2*(3+1) = 8")):
             pipe.generate("Once upon a time", max_tokens=4, mode="mirror", branches=20)

@@ -4,18 +4,11 @@ turns, and the `mirror-mlx chat` loop behaves through a pipe and through a pseud
 import io
 import os
 import re
-import select
 import signal
 import subprocess
-import sys
-import time
 import warnings
-from pathlib import Path
-from typing import Optional
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from mirror_mlx.cli import chat as chat_mod
 from mirror_mlx.cli.chat import run_chat
@@ -23,30 +16,12 @@ from mirror_mlx.engine.stats import Stats
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.pipeline import Pipeline, load
 from tests.models import templated_target
+from tests.support import assert_lossless, reference_greedy
+from tests.support.chat import ROOT, TURNS, Terminal, cli
 
-ROOT = Path(__file__).resolve().parents[1]
-TURNS = ["Once upon a time", "The dog barked.", "Then the sun came out."]
 SHORT = dict(max_tokens=16, kappa=4, gamma=4)  # short replies keep mirror mode quick on a busy CPU
 SHORT_FLAGS = ["--max-tokens", "16", "--kappa", "4", "--gamma", "4"]
 PREFILL = re.compile(r"prefill (\d+)/(\d+) tokens")
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    p = load()  # the embedded demo pair
-    yield p
-    p.close()
-
-
-def target_alone(pipe, prompt, n):
-    """What the target alone generates greedily from the whole prompt, no cache kept between turns."""
-    out = []
-    for t, _ in generate_step(mx.array(prompt), pipe.model, max_tokens=n):
-        out.append(int(t))
-        if out[-1] in pipe.tokenizer.eos_token_ids:
-            break
-    return out
 
 
 def converse(pipe, mode, turns=TURNS):
@@ -69,7 +44,8 @@ def test_turns_reuse_the_cache_and_stay_lossless(pipe, mode):
     log = converse(pipe, mode)
     assert log[0][2].prefill_tokens == len(log[0][0]) - 1  # reset() emptied the caches
     for i, (prompt, reply, stats) in enumerate(log):
-        assert reply == target_alone(pipe, prompt, SHORT["max_tokens"]), f"turn {i} is not the target's own text"
+        want = reference_greedy(pipe.model, prompt, SHORT["max_tokens"], eos=pipe.tokenizer.eos_token_ids)
+        assert_lossless(reply, want, f"turn {i} is not the target's own text")
         if i:  # the previous prompt and reply are a prefix; only the new turn runs (its last token is pending)
             prev_prompt, prev_reply, _ = log[i - 1]
             assert prompt[: len(prev_prompt) + len(prev_reply)] == prev_prompt + prev_reply
@@ -109,7 +85,8 @@ def test_chat_template_keeps_the_reply_ids_as_prefix(tmp_path):
         assert ids == before + tail
         second = p.chat(messages, max_tokens=12, mode="ar")
         assert second.stats.prefill_tokens == len(tail)
-        assert p.conversation.tokens[len(ids) :] == target_alone(p, ids, 12)
+        assert_lossless(p.conversation.tokens[len(ids) :],
+                        reference_greedy(p.model, ids, 12, eos=p.tokenizer.eos_token_ids))
         # a reply that ended on </s>: the next turn's ids follow it as if encoded in one piece
         conv = p.conversation
         conv.tokens, conv.stop_token = conv.tokens + [2], 2
@@ -184,15 +161,8 @@ def test_interrupt_keeps_what_was_committed(pipe, monkeypatch):
     new = len(pipe.tokenizer.encode(TURNS[1], add_special_tokens=False))
     assert n2 == n1 + kept + new and 1 <= p2 <= new
     ids = pipe.conversation.tokens
-    assert ids[n2:] == target_alone(pipe, ids[:n2], 16)  # lossless after the interrupt too
-
-
-def cli(*args, ctty=False):
-    """`mirror-mlx ARGS` as a Python command line (ctty: take stdin as the controlling terminal)."""
-    code = "import sys; sys.argv[0] = 'mirror-mlx'; from mirror_mlx.cli import main; main()"
-    if ctty:  # so that Ctrl-C typed on the terminal sends SIGINT to it, as in a shell
-        code = "import fcntl, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); " + code
-    return [sys.executable, "-c", code, *args]
+    # lossless after the interrupt too
+    assert_lossless(ids[n2:], reference_greedy(pipe.model, ids[:n2], 16, eos=pipe.tokenizer.eos_token_ids))
 
 
 def test_piped_stdin_mirror_equals_ar(pipe):
@@ -214,83 +184,6 @@ def test_missing_model_offline_is_one_sentence():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "'nobody/no-such-model' is not a local folder" in proc.stderr and "download" in proc.stderr
-
-
-class Terminal:
-    """The chat on a pseudo-terminal: type into it, wait for what it prints."""
-
-    def __init__(self, *args):
-        import pty
-        import termios
-
-        self.master, slave = pty.openpty()
-        # Ctrl-C makes a terminal discard the output not read yet (NOFLSH unset). A user's terminal reads it at
-        # once; the test reads only while it waits for something, so a second Ctrl-C would discard a note the
-        # first one printed. Keep it.
-        attrs = termios.tcgetattr(slave)
-        attrs[3] |= termios.NOFLSH
-        termios.tcsetattr(slave, termios.TCSANOW, attrs)
-        # a user's terminal delivers Ctrl-C; a runner that started us in the background may ignore SIGINT,
-        # and an ignored signal stays ignored across exec, so give the chat the default action back
-        self.proc = subprocess.Popen(cli(*args, ctty=True), cwd=ROOT, stdin=slave, stdout=slave, stderr=slave,
-                                     start_new_session=True,
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        os.close(slave)
-        self.seen = ""  # output not matched yet
-        self.log = ""  # all output, for failure messages
-
-    def type(self, text: str) -> None:
-        os.write(self.master, text.encode())
-
-    def wait_for_keys(self, timeout: float = 60.0) -> None:
-        """Block until the chat waits in readline for the next key (its main thread in select() on stdin).
-
-        Python's readline notices a signal only when it interrupts that select(): a Ctrl-C that lands while
-        readline still handles the previous key (or draws the prompt) waits for the next key. A user's
-        keys come far apart; the test's come microseconds after the echo, so it waits for this first.
-        Linux reads /proc/PID/syscall; elsewhere a pause stands in."""
-        path = Path(f"/proc/{self.proc.pid}/syscall")
-        if not path.exists():
-            time.sleep(0.5)
-            return
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                fields = path.read_text().split()
-            except OSError:
-                fields = []
-            # select / pselect6 (x86_64: 23, 270; arm64: 72) on 1 descriptor: stdin (fd 0)
-            if len(fields) > 1 and fields[0] in ("23", "270", "72") and fields[1] == "0x1":
-                return
-            assert self.proc.poll() is None, f"the chat exited: {self.log[-2000:]!r}"
-            assert time.monotonic() < end, f"the chat never waited for a key: {self.log[-2000:]!r}"
-            time.sleep(0.02)
-
-    def expect(self, pattern: str, timeout: float = 120.0, required: bool = True) -> Optional[re.Match]:
-        """Read until `pattern` shows up in the output after what was matched before (hang guard only)."""
-        end = time.monotonic() + timeout
-        while True:
-            m = re.search(pattern, self.seen)
-            if m:
-                self.seen = self.seen[m.end() :]
-                return m
-            left = end - time.monotonic()
-            if left <= 0 and not required:
-                return None
-            assert left > 0, f"no {pattern!r} after {self.log[-2000:]!r}"
-            if select.select([self.master], [], [], left)[0]:
-                try:
-                    text = ANSI.sub("", os.read(self.master, 4096).decode(errors="replace"))
-                except OSError:  # the child closed the terminal
-                    assert re.search(pattern, self.seen), f"no {pattern!r} after {self.log[-2000:]!r}"
-                self.seen += text
-                self.log += text
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self.master)
 
 
 def test_terminal_ctrl_c_mid_reply_then_ctrl_d():

@@ -1,7 +1,6 @@
 """`mirror-mlx generate` as a user meets it: text, stats, JSON, and one-line errors."""
 
 import json
-import shutil
 
 from click.testing import CliRunner
 from mlx_lm import load
@@ -12,8 +11,8 @@ from mirror_mlx.cli import main
 from mirror_mlx.demo import SS_DRAFT
 from mirror_mlx.pipeline import Pipeline, load_draft
 from mirror_mlx.pipeline import load as load_pipeline
-from tests.models import DRAFT_PATH, TARGET_PATH
-from tests.test_engine import mlx_greedy
+from tests.models import DRAFT_PATH, PERIOD, TARGET_PATH, swapped_vocab, with_config
+from tests.support import assert_lossless, reference_greedy
 
 
 def run(*args):
@@ -26,7 +25,7 @@ def test_json_output_has_tokens_text_and_every_stat():
     # the JSON line (a first call without a profile also says on stderr that it calibrated)
     out = json.loads(next(line for line in result.output.splitlines() if line.startswith("{")))
     model, tokenizer = load(str(TARGET_PATH))
-    assert out["tokens"] == mlx_greedy(model, tokenizer.encode("Once upon a time"), 24)
+    assert_lossless(out["tokens"], reference_greedy(model, tokenizer.encode("Once upon a time"), 24))
     assert out["text"] == tokenizer.decode(out["tokens"])
     for key in ("mean_accepted", "fallback_rate", "reuse_rate", "omega_kappa", "hidden_draft_fraction",
                 "target_forwards", "draft_forwards", "tokens_per_second", "peak_memory_gb"):
@@ -86,18 +85,6 @@ def test_bad_options_are_usage_errors_without_traceback():
         assert message in result.output and "Traceback" not in result.output
 
 
-def swapped_vocab(folder, to):
-    """A copy of `folder` whose tokenizer swaps two ids: same size, another vocabulary."""
-    shutil.copytree(folder, to)
-    (to / "tokenizer.model").unlink()  # transformers would rebuild the vocabulary from it
-    tok = json.loads((to / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = "▁the", "▁a"
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (to / "tokenizer.json").write_text(json.dumps(tok))
-    return to
-
-
 def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
     draft = swapped_vocab(DRAFT_PATH, tmp_path / "draft")
     result = run("--model", str(TARGET_PATH), "--draft-model", str(draft), "--max-tokens", "5")
@@ -109,23 +96,14 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path):
         load_draft(ss, load(str(TARGET_PATH))[1])
 
 
-PERIOD = 426  # "." in the demo tokenizer: the demo target's greedy text reaches it within a dozen tokens
 PROMPT = "Once upon a time"
 KNOBS = dict(kappa=2, gamma=3, exit_layer=2)  # explicit, so no calibration runs
-
-
-def with_config(folder, to, **config):
-    """A copy of model folder `folder` with `config` set in its config.json."""
-    shutil.copytree(folder, to)
-    path = to / "config.json"
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), **config)))
-    return to
 
 
 def mlx_lm_stops(folder, max_tokens):
     """mlx-lm's greedy tokens of PROMPT from `folder`, cut where its own end-of-sequence ids stop them."""
     model, tokenizer = load(str(folder))
-    greedy = mlx_greedy(model, tokenizer.encode(PROMPT), max_tokens)
+    greedy = reference_greedy(model, tokenizer.encode(PROMPT), max_tokens)
     stop = next((i for i, t in enumerate(greedy) if t in tokenizer.eos_token_ids), len(greedy))
     return greedy[:stop], tokenizer.eos_token_ids
 
@@ -146,7 +124,8 @@ def test_a_pair_listing_several_eos_ids_in_config_loads_and_stops_in_every_mode(
         try:
             for mode in ("ar", "sd", "mirror"):
                 out = pipe.generate(PROMPT, max_tokens=30, mode=mode, **KNOBS)
-                assert out.tokens == want and out.finish_reason == "stop", (draft_folder.name, mode, out.tokens)
+                assert_lossless(out.tokens, want, (draft_folder.name, mode, out.tokens))
+                assert out.finish_reason == "stop", (draft_folder.name, mode, out.tokens)
         finally:
             pipe.close()
     assert "note:" not in capfd.readouterr().err
@@ -164,7 +143,8 @@ def test_special_ids_that_differ_are_said_once_and_the_targets_decide(tmp_path, 
     try:
         for mode in ("sd", "mirror"):
             out = pipe.generate(PROMPT, max_tokens=30, mode=mode, **KNOBS)
-            assert out.tokens == want and out.finish_reason == "stop", (mode, out.tokens)
+            assert_lossless(out.tokens, want, (mode, out.tokens))
+            assert out.finish_reason == "stop", (mode, out.tokens)
     finally:
         pipe.close()
     # a draft that would stop at "." and begins with another bos: the target runs on past both
@@ -180,7 +160,8 @@ def test_special_ids_that_differ_are_said_once_and_the_targets_decide(tmp_path, 
         prompt = tokenizer.encode(PROMPT)
         for mode in ("sd", "mirror"):
             out = pipe.generate(prompt, max_tokens=30, mode=mode, **KNOBS)
-            assert out.tokens == mlx_greedy(model, prompt, 30) and out.finish_reason == "length", mode
+            assert_lossless(out.tokens, reference_greedy(model, prompt, 30), mode)
+            assert out.finish_reason == "length", mode
     finally:
         pipe.close()
 

@@ -26,7 +26,8 @@ from mirror_mlx.convert.mil_eval import MilRunner, load_program
 from mirror_mlx.convert.parity import PROMPTS, verify
 from mirror_mlx.demo import DRAFT as DEMO_DRAFT
 from mirror_mlx.demo import TARGET as DEMO_TARGET
-from tests.test_cli_generate import PERIOD, swapped_vocab, with_config
+from tests.models import PERIOD, swapped_vocab, with_config
+from tests.support import greedy_uncached
 
 SMALL = dict(context=64, kappa=2, gamma=3, chunk=8)
 TINY = dict(hidden_size=64, num_hidden_layers=1, intermediate_size=96, num_attention_heads=4,
@@ -114,14 +115,6 @@ def scale_fp16_blobs(blob: Path, factor: float) -> int:
     return done
 
 
-def greedy(model, seq, n):
-    seq, out = list(seq), []
-    for _ in range(n):
-        out.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
-        seq.append(out[-1])
-    return out
-
-
 # ------------------------------------------------------------------ the package
 
 
@@ -184,17 +177,17 @@ def test_rollout_equals_mlx_greedy_with_rollback_and_split(demo_pkg, demo_model)
     ctx = tok.encode("Once upon a time, there was a little girl")
     stems = [[5], [6, 7], [6, 8], [6, 8], [9, 10, 11]]
     r = draft.rollout(ctx, stems, 3)
-    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
+    assert r.windows == [greedy_uncached(model, ctx + s, 3) for s in stems]
     extends = -(-len(ctx) // draft.shapes.chunk)  # the fresh context, one `extend` call per chunk
     assert r.forwards == extends + 3  # then the trie (8 nodes) fits one call, then one call per token
     # the committed prefix diverges: rows past the common prefix are masked, not erased
     ctx2 = ctx[:-2] + [100, 200]
     r2 = draft.rollout(ctx2, [[7]], 3)
-    assert r2.windows == [greedy(model, ctx2 + [7], 3)]
+    assert r2.windows == [greedy_uncached(model, ctx2 + [7], 3)]
     # more long stems than the scratch slots hold: rolled out in groups, still exact
     many = [[t, t + 1, t + 2, t + 3] for t in range(20, 32)]
     r3 = draft.rollout(ctx2, many, 3)
-    assert r3.windows == [greedy(model, ctx2 + s, 3) for s in many]
+    assert r3.windows == [greedy_uncached(model, ctx2 + s, 3) for s in many]
     assert r3.forwards > 4
 
 
@@ -375,11 +368,11 @@ def test_package_draft_in_the_draft_host_process(demo_pkg, demo_model):
     host = DraftHost(coreml_recipe(demo_pkg, tok, backend="mil"))  # the Mac path, with numpy in the host
     assert host.vocab_size == 512
     r = host.rollout(ctx, stems, 3)
-    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]
+    assert r.windows == [greedy_uncached(model, ctx + s, 3) for s in stems]
     with pytest.raises(ValueError, match="built for 64"):
         host.rollout(list(range(3, 80)), [[5]], 2)
     host.reset()
-    assert host.rollout(ctx, [[5]], 2).windows == [greedy(model, ctx + [5], 2)]
+    assert host.rollout(ctx, [[5]], 2).windows == [greedy_uncached(model, ctx + [5], 2)]
     proc = host.proc
     host.close()
     assert proc.poll() is not None
@@ -425,7 +418,7 @@ def test_ss_draft_package_has_stream_rows_and_passes_parity(work):
     ctx = tok.encode("Once upon a time")
     stems = [[5], [6, 7], [9]]
     r = PackageDraft(MilRunner(pkg), meta).rollout(ctx, stems, 3)
-    assert r.windows == [greedy(model, ctx + s, 3) for s in stems]  # streams never change the text
+    assert r.windows == [greedy_uncached(model, ctx + s, 3) for s in stems]  # streams never change the text
 
 
 class Counting:

@@ -26,65 +26,19 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load, save_config, save_model
 
-from mirror_mlx.bench.ranks import free_ports, run_ranks
+from mirror_mlx.bench.ranks import run_ranks
 from mirror_mlx.demo import DRAFT, TARGET
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.prompts import tinystories
 from tests.leaks import made_in, wait_unlinked
 from tests.models import CONFIGS, tiny_model
+from tests.support import assert_lossless, reference_greedy
+from tests.support.processes import alive, descendants
+from tests.support.ranks import ROOT, launched, renice
 
 pytestmark = pytest.mark.usefixtures("one_group_at_a_time")  # (conftest.py: one group of ranks at a time)
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def launcher() -> list[str]:
-    """mlx.launch for 2 ranks on loopback, from a free port pair of its own (tests run side by side)."""
-    return [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
-            "--starting-port", str(free_ports(2)[0])]
-
-
-def launched(command: list[str], **kwargs) -> subprocess.Popen:
-    """mlx.launch running `command`, in a process group of its own as a terminal runs it, SIGINT on.
-
-    Its stdin is a pipe that stays open with nothing written, as a terminal where no one types: mlx.launch
-    polls stdin and hands what it reads to each rank's queue, so at /dev/null (or any stdin at its end) it
-    spins through `Queue.put`, and a SIGINT that lands inside one leaves that queue's lock held: the
-    launcher's thread for that rank blocks on it, and the launcher never exits."""
-    keyboard, kwargs["stdin"] = os.pipe()[::-1]
-    try:
-        proc = subprocess.Popen(launcher() + ["--"] + command, start_new_session=True,
-                                # a runner that started us in the background ignores SIGINT; Ctrl-C needs it back
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kwargs)
-    finally:
-        os.close(kwargs["stdin"])
-    proc.keyboard = os.fdopen(keyboard, "wb")  # (closed with the Popen object)
-    yield_the_core(proc.pid)
-    return proc
-
-
-def yield_the_core(launcher_pid: int, ranks: int = 2, within: float = 30.0) -> None:
-    """Once mlx.launch has started its ranks, its own threads (the relay loops that never block) run at the
-    lowest priority: they keep spinning, but only on time no rank and no other test wants. The ranks,
-    started before, keep theirs."""
-    deadline = time.monotonic() + within
-    while len(descendants(launcher_pid)) < ranks and time.monotonic() < deadline:
-        time.sleep(0.05)
-    renice(launcher_pid, 19)
-
-
-def renice(pid: int, niceness: int) -> None:
-    """Every thread of `pid` at `niceness` (Linux's priority is a thread's)."""
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
-        except OSError:  # a thread that just ended
-            pass
-
-
 
 TOKENS = 64
 SEEDS = [0]
@@ -162,42 +116,18 @@ def test_sharded_target_mirror_and_sd_equal_mlx_lm_greedy_and_one_process_seeded
     got, model, tokenizer, prompts = across(family, tmp_path)
     for (mode, kappa, gamma, exit_layer, i), out, stats in zip(cases(family), got["greedy"], got["stats"]):
         assert stats[0] == mode and stats[1] is None, stats
-        ref = [t for t, _ in generate_step(mx.array(prompts[i]), model, max_tokens=TOKENS)]
-        assert out == ref, f"{family} {mode} κ={kappa} γ={gamma} ℓe={exit_layer}, opening {i}: {out}, mlx-lm {ref}"
+        ref = reference_greedy(model, prompts[i], TOKENS)
+        assert_lossless(out, ref, f"{family} {mode} κ={kappa} γ={gamma} ℓe={exit_layer}, opening {i}: {out}, "
+                                  f"mlx-lm {ref}")
     assert sum(s[2] for s in got["stats"]) > 0 and any(s[3] for s in got["stats"])  # right at times, wrong at times
     pipe = Pipeline(model, tokenizer)  # one process, the target alone: a seed gives the same tokens in every mode
     try:
         for seed, out in got["seeded"].items():
             ref = pipe.generate(prompts[0], max_tokens=TOKENS, mode="ar", temperature=0.8, seed=int(seed),
                                 stop=False).tokens
-            assert out == ref, f"{family} seed {seed}: {out}, one process samples {ref}"
+            assert_lossless(out, ref, f"{family} seed {seed}: {out}, one process samples {ref}")
     finally:
         pipe.close()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid` now (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def rank_pid(pids: list[int], rank: int) -> int:
@@ -316,9 +246,10 @@ def test_generate_with_pipeline_splits_by_layers_and_prints_mlx_lm_s_greedy_text
     assert got["stats"]["branches"] == branches
     assert got["stats"]["branches_rolled"] <= (branches or 2 * (3 + 1)) * got["stats"]["steps"]
     ids = tokenizer.encode(prompt)
-    ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=32)]
+    ref = reference_greedy(model, ids, 32)
     eos = next((i for i, t in enumerate(ref) if t in tokenizer.eos_token_ids), len(ref))
-    assert got["tokens"] == ref[:eos + 1][:32] and got["stats"]["mode"] == "mirror", got
+    assert_lossless(got["tokens"], ref[:eos + 1][:32], got)
+    assert got["stats"]["mode"] == "mirror", got
     one = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert one.returncode == 0 and "nothing to split: ignored" in one.stderr, one.stderr

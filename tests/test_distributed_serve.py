@@ -21,7 +21,8 @@ import pytest
 
 import mirror_mlx
 from tests.leaks import made_in, wait_unlinked
-from tests.test_distributed import ROOT, alive, descendants, launched
+from tests.support.processes import alive, descendants
+from tests.support.ranks import ROOT, launched
 
 PROMPT = "Once upon a time"
 pytestmark = [pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc"),

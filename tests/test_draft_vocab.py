@@ -21,10 +21,9 @@ from mirror_mlx.drafts.vocab import KeptIds, kept_ids, trim
 from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.drafts.ss.draft import SSDraft
 from mirror_mlx.pipeline import Pipeline, load_draft, trimmed_head
-from tests.models import CONFIGS, RECURRENT, tiny_model
-from tests.test_engine import _FakeTokenizer
-from tests.test_families_lossless import FAMILIES, mlx_greedy
-from tests import test_sampling_whole as whole
+from tests.models import CACHE_FAMILIES, CONFIGS, RECURRENT, tiny_model
+from tests.support import assert_lossless, FakeTokenizer, reference_greedy
+from tests.support import whole_sampling as whole
 
 VOCAB = CONFIGS["llama_tied"]["vocab_size"]
 HALF = KeptIds.of(range(8, 56), VOCAB)  # the tiny families' kept ids: half of them, and of each family's greedy ones
@@ -77,21 +76,21 @@ def test_the_trimmed_heads_logits_are_the_whole_heads_on_the_kept_ids_and_minus_
 # --- greedy: mlx-lm's tokens in every family ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES + list(RECURRENT))
+@pytest.mark.parametrize("family", CACHE_FAMILIES + list(RECURRENT))
 def test_a_trimmed_draft_gives_mlx_lm_greedy_in_every_family(family):
     """The target's own copy as draft, half its ids kept: windows accepted where the target's token is kept,
     rejected where it is not (both happen in every family); sd and mirror return mlx-lm's greedy tokens."""
     target = tiny_model(family, seed=21)
-    pipe = Pipeline(target, _FakeTokenizer(VOCAB), MLXDraft(trim(tiny_model(family, seed=21), HALF)))
+    pipe = Pipeline(target, FakeTokenizer(VOCAB), MLXDraft(trim(tiny_model(family, seed=21), HALF)))
     accepted = rejections = 0
     try:
         for prompt in PROMPTS:
-            ref = mlx_greedy(target, prompt, TOKENS)
+            ref = reference_greedy(target, prompt, TOKENS)
             for mode in ("sd", "mirror"):
                 out = pipe.generate(prompt, max_tokens=TOKENS, mode=mode, kappa=3, gamma=4, exit_layer=2,
                                     branches=15 if mode == "mirror" else None, stop=False)
                 assert out.stats.mode == mode and out.stats.draft_failure is None, out.stats.draft_failure
-                assert out.tokens == ref, f"{family} {mode}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}"
+                assert_lossless(out.tokens, ref, f"{family} {mode}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}")
                 assert out.stats.draft_vocab == len(HALF)
                 accepted, rejections = accepted + out.stats.accepted, rejections + out.stats.rejections
     finally:
@@ -109,10 +108,10 @@ def demo():
 
 def test_the_demo_pair_trimmed_through_load_gives_mlx_lm_greedy_and_says_so(demo):
     prompt = demo.encode("Once upon a time")
-    ref = mlx_greedy(demo.model, prompt, 32)
+    ref = reference_greedy(demo.model, prompt, 32)
     for mode in ("sd", "mirror"):
         out = demo.generate(prompt, max_tokens=32, mode=mode, kappa=4, gamma=5, stop=False)
-        assert out.tokens == ref, mode
+        assert_lossless(out.tokens, ref, mode)
         assert 0 < out.stats.accepted < out.stats.proposed, out.stats.summary()
         assert out.stats.draft_vocab == DEMO_V and f"draft vocab {DEMO_V}" in out.stats.summary()
     assert demo.generate(prompt, max_tokens=4, mode="ar").stats.summary().count("draft vocab") == 0
@@ -125,10 +124,11 @@ def test_a_trimmed_ss_draft_gives_the_targets_greedy_tokens(demo):
     pipe = Pipeline(demo.model, demo.tokenizer, ss)
     try:
         prompt = demo.encode("The dog ran")
-        ref = mlx_greedy(demo.model, prompt, 24)
+        ref = reference_greedy(demo.model, prompt, 24)
         for mode in ("sd", "mirror"):
             out = pipe.generate(prompt, max_tokens=24, mode=mode, kappa=2, gamma=4, stop=False)
-            assert out.tokens == ref and out.stats.draft_vocab == DEMO_V, mode
+            assert_lossless(out.tokens, ref, mode)
+            assert out.stats.draft_vocab == DEMO_V, mode
     finally:
         pipe.close()
 
@@ -140,16 +140,16 @@ def test_a_seeded_sample_is_the_same_in_every_mode(demo):
     kw = dict(max_tokens=24, temperature=1.0, seed=3, stop=False)
     ar = demo.generate("Once upon a time", mode="ar", **kw).tokens
     for mode in ("sd", "mirror"):
-        assert demo.generate("Once upon a time", mode=mode, kappa=4, gamma=5, **kw).tokens == ar, mode
+        assert_lossless(demo.generate("Once upon a time", mode=mode, kappa=4, gamma=5, **kw).tokens, ar, mode)
 
 
 def test_every_committed_token_follows_the_target_distribution_when_the_draft_keeps_3_of_8_ids():
     """test_sampling_whole's check with a trimmed draft: the target's own token, where the draft cannot propose
     it (a third of the tokens here or more), is still drawn from the target's distribution."""
     kept = KeptIds.of([0, 1, 2], whole.V)
-    target = whole.tiny_model("llama_tied", seed=11, **whole.SHAPE)
-    draft = trim(whole.tiny_model("llama_tied", seed=11, **whole.SHAPE), kept)
-    pipe = Pipeline(target, _FakeTokenizer(whole.V), MLXDraft(draft))
+    target = tiny_model("llama_tied", seed=11, **whole.SHAPE)
+    draft = trim(tiny_model("llama_tied", seed=11, **whole.SHAPE), kept)
+    pipe = Pipeline(target, FakeTokenizer(whole.V), MLXDraft(draft))
     try:
         p, seen = whole.sample(target, pipe, "mirror", whole.SETTINGS["temperature"], whole.SEEDS["mirror"])
         chunks = [c for s in range(5) for c in pipe.stream(whole.PROMPT, max_tokens=whole.TOKENS, temperature=1.0,

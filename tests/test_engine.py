@@ -6,7 +6,6 @@ import time
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.drafts.api import Rollout
@@ -14,21 +13,8 @@ from mirror_mlx.engine import reuse_window
 from mirror_mlx.engine.target import accept
 from mirror_mlx.pipeline import Pipeline, load_draft
 from tests.lanes import LANES, in_lanes
-from tests.models import DATA, DRAFT_PATH, TARGET_PATH, tiny_model
-
-
-def openings(n: int) -> list[str]:
-    """The first six words of the first n TinyStories paragraphs, each distinct opening once.
-
-    Several paragraphs open alike: of the first 20, four repeat an earlier opening word for word (three
-    more "Once upon a time, there was", one more "Once upon a time, in a"), and greedy decoding of the
-    same prompt is the same generation again, so the repeats are left out (16 prompts from the first 20)."""
-    paragraphs = [p for p in (DATA / "tinystories_train.txt").read_text().split("\n\n") if p.strip()]
-    return list(dict.fromkeys(" ".join(p.split()[:6]) for p in paragraphs[:n]))
-
-
-def mlx_greedy(model, prompt, n):
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
+from tests.support import assert_lossless, FakeTokenizer, openings, reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +50,7 @@ def demos(demo):
 @pytest.fixture(scope="module")
 def greedy_refs(demo):
     prompts = [demo.tokenizer.encode(o) for o in openings(20)]
-    return [(p, mlx_greedy(demo.model, p, 128)) for p in prompts]
+    return [(p, reference_greedy(demo.model, p, 128)) for p in prompts]
 
 
 def accepted_lengths(from_draft) -> list[int]:
@@ -103,8 +89,8 @@ def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, ka
             prompt, ref = case
             out = pipe.generate(prompt, max_tokens=GRID_TOKENS, kappa=kappa, gamma=gamma, exit_layer=exit_layer,
                                 mode=mode, branches=branches, stop=False)
-            assert out.tokens == ref[:GRID_TOKENS], \
-                f"{mode} κ={kappa} γ={gamma} ℓe={exit_layer} B={branches} diverged on {prompt}"
+            assert_lossless(out.tokens, ref[:GRID_TOKENS],
+                            f"{mode} κ={kappa} γ={gamma} ℓe={exit_layer} B={branches} diverged on {prompt}")
             if branches is not None:
                 assert 0 < out.stats.branches_rolled <= branches * out.stats.steps, out.stats.as_dict()
             return accepted_lengths(out.from_draft)
@@ -115,7 +101,7 @@ def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, ka
 
 def test_ar_mode_equals_mlx_lm_greedy(demo, greedy_refs):
     for prompt, ref in greedy_refs[:5]:
-        assert demo.generate(prompt, max_tokens=128, mode="ar", stop=False).tokens == ref
+        assert_lossless(demo.generate(prompt, max_tokens=128, mode="ar", stop=False).tokens, ref)
 
 
 def test_random_draft_falls_back_almost_always_and_stays_lossless(greedy_refs):
@@ -124,7 +110,7 @@ def test_random_draft_falls_back_almost_always_and_stays_lossless(greedy_refs):
     pipe = Pipeline(target, tokenizer, MLXDraft(random_draft))
     for prompt, ref in greedy_refs[:3]:
         out = pipe.generate(prompt, max_tokens=128, kappa=1, gamma=4, exit_layer=1, stop=False)
-        assert out.tokens == ref
+        assert_lossless(out.tokens, ref)
         assert out.stats.fallback_rate > 0.5 and out.stats.mean_accepted < 1.5
     pipe.close()
 
@@ -154,7 +140,8 @@ def test_the_draft_is_asked_only_for_windows_that_can_be_used(greedy_refs):
                 for mode, knobs in (("mirror", dict(kappa=1, gamma=4, exit_layer=1)), ("sd", dict(gamma=4))):
                     draft.follows.clear()
                     out = pipe.generate(prompt, max_tokens=n, mode=mode, stop=False, **knobs)
-                    assert out.tokens == ref[:n] and out.stats.draft_failure is None
+                    assert_lossless(out.tokens, ref[:n])
+                    assert out.stats.draft_failure is None
                     wanted = [n - (k - len(prompt)) for k in draft.follows]  # tokens still wanted after the window's context
                     assert all(w >= 2 for w in wanted), (mode, n, draft.follows)
                     assert out.stats.rollouts == len(draft.follows) and (n > 1) == (len(draft.follows) > 0), (mode, n)
@@ -171,7 +158,7 @@ def test_target_as_its_own_draft_accepts_every_window_and_mostly_reuses(greedy_r
     def check(pipe, case):
         prompt, ref = case
         out = pipe.generate(prompt, max_tokens=128, kappa=16, gamma=7, exit_layer=4, branches=128, stop=False)
-        assert out.tokens == ref
+        assert_lossless(out.tokens, ref)
         assert out.stats.mean_accepted == 8.0  # γ accepted + the bonus token, every forward
         assert out.stats.reuse_rate > 0.8  # a fallback only when the bonus token is outside C_γ
 
@@ -184,10 +171,10 @@ def test_target_as_its_own_draft_accepts_every_window_and_mostly_reuses(greedy_r
 
 def test_reuse_everywhere_when_kappa_covers_the_vocabulary():
     target, draft = tiny_model("llama_tied", seed=1, vocab_size=8), tiny_model("llama_tied", seed=2, vocab_size=8)
-    pipe = Pipeline(target, _FakeTokenizer(8), MLXDraft(draft))
+    pipe = Pipeline(target, FakeTokenizer(8), MLXDraft(draft))
     prompt = [1, 5, 2]
     out = pipe.generate(prompt, max_tokens=40, kappa=8, gamma=3, exit_layer=2, branches=32, stop=False)
-    assert out.tokens == mlx_greedy(target, prompt, 40)
+    assert_lossless(out.tokens, reference_greedy(target, prompt, 40))
     assert out.stats.fallbacks == 0 and out.stats.reuses == out.stats.steps
     pipe.close()
 
@@ -213,7 +200,7 @@ def test_cache_rollback_leaves_exactly_the_committed_prefix(demo):
     demo.generate(prompt, max_tokens=37, stop=False, mode="mirror", kappa=8, gamma=7)
     side = demo.engine.target
     # the cache may hold accepted tokens past max_tokens (trimmed at the next start), never others
-    committed = prompt + mlx_greedy(demo.model, prompt, 37 + 8)
+    committed = prompt + reference_greedy(demo.model, prompt, 37 + 8)
     assert len(side.cached) >= len(prompt) + 36 and side.cached == committed[: len(side.cached)]
     assert all(c.offset == len(side.cached) for c in side.cache)
     # the cached keys equal a fresh prefill of the same tokens
@@ -255,12 +242,14 @@ def test_sd_with_an_mlx_draft_drafts_in_process_and_stays_lossless(demo, demo_th
     for pipe, host in ((demo, "process"), (demo_thread, "thread")):
         for prompt, ref in greedy_refs[:2]:
             out = pipe.generate(prompt, max_tokens=48, mode="sd", gamma=3, stop=False)
-            assert out.tokens == ref[:48] and out.stats.draft_host == "in-process" and out.stats.accepted > 0
-            assert pipe.generate(prompt, mode="sd", gamma=3, **seeded).tokens == \
-                pipe.generate(prompt, mode="ar", **seeded).tokens
+            assert_lossless(out.tokens, ref[:48])
+            assert out.stats.draft_host == "in-process" and out.stats.accepted > 0
+            assert_lossless(pipe.generate(prompt, mode="sd", gamma=3, **seeded).tokens,
+                            pipe.generate(prompt, mode="ar", **seeded).tokens)
         assert pipe.engine.local_draft is not None and pipe.engine.local_draft is not pipe.draft
         mirror = pipe.generate(prompt, max_tokens=16, mode="mirror", kappa=2, gamma=3, stop=False)
-        assert mirror.tokens == ref[:16] and mirror.stats.draft_host == host and mirror.stats.rollouts > 0
+        assert_lossless(mirror.tokens, ref[:16])
+        assert mirror.stats.draft_host == host and mirror.stats.rollouts > 0
 
 
 def test_a_failing_in_process_draft_switches_visibly_to_ar(greedy_refs, capsys):
@@ -276,7 +265,8 @@ def test_a_failing_in_process_draft_switches_visibly_to_ar(greedy_refs, capsys):
 
         pipe.engine.local_draft.rollout = exploded
         out = pipe.generate(prompt, max_tokens=32, mode="sd", gamma=3, stop=False)
-        assert out.tokens == ref[:32] and "exploded" in out.stats.draft_failure
+        assert_lossless(out.tokens, ref[:32])
+        assert "exploded" in out.stats.draft_failure
         assert "continuing with the target alone" in capsys.readouterr().err
     finally:
         pipe.close()
@@ -307,7 +297,7 @@ def test_failing_or_stalling_draft_switches_visibly_to_ar(greedy_refs, capsys, s
     prompt, ref = greedy_refs[0]
     out = pipe.generate(prompt, max_tokens=128, stop=False, draft_timeout=0.5 if stall else 30.0,  # 30 s: a busy box
                         mode="mirror", kappa=8, gamma=7)
-    assert out.tokens == ref
+    assert_lossless(out.tokens, ref)
     assert out.stats.draft_failure and ("timed out" if stall else "exploded") in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     pipe.close()
@@ -324,7 +314,8 @@ def test_a_draft_that_cannot_prefill_switches_visibly_to_ar(greedy_refs, capsys)
     pipe = Pipeline(target, tokenizer, _NoPrefillDraft(draft))
     prompt, ref = greedy_refs[0]
     out = pipe.generate(prompt, max_tokens=32, stop=False, mode="mirror", kappa=8, gamma=7)
-    assert out.tokens == ref[:32] and out.stats.mode == "ar" and "cannot prefill" in out.stats.draft_failure
+    assert_lossless(out.tokens, ref[:32])
+    assert out.stats.mode == "ar" and "cannot prefill" in out.stats.draft_failure
     assert "continuing with the target alone" in capsys.readouterr().err
     pipe.close()
 
@@ -355,24 +346,3 @@ def test_mirror_without_draft_is_refused():
     pipe.close()
 
 
-class _FakeTokenizer:
-    """Just enough tokenizer for models with a toy vocabulary."""
-
-    def __init__(self, vocab_size):
-        self.vocab_size, self.eos_token_ids = vocab_size, []
-
-    @property
-    def detokenizer(self):
-        return _FakeDetok()
-
-
-class _FakeDetok:
-    last_segment = ""
-
-    def reset(self): ...
-
-    def add_token(self, t):
-        self.last_segment = f"<{t}>"
-
-    def finalize(self):
-        self.last_segment = ""

@@ -10,29 +10,22 @@ rejected early: fallbacks). The prompt lookup (mirror_mlx/proposers/lookup.py) d
 prompt that repeats itself, alone and beside the random draft, and one with no repeat (no proposal).
 """
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
 from mirror_mlx.drafts.mlx_draft import MLXDraft
 from mirror_mlx.pipeline import Pipeline
-from tests.models import CONFIGS, RECURRENT, save_tiny_model, tiny_model
-from tests.test_engine import _FakeTokenizer
+from tests.models import CACHE_FAMILIES, CONFIGS, RECURRENT, save_tiny_model, tiny_model
+from tests.support import assert_lossless, FakeTokenizer, reference_greedy
 
 TOKENS = 24
 VOCAB = CONFIGS["llama_tied"]["vocab_size"]
 PROMPTS = [[7, 30], [5, 61, 2, 88, 13, 40], [90, 3, 3, 17, 52, 8, 71, 29, 64, 11, 6]]
-FAMILIES = ["gemma3_text", "llama_tied", "mistral", "qwen2", "qwen3"]  # (llama_untied: mistral as built here)
 KNOBS = {  # (κ, γ, ℓe[, B]) per draft: the random draft's windows are rejected early, long ones add nothing
     "self": [(1, 1, 3), (3, 4, 2), (8, 6, 1), (4, 3, 2, 5)],
     "random": [(1, 1, 3), (3, 4, 2), (4, 3, 2, 2)],
 }
-CASES = [(family, draft, knobs) for family in FAMILIES for draft in KNOBS for knobs in KNOBS[draft]]
-
-
-def mlx_greedy(model, prompt: list[int], n: int) -> list[int]:
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+CASES = [(family, draft, knobs) for family in CACHE_FAMILIES for draft in KNOBS for knobs in KNOBS[draft]]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +54,8 @@ def build(family: str, draft: str, tmp_path_factory):
         save_tiny_model(folder, family, seed=21)
     else:
         save_tiny_model(folder, family, seed=22, num_hidden_layers=CONFIGS[family]["num_hidden_layers"] // 2)
-    refs = [mlx_greedy(target, p, TOKENS) for p in PROMPTS]
-    pipe = Pipeline(target, _FakeTokenizer(VOCAB), DraftRecipe(mlx_draft, (str(folder),)))
+    refs = [reference_greedy(target, p, TOKENS) for p in PROMPTS]
+    pipe = Pipeline(target, FakeTokenizer(VOCAB), DraftRecipe(mlx_draft, (str(folder),)))
     assert pipe.engine.host.process
     return refs, pipe
 
@@ -79,8 +72,8 @@ def test_mirror_and_sd_equal_mlx_lm_greedy_in_every_family(pipelines, family, dr
             out = pipe.generate(prompt, max_tokens=TOKENS, mode=mode, kappa=kappa, gamma=gamma,
                                 exit_layer=exit_layer, branches=every, stop=False)
             assert out.stats.mode == mode and out.stats.draft_failure is None
-            assert out.tokens == ref, (f"{family}, {draft} draft, {mode} κ={kappa} γ={gamma} ℓe={exit_layer}: "
-                                       f"prompt {prompt} gave {out.tokens}, mlx-lm {ref}")
+            assert_lossless(out.tokens, ref, f"{family}, {draft} draft, {mode} κ={kappa} γ={gamma} "
+                                             f"ℓe={exit_layer}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}")
             accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
             reuses, fallbacks = reuses + out.stats.reuses, fallbacks + out.stats.fallbacks
         if draft == "self":  # the draft's greedy windows are the target's own: every path of a step ran
@@ -92,11 +85,12 @@ def test_mirror_and_sd_equal_mlx_lm_greedy_in_every_family(pipelines, family, dr
 def test_a_one_token_prompt_keeps_the_draft():
     """A one-token prompt leaves the draft nothing to prefill; its windows still come, from the pending token."""
     target = tiny_model("llama_tied", seed=21)
-    pipe = Pipeline(target, _FakeTokenizer(VOCAB), MLXDraft(tiny_model("llama_tied", seed=21)))
+    pipe = Pipeline(target, FakeTokenizer(VOCAB), MLXDraft(tiny_model("llama_tied", seed=21)))
     try:
         for mode in ("mirror", "sd"):
             out = pipe.generate([7], max_tokens=8, mode=mode, stop=False)
-            assert out.tokens == mlx_greedy(target, [7], 8)  # lossless either way (ar after a dropped draft)
+            # lossless either way (ar after a dropped draft)
+            assert_lossless(out.tokens, reference_greedy(target, [7], 8))
             assert out.stats.draft_failure is None and out.stats.mode == mode, out.stats.draft_failure
     finally:
         pipe.close()
@@ -132,8 +126,8 @@ def recurrent_pipes():
                 old[-1].close()
             made.clear()
             target = tiny_model(family, seed=21)
-            refs = [mlx_greedy(target, p, R_TOKENS) for p in OPENINGS]
-            made[family] = (target, refs, Pipeline(target, _FakeTokenizer(VOCAB), MLXDraft(recurrent_draft(family))))
+            refs = [reference_greedy(target, p, R_TOKENS) for p in OPENINGS]
+            made[family] = (target, refs, Pipeline(target, FakeTokenizer(VOCAB), MLXDraft(recurrent_draft(family))))
         return made[family]
 
     yield get
@@ -156,8 +150,8 @@ def test_recurrent_families_equal_mlx_lm_greedy_in_every_mode(recurrent_pipes, f
             out = pipe.generate(prompt, max_tokens=R_TOKENS, mode=mode, kappa=kappa, gamma=gamma,
                                 exit_layer=exit_layer, stop=False)
             assert out.stats.mode == mode and out.stats.draft_failure is None, out.stats.draft_failure
-            assert out.tokens == ref, (f"{family} {mode} κ={kappa} γ={gamma} ℓe={exit_layer}: prompt {prompt} gave "
-                                       f"{out.tokens}, mlx-lm {ref}")
+            assert_lossless(out.tokens, ref, f"{family} {mode} κ={kappa} γ={gamma} ℓe={exit_layer}: "
+                                             f"prompt {prompt} gave {out.tokens}, mlx-lm {ref}")
             accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
         if mode != "ar" and gamma > 1 and family != "nemotron_h":  # windows cut inside: rollbacks at depths 1..γ-1
             # (nemotron_h's half draft draws its own head, so its windows are rejected at the first token)
@@ -170,7 +164,7 @@ def test_recurrent_families_seeded_sample_is_mode_invariant(recurrent_pipes, fam
     kw = dict(max_tokens=R_TOKENS, temperature=0.8, seed=3, stop=False, kappa=3, gamma=4, exit_layer=2)
     ar = pipe.generate(OPENINGS[1], mode="ar", **kw).tokens
     for mode in ("sd", "mirror"):
-        assert pipe.generate(OPENINGS[1], mode=mode, **kw).tokens == ar, (family, mode)
+        assert_lossless(pipe.generate(OPENINGS[1], mode=mode, **kw).tokens, ar, family, mode)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
@@ -188,7 +182,7 @@ def test_a_conversation_in_a_prompt_cache_equals_a_fresh_run(recurrent_pipes, fa
         history += turn
         out = pipe.generate(turn, prompt_cache=cache, max_tokens=R_TOKENS, mode="mirror", kappa=3, gamma=4,
                             exit_layer=2, stop=False)
-        assert out.tokens == mlx_greedy(target, history, R_TOKENS), (family, history)
+        assert_lossless(out.tokens, reference_greedy(target, history, R_TOKENS), (family, history))
         history += out.tokens
         cache.tokens = list(history)
         assert cache.length == len(history)
@@ -206,7 +200,7 @@ def test_the_prefix_cache_reuses_a_stored_recurrent_state_as_an_exact_prefix_onl
     def request(ids):
         held = prefix.restore(ids)
         out = pipe.generate(ids, **kw)
-        assert out.tokens == mlx_greedy(target, ids, R_TOKENS), ids
+        assert_lossless(out.tokens, reference_greedy(target, ids, R_TOKENS), ids)
         prefix.store()
         return held, out.tokens
 
@@ -231,21 +225,21 @@ def test_a_prompt_cache_file_of_a_recurrent_target_serves_every_mode(recurrent_p
         cache = prompt_cache.read(path)
         out = pipe.generate(rest, prompt_cache=cache, max_tokens=R_TOKENS, mode=mode, kappa=3, gamma=4,
                             exit_layer=2, stop=False)
-        assert out.tokens == mlx_greedy(target, ids + rest, R_TOKENS), (family, mode)
+        assert_lossless(out.tokens, reference_greedy(target, ids + rest, R_TOKENS), (family, mode))
         assert cache.length == len(ids) + len(rest) + R_TOKENS
 
 
 LOOKUP_PROMPTS = PROMPTS + [[5, 61, 2, 88, 13, 40, 9, 5, 61, 2, 88, 13, 40, 9, 5, 61]]  # the last repeats itself
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CACHE_FAMILIES)
 def test_the_lookup_alone_and_beside_a_draft_equals_mlx_lm_greedy(pipelines, family):
     """sd with the lookup alone (no draft model: no host), and sd and mirror with it beside the random draft,
     return mlx-lm's greedy tokens; its proposals were both accepted and rejected, and the draft still drafted
     where it had none."""
     refs, pipe = pipelines(family, "random")
-    refs = refs + [mlx_greedy(pipe.model, LOOKUP_PROMPTS[-1], TOKENS)]
-    alone = Pipeline(pipe.model, _FakeTokenizer(VOCAB), draftless="lookup")
+    refs = refs + [reference_greedy(pipe.model, LOOKUP_PROMPTS[-1], TOKENS)]
+    alone = Pipeline(pipe.model, FakeTokenizer(VOCAB), draftless="lookup")
     beside = dict(lookup=True, ngram_min=1)
     try:
         assert alone.engine.host is None
@@ -255,7 +249,8 @@ def test_the_lookup_alone_and_beside_a_draft_equals_mlx_lm_greedy(pipelines, fam
             cases = list(zip(LOOKUP_PROMPTS, refs))
             for prompt, ref in cases[-2:] if name == "in mirror" else cases:  # (mirror: the longest two, cheaper)
                 out = p.generate(prompt, max_tokens=TOKENS, gamma=4, stop=False, **kw)
-                assert out.tokens == ref, f"{family}, lookup {name}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}"
+                assert_lossless(out.tokens, ref,
+                                f"{family}, lookup {name}: prompt {prompt} gave {out.tokens}, mlx-lm {ref}")
                 assert out.stats.lookup and out.stats.draft_failure is None
                 total = out.stats if total is None else total + out.stats
             if name == "in mirror":  # (its lookup fills only the windows after a fallback: both paths in test_lookup.py)
@@ -277,11 +272,11 @@ def test_no_repeat_no_proposal():
     pipe = mirror_mlx.load(draft_model="lookup")  # the demo target: its stories do not loop like a random model
     try:
         prompt, n = pipe.encode("Once upon a time"), 10
-        ref = mlx_greedy(pipe.model, prompt, n)
+        ref = reference_greedy(pipe.model, prompt, n)
         text = prompt + ref[:-1]  # (the last token is never looked up from)
         assert len(set(zip(text, text[1:]))) == len(text) - 1, "the demo target repeats a bigram here"
         out = pipe.generate(prompt, max_tokens=n, mode="sd", ngram_min=2, stop=False)
-        assert out.tokens == ref
+        assert_lossless(out.tokens, ref)
         assert out.stats.lookup and out.stats.lookup_proposed == 0 and out.stats.target_forwards == n
     finally:
         pipe.close()

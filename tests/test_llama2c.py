@@ -7,11 +7,11 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 from mirror_mlx.cli import main
 from mirror_mlx.convert.llama2c import ImportError_, import_llama2c, read_checkpoint
 from tests.models import DRAFT_PATH, TARGET_PATH
+from tests.support import reference_greedy
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "models"
 # llama2.c's test_all.py: stories260K, greedy, 200 steps from BOS.
@@ -24,26 +24,22 @@ LLAMA2C_EXPECTED = (
 )
 
 
-def greedy(model, prompt, n):
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
 def test_demo_target_continues_once_upon_a_time_like_llama2c():
     model, tokenizer = load(str(TARGET_PATH))
     prompt = tokenizer.encode("Once upon a time")
     assert prompt == [1, 403, 407, 261, 378]
-    text = tokenizer.decode(greedy(model, prompt, 40))
+    text = tokenizer.decode(reference_greedy(model, prompt, 40))
     assert text == ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
 
 
 def test_demo_target_from_bos_reproduces_llama2c_test_output():
     model, tokenizer = load(str(TARGET_PATH))
-    assert tokenizer.decode(greedy(model, [1], 200)) == LLAMA2C_EXPECTED
+    assert tokenizer.decode(reference_greedy(model, [1], 200)) == LLAMA2C_EXPECTED
 
 
 def test_demo_draft_loads_and_is_coherent():
     model, tokenizer = load(str(DRAFT_PATH))
-    text = tokenizer.decode(greedy(model, tokenizer.encode("Once upon a time"), 20))
+    text = tokenizer.decode(reference_greedy(model, tokenizer.encode("Once upon a time"), 20))
     assert text.startswith(", there was a little girl named Lily.")
 
 

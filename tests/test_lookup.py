@@ -6,14 +6,13 @@ and beside a draft), test_seeded_sampling.py and test_sampling_whole.py (above t
 
 import random
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 import mirror_mlx
 from mirror_mlx.proposers.lookup import (NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN, ProposalRecord, Lookup, NgramIndex,
                                          best_length)
 from mirror_mlx.engine.stats import Stats
+from tests.support import assert_lossless, profile_row, reference_greedy
 
 
 # --- the rule --------------------------------------------------------------------------------------
@@ -193,11 +192,10 @@ def test_auto_with_lookup_beside_a_draft(pipes, tuned):
     lookup=True it runs the lookup beside the target alone (γ=8, n=3..1, as the lookup alone), no draft
     window at all, and says so; the tokens are mlx-lm's greedy ones, and a seeded sample is ar's."""
     from mirror_mlx.tune import profile as profiles
-    from tests.test_tune import row
 
     _, pair = pipes
-    table = [row("ar", None, 1.0, 10.0 if tuned == "ar" else 40.0), row("sd", 2, 1.6, 30.0),
-             row("sd", 4, 1.8, 35.0), row("mirror", 3, 2.3, 20.0, kappa=2, exit_layer=2)]
+    table = [profile_row("ar", None, 1.0, 10.0 if tuned == "ar" else 40.0), profile_row("sd", 2, 1.6, 30.0),
+             profile_row("sd", 4, 1.8, 35.0), profile_row("mirror", 3, 2.3, 20.0, kappa=2, exit_layer=2)]
     pair.auto.profile = profiles.Profile(key={}, mode=tuned, gamma=3 if tuned == "mirror" else None,
                                          kappa=2 if tuned == "mirror" else None, exit_layer=2, why="tuned",
                                          table=table)
@@ -210,13 +208,13 @@ def test_auto_with_lookup_beside_a_draft(pipes, tuned):
             assert (s.chosen_mode, s.gamma, s.lookup, s.draft_forwards, s.rollouts) == ("ar", 8, True, 0, 0), s.why
             assert s.why.startswith("auto with lookup: the lookup beside the target alone, gamma=8 (auto alone: ar")
             assert s.lookup_accepted > 0 and s.proposed == s.lookup_proposed, s.summary()
-            ref = [t for t, _ in generate_step(mx.array(pair.encode(SUMMARY)), pair.model, max_tokens=32)]
-            assert r.tokens == ref  # mlx-lm's own greedy tokens
+            ref = reference_greedy(pair.model, pair.encode(SUMMARY), 32)
+            assert_lossless(r.tokens, ref)  # mlx-lm's own greedy tokens
             sampled = pair.generate(SUMMARY, max_tokens=24, mode="auto", lookup=True, temperature=0.8, seed=7,
                                     stop=False)
             assert (sampled.stats.chosen_mode, sampled.stats.lookup) == ("ar", True) and sampled.stats.lookup_proposed
-            assert sampled.tokens == pair.generate(SUMMARY, max_tokens=24, mode="ar", temperature=0.8, seed=7,
-                                                   stop=False).tokens  # the target's own seeded sample
+            assert_lossless(sampled.tokens, pair.generate(SUMMARY, max_tokens=24, mode="ar", temperature=0.8, seed=7,
+                                                          stop=False).tokens)  # the target's own seeded sample
             assert pair.generate(SUMMARY, max_tokens=8, mode="auto", lookup=True, gamma=4).stats.gamma == 4
             index_n = pair.resolve(pair.plan(SUMMARY, max_tokens=8, mode="auto", lookup=True)).opts
             assert (index_n.ngram_max, index_n.ngram_min) == (3, 1)
@@ -260,7 +258,8 @@ def test_in_mirror_the_lookup_fills_windows_after_a_fallback(pipes):
     kw = dict(max_tokens=96, mode="mirror", kappa=1, gamma=3, exit_layer=2, branches=4, stop=False)
     ar = pair.generate(SUMMARY, max_tokens=96, mode="ar", stop=False).tokens
     plain, looked = pair.generate(SUMMARY, **kw), pair.generate(SUMMARY, lookup=True, **kw)
-    assert plain.tokens == looked.tokens == ar
+    assert_lossless(plain.tokens, ar, "without the lookup")
+    assert_lossless(looked.tokens, ar, "with the lookup")
     s = looked.stats
     assert s.lookup_accepted > 0 and s.lookup_rejections > 0 and s.lookup_windows <= s.fallbacks + 1, s.summary()
     assert s.rollouts < plain.stats.rollouts, (s.summary(), plain.stats.summary())
@@ -273,7 +272,8 @@ def test_windows_cut_or_whole_the_tokens_are_the_targets(pipes):
     ar = alone.generate(SUMMARY, max_tokens=96, mode="ar", stop=False)
     cut = alone.generate(SUMMARY, max_tokens=96, stop=False)
     whole = alone.generate(SUMMARY, max_tokens=96, stop=False, row_cost=0)
-    assert cut.tokens == whole.tokens == ar.tokens
+    assert_lossless(cut.tokens, ar.tokens, "cut")
+    assert_lossless(whole.tokens, ar.tokens, "whole")
     assert whole.stats.lookup_held == 0 and cut.stats.lookup_proposed < whole.stats.lookup_proposed
     assert cut.stats.lookup_held > 0 and f"(held back {cut.stats.lookup_held}x)" in cut.stats.summary()
     with pytest.raises(ValueError, match=r"row_cost must be \[0, 10\] \(got -1.0\): a verify's cost per row"):

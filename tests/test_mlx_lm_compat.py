@@ -18,14 +18,12 @@ from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tuner.utils import linear_to_lora_layers
-from mlx.utils import tree_flatten
 
 import mirror_mlx
 from mirror_mlx import mlx_lm_api
 from mirror_mlx.pipeline import load
 from mirror_mlx.engine.recurrent import held
-from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
+from tests.models import DRAFT_PATH, TARGET_PATH, lora_adapter, tiny_model
 
 SCRIPT = """
 from mlx_lm import load, stream_generate
@@ -393,21 +391,6 @@ def test_load_refuses_unknown_arguments_by_name(kwargs, name):
     for loader in (load, mirror_mlx.load):
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
             loader(**kwargs)
-
-
-def lora_adapter(folder):
-    """A small LoRA adapter for the demo target, as mlx_lm.lora writes it (random, so it changes the output)."""
-    model, _ = mlx_load(str(TARGET_PATH))
-    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
-    linear_to_lora_layers(model, 2, params)
-    mx.random.seed(0)
-    weights = {k: mx.random.normal(v.shape) * 0.5 for k, v in tree_flatten(model.trainable_parameters())
-               if k.endswith(("lora_a", "lora_b"))}
-    folder.mkdir()
-    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
-    (folder / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2,
-                                                             "lora_parameters": params}))
-    return folder
 
 
 def test_adapter_path_applies_lora_to_the_target_as_mlx_lm_does(tmp_path):

@@ -16,7 +16,6 @@ import pytest
 from mirror_mlx.engine.stats import Stats, Step
 from mirror_mlx.timeline import Steps, lanes
 from tests import browser
-from tests.test_server import running
 
 PROMPT, SECOND = "Once upon a time", "The dog barked."
 WHY_NOT = browser.missing()
@@ -24,11 +23,10 @@ needs_browser = pytest.mark.skipif(WHY_NOT is not None and not browser.must_run(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A real `mirror-mlx serve` of the demo pair, speculating (so the draft's lane has bars)."""
-    log = tmp_path_factory.mktemp("page") / "server.log"
-    with running(log, "--mode", "mirror", "--kappa", "8", "--gamma", "7") as (_, url):
-        yield url.removesuffix("/v1"), log
+def server(serve):
+    """A real `mirror-mlx serve` of the demo pair, speculating (so the draft's lane has bars): (base URL, log)."""
+    served = serve("--mode", "mirror", "--kappa", "8", "--gamma", "7")
+    return served.base, served.log
 
 
 @pytest.fixture(scope="module")

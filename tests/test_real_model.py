@@ -16,8 +16,8 @@ from mirror_mlx.chunks import Detokenizer
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.engine.stats import Stats, Step
 from tests.models import save_tiny_model
-from tests.test_families_lossless import mlx_greedy
-from tests.test_server import in_process
+from tests.support import assert_lossless, reference_greedy
+from tests.support.servers import in_process
 
 STRINGS = [
     "héllo wörld, naïve café, Ærøskøbing",
@@ -130,14 +130,14 @@ def test_every_mode_equals_mlx_lm_greedy_on_the_real_target(smollm2, tiny_with_r
     target, tokenizer = load(str(smollm2))
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                for p in PROMPTS]
-    refs = [mlx_greedy(target, p, 6) for p in prompts]
+    refs = [reference_greedy(target, p, 6) for p in prompts]
     pipe = Pipeline(target, tokenizer, DraftRecipe(mlx_draft, (str(tiny_with_real_tokenizer),)))
     try:
         for prompt, ref in zip(prompts, refs):
             for mode in ("ar", "sd", "mirror"):
                 out = pipe.generate(prompt, max_tokens=6, mode=mode, stop=False, **KNOBS)  # (no calibration)
                 assert out.stats.mode == mode and out.stats.draft_failure is None
-                assert out.tokens == ref, (mode, tokenizer.decode(out.tokens), tokenizer.decode(ref))
+                assert_lossless(out.tokens, ref, (mode, tokenizer.decode(out.tokens), tokenizer.decode(ref)))
     finally:
         pipe.close()
     assert tokenizer.decode(refs[0]).startswith("The capital of France is Paris")

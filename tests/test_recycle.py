@@ -12,25 +12,20 @@ seeded sample is the same tokens as ar's.
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from mirror_mlx.engine import tree as trees
 from mirror_mlx.engine.model_parts import trimmable_cache
 from mirror_mlx.pipeline import Pipeline
 from mirror_mlx.proposers.recycle import Recycled, verify_cost
 from tests.models import CONFIGS, tiny_model
-from tests.test_engine import _FakeTokenizer
-from tests.test_sampling_whole import PROMPT as SMALL_PROMPT
-from tests.test_sampling_whole import SHAPE, SEEDED_P, V, conditional_test, processed_probs, rows_in_step
+from tests.support import assert_lossless, FakeTokenizer, reference_greedy
+from tests.support.whole_sampling import PROMPT as SMALL_PROMPT
+from tests.support.whole_sampling import SHAPE, SEEDED_P, V, conditional_test, processed_probs, rows_in_step
 
 VOCAB = CONFIGS["llama_tied"]["vocab_size"]
 PROMPTS = [[7, 30], [5, 61, 2, 88, 13, 40], [90, 3, 3, 17, 52, 8, 71, 29, 64, 11, 6]]
 TOKENS = 40
 FAMILIES = ["gemma3_text", "llama_tied", "mistral", "qwen2", "qwen3"]  # gemma3: sliding windows of 4 tokens
-
-
-def mlx_greedy(model, prompt: list[int], n: int) -> list[int]:
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def two_branches() -> trees.Tree:
@@ -88,8 +83,8 @@ def pipes():
                 old[-1].close()
             made.clear()
             target = tiny_model(family, seed=21)
-            made[family] = ([mlx_greedy(target, p, TOKENS) for p in PROMPTS],
-                            Pipeline(target, _FakeTokenizer(VOCAB), draftless="recycle"))
+            made[family] = ([reference_greedy(target, p, TOKENS) for p in PROMPTS],
+                            Pipeline(target, FakeTokenizer(VOCAB), draftless="recycle"))
         return made[family]
 
     yield get
@@ -105,7 +100,7 @@ def test_the_recycled_tree_equals_mlx_lm_greedy_in_every_family(pipes, family):
         for lookup in (False, True):
             for prompt, ref in zip(PROMPTS, refs):
                 out = pipe.generate(prompt, max_tokens=TOKENS, stop=False, row_cost=row_cost, lookup=lookup)
-                assert out.tokens == ref, (row_cost, lookup, prompt)
+                assert_lossless(out.tokens, ref, (row_cost, lookup, prompt))
                 s = out.stats
                 assert s.mode == "sd" and s.recycle == "tree" and s.lookup == lookup
                 assert lookup or s.lookup_proposed == 0
@@ -123,13 +118,13 @@ def test_the_table_lasts_the_pipeline_and_large_trees_accept_more(pipes):
 
 def test_a_recurrent_target_verifies_one_path_and_says_so(capfd):
     target = tiny_model("qwen3_next", seed=21)
-    pipe = Pipeline(target, _FakeTokenizer(VOCAB), draftless="recycle")
+    pipe = Pipeline(target, FakeTokenizer(VOCAB), draftless="recycle")
     try:
         assert "takes no tree" in capfd.readouterr().err
         for prompt in PROMPTS:
             for row_cost in (0.0, None):
                 out = pipe.generate(prompt, max_tokens=24, stop=False, row_cost=row_cost, lookup=True)
-                assert out.tokens == mlx_greedy(target, prompt, 24)
+                assert_lossless(out.tokens, reference_greedy(target, prompt, 24))
                 assert out.stats.recycle.startswith("one path: this qwen3_next model takes no tree")
             assert row_cost is None or out.stats.proposed > 0  # chains of rank-0 candidates were verified
     finally:
@@ -165,7 +160,7 @@ def test_what_the_walks_saw_sets_the_shape():
 
 
 def test_a_recycled_draft_runs_in_sd_only():
-    pipe = Pipeline(tiny_model("llama_tied", seed=21), _FakeTokenizer(VOCAB), draftless="recycle")
+    pipe = Pipeline(tiny_model("llama_tied", seed=21), FakeTokenizer(VOCAB), draftless="recycle")
     try:
         with pytest.raises(ValueError, match="needs a draft model.*the recycle draft runs in"):
             pipe.generate(PROMPTS[0], max_tokens=4, mode="mirror")
@@ -177,7 +172,7 @@ def test_a_recycled_draft_runs_in_sd_only():
 @pytest.fixture(scope="module")
 def small_pair():
     target = tiny_model("llama_tied", seed=11, **SHAPE)
-    pipe = Pipeline(target, _FakeTokenizer(V), draftless="recycle")
+    pipe = Pipeline(target, FakeTokenizer(V), draftless="recycle")
     yield target, pipe
     pipe.close()
 
@@ -188,7 +183,8 @@ def test_a_seeded_sample_through_trees_is_ar_s_sample(small_pair):
         ar = pipe.generate(SMALL_PROMPT, max_tokens=20, seed=seed, mode="ar", stop=False, temperature=1.0)
         tree = pipe.generate(SMALL_PROMPT, max_tokens=20, seed=seed, stop=False, temperature=1.0, row_cost=0.0,
                              lookup=False)
-        assert tree.tokens == ar.tokens and tree.stats.accepted > 0
+        assert_lossless(tree.tokens, ar.tokens)
+        assert tree.stats.accepted > 0
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, repetition_penalty=1.5, top_k=5)],

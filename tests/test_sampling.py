@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 from mirror_mlx.drafts.recipes import DraftRecipe, mlx_draft
 from mirror_mlx.pipeline import Pipeline
 from tests.models import save_tiny_model, tiny_model
-from tests.test_engine import _FakeTokenizer
+from tests.support import FakeTokenizer
 
 V = 8
 PROMPT = [3, 1, 4]
@@ -42,7 +42,7 @@ def pair(tmp_path_factory):
                         num_key_value_heads=2, head_dim=16, num_hidden_layers=4)
     draft = save_tiny_model(tmp_path_factory.mktemp("draft"), "llama_tied", seed=12, vocab_size=V, hidden_size=32,
                             num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
-    pipe = Pipeline(target, _FakeTokenizer(V), DraftRecipe(mlx_draft, (str(draft),)))
+    pipe = Pipeline(target, FakeTokenizer(V), DraftRecipe(mlx_draft, (str(draft),)))
     assert pipe.engine.host.process
     yield target, pipe
     pipe.close()

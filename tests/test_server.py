@@ -1,13 +1,9 @@
 """`mirror-mlx serve`: a real server in a subprocess on a free loopback port, talked to with the
 real `openai` client (and raw HTTP where a client would refuse to send the request)."""
 
-import contextlib
-import io
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,91 +14,26 @@ import openai
 import pytest
 
 import mirror_mlx
-from mirror_mlx.server import Server, StopText
+from mirror_mlx.server import StopText
 from tests import leaks
 from tests.models import templated_target
+from tests.support.processes import children, orphans
+from tests.support.servers import health, in_process, running
 
 PROMPT = "Once upon a time"
 USER = [{"role": "user", "content": PROMPT}]
 
 
-def start_server(log: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """`python -m mirror_mlx serve --port 0` with the demo pair; returns it and its base URL. The log
-    names each shared-memory segment the server makes (`leaks.made_in`)."""
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mirror_mlx", "serve", "--port", "0", *args],
-                            stdout=out, stderr=out, start_new_session=True, env=dict(os.environ, **{leaks.TRACE_ENV: "1"}))
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if " on http://" in line:
-                return proc, line.split(" on ")[1].split()[0]
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited: {log.read_text()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"the server did not start: {log.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
-    proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        raise
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """The server and what it started (its draft host, the resource tracker: its session), whatever a test
-    did: a teardown always leaves nothing running."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # (start_new_session: the group is the server's pid)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-@contextlib.contextmanager
-def running(log: Path, *args: str):
-    """A server for the block; stopped (and its whole session killed) however the block ends."""
-    proc, url = start_server(log, *args)
-    try:
-        yield proc, url
-    finally:
-        kill_group(proc)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    # one request at a time here (the queue and its 429); the batch regime: tests/test_server_batch.py
-    with running(log, "--max-queue", "1", "--decode-concurrency", "1") as (proc, url):
-        yield url, log
-        assert stop_server(proc, signal.SIGINT) == 0, log.read_text()  # Ctrl-C; SIGTERM mid-stream is below
-        assert log.read_text().rstrip().endswith("stopped")
-        made = leaks.made_in(log.read_text())
-        assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0], api_key="none", max_retries=0, timeout=60)
+def server(serve):
+    # one request at a time here (the queue and its 429); the batch regime: tests/test_server_batch.py.
+    # Stopped with Ctrl-C at the end (conftest.serve checks it ends cleanly); SIGTERM mid-stream is below
+    return serve("--max-queue", "1", "--decode-concurrency", "1")
 
 
 @pytest.fixture(scope="module")
 def model(client):
     return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    p = mirror_mlx.load()
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +48,6 @@ def ref(pipe):
         return done[key]
 
     return text
-
-
-def health(url: str) -> dict:
-    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
-        return json.loads(r.read())
 
 
 def post(url: str, raw: bytes) -> tuple[int, dict]:
@@ -388,22 +314,6 @@ def test_queue_full_is_429_with_retry_after(server, client, model, ref):
     assert waited["text"] == ref("The dog", 24)
 
 
-@contextlib.contextmanager
-def in_process(pipe, mode: str = "mirror"):
-    """The same Server on a thread of this process (to reach inside the engine); yields (server, client)."""
-    defaults = {"mode": mode, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "kappa": 8, "gamma": 7}
-    server = Server(("127.0.0.1", 0), pipe, "stories260K", defaults, log=io.StringIO())
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    try:
-        yield server, openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-    finally:
-        server.stop()
-        thread.join(10)
-        server.server_close()
-
-
 def test_chat_template_is_applied_and_turns_stay_cached(tmp_path):
     """A target with a chat template: the prompt is the rendered conversation, and the second turn
     prefills only what follows the first turn's prompt and reply."""
@@ -469,48 +379,6 @@ def test_a_request_is_checked_once(pipe, monkeypatch):
 
 
 # --- shutdown ---------------------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    if not Path("/proc").is_dir():  # macOS
-        ps = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-        return [int(p) for p in ps.stdout.split()]
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def alive(pids: list[int]) -> list[int]:
-    """Those of `pids` still running (a zombie counts as ended)."""
-    out = []
-    for p in pids:
-        try:
-            os.kill(p, 0)
-        except ProcessLookupError:
-            continue
-        stat = Path(f"/proc/{p}/stat")
-        try:
-            if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-        except OSError:
-            continue
-        out.append(p)
-    return out
-
-
-def orphans(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Those of `pids` still running after up to `timeout` s (multiprocessing's resource tracker exits once
-    it sees its parent go)."""
-    deadline = time.monotonic() + timeout
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive(pids)
 
 
 def test_sigterm_mid_stream_shuts_down_cleanly(tmp_path):

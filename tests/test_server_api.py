@@ -21,24 +21,9 @@ import mirror_mlx
 import mirror_mlx.text
 from mirror_mlx.mlx_lm_api import stream_generate
 from mirror_mlx.server import Server, ToolText, origin_allowed
-from tests.models import DEMO, TARGET_PATH
-from tests.test_server import pipe  # noqa: F401  (a fixture: the demo pair, once per module)
+from tests.models import CALL, TARGET_PATH, TOOL_TEMPLATE, WEATHER
 
 PROMPT = "Once upon a time"
-TOOL_TEMPLATE = (  # a Qwen-like chat template with tools: mlx-lm recognizes its <tool_call> markers (json_tools)
-    "{{ bos_token }}{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
-    "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}"
-    "{% for tool_call in m.tool_calls or [] %}{% if tool_call.function is defined %}"
-    "{% set tool_call = tool_call.function %}{% endif %}"
-    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>"
-    "{% endfor %}{{ eos_token }}\n{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}")
-CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                             "parameters": {"type": "object",
-                                                            "properties": {"city": {"type": "string"}}}}}]
-
-
 class Force:
     """A logits processor that makes the target write `ids` then end (what a model that calls tools does)."""
 

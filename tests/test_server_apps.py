@@ -11,6 +11,7 @@ Qwen-like chat template whose `<tool_call>` markers mlx-lm recognizes (json_tool
 
 import json
 import shutil
+import signal
 import urllib.error
 import urllib.request
 
@@ -25,9 +26,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer, save_config, save_model
 
 from tests import leaks
-from tests.models import CONFIGS, DRAFT_PATH, TARGET_PATH, tiny_model
-from tests.test_server import running, stop_server
-from tests.test_server_api import CALL, TOOL_TEMPLATE, WEATHER
+from tests.models import CALL, CONFIGS, DRAFT_PATH, TARGET_PATH, TOOL_TEMPLATE, WEATHER, tiny_model
+from tests.support import reference_greedy
+from tests.support.servers import client, running, stop_server
 
 PROMPT = "Once upon a time"
 ASK = [{"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}]
@@ -58,15 +59,6 @@ def rendered(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(out, tools=WEATHER, add_generation_prompt=True))
 
 
-def greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
-    out = []
-    for (token, _), _ in zip(generate_step(mx.array(ids), model), range(n)):
-        out.append(int(token))
-        if out[-1] == eos:
-            break
-    return out
-
-
 def train_tool_target(folder, steps: int = 80, seed: int = 0):
     """The tool-calling target: TOOL_MODEL memorizes each (prompt, reply + EOS) with Adam, loss on the
     reply only; saved as an mlx-lm folder with the demo tokenizer and TOOL_TEMPLATE."""
@@ -95,7 +87,8 @@ def train_tool_target(folder, steps: int = 80, seed: int = 0):
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state)
     for p, a in pairs:  # it learned its lines (else the server's test below would say nothing)
-        assert greedy(model, p, len(a) + 2, eos) == a, "the tool-calling test model did not memorize its replies"
+        assert reference_greedy(model, p, len(a) + 2, eos=(eos,)) == a, \
+            "the tool-calling test model did not memorize its replies"
     save_model(folder, model)
     save_config(dict(TOOL_MODEL), folder / "config.json")
     return folder, tok, pairs
@@ -114,14 +107,11 @@ def tool_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    """The demo pair; mirror with fixed knobs by default (auto would calibrate first)."""
-    log = tmp_path_factory.mktemp("demo-serve") / "server.log"
-    with running(log, "--mode", "mirror", "--kappa", "4", "--gamma", "3") as (proc, url):
-        yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60), url, log
-        assert stop_server(proc) == 0
-        made = leaks.made_in(log.read_text())
-        assert made and leaks.wait_unlinked(made) == [], "the server left a shared-memory segment behind"
+def demo_server(serve):
+    """The demo pair; mirror with fixed knobs by default (auto would calibrate first): (a client, the URL, the log).
+    Stopped with SIGTERM at the end (conftest.serve checks it ends cleanly, leaving no shared memory)."""
+    served = serve("--mode", "mirror", "--kappa", "4", "--gamma", "3", stop=signal.SIGTERM)
+    return client(served.url), served.url, served.log
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +217,7 @@ def test_a_repeated_prefix_and_one_from_two_conversations_earlier_report_cached_
     # what the stored cache gave is the target's own greedy text
     ids = tok.encode(DOC) + tok.encode("Who landed on its head?", add_special_tokens=False)
     assert last.usage.prompt_tokens == len(ids)
-    assert last.choices[0].message.content == tok.decode(greedy(model, ids, 8, tok.eos_token_id))
+    assert last.choices[0].message.content == tok.decode(reference_greedy(model, ids, 8, eos=(tok.eos_token_id,)))
     assert "prefix cache: the target started from a stored cache" in demo_server[2].read_text()
 
 

@@ -3,30 +3,21 @@ mlx-lm's BatchGenerator, joining and leaving at step boundaries, each with the t
 A real server in a subprocess (the demo pair, speculating: mode mirror), the real `openai` client;
 /health and each reply's x_mirror say which regime ran, so every test sees that the batch happened."""
 
+import signal
 import threading
-import time
 
 import openai
 import pytest
 
-from tests.test_server import health, running, stop_server
+from tests.support.servers import SPECULATE, health, rest, running, stop_server, stream_first, wait_for
 
 PROMPTS = ["Once upon a time", "The dog barked.", "Tom and Lily", "One day, a little bird"]
-SPECULATE = ("--mode", "mirror", "--kappa", "4", "--gamma", "4")  # (knobs given: no calibration at start)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve-batch") / "server.log"
-    with running(log, *SPECULATE) as (proc, url):
-        yield url, log
-        assert stop_server(proc) == 0, log.read_text()[-3000:]
-        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server[0], api_key="none", max_retries=0, timeout=120)
+def server(serve):
+    """Speculating (mode mirror, knobs given); stopped with SIGTERM at the end (conftest.serve checks how)."""
+    return serve(*SPECULATE, stop=signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")
@@ -45,28 +36,6 @@ def alone(client):
         return done[key]
 
     return text
-
-
-def wait_for(predicate, log, timeout: float = 30.0) -> None:
-    """Polls until `predicate` holds; on a timeout the server's log says what its scheduler decided instead."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out; the server's log ends:\n" + log.read_text()[-3000:]
-        time.sleep(0.02)
-
-
-def stream_first(client, prompt: str, max_tokens: int, **extra):
-    """A streamed completion that has started decoding: (the stream, the text of its first event)."""
-    stream = client.completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens, stream=True, **extra)
-    return stream, next(iter(stream)).choices[0].text
-
-
-def rest(events, parts: list[str]) -> tuple[str, dict]:
-    last = None
-    for e in events:
-        parts.append(e.choices[0].text if e.choices else "")
-        last = e
-    return "".join(parts), last.model_extra["x_mirror"]
 
 
 def test_concurrent_requests_are_batched_and_equal_their_texts_alone(server, client, alone):

@@ -5,6 +5,7 @@ lengths join and leave mid-batch; a request arriving during a speculating batch 
 temperature 0 a row in a busy batch follows the target's distribution (the whole-generation test of
 tests/test_sampling_whole.py); the width choice follows given costs."""
 
+import signal
 import threading
 
 import mlx.core as mx
@@ -20,14 +21,19 @@ from mirror_mlx.options import DecodeOptions
 from mirror_mlx.engine.sampling import row_sampler
 from mirror_mlx.server.spec_batch import SpecBatch, VerifyCost, choose_width, supports
 from tests.models import tiny_model
-from tests.test_sampling_whole import KNOBS, PROMPT, SHAPE, V, conditional_test, processed_probs, rows_in_step
-from tests.test_server import health, running, stop_server
-from tests.test_server_batch import SPECULATE, client, rest, server, stream_first, wait_for  # noqa: F401 (fixtures)
+from tests.support.servers import SPECULATE, health, rest, running, stop_server, stream_first, wait_for
+from tests.support.whole_sampling import KNOBS, PROMPT, SHAPE, V, conditional_test, processed_probs, rows_in_step
 
 STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
 PROMPTS = [STORY * 3 + "Once upon a time", "The dog barked. " * 4 + "The dog", STORY + "One day,",
            "Tom and Lily went to the park. Tom and Lily"]
 LENGTHS = [120, 60, 90, 40]  # different lengths: rows leave the batch at different steps
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    """The batch tests' server (tests/test_server_batch.py): speculating, stopped with SIGTERM at the end."""
+    return serve(*SPECULATE, stop=signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")

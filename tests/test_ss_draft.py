@@ -285,7 +285,7 @@ def test_a_jsonl_corpus_distils_the_targets_replies_to_chats(tmp_path):
     import json as json_
 
     from mlx_lm import load as mlx_load
-    from mlx_lm.generate import generate_step
+    from tests.support import reference_greedy
 
     from tests.models import templated_target
 
@@ -304,7 +304,7 @@ def test_a_jsonl_corpus_distils_the_targets_replies_to_chats(tmp_path):
     rendered = {tuple(tok.apply_chat_template(x["messages"][:1], add_generation_prompt=True)) for x in lines[2:]}
     for row, start in zip(data["tokens"][:3], data["start"][:3]):
         assert tuple(row[:start]) in rendered  # a training conversation (the first 2 are held out), whole
-        reply = [t for t, _ in generate_step(mx.array(row[:start]), model, max_tokens=len(row) - start)]
+        reply = reference_greedy(model, row[:start], len(row) - start)
         assert list(row[start:]) == reply
     with pytest.raises(TrainError, match="line 2 is not a chat"):
         chats.write_text(json_.dumps(lines[0]) + "\n" + '{"text": "no messages"}\n')

@@ -1,36 +1,13 @@
 """The early-exit target: one forward, two logits, exactly what the model itself computes."""
 
-import copy
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache, trim_prompt_cache
 
-from mirror_mlx.engine.model_parts import text_model, trimmable_cache
+from mirror_mlx.engine.model_parts import trimmable_cache
 from mirror_mlx.engine.target import EarlyExitTarget, top_k
 from tests.models import CONFIGS, demo_target, tiny_model
-
-
-def truncated(model, n_layers):
-    """Oracle: the same weights with only the first n_layers blocks."""
-    m = copy.deepcopy(model)
-    inner = text_model(m).model
-    inner.layers = inner.layers[:n_layers]
-    if hasattr(inner, "end_idx"):
-        inner.end_idx = n_layers
-    return m
-
-
-def check_two_logits(model, tokens, exit_layer):
-    oracle_early = truncated(model, exit_layer)(tokens)
-    oracle_final = model(tokens)
-    target = EarlyExitTarget(model, exit_layer)
-    early, final = target.forward(tokens, trimmable_cache(target.model))
-    mx.eval(early)
-    mx.eval(final)
-    assert mx.array_equal(early, oracle_early), f"early logits differ at exit layer {exit_layer}"
-    assert mx.array_equal(final, oracle_final)
-    target.remove()
+from tests.support import check_two_logits
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
