@@ -1,7 +1,10 @@
 """The Speculative-Streaming draft: mask, cache, save/load, training, rollout, bad input."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -309,3 +312,13 @@ def test_a_jsonl_corpus_distils_the_targets_replies_to_chats(tmp_path):
     with pytest.raises(TrainError, match="line 2 is not a chat"):
         chats.write_text(json_.dumps(lines[0]) + "\n" + '{"text": "no messages"}\n')
         train(cfg, progress=False)
+
+
+def test_loading_an_ss_draft_prints_no_warning_about_its_model_type():
+    """transformers does not know `ss_llama` and says so when the tokenizer is read; the tokenizer is plain.
+    (A library user's process: without the command line's TRANSFORMERS_VERBOSITY.)"""
+    script = f"from mirror_mlx.loading import load_model; load_model({str(SS_DEMO)!r})"
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "to instantiate a model of type" not in out.stderr, out.stderr

@@ -1,6 +1,7 @@
 """The one check of a draft's tokenizer against the target's: the draft's loaded as mlx_lm.load loads a model's,
 its ids compared, and special ids that differ said once (the target's decide)."""
 
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
@@ -16,7 +17,18 @@ def folder_tokenizer(folder: Union[str, Path]) -> "TokenizerWrapper":
     config.json's (generation_config.json's where it names them, as mlx_lm.utils.load_config reads
     them) plus the tokenizer's own, so a draft compares like with like against a loaded target."""
     folder = Path(folder)
-    return load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
+    # transformers reads config.json for the tokenizer and warns that it does not know our draft's model
+    # type (ss_llama, mirror_distilled); the tokenizer is a plain one, so that warning is dropped here only
+    configs = logging.getLogger("transformers.configuration_utils")
+    configs.addFilter(_not_a_model_type_warning)
+    try:
+        return load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
+    finally:
+        configs.removeFilter(_not_a_model_type_warning)
+
+
+def _not_a_model_type_warning(record: logging.LogRecord) -> bool:
+    return "to instantiate a model of type" not in record.getMessage()
 
 
 def tokenizer_mismatch(target_tok: "TokenizerWrapper", draft_tok: "TokenizerWrapper") -> Optional[str]:
