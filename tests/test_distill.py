@@ -93,6 +93,27 @@ def test_replies_kept_as_ids_restore_with_the_teacher_logits_recomputed(tmp_path
     assert again["restored"] == 0  # resumable: only what is missing
 
 
+def test_a_new_machine_goes_on_past_the_packed_ids_and_the_file_only_grows(tmp_path, target):
+    """A machine with only the repository's ids file generates what the file lacks (not what it holds), and
+    packing its cache into the same file keeps the replies that came from the first machine."""
+    model, tok = target
+    first = distill.generate_data(data_cfg(tmp_path / "first"), progress=False, log=lambda s: None, stop_after_s=0,
+                                  model=model, tokenizer=tok)
+    ids = tmp_path / "ids.npz"
+    distill_data.pack_ids(tmp_path / "first", ids)
+    second = distill.generate_data(data_cfg(tmp_path / "second", ids=str(ids)), progress=False, log=lambda s: None,
+                                   model=model, tokenizer=tok)
+    whole = distill.generate_data(data_cfg(tmp_path / "whole"), progress=False, log=lambda s: None,
+                                  model=model, tokenizer=tok)
+    assert first["made"] + second["made"] == whole["made"]
+    assert not set(files(tmp_path / "first")) & set(files(tmp_path / "second"))
+    grown = distill_data.pack_ids(tmp_path / "second", ids)
+    assert grown["replies"] == whole["made"] and grown["kept_from_file"] == first["made"]
+    everything = {k: (p.tolist(), r.tolist()) for k, p, r in distill_data.unpack_ids(ids)}
+    made = files(tmp_path / "whole")
+    assert everything == {name[:-4]: (a["prompt"], a["reply"]) for name, a in made.items()}
+
+
 def test_greedy_batch_reply_matches_one_row(target):
     model, tok = target
     prompts = [distill_data.render(tok, t) for t in ("Once upon a time there was", "Hi")]

@@ -40,11 +40,13 @@ def distill_cmd() -> None:
 @click.option("--tinystories", type=int, default=DataConfig.tinystories, show_default=True,
               help="TinyStories openings (training part of the corpus) asked for a story.")
 @click.option("--minutes", type=float, default=None, help="Stop after this long (run again to go on).")
-def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes) -> None:
+@click.option("--ids", "ids", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A file `distill pack` wrote: its replies count as made, so another machine's work is not redone.")
+def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes, ids) -> None:
     """Generate (or go on generating) the target's replies: every reply is saved as it is made, so a killed
     run continues where it stopped."""
     cfg = DataConfig(target=model, data_dir=data_dir, max_tokens=max_tokens, batch_size=batch_size, rounds=rounds,
-                     tinystories=tinystories)
+                     tinystories=tinystories, ids=ids)
     r = generate_data(cfg, log=lambda s: click.echo(s, err=True),
                       stop_after_s=None if minutes is None else minutes * 60)
     click.echo(json.dumps(r))
@@ -56,7 +58,8 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The ids file to write (.npz).")
 def pack_cmd(model, data_dir, out) -> None:
     """Keep the cached replies as token ids only, in one compact file a repository can hold: another machine
-    restores the cache from it (`distill restore`) instead of generating again."""
+    restores the cache from it (`distill restore`) or goes on generating past it (`distill data --ids`). An
+    existing file's replies the cache lacks are kept."""
     click.echo(json.dumps(pack_ids(data_root(model, data_dir), Path(out))))
 
 

@@ -85,16 +85,18 @@ def round_variants(r: int) -> tuple:
 
 def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] = SOURCES,
              prompts: Optional[dict] = None) -> list[list[Job]]:
-    """Phases in the order they are worth generating: the evaluation replies (greedy), then the training
-    sources round by round (round 0: greedy, T=0.7 and T=1.0; later rounds: new samples at both).
+    """Phases in the order they are worth generating: the evaluation replies (greedy), then the chat training
+    sources round by round (round 0: greedy, T=0.7 and T=1.0; later rounds: new samples at both), then the
+    TinyStories openings round by round.
     `prompts` ({source: [user message, ...]}) replaces the packaged prompts (tests, custom sets)."""
     prompts = prompts if prompts is not None else {s: source_prompts(s, tinystories_n) for s in sources}
     phases = [[Job("eval", i, t, 0.0, 0) for i, t in enumerate(prompts.get("eval", []))]]
-    train = [s for s in prompts if s != "eval"]
-    for r in range(rounds + 1):
-        for s in train:
-            phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s])
-                           for temp, seed in round_variants(r)])
+    chat = [s for s in prompts if s not in ("eval", "tinystories")]
+    for group in (chat, [s for s in prompts if s == "tinystories"]):  # stories are furthest from chat: last
+        for r in range(rounds + 1):
+            for s in group:
+                phases.append([Job(s, i, t, temp, seed) for i, t in enumerate(prompts[s])
+                               for temp, seed in round_variants(r)])
     return [p for p in phases if p]
 
 
@@ -199,6 +201,7 @@ class DataConfig:
     tinystories: int = 1000
     sources: tuple = SOURCES
     prompts: Optional[dict] = None  # {source: [user message, ...]} instead of the packaged sources
+    ids: Optional[str] = None  # a `pack_ids` file: its replies count as made (another machine made them)
 
 
 def data_root(target: str, data_dir: Optional[str] = None) -> Path:
@@ -216,11 +219,13 @@ def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], N
     settings = {k: v for k, v in asdict(cfg).items() if k != "prompts"}
     (root / "data.json").write_text(json.dumps(settings, indent=2, default=list))
     eos = eos_ids(tokenizer)
-    phases = [[j for j in phase if not (replies / f"{j.key}.npz").exists()]
+    packed = {key for key, _, _ in unpack_ids(Path(cfg.ids))} if cfg.ids else set()
+    phases = [[j for j in phase if j.key not in packed and not (replies / f"{j.key}.npz").exists()]
               for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts)]
     phases = [p for p in phases if p]
     total = sum(len(p) for p in phases)
-    log(f"distill data: {root} ({total} replies to generate)")
+    log(f"distill data: {root} ({total} replies to generate" + (f"; {len(packed)} packed in {cfg.ids} count as made)"
+                                                                if cfg.ids else ")"))
     t0, made, tokens = time.time(), 0, 0
     bar = tqdm(total=total, desc="target replies", unit="reply", disable=not progress, smoothing=0.05)
     for phase in phases:
@@ -282,14 +287,24 @@ def read_reply_files(root: Path, sources: Sequence[str], limit_tokens: Optional[
 def pack_ids(root: Path, out: Path) -> dict:
     """Every cached reply of `root` as token ids only, in one compact file (uint16 where the vocabulary fits,
     else int32; prompts stored once per distinct prompt): what a repository keeps so another machine resumes.
+    Replies an existing `out` holds and the cache lacks are kept, so the file only grows across machines.
     The teacher's top-K logits are not kept: `restore_ids` recomputes them by batched prefill."""
     files = sorted(p for p in (Path(root) / "replies").glob("*.npz") if not p.name.endswith(".tmp.npz"))
-    keys, prompt_of, replies = [], [], []
-    prompts: dict[tuple[int, ...], int] = {}  # a prompt → its index
+    entries: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
     for p in files:
         with np.load(p) as z:
-            prompt, reply = tuple(int(t) for t in z["prompt"]), z["reply"].astype(np.int64)
-        keys.append(p.stem)
+            entries[p.stem] = tuple(int(t) for t in z["prompt"]), z["reply"].astype(np.int64)
+    kept = 0
+    if Path(out).exists():
+        for key, prompt_ids, reply_ids in unpack_ids(Path(out)):
+            if key not in entries:
+                entries[key] = tuple(int(t) for t in prompt_ids), reply_ids.astype(np.int64)
+                kept += 1
+    keys, prompt_of, replies = [], [], []
+    prompts: dict[tuple[int, ...], int] = {}  # a prompt → its index
+    for key in sorted(entries):
+        prompt, reply = entries[key]
+        keys.append(key)
         prompt_of.append(prompts.setdefault(prompt, len(prompts)))
         replies.append(reply)
     flat_prompts = [np.array(p, np.int64) for p in prompts]
@@ -307,7 +322,8 @@ def pack_ids(root: Path, out: Path) -> dict:
     np.savez_compressed(tmp, keys=np.array(keys), prompt_ids=p_ids, prompt_offsets=p_off,
                         reply_prompt=np.array(prompt_of, np.int32), reply_ids=r_ids, reply_offsets=r_off)
     os.replace(tmp, out)
-    return {"replies": len(keys), "prompts": len(prompts), "reply_tokens": int(len(r_ids)), "bytes": out.stat().st_size}
+    return {"replies": len(keys), "kept_from_file": kept, "prompts": len(prompts), "reply_tokens": int(len(r_ids)),
+            "bytes": out.stat().st_size}
 
 
 def unpack_ids(path: Path) -> list[tuple[str, np.ndarray, np.ndarray]]:
