@@ -205,9 +205,11 @@ class Pipeline:
             return plan
         self._check_not_iterating()
         opts, run = resolve(plan.asked, plan.opts, self.profile, self.auto, self.facts())
-        opts = replace(opts, proposer=self.proposing.kind(opts.mode, opts.lookup))  # named once, for the engine
+        # named once, for the engine: auto's choice of the recycled tree names it already
+        kind = opts.proposer or self.auto.proposer_forced or self.proposing.kind(opts.mode, opts.lookup)
+        opts = replace(opts, proposer=kind)
         # windows, trees: at the measured verify
-        if (opts.lookup or self.proposing.named == RECYCLE) and opts.row_cost is None:
+        if (opts.lookup or kind == RECYCLE) and opts.row_cost is None:
             opts = replace(opts, row_cost=row_cost(self.auto.profile))
         return replace(plan, opts=opts, run=run, resolved=True)
 

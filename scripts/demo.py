@@ -107,15 +107,15 @@ def one_line(target: Path, draft: Path, adapters: list[Path], prompt: str, openi
         texts: dict[str, list] = {}
         totals: dict[str, Stats] = {}
         knobs: dict[str, dict] = {}
-        for opening in openings:  # the modes interleaved, so the machine's drift reaches each alike
+        ids = [pipe.encode(o) for o in openings]  # every mode and mlx-lm on the same ids (a chat model's template)
+        for prompt_ids in ids:  # the modes interleaved, so the machine's drift reaches each alike
             for mode in ("auto", "ar", "sd", "mirror"):  # explicit modes: the profile's best knobs for each
-                r = pipe.generate(opening, max_tokens=max_tokens, mode=mode, stop=False)  # max_tokens each, as mlx_sd
+                r = pipe.generate(prompt_ids, max_tokens=max_tokens, mode=mode, stop=False)  # max_tokens each, as mlx_sd
                 texts.setdefault(mode, []).append(r.tokens)
                 totals[mode] = totals.get(mode, Stats()) + r.stats
                 knobs[mode] = knobs_run(r.stats, mode)
                 if mode == "auto":
                     auto_stats = r.stats
-        ids = [pipe.encode(o) for o in openings]  # mlx-lm drives the draft (an SS draft's main rows)
         sweep = best_mlx_sd(pipe.model, mlx_draft(pipe), ids, max_tokens, ks=MLX_SD_KS)
         rate = {k: sum(len(r.tokens) for r in runs) / sum(r.decode_s for r in runs) for k, runs in sweep.runs.items()}
         best_k = max(rate, key=rate.get)  # by the same sum as our modes

@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_load
 from mirror_mlx.tune import calibrate, cost_model, policy, report, timing, traces
 from mirror_mlx.tune import profile as profiles
 from mirror_mlx.cli import main
-from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, grid, predict, rank, replay
+from mirror_mlx.tune.cost_model import Acceptance, Config, Timings, Trace, describe, grid, predict, rank, replay
 from mirror_mlx.demo import EXIT_ADAPTER as DEMO_EXIT_ADAPTER
 from mirror_mlx.pipeline import Pipeline, load
 from tests.models import DRAFT_PATH, TARGET_PATH, tiny_model
@@ -317,7 +317,7 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
         fresh.close()
     err = capfd.readouterr().err
     assert "is corrupt" in err and "recalibrating" in err and "quick calibration" in err
-    assert profiles.saved(key).mode == result.stats.chosen_mode  # rewritten, readable
+    assert describe(profiles.saved(key)) == describe(result.stats)  # rewritten, readable
 
 
 # --- mode="auto" ----------------------------------------------------------------------------------
@@ -329,15 +329,16 @@ def test_auto_is_lossless_and_says_what_it_chose(pipe):
     result = pipe.generate(PROMPT, max_tokens=40)
     assert_lossless(result.tokens, reference_greedy(model, tokenizer.encode(PROMPT), 40))
     s = result.stats
-    assert (s.chosen_mode, s.why) == (expected.mode, expected.why) and s.why.startswith("auto: ")
+    assert (describe(s), s.why) == (describe(expected), expected.why) and s.why.startswith("auto: ")
     if s.chosen_mode == "mirror":
         assert (s.kappa, s.gamma, s.exit_layer) == (expected.kappa, expected.gamma, expected.exit_layer)
     assert f"mode {s.mode}" in s.summary() and "auto: " in s.summary()
 
 
 def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_time(pipe):
-    """Among the confirmed ones (the top predictions, at most half of one γ, and ar, each measured on the
-    same prompts): the traces' tokens per step over the measured seconds per step."""
+    """Among the confirmed ones (the top predictions, at most half of one γ, ar and the recycled tree with the
+    lookup, each measured on the same prompts): the traces' tokens per step over the measured seconds per step
+    (the tree's: its own run's)."""
     prof = policy.profile_for(pipe)
     measured = [r for r in prof.table if r["confirmed"]]
     assert all(r["measured"] is not None and r["measured_step_ms"] > 0 for r in measured)
@@ -349,7 +350,8 @@ def test_the_choice_is_the_fastest_confirmed_configuration_by_its_measured_step_
     assert (prof.mode, prof.kappa, prof.gamma, prof.exit_layer) == tuple(best[k] for k in
                                                                         ("mode", "kappa", "gamma", "exit_layer"))
     quick = calibrate.TuneConfig.quick()
-    assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2], branches=quick.branches))  # the adapter: ℓe = 2
+    assert len(prof.table) == len(grid(quick.kappas, quick.gammas, [2], branches=quick.branches)) + 1  # ℓe = 2
+    assert [r["mode"] for r in measured].count("recycle") == 1  # measured, never predicted
 
 
 def best_row(prof, mode, **given):
@@ -625,6 +627,37 @@ ADAPTING = profiles.Profile(key={}, mode="sd", gamma=1, why="tuned",
                             calibration={"acceptance": {"1": [60, 40], "3": [120, 80]}},
                             table=[profile_row("ar", None, 1.0, 10.0), profile_row("sd", 1, 1.6, 15.0),
                                    profile_row("mirror", 3, 2.3, 25.0, kappa=2, exit_layer=2)])
+
+
+TREE_FASTEST = profiles.Profile(key={}, mode="recycle", why="tuned", calibration={"acceptance": {"1": [60, 40]}},
+                                table=[profile_row("ar", None, 1.0, 10.0), profile_row("sd", 1, 1.2, 15.0),
+                                       profile_row("recycle", None, 1.4, 11.0)])
+
+
+def test_auto_runs_the_recycled_tree_beside_a_draft_that_does_not_pay(pipe):
+    """Where the calibration measured the recycled tree with the lookup faster than the draft and than ar, auto
+    runs it (no draft window: the draft model waits), says so, and stays lossless at T=0 and T=1 (a seeded
+    sample is the target's own: the same text as ar with that seed)."""
+    model, tokenizer = mlx_load(str(TARGET_PATH))
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    fresh.auto.profile = profiles.Profile(**{**TREE_FASTEST.__dict__, "key": profiles.pipe_key(fresh)})
+    try:
+        result = fresh.generate(PROMPT, max_tokens=40)
+        s = result.stats
+        assert (describe(s), s.recycle, s.lookup, s.draft_forwards) == ("recycle", "tree", True, 0)
+        assert s.why == "auto: tuned" and s.proposed > 0
+        assert_lossless(result.tokens, reference_greedy(model, tokenizer.encode(PROMPT), 40))
+        sampled = fresh.generate(PROMPT, max_tokens=24, temperature=1.0, seed=3)
+        alone = fresh.generate(PROMPT, max_tokens=24, temperature=1.0, seed=3, mode="ar")
+        assert describe(sampled.stats) == "recycle" and sampled.tokens == alone.tokens
+        off = fresh.generate(PROMPT, max_tokens=8, lookup=False).stats  # the lookup asked off: the tree alone
+        assert (describe(off), off.lookup) == ("recycle", False)
+    finally:
+        fresh.close()
+    # a draft that stops paying in auto's own runs hands over to the tree, as it would to ar
+    lost = policy.adapt(TREE_FASTEST.__class__(**{**TREE_FASTEST.__dict__, "mode": "sd", "gamma": 1}),
+                        {SD1: [10, 90, 0, 0]})
+    assert lost.mode == "recycle" and "right 0." in lost.why
 
 
 def test_the_calibration_counts_acceptance_as_a_real_run_does():

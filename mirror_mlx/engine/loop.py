@@ -198,12 +198,20 @@ class Engine:
         self.local_draft: Optional[Draft] = None
         self.recycled: Optional[Recycled] = None  # the recycled draft's table, for the pipeline's life
         if named == RECYCLE:
+            self.recycled_table()
+
+    def recycled_table(self) -> Recycled:
+        """The recycled draft's table: made on first need (the recycled draft loaded, or auto's choice of the tree
+        beside a model draft that does not pay), then kept for the pipeline's life."""
+        if self.recycled is None:
             assert self.vocab_size is not None, "the recycled table keeps a row per token id"
-            why = self.target_worker.call(lambda: takes_tree(target_model, self.target.cache))
-            self.recycled = Recycled(self.vocab_size, f"one path: this {family(target_model)} model takes no "
+            model = self.target_model
+            why = self.target_worker.call(lambda: takes_tree(model, self.target.cache))
+            self.recycled = Recycled(self.vocab_size, f"one path: this {family(model)} model takes no "
                                      f"tree ({why})" if why else None)
             if why:
                 print(f"mirror-mlx: note: the recycled draft verifies {self.recycled.one_path}", file=sys.stderr)
+        return self.recycled
 
     # --- the doors the layers above use (the server, tune, bench, doctor): never the parts themselves
 
@@ -417,8 +425,8 @@ class Engine:
         if kind == "mirror":  # which branches each step rolls out (calibrated as it goes; with no B, those that
             # pay, by this generation's own timings: one process only, since every rank must post the same ones)
             return Mirror(self, index, BranchBudget(opts.branches, fit=isinstance(self.host, DraftHost)))
-        if kind == RECYCLE and self.recycled is not None:
-            return RecycledTree(self, index, self.recycled)
+        if kind == RECYCLE:
+            return RecycledTree(self, index, self.recycled_table())
         return PROPOSERS[kind](self, index)
 
     def _prefill(self, gen: Generation, prompt: Sequence[int], given: int) -> int:

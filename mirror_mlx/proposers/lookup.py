@@ -19,6 +19,7 @@ LOOKUP = "lookup"  # the draft model's name that means the prompt lookup alone (
 NGRAM_MAX, NGRAM_MIN = 3, 1  # the n-gram lengths tried, longest first (measured: docs/design.md, prompt lookup)
 NGRAM_MIN_BESIDE = 2  # beside a draft model: a one-token match is a worse guess than the draft's window
 NGRAM_LIMIT = 64  # the longest n-gram the lookup takes (a longer match adds nothing a shorter one misses)
+LOOKUP_GAMMA = 8  # the lookup alone's window: a copied continuation is cheap to propose long (measured: docs)
 ROW_COST = 0.1  # a verify's cost per row past the first, in one-row forwards, where the pair has no measured one
 # (measured on the real pair on a CPU: 0.04-0.07, BENCHMARKS.md; ~0.24 reported for 4-bit targets on Macs)
 # before any proposal is scored: its first token right half the time, each next one after a right start 0.9

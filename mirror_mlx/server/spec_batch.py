@@ -37,7 +37,7 @@ from ..engine.target import accept
 if TYPE_CHECKING:
     import mlx.nn as nn
 
-GAMMA = 8  # the longest window a row proposes (the lookup alone's, tune.policy.LOOKUP_GAMMA)
+GAMMA = 8  # the longest window a row proposes (the lookup alone's, lookup.LOOKUP_GAMMA)
 COMPACT = 64  # holes and padding beyond this many positions a row are squeezed out (rows that accepted less add them)
 
 

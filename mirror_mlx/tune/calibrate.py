@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 from tqdm import tqdm
 
 from ..engine.exit_adapter import adapter_for, adapter_layers
+from ..proposers.lookup import LOOKUP_GAMMA
+from ..proposers.recycle import RECYCLE
 from . import profile as profiles
 from .cost_model import Acceptance, Config, Timings, choose, component_time, expected_rate, grid, rank, row_config
 from .placement import candidates
@@ -35,6 +37,8 @@ from .traces import calibration_prompts, greedy_texts, trace
 if TYPE_CHECKING:
     from ..chunks import Result
 
+TREE_TOKENS = 48  # the recycled tree's runs decode at least this many tokens: it learns as it goes, and proposes
+# nothing in its first steps on an empty table (SmolLM2-135M: 1.0 tokens a forward over 16 tokens, 1.5 over 96)
 QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 
 
@@ -152,14 +156,16 @@ def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[
     model vary by ±25 % here); across ranks rank 0's seconds decide it, so every rank runs the same ones."""
     own = prompts if isinstance(prompts, dict) else {c: prompts for c in configs}
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
-                     exit_layer=c.exit_layer, branches=c.branches) for c in configs}
+                     exit_layer=c.exit_layer, branches=c.branches) if c.mode != RECYCLE else
+             dict(mode="sd", max_tokens=max(max_tokens, TREE_TOKENS), gamma=LOOKUP_GAMMA, lookup=True) for c in configs}
 
     def generate(c: Config, prompt: list[int], **kw: object) -> "Result":
         pipe.auto.placement_forced = c.placement  # each config in its own placement (tune/placement.py)
+        pipe.auto.proposer_forced = RECYCLE if c.mode == RECYCLE else ""  # the tree and lookup, as auto runs them
         try:
             return pipe.generate(prompt, None, **dict(knobs[c], **kw))
         finally:
-            pipe.auto.placement_forced = None
+            pipe.auto.placement_forced, pipe.auto.proposer_forced = None, ""
 
     if warm_up:
         for c in configs if warm_up is True else warm_up:
@@ -199,6 +205,15 @@ def fit_overheads(t: Timings, runs: dict) -> None:
     messages, sampling, Python)."""
     for c, run in runs.items():
         t.overhead.setdefault(c.mode, {})[c.gamma or 0] = run["step_s"] - component_time(c, t, run["reuse"])
+
+
+def measured_row(c: Config, run: dict) -> dict:
+    """A table row for a configuration the step model does not predict, its prediction its measurement."""
+    tokens, steps, _, _ = run["sums"]
+    step_ms = 1e3 * run["step_s"]
+    return dict(asdict(c), predicted=run["tokens_per_second"], measured=run["tokens_per_second"],
+                measured_step_ms=step_ms, probe=False, confirmed=True, bound=False,
+                tokens_per_step=tokens / max(steps, 1), reuse=0.0, step_ms=step_ms, comm_ms=0.0)
 
 
 def place_row(row: dict, runs: dict) -> None:
@@ -339,13 +354,15 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
 
 def _to_confirm(configs: list[Config], t: Timings, acc: Acceptance, cfg: TuneConfig, placements: Sequence[str],
                 step: Lockstep) -> list[Config]:
-    """The configurations run for real to confirm: the best predictions (`pick_confirm`), ar, and where mirror
+    """The configurations run for real to confirm: the best predictions (`pick_confirm`), ar, the recycled tree
+    with the lookup (no draft model: where the draft does not pay, it may; in one process), and where mirror
     may run split, the best mirror prediction at least; rank 0's pick on every rank."""
     confirm = None
     if step.lead:
         ranked = rank(configs, t, acc)
         confirm = pick_confirm(ranked, cfg.confirm)
         confirm += [Config("ar")] if Config("ar") not in confirm else []
+        confirm += [Config(RECYCLE)] if step.group is None else []
         if "split" in placements and not any(c.mode == "mirror" for c in confirm):
             confirm += [next(r["config"] for r in ranked if r["config"].mode == "mirror")]
     if step.group is not None:
@@ -384,6 +401,8 @@ def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Opti
                   comm_ms=1e3 * r["comm_s"]) for r in ranked]
     for row, r in zip(table, ranked):
         place_row(row, {p: measured.get(replace(r["config"], placement=p)) for p in placements})
+    if Config(RECYCLE) in measured:  # measured only: no step model predicts a tree sized by its own costs
+        table.append(measured_row(Config(RECYCLE), measured[Config(RECYCLE)]))
     best, ar, margin = choose(table)
     c = row_config(best)
     placed = f", placement {best['placement']}" if best["mode"] == "mirror" else ""

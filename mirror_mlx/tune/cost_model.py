@@ -35,6 +35,8 @@ class Config:
             return "ar"
         if self.mode == "sd":
             return f"sd γ={self.gamma}"
+        if self.mode == "recycle":  # the recycled tree and the lookup, no draft model: sized by cost, no knob
+            return "recycle"
         budget = f" B={self.branches}" if self.branches is not None else ""
         return f"mirror κ={self.kappa} γ={self.gamma} ℓe={self.exit_layer}{budget}"
 
@@ -342,6 +344,10 @@ def row_config(row: dict) -> Config:
 
 
 def describe(c: Union[Config, "Choice", "Profile", "Stats"]) -> str:
+    """The configuration in words: "ar", "sd γ=3", "mirror κ=1 γ=3 ℓe=7", "recycle" (a run whose recycled tree
+    proposed, `Stats.recycle`, says so too)."""
+    if getattr(c, "recycle", "") and c.mode == "sd":
+        return "recycle"
     mirror = c.mode == "mirror"
     return Config(c.mode, c.kappa if mirror else None, c.gamma if c.mode != "ar" else None,
                   c.exit_layer if mirror else None,

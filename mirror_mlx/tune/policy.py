@@ -11,9 +11,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .. import validate
-from ..proposers.lookup import NGRAM_MIN
+from ..proposers.lookup import LOOKUP_GAMMA, NGRAM_MIN
 from ..options import PAPER_KNOBS, DecodeOptions
 from ..proposers.proposing import Proposing
+from ..proposers.recycle import RECYCLE
 from . import profile as profiles
 from .profile import AutoState, PairView
 from .cost_model import AR_MARGIN, Choice, Seen, choose, describe, expected_rate, row_config
@@ -293,7 +294,6 @@ def best_point(rows: list[dict]) -> dict:
                                     expected_rate(r) if r.get("measured_step_ms") else r["predicted"]))
 
 
-LOOKUP_GAMMA = 8  # the lookup alone's window: a copied continuation is cheap to propose long (measured: docs)
 
 
 def modelless(opts: DecodeOptions, asked: str, gamma: Optional[int], draft: str) -> DecodeOptions:
@@ -317,6 +317,16 @@ def beside_lookup(c: Choice, gamma: Optional[int]) -> Choice:
     g = LOOKUP_GAMMA if gamma is None else gamma
     return Choice("ar", c.kappa, g, None, f"auto with lookup: the lookup beside the target alone, gamma={g} "
                                           f"(auto alone: {describe(c)}; {c.why})")
+
+
+def tree_beside(checked: DecodeOptions, c: Choice, asked: DecodeOptions) -> DecodeOptions:
+    """auto's choice of the recycled tree beside a model draft (the calibration measured it faster than the draft
+    and than ar): sd with the recycled tree and, unless asked off, the lookup, as `draft_model="recycle"` runs
+    them; the draft model waits. The tree sizes itself by measured cost each step, so no window is watched."""
+    lookup = True if asked.lookup is None else checked.lookup
+    return replace(checked, mode="sd", gamma=LOOKUP_GAMMA if asked.gamma is None else checked.gamma, lookup=lookup,
+                   proposer=RECYCLE, ngram_min=checked.ngram_min if asked.ngram_min is not None or not lookup
+                   else min(NGRAM_MIN, checked.ngram_max), why=checked.why or c.why)
 
 
 SAFE_KNOBS = dict(kappa=1, gamma=3)  # an explicit mode's knobs when no profile has a row for it: small, cheap
@@ -379,6 +389,8 @@ def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource
         return out, None
     kappa, gamma = (None if a is None else b for a, b in ((asked.kappa, checked.kappa), (asked.gamma, checked.gamma)))
     c, test = choice(profile, auto, facts, kappa, gamma, checked.exit_layer, checked.sampling, bool(checked.lookup))
+    if c.mode == RECYCLE:
+        return tree_beside(checked, c, asked), None
     out = replace(checked, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
                   why=checked.why or c.why, branches=checked.branches if checked.branches is not None else c.branches)
     if out.mode == "ar" and out.lookup and asked.ngram_min is None:  # the lookup beside the target alone: its n

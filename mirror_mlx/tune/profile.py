@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 from ..options import DecodeOptions
 from ..validate import MAX_BRANCHES, decode_options
 
-VERSION = 3  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
-# timed after mirror's prepare, and the prepare itself
+VERSION = 4  # 2: rows carry measured_step_ms, calibration the acceptance counts (tune.adapt); 3: branch rollouts
+# timed after mirror's prepare, and the prepare itself; 4: the recycled tree with the lookup measured (mode recycle)
+MODES = ("mirror", "sd", "ar", "recycle")  # a profile's choice
 
 
 class ProfileError(ValueError):
@@ -161,7 +162,7 @@ def saved(key: dict, engine: "Optional[Engine]" = None) -> Optional[Profile]:
     except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
         raise ProfileError(f"the tuning profile {path} is corrupt ({type(e).__name__}): "
                            "delete it or run `mirror-mlx tune` again") from None
-    if profile.version != VERSION or profile.key != key or profile.mode not in ("mirror", "sd", "ar"):
+    if profile.version != VERSION or profile.key != key or profile.mode not in MODES:
         raise ProfileError(f"the tuning profile {path} does not match this model pair, machine or version: "
                            "delete it or run `mirror-mlx tune` again")
     bad = _out_of_range(profile) or (engine is not None and _unusable(profile, engine))
@@ -174,6 +175,8 @@ def saved(key: dict, engine: "Optional[Engine]" = None) -> Optional[Profile]:
 def _unusable(profile: Profile, engine: "Engine") -> str:
     """Why the engine would refuse the profile's choice (γ beyond the draft's context, ℓe beyond the
     target's layers), or ""."""
+    if profile.mode == "recycle":  # the recycled tree: no knob of its own, any target runs it
+        return ""
     opts = DecodeOptions(mode=profile.mode, kappa=profile.kappa, gamma=profile.gamma, exit_layer=profile.exit_layer,
                          branches=profile.branches)
     try:
@@ -220,6 +223,7 @@ class AutoState:
     seen: dict[tuple, dict[tuple, list]] = field(default_factory=dict)  # policy.ConfigKey → policy.Counts
     placement_held: str = ""  # a caller pins threads itself (how, in words): placement.py leaves them alone
     placement_forced: Optional[str] = None  # tune's runs: every generation in this placement (placement.py)
+    proposer_forced: str = ""  # tune's runs of the recycled tree beside a model draft: the proposer they name
 
 
 class PairView(Protocol):
