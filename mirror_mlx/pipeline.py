@@ -33,7 +33,7 @@ from .drafts.tokenizer import check_draft_tokenizer, folder_tokenizer
 from .engine.exit_adapter import load_adapters
 from .loading import load_model, resolve_model
 from .proposers.proposing import Proposing
-from .proposers.recycle import RECYCLE
+from .proposers.recycle import RECYCLE, Recycled
 from .options import CALLER_OPTIONS, DecodeOptions, Plan
 from .prompt_cache import PromptCache
 from .text import Conversation, ChatMessage
@@ -126,6 +126,11 @@ class Pipeline:
         """What this pair proposes with (a draft model, the lookup alone, the recycled draft): which mode and
         proposer a call runs is asked of it."""
         return self.engine.proposing
+
+    @property
+    def recycled(self) -> Optional[Recycled]:
+        """The recycled draft's table (draft_model="recycle"), else None: the server's batch learns in it too."""
+        return self.engine.recycled
 
     def facts(self) -> PairFacts:
         """What mode resolution needs to know of this pair (tune.policy.resolve)."""

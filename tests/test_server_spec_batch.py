@@ -1,5 +1,6 @@
-"""Speculation inside the server's batch (server/spec_batch.py): every busy row verifies its own prompt-lookup
-window in one batched forward and keeps exactly its own accepted tokens. Through a real server and the real
+"""Speculation inside the server's batch (server/spec_batch.py): every busy row verifies its own window (its
+prompt lookup's, or with the recycled draft the recycled chain) in one batched forward and keeps exactly its
+own accepted tokens. Through a real server and the real
 `openai` client, each row's text equals mlx-lm's greedy generation of its prompt alone while rows of different
 lengths join and leave mid-batch; a request arriving during a speculating batch starts at the next step; above
 temperature 0 a row in a busy batch follows the target's distribution (the whole-generation test of
@@ -14,11 +15,13 @@ import openai
 import pytest
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
 from mirror_mlx.demo import TARGET
 from mirror_mlx.options import DecodeOptions
 from mirror_mlx.engine.sampling import row_sampler
+from mirror_mlx.proposers.recycle import Recycled
 from mirror_mlx.server.spec_batch import SpecBatch, VerifyCost, choose_width, supports
 from tests.models import tiny_model
 from tests.support.servers import SPECULATE, health, rest, running, stop_server, stream_first, wait_for
@@ -28,6 +31,7 @@ STORY = "Once upon a time, there was a little girl named Lily. She loved to play
 PROMPTS = [STORY * 3 + "Once upon a time", "The dog barked. " * 4 + "The dog", STORY + "One day,",
            "Tom and Lily went to the park. Tom and Lily"]
 LENGTHS = [120, 60, 90, 40]  # different lengths: rows leave the batch at different steps
+LENGTHS_IN = [60, 45, 50, 20]  # (the in-process batches')
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +47,37 @@ def greedy():
     return lambda prompt, n: mlx_generate(model, tokenizer, prompt, max_tokens=n)
 
 
-def test_rows_joining_and_leaving_a_speculating_batch_each_equal_mlx_lm_alone(server, client, greedy):
-    want = [greedy(p, n) for p, n in zip(PROMPTS, LENGTHS)]
-    before = health(server[0])["scheduler"]["batch_speculation"]
+@pytest.fixture(scope="module")
+def demo():
+    """The demo target, PROMPTS as its token ids, and mlx-lm's greedy tokens of each alone (LENGTHS_IN)."""
+    model, tokenizer = mlx_load(str(TARGET))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, sampler=greedy_sampler)]
+            for p, n in zip(prompts, LENGTHS_IN)]
+    return model, prompts, want
+
+
+def joining_and_leaving(batch: SpecBatch, prompts: list, finished=None) -> list[list[int]]:
+    """Each prompt's tokens (LENGTHS_IN) from `batch`: two start, the others join at steps 3 and 7, rows leave as
+    they finish (`finished` sees each finished row's Out)."""
+    got: dict = {}
+    uids = {batch.insert(p, 0, None, DecodeOptions(max_tokens=n), n): i
+            for i, (p, n) in enumerate(zip(prompts[:2], LENGTHS_IN[:2]))}
+    step = 0
+    while batch.rows or batch.joining or len(uids) < 4:
+        if step in (3, 7):  # joining mid-batch
+            i = len(uids)
+            uids[batch.insert(prompts[i], 0, None, DecodeOptions(max_tokens=LENGTHS_IN[i]), LENGTHS_IN[i])] = i
+        for out in batch.next()[1]:
+            got.setdefault(uids[out.uid], []).extend(out.tokens)
+            if out.finish and finished is not None:
+                finished(out)
+        step += 1
+    return [got[i] for i in range(4)]
+
+
+def concurrently(server, client) -> list:
+    """PROMPTS' completions (LENGTHS) as (text, x_mirror): three at once, the fourth joining the running batch."""
     got: list = [None] * 4
     go = threading.Barrier(3)
 
@@ -61,6 +93,13 @@ def test_rows_joining_and_leaving_a_speculating_batch_each_equal_mlx_lm_alone(se
     late = threading.Thread(target=one, args=(3,))  # joins the running batch mid-way
     late.start()
     [t.join(120) for t in threads + [late]]
+    return got
+
+
+def test_rows_joining_and_leaving_a_speculating_batch_each_equal_mlx_lm_alone(server, client, greedy):
+    want = [greedy(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    before = health(server[0])["scheduler"]["batch_speculation"]
+    got = concurrently(server, client)
     assert [g[0] for g in got] == want
     assert got[3][1]["regimes"] == ["batch"], got[3][1]
     spec = health(server[0])["scheduler"]["batch_speculation"]
@@ -69,6 +108,21 @@ def test_rows_joining_and_leaving_a_speculating_batch_each_equal_mlx_lm_alone(se
     assert spec["speculative_steps"] > before.get("speculative_steps", 0), spec
     assert spec["accepted"] > before.get("accepted", 0), spec
     assert sum(g[1]["batch_accepted"] for g in got) > 0 and len({g[1]["batch_accepted"] for g in got}) > 1, got
+
+
+def test_a_server_of_the_recycled_draft_proposes_recycled_chains_in_its_batch(tmp_path, greedy):
+    """`serve --draft-model recycle`: batched rows propose the recycled chains from the table the solo trees
+    fill too; /health counts what each proposer offered and had accepted, and every text is mlx-lm's alone."""
+    want = [greedy(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    with running(tmp_path / "server.log", "--draft-model", "recycle") as (proc, url):
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        for _ in range(2):  # (the second round's rows find the table the first filled)
+            assert [g[0] for g in concurrently((url, tmp_path / "server.log"), client)] == want
+        spec = health(url)["scheduler"]["batch_speculation"]
+        assert spec["on"] is True and spec["recycle"] is True, spec
+        assert spec["recycled_proposed"] > 0 and spec["recycled_accepted"] > 0, spec
+        assert spec["lookup_proposed"] + spec["recycled_proposed"] == spec["proposed"], spec
+        assert stop_server(proc) == 0
 
 
 def test_a_request_arriving_during_a_speculating_batch_starts_at_the_next_step(server, client, greedy):
@@ -84,15 +138,17 @@ def test_a_request_arriving_during_a_speculating_batch_starts_at_the_next_step(s
     assert [rest(a, [a0])[0], rest(b, [b0])[0]] == [greedy(PROMPTS[0], 300), greedy(PROMPTS[1], 300)]
 
 
-def test_a_row_in_a_busy_batch_follows_the_target_distribution():
+@pytest.mark.parametrize("recycle", [False, True])
+def test_a_row_in_a_busy_batch_follows_the_target_distribution(recycle):
     """40 seeded generations of PROMPT, each a row of a batch with two other rows that join and leave around it;
     every committed token is checked against its exact processed distribution (test_sampling_whole's test),
-    and the seeded draws are those the target alone makes (sampling.position_seed)."""
+    and the seeded draws are those the target alone makes (sampling.position_seed). With the recycled table,
+    rows verify recycled chains too."""
     target = tiny_model("llama_tied", seed=11, **SHAPE)
     settings = dict(temperature=1.0, top_k=5)
     outputs, rows = [], []
-    seen = {"accepted": 0, "speculative_steps": 0}
-    batch = SpecBatch(target, gamma=KNOBS["gamma"])
+    seen = {"accepted": 0, "speculative_steps": 0, "recycled_proposed": 0, "recycled_accepted": 0}
+    batch = SpecBatch(target, gamma=KNOBS["gamma"], recycled=Recycled(V) if recycle else None)
     for seed in range(40):
         mine = batch.insert(list(PROMPT), 0, None, DecodeOptions(max_tokens=20, seed=seed, **settings), 20)
         others = [batch.insert([5, 2, 6, 5, 2][: 2 + seed % 4], 0, None,
@@ -108,9 +164,10 @@ def test_a_row_in_a_busy_batch_follows_the_target_distribution():
         outputs.append(tokens)
         rows.append(rows_in_step(drafted))
     for k in seen:
-        seen[k] = batch.counts[k]
+        seen[k] = batch.health()[k]
     outputs, rows = np.array(outputs), np.array(rows)
     assert seen["speculative_steps"] >= 20 and seen["accepted"] >= 20, seen  # windows verified, some accepted
+    assert (seen["recycled_accepted"] >= 10) if recycle else (seen["recycled_proposed"] == 0), seen
     probs = processed_probs(target, outputs, **settings)
     previous = np.concatenate([np.full((len(outputs), 1), PROMPT[-1]), outputs[:, :-1]], axis=1)
     p = conditional_test(outputs.ravel(), probs.reshape(-1, V), rows.ravel(), previous.ravel())
@@ -167,14 +224,11 @@ def test_with_batch_speculation_off_the_batch_decodes_one_token_a_row(tmp_path, 
 
 
 @pytest.mark.parametrize("squeeze", [False, True])
-def test_holes_masked_or_squeezed_out_and_caches_taken_out_keep_each_row_exact(monkeypatch, squeeze):
+def test_holes_masked_or_squeezed_out_and_caches_taken_out_keep_each_row_exact(monkeypatch, squeeze, demo):
     """Rows that accept different counts leave holes in the batch cache: masked (never squeezed out here), or
     squeezed out at every step that left some. Either way rows joining and leaving get mlx-lm's greedy tokens
     alone, and a finished row's cache taken out of the batch holds exactly its tokens (the next token from it is
     the one a fresh forward gives)."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import greedy_sampler
-
     import mirror_mlx.server.spec_batch as spec_batch
 
     monkeypatch.setattr(spec_batch, "COMPACT", 1)
@@ -182,27 +236,36 @@ def test_holes_masked_or_squeezed_out_and_caches_taken_out_keep_each_row_exact(m
     squeezed = []
     monkeypatch.setattr(spec_batch.HoleKVCache, "compact",
                         lambda self, real=spec_batch.HoleKVCache.compact: squeezed.append(1) or real(self))
-    model, tokenizer = mlx_load(str(TARGET))
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    lengths = [60, 45, 50, 20]
-    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, sampler=greedy_sampler)]
-            for p, n in zip(prompts, lengths)]
+    model, prompts, want = demo
     batch = SpecBatch(model)
-    got: dict = {}
-    uids = {batch.insert(p, 0, None, DecodeOptions(max_tokens=n), n): i
-            for i, (p, n) in enumerate(zip(prompts[:2], lengths[:2]))}
-    step = 0
-    while batch.rows or batch.joining or len(uids) < 4:
-        if step in (3, 7):  # joining mid-batch
-            i = len(uids)
-            uids[batch.insert(prompts[i], 0, None, DecodeOptions(max_tokens=lengths[i]), lengths[i])] = i
-        for out in batch.next()[1]:
-            got.setdefault(uids[out.uid], []).extend(out.tokens)
-            if out.finish:
-                held = out.all_tokens + out.tokens[-1:]
-                assert all(c.offset == len(out.all_tokens) for c in out.cache)
-                assert (model(mx.array([held[-1:]]), cache=out.cache)[0, -1].argmax().item()
-                        == model(mx.array([held]))[0, -1].argmax().item())
-        step += 1
-    assert [got[i] for i in range(4)] == want
+
+    def finished(out) -> None:
+        held = out.all_tokens + out.tokens[-1:]
+        assert all(c.offset == len(out.all_tokens) for c in out.cache)
+        assert (model(mx.array([held[-1:]]), cache=out.cache)[0, -1].argmax().item()
+                == model(mx.array([held]))[0, -1].argmax().item())
+
+    assert joining_and_leaving(batch, prompts, finished) == want
     assert batch._holed and bool(squeezed) == squeeze, (batch._holed, len(squeezed), batch.counts)
+
+
+def test_recycled_chains_are_proposed_and_accepted_and_each_row_still_equals_mlx_lm_alone(demo):
+    """With the recycled table, rows whose lookup offers less propose the chain of rank-0 successors; every
+    verify teaches the table (each walked position counted against its candidates), so a second batch of the
+    same prompts gets chains accepted. Both give mlx-lm's greedy tokens of each prompt alone; without the table
+    nothing is recycled."""
+    model, prompts, want = demo
+    table = Recycled(model.args.vocab_size)
+    batch = SpecBatch(model, recycled=table)
+    assert joining_and_leaving(batch, prompts) == want
+    assert table.reached[0] > 0 and (table.table >= 0).any()
+    assert joining_and_leaving(batch, prompts) == want
+    spec = batch.health()
+    assert spec["recycle"] and spec["recycled_proposed"] > 0 and spec["recycled_accepted"] > 0, spec
+    assert spec["lookup_proposed"] + spec["recycled_proposed"] == spec["proposed"], spec
+    assert spec["lookup_accepted"] + spec["recycled_accepted"] == spec["accepted"], spec
+    plain = SpecBatch(model)
+    assert joining_and_leaving(plain, prompts) == want
+    spec = plain.health()
+    assert not spec["recycle"] and spec["recycled_proposed"] == spec["recycled_accepted"] == 0, spec
+    assert spec["lookup_proposed"] == spec["proposed"] > 0, spec

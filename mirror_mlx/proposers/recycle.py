@@ -135,11 +135,15 @@ class Recycled:
         """After a verify: count, at every walked node, which rank of its candidates (as grown) the target's
         token was; then each node's row of the table becomes the target's top-K after it (`top`, (n, K))."""
         for node, y in zip([0] + path, tokens):
-            options = tree.options[node] if tree.options else None
-            if options is None or options[0] < 0:
-                continue
-            b = min(tree.depths[node], BUCKETS - 1)
-            self.reached[b] += 1
-            if y in options:
-                self.right[b, options.index(y)] += 1
+            self.count(tree.options[node] if tree.options else None, tree.depths[node], y)
         self.table[np.asarray(tree.tokens)] = top[:, :K]
+
+    def count(self, options: Optional[Sequence[int]], depth: int, y: int) -> None:
+        """A walked node's candidates (as they were when grown), `depth` deep, against the target's token there:
+        one more visit of its depth's bucket, and a right one at the rank y had (none if y was not among them)."""
+        if options is None or options[0] < 0:
+            return
+        b = min(depth, BUCKETS - 1)
+        self.reached[b] += 1
+        if y in options:
+            self.right[b, list(options).index(y)] += 1

@@ -403,7 +403,8 @@ class Scheduler:
             self.speculation_why = "on" if self.speculation else f"off: {why} (the batch decodes without it)"
             self.note(f"scheduler: speculation in the batch {self.speculation_why}")
         if self._gen is None and self.speculation:
-            self._gen = SpecBatch(self.pipe.model, self.prompt_concurrency, self.prefill_step_size)
+            self._gen = SpecBatch(self.pipe.model, self.prompt_concurrency, self.prefill_step_size,
+                                  recycled=self.pipe.recycled)
         if self._gen is None:
             self._gen = BatchGenerator(self.pipe.model, completion_batch_size=self.decode_concurrency,
                                        prefill_batch_size=self.prompt_concurrency,

@@ -1,6 +1,7 @@
-"""Speculation inside the server's batch: each row proposes its own window (the prompt lookup over its own
-context), the target verifies every row in one forward over the batch's caches, and each row keeps exactly its
-own accepted tokens plus the target's token after them. No row is cut back to another row's acceptance.
+"""Speculation inside the server's batch: each row proposes its own window (its prompt lookup over its own
+context, or with the recycled draft the recycled chain: batch_proposals.py), the target verifies every row in
+one forward over the batch's caches, and each row keeps exactly its own accepted tokens plus the target's token
+after them. No row is cut back to another row's acceptance.
 
 The windows are right-padded to the widest: a causal forward never lets a row's real positions see its padding.
 After the verify each row's cache drops its own rejected positions: the fewest any row rejected are trimmed off
@@ -12,7 +13,7 @@ window (the sample-and-match rule of §6).
 
 The width is chosen each step (`choose_width`) for the most committed tokens per second over all rows: the
 verify's measured seconds by (rows, width) (`VerifyCost`) against each row's expected accepted tokens (its
-lookup's acceptance so far). Width 1 is a plain batched decode step. A model whose caches are not all plain
+proposer's acceptance so far). Width 1 is a plain batched decode step. A model whose caches are not all plain
 KVCaches (recurrent state) or that has sliding-window layers batches through mlx-lm's BatchGenerator instead,
 without speculation (`supports`).
 """
@@ -28,6 +29,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_pro
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..proposers.lookup import MARGIN, NGRAM_MIN, ROW_COST, Lookup
+from ..proposers.recycle import Recycled
+from .batch_proposals import Proposals
 from ..engine.model_parts import trimmable_cache
 from ..engine.readback import int_rows, ints
 from ..options import DecodeOptions
@@ -225,16 +228,19 @@ class Out:
 
 class SpecBatch:
     """The server's batch with speculation: rows join (prefilled together, as mlx-lm's BatchGenerator prefills)
-    and leave between steps; each step verifies every row's window in one forward. Call on the target's thread."""
+    and leave between steps; each step verifies every row's window in one forward. Call on the target's thread.
+    `recycled`: the recycled draft's table (the engine's, so solo and batched generations learn in one), else
+    the rows propose the lookup's windows alone."""
 
     def __init__(self, model: "nn.Module", prompt_concurrency: int = 8, prefill_step_size: int = 2048,
-                 gamma: int = GAMMA):
+                 gamma: int = GAMMA, recycled: Optional[Recycled] = None):
         self.model, self.prompt_concurrency, self.prefill_step_size, self.gamma = \
             model, prompt_concurrency, prefill_step_size, gamma
         self.rows: list[Row] = []
         self.joining: list[Row] = []
         self.cache: list = []
         self.cost = VerifyCost()
+        self.proposals = Proposals(recycled)
         self.counts = {"steps": 0, "speculative_steps": 0, "row_steps": 0, "proposed": 0, "accepted": 0,
                        "committed": 0}
         self.widths: dict[int, int] = {}
@@ -283,9 +289,11 @@ class SpecBatch:
         self.rows, self.joining, self.cache = [], [], []
 
     def health(self) -> dict:
-        """Its counts for /health (read from a handler's thread: each dict copied at once, under the GIL)."""
-        c = dict(self.counts)
-        return dict(c, accepted_per_row_step=round(c["accepted"] / c["row_steps"], 3) if c["row_steps"] else 0.0,
+        """Its counts for /health (read from a handler's thread: each dict copied at once, under the GIL), those
+        each proposer offered and had accepted among them; `recycle`: whether rows propose recycled chains."""
+        c = dict(self.counts, **self.proposals.counts)
+        return dict(c, recycle=self.proposals.table is not None,
+                    accepted_per_row_step=round(c["accepted"] / c["row_steps"], 3) if c["row_steps"] else 0.0,
                     widths={str(w): n for w, n in sorted(dict(self.widths).items())}, step_ms=self.cost.as_dict())
 
     # --- a step
@@ -316,19 +324,22 @@ class SpecBatch:
 
     def _step(self) -> list[Out]:
         rows = self.rows
-        offers = [r.lookup.offer(min(self.gamma, r.left - 1)) if r.left > 1 else ([], []) for r in rows]
-        widest = 1 + max(len(p) for p, _ in offers)
-        width = choose_width([s for _, s in offers], lambda w: self.cost.seconds(len(rows), w), widest)
-        windows = [p[: width - 1] for p, _ in offers]
+        offers = self.proposals.offers([(r.lookup, r.tokens[-1], min(self.gamma, r.left - 1)) for r in rows])
+        widest = 1 + max(len(o.window) for o in offers)
+        width = choose_width([o.survival for o in offers], lambda w: self.cost.seconds(len(rows), w), widest)
+        windows = [o.window[: width - 1] for o in offers]
         width = 1 + max(len(w) for w in windows)
-        x = mx.array([[r.tokens[-1]] + w + [0] * (width - 1 - len(w)) for r, w in zip(rows, windows)])
+        runs = [[r.tokens[-1]] + w for r, w in zip(rows, windows)]  # each row's pending token, then its window
+        x = mx.array([run + [0] * (width - len(run)) for run in runs])
         t = time.perf_counter()
         logits = self.model(x, cache=self.cache)
         chosen = self._choose(rows, windows, logits)
+        top = self.proposals.top(logits)
         self.cost.note(len(rows), width, time.perf_counter() - t)
-        outs, drops = [], []
-        for r, w, (ys, lp) in zip(rows, windows, chosen):
+        outs, drops, walked = [], [], []
+        for r, w, o, (ys, lp) in zip(rows, windows, offers, chosen):
             a = accept(w, ys)
+            walked.append(a)
             new = w[:a] + [ys[a]]
             stop = next((k for k, y in enumerate(new) if y in r.stops), None)
             new = new[: r.left if stop is None else min(r.left, stop + 1)]
@@ -341,6 +352,8 @@ class SpecBatch:
             self.counts["proposed"] += len(w)
             self.counts["accepted"] += min(a, len(new))
             self.counts["committed"] += len(new)
+            self.proposals.settle(o, len(w), min(a, len(new)))
+        self.proposals.learn(runs, [ys for ys, _ in chosen], walked, top)
         self._drop(drops)
         self.counts["steps"] += 1
         self.counts["row_steps"] += len(rows)
