@@ -5,12 +5,15 @@ builder (convert/coreml.py) writes them and imports these definitions from here,
 imports the builder.
 """
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -74,6 +77,23 @@ def tokenizer_metadata(tokenizer: "TokenizerWrapper") -> dict[str, str]:
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
     return {"tokenizer_sha256": tokenizer_sha256(tokenizer), "vocab_sha256": vocab_sha256(tokenizer),
             "eos_token_ids": json.dumps(eos), "bos_token_id": json.dumps(getattr(tokenizer, "bos_token_id", None))}
+
+
+def kept_ids_metadata(kept: np.ndarray, vocab: int) -> str:
+    """A trimmed head's kept ids (ascending) as the package records them: a base64 bitmask over the vocabulary
+    (a few KB however many ids are kept; 25 KB for 151,936 ids)."""
+    bits = np.zeros(vocab, dtype=bool)
+    bits[np.asarray(kept, dtype=np.int64)] = True
+    return base64.b64encode(np.packbits(bits).tobytes()).decode()
+
+
+def read_kept_ids(meta: dict[str, str]) -> Optional[np.ndarray]:
+    """The ids a package's logit columns stand for, ascending (int64), or None when its head is the whole
+    vocabulary: column j of every logit row is the score of token id kept[j]."""
+    if "kept_ids" not in meta:
+        return None
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(meta["kept_ids"]), dtype=np.uint8), count=int(meta["vocab"]))
+    return np.flatnonzero(bits)
 
 
 def import_coremltools() -> ModuleType:

@@ -11,6 +11,10 @@ rows of this call) and itself. A plain draft feeds one row per branch per call; 
 Speculative-Streaming draft feeds a chain per branch, its pending main token and its stream
 guesses, and keeps the prefix its main rows agree with (SS self-verification, as in
 mirror_mlx/drafts/ss/draft.py): the same greedy windows in fewer calls.
+
+A distilled draft's package scores only its kept ids (V columns per row, metadata `kept_ids`): every argmax
+goes through them (`token`), so the engine sees real token ids, as from the MLX distilled draft. No logit
+row leaves the host but in the parity trace, which keeps the package's V columns.
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +22,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes
+from mirror_mlx.ane_draft.package_format import NEG, Shapes, package_shapes, read_kept_ids
 from mirror_mlx.drafts.mlx_draft import check_stems, self_verify
 from mirror_mlx.engine.model_parts import common_prefix
 from mirror_mlx.drafts.api import Rollout
@@ -62,7 +66,8 @@ class PackageDraft:
     def __init__(self, runner: Runner, meta: dict[str, str], trace: bool = False):
         self.runner = runner
         self.shapes: Shapes = package_shapes(meta)
-        self.vocab_size = int(meta["vocab"])
+        self.vocab_size = int(meta["vocab"])  # token ids the engine may see (a distilled head scores fewer)
+        self.kept = read_kept_ids(meta)  # column j of a logit row scores token kept[j]; None: column j is id j
         self.n_logits = int(meta["logit_outputs"])
         self.keep_trace = trace
         self.trace = Trace()
@@ -77,8 +82,18 @@ class PackageDraft:
     def _logits(self, out: dict[str, np.ndarray], name: str = "logits") -> np.ndarray:
         """(T, V) float32 from one output or from the split head's outputs name_0..name_{n-1}."""
         if self.n_logits == 1:
-            return np.asarray(out[name][0], np.float32)
-        return np.concatenate([np.asarray(out[f"{name}_{j}"][0], np.float32) for j in range(self.n_logits)], -1)
+            rows = np.asarray(out[name][0], np.float32)
+        else:
+            rows = np.concatenate([np.asarray(out[f"{name}_{j}"][0], np.float32) for j in range(self.n_logits)], -1)
+        if self.kept is not None and rows.shape[-1] != self.kept.size:
+            raise ValueError(f"the package returns {rows.shape[-1]} logits per row but records {self.kept.size} kept "
+                             "ids: it is corrupt; rebuild it with `mirror-mlx convert`")
+        return rows
+
+    def token(self, row: np.ndarray) -> int:
+        """The greedy token id of one logit row (through the kept ids of a trimmed head)."""
+        j = int(np.argmax(row))
+        return j if self.kept is None else int(self.kept[j])
 
     # ------------------------------------------------------------------ committed prefix
 
@@ -193,11 +208,11 @@ class PackageDraft:
             keep, gained, guesses = 0, [0], [0] * NS
         else:  # fed[0] is the leaf (a stem token) or the main token already in the window
             assert main is not None, "a processed chain has its logits"
-            keep, gained = self_verify([nodes[u].token for u in fed], [int(np.argmax(main[row_of[u]])) for u in fed])
+            keep, gained = self_verify([nodes[u].token for u in fed], [self.token(main[row_of[u]]) for u in fed])
             guesses = []
             if NS:
                 assert streams is not None, "a package with streams returns their logits"
-                guesses = [int(np.argmax(streams[j, row_of[fed[keep]]])) for j in range(NS)]
+                guesses = [self.token(streams[j, row_of[fed[keep]]]) for j in range(NS)]
         b.window += gained
         tok = gained[-1]
         b.last = fed[keep]

@@ -20,8 +20,10 @@ One `.mlpackage`, two functions sharing weights and one state, all shapes static
 The mask is additive (0 attend, -1e4 blocked) and key-major, mask[0, key, query]; keys are the
 state's slots, then the call's own rows. The host builds masks and positions, so the two functions
 serve prefill, tree attention, stream rows and rollback (stale slots are masked, never erased).
-With V > 16384 the LM head is split (ANE's per-axis limit) into logits_0..logits_{n-1}. The
-program itself is built in convert/mil_graph.py.
+With V > 16384 the LM head is split (ANE's per-axis limit) into logits_0..logits_{n-1}. A distilled
+draft (mirror_distilled) keeps its trimmed head: V is its rows, the kept ids, which the package records
+(metadata `kept_ids`) and the host maps every logit column through. The program itself is built in
+convert/mil_graph.py.
 """
 
 import contextlib
@@ -40,7 +42,8 @@ import numpy as np
 from tqdm import tqdm
 
 from mirror_mlx.ane_draft.package_format import (FORMAT, META, ConvertError, Shapes, import_coremltools,
-                                                 tokenizer_metadata, tokenizer_sha256)
+                                                 kept_ids_metadata, read_kept_ids, tokenizer_metadata,
+                                                 tokenizer_sha256)
 from mirror_mlx.engine.model_parts import text_model
 from mirror_mlx.loading import load_model
 from mirror_mlx.options import PAPER_KNOBS
@@ -55,7 +58,8 @@ if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama")  # ss_llama: mirror_mlx/drafts/ss/model.py
+# ss_llama: mirror_mlx/drafts/ss/model.py; mirror_distilled: mirror_mlx/drafts/distilled/model.py
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "ss_llama", "mirror_distilled")
 QUANTIZE = ("none", "int8", "lut4", "lut6")
 VOCAB_PAD = 1024  # unused rows a model may pad its vocabulary with (Qwen3: 151,669 tokens in 151,936)
 
@@ -170,7 +174,8 @@ def check_tokenizer(tokenizer: "TokenizerWrapper", vocab: int, path: Path) -> No
 
 def _weight_sources(model: "nn.Module", copy: bool = True) -> dict[str, Callable[[], np.ndarray]]:
     """Every weight the builder reads by key ('embed', 'head', '{layer}.q_proj', ...), as a function that
-    makes it (float32, dequantized), so `draft_sha256` can hold one at a time. A tied head is the embedding's."""
+    makes it (float32, dequantized), so `draft_sha256` can hold one at a time. A tied head is the embedding's; a
+    distilled draft's is its trimmed `head` (the embedding stays the whole vocabulary's, for the lookup)."""
     inner = text_model(model).model
     dense = lambda layer: lambda: _dense(layer, copy)  # noqa: E731
     plain = lambda a: lambda: _np(a, copy)  # noqa: E731
@@ -191,12 +196,21 @@ def _weight_sources(model: "nn.Module", copy: bool = True) -> dict[str, Callable
     src["norm"] = plain(inner.norm.weight)
     if hasattr(model, "stream_embeddings"):  # SS draft
         src["stream_embeddings"] = plain(model.stream_embeddings)
-    src["head"] = src["embed"] if _tied(model) else dense(model.lm_head)
+    head = None if _tied(model) else model.head if model_kept_ids(model) is not None else model.lm_head
+    src["head"] = src["embed"] if head is None else dense(head)
     return src
 
 
 def _tied(model: "nn.Module") -> bool:
+    if model_kept_ids(model) is not None:
+        return False
     return getattr(model, "lm_head", None) is None or bool(getattr(model.args, "tie_word_embeddings", False))
+
+
+def model_kept_ids(model: "nn.Module") -> "np.ndarray | None":
+    """A distilled draft's kept ids (its head's rows stand for them), or None for a whole-vocabulary head."""
+    kept = getattr(model, "kept_ids", None)
+    return None if kept is None else np.array(kept, dtype=np.int64)
 
 
 def draft_sha256(model: "nn.Module") -> str:
@@ -206,7 +220,7 @@ def draft_sha256(model: "nn.Module") -> str:
 
 
 def spec_from_model(model: "nn.Module", config: dict, tok_sha: str, positions: int) -> DraftSpec:
-    """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model or SS draft."""
+    """DraftSpec of a loaded mlx-lm llama/mistral/qwen2/qwen3 model, SS draft or distilled draft."""
     inner = text_model(model).model
     args = model.args
     layer_types = getattr(args, "layer_types", []) or []
@@ -223,12 +237,17 @@ def spec_from_model(model: "nn.Module", config: dict, tok_sha: str, positions: i
     if hasattr(model, "stream_embeddings"):  # SS draft
         streams, stream_layers = int(args.num_streams), int(args.stream_layers)
     cos, sin = _rope_table(attn0.rope, head_dim, positions)
+    kept = model_kept_ids(model)
+    if kept is not None and (kept.size != w["head"].shape[0] or (np.diff(kept) <= 0).any()
+                             or not 0 <= kept.min() <= kept.max() < w["embed"].shape[0]):
+        raise ConvertError(f"the draft's kept_ids are not {w['head'].shape[0]} ascending ids below its vocabulary "
+                           f"of {w['embed'].shape[0]:,}, one per head row: rebuild the distilled draft")
     return DraftSpec(
         model_type=config.get("model_type", args.model_type), hidden=w["embed"].shape[1],
         layers=len(inner.layers), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         vocab=w["head"].shape[0], eps=float(inner.norm.eps), weights=w, cos=cos, sin=sin,
         config=config, tokenizer_sha256=tok_sha, draft_sha256=_weights_sha256(w),
-        streams=streams, stream_layers=stream_layers, tied=tied,
+        streams=streams, stream_layers=stream_layers, tied=tied, kept_ids=kept,
     )
 
 
@@ -330,14 +349,17 @@ def _register_finish_pass() -> str:
 
 def metadata(spec: DraftSpec, shapes: Shapes, quantize: str) -> dict[str, str]:
     """What the runtime checks before trusting a package (all strings, as Core ML wants)."""
+    vocab = spec.vocab if spec.kept_ids is None else spec.weights["embed"].shape[0]  # the ids the engine sees
     meta = {
         "format": FORMAT, "kind": "ss" if spec.streams else "plain", "model_type": spec.model_type,
         "config": json.dumps(spec.config, sort_keys=True),
         "draft_sha256": spec.draft_sha256, "tokenizer_sha256": spec.tokenizer_sha256,
-        "vocab": str(spec.vocab), "layers": str(spec.layers), "kv_heads": str(spec.kv_heads),
+        "vocab": str(vocab), "layers": str(spec.layers), "kv_heads": str(spec.kv_heads),
         "head_dim": str(spec.head_dim), "logit_outputs": str(len(head_names(spec))), "quantize": quantize,
         "compute_units": "CPU_AND_NE", "stream_layers": str(spec.stream_layers),
     }
+    if spec.kept_ids is not None:  # a trimmed head: its V logit columns stand for these ids
+        meta["kept_ids"] = kept_ids_metadata(spec.kept_ids, vocab)
     meta.update(spec.tokenizer_meta)
     meta.update({k: str(v) for k, v in asdict(shapes).items()})
     return {META + k: v for k, v in meta.items()}
@@ -390,9 +412,16 @@ def convert(draft: Path, out: Path, context: int = 512, kappa: int = PAPER_KNOBS
 
 
 def check_match(meta: dict[str, str], spec: "DraftSpec | SimpleNamespace", package: Path) -> None:
-    """Refuse a package built from another draft or tokenizer (`spec`: a DraftSpec, or anything
-    with its tokenizer_sha256 and draft_sha256)."""
-    for key, what in (("tokenizer_sha256", "for another tokenizer than this draft's"),
-                      ("draft_sha256", "from different draft weights than this folder's")):
-        if meta[key] != getattr(spec, key):
+    """Refuse a package built from another draft, tokenizer or set of kept ids (`spec`: a DraftSpec, or anything
+    with its tokenizer_sha256, draft_sha256 and kept_ids: None for a whole-vocabulary head)."""
+    mine, theirs = read_kept_ids(meta), getattr(spec, "kept_ids", None)
+    same_kept = mine is theirs if mine is None or theirs is None else np.array_equal(mine, theirs)
+    for same, what in ((meta["tokenizer_sha256"] == spec.tokenizer_sha256, "for another tokenizer than this draft's"),
+                       (same_kept, f"with other kept ids ({_count(mine)}) than this draft's ({_count(theirs)})"),
+                       (meta["draft_sha256"] == spec.draft_sha256, "from different draft weights than this folder's")):
+        if not same:
             raise ConvertError(f"{package} was built {what}; rebuild it from this draft with `mirror-mlx convert`")
+
+
+def _count(kept: "np.ndarray | None") -> str:
+    return "the whole vocabulary" if kept is None else f"{kept.size:,} ids"

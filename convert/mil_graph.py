@@ -42,6 +42,7 @@ class DraftSpec:
     streams: int = 0  # SS drafts: stream rows per main row, carried by the top `stream_layers`
     stream_layers: int = 0
     tied: bool = False  # the head is the embedding table: the package stores it once
+    kept_ids: Optional[np.ndarray] = None  # a distilled draft: the ids its `vocab` head rows score (ascending)
     tokenizer_meta: dict[str, str] = field(default_factory=dict)  # package_format.tokenizer_metadata
 
     @property

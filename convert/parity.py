@@ -7,7 +7,9 @@ rows) is compared with the MLX draft's float32 logits for the same tokens (teach
 flipped argmax cannot cascade), within TOLERANCE (a fraction of the largest |logit| plus a floor:
 fp16 is not exact, and quantized packages are compared with the unquantized draft); an argmax may
 differ only where MLX's top two logits are closer than that (a near-tie, reported). A 4/8-bit MLX
-draft keeps its integer weights with float32 scales: the very weights the package holds.
+draft keeps its integer weights with float32 scales: the very weights the package holds. A distilled
+draft's package returns one column per kept id: they are compared with the MLX draft's kept logits
+(Model.kept_logits: its full-vocabulary rows at the kept ids).
 """
 
 import re
@@ -28,7 +30,7 @@ from mirror_mlx.engine.batching import padded_batches
 from mirror_mlx.engine.model_parts import flat
 from mirror_mlx.ane_draft.package_format import (ConvertError, package_shapes, read_metadata,
                                                  tokenizer_sha256)
-from mirror_mlx.convert.coreml import check_match, draft_sha256
+from mirror_mlx.convert.coreml import check_match, draft_sha256, model_kept_ids
 from mirror_mlx.convert.mil_eval import MilRunner
 from mirror_mlx.drafts.ss.model import ss_forward
 from mirror_mlx.loading import load_model
@@ -112,6 +114,7 @@ class Parity:
     near_ties: int = 0  # argmax differs inside the tolerance
     nan_rows: int = 0  # rows where the package gave NaN or inf (never hidden inside max |dlogit|)
     margins: list[float] = field(default_factory=list, repr=False)  # MLX top-2 margins where argmax differs
+    kept: Optional[np.ndarray] = field(default=None, repr=False)  # a trimmed head's ids: the package's columns
 
     @property
     def tolerance(self) -> float:
@@ -145,8 +148,10 @@ class Parity:
             self.extend_rows += len(new)
 
     def add(self, got: np.ndarray, ref: np.ndarray) -> None:
-        """Compare logit rows (n, V)."""
+        """Compare logit rows (n, V) with the reference's (n, vocab), at the kept ids of a trimmed head."""
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        if self.kept is not None:
+            ref = ref[:, self.kept]
         bad = ~np.isfinite(got).reshape(len(got), -1).all(-1)
         self.nan_rows += int(bad.sum())
         got = np.where(np.isfinite(got), got, np.float32(np.inf))  # max |dlogit| is then inf, not 0
@@ -300,8 +305,9 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
         model, tokenizer = load_model(draft)
     assert tokenizer is not None, "a model is given with its tokenizer"
     shapes = package_shapes(meta)
-    check_match(meta, SimpleNamespace(tokenizer_sha256=tokenizer_sha256(tokenizer), draft_sha256=draft_sha256(model)),
-                package)
+    kept = model_kept_ids(model)
+    check_match(meta, SimpleNamespace(tokenizer_sha256=tokenizer_sha256(tokenizer), draft_sha256=draft_sha256(model),
+                                      kept_ids=kept), package)
     try:  # before the float32 cast: the runner's load peaks next to the draft's bf16 weights, not float32
         runner = runner if runner is not None else MilRunner(package)
     except Exception as e:  # noqa: BLE001
@@ -310,7 +316,7 @@ def verify(package: Path, draft: Path, steps: int = 3, prompts: Sequence[str] = 
     model = float32_reference(model)
     budget = budget or Budget.default(dense_parameters(model))
     draft_pkg = PackageDraft(runner, meta, trace=True)
-    report = Parity(meta["quantize"], planned_steps=steps * len(prompts), cut=budget.why)
+    report = Parity(meta["quantize"], planned_steps=steps * len(prompts), cut=budget.why, kept=kept)
     kappa, gamma = shapes.kappa, shapes.gamma
     per_prompt = min(steps, budget.steps or steps)
     per_step = None if budget.rows is None else max(1, budget.rows // (per_prompt * len(prompts)))

@@ -455,6 +455,94 @@ def test_ss_host_keeps_agreeing_guesses(right, calls):
     assert r.forwards == runner.calls == calls
 
 
+# ------------------------------------------------------------------ distilled drafts (a trimmed head)
+
+
+def make_distilled_draft(root: Path, drop: int = 0) -> Path:
+    """A tiny distilled draft (drafts/distilled/model.py) of the demo target: its first layer frozen, one more,
+    and a head over the ids of the parity prompts, EOS and every other id of 3..39 (`drop`: less its
+    `drop` highest kept ids)."""
+    from mirror_mlx.drafts.distilled.model import new_draft, save_draft
+
+    target, tok = load(str(DEMO_TARGET))
+    config = json.loads((DEMO_TARGET / "config.json").read_text())
+    kept = sorted({2, *range(3, 40, 2)}.union(*(tok.encode(p) for p in PROMPTS)))
+    draft = new_draft(target, config, 1, 1, kept[: len(kept) - drop])
+    return save_draft(draft, root / f"distilled-{drop}", tokenizer_from=DEMO_TARGET)
+
+
+@pytest.fixture(scope="module")
+def distilled(work):
+    draft = make_distilled_draft(work)
+    return draft, convert(draft, work / "distilled.mlpackage", progress=False, **SMALL)
+
+
+def test_distilled_package_outputs_its_kept_columns_and_records_their_ids(distilled):
+    import coremltools as ct
+
+    from mirror_mlx.ane_draft.package_format import read_kept_ids
+    from mirror_mlx.loading import load_model
+
+    draft, pkg = distilled
+    model = load_model(draft)[0]
+    kept = np.array(model.kept_ids)
+    V = kept.size
+    assert 40 < V < 512
+    for f in ct.utils.load_spec(str(pkg)).description.functions:
+        (out,) = f.output
+        assert list(out.type.multiArrayType.shape)[2] == V  # V logits per row, not the vocabulary's 512
+    meta = read_metadata(pkg)
+    assert meta["model_type"] == "mirror_distilled" and meta["vocab"] == "512"
+    assert read_kept_ids(meta).tolist() == kept.tolist()
+    assert op_types(load_program(pkg)) <= ANE_OPS
+
+
+def test_distilled_cli_verify_passes_and_scaled_weights_fail(work, distilled):
+    from click.testing import CliRunner
+
+    from mirror_mlx.cli import main
+
+    draft, pkg = distilled
+    runner = CliRunner()
+    ok = runner.invoke(main, ["convert", "--verify", str(pkg), "--draft-model", str(draft)])
+    assert ok.exit_code == 0 and ok.output.startswith("parity OK"), ok.output
+    broken = work / "distilled-scaled.mlpackage"
+    shutil.copytree(pkg, broken, dirs_exist_ok=True)
+    assert scale_fp16_blobs(next(broken.rglob("weight.bin")), 1.5) > 5
+    bad = runner.invoke(main, ["convert", "--verify", str(broken), "--draft-model", str(draft)])
+    assert bad.exit_code == 1 and bad.output.startswith("parity MISMATCH"), bad.output
+
+
+def test_distilled_rollout_gives_kept_ids_equal_to_the_mlx_draft(distilled):
+    from mirror_mlx.drafts.recipes import mlx_draft
+
+    draft, pkg = distilled
+    mlx = mlx_draft(draft)  # the MLX distilled draft as the engine runs it: full-vocabulary logits
+    kept = set(np.array(mlx.model.kept_ids).tolist())
+    ctx = load(str(DEMO_TARGET))[1].encode("Once upon a time, there was a little girl")
+    host = PackageDraft(MilRunner(pkg), read_metadata(pkg))
+    for stems in ([[5], [4], [300]], [[300, 11], [300, 12]]):  # ids off the kept ones too (the target's tokens)
+        got = host.rollout(ctx, stems, 3)
+        assert all(t in kept for w in got.windows for t in w)
+        assert got.windows == mlx.rollout(ctx, stems, 3).windows
+
+
+def test_distilled_package_with_other_kept_ids_is_refused(work, distilled, tiny_llama):
+    from mirror_mlx.ane_draft.package_format import kept_ids_metadata, read_kept_ids
+
+    draft, pkg = distilled
+    fewer = make_distilled_draft(work, drop=3)
+    with pytest.raises(ConvertError, match=r"with other kept ids \(\d+ ids\) than this draft's .*mirror-mlx convert"):
+        verify(pkg, fewer)
+    with pytest.raises(ConvertError, match="other kept ids .* than this draft's \\(the whole vocabulary\\)"):
+        verify(pkg, tiny_llama)
+    # a package whose recorded ids do not match its own head's width: refused at its first call
+    meta = read_metadata(pkg)
+    meta["kept_ids"] = kept_ids_metadata(read_kept_ids(meta)[:-1], 512)
+    with pytest.raises(ValueError, match="logits per row but records .* kept ids: it is corrupt"):
+        PackageDraft(MilRunner(pkg), meta).rollout([1, 2, 3], [[4]], 2)
+
+
 def test_gamma_beyond_the_package_is_refused(demo_pkg):
     draft = PackageDraft(MilRunner(demo_pkg), read_metadata(demo_pkg))
     with pytest.raises(ValueError, match="built for; rebuild it with `mirror-mlx convert --gamma 5`"):
