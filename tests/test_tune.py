@@ -629,6 +629,13 @@ ADAPTING = profiles.Profile(key={}, mode="sd", gamma=1, why="tuned",
                                    profile_row("mirror", 3, 2.3, 25.0, kappa=2, exit_layer=2)])
 
 
+def reading(pipe, profile: profiles.Profile) -> Pipeline:
+    """A new pipeline over `pipe`'s models (auto has seen nothing yet) that reads `profile` as its own."""
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    fresh.auto.profile = profiles.Profile(**{**profile.__dict__, "key": profiles.pipe_key(fresh)})
+    return fresh
+
+
 TREE_FASTEST = profiles.Profile(key={}, mode="recycle", why="tuned", calibration={"acceptance": {"1": [60, 40]}},
                                 table=[profile_row("ar", None, 1.0, 10.0), profile_row("sd", 1, 1.2, 15.0),
                                        profile_row("recycle", None, 1.4, 11.0)])
@@ -639,8 +646,7 @@ def test_auto_runs_the_recycled_tree_beside_a_draft_that_does_not_pay(pipe):
     runs it (no draft window: the draft model waits), says so, and stays lossless at T=0 and T=1 (a seeded
     sample is the target's own: the same text as ar with that seed)."""
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh.auto.profile = profiles.Profile(**{**TREE_FASTEST.__dict__, "key": profiles.pipe_key(fresh)})
+    fresh = reading(pipe, TREE_FASTEST)
     try:
         result = fresh.generate(PROMPT, max_tokens=40)
         s = result.stats
@@ -710,8 +716,7 @@ def test_auto_counts_the_serial_windows_of_branches_it_could_not_reuse():
 
 def test_auto_adapts_per_sampling_setting_stays_lossless_and_learns_only_from_its_own_runs(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh.auto.profile = profiles.Profile(**{**ADAPTING.__dict__, "key": profiles.pipe_key(fresh)})
+    fresh = reading(pipe, ADAPTING)
     try:
         fresh.auto.seen[GREEDY] = {SD1: [900, 100, 0, 0]}
         sampled = fresh.generate(PROMPT, max_tokens=8, temperature=1.0, seed=0).stats
@@ -761,8 +766,7 @@ def test_auto_leaves_the_draft_within_a_generation_once_the_text_at_hand_defeats
 
 def test_auto_goes_on_with_ar_mid_generation_losslessly_and_says_so(pipe):
     model, tokenizer = mlx_load(str(TARGET_PATH))
-    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
-    fresh.auto.profile = profiles.Profile(**{**LEAVING.__dict__, "key": profiles.pipe_key(fresh)})
+    fresh = reading(pipe, LEAVING)
     try:
         result = fresh.generate(PROMPT, max_tokens=48)
         s = result.stats
