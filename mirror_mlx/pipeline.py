@@ -116,10 +116,10 @@ class Pipeline:
             self._auto = AutoState()
         return self._auto
 
-    def profile(self, asking: str = "auto") -> "Profile":
-        """The pair's profile: in memory, else on disk, else a quick calibration on this first call (its line
-        names the mode `asking` for it)."""
-        return profile_for(self, asking)
+    def profile(self, asking: str = "auto", temperature: float = 0.0) -> "Profile":
+        """The pair's profile: in memory, else on disk, else a quick calibration on this first call, at its
+        `temperature` (its line names the mode `asking` for it)."""
+        return profile_for(self, asking, temperature)
 
     @property
     def proposing(self) -> Proposing:

@@ -320,6 +320,46 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
     assert describe(profiles.saved(key)) == describe(result.stats)  # rewritten, readable
 
 
+def test_a_calibration_at_a_temperature_traces_the_targets_own_samples_and_runs_every_mode_at_it(pipe, capfd):
+    """The temperature the user samples at (`tune --temperature`, or a first auto call's): the traces follow the
+    target's own seeded samples there (a draft's token is accepted only where it equals the target's draw), every
+    real run samples at it, and the profile says so. Its text differs from the greedy one, so its acceptance
+    does too."""
+    fresh = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    asked = []
+    run = fresh.generate
+    fresh.generate = lambda *a, **kw: asked.append(kw.get("temperature", 0.0)) or run(*a, **kw)
+    try:
+        prompts = traces.calibration_prompts(fresh, 2)
+        sampled = calibrate.sampled_texts(fresh, prompts, 16, 1.0)
+        assert sampled == [run(p, mode="ar", max_tokens=16, temperature=1.0, seed=calibrate.SAMPLE_SEED).tokens
+                           for p in prompts]
+        assert sampled != traces.greedy_texts(fresh, prompts, 16)
+        asked.clear()
+        cfg = calibrate.TuneConfig.quick(1.0)
+        cfg.budget_s = None
+        hot = calibrate.calibrate(fresh, cfg)
+        assert hot.calibration["temperature"] == 1.0 and set(asked) == {1.0}  # traces and every real run
+        greedy = policy.profile_for(pipe)  # the same quick calibration at temperature 0
+        assert greedy.calibration["temperature"] == 0.0
+        assert hot.calibration["acceptance"] != greedy.calibration["acceptance"]
+    finally:
+        fresh.close()
+    # a first auto call that samples calibrates at its temperature, and says so
+    first = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
+    path = profiles.path_for(profiles.pipe_key(first))
+    kept = path.read_bytes()
+    path.unlink()
+    try:
+        capfd.readouterr()
+        first.generate(PROMPT, max_tokens=8, temperature=1.0, seed=1)
+        assert "quick calibration at temperature 1 " in capfd.readouterr().err
+        assert first.auto.profile is not None and first.auto.profile.calibration["temperature"] == 1.0
+    finally:
+        first.close()
+        path.write_bytes(kept)
+
+
 # --- mode="auto" ----------------------------------------------------------------------------------
 
 

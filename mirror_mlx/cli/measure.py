@@ -33,6 +33,9 @@ BENCH = BenchConfig()
               help="Top predictions to measure end to end.")
 @click.option("--min-seconds", type=click.FloatRange(min=0), default=TUNE.min_seconds, show_default=True,
               help="Each configuration run for real goes round its prompts until it has decoded this long.")
+@click.option("--temperature", "--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="The temperature you sample at: the draft's acceptance and every mode's speed are measured on the "
+                   "target's own seeded samples at it (auto then adapts to other settings as it runs).")
 @click.option("--quick", is_flag=True, help="The few-second calibration that mode=auto runs on first use (its own "
               "small set: not with --limit, --max-tokens, --confirm or --min-seconds).")
 @click.option("--pin", is_flag=True, help="The Mac analog, as `bench --pin`: the target side on one core in every "
@@ -40,8 +43,8 @@ BENCH = BenchConfig()
               "from the unpinned one. "
               "Without it tune measures mirror unpinned and split (target side and draft host on cores of their "
               "own) and auto runs the faster.")
-def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, quick,
-             pin) -> None:
+def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, confirm, min_seconds, temperature,
+             quick, pin) -> None:
     """Measure this machine, predict every (mode, κ, γ, ℓe), confirm the best and save the profile auto uses.
 
     Under mlx.launch every rank measures the sharded target in step with rank 0, which times the draft,
@@ -57,8 +60,8 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
     pipe = load_pipeline(model, draft_model, exit_adapter, "auto")
     if pin:
         click.echo(f"pinning: {pin_threads(pipe)}", err=True)
-    cfg = TuneConfig.quick() if quick else TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm,
-                                                      min_seconds=min_seconds)
+    cfg = TuneConfig.quick(temperature) if quick else TuneConfig(prompts=limit, max_tokens=max_tokens, confirm=confirm,
+                                                                 min_seconds=min_seconds, temperature=temperature)
     if quick:
         cfg.progress = True
     try:
@@ -86,7 +89,8 @@ def tune_cmd(model, draft_model, exit_adapter, prompts_file, limit, max_tokens, 
                  report.comm_line(prof), compute_plan_report(draft_model)):
         if line:
             click.echo(line)
-    click.echo(f"chose {describe(prof)}: {prof.why}")
+    at = f" at temperature {temperature:g}" if temperature > 0 else ""
+    click.echo(f"chose {describe(prof)}{at}: {prof.why}")
     split = ", ".join(f"{k} {v:.0f} s" for k, v in prof.calibration.get("phases", {}).items())
     click.echo(f"calibrated in {prof.calibration['seconds']:.0f} s ({split}) on {prof.key['machine']}; wrote {path}")
 

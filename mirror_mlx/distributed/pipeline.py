@@ -87,7 +87,7 @@ class DistributedPipeline(Pipeline):
 
         return progress
 
-    def profile(self, asking: str = "auto") -> "Profile":
+    def profile(self, asking: str = "auto", temperature: float = 0.0) -> "Profile":
         """The pair's profile for this rank count as rank 0 read it, the same on every rank (its JSON shared once;
         the first call that needs it is the same call on every rank), else `stand_in`. Never a calibration:
         across ranks that is `mirror-mlx tune`'s."""

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 TREE_TOKENS = 48  # the recycled tree's runs decode at least this many tokens: it learns as it goes, and proposes
 # nothing in its first steps on an empty table (SmolLM2-135M: 1.0 tokens a forward over 16 tokens, 1.5 over 96)
+SAMPLE_SEED = 0  # a calibration at a temperature above 0 samples with this seed: every mode the same text
 QUICK_BUDGET_S = 30.0  # the first-call calibration's cap (MIRROR_MLX_QUICK_BUDGET overrides); then ar
 
 
@@ -73,13 +74,15 @@ class TuneConfig:
     exact_top: int = 5  # this many best predictions have suffix ‖ rollout measured (at least `confirm`)
     progress: bool = True
     budget_s: Optional[float] = None  # stop (OutOfTime) once calibration has taken this long; None: no cap
+    temperature: float = 0.0  # the temperature the user runs: the traces follow the target's samples at it (seeded),
+    # and the real runs sample at it, so the acceptance and the speeds are those of that setting
 
     @classmethod
-    def quick(cls) -> "TuneConfig":
+    def quick(cls, temperature: float = 0.0) -> "TuneConfig":
         """Small on purpose (a first call waits for it): few prompts and knobs, one probe per mode, capped."""
         return cls(prompts=2, max_tokens=16, kappas=(1, 2), gammas=(1, 2, 3, 4, 5), branches=(None, 2, 4), reps=2,
                    confirm=2, confirm_prompts=1, min_seconds=0.5, min_timed_s=0.05, probe_two_windows=False,
-                   exact_top=2, progress=False, budget_s=quick_budget())
+                   exact_top=2, progress=False, budget_s=quick_budget(), temperature=temperature)
 
 
 # --- 1. acceptance traces (tune/traces.py) at these exit layers ------------------------------------
@@ -133,6 +136,13 @@ def measure_timings(pipe: PairView, b: Bench, cfg: TuneConfig, layers: list[int]
 
 # --- 3./4. real generations -----------------------------------------------------------------------
 
+def sampled_texts(pipe: PairView, prompts: list[list[int]], max_tokens: int, temperature: float) -> list[list[int]]:
+    """The target's own seeded sample at `temperature` after each prompt (the target alone): what a draft's window
+    must match at that setting, as sd and mirror accept a token only where it equals the target's draw."""
+    return [list(pipe.generate(p, None, mode="ar", max_tokens=max_tokens, temperature=temperature,
+                               seed=SAMPLE_SEED).tokens) for p in prompts]
+
+
 def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
     """The `n` best predictions, at most ⌊n/2⌋ (at least one) of one window γ: the user's text may accept
     more or less than the calibration's, which moves whole γ groups (`adapt`), so alternatives stay measured."""
@@ -147,7 +157,8 @@ def pick_confirm(ranked: list[dict], n: int) -> list[Config]:
 
 def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[int]], dict], max_tokens: int,
                 warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
-                sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None) -> dict:
+                sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None,
+                temperature: float = 0.0) -> dict:
     """Real greedy generations of every config (in its own placement) on its prompts, interleaved in rounds
     (each config runs its next prompt, so a load change on a shared machine hits all alike). {config: tokens/s,
     step_s, reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums`: a previous call's runs
@@ -158,12 +169,13 @@ def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[
     knobs = {c: dict(mode=c.mode, max_tokens=max_tokens, kappa=c.kappa or 1, gamma=c.gamma or 1,
                      exit_layer=c.exit_layer, branches=c.branches) if c.mode != RECYCLE else
              dict(mode="sd", max_tokens=max(max_tokens, TREE_TOKENS), gamma=LOOKUP_GAMMA, lookup=True) for c in configs}
+    sampled = dict(temperature=temperature, seed=SAMPLE_SEED) if temperature > 0 else {}  # one seeded text for all
 
     def generate(c: Config, prompt: list[int], **kw: object) -> "Result":
         pipe.auto.placement_forced = c.placement  # each config in its own placement (tune/placement.py)
         pipe.auto.proposer_forced = RECYCLE if c.mode == RECYCLE else ""  # the tree and lookup, as auto runs them
         try:
-            return pipe.generate(prompt, None, **dict(knobs[c], **kw))
+            return pipe.generate(prompt, None, **dict(knobs[c], **sampled, **kw))
         finally:
             pipe.auto.placement_forced, pipe.auto.proposer_forced = None, ""
 
@@ -300,8 +312,9 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
     top = max(cfg.confirm, cfg.exact_top)  # the predictions that decide what is confirmed are all measured ones
     ph.begin("traces", len(prompts))
     traces = []
+    texts = sampled_texts(pipe, prompts, cfg.max_tokens, cfg.temperature) if cfg.temperature > 0 else None
     with pipe.lock:  # direct use of the target and the host: no generation of another thread meanwhile
-        for p, text in zip(prompts, greedy_texts(pipe, prompts, cfg.max_tokens)):
+        for p, text in zip(prompts, texts or greedy_texts(pipe, prompts, cfg.max_tokens)):
             traces.append(trace(pipe, p, cfg.max_tokens, layers, max(cfg.gammas), text=text))
             ph.tick()
         acc = Acceptance([tr for tr, _ in traces])
@@ -321,7 +334,7 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
     ph.begin("probes", len(probes))
     # the probes on the first prompt (the confirmation adds the others)
     probe_runs = run_configs(pipe, probes, prompts[:1], cfg.max_tokens, check=ph.check,
-                             min_seconds=cfg.min_seconds / 2, step=step)
+                             min_seconds=cfg.min_seconds / 2, step=step, temperature=cfg.temperature)
     if step.lead:  # (across ranks only rank 0 holds the draft's timings)
         fit_overheads(t, probe_runs)
     ph.bars[-1].update(len(probes))
@@ -339,7 +352,7 @@ def _measure(pipe: PairView, cfg: TuneConfig, ph: _Phases, step: Lockstep, promp
     runs = dict(probe_runs)
     runs.update(run_configs(pipe, confirm + splits, own, cfg.max_tokens, warm_up=splits, check=ph.check,
                             min_seconds=cfg.min_seconds, sums={c: r["sums"] for c, r in probe_runs.items()},
-                            step=step))
+                            step=step, temperature=cfg.temperature))
     ph.bars[-1].update(len(confirm) + len(splits))
     ph.begin("suffix ‖ rollout", None)
     # The probes' overheads again from all their runs, the confirmation's too: on a ms-scale pair the
@@ -410,7 +423,7 @@ def calibrate(pipe: PairView, cfg: TuneConfig = TuneConfig(), prompts_file: Opti
            f" (measured {best['measured']:.0f}, predicted {best['predicted']:.0f}; best of {len(confirm)} confirmed, "
            f"{len(configs)} predicted{margin})")
     calibration = {"seconds": time.perf_counter() - ph.started, "phases": ph.seconds, "prompts": len(prompts),
-                   "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel,
+                   "max_tokens": cfg.max_tokens, "parallel_measured": n_parallel, "temperature": cfg.temperature,
                    # γ: [accepted, rejections]
                    "acceptance": {str(g): list(acc.window_counts(g)) for g in cfg.gammas},
                    "timings": {k: {str(kk): v for kk, v in d.items()} for k, d in asdict(t).items()}}

@@ -83,16 +83,17 @@ class PairFacts:
     proposing: Proposing = Proposing()  # what the pair proposes with (a draft model, or "lookup" / "recycle")
 
 
-ProfileSource = Callable[[str], profiles.Profile]  # the pair's profile, loaded or calibrated when first asked
-# (its argument: the mode asking for it, for the calibration's line): Pipeline.profile
+ProfileSource = Callable[[str, float], profiles.Profile]  # the pair's profile, loaded or calibrated when first
+# asked (its arguments: the mode asking for it, for the calibration's line, and the call's temperature, which a
+# first call's calibration runs at): Pipeline.profile
 
 
 _calibrating = threading.Lock()  # two threads' first auto calls calibrate once, not twice at once
 
 
-def profile_for(pipe: PairView, asking: str = "auto") -> profiles.Profile:
-    """The pipeline's profile: in memory, else on disk, else a quick calibration (one line on stderr, naming
-    the mode `asking` for it: auto, or an explicit mode whose knobs were left out)."""
+def profile_for(pipe: PairView, asking: str = "auto", temperature: float = 0.0) -> profiles.Profile:
+    """The pipeline's profile: in memory, else on disk, else a quick calibration at the call's `temperature` (one
+    line on stderr, naming the mode `asking` for it: auto, or an explicit mode whose knobs were left out)."""
     if pipe.auto.profile is not None:
         return pipe.auto.profile
     with _calibrating:
@@ -103,16 +104,17 @@ def profile_for(pipe: PairView, asking: str = "auto") -> profiles.Profile:
             except profiles.ProfileError as e:
                 print(f"mirror-mlx: {e}; recalibrating", file=sys.stderr)
             if pipe.auto.profile is None:
-                pipe.auto.profile = _quick_calibration(pipe, key, asking)
+                pipe.auto.profile = _quick_calibration(pipe, key, asking, temperature)
         return pipe.auto.profile
 
 
-def _quick_calibration(pipe: PairView, key: dict, asking: str) -> profiles.Profile:
-    """A first call's calibration within its budget; ar, said on stderr, when it runs out or fails."""
+def _quick_calibration(pipe: PairView, key: dict, asking: str, temperature: float = 0.0) -> profiles.Profile:
+    """A first call's calibration within its budget, at the call's temperature; ar, said on stderr, when it runs
+    out or fails."""
     from .calibrate import OutOfTime, TuneConfig, calibrate  # (calibration loads on a pair's first auto call only)
 
     t0 = time.perf_counter()
-    cfg = TuneConfig.quick()
+    cfg = TuneConfig.quick(temperature)
     try:
         prof = calibrate(pipe, cfg, key=key)
     except OutOfTime:  # the safe rule: plain generation is never slower than itself
@@ -131,7 +133,8 @@ def _quick_calibration(pipe: PairView, key: dict, asking: str) -> profiles.Profi
             saved = f"saved {profiles.save(prof)}"
         except profiles.ProfileError as e:  # an unwritable cache: this process keeps it in memory
             saved = f"warning: {e}"
-        print(f"mirror-mlx: mode {asking}: no tuning profile for this pair, quick calibration "
+        at = f" at temperature {temperature:g}" if temperature > 0 else ""
+        print(f"mirror-mlx: mode {asking}: no tuning profile for this pair, quick calibration{at} "
               f"({time.perf_counter() - t0:.1f} s) chose {describe(prof)}; {saved} "
               "(`mirror-mlx tune` measures more)", file=sys.stderr)
     return prof
@@ -256,7 +259,7 @@ def choice(profile: ProfileSource, auto: AutoState, facts: PairFacts, kappa: Opt
         return knobs(kappa, gamma, exit_layer, "auto: no draft model, so ar", "ar")
     if kappa is not None and gamma is not None:  # Mirror-SD fully asked for: nothing to look up
         return knobs(kappa, gamma, exit_layer, "auto with kappa and gamma given: mirror with them")
-    prof = profile("auto")
+    prof = profile("auto", sampling[0] if sampling else 0.0)
     asked = {k: v for k, v in dict(kappa=kappa, gamma=gamma, exit_layer=exit_layer).items() if v is not None}
     if not asked:
         # a copy (dict() is one step under the GIL): a generation on another thread may add to it meanwhile
@@ -339,7 +342,7 @@ def explicit(profile: ProfileSource, facts: PairFacts, mode: str, kappa: Optiona
     if not (mode == "sd" and gamma is None) and not (mode == "mirror" and None in (kappa, gamma)):
         return Choice(mode, PAPER_KNOBS["kappa"] if kappa is None else kappa,
                       PAPER_KNOBS["gamma"] if gamma is None else gamma, exit_layer, f"mode {mode} as asked")
-    return knobs_from(profile(mode), facts.default_exit, mode, kappa, gamma, exit_layer)
+    return knobs_from(profile(mode, 0.0), facts.default_exit, mode, kappa, gamma, exit_layer)
 
 
 def knobs_from(prof: profiles.Profile, default_exit: Optional[int], mode: str, kappa: Optional[int],
