@@ -2,6 +2,7 @@
 
 import json
 import os
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -320,7 +321,8 @@ def test_a_corrupt_profile_says_so_and_is_recalibrated(pipe, capfd):
     assert describe(profiles.saved(key)) == describe(result.stats)  # rewritten, readable
 
 
-def test_a_calibration_at_a_temperature_traces_the_targets_own_samples_and_runs_every_mode_at_it(pipe, capfd):
+def test_a_calibration_at_a_temperature_traces_the_targets_own_samples_and_runs_every_mode_at_it(pipe, capfd,
+                                                                                                monkeypatch):
     """The temperature the user samples at (`tune --temperature`, or a first auto call's): the traces follow the
     target's own seeded samples there (a draft's token is accepted only where it equals the target's draw), every
     real run samples at it, and the profile says so. Its text differs from the greedy one, so its acceptance
@@ -345,16 +347,18 @@ def test_a_calibration_at_a_temperature_traces_the_targets_own_samples_and_runs_
         assert hot.calibration["acceptance"] != greedy.calibration["acceptance"]
     finally:
         fresh.close()
-    # a first auto call that samples calibrates at its temperature, and says so
+    # a first auto call that samples calibrates at its temperature (the calibration above), and says so
     first = Pipeline(pipe.model, pipe.tokenizer, pipe.draft, pipe.engine.exit_adapter)
     path = profiles.path_for(profiles.pipe_key(first))
     kept = path.read_bytes()
     path.unlink()
+    configs = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda p, cfg, key: configs.append(cfg) or replace(hot, key=key))
     try:
         capfd.readouterr()
         first.generate(PROMPT, max_tokens=8, temperature=1.0, seed=1)
         assert "quick calibration at temperature 1 " in capfd.readouterr().err
-        assert first.auto.profile is not None and first.auto.profile.calibration["temperature"] == 1.0
+        assert [c.temperature for c in configs] == [1.0] and configs[0].budget_s is not None  # the quick one
     finally:
         first.close()
         path.write_bytes(kept)
