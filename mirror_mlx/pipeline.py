@@ -129,7 +129,8 @@ class Pipeline:
 
     @property
     def recycled(self) -> Optional[Recycled]:
-        """The recycled draft's table (draft_model="recycle"), else None: the server's batch learns in it too."""
+        """The recycled draft's table (draft_model="recycle", or once auto ran the tree), else None: the server's
+        batch learns in it too."""
         return self.engine.recycled
 
     def facts(self) -> PairFacts:

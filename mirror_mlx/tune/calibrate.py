@@ -159,8 +159,9 @@ def run_configs(pipe: PairView, configs: list[Config], prompts: Union[list[list[
                 warm_up: Union[bool, Sequence[Config]] = True, check: Callable[[], None] = lambda: None,
                 sums: Optional[dict] = None, min_seconds: float = 0.0, step: Optional[Lockstep] = None,
                 temperature: float = 0.0) -> dict:
-    """Real greedy generations of every config (in its own placement) on its prompts, interleaved in rounds
-    (each config runs its next prompt, so a load change on a shared machine hits all alike). {config: tokens/s,
+    """Real generations of every config (in its own placement; greedy, or the seeded sample at `temperature`) on
+    its prompts, interleaved in rounds (each config runs its next prompt, so a load change on a shared machine
+    hits all alike). {config: tokens/s,
     step_s, reuse, sums}. `prompts`: one list for all, or {config: its list}; `sums`: a previous call's runs
     (of other prompts), added in; `warm_up`: a short run of every config first (True), of none, or of these.
     A config's prompts are gone through again until it has decoded `min_seconds` (single runs of a small

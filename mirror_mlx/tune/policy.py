@@ -325,11 +325,9 @@ def beside_lookup(c: Choice, gamma: Optional[int]) -> Choice:
 def tree_beside(checked: DecodeOptions, c: Choice, asked: DecodeOptions) -> DecodeOptions:
     """auto's choice of the recycled tree beside a model draft (the calibration measured it faster than the draft
     and than ar): sd with the recycled tree and, unless asked off, the lookup, as `draft_model="recycle"` runs
-    them; the draft model waits. The tree sizes itself by measured cost each step, so no window is watched."""
-    lookup = True if asked.lookup is None else checked.lookup
-    return replace(checked, mode="sd", gamma=LOOKUP_GAMMA if asked.gamma is None else checked.gamma, lookup=lookup,
-                   proposer=RECYCLE, ngram_min=checked.ngram_min if asked.ngram_min is not None or not lookup
-                   else min(NGRAM_MIN, checked.ngram_max), why=checked.why or c.why)
+    them; the draft model waits."""
+    return replace(checked, mode="sd", gamma=LOOKUP_GAMMA if asked.gamma is None else checked.gamma,
+                   lookup=True if asked.lookup is None else checked.lookup, proposer=RECYCLE, why=checked.why or c.why)
 
 
 SAFE_KNOBS = dict(kappa=1, gamma=3)  # an explicit mode's knobs when no profile has a row for it: small, cheap
@@ -393,10 +391,15 @@ def resolve(asked: DecodeOptions, checked: DecodeOptions, profile: ProfileSource
     kappa, gamma = (None if a is None else b for a, b in ((asked.kappa, checked.kappa), (asked.gamma, checked.gamma)))
     c, test = choice(profile, auto, facts, kappa, gamma, checked.exit_layer, checked.sampling, bool(checked.lookup))
     if c.mode == RECYCLE:
-        return tree_beside(checked, c, asked), None
-    out = replace(checked, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
-                  why=checked.why or c.why, branches=checked.branches if checked.branches is not None else c.branches)
-    if out.mode == "ar" and out.lookup and asked.ngram_min is None:  # the lookup beside the target alone: its n
-        out = replace(out, ngram_min=min(NGRAM_MIN, out.ngram_max))  # as the lookup alone's
+        out = tree_beside(checked, c, asked)
+    else:
+        out = replace(checked, mode=c.mode, kappa=c.kappa, gamma=c.gamma, exit_layer=c.exit_layer,
+                      why=checked.why or c.why,
+                      branches=checked.branches if checked.branches is not None else c.branches)
+    undrafted = out.mode == "ar" or out.proposer == RECYCLE  # the lookup beside the target alone, or in the tree
+    if undrafted and out.lookup and asked.ngram_min is None:
+        out = replace(out, ngram_min=min(NGRAM_MIN, out.ngram_max))  # its n as the lookup alone's
+    if c.mode == RECYCLE:  # the tree sizes itself by measured cost each step: no window to watch
+        return out, None
     layer = (out.exit_layer if out.exit_layer is not None else facts.default_exit) if c.mode == "mirror" else None
     return out, AutoRun(auto, checked.sampling, config_key(c.mode, c.kappa, c.gamma, layer, out.branches), test)
