@@ -6,9 +6,11 @@ next token's embedding and the target's state at the previous position).
     python scripts/state_fed_probe.py train --states build/probe --feed self6      # the self-draft's shape
     python scripts/state_fed_probe.py train --states build/probe --feed h30        # fed the last layer's state
 
-`states` prefills every packed reply once (teacher forcing, as `mirror-mlx distill restore` does) and keeps, per
-reply, the target's top-32 logits at the reply's positions and its hidden state after blocks 3, 6, 15 and 30
-(float16; ~1.1 MB per reply for SmolLM2-135M: recomputable, never committed). `train` fits one decoder layer to
+`states` prefills every packed reply once (teacher forcing, as `mirror-mlx distill restore` does; each distinct
+prompt once, its replies on its cache) and keeps, per reply, the target's top-32 logits at the reply's positions
+and its hidden state after blocks 3, 6, 15 and 30 (float16; ~1.1 MB per reply for SmolLM2-135M: recomputable,
+never committed). `--limit-files N` trains on the first N training replies with every prompt's greedy reply
+first, then every prompt's first sample, and so on, so a prefix of the data spans as many prompts as it can. `train` fits one decoder layer to
 the soft top-32 labels on the training replies and prints, after each epoch, teacher-forced agreement (the
 draft's argmax equals the target's) on the evaluation part's greedy replies (keys `eval-*`): acc1 is the first
 drafted token (fed the target's true state); acc2 the second, fed the draft's own state (`--feed h*` only);
@@ -26,6 +28,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.llama import ModelArgs, TransformerBlock
 
 from mirror_mlx.loading import mlx_lm_load
@@ -42,38 +45,60 @@ def head(model, h):
     return model.lm_head(inner.norm(h))
 
 
+def by_round(key: str) -> tuple:
+    """Every prompt's first reply before any prompt's second, so the first N replies span the most prompts:
+    keys read `source-index-tT-sS-hash` (S the sample, 0 greedy)."""
+    source, index, t, s = key.split("-")[:4]
+    return (not key.startswith("eval"), int(s[1:]), t, source, index)
+
+
+def forward(model, tokens: np.ndarray, cache) -> tuple[mx.array, dict]:
+    """The target over `tokens` after what `cache` holds: its last state and its states at TAPS."""
+    h = model.model.embed_tokens(mx.array(tokens.astype(np.int32))[None])
+    mask = create_attention_mask(h, cache[0])
+    taps = {}
+    for i, (layer, c) in enumerate(zip(model.model.layers, cache), 1):
+        h = layer(h, mask, c)
+        if i in TAPS:
+            taps[i] = h[0]
+    mx.eval(h, *taps.values())
+    return h, taps
+
+
 def states(args) -> None:
-    """One .npz per packed reply: prompt, reply, the target's top-32 ids/logits and hidden states at TAPS."""
+    """One .npz per packed reply: prompt, reply, the target's top-32 ids/logits and hidden states at TAPS.
+
+    Each distinct prompt is prefilled once; each of its replies then runs on the prompt's cache, which is
+    trimmed back to the prompt after it (most replies share their prompt with several others)."""
     model, _ = mlx_lm_load(args.target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    entries = sorted(unpack_ids(Path(args.ids)), key=lambda e: (not e[0].startswith("eval"), e[0]))
+    groups: dict[bytes, list] = {}
+    for key, prompt, reply in sorted(unpack_ids(Path(args.ids)), key=lambda e: by_round(e[0])):
+        if not (out / f"{key}.npz").exists():
+            groups.setdefault(prompt.tobytes(), []).append((key, prompt, reply))
     t0, n = time.time(), 0
-    for key, prompt, reply in entries:
-        f = out / f"{key}.npz"
-        if f.exists():
-            continue
-        s = np.concatenate([prompt, reply]).astype(np.int32)
-        h = model.model.embed_tokens(mx.array(s)[None])
-        mask = create_attention_mask(h, None)
-        taps = {}
-        for i, layer in enumerate(model.model.layers, 1):
-            h = layer(h, mask, None)
-            if i in TAPS:
-                taps[i] = h[0]
-        rows = head(model, h)[0, len(prompt) - 1: len(s) - 1]
-        ids = mx.argpartition(-rows, TOP_K - 1, axis=-1)[:, :TOP_K]
-        vals = mx.take_along_axis(rows, ids, axis=-1)
-        order = mx.argsort(-vals, axis=-1)
-        ids, vals = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-        mx.eval(ids, vals, *taps.values())
-        tmp = out / f"{key}.tmp.npz"
-        np.savez(tmp, prompt=prompt, reply=reply, top_ids=np.array(ids).astype(np.int32),
-                 top_logits=np.array(vals).astype(np.float16),
-                 **{f"h{i}": np.array(v.astype(mx.float16)) for i, v in taps.items()})
-        tmp.rename(f)
-        n += len(s)
-        print(f"{key}: {len(s)} tokens, {n / (time.time() - t0):.0f} tokens/s", flush=True)
+    for todo in groups.values():
+        prompt = todo[0][1]
+        cache = make_prompt_cache(model)
+        h, prompt_taps = forward(model, prompt, cache)
+        last = head(model, h[:, -1:])  # the logits that predict each reply's first token
+        for key, _, reply in todo:
+            h, taps = forward(model, reply, cache)
+            trim_prompt_cache(cache, len(reply))
+            rows = mx.concatenate([last, head(model, h[:, :-1])], axis=1)[0]  # the reply's last token predicts none
+            ids = mx.argpartition(-rows, TOP_K - 1, axis=-1)[:, :TOP_K]
+            vals = mx.take_along_axis(rows, ids, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            ids, vals = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+            mx.eval(ids, vals)
+            both = {i: np.concatenate([np.array(v.astype(mx.float16)) for v in (prompt_taps[i], taps[i])]) for i in TAPS}
+            tmp = out / f"{key}.tmp.npz"
+            np.savez(tmp, prompt=prompt, reply=reply, top_ids=np.array(ids).astype(np.int32),
+                     top_logits=np.array(vals).astype(np.float16), **{f"h{i}": v for i, v in both.items()})
+            tmp.rename(out / f"{key}.npz")
+            n += len(reply)
+            print(f"{key}: {len(reply)} reply tokens, {n / (time.time() - t0):.0f} tokens/s", flush=True)
 
 
 class Draft(nn.Module):
@@ -123,7 +148,7 @@ def train(args) -> None:
                             feats=np.concatenate([z[k] for k in keys], -1)))
         return out
 
-    files = sorted(Path(args.states).glob("*.npz"))
+    files = sorted(Path(args.states).glob("*.npz"), key=lambda f: by_round(f.name))
     train_set = read([f for f in files if not f.name.startswith("eval-")][: args.limit_files])
     evals = read([f for f in files if f.name.startswith("eval-")][: args.eval_files])
     n_train = sum(len(e["top_ids"]) for e in train_set)
@@ -240,7 +265,8 @@ def main() -> None:
     t.add_argument("--epochs", type=int, default=4)
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--batch-tokens", type=int, default=1024)
-    t.add_argument("--limit-files", type=int, default=None, help="the first N training replies (the curve)")
+    t.add_argument("--limit-files", type=int, default=None,
+                   help="the first N training replies, every prompt's greedy reply first (the curve)")
     t.add_argument("--eval-files", type=int, default=40)
     t.add_argument("--save", default=None, help="write the trained draft's weights here")
     args = ap.parse_args()
