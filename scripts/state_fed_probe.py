@@ -9,12 +9,12 @@ next token's embedding and the target's state at the previous position).
 `states` prefills every packed reply once (teacher forcing, as `mirror-mlx distill restore` does; each distinct
 prompt once, its replies on its cache) and keeps, per reply, the target's top-32 logits at the reply's positions
 and its hidden state after blocks 3, 6, 15 and 30 (float16; ~1.1 MB per reply for SmolLM2-135M: recomputable,
-never committed). `--limit-files N` trains on the first N training replies with every prompt's greedy reply
-first, then every prompt's first sample, and so on, so a prefix of the data spans as many prompts as it can. `train` fits one decoder layer to
-the soft top-32 labels on the training replies and prints, after each epoch, teacher-forced agreement (the
-draft's argmax equals the target's) on the evaluation part's greedy replies (keys `eval-*`): acc1 is the first
-drafted token (fed the target's true state); acc2 the second, fed the draft's own state (`--feed h*` only);
-chain2 both in a row. Prompt tokens are context only; reply positions carry the loss.
+never committed). `train` fits one decoder layer to the soft top-32 labels on the training replies and prints,
+after each epoch, teacher-forced agreement (the draft's argmax equals the target's) on the evaluation part's
+greedy replies (keys `eval-*`): acc1 is the first drafted token (fed the target's true state); acc2 the second,
+fed the draft's own state (`--feed h*` only); chain2 both in a row. Prompt tokens are context only; reply
+positions carry the loss. `--limit-files N` trains on the first N training replies, every prompt's greedy reply
+first, then every prompt's first sample, and so on, so that a prefix of the data spans as many prompts as it can.
 """
 
 import argparse
@@ -92,7 +92,8 @@ def states(args) -> None:
             order = mx.argsort(-vals, axis=-1)
             ids, vals = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
             mx.eval(ids, vals)
-            both = {i: np.concatenate([np.array(v.astype(mx.float16)) for v in (prompt_taps[i], taps[i])]) for i in TAPS}
+            both = {i: np.concatenate([np.array(v.astype(mx.float16)) for v in (prompt_taps[i], taps[i])])
+                    for i in TAPS}
             tmp = out / f"{key}.tmp.npz"
             np.savez(tmp, prompt=prompt, reply=reply, top_ids=np.array(ids).astype(np.int32),
                      top_logits=np.array(vals).astype(np.float16), **{f"h{i}": v for i, v in both.items()})

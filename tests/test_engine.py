@@ -74,7 +74,8 @@ SD_SETTINGS = {(8, 7), (1, 1)}  # sd in the grid: its steps depend on γ alone (
 @pytest.mark.parametrize("kappa,gamma,exit_layer,branches", [(8, 7, None, None), (1, 1, 1, None), (3, 4, 4, None),
                                                              (16, 2, 2, None), (4, 3, None, 2), (4, 3, None, 5)])
 def test_mirror_and_sd_equal_mlx_lm_greedy_on_20_openings(demos, greedy_refs, kappa, gamma, exit_layer, branches):
-    """Each mode decodes the 16 distinct openings, GRID_TOKENS tokens each, exactly as mlx-lm does.
+    """Mirror at every setting and sd at SD_SETTINGS decode the 16 distinct openings, GRID_TOKENS tokens each,
+    exactly as mlx-lm does.
 
     GRID_TOKENS was 128: 96 keeps every path of a verify step exercised many times over, which is what
     the many openings are for. On the 16 openings (mirror; sd's acceptances are the same, the draft's

@@ -50,7 +50,8 @@ def pair(tmp_path_factory):
 
 @pytest.mark.parametrize("mode,top_p", [("mirror", 0.9), ("sd", 1.0)])
 def test_first_two_tokens_follow_the_target_distribution(pair, mode, top_p):
-    """Each mode once, each top-p once: tests/test_sampling_whole.py checks both modes under every filter."""
+    """Each mode once, each top-p once: tests/test_sampling_whole.py checks mirror under each filter and sd under
+    all of them at once."""
     target, pipe = pair
     expected = exact_pair_probs(target, 1.0, top_p).ravel()
     counts = np.zeros(V * V)
