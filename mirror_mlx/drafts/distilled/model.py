@@ -11,10 +11,11 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import llama
 
 from .. import vocab as draft_vocab
@@ -111,3 +112,37 @@ def save_draft(draft: Model, out: Path, tokenizer_from: Path, extra: Optional[di
     config = dict(vars(draft.args), **(extra or {}))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
     return out
+
+
+def save_trained(draft: Model, path: Path, meta: dict[str, str]) -> Path:
+    """What a draft holds beyond its target: the trained layers, the final norm and the kept ids, float16 in one
+    safetensors file (a few MB where the whole draft is hundreds: what a repository ships). The head stays the
+    target's rows of the kept ids (frozen in training); `from_trained` builds the draft back."""
+    frozen = draft.args.frozen_layers
+    weights = {k: v.astype(mx.float16) for k, v in flat(draft.parameters())
+               if k == "model.norm.weight" or (k.startswith("model.layers.") and int(k.split(".")[2]) >= frozen)}
+    weights["kept_ids"] = draft.kept_ids
+    trained = str(draft.args.num_hidden_layers - frozen)
+    mx.save_safetensors(str(path), weights, metadata=dict(meta, frozen=str(frozen), trained=trained))
+    return Path(path)
+
+
+def trained_meta(path: Path) -> dict[str, str]:
+    """The metadata `save_trained` wrote (the draft's shape and how it was trained)."""
+    return cast(tuple[dict, dict], mx.load(str(path), return_metadata=True))[1]
+
+
+def from_trained(target: nn.Module, target_config: dict, path: Path) -> Model:
+    """The draft `save_trained` wrote, rebuilt over its (float) target: the target's embedding, first layers and
+    head rows, the file's trained layers and norm in the target's dtype."""
+    weights, meta = cast(tuple[dict[str, mx.array], dict], mx.load(str(path), return_metadata=True))
+    kept = np.array(weights.pop("kept_ids"))
+    draft = new_draft(target, target_config, int(meta["frozen"]), int(meta["trained"]), kept)
+    unknown = sorted(set(weights) - {k for k, _ in flat(draft.parameters())})
+    if unknown:
+        raise ValueError(f"{path} holds weights a {meta['frozen']}+{meta['trained']}-layer draft has not "
+                         f"({', '.join(unknown[:3])}): it was saved for another target")
+    dtype = target.model.embed_tokens.weight.dtype
+    draft.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=False)
+    mx.eval(draft.parameters())
+    return draft
