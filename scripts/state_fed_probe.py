@@ -31,6 +31,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.models.llama import ModelArgs, TransformerBlock
 
+from mirror_mlx.drafts.distilled.model import new_draft, save_trained
+from mirror_mlx.engine.model_parts import flat
 from mirror_mlx.loading import mlx_lm_load
 from mirror_mlx.train.distill_data import unpack_ids
 
@@ -134,6 +136,26 @@ class Draft(nn.Module):
         return self.norm(h) @ self._head.T
 
 
+def kept_ids(replies: list, size: int, always: list, vocab: int) -> np.ndarray:
+    """The trimmed head's ids: the `size` most frequent in the training replies, `always` among them."""
+    counts = np.bincount(np.concatenate(replies), minlength=vocab)
+    counts[[int(t) for t in np.atleast_1d(always)]] += 10**9
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+
+
+def save_self_draft(target_dir: str, kept: np.ndarray, weights: dict, out: str, meta: dict) -> None:
+    """The self-draft's trained layer and norm (`Draft`'s weights) as the product's shipped part: the file
+    `mirror-mlx real-pair` builds the draft from (`from_trained`)."""
+    target, _ = mlx_lm_load(target_dir)
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    part = new_draft(target, config, 6, 1, kept, init_layers=[6])
+    named = {"model.norm.weight" if k == "norm.weight" else "model.layers.6." + k.removeprefix("layer."): v
+             for k, v in weights.items()}
+    assert set(named) <= {k for k, _ in flat(part.parameters())}, sorted(named)
+    part.load_weights(list(named.items()), strict=False)
+    save_trained(part, Path(out), {k: str(v) for k, v in meta.items()})
+
+
 def train(args) -> None:
     target, _ = mlx_lm_load(args.target)
     cfg = ModelArgs.from_dict(json.loads((Path(args.target) / "config.json").read_text()))
@@ -154,9 +176,7 @@ def train(args) -> None:
     evals = read([f for f in files if f.name.startswith("eval-")][: args.eval_files])
     n_train = sum(len(e["top_ids"]) for e in train_set)
     print(f"train: {len(train_set)} replies, {n_train} reply tokens; eval: {len(evals)} replies", flush=True)
-    counts = np.bincount(np.concatenate([e["s"][e["p"]:] for e in train_set]), minlength=cfg.vocab_size)
-    counts[[int(t) for t in np.atleast_1d(args.eos)]] += 10**9
-    kept = np.sort(np.argsort(-counts, kind="stable")[: args.vocab]).astype(np.int32)
+    kept = kept_ids([e["s"][e["p"]:] for e in train_set], args.vocab, args.eos, cfg.vocab_size)
     row_of = np.full(cfg.vocab_size, -1, np.int64)
     row_of[kept] = np.arange(len(kept))
     init = 6 if not n_fed else len(target.model.layers) - 1
@@ -245,9 +265,14 @@ def train(args) -> None:
             loss, grads = step_fn(draft, tokens, feats, rows, w, idx)
             opt.update(draft, grads)
             mx.eval(draft.parameters(), opt.state, loss)
-        print(f"epoch {epoch} ({n_train} reply tokens, {time.time() - t0:.0f} s)", evaluate(), flush=True)
-    if args.save:
+        scores = evaluate()
+        print(f"epoch {epoch} ({n_train} reply tokens, {time.time() - t0:.0f} s)", scores, flush=True)
+    if args.save and n_fed:
         draft.save_weights(args.save)
+    elif args.save:
+        meta = dict(replies=len(train_set), reply_tokens=n_train, epochs=args.epochs, agreement=scores["acc1"],
+                    agreement_positions=scores["positions"])
+        save_self_draft(args.target, kept, dict(flat(draft.parameters())), args.save, meta)
 
 
 def main() -> None:
