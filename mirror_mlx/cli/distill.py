@@ -9,8 +9,8 @@ from mirror_mlx.loading import mlx_lm_load as load
 
 from mirror_mlx.cli import refusing
 from mirror_mlx.drafts.distilled.model_types import load_model
-from mirror_mlx.train.distill import (DataConfig, TrainConfig, agreement, cost_ratio, data_root, generate_data, loop,
-                                      read_replies, train)
+from mirror_mlx.train.distill import (DataConfig, TrainConfig, agreement_by_category, cost_ratio, data_root,
+                                      generate_data, loop, read_reply_files, train)
 from mirror_mlx.train.distill_data import pack_ids, restore_ids
 
 
@@ -113,12 +113,12 @@ def train_cmd(model, out, sources, budget_minutes, **kw) -> None:
 @click.option("--data-dir", default=None)
 @click.option("--cost/--no-cost", default=True, help="Also measure c, the 1-row forward cost ratio (one core each).")
 def measure_cmd(model, draft, data_dir, cost) -> None:
-    """Teacher-forced greedy agreement on the evaluation part's replies, and c."""
-    ev = read_replies(data_root(model, data_dir), ("eval",))
-    if not ev:
-        raise click.UsageError("no evaluation replies cached: run `mirror-mlx distill data` first")
-    r = agreement(load_model(Path(draft))[0], ev)
-    r["eval_replies"] = len(ev)
+    """Teacher-forced greedy agreement on the evaluation part's replies, over all and by category, and c."""
+    root = data_root(model, data_dir)
+    if not read_reply_files(root, ("eval",)):
+        raise click.UsageError("no evaluation replies cached: run `mirror-mlx distill data` (or `distill restore "
+                               "--ids` from packed ids) first")
+    r = agreement_by_category(load_model(Path(draft))[0], root)
     if cost:
         r.update(cost_ratio(model, draft))
     click.echo(json.dumps(r))

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from mirror_mlx.corpus import eos_ids
 from mirror_mlx.engine.model_parts import flat
+from mirror_mlx.prompts import spec_bench_part
 from mirror_mlx.drafts.distilled.model import new_draft, save_draft
 
 from .distill_cost import cost_ratio  # noqa: F401  (what the command line measures with)
@@ -194,6 +195,20 @@ def agreement(draft, replies: Sequence[Reply], batch_tokens: int = 8192) -> dict
             hit += int((g == e.top_ids[:, 0]).sum())
             n += len(e.top_ids)
     return {"agreement": hit / max(1, n), "positions": n}
+
+
+def agreement_by_category(draft, root: Path) -> dict:
+    """`agreement` on the evaluation part's replies cached under `root`, over all and per Spec-Bench category
+    (an evaluation reply's index is its prompt's in `spec_bench_part("eval")`)."""
+    files = read_reply_files(root, ("eval",))
+    category = [p.category for p in spec_bench_part("eval")]
+    groups: dict[str, list[Reply]] = {}
+    for f in files:
+        groups.setdefault(category[int(f.name.split("-")[1])], []).append(load_reply(f))
+    out = agreement(draft, [r for g in groups.values() for r in g])
+    out["by_category"] = {c: agreement(draft, g) for c, g in sorted(groups.items())}
+    out["eval_replies"] = len(files)
+    return out
 
 
 def _save_state(path: Path, draft, opt, step: int, extra: dict) -> None:
