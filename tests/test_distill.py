@@ -14,6 +14,7 @@ from mlx_lm.utils import load
 from mirror_mlx.train import distill, distill_data
 from mirror_mlx.demo import TARGET
 from mirror_mlx.drafts.distilled.model import MODEL_TYPE
+from mirror_mlx.prompts import spec_bench_part
 
 
 def is_distilled(folder: Path) -> bool:
@@ -172,6 +173,12 @@ def test_train_save_load_resume_and_real_ids(tmp_path, target):
     # agreement measured on the eval replies only counts real ids
     ev = distill.read_replies(tmp_path / "data", ("eval",))
     assert 0 <= distill.agreement(draft, ev)["agreement"] <= 1
+    # by category: each evaluation reply under its prompt's Spec-Bench category, the parts adding up to the whole
+    by = distill.agreement_by_category(draft, tmp_path / "data")
+    assert set(by["by_category"]) == {p.category for p in spec_bench_part("eval")[:2]} and by["eval_replies"] == 2
+    parts = by["by_category"].values()
+    assert sum(c["positions"] for c in parts) == by["positions"] == distill.agreement(draft, ev)["positions"]
+    assert sum(c["agreement"] * c["positions"] for c in parts) / by["positions"] == pytest.approx(by["agreement"])
 
 
 def test_distilled_draft_is_lossless_in_the_pipeline(tmp_path, target):
