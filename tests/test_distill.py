@@ -15,6 +15,7 @@ from mirror_mlx.train import distill, distill_data
 from mirror_mlx.demo import TARGET
 from mirror_mlx.drafts.distilled.model import MODEL_TYPE
 from mirror_mlx.prompts import spec_bench_part
+from mirror_mlx.train.questions import read_questions, user_turn_prefix, write_questions
 
 
 def is_distilled(folder: Path) -> bool:
@@ -207,6 +208,43 @@ def test_loop_generates_then_trains_and_resumes(tmp_path, monkeypatch, target):
     assert state["round"] == 1 and state["trained_tokens"] > 0
     latest = tmp_path / "drafts" / "latest-E2k1V48"
     assert latest.resolve() == (tmp_path / "drafts" / "round-000-E2k1V48").resolve() and is_distilled(latest)
+
+
+def test_the_targets_own_questions_are_replied_to_as_the_source_self(tmp_path, target):
+    model, tok = target
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"seed": s, "text": t}) + "\n" for s, t in ((0, "Where do owls sleep"),
+                                                                                       (3, "Tell me about the sea"))))
+    made = distill.generate_data(data_cfg(tmp_path / "data", questions=str(questions)), progress=False,
+                                 log=lambda s: None, model=model, tokenizer=tok)
+    assert made["made"] == 2 + 4 * 5 + 1 * 5 + 2 * 5  # the packaged sources' jobs, and 5 replies a question
+    own = sorted(p.name for p in (tmp_path / "data" / "replies").glob("self-*.npz"))
+    assert len(own) == 10 and own[0].startswith("self-00000-t0-s0-")
+    first = distill_data.load_reply(tmp_path / "data" / "replies" / own[0])
+    assert first.prompt.tolist() == distill_data.render(tok, "Where do owls sleep")
+    with pytest.raises(ValueError, match="no chat template"):  # a base model writes no user turn
+        write_questions(model, tok, tmp_path / "none.jsonl", 1)
+
+
+def test_a_chat_target_writes_new_questions_and_goes_on_from_the_last_seed(smollm2, tmp_path):
+    from mirror_mlx.loading import load_model
+
+    model, tok = load_model(smollm2)
+    quiet = dict(batch_size=4, max_tokens=48, log=lambda s: None)
+    path = tmp_path / "q.jsonl"
+    first = write_questions(model, tok, path, 2, **quiet)
+    kept = read_questions(path)
+    assert first["questions"] == 2 == len(kept)
+    again = write_questions(model, tok, path, 3, **quiet)
+    lines = read_questions(path)
+    assert again["kept"] == 1 and lines[:2] == kept and lines[2]["seed"] > kept[1]["seed"]
+    assert all(8 <= len(q["text"]) <= 1200 for q in lines) and len({q["text"] for q in lines}) == 3
+    # an evaluation question is never kept: the first one excluded, the same seeds keep the others
+    other = tmp_path / "other.jsonl"
+    write_questions(model, tok, other, 2, exclude=[kept[0]["text"]], **quiet)
+    assert [q["seed"] for q in read_questions(other)] == [q["seed"] for q in lines[1:]]
+    prefix = user_turn_prefix(tok)  # the chat template up to a user message: system prompt, then the user's turn
+    assert tok.decode(prefix).endswith("<|im_start|>user\n")
 
 
 @pytest.mark.parametrize("verb", ["data", "train", "measure", "loop", "pack", "restore"])

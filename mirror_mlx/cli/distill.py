@@ -12,6 +12,8 @@ from mirror_mlx.drafts.distilled.model_types import load_model
 from mirror_mlx.train.distill import (DataConfig, TrainConfig, agreement_by_category, cost_ratio, data_root,
                                       generate_data, loop, read_reply_files, train)
 from mirror_mlx.train.distill_data import pack_ids, restore_ids
+from mirror_mlx.train.questions import write_questions
+from mirror_mlx.prompts import spec_bench_part
 
 
 def target_folder(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -42,13 +44,30 @@ def distill_cmd() -> None:
 @click.option("--minutes", type=float, default=None, help="Stop after this long (run again to go on).")
 @click.option("--ids", "ids", default=None, type=click.Path(exists=True, dir_okay=False),
               help="A file `distill pack` wrote: its replies count as made, so another machine's work is not redone.")
-def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes, ids) -> None:
+@click.option("--questions", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A file `distill questions` wrote: the target's own questions, replied to as the source `self`.")
+def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minutes, ids, questions) -> None:
     """Generate (or go on generating) the target's replies: every reply is saved as it is made, so a killed
     run continues where it stopped."""
     cfg = DataConfig(target=model, data_dir=data_dir, max_tokens=max_tokens, batch_size=batch_size, rounds=rounds,
-                     tinystories=tinystories, ids=ids)
+                     tinystories=tinystories, ids=ids, questions=questions)
     r = generate_data(cfg, log=lambda s: click.echo(s, err=True),
                       stop_after_s=None if minutes is None else minutes * 60)
+    click.echo(json.dumps(r))
+
+
+@distill_cmd.command("questions")
+@target_option
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The questions file (.jsonl), grown.")
+@click.option("--count", type=int, required=True, help="Questions the file holds when done.")
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Samples drawn together.")
+def questions_cmd(model, out, count, batch_size) -> None:
+    """Have the target write user questions (sampled from the opening of a user turn), new ones only, until OUT
+    holds COUNT; the evaluation part's questions are never kept. Resumable: it goes on from OUT's last seed."""
+    target, tokenizer = load(model)
+    exclude = [p.text for p in spec_bench_part("eval")]
+    r = refusing(ValueError, write_questions, target, tokenizer, Path(out), count, batch_size, exclude=exclude,
+                 log=lambda s: click.echo(s, err=True))
     click.echo(json.dumps(r))
 
 

@@ -23,7 +23,7 @@ from mirror_mlx.tune.profile import cache_dir
 TOP_K = 32  # teacher logits kept per reply position
 MAX_PROMPT = 1536  # longer rendered prompts are skipped (a few Spec-Bench rag/summarization ones)
 PREFILL_TOKENS = 6144  # rows x padded prompt length per batch (bounds the prefill's attention memory)
-SOURCES = ("eval", "spec_bench", "code_edit", "tinystories")
+SOURCES = ("eval", "spec_bench", "code_edit", "self", "tinystories")  # self: the target's own questions
 TRAIN_SOURCES = SOURCES[1:]
 
 
@@ -62,8 +62,12 @@ class Job:
         return f"{self.source}-{self.index:05d}-t{self.temperature:g}-s{self.seed}-{h}"
 
 
-def source_prompts(source: str, tinystories_n: int = 1000) -> list[str]:
-    """The user messages of one source, in a fixed order."""
+def source_prompts(source: str, tinystories_n: int = 1000, questions: Optional[str] = None) -> list[str]:
+    """The user messages of one source, in a fixed order (`self`: the questions file's, none without one)."""
+    if source == "self":
+        if questions is None:
+            return []
+        return [json.loads(line)["text"] for line in Path(questions).read_text().splitlines() if line.strip()]
     if source in ("eval", "spec_bench"):
         return [p.text for p in spec_bench_part("eval" if source == "eval" else "train")]
     if source == "code_edit":
@@ -84,12 +88,16 @@ def round_variants(r: int) -> tuple:
 
 
 def schedule(rounds: int = 4, tinystories_n: int = 1000, sources: Sequence[str] = SOURCES,
-             prompts: Optional[dict] = None) -> list[list[Job]]:
+             prompts: Optional[dict] = None, questions: Optional[str] = None) -> list[list[Job]]:
     """Phases in the order they are worth generating: the evaluation replies (greedy), then the chat training
     sources round by round (round 0: greedy, T=0.7 and T=1.0; later rounds: new samples at both), then the
     TinyStories openings round by round.
-    `prompts` ({source: [user message, ...]}) replaces the packaged prompts (tests, custom sets)."""
-    prompts = prompts if prompts is not None else {s: source_prompts(s, tinystories_n) for s in sources}
+    `prompts` ({source: [user message, ...]}) replaces the packaged prompts (tests, custom sets); `questions`, a
+    `distill questions` file, is the source `self` either way."""
+    if prompts is None:
+        prompts = {s: source_prompts(s, tinystories_n, questions) for s in sources}
+    elif questions is not None:
+        prompts = dict(prompts, self=source_prompts("self", questions=questions))
     phases = [[Job("eval", i, t, 0.0, 0) for i, t in enumerate(prompts.get("eval", []))]]
     chat = [s for s in prompts if s not in ("eval", "tinystories")]
     for group in (chat, [s for s in prompts if s == "tinystories"]):  # stories are furthest from chat: last
@@ -202,6 +210,7 @@ class DataConfig:
     sources: tuple = SOURCES
     prompts: Optional[dict] = None  # {source: [user message, ...]} instead of the packaged sources
     ids: Optional[str] = None  # a `pack_ids` file: its replies count as made (another machine made them)
+    questions: Optional[str] = None  # a `distill questions` file: the source `self` (train/questions.py)
 
 
 def data_root(target: str, data_dir: Optional[str] = None) -> Path:
@@ -221,7 +230,7 @@ def generate_data(cfg: DataConfig, progress: bool = True, log: Callable[[str], N
     eos = eos_ids(tokenizer)
     packed = {key for key, _, _ in unpack_ids(Path(cfg.ids))} if cfg.ids else set()
     phases = [[j for j in phase if j.key not in packed and not (replies / f"{j.key}.npz").exists()]
-              for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts)]
+              for phase in schedule(cfg.rounds, cfg.tinystories, cfg.sources, cfg.prompts, cfg.questions)]
     phases = [p for p in phases if p]
     total = sum(len(p) for p in phases)
     log(f"distill data: {root} ({total} replies to generate" + (f"; {len(packed)} packed in {cfg.ids} count as made)"
