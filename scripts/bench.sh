@@ -2,7 +2,7 @@
 # The headline benchmark behind BENCHMARKS.md (`make bench`), sized for a 2-core CPU box.
 #
 # PAIR=real (the default): SmolLM2-135M-Instruct from PyPI (`mirror-mlx real-pair`, build/real-pair:
-# the target, 30 layers, and its untrained 6-layer draft) on Spec-Bench's evaluation part
+# the target, 30 layers, and its draft: the first 6 layers under one layer trained here, docs/distill.md) on Spec-Bench's evaluation part
 # (prompts.is_eval: question_id % 5 == 0, docs/spec-bench-split.md), each first turn through the target's
 # chat template, LIMIT prompts per category (13 categories). `tune` calibrates on the training part.
 # No exit adapter exists for it: mirror exits at the profile's layer through the target's own head.
