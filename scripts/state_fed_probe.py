@@ -294,7 +294,8 @@ def main() -> None:
     t.add_argument("--limit-files", type=int, default=None,
                    help="the first N training replies, every prompt's greedy reply first (the curve)")
     t.add_argument("--eval-files", type=int, default=40)
-    t.add_argument("--save", default=None, help="write the trained draft's weights here")
+    t.add_argument("--save", default=None, help="write the trained draft here: self6 as the shipped part "
+                   "real-pair builds its draft from (from_trained), a state-fed draft as its weights")
     args = ap.parse_args()
     states(args) if args.cmd == "states" else train(args)
 
