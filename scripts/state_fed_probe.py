@@ -143,10 +143,9 @@ def kept_ids(replies: list, size: int, always: list, vocab: int) -> np.ndarray:
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
-def save_self_draft(target_dir: str, kept: np.ndarray, weights: dict, out: str, meta: dict) -> None:
+def save_self_draft(target, target_dir: str, kept: np.ndarray, weights: dict, out: str, meta: dict) -> None:
     """The self-draft's trained layer and norm (`Draft`'s weights) as the product's shipped part: the file
     `mirror-mlx real-pair` builds the draft from (`from_trained`)."""
-    target, _ = mlx_lm_load(target_dir)
     config = json.loads((Path(target_dir) / "config.json").read_text())
     part = new_draft(target, config, 6, 1, kept, init_layers=[6])
     named = {"model.norm.weight" if k == "norm.weight" else "model.layers.6." + k.removeprefix("layer."): v
@@ -272,7 +271,7 @@ def train(args) -> None:
     elif args.save:
         meta = dict(replies=len(train_set), reply_tokens=n_train, epochs=args.epochs, agreement=scores["acc1"],
                     agreement_positions=scores["positions"])
-        save_self_draft(args.target, kept, dict(flat(draft.parameters())), args.save, meta)
+        save_self_draft(target, args.target, kept, dict(flat(draft.parameters())), args.save, meta)
 
 
 def main() -> None:

@@ -247,6 +247,21 @@ def test_a_chat_target_writes_new_questions_and_goes_on_from_the_last_seed(smoll
     assert tok.decode(prefix).endswith("<|im_start|>user\n")
 
 
+def test_a_questions_file_that_is_none_or_a_folder_that_is_missing_is_refused_in_one_sentence(tmp_path):
+    from click.testing import CliRunner
+
+    from mirror_mlx.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"seed": 0, "text": "fine"}\nnot json\n')
+    r = CliRunner().invoke(main, ["distill", "data", "--model", str(TARGET), "--data-dir", str(tmp_path / "d"),
+                                  "--questions", str(bad)])
+    assert r.exit_code == 2 and "bad.jsonl line 2 is not a" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["distill", "questions", "--model", str(TARGET), "--count", "1",
+                                  "--out", str(tmp_path / "missing" / "q.jsonl")])
+    assert r.exit_code == 2 and "its folder does not exist" in r.output and "Traceback" not in r.output, r.output
+
+
 @pytest.mark.parametrize("verb", ["data", "train", "measure", "loop", "pack", "restore"])
 def test_a_model_that_is_no_model_folder_is_refused_in_one_sentence(tmp_path, verb):
     from click.testing import CliRunner

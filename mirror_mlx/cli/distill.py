@@ -11,7 +11,7 @@ from mirror_mlx.cli import refusing
 from mirror_mlx.drafts.distilled.model_types import load_model
 from mirror_mlx.train.distill import (DataConfig, TrainConfig, agreement_by_category, cost_ratio, data_root,
                                       generate_data, loop, read_reply_files, train)
-from mirror_mlx.train.distill_data import pack_ids, restore_ids
+from mirror_mlx.train.distill_data import pack_ids, read_questions, restore_ids
 from mirror_mlx.train.questions import write_questions
 from mirror_mlx.prompts import spec_bench_part
 
@@ -51,6 +51,8 @@ def data_cmd(model, data_dir, max_tokens, batch_size, rounds, tinystories, minut
     run continues where it stopped."""
     cfg = DataConfig(target=model, data_dir=data_dir, max_tokens=max_tokens, batch_size=batch_size, rounds=rounds,
                      tinystories=tinystories, ids=ids, questions=questions)
+    if questions is not None:
+        refusing(ValueError, read_questions, Path(questions))  # a file that is no questions file: one sentence
     r = generate_data(cfg, log=lambda s: click.echo(s, err=True),
                       stop_after_s=None if minutes is None else minutes * 60)
     click.echo(json.dumps(r))

@@ -65,9 +65,7 @@ class Job:
 def source_prompts(source: str, tinystories_n: int = 1000, questions: Optional[str] = None) -> list[str]:
     """The user messages of one source, in a fixed order (`self`: the questions file's, none without one)."""
     if source == "self":
-        if questions is None:
-            return []
-        return [json.loads(line)["text"] for line in Path(questions).read_text().splitlines() if line.strip()]
+        return [q["text"] for q in read_questions(Path(questions))] if questions is not None else []
     if source in ("eval", "spec_bench"):
         return [p.text for p in spec_bench_part("eval" if source == "eval" else "train")]
     if source == "code_edit":
@@ -76,6 +74,24 @@ def source_prompts(source: str, tinystories_n: int = 1000, questions: Optional[s
         openings = distinct_openings(load_split().train)[:tinystories_n]
         return [f"Write a short story for children that begins with: \"{o}\"" for o in openings]
     raise ValueError(f"unknown data source {source!r}: use one of {', '.join(SOURCES)}")
+
+
+def read_questions(path: Path) -> list[dict]:
+    """A `distill questions` file's lines ({"seed": s, "text": ...}), in order; [] when there is none yet."""
+    path = Path(path)
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()] \
+        if path.is_file() else []
+    out = []
+    for n, line in lines:
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError:
+            q = None
+        if not (isinstance(q, dict) and isinstance(q.get("seed"), int) and isinstance(q.get("text"), str)):
+            raise ValueError(f"{path} line {n} is not a {{\"seed\": int, \"text\": str}} object: give a file "
+                             "`mirror-mlx distill questions` wrote")
+        out.append(q)
+    return out
 
 
 ROUND0 = ((0.0, 0), (0.7, 1), (1.0, 1))  # (temperature, seed) of each prompt's first round

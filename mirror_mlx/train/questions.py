@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from mirror_mlx.corpus import eos_ids
 
-from .distill_data import batched_replies, render
+from .distill_data import batched_replies, read_questions, render
 
 MARK = "\u2063QUESTION\u2063"  # a user message no tokenizer merges with the text around it
 SHORTEST, LONGEST = 8, 1200  # characters: shorter or longer texts are no question a user would ask
@@ -34,20 +34,14 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return prefix
 
 
-def read_questions(path: Path) -> list[dict]:
-    """The questions file's lines, in order ([] when there is none yet)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def write_questions(model: nn.Module, tokenizer, path: Path, count: int, batch_size: int = 64, max_tokens: int = 96,
                     exclude: Iterable[str] = (), log: Callable[[str], None] = print) -> dict:
     """Sample questions into `path` until it holds `count`, going on from its last seed. A sample is kept when
     it ended its turn within `max_tokens`, is SHORTEST to LONGEST characters, and is new (nor in `exclude`: the
     evaluation part's questions). Returns counts."""
     path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"{path}: its folder does not exist: give a path in an existing folder")
     have = read_questions(path)
     seen = {q["text"] for q in have} | set(exclude)
     seed = max((q["seed"] for q in have), default=-1) + 1
