@@ -105,11 +105,12 @@ def states(args) -> None:
 
 
 class Draft(nn.Module):
-    """One decoder layer (copied from the target's layer `init`) and the target's norm over a trimmed head.
-    Self-fed: its input is the target's state after layer 6 at the same position. State-fed: a linear layer over
-    [the token's embedding, the fed states at the previous position], initialised to their sum."""
+    """Decoder layers (copied from the target's layers `inits`) and the target's norm over a trimmed head.
+    Self-fed (`selfE`): its input is the target's state after layer E at the same position, and its layers start
+    from the target's layers E, E+1, ... State-fed: a linear layer over [the token's embedding, the fed states at
+    the previous position], initialised to their sum, then one layer started from the target's last."""
 
-    def __init__(self, target, cfg: ModelArgs, n_fed: int, init: int, kept: np.ndarray):
+    def __init__(self, target, cfg: ModelArgs, n_fed: int, inits: list[int], kept: np.ndarray):
         super().__init__()
         d = cfg.hidden_size
         self.n_fed = n_fed
@@ -119,8 +120,9 @@ class Draft(nn.Module):
             w[:, -d:] = np.eye(d)
             self.fc = nn.Linear(d + n_fed * d, d, bias=False)
             self.fc.weight = mx.array(w)
-        self.layer = TransformerBlock(cfg)
-        self.layer.update(target.model.layers[init].parameters())
+        self.layers = [TransformerBlock(cfg) for _ in inits]
+        for layer, i in zip(self.layers, inits):
+            layer.update(target.model.layers[i].parameters())
         self.norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.norm.update(target.model.norm.parameters())
         self._embed = target.model.embed_tokens  # frozen: not a child module, so never trained
@@ -130,7 +132,10 @@ class Draft(nn.Module):
         x = feats
         if self.n_fed:
             x = self.fc(mx.concatenate([mx.stop_gradient(self._embed(tokens)), feats], -1))
-        return self.layer(x, create_attention_mask(x, None), None)
+        mask = create_attention_mask(x, None)
+        for layer in self.layers:
+            x = layer(x, mask, None)
+        return x
 
     def logits(self, h: mx.array) -> mx.array:
         return self.norm(h) @ self._head.T
@@ -143,13 +148,21 @@ def kept_ids(replies: list, size: int, always: list, vocab: int) -> np.ndarray:
     return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
 
 
-def save_self_draft(target, target_dir: str, kept: np.ndarray, weights: dict, out: str, meta: dict) -> None:
-    """The self-draft's trained layer and norm (`Draft`'s weights) as the product's shipped part: the file
-    `mirror-mlx real-pair` builds the draft from (`from_trained`)."""
+def save_self_draft(target, target_dir: str, frozen: int, kept: np.ndarray, weights: dict, out: str,
+                    meta: dict) -> None:
+    """The self-draft's trained layers and norm (`Draft`'s weights, over the target's first `frozen` layers) as
+    the product's shipped part: the file `mirror-mlx real-pair` builds the draft from (`from_trained`)."""
     config = json.loads((Path(target_dir) / "config.json").read_text())
-    part = new_draft(target, config, 6, 1, kept, init_layers=[6])
-    named = {"model.norm.weight" if k == "norm.weight" else "model.layers.6." + k.removeprefix("layer."): v
-             for k, v in weights.items()}
+    trained = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("layers."))
+    part = new_draft(target, config, frozen, trained, kept)
+
+    def name(k: str) -> str:
+        if k == "norm.weight":
+            return "model.norm.weight"
+        _, j, rest = k.split(".", 2)
+        return f"model.layers.{frozen + int(j)}.{rest}"
+
+    named = {name(k): v for k, v in weights.items()}
     assert set(named) <= {k for k, _ in flat(part.parameters())}, sorted(named)
     part.load_weights(list(named.items()), strict=False)
     save_trained(part, Path(out), {k: str(v) for k, v in meta.items()})
@@ -158,8 +171,9 @@ def save_self_draft(target, target_dir: str, kept: np.ndarray, weights: dict, ou
 def train(args) -> None:
     target, _ = mlx_lm_load(args.target)
     cfg = ModelArgs.from_dict(json.loads((Path(args.target) / "config.json").read_text()))
-    keys = ["h6"] if args.feed == "self6" else args.feed.split(",")
-    n_fed = 0 if args.feed == "self6" else len(keys)
+    frozen = int(args.feed.removeprefix("self")) if args.feed.startswith("self") else 0
+    keys = [f"h{frozen}"] if frozen else args.feed.split(",")
+    n_fed = 0 if frozen else len(keys)
 
     def read(files):
         out = []
@@ -178,8 +192,8 @@ def train(args) -> None:
     kept = kept_ids([e["s"][e["p"]:] for e in train_set], args.vocab, args.eos, cfg.vocab_size)
     row_of = np.full(cfg.vocab_size, -1, np.int64)
     row_of[kept] = np.arange(len(kept))
-    init = 6 if not n_fed else len(target.model.layers) - 1
-    draft = Draft(target, cfg, n_fed, init, kept)
+    inits = list(range(frozen, frozen + args.trained)) if frozen else [len(target.model.layers) - 1]
+    draft = Draft(target, cfg, n_fed, inits, kept)
 
     def batch(exs):
         T, B = max(len(e["s"]) for e in exs), len(exs)
@@ -271,7 +285,7 @@ def train(args) -> None:
     elif args.save:
         meta = dict(replies=len(train_set), reply_tokens=n_train, epochs=args.epochs, agreement=scores["acc1"],
                     agreement_positions=scores["positions"])
-        save_self_draft(target, args.target, kept, dict(flat(draft.parameters())), args.save, meta)
+        save_self_draft(target, args.target, frozen, kept, dict(flat(draft.parameters())), args.save, meta)
 
 
 def main() -> None:
@@ -284,7 +298,10 @@ def main() -> None:
     t = sub.add_parser("train", help="train one draft layer and print its agreement after each epoch")
     t.add_argument("--target", default="build/real-pair/target")
     t.add_argument("--states", default="build/probe")
-    t.add_argument("--feed", default="self6", help="self6, or the fed states: h30, h15, h3,h15,h30 ...")
+    t.add_argument("--feed", default="self6", help="selfE (E = 3 or 6: the target's first E layers under the "
+                   "trained ones), or the fed states: h30, h15, h3,h15,h30 ...")
+    t.add_argument("--trained", type=int, default=1, help="selfE: layers trained over the first E (from the "
+                   "target's E, E+1, ...)")
     t.add_argument("--vocab", type=int, default=8192, help="the trimmed head: the most frequent reply ids")
     t.add_argument("--eos", type=int, nargs="*", default=[2], help="ids the trimmed head always keeps")
     t.add_argument("--epochs", type=int, default=4)
