@@ -283,8 +283,11 @@ def train(args) -> None:
     if args.save and n_fed:
         draft.save_weights(args.save)
     elif args.save:
+        shape = (f"E{frozen} k{args.trained} V{args.vocab}: the target's first {frozen} layers, {args.trained} "
+                 f"started from its layers {inits[0]}-{inits[-1]}, its norm; loss: KL to the target's top-{TOP_K} "
+                 "logits over the kept ids")
         meta = dict(replies=len(train_set), reply_tokens=n_train, epochs=args.epochs, agreement=scores["acc1"],
-                    agreement_positions=scores["positions"])
+                    agreement_positions=scores["positions"], shape=shape)
         save_self_draft(target, args.target, frozen, kept, dict(flat(draft.parameters())), args.save, meta)
 
 

@@ -153,6 +153,7 @@ def real_pair_cmd(out: Path) -> None:
     meta = json.loads((draft.path / "config.json").read_text())["trained_on"]
     click.echo(draft.line(f"draft (the target's first {meta['frozen']} layers and {meta['trained']} trained over "
                           f"them on {int(meta['reply_tokens']):,} reply tokens; agreement "
-                          f"{float(meta['agreement']):.1%})"))
+                          f"{float(meta['agreement']):.1%} on {int(meta['agreement_positions']):,} evaluation "
+                          "positions)"))
     click.echo(f"run: mirror-mlx generate --model {target.path} --draft-model {draft.path} "
                "--prompt 'Explain why the sky is blue in two sentences.'")
