@@ -298,7 +298,7 @@ def main() -> None:
     s.add_argument("--target", default="build/real-pair/target")
     s.add_argument("--ids", default="data/distill/smollm2-135m-instruct.npz")
     s.add_argument("--out", default="build/probe")
-    t = sub.add_parser("train", help="train one draft layer and print its agreement after each epoch")
+    t = sub.add_parser("train", help="train the draft's layers and print its agreement after each epoch")
     t.add_argument("--target", default="build/real-pair/target")
     t.add_argument("--states", default="build/probe")
     t.add_argument("--feed", default="self6", help="selfE (E = 3 or 6: the target's first E layers under the "
@@ -316,6 +316,11 @@ def main() -> None:
     t.add_argument("--save", default=None, help="write the trained draft here: self6 as the shipped part "
                    "real-pair builds its draft from (from_trained), a state-fed draft as its weights")
     args = ap.parse_args()
+    if args.cmd == "train" and args.feed.startswith("self") and args.feed.removeprefix("self") not in map(str, TAPS):
+        layers = ", ".join(map(str, TAPS))
+        ap.error(f"--feed {args.feed}: the states hold the target's state after layers {layers} only")
+    if args.cmd == "train" and args.trained != 1 and not args.feed.startswith("self"):
+        ap.error("--trained is for a self-draft (--feed selfE): a state-fed draft trains one layer")
     states(args) if args.cmd == "states" else train(args)
 
 

@@ -132,14 +132,14 @@ def test_every_mode_equals_mlx_lm_greedy_on_the_real_target(smollm2, smollm2_dra
                for p in PROMPTS]
     refs = [reference_greedy(target, p, 16) for p in prompts]
     pipe = Pipeline(target, tokenizer, DraftRecipe(mlx_draft, (str(smollm2_draft),)))
-    accepted = {"sd": 0, "mirror": 0}
+    accepted = dict.fromkeys(("ar", "sd", "mirror"), 0)
     try:
         for prompt, ref in zip(prompts, refs):
             for mode in ("ar", "sd", "mirror"):
                 out = pipe.generate(prompt, max_tokens=16, mode=mode, stop=False, **KNOBS)  # (no calibration)
                 assert out.stats.mode == mode and out.stats.draft_failure is None
                 assert_lossless(out.tokens, ref, (mode, tokenizer.decode(out.tokens), tokenizer.decode(ref)))
-                accepted[mode] = accepted.get(mode, 0) + out.stats.accepted
+                accepted[mode] += out.stats.accepted
     finally:
         pipe.close()
     assert accepted["sd"] > 0 and accepted["mirror"] > 0, accepted  # accepted windows, not only corrections
